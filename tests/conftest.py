@@ -1,0 +1,68 @@
+"""Shared fixtures: tiny random models of real architectures, saved locally and loaded by the real code."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+SHARED = Path(__file__).resolve().parents[1].parent / "shared"
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    if _has_cuda():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (run on the GPU machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _no_gpu_detection(monkeypatch):
+    """Plans in tests never depend on the machine's GPU: detection reports none unless a test says otherwise."""
+    from vramguard import hardware
+    monkeypatch.setattr(hardware, "DETECT_OVERRIDE", lambda: hardware.DetectedGpus((), "forced by the test"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+def save_tiny(tmp_path: Path, config_cls_name: str, **kw) -> tuple[Path, object]:
+    """Build a tiny random model of ``config_cls_name`` (e.g. ``LlamaConfig``), save it, return (folder, model)."""
+    import torch
+    import transformers
+    cfg = getattr(transformers, config_cls_name)(**kw)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16)
+    folder = tmp_path / config_cls_name.lower()
+    model.save_pretrained(folder)
+    return folder, model
+
+
+@pytest.fixture
+def tiny(tmp_path):
+    return lambda name, **kw: save_tiny(tmp_path, name, **kw)
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in open(path) if line.strip()]
+
+
+@pytest.fixture
+def shared_reference() -> Path:
+    p = SHARED / "reference"
+    if not p.is_dir():
+        pytest.fail(f"shared/reference not found at {p}: the tests need the measured reference beside the repo")
+    return p
+
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

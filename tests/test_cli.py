@@ -1,0 +1,65 @@
+"""The CLI as a user runs it: a subprocess, stdout data, stderr messages, exit codes, no tracebacks."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "COLUMNS": "160"}
+
+
+def run(*args):
+    return subprocess.run([sys.executable, "-m", "vramguard", *args], capture_output=True, text=True, env=ENV,
+                          timeout=120)
+
+
+def test_default_plan_without_gpu():
+    r = run("plan")
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert "llama-2-7b" in out and "NF4" in out and "flash_attention_2" in out
+    assert "256 new tokens" in out
+    for size in ("8.00 GiB", "12.00 GiB", "16.00 GiB", "24.00 GiB"):
+        assert size in out
+    assert "Traceback" not in r.stderr
+
+
+def test_json_carries_integer_bytes():
+    r = run("plan", "llama-3.1-8b", "--quant", "nf4", "--attn", "sdpa", "--prompt-tokens", "8192",
+            "--max-new-tokens", "512", "--gpu", "rtx-4090", "--format", "json")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert isinstance(d["peak_allocated_bytes"], int) and isinstance(d["device_used_bytes"], int)
+    assert all(isinstance(v, int) for v in d["components"].values())
+    assert sum(d["components"].values()) == d["peak_allocated_bytes"]
+    assert d["cards"][0]["gpu"]["name"] == "rtx-4090" and isinstance(d["cards"][0]["max_prompt_tokens"], int)
+    assert d["weights"]["total_bytes"] > 5 * 2**30
+    assert d["kv_cache"]["bytes_per_token"] == 131_072
+
+
+@pytest.mark.parametrize("args,code,words", [
+    (("plan", "no-such-model"), 3, ["MODEL", "no-such-model", "catalog name"]),
+    (("plan", "--gpu", "rtx-9999"), 3, ["--gpu", "rtx-9999", "rtx-4090"]),
+    (("plan", "--vram", "24XB"), 2, ["--vram", "24XB", "24GiB"]),
+    (("plan", "--batch", "0"), 2, ["batch", "0", ">= 1"]),
+    (("plan", "--prompt-tokens", "5000"), 2, ["max_position_embeddings=4096"]),
+    (("plan", "--gpu", "t4", "--vram", "16GiB"), 2, ["--gpu/--vram", "one of the two"]),
+    (("plan", "--quant", "int3"), 2, ["int3"]),
+])
+def test_bad_input_gets_a_clear_error(args, code, words):
+    r = run(*args)
+    assert r.returncode == code, (r.stdout, r.stderr)
+    assert "Traceback" not in r.stderr + r.stdout
+    for w in words:
+        assert w in r.stderr, (w, r.stderr)
+
+
+def test_named_card_and_listing():
+    r = run("plan", "llama-3.1-70b", "--quant", "nf4", "--gpu", "rtx-4090")
+    assert r.returncode == 0 and "no" in r.stdout and "Changes that lower the need" in r.stdout
+    r = run("plan", "--list-gpus")
+    assert r.returncode == 0 and len(r.stdout.strip().splitlines()) >= 15
+    r = run("plan", "--list-models")
+    assert r.returncode == 0 and len(r.stdout.strip().splitlines()) >= 12

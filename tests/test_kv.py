@@ -1,0 +1,95 @@
+"""KV cache: exact bytes for GQA, head_dim overrides, sliding and hybrid layers, quantized and static caches."""
+
+from vramguard.memory.kv import kv_bytes_per_token, kv_cache_bytes, layer_tokens
+from vramguard.resolve import resolve_model
+from vramguard.settings import Settings
+from vramguard.units import GiB
+
+
+def test_c6_llama31_70b_128k_bf16():
+    # 131,072 x 80 layers x 2 (K, V) x 8 KV heads x 128 head_dim x 2 B = 42,949,672,960 B = 40.00 GiB
+    spec = resolve_model("llama-3.1-70b")
+    kv = kv_cache_bytes(spec, Settings(quant="nf4", prompt_tokens=131_072 - 256, max_new_tokens=256), 131_072)
+    assert kv.gpu_bytes == 131_072 * 80 * 2 * 8 * 128 * 2 == 42_949_672_960
+    assert kv.gpu_bytes / GiB == 40.0
+
+
+def test_c6_quantized_kv_with_group_scales():
+    """int8/int4 QuantizedCache: 1 or 0.5 B per value, plus a 16-bit scale and zero-point per group of 64 values
+    (0.0625 B per value), plus the last 128 tokens (residual_length) in 16-bit."""
+    spec = resolve_model("llama-3.1-70b")
+    values_per_token = 80 * 2 * 8 * 128  # 163,840 values per token over the model
+    quant_tokens = 131_072 - 128
+    resid = 128 * values_per_token * 2  # 41,943,040 B
+    for kv_dtype, bits in (("int8", 8), ("int4", 4)):
+        s = Settings(kv_dtype=kv_dtype, prompt_tokens=131_000, max_new_tokens=72)
+        got = kv_cache_bytes(spec, s, 131_072).gpu_bytes
+        expected = quant_tokens * values_per_token * bits // 8 + quant_tokens * values_per_token // 64 * 4 + resid
+        assert abs(got - expected) <= 80 * 2 * 3 * 512  # per-tensor allocator rounding only
+    int8 = kv_cache_bytes(spec, Settings(kv_dtype="int8", prompt_tokens=131_000, max_new_tokens=72), 131_072)
+    int4 = kv_cache_bytes(spec, Settings(kv_dtype="int4", prompt_tokens=131_000, max_new_tokens=72), 131_072)
+    # about half (1.0625 / 2 = 0.53) and about a quarter (0.5625 / 2 = 0.28) of the 40 GiB
+    assert 0.52 < int8.gpu_bytes / (40 * GiB) < 0.54
+    assert 0.27 < int4.gpu_bytes / (40 * GiB) < 0.29
+
+
+def test_gqa_and_mha():
+    s = Settings(prompt_tokens=1000, max_new_tokens=24)
+    # Llama-2-7B (MHA, 32 KV heads): 2 x 32 layers x 32 x 128 x 2 B = 524,288 B per token
+    assert kv_bytes_per_token(resolve_model("llama-2-7b"), s) == 524_288
+    # Llama-3-8B (GQA, 8 KV heads): 131,072 B per token, a quarter
+    assert kv_bytes_per_token(resolve_model("llama-3-8b"), s) == 131_072
+
+
+def test_head_dim_override():
+    # Mistral-Nemo: hidden 5120 / 32 heads = 160, but head_dim = 128 in config.json
+    spec = resolve_model("mistral-nemo-12b")
+    assert spec.head_dim == 128
+    # 2 x 40 layers x 8 KV heads x 128 x 2 B = 163,840 B per token
+    assert kv_bytes_per_token(spec, Settings()) == 163_840
+
+
+def test_batch_beams_and_return_sequences_multiply():
+    spec = resolve_model("llama-3-8b")
+    one = kv_cache_bytes(spec, Settings(prompt_tokens=512, max_new_tokens=0), 512).gpu_bytes
+    assert one == 512 * 131_072 == 67_108_864
+    beams = Settings(batch=2, num_beams=4, num_return_sequences=2, prompt_tokens=512, max_new_tokens=0)
+    assert beams.sequences == 8
+    assert kv_cache_bytes(spec, beams, 512).gpu_bytes == 8 * one
+    sampled = Settings(batch=3, num_return_sequences=5, prompt_tokens=512, max_new_tokens=0)
+    assert kv_cache_bytes(spec, sampled, 512).gpu_bytes == 15 * one
+
+
+def test_sliding_window_layers_stop_growing():
+    spec = resolve_model("mistral-7b-v0.1")  # every layer slides over 4,096 tokens
+    s = Settings(prompt_tokens=16_000, max_new_tokens=384)
+    assert layer_tokens(spec, "sliding_attention", 16_384, s) == 4_095  # DynamicSlidingWindowLayer keeps w - 1
+    kv = kv_cache_bytes(spec, s, 16_384)
+    assert kv.gpu_bytes == 32 * 2 * 4_095 * 8 * 128 * 2
+    # during a prefill forward the whole chunk is still held (the kept slice is a view of the concatenation)
+    assert layer_tokens(spec, "sliding_attention", 16_000, s, in_prefill_chunk=16_000) == 16_000
+
+
+def test_hybrid_layers_gemma2():
+    spec = resolve_model("gemma-2-9b")
+    assert spec.num_sliding_layers == 21 and spec.layer_types[0] == "sliding_attention"
+    s = Settings(prompt_tokens=8_000, max_new_tokens=192)
+    kv = kv_cache_bytes(spec, s, 8_192)
+    per_token_layer = 2 * 8 * 256 * 2  # K and V, 8 KV heads, head_dim 256, 2 B = 8,192 B
+    assert kv.full_layer_bytes == 21 * 8_192 * per_token_layer
+    assert kv.sliding_layer_bytes == 21 * 4_095 * per_token_layer
+
+
+def test_static_cache_is_preallocated():
+    spec = resolve_model("llama-3-8b")
+    s = Settings(cache="static", max_cache_len=4096, prompt_tokens=100, max_new_tokens=100)
+    # the whole 4,096-token cache exists from the first token
+    assert kv_cache_bytes(spec, s, 100).gpu_bytes == 4096 * 131_072
+
+
+def test_offloaded_cache_keeps_two_layers_on_gpu():
+    spec = resolve_model("llama-3-8b")
+    s = Settings(cache="offloaded", prompt_tokens=8000, max_new_tokens=192)
+    kv = kv_cache_bytes(spec, s, 8192)
+    assert kv.gpu_bytes == 2 * 2 * 8192 * 8 * 128 * 2
+    assert kv.cpu_bytes == 8192 * 131_072

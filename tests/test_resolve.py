@@ -1,0 +1,79 @@
+"""Model input: a local folder, a config.json, a catalog name, a model id in the local HF cache; and the errors."""
+
+import json
+
+import pytest
+
+from vramguard.errors import ConfigError, UnknownModel
+from vramguard.catalog.models import MODELS
+from vramguard.resolve import resolve_model
+
+
+def test_local_folder_and_config_json(tiny):
+    folder, model = tiny("MistralConfig", hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=1, head_dim=32, vocab_size=300,
+                         max_position_embeddings=512, sliding_window=128)
+    for arg in (str(folder), str(folder / "config.json")):
+        spec = resolve_model(arg)
+        assert (spec.model_type, spec.num_layers, spec.num_heads, spec.num_kv_heads, spec.head_dim) == (
+            "mistral", 3, 4, 1, 32)
+        assert spec.gqa_groups == 4 and spec.sliding_window == 128 and spec.num_sliding_layers == 3
+        assert spec.max_position_embeddings == 512 and spec.checkpoint_dtype == "bf16"
+
+
+def test_hf_cache_lookup_is_offline(tmp_path, monkeypatch):
+    """A model id found in the local Hugging Face cache (the layout huggingface_hub writes)."""
+    import huggingface_hub.constants as c
+    repo = tmp_path / "models--someorg--tiny-llama"
+    snap = repo / "snapshots" / "0123abc"
+    snap.mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0123abc")
+    cfg = {k: v for k, v in MODELS["llama-3.2-1b"].items() if k != "source"}
+    (snap / "config.json").write_text(json.dumps(cfg))
+    monkeypatch.setattr(c, "HF_HUB_CACHE", str(tmp_path))
+    spec = resolve_model("someorg/tiny-llama")
+    assert spec.source.startswith("hf-cache:") and spec.num_layers == 16 and spec.head_dim == 64
+    assert spec.tie_word_embeddings
+
+
+def test_catalog_names_and_aliases():
+    assert len(MODELS) >= 12
+    assert resolve_model("Llama-2-7B").name == "llama-2-7b"
+    assert resolve_model("llama2-7b").name == "llama-2-7b"
+
+
+def test_unknown_model_names_forms():
+    with pytest.raises(UnknownModel) as e:
+        resolve_model("no-such-model-xyz")
+    msg = str(e.value)
+    assert "MODEL" in msg and "no-such-model-xyz" in msg and "catalog name" in msg
+
+
+def test_bad_configs(tmp_path):
+    p = tmp_path / "config.json"
+    p.write_text("{not json")
+    with pytest.raises(ConfigError):
+        resolve_model(str(p))
+    p.write_text(json.dumps({"model_type": "t5", "is_encoder_decoder": True}))
+    with pytest.raises(ConfigError) as e:
+        resolve_model(str(p))
+    assert "decoder-only" in str(e.value)
+    p.write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
+    with pytest.raises(ConfigError) as e:
+        resolve_model(str(p))
+    assert "num_attention_heads" in str(e.value)
+    cfg = {k: v for k, v in MODELS["llama-2-7b"].items() if k != "source"}
+    cfg["num_key_value_heads"] = 5
+    p.write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError) as e:
+        resolve_model(str(p))
+    assert "divisor" in str(e.value)
+
+
+def test_multimodal_text_config(tmp_path):
+    cfg = {"model_type": "llava", "text_config": {k: v for k, v in MODELS["llama-2-7b"].items() if k != "source"}}
+    p = tmp_path / "config.json"
+    p.write_text(json.dumps(cfg))
+    spec = resolve_model(str(p))
+    assert spec.num_layers == 32 and any("vision" in n for n in spec.notes)

@@ -1,0 +1,72 @@
+"""Solving for the largest prompt / new tokens / batch, and ranking the changes."""
+
+from vramguard.plan import estimate, plan
+from vramguard.resolve import resolve_model
+from vramguard.settings import Settings
+from vramguard.solve import max_batch, max_new_tokens, max_prompt_tokens, ranked_changes
+from vramguard.catalog.gpus import GPUS
+from vramguard.units import GiB
+
+
+def _need(spec, s):
+    return estimate(spec, s).device_used_bytes
+
+
+def test_max_prompt_is_the_exact_boundary():
+    spec = resolve_model("llama-3.1-8b")
+    s = Settings(quant="nf4", attn="sdpa", max_new_tokens=256)
+    usable = 12 * GiB
+    p = max_prompt_tokens(spec, s, usable)
+    assert p is not None and 1000 < p < 131_072
+    assert _need(spec, s.with_(prompt_tokens=p)) <= usable < _need(spec, s.with_(prompt_tokens=p + 1))
+
+
+def test_max_new_tokens_and_batch_are_boundaries():
+    spec = resolve_model("llama-2-7b")
+    s = Settings(quant="nf4", attn="sdpa", prompt_tokens=1024, max_new_tokens=128)
+    usable = 8 * GiB
+    n = max_new_tokens(spec, s, usable)
+    assert n == spec.max_position_embeddings - 1024 or (
+        _need(spec, s.with_(max_new_tokens=n)) <= usable < _need(spec, s.with_(max_new_tokens=n + 1)))
+    b = max_batch(spec, s, usable)
+    assert _need(spec, s.with_(batch=b)) <= usable < _need(spec, s.with_(batch=b + 1))
+
+
+def test_nothing_fits_gives_none():
+    spec = resolve_model("llama-3.1-70b")
+    s = Settings(quant="bf16", prompt_tokens=128, max_new_tokens=128)
+    assert max_prompt_tokens(spec, s, 24 * GiB) is None
+    assert max_batch(spec, s, 24 * GiB) is None
+
+
+def test_c6_ranks_kv_quantization_and_shorter_context():
+    """C6: Llama-3.1-70B in NF4 at 131,072 tokens on an 80 GB card: the KV cache (40 GiB) is as large as the
+    weights; the fixes include quantizing the KV cache and shortening the context."""
+    spec = resolve_model("llama-3.1-70b")
+    s = Settings(quant="nf4", attn="sdpa", prompt_tokens=131_072 - 512, max_new_tokens=512, prefill_chunk=2048)
+    p = plan(spec, s, gpu="h100-80gb")
+    assert not p.cards[0].fits
+    kv = next(f for f in p.findings if f.code == "kv_as_large_as_weights")
+    assert "40.00 GiB" in kv.message
+    descs = [c.description for c in p.changes]
+    assert any("int8 quantized cache" in d for d in descs)
+    assert any("int4 quantized cache" in d for d in descs)
+    assert any(d.startswith("shorter prompt") for d in descs)
+    keep = [c.saved_bytes for c in p.changes if not c.reduces_request]
+    cut = [c.saved_bytes for c in p.changes if c.reduces_request]
+    assert keep == sorted(keep, reverse=True) and cut == sorted(cut, reverse=True)
+    assert all(x > 0 for x in keep + cut)
+    assert p.changes.index(next(c for c in p.changes if c.reduces_request)) == len(keep)
+    int4 = next(c for c in p.changes if "int4" in c.description)
+    assert int4.saved_bytes > 25 * GiB
+
+
+def test_eager_to_sdpa_is_ranked_with_its_saving():
+    spec = resolve_model("llama-2-7b")
+    s = Settings(quant="nf4", attn="eager", batch=4, prompt_tokens=3968, max_new_tokens=128)
+    changes = ranked_changes(spec, s, [GPUS["rtx-4090"]])
+    top = changes[0]
+    assert top.settings["attn"] == "sdpa" and not top.reduces_request
+    assert top.saved_bytes > 15 * GiB and "rtx-4090" in top.fits_on
+    batch = next(c for c in changes if "batch" in c.settings)
+    assert batch.reduces_request and batch.settings["batch"] == 1

@@ -1,0 +1,5 @@
+"""``python -m vramguard`` runs the command-line interface."""
+
+from vramguard.cli import main
+
+main()

@@ -1,0 +1,172 @@
+"""The ``vramguard`` command: a thin layer that parses options, calls one library function and prints.
+
+Errors from the library are mapped to a message on stderr and an exit code in one table (:data:`EXIT_CODES`);
+no traceback reaches the user (set ``VRAMGUARD_DEBUG=1`` to see one for an internal error).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from enum import Enum
+from typing import Optional
+
+import typer
+from rich.console import Console
+
+from vramguard.errors import (ConfigError, Infeasible, InvalidValue, UnknownGpu, UnknownModel,
+                              VramguardError)
+
+EXIT_CODES: dict[type, int] = {InvalidValue: 2, ConfigError: 3, UnknownModel: 3, UnknownGpu: 3, Infeasible: 4}
+EXIT_INTERNAL = 70
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="vramguard: plan, verify and guard GPU memory for Hugging Face transformers inference.")
+err = Console(stderr=True)
+
+
+@app.callback()
+def _root() -> None:
+    """vramguard: plan, verify and guard GPU memory for Hugging Face transformers inference."""
+
+
+class Quant(str, Enum):
+    nf4 = "nf4"
+    fp4 = "fp4"
+    int8 = "int8"
+    bf16 = "bf16"
+    fp16 = "fp16"
+    fp32 = "fp32"
+
+
+class Attn(str, Enum):
+    eager = "eager"
+    sdpa = "sdpa"
+    flash_attention_2 = "flash_attention_2"
+
+
+class KvDtype(str, Enum):
+    bf16 = "bf16"
+    fp16 = "fp16"
+    int8 = "int8"
+    int4 = "int4"
+
+
+class Dtype(str, Enum):
+    bf16 = "bf16"
+    fp16 = "fp16"
+    fp32 = "fp32"
+
+
+class Cache(str, Enum):
+    dynamic = "dynamic"
+    static = "static"
+    offloaded = "offloaded"
+
+
+class Logits(str, Enum):
+    last = "last"
+    all = "all"
+
+
+class Format(str, Enum):
+    human = "human"
+    json = "json"
+
+
+def _fail(e: BaseException) -> None:
+    code = EXIT_CODES.get(type(e), getattr(e, "exit_code", 2))
+    err.print(f"[red]error[/red] {e}", markup=True, highlight=False)
+    raise typer.Exit(code)
+
+
+def run_guarded(fn, *args, **kwargs):
+    """Call ``fn``; map vramguard errors to their exit code and anything else to an internal-error message."""
+    try:
+        return fn(*args, **kwargs)
+    except VramguardError as e:
+        _fail(e)
+    except (typer.Exit, KeyboardInterrupt):
+        raise
+    except Exception as e:  # an internal error: say so plainly, keep the traceback for debugging only
+        if os.environ.get("VRAMGUARD_DEBUG"):
+            raise
+        err.print(f"[red]internal error[/red] {type(e).__name__}: {e}\n"
+                  "please report it with the command line; VRAMGUARD_DEBUG=1 shows the traceback")
+        raise typer.Exit(EXIT_INTERNAL)
+
+
+DEFAULT_PROMPT_TOKENS = 128  # a short chat prompt: system prompt, one user turn and the chat template
+
+
+@app.command()
+def plan(
+    model: str = typer.Argument("llama-2-7b", help="model folder, config.json, catalog name or cached model id"),
+    quant: Quant = typer.Option(Quant.nf4, help="weight format"),
+    double_quant: bool = typer.Option(True, "--double-quant/--no-double-quant", help="4-bit double quantization"),
+    compute_dtype: Optional[Dtype] = typer.Option(None, help="4-bit compute dtype (default: the model dtype)"),
+    dtype: Optional[Dtype] = typer.Option(None, help="model dtype (default bf16; fp16/fp32 for those quants)"),
+    attn: Attn = typer.Option(Attn.flash_attention_2, help="attn_implementation"),
+    kv_dtype: Optional[KvDtype] = typer.Option(None, help="KV cache type (int8/int4: quantized cache)"),
+    cache: Cache = typer.Option(Cache.dynamic, help="KV cache kind"),
+    batch: int = typer.Option(1, help="prompts decoded together"),
+    num_beams: int = typer.Option(1, help="beams per prompt"),
+    num_return_sequences: int = typer.Option(1, help="sequences returned per prompt"),
+    prompt_tokens: int = typer.Option(DEFAULT_PROMPT_TOKENS, help="prompt length in tokens"),
+    max_new_tokens: int = typer.Option(256, help="tokens to generate"),
+    prefill_chunk: Optional[int] = typer.Option(None, help="chunked prefill: tokens per forward"),
+    logits: Logits = typer.Option(Logits.last, help="last: generate(); all: a forward over every position"),
+    output_attentions: bool = typer.Option(False, help="attention maps requested (forces eager)"),
+    padded: bool = typer.Option(False, help="prompts of different lengths in one batch"),
+    gpu: Optional[str] = typer.Option(None, help="a catalog card (see --list-gpus)"),
+    vram: Optional[str] = typer.Option(None, help="card memory, e.g. 24GiB, 24GB, 24000MiB"),
+    fmt: Format = typer.Option(Format.human, "--format", help="human or json"),
+    list_models: bool = typer.Option(False, "--list-models", help="list the catalog architectures and exit"),
+    list_gpus: bool = typer.Option(False, "--list-gpus", help="list the catalog cards and exit"),
+) -> None:
+    """Predict memory by component, say whether it fits, solve for what fits, and rank the fixes."""
+    from vramguard.plan import plan as plan_fn
+    from vramguard.render import plan_to_json, print_plan
+    from vramguard.settings import Settings
+
+    if list_models or list_gpus:
+        _print_catalog(list_models, list_gpus)
+        return
+
+    def build():
+        s = Settings(quant=quant.value, double_quant=double_quant,
+                     compute_dtype=compute_dtype.value if compute_dtype else None,
+                     dtype=dtype.value if dtype else None, attn=attn.value,
+                     kv_dtype=kv_dtype.value if kv_dtype else None, cache=cache.value, batch=batch,
+                     num_beams=num_beams, num_return_sequences=num_return_sequences, prompt_tokens=prompt_tokens,
+                     max_new_tokens=max_new_tokens, prefill_chunk=prefill_chunk, logits=logits.value,
+                     output_attentions=output_attentions, padded=padded)
+        return plan_fn(model, s, gpu=gpu, vram=vram)
+
+    p = run_guarded(build)
+    if fmt == Format.json:
+        sys.stdout.write(json.dumps(plan_to_json(p), indent=2) + "\n")
+    else:
+        print_plan(p, Console(width=max(120, Console().width)))
+
+
+def _print_catalog(models: bool, gpus: bool) -> None:
+    from vramguard.catalog.gpus import GPUS
+    from vramguard.catalog.models import MODELS
+    out = Console()
+    if models:
+        for name, cfg in MODELS.items():
+            out.print(f"{name:18} {cfg['source']}")
+    if gpus:
+        for g in GPUS.values():
+            cc = ".".join(map(str, g.compute_capability)) if g.compute_capability else "?"
+            out.print(f"{g.name:18} {g.label:34} {g.total_bytes / 2**30:7.1f} GiB  cc {cc}")
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

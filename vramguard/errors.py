@@ -1,0 +1,50 @@
+"""Typed errors. Each names the field, the value given, the limit or accepted values, and the fix.
+
+The library raises these; the CLI maps them to text and exit codes in one table (:data:`vramguard.cli.EXIT_CODES`).
+"""
+
+from __future__ import annotations
+
+
+class VramguardError(Exception):
+    """Base class: ``field`` is the option or setting at fault, ``value`` what was given, ``fix`` what to do."""
+
+    exit_code = 2
+
+    def __init__(self, field: str, value: object, accepted: str, fix: str | None = None):
+        self.field = field
+        self.value = value
+        self.accepted = accepted
+        self.fix = fix
+        msg = f"{field}: {value!r} is not valid; accepted: {accepted}."
+        if fix:
+            msg += f"\nfix: {fix}"
+        super().__init__(msg)
+
+
+class InvalidValue(VramguardError):
+    """A user-given value outside what is accepted (unit, range, choice)."""
+
+
+class UnknownModel(VramguardError):
+    """The model is not a local folder, a config.json, a cached model id or a catalog name."""
+
+    exit_code = 3
+
+
+class UnknownGpu(VramguardError):
+    """The GPU name is not in the catalog."""
+
+    exit_code = 3
+
+
+class ConfigError(VramguardError):
+    """A config.json lacks a field memory depends on, or holds a value that cannot be right."""
+
+    exit_code = 3
+
+
+class Infeasible(VramguardError):
+    """A solve asked for a value that cannot exist (e.g. the weights alone exceed the memory)."""
+
+    exit_code = 4

@@ -1,0 +1,101 @@
+"""Findings of a plan: settings that will fail, waste memory or silently change what runs, with the bytes at
+stake and the fix. Each finding is computed from the plan's own numbers (never a canned figure)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from vramguard.memory.forward import eager_bytes_per_score, logits_bytes
+from vramguard.memory.weights import linear_groups, weight_bytes
+from vramguard.settings import DTYPE_BYTES
+from vramguard.units import fmt_bytes, fmt_gib
+
+if TYPE_CHECKING:
+    from vramguard.plan import Finding, Plan
+
+
+def plan_findings(p: "Plan") -> list["Finding"]:
+    """All findings for plan ``p`` (see the module docstring)."""
+    from vramguard.plan import Finding
+    spec, s, est = p.model, p.settings, p.estimate
+    out: list[Finding] = [Finding("model_note", "info", n) for n in spec.notes]
+    half = s.with_(quant="bf16" if s.quant == "fp32" else s.quant, dtype="bf16")
+    if s.attn == "flash_attention_2" and s.act_dtype == "fp32":
+        f32 = est.weights.total_bytes
+        b16 = weight_bytes(spec, half).total_bytes
+        out.append(Finding("fa2_needs_half", "fail",
+                           "flash_attention_2 runs only in float16/bfloat16, and the parameters resolve to float32 "
+                           f"(weights {fmt_gib(f32)} in float32 against {fmt_gib(b16)} in bfloat16)",
+                           "pass dtype=torch.bfloat16 to from_pretrained (torch.float16 below compute capability 8.0)",
+                           f32 - b16))
+    elif s.act_dtype == "fp32":
+        f32 = est.weights.total_bytes
+        b16 = weight_bytes(spec, half).total_bytes
+        out.append(Finding("fp32_params", "warn", f"parameters in float32: weights {fmt_gib(f32)} against "
+                           f"{fmt_gib(b16)} in bfloat16", "pass dtype=torch.bfloat16", f32 - b16))
+    for card in p.cards:
+        cc = card.gpu.compute_capability
+        if cc is None or cc >= (8, 0):
+            continue
+        ccs = f"{cc[0]}.{cc[1]}"
+        if s.attn == "flash_attention_2":
+            out.append(Finding("fa2_compute_capability", "fail",
+                               f"FlashAttention-2 needs compute capability >= 8.0; {card.gpu.label} has {ccs}",
+                               "use attn_implementation='sdpa'"))
+        if "bf16" in (s.act_dtype, s.resolved_compute_dtype):
+            out.append(Finding("bf16_not_native", "warn",
+                               f"bfloat16 is not native below compute capability 8.0 ({card.gpu.label}: {ccs})",
+                               "use float16 compute (bnb_4bit_compute_dtype=torch.float16, dtype=torch.float16)"))
+    if s.is_4bit and s.resolved_compute_dtype != s.act_dtype:
+        big = max((g for g in linear_groups(spec) if g.quantizable), key=lambda g: g.numel)
+        wide = big.numel * DTYPE_BYTES[s.resolved_compute_dtype]
+        narrow = big.numel * DTYPE_BYTES[s.act_dtype]
+        out.append(Finding("compute_dtype_mismatch", "warn",
+                           f"4-bit compute dtype {s.resolved_compute_dtype} differs from the activation dtype "
+                           f"{s.act_dtype}: every linear casts its input and dequantizes to "
+                           f"{s.resolved_compute_dtype} (slow path, more memory): the largest dequantized weight "
+                           f"({big.out_features} x {big.in_features}) is {fmt_bytes(wide)} against "
+                           f"{fmt_bytes(narrow)}", f"set bnb_4bit_compute_dtype to {s.act_dtype}", wide - narrow))
+    if s.output_attentions:
+        per_layer = s.sequences * spec.num_heads * s.prompt_tokens * s.prompt_tokens * DTYPE_BYTES[s.act_dtype]
+        out.append(Finding("output_attentions_eager", "warn",
+                           "output_attentions=True needs eager attention (transformers' SDPA and flash paths cannot "
+                           "return attention maps: older versions switch to eager silently, newer return None). "
+                           f"Retained maps: {fmt_bytes(per_layer)} per layer, {fmt_gib(per_layer * spec.num_layers)} "
+                           f"over {spec.num_layers} layers, plus a float32 softmax buffer of "
+                           f"{fmt_bytes(per_layer * 4 // DTYPE_BYTES[s.act_dtype])} per layer while it runs",
+                           "request attention maps only for the layers and lengths you need",
+                           per_layer * spec.num_layers))
+    if s.effective_attn == "eager" and not s.output_attentions:
+        sc = s.sequences * spec.num_heads * s.prompt_tokens * s.prompt_tokens
+        out.append(Finding("eager_scores", "warn" if sc * 10 > est.weights.total_bytes // 4 else "info",
+                           f"eager attention materializes the score matrix: {fmt_bytes(sc * eager_bytes_per_score(s.act_dtype))} "
+                           "per layer during prefill", "use attn_implementation='sdpa' or 'flash_attention_2'"))
+    if spec.attn_logit_softcapping and s.effective_attn == "sdpa":
+        out.append(Finding("sdpa_softcap", "fail", f"{spec.model_type} uses attention logit soft-capping, which SDPA "
+                           "does not implement", "use attn_implementation='eager' or 'flash_attention_2'"))
+    if est.kv_full.gpu_bytes + est.kv_full.cpu_bytes >= est.weights.total_bytes:
+        kv = est.kv_full.gpu_bytes + est.kv_full.cpu_bytes
+        out.append(Finding("kv_as_large_as_weights", "warn",
+                           f"the KV cache at {s.total_tokens:,} tokens ({fmt_gib(kv)}) is as large as the weights "
+                           f"({fmt_gib(est.weights.total_bytes)})",
+                           "quantize the KV cache (--kv-dtype int8/int4) or shorten the context", kv))
+    if s.logits == "all":
+        native, fp32 = logits_bytes(spec, s.sequences, s.prompt_tokens, s.act_dtype)
+        _, last = logits_bytes(spec, s.sequences, 1, s.act_dtype)
+        out.append(Finding("logits_all_positions", "warn",
+                           f"logits for all {s.prompt_tokens:,} positions: {fmt_gib(native, 3)} in {s.act_dtype} "
+                           f"plus a float32 copy of {fmt_gib(fp32, 3)}, against {fmt_bytes(last)} for the last "
+                           "position only", "keep logits for the positions you score (logits_to_keep), or score "
+                           "in chunks", native + fp32))
+    if spec.is_moe and s.is_bnb:
+        out.append(Finding("moe_quant", "info", "MoE experts are planned as quantized like other linears; "
+                           "transformers 5 stores experts as 3-D parameters, which some quantizers leave in 16-bit",
+                           "run `vramguard check` on the loaded model to see what was quantized"))
+    if spec.prequantized and s.is_bnb and spec.prequantized != "bitsandbytes":
+        out.append(Finding("prequantized", "warn", f"the checkpoint is already quantized ({spec.prequantized}); "
+                           f"--quant {s.quant} does not apply to it", "plan with the checkpoint's own format"))
+    if spec.sliding_window and spec.num_sliding_layers:
+        out.append(Finding("sliding_window", "info", f"{spec.num_sliding_layers} of {spec.num_layers} layers attend "
+                           f"to a window of {spec.sliding_window:,} tokens; their KV cache stops growing there"))
+    return out

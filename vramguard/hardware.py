@@ -1,0 +1,117 @@
+"""Finding the GPU to plan against: detected (NVML), named from the catalog, or a given size.
+
+Detection returns a value and the reason (the exception text it caught), never a bare ``None``; tests force each
+branch through :data:`DETECT_OVERRIDE`.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from vramguard.catalog.gpus import GPU_ALIASES, GPUS, GpuSpec
+from vramguard.errors import InvalidValue, UnknownGpu
+from vramguard.units import parse_size
+
+# Tests set this to a callable returning a DetectedGpus to force a branch without hardware.
+DETECT_OVERRIDE = None
+
+
+@dataclass(frozen=True)
+class DetectedGpus:
+    """GPUs found on this machine (possibly none) and the reason when none were found."""
+
+    gpus: tuple[GpuSpec, ...]
+    reason: str
+
+
+def _norm(name: str) -> str:
+    return re.sub(r"[^a-z0-9.]+", "-", name.lower()).strip("-")
+
+
+def gpu_from_catalog(name: str) -> GpuSpec:
+    """A catalog GPU by name (``rtx-4090``, ``4090``, ``NVIDIA GeForce RTX 4090``...).
+
+    Raises:
+        UnknownGpu: no catalog card has that name; the message lists the accepted names.
+    """
+    key = _norm(name)
+    key = GPU_ALIASES.get(key, key)
+    if key in GPUS:
+        return GPUS[key]
+    for g in GPUS.values():
+        if _norm(g.label) == key or _norm(g.label).replace("nvidia-", "").replace("geforce-", "") == key:
+            return g
+    raise UnknownGpu("--gpu", name, ", ".join(GPUS), "pick a catalog card, or give the memory with --vram 24GiB")
+
+
+def gpu_from_vram(text: str) -> GpuSpec:
+    """A card of the given memory (``24GiB``), compute capability unknown.
+
+    Raises:
+        InvalidValue: the size is malformed.
+    """
+    size = parse_size(text, "--vram")
+    return GpuSpec(f"{text.strip()} card", f"a {text.strip()} GPU", size, None, source="--vram")
+
+
+def _match_catalog(label: str, total: int, cc: tuple[int, int] | None, used: int) -> GpuSpec:
+    key = _norm(label).replace("nvidia-", "").replace("geforce-", "")
+    base = next((g for g in GPUS.values()
+                 if _norm(g.label).replace("nvidia-", "").replace("geforce-", "") == key), None)
+    bw = base.bandwidth_bytes_per_s if base else None
+    return GpuSpec(base.name if base else key, label, total, cc, bw, used, "detected")
+
+
+def detect_gpus() -> DetectedGpus:
+    """GPUs visible through NVML (nvidia-ml-py), with memory used by every process.
+
+    No torch import and no CUDA context is created. Returns an empty tuple with the reason (NVML missing,
+    no driver, no device) when nothing is found.
+    """
+    if DETECT_OVERRIDE is not None:
+        return DETECT_OVERRIDE()
+    try:
+        import pynvml
+    except ImportError as e:
+        return DetectedGpus((), f"nvidia-ml-py is not installed ({e})")
+    try:
+        pynvml.nvmlInit()
+    except Exception as e:  # NVMLError_LibraryNotFound, DriverNotLoaded...: no NVIDIA driver here
+        return DetectedGpus((), f"no NVIDIA driver/GPU found by NVML ({type(e).__name__}: {e})")
+    try:
+        found = []
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            h = pynvml.nvmlDeviceGetHandleByIndex(i)
+            name = pynvml.nvmlDeviceGetName(h)
+            name = name.decode() if isinstance(name, bytes) else name
+            mem = pynvml.nvmlDeviceGetMemoryInfo(h)
+            try:
+                cc = tuple(pynvml.nvmlDeviceGetCudaComputeCapability(h))
+            except Exception:  # older drivers lack the call; capability is then unknown, not guessed
+                cc = None
+            found.append(_match_catalog(name, int(mem.total), cc, int(mem.used)))
+        return DetectedGpus(tuple(found), f"{len(found)} GPU(s) found by NVML" if found else "NVML found 0 GPUs")
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def resolve_gpus(gpu: str | None = None, vram: str | None = None) -> tuple[list[GpuSpec], str]:
+    """The cards to plan against and why: ``--gpu``, ``--vram``, the detected GPU, or the default sizes.
+
+    Raises:
+        InvalidValue: both ``gpu`` and ``vram`` given, or a malformed size.
+        UnknownGpu: an unknown card name.
+    """
+    if gpu and vram:
+        raise InvalidValue("--gpu/--vram", f"--gpu {gpu} --vram {vram}", "one of the two", "drop one of them")
+    if gpu:
+        return [gpu_from_catalog(gpu)], "named with --gpu"
+    if vram:
+        return [gpu_from_vram(vram)], "given with --vram"
+    det = detect_gpus()
+    if det.gpus:
+        return [det.gpus[0]], f"detected: {det.reason}"
+    from vramguard.catalog.gpus import DEFAULT_CARD_SIZES_GIB
+    cards = [gpu_from_vram(f"{n}GiB") for n in DEFAULT_CARD_SIZES_GIB]
+    return cards, f"no GPU detected ({det.reason}); planning against common card sizes"

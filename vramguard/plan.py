@@ -1,0 +1,184 @@
+"""``plan``: memory of a transformers inference run, by component, before anything is loaded.
+
+Pure computation: no torch, no CUDA. The GPU to plan against comes from :mod:`vramguard.hardware`.
+
+What is predicted (all ints of bytes):
+
+* ``peak_allocated_bytes``: ``torch.cuda.max_memory_allocated()`` over the whole ``generate`` call, weights
+  included: ``weights + cuBLAS workspace + max(prefill peak, decode peak)``.
+* ``peak_reserved_bytes``: the caching allocator's reserved peak (``allocated + reserve``).
+* ``device_used_bytes``: what ``nvidia-smi`` shows for this process at the peak (``reserved + CUDA context``).
+
+A card fits when ``device_used_bytes <= total - memory used by other processes``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vramguard.catalog.gpus import GpuSpec
+from vramguard.memory.forward import ForwardPeak, decode_peak, prefill_peak
+from vramguard.memory.kv import KvBytes, kv_bytes_per_token, kv_cache_bytes
+from vramguard.memory.runtime import CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES, allocator_reserve_bytes
+from vramguard.memory.weights import WeightBytes, weight_bytes
+from vramguard.settings import Settings
+from vramguard.spec import ModelSpec
+
+COMPONENT_ORDER = ("weights", "quant_state", "kv_cache", "attention", "activations", "dequant", "logits",
+                   "cublas_workspace")
+
+
+@dataclass(frozen=True)
+class Finding:
+    """Something the user should know: ``level`` is info / warn / fail; ``bytes`` the memory at stake, if any."""
+
+    code: str
+    level: str
+    message: str
+    fix: str | None = None
+    bytes: int | None = None
+
+
+@dataclass(frozen=True)
+class CardVerdict:
+    """Whether the run fits one card: ``headroom_bytes = usable_bytes - need_bytes`` (negative: short by)."""
+
+    gpu: GpuSpec
+    usable_bytes: int
+    need_bytes: int
+    fits: bool
+    headroom_bytes: int
+    max_prompt_tokens: int | None = None
+    max_new_tokens: int | None = None
+    max_batch: int | None = None
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """The memory model's prediction for one (model, settings), independent of any card."""
+
+    weights: WeightBytes
+    kv_full: KvBytes
+    prefill: ForwardPeak
+    decode: ForwardPeak | None
+    peak_phase: str
+    components: dict[str, int]
+    peak_allocated_bytes: int
+    allocator_reserve_bytes: int
+    peak_reserved_bytes: int
+    cuda_context_bytes: int
+    device_used_bytes: int
+    kv_bytes_per_token: int
+
+
+def estimate(spec: ModelSpec, s: Settings) -> MemoryEstimate:
+    """Predict the memory of ``generate`` for ``spec`` with settings ``s`` (see the module docstring)."""
+    w = weight_bytes(spec, s)
+    pf = prefill_peak(spec, s)
+    dc = decode_peak(spec, s)
+    peak = pf if dc is None or pf.peak_bytes >= dc.peak_bytes else dc
+    comps = {"weights": w.total_bytes - w.quant_state_bytes, "quant_state": w.quant_state_bytes,
+             "cublas_workspace": CUBLAS_WORKSPACE_BYTES}
+    for k, v in peak.components.items():
+        comps[k] = comps.get(k, 0) + v
+    allocated = sum(comps.values())
+    reserve = allocator_reserve_bytes(peak.peak_bytes, peak.largest_alloc)
+    kv_full = kv_cache_bytes(spec, s, s.total_tokens)
+    return MemoryEstimate(
+        weights=w, kv_full=kv_full, prefill=pf, decode=dc, peak_phase=peak.phase,
+        components={k: comps[k] for k in COMPONENT_ORDER if comps.get(k)} | {k: v for k, v in comps.items()
+                                                                           if k not in COMPONENT_ORDER and v},
+        peak_allocated_bytes=allocated, allocator_reserve_bytes=reserve, peak_reserved_bytes=allocated + reserve,
+        cuda_context_bytes=CUDA_CONTEXT_BYTES, device_used_bytes=allocated + reserve + CUDA_CONTEXT_BYTES,
+        kv_bytes_per_token=kv_bytes_per_token(spec, s))
+
+
+def verdict(est: MemoryEstimate, gpu: GpuSpec) -> CardVerdict:
+    """Fit of an estimate on one card (no solving)."""
+    usable = gpu.total_bytes - gpu.used_by_others_bytes
+    need = est.device_used_bytes
+    return CardVerdict(gpu, usable, need, need <= usable, usable - need)
+
+
+@dataclass(frozen=True)
+class Change:
+    """A change of settings that lowers the memory need by ``saved_bytes``.
+
+    ``reduces_request``: the change gives up part of what was asked (a shorter prompt or generation, a smaller
+    batch, fewer beams); such changes rank after those that keep the request whole.
+    """
+
+    description: str
+    settings: dict
+    need_bytes: int
+    saved_bytes: int
+    fits_on: tuple[str, ...]
+    reduces_request: bool = False
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The result of :func:`plan`: the estimate, a verdict per card, findings and ranked changes."""
+
+    model: ModelSpec
+    settings: Settings
+    estimate: MemoryEstimate
+    cards: list[CardVerdict]
+    cards_reason: str
+    logits_case: str
+    findings: list[Finding] = field(default_factory=list)
+    changes: list[Change] = field(default_factory=list)
+
+    @property
+    def fits(self) -> bool:
+        return all(c.fits for c in self.cards)
+
+
+def plan(model: str | ModelSpec, settings: Settings | None = None, *, gpu: str | None = None,
+         vram: str | None = None, gpus: list[GpuSpec] | None = None, solve: bool = True) -> Plan:
+    """Plan the memory of running ``model`` with ``settings`` on a GPU.
+
+    Args:
+        model: a ModelSpec, or anything :func:`vramguard.resolve.resolve_model` accepts.
+        settings: the run's settings (default: :class:`Settings` defaults).
+        gpu / vram / gpus: the card(s): a catalog name, a size such as ``"24GiB"``, or explicit GpuSpecs;
+            none of them: the detected GPU, else 8, 12, 16 and 24 GiB cards.
+        solve: also find the largest prompt, new tokens and batch per card, and rank the changes.
+
+    Raises:
+        UnknownModel, ConfigError: the model cannot be read. UnknownGpu, InvalidValue: bad card or size.
+        InvalidValue: ``prompt + new tokens`` beyond the model's context.
+    """
+    from vramguard.findings import plan_findings
+    from vramguard.hardware import resolve_gpus
+    from vramguard.resolve import resolve_model
+    from vramguard.solve import ranked_changes, solve_card
+
+    spec = model if isinstance(model, ModelSpec) else resolve_model(model)
+    s = settings or Settings()
+    check_context(spec, s)
+    if gpus is None:
+        gpus, why = resolve_gpus(gpu, vram)
+    else:
+        why = "given"
+    est = estimate(spec, s)
+    cards = [verdict(est, g) for g in gpus]
+    if solve:
+        cards = [solve_card(spec, s, c) for c in cards]
+    logits_case = ("all positions: a forward over the whole prompt (scoring, output_logits), with a float32 copy"
+                   if s.logits == "all" else
+                   "last position only: generate() passes logits_to_keep=1 and copies that row to float32")
+    p = Plan(spec, s, est, cards, why, logits_case)
+    p.findings.extend(plan_findings(p))
+    if solve:
+        p.changes.extend(ranked_changes(spec, s, gpus))
+    return p
+
+
+def check_context(spec: ModelSpec, s: Settings) -> None:
+    """Raise InvalidValue when ``prompt + new tokens`` exceeds the model's ``max_position_embeddings``."""
+    from vramguard.errors import InvalidValue
+    if s.total_tokens > spec.max_position_embeddings:
+        raise InvalidValue("--prompt-tokens + --max-new-tokens", s.total_tokens,
+                           f"at most the model's context, max_position_embeddings={spec.max_position_embeddings}",
+                           "shorten the prompt or the generation")

@@ -1,0 +1,136 @@
+"""Rendering of results: JSON (raw ints) and human tables (rich). Nothing here computes memory."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from vramguard.plan import Plan
+from vramguard.units import fmt_bytes, fmt_gib, fmt_tokens
+
+LABELS = {
+    "weights": "weights (quantized linears, 16-bit embeddings, lm_head, norms)",
+    "quant_state": "quantization state (absmax, codes)",
+    "kv_cache": "KV cache",
+    "attention": "attention workspace (scores, softmax, masks, repeat_kv)",
+    "activations": "activations (hidden states, MLP, norms, rotary)",
+    "dequant": "dequantized weight / int8 workspace of the running linear",
+    "logits": "logits (+ float32 copy)",
+    "cublas_workspace": "cuBLAS workspace",
+}
+
+
+def to_jsonable(obj: Any) -> Any:
+    """Dataclasses, tuples and dicts to JSON-ready values; ints stay ints, None stays null."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        out = {f.name: to_jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        for prop in ("total_bytes",):
+            if hasattr(obj, prop) and prop not in out:
+                out[prop] = getattr(obj, prop)
+        return out
+    if isinstance(obj, dict):
+        return {str(k): to_jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [to_jsonable(v) for v in obj]
+    if isinstance(obj, float) and obj != obj:  # NaN never reaches JSON
+        return None
+    return obj
+
+
+def plan_to_json(p: Plan) -> dict:
+    """The plan as a JSON object: every size an int of bytes."""
+    est = p.estimate
+    return {
+        "model": to_jsonable(p.model),
+        "settings": p.settings.as_dict(),
+        "peak_phase": est.peak_phase,
+        "components": dict(est.components),
+        "peak_allocated_bytes": est.peak_allocated_bytes,
+        "allocator_reserve_bytes": est.allocator_reserve_bytes,
+        "peak_reserved_bytes": est.peak_reserved_bytes,
+        "cuda_context_bytes": est.cuda_context_bytes,
+        "device_used_bytes": est.device_used_bytes,
+        "weights": to_jsonable(est.weights),
+        "kv_cache": {"full_length_tokens": est.kv_full.tokens, "gpu_bytes": est.kv_full.gpu_bytes,
+                     "cpu_bytes": est.kv_full.cpu_bytes, "bytes_per_token": est.kv_bytes_per_token},
+        "prefill": to_jsonable(est.prefill),
+        "decode": to_jsonable(est.decode),
+        "logits_case": p.logits_case,
+        "cards_reason": p.cards_reason,
+        "cards": [{**to_jsonable(c), "gpu": to_jsonable(c.gpu)} for c in p.cards],
+        "findings": to_jsonable(p.findings),
+        "changes": to_jsonable(p.changes),
+    }
+
+
+def _settings_line(p: Plan) -> str:
+    s = p.settings
+    q = s.quant.upper() if s.is_bnb else s.quant
+    if s.is_4bit:
+        q += f" ({'double quant' if s.double_quant else 'no double quant'}, compute {s.resolved_compute_dtype})"
+    attn = s.effective_attn + (f" [{s.sdpa_kernel}]" if s.effective_attn == "sdpa" and s.sdpa_kernel != "auto" else "")
+    seqs = f"batch {s.batch}" + (f" x {s.num_beams} beams" if s.num_beams > 1 else "") + (
+        f" x {s.num_return_sequences} sequences" if s.num_return_sequences > 1 and s.num_beams == 1 else "")
+    chunk = f", prefill chunks of {s.prefill_chunk}" if s.prefill_chunk else ""
+    return (f"{q}, dtype {s.act_dtype}, attention {attn}, KV {s.resolved_kv_dtype} {s.cache}, {seqs}, "
+            f"prompt {fmt_tokens(s.prompt_tokens)} + {fmt_tokens(s.max_new_tokens)} new tokens{chunk}")
+
+
+def print_plan(p: Plan, console: Console | None = None) -> None:
+    """Human-readable plan on stdout: components, cards, findings and ranked changes."""
+    c = console or Console()
+    est, spec = p.estimate, p.model
+    c.print(f"[bold]vramguard plan[/bold] - {spec.name}  ({spec.source})")
+    c.print(f"{spec.num_layers} layers, hidden {spec.hidden_size}, {spec.num_heads} heads / {spec.num_kv_heads} KV "
+            f"heads (head_dim {spec.head_dim}), vocab {spec.vocab_size:,}, context {spec.max_position_embeddings:,}, "
+            f"{est.weights.parameter_count / 1e9:.2f} B parameters")
+    c.print(_settings_line(p))
+    phase = ("prefill" if est.peak_phase == "prefill" else "last decode step")
+    t = Table(title=f"Memory at the peak ({phase}, at {(est.prefill if est.peak_phase == 'prefill' else est.decode).at})",
+              title_justify="left")
+    t.add_column("component")
+    t.add_column("bytes", justify="right")
+    t.add_column("GiB", justify="right")
+    for k, v in est.components.items():
+        t.add_row(LABELS.get(k, k), f"{v:,}", f"{v / 2**30:.2f}")
+    t.add_row("[bold]PyTorch peak allocated[/bold]", f"{est.peak_allocated_bytes:,}", fmt_gib(est.peak_allocated_bytes)[:-4])
+    t.add_row("allocator reserve (fragmentation)", f"{est.allocator_reserve_bytes:,}", f"{est.allocator_reserve_bytes / 2**30:.2f}")
+    t.add_row("[bold]PyTorch peak reserved[/bold]", f"{est.peak_reserved_bytes:,}", f"{est.peak_reserved_bytes / 2**30:.2f}")
+    t.add_row("CUDA context and memory outside PyTorch", f"{est.cuda_context_bytes:,}", f"{est.cuda_context_bytes / 2**30:.2f}")
+    t.add_row("[bold]card memory in use[/bold]", f"{est.device_used_bytes:,}", f"{est.device_used_bytes / 2**30:.2f}")
+    c.print(t)
+    w = est.weights
+    c.print(f"weights: {fmt_gib(w.quantized_linear_bytes)} quantized linears ({w.quantized_parameter_count:,} params), "
+            f"{fmt_gib(w.quant_state_bytes)} quantization state, {fmt_gib(w.embedding_bytes)} embeddings, "
+            f"{fmt_gib(w.lm_head_bytes)} lm_head{' (tied)' if spec.tie_word_embeddings else ''}, "
+            f"{fmt_bytes(w.norm_bytes + w.bias_bytes)} norms and biases, {fmt_gib(w.dense_linear_bytes)} 16/32-bit linears")
+    kv = est.kv_full
+    c.print(f"KV cache at {fmt_tokens(kv.tokens)} tokens: {fmt_gib(kv.gpu_bytes)} on the GPU"
+            + (f", {fmt_gib(kv.cpu_bytes)} in CPU RAM" if kv.cpu_bytes else "")
+            + f"; {fmt_bytes(est.kv_bytes_per_token)} per generated token")
+    dec = f"; decode peak {fmt_gib(est.decode.peak_bytes)} above the weights" if est.decode else ""
+    c.print(f"prefill peak {fmt_gib(est.prefill.peak_bytes)} above the weights (at {est.prefill.at}){dec}")
+    c.print(f"logits: {p.logits_case}")
+    ct = Table(title=f"Cards ({p.cards_reason})", title_justify="left")
+    for col in ("card", "memory", "need", "fits", "headroom", "max prompt", "max new tokens", "max batch"):
+        ct.add_column(col, justify="left" if col == "card" else "right")
+    for v in p.cards:
+        ct.add_row(v.gpu.label, fmt_gib(v.usable_bytes), fmt_gib(v.need_bytes),
+                   "[green]yes[/green]" if v.fits else "[red]no[/red]", fmt_gib(v.headroom_bytes),
+                   fmt_tokens(v.max_prompt_tokens), fmt_tokens(v.max_new_tokens), fmt_tokens(v.max_batch))
+    c.print(ct)
+    if p.findings:
+        c.print("[bold]Findings[/bold]")
+        for f in p.findings:
+            color = {"fail": "red", "warn": "yellow"}.get(f.level, "cyan")
+            c.print(f"  [{color}]{f.level}[/{color}] {f.message}" + (f"\n       fix: {f.fix}" if f.fix else ""))
+    if p.changes:
+        ch = Table(title="Changes that lower the need, largest saving first", title_justify="left")
+        for col in ("change", "saves", "need after", "fits"):
+            ch.add_column(col, justify="left" if col in ("change", "fits") else "right")
+        for x in p.changes:
+            ch.add_row(x.description, fmt_gib(x.saved_bytes), fmt_gib(x.need_bytes), ", ".join(x.fits_on) or "-")
+        c.print(ch)

@@ -1,0 +1,89 @@
+"""Turning the MODEL argument into a :class:`~vramguard.spec.ModelSpec`, offline.
+
+Accepted, in this order: a local model folder (with config.json), a path to a config.json, a catalog name
+(``llama-2-7b``; :data:`vramguard.catalog.models.MODELS`), or a model id already in the local Hugging Face cache
+(``meta-llama/Llama-2-7b-chat-hf``), looked up with ``huggingface_hub.try_to_load_from_cache`` which never
+touches the network.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from vramguard.catalog.models import ALIASES, MODELS
+from vramguard.errors import ConfigError, UnknownModel
+from vramguard.spec import ModelSpec, spec_from_config
+
+ACCEPTED_MODEL_FORMS = ("a local model folder, a config.json path, a catalog name (vramguard plan --list-models), "
+                        "or a model id in the local Hugging Face cache")
+
+
+def _read_json(path: Path, field: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ConfigError(field, str(path), "a JSON object", f"the file is not valid JSON ({e})") from None
+    except OSError as e:
+        raise ConfigError(field, str(path), "a readable file", str(e)) from None
+    if not isinstance(data, dict):
+        raise ConfigError(field, str(path), "a JSON object", "config.json must hold one object")
+    return data
+
+
+def catalog_name(name: str) -> str | None:
+    """The catalog key for ``name`` (case-insensitive, aliases allowed), or None."""
+    key = name.strip().lower()
+    key = ALIASES.get(key, key)
+    return key if key in MODELS else None
+
+
+def _from_hf_cache(model_id: str) -> Path | None:
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return None
+    hit = try_to_load_from_cache(model_id, "config.json")
+    return Path(hit) if isinstance(hit, str) and os.path.isfile(hit) else None
+
+
+def resolve_model(model: str) -> ModelSpec:
+    """A ModelSpec for ``model`` (see the module docstring for the accepted forms).
+
+    Raises:
+        UnknownModel: none of the accepted forms matches.
+        ConfigError: the config exists but cannot be planned (missing fields, unsupported family).
+    """
+    p = Path(model).expanduser()
+    if p.is_dir():
+        cfg_path = p / "config.json"
+        if not cfg_path.is_file():
+            raise UnknownModel("MODEL", model, "a folder holding config.json", f"{p} has no config.json")
+        return spec_from_config(_read_json(cfg_path, "MODEL"), name=str(p), source=str(p))
+    if p.is_file():
+        return spec_from_config(_read_json(p, "MODEL"), name=str(p), source=str(p))
+    key = catalog_name(model)
+    if key:
+        cfg = {k: v for k, v in MODELS[key].items() if k != "source"}
+        return spec_from_config(cfg, name=key, source=f"catalog ({MODELS[key]['source']})")
+    if "/" in model and not model.startswith((".", "/")):
+        hit = _from_hf_cache(model)
+        if hit:
+            return spec_from_config(_read_json(hit, "MODEL"), name=model, source=f"hf-cache:{hit.parent}")
+    raise UnknownModel("MODEL", model, ACCEPTED_MODEL_FORMS,
+                       "download the model first, pass its folder, or use a catalog name such as llama-2-7b")
+
+
+def model_folder(model: str) -> Path | None:
+    """The local folder of ``model`` (a folder, the folder of a config.json, or its HF cache snapshot)."""
+    p = Path(model).expanduser()
+    if p.is_dir():
+        return p
+    if p.is_file():
+        return p.parent
+    if "/" in model and not catalog_name(model):
+        hit = _from_hf_cache(model)
+        return hit.parent if hit else None
+    return None

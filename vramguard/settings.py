@@ -1,0 +1,168 @@
+"""Settings of one inference run: quantization, attention, KV cache, batch and lengths.
+
+Names follow transformers / bitsandbytes: ``quant`` is the weight format (``nf4``, ``fp4``: 4-bit
+bitsandbytes; ``int8``: LLM.int8; ``bf16``/``fp16``/``fp32``: no quantization), ``compute_dtype`` is
+``bnb_4bit_compute_dtype``, ``dtype`` is the ``dtype`` (``torch_dtype``) passed to ``from_pretrained`` and so the
+dtype of activations and of every module left unquantized.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+
+from vramguard.errors import InvalidValue
+
+QUANTS = ("nf4", "fp4", "int8", "bf16", "fp16", "fp32")
+DTYPES = ("bf16", "fp16", "fp32")
+ATTNS = ("eager", "sdpa", "flash_attention_2")
+SDPA_KERNELS = ("auto", "flash", "cudnn", "efficient", "math")
+KV_DTYPES = ("bf16", "fp16", "int8", "int4")
+CACHES = ("dynamic", "static", "offloaded")
+LOGITS = ("last", "all")
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "int8": 1}
+KV_BITS = {"bf16": 16, "fp16": 16, "int8": 8, "int4": 4}
+
+
+def _choice(field: str, value: object, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise InvalidValue(field, value, " | ".join(choices))
+
+
+def _count(field: str, value: object, minimum: int, fix: str | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise InvalidValue(field, value, f"an integer >= {minimum}", fix)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """One run's settings. Counts are tokens or sequences; nothing here is in bytes.
+
+    Attributes:
+        quant: weight format, one of :data:`QUANTS`.
+        double_quant: bitsandbytes ``bnb_4bit_use_double_quant`` (4-bit only).
+        compute_dtype: ``bnb_4bit_compute_dtype`` (4-bit only); ``None`` means equal to ``dtype``.
+        dtype: model dtype (activations, unquantized modules); ``None`` means bf16, or the quant's own dtype
+            for ``fp16``/``fp32``.
+        attn: ``attn_implementation``: eager, sdpa or flash_attention_2.
+        sdpa_kernel: SDPA backend when attn is sdpa: ``auto`` (flash-class when the inputs allow) or a pinned one.
+        kv_dtype: KV cache element type; int8/int4 mean transformers' QuantizedCache (``None`` = ``dtype``).
+        kv_group_size, kv_residual_length: QuantizedCache ``q_group_size`` and ``residual_length``.
+        cache: ``dynamic`` (grows by concatenation), ``static`` (preallocated to ``max_cache_len``) or
+            ``offloaded`` (layers kept in CPU RAM, one prefetched at a time).
+        max_cache_len: static cache length in tokens (``None`` = prompt + new tokens).
+        batch, num_beams, num_return_sequences: sequences decoded together = batch x max(beams, return seqs).
+        prompt_tokens, max_new_tokens: lengths in tokens.
+        prefill_chunk: tokens per prefill forward (``prefill_chunk_size``); ``None`` = whole prompt at once.
+        logits: ``last`` (generate keeps only the last position) or ``all`` (a forward/scoring over the prompt).
+        padded: the batch has prompts of different lengths, so a mask is materialized for SDPA.
+        output_attentions: attention maps are returned, which needs eager attention and keeps every layer's map.
+    """
+
+    quant: str = "nf4"
+    double_quant: bool = True
+    compute_dtype: str | None = None
+    dtype: str | None = None
+    attn: str = "sdpa"
+    sdpa_kernel: str = "auto"
+    kv_dtype: str | None = None
+    kv_group_size: int = 64
+    kv_residual_length: int = 128
+    cache: str = "dynamic"
+    max_cache_len: int | None = None
+    batch: int = 1
+    num_beams: int = 1
+    num_return_sequences: int = 1
+    prompt_tokens: int = 128
+    max_new_tokens: int = 256
+    prefill_chunk: int | None = None
+    logits: str = "last"
+    padded: bool = False
+    output_attentions: bool = False
+
+    def __post_init__(self) -> None:
+        _choice("quant", self.quant, QUANTS)
+        _choice("attn", self.attn, ATTNS)
+        _choice("sdpa_kernel", self.sdpa_kernel, SDPA_KERNELS)
+        _choice("cache", self.cache, CACHES)
+        _choice("logits", self.logits, LOGITS)
+        if self.dtype is not None:
+            _choice("dtype", self.dtype, DTYPES)
+        if self.compute_dtype is not None:
+            _choice("compute_dtype", self.compute_dtype, DTYPES)
+        if self.kv_dtype is not None:
+            _choice("kv_dtype", self.kv_dtype, KV_DTYPES)
+        _count("batch", self.batch, 1)
+        _count("num_beams", self.num_beams, 1)
+        _count("num_return_sequences", self.num_return_sequences, 1)
+        if self.num_beams > 1 and self.num_return_sequences > self.num_beams:
+            raise InvalidValue("num_return_sequences", self.num_return_sequences,
+                               f"at most num_beams={self.num_beams} with beam search")
+        _count("prompt_tokens", self.prompt_tokens, 1)
+        _count("max_new_tokens", self.max_new_tokens, 0)
+        _count("kv_group_size", self.kv_group_size, 1)
+        _count("kv_residual_length", self.kv_residual_length, 0)
+        if self.prefill_chunk is not None:
+            _count("prefill_chunk", self.prefill_chunk, 1)
+        if self.max_cache_len is not None:
+            _count("max_cache_len", self.max_cache_len, self.prompt_tokens + self.max_new_tokens,
+                   "a static cache must hold the prompt and the new tokens")
+
+    # ---- resolved values -------------------------------------------------------------------------------------
+    @property
+    def act_dtype(self) -> str:
+        """dtype of activations and unquantized modules."""
+        if self.dtype:
+            return self.dtype
+        return self.quant if self.quant in ("fp16", "fp32") else "bf16"
+
+    @property
+    def effective_attn(self) -> str:
+        """The attention that runs: eager whenever attention maps are requested."""
+        return "eager" if self.output_attentions else self.attn
+
+    @property
+    def weight_dtype(self) -> str:
+        """dtype of linear weights that are not quantized (``quant`` for bf16/fp16/fp32, else ``act_dtype``)."""
+        return self.quant if self.quant in DTYPES else self.act_dtype
+
+    @property
+    def resolved_compute_dtype(self) -> str:
+        return self.compute_dtype or self.act_dtype
+
+    @property
+    def resolved_kv_dtype(self) -> str:
+        return self.kv_dtype or (self.act_dtype if self.act_dtype != "fp32" else "fp32")
+
+    @property
+    def is_bnb(self) -> bool:
+        return self.quant in ("nf4", "fp4", "int8")
+
+    @property
+    def is_4bit(self) -> bool:
+        return self.quant in ("nf4", "fp4")
+
+    @property
+    def sequences(self) -> int:
+        """Sequences decoded together: ``batch x num_beams`` (beam search) or ``batch x num_return_sequences``."""
+        return self.batch * (self.num_beams if self.num_beams > 1 else self.num_return_sequences)
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.max_new_tokens
+
+    @property
+    def cache_len(self) -> int:
+        """Tokens the KV cache holds at its largest (static: its preallocated length)."""
+        if self.cache == "static":
+            return self.max_cache_len or self.total_tokens
+        return self.total_tokens
+
+    def with_(self, **changes) -> "Settings":
+        """A copy with ``changes`` applied (validated again)."""
+        return replace(self, **changes)
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d.update(resolved_dtype=self.act_dtype, resolved_compute_dtype=self.resolved_compute_dtype,
+                 resolved_kv_dtype=self.resolved_kv_dtype, sequences=self.sequences)
+        return d

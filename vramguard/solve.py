@@ -1,0 +1,142 @@
+"""Solving: the largest prompt, new tokens and batch that fit a card, and the changes that would make a run fit.
+
+Every memory need is monotone in prompt tokens, new tokens and batch, so each maximum is found by binary search
+over the exact integer model (:func:`vramguard.plan.estimate`), never by extrapolation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Callable
+
+from vramguard.catalog.gpus import GpuSpec
+from vramguard.errors import VramguardError
+from vramguard.plan import CardVerdict, Change, estimate
+from vramguard.settings import Settings
+from vramguard.spec import ModelSpec
+
+MAX_BATCH_SEARCH = 1 << 16
+
+
+def _need(spec: ModelSpec, s: Settings) -> int:
+    return estimate(spec, s).device_used_bytes
+
+
+def _largest(lo: int, hi: int, ok: Callable[[int], bool]) -> int | None:
+    """Largest ``v`` in ``[lo, hi]`` with ``ok(v)``, for a monotone ``ok`` (True then False); None if none."""
+    if hi < lo or not ok(lo):
+        return None
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if ok(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def max_prompt_tokens(spec: ModelSpec, s: Settings, usable_bytes: int) -> int | None:
+    """Largest prompt (tokens) that fits ``usable_bytes`` with ``s.max_new_tokens`` new tokens, or None."""
+    hi = spec.max_position_embeddings - s.max_new_tokens
+    return _largest(1, hi, lambda p: _need(spec, _with(s, prompt_tokens=p)) <= usable_bytes)
+
+
+def max_new_tokens(spec: ModelSpec, s: Settings, usable_bytes: int) -> int | None:
+    """Largest number of new tokens that fits with ``s.prompt_tokens``, or None when the prompt alone does not."""
+    hi = spec.max_position_embeddings - s.prompt_tokens
+    return _largest(0, hi, lambda n: _need(spec, _with(s, max_new_tokens=n)) <= usable_bytes)
+
+
+def max_batch(spec: ModelSpec, s: Settings, usable_bytes: int) -> int | None:
+    """Largest batch that fits (exponential then binary search up to 65,536), or None when 1 does not."""
+    def ok(b: int) -> bool:
+        return _need(spec, _with(s, batch=b)) <= usable_bytes
+    if not ok(1):
+        return None
+    hi = 1
+    while hi < MAX_BATCH_SEARCH and ok(hi * 2):
+        hi *= 2
+    return _largest(hi, min(hi * 2 - 1, MAX_BATCH_SEARCH), ok)
+
+
+def _with(s: Settings, **changes) -> Settings:
+    if s.cache == "static" and s.max_cache_len is not None:
+        changes.setdefault("max_cache_len", None)
+    return replace(s, **changes)
+
+
+def solve_card(spec: ModelSpec, s: Settings, v: CardVerdict) -> CardVerdict:
+    """``v`` with the largest prompt, new tokens and batch for its card filled in."""
+    u = v.usable_bytes
+    return replace(v, max_prompt_tokens=max_prompt_tokens(spec, s, u), max_new_tokens=max_new_tokens(spec, s, u),
+                   max_batch=max_batch(spec, s, u))
+
+
+def _candidates(spec: ModelSpec, s: Settings, target: GpuSpec | None) -> list[tuple[str, dict]]:
+    c: list[tuple[str, dict]] = []
+    if s.output_attentions:
+        c.append(("stop requesting attention maps (output_attentions=False)", {"output_attentions": False}))
+    if s.effective_attn == "eager" or s.sdpa_kernel == "math":
+        c.append(("attention: sdpa with a flash-class kernel instead of eager/math",
+                  {"attn": "sdpa", "sdpa_kernel": "auto", "output_attentions": False}))
+    if s.quant in ("fp32", "fp16", "bf16", "int8", "fp4") or not s.double_quant:
+        c.append(("weights: NF4 with double quant (bitsandbytes 4-bit)", {"quant": "nf4", "double_quant": True}))
+    if s.act_dtype == "fp32":
+        c.append(("dtype: bfloat16 instead of float32 (fp16 below compute capability 8.0)",
+                  {"quant": "bf16", "dtype": None} if s.quant == "fp32" else {"dtype": "bf16"}))
+    if s.resolved_compute_dtype != s.act_dtype and s.is_4bit:
+        c.append((f"4-bit compute dtype: {s.act_dtype} (same as the activations)", {"compute_dtype": None}))
+    if s.resolved_kv_dtype in ("bf16", "fp16", "fp32"):
+        c.append(("KV cache: int8 quantized cache", {"kv_dtype": "int8"}))
+        c.append(("KV cache: int4 quantized cache", {"kv_dtype": "int4"}))
+    elif s.resolved_kv_dtype == "int8":
+        c.append(("KV cache: int4 quantized cache", {"kv_dtype": "int4"}))
+    if s.cache != "offloaded":
+        c.append(("KV cache offloaded to CPU RAM (OffloadedCache)", {"cache": "offloaded"}))
+    for chunk in (2048, 512):
+        if s.prompt_tokens > chunk and (s.prefill_chunk is None or s.prefill_chunk > chunk):
+            c.append((f"chunked prefill of {chunk} tokens", {"prefill_chunk": chunk}))
+    if s.logits == "all":
+        c.append(("logits for the last position only", {"logits": "last"}))
+    if target is not None:
+        u = target.total_bytes - target.used_by_others_bytes
+        n = max_new_tokens(spec, s, u)
+        if n is not None and n < s.max_new_tokens:
+            c.append((f"shorter generation: {n} new tokens", {"max_new_tokens": n}))
+        p = max_prompt_tokens(spec, s, u)
+        if p is not None and p < s.prompt_tokens:
+            c.append((f"shorter prompt: {p} tokens", {"prompt_tokens": p}))
+        b = max_batch(spec, s, u)
+        if b is not None and b < s.batch:
+            c.append((f"smaller batch: {b}", {"batch": b}))
+    if s.num_beams > 1 or s.num_return_sequences > 1:
+        c.append(("one sequence per prompt (num_beams=1, num_return_sequences=1)",
+                  {"num_beams": 1, "num_return_sequences": 1}))
+    return c
+
+
+def ranked_changes(spec: ModelSpec, s: Settings, gpus: list[GpuSpec]) -> list[Change]:
+    """Changes that lower the memory need, largest saving first, each with the cards it would fit.
+
+    Changes that keep the request whole (attention, quantization, KV cache type, chunked prefill, offload) rank
+    first, by bytes saved; then those that give up part of the request (shorter prompt or generation, smaller
+    batch, fewer beams), by bytes saved. The length and batch changes are solved for the largest card the run
+    does not fit (the smallest change that makes it fit somewhere); when it fits every card they are omitted.
+    """
+    need = _need(spec, s)
+    usable = {g.name: g.total_bytes - g.used_by_others_bytes for g in gpus}
+    not_fitting = [g for g in gpus if need > usable[g.name]]
+    target = max(not_fitting, key=lambda g: g.total_bytes) if not_fitting else None
+    out: list[Change] = []
+    for desc, ch in _candidates(spec, s, target):
+        try:
+            s2 = _with(s, **ch)
+            need2 = _need(spec, s2)
+        except VramguardError:
+            continue
+        if need2 < need:
+            fits = tuple(g.name for g in gpus if need2 <= usable[g.name])
+            reduces = bool({"prompt_tokens", "max_new_tokens", "batch", "num_beams"} & set(ch))
+            out.append(Change(desc, ch, need2, need - need2, fits, reduces))
+    out.sort(key=lambda c: (c.reduces_request, -c.saved_bytes))
+    return out

@@ -1,0 +1,213 @@
+"""ModelSpec: the architecture numbers memory depends on, read from a Hugging Face ``config.json`` dict.
+
+Only decoder-only causal LMs are modelled. Families are recognised by ``model_type``; the structure that changes
+memory (GQA, ``head_dim`` overrides, sliding-window and hybrid layers, tied embeddings, fused projections, MoE,
+extra norms) is explicit in the spec so that the memory model never special-cases a family name.
+
+Sources for the structure of each family: the modelling files of transformers 5.x
+(``models/<family>/modeling_<family>.py``): llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, gemma, gemma2,
+phi3.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from vramguard.errors import ConfigError
+
+# model_type -> structural traits that are not in config.json itself
+_FAMILIES: dict[str, dict[str, Any]] = {
+    "llama": {},
+    "mistral": {},
+    "qwen2": {"qkv_bias": True},
+    "qwen3": {"qk_norm": True},
+    "mixtral": {"moe": True},
+    "qwen2_moe": {"moe": True, "qkv_bias": True},
+    "qwen3_moe": {"moe": True, "qk_norm": True},
+    "gemma": {"scaled_embeddings": True},
+    "gemma2": {"scaled_embeddings": True, "norms_per_layer": 4, "alternating_sliding": True},
+    "gemma3_text": {"scaled_embeddings": True, "norms_per_layer": 4, "qk_norm": True},
+    "phi3": {"fused_qkv": True, "fused_gate_up": True},
+}
+SUPPORTED_MODEL_TYPES = tuple(sorted(_FAMILIES))
+
+_DTYPE_NAMES = {"float32": "fp32", "float": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16"}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Architecture of a decoder-only transformer, as memory sees it.
+
+    Attributes (all counts are ints; no sizes in bytes here):
+        name: catalog name, model id or path, as given.
+        model_type: the ``model_type`` of config.json (``llama``, ``qwen2``...).
+        hidden_size, intermediate_size, num_layers, num_heads, num_kv_heads, head_dim, vocab_size: as in
+            config.json; ``head_dim`` is the config's override when present, else ``hidden_size // num_heads``.
+        max_position_embeddings: the context length the model was built for (tokens).
+        tie_word_embeddings: lm_head shares the embedding matrix (stored once).
+        layer_types: per layer ``"full_attention"`` or ``"sliding_attention"``.
+        sliding_window: window of the sliding layers in tokens, ``None`` when no layer slides.
+        num_experts, num_experts_per_tok, moe_intermediate_size, shared_expert_intermediate_size: MoE (0 = dense).
+        qkv_bias, o_bias, mlp_bias: whether those projections carry a bias vector.
+        fused_qkv, fused_gate_up: projections stored as one matrix (Phi-3).
+        norms_per_layer: RMSNorm vectors per decoder layer (2, or 4 for Gemma-2/3); ``qk_norm`` adds two of
+            ``head_dim`` each.
+        scaled_embeddings: the embeddings are multiplied by sqrt(hidden) into a new tensor (Gemma).
+        attn_logit_softcapping, final_logit_softcapping: Gemma-2 soft-capping (None when absent).
+        checkpoint_dtype: ``fp32`` / ``bf16`` / ``fp16`` as the checkpoint stores it, ``None`` when unknown.
+        prequantized: the checkpoint's own ``quantization_config.quant_method`` (``bitsandbytes``, ``gptq``...).
+        source: where the config came from (``catalog``, a path, ``hf-cache:<id>``).
+    """
+
+    name: str
+    model_type: str
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_position_embeddings: int
+    tie_word_embeddings: bool = False
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int | None = None
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    fused_qkv: bool = False
+    fused_gate_up: bool = False
+    norms_per_layer: int = 2
+    qk_norm: bool = False
+    scaled_embeddings: bool = False
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    checkpoint_dtype: str | None = None
+    prequantized: str | None = None
+    source: str = "catalog"
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def gqa_groups(self) -> int:
+        """Query heads per KV head (1 = multi-head attention, >1 = GQA, num_heads = MQA)."""
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def num_sliding_layers(self) -> int:
+        return sum(1 for t in self.layer_types if t == "sliding_attention")
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+
+def _req(cfg: dict[str, Any], key: str, name: str, *alts: str) -> Any:
+    for k in (key, *alts):
+        if cfg.get(k) is not None:
+            return cfg[k]
+    raise ConfigError(f"config.json:{key}", None, "a value (memory depends on it)",
+                      f"the config of {name} has no '{key}'; pass a complete config.json of a decoder-only model")
+
+
+def _pos_int(value: Any, key: str, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"config.json:{key}", value, "a positive integer", f"fix '{key}' in the config of {name}")
+    return value
+
+
+def _layer_types(cfg: dict[str, Any], fam: dict[str, Any], n_layers: int, window: int | None) -> tuple[str, ...]:
+    given = cfg.get("layer_types")
+    if given:
+        types = tuple("sliding_attention" if "sliding" in str(t) or str(t) == "local" else "full_attention"
+                      for t in given)
+        if len(types) != n_layers:
+            raise ConfigError("config.json:layer_types", f"{len(types)} entries", f"{n_layers} (num_hidden_layers)",
+                              "make layer_types list one type per layer")
+        return types
+    if window is None:
+        return ("full_attention",) * n_layers
+    if fam.get("alternating_sliding"):  # Gemma-2: even layers slide (modeling_gemma2.py, `layer_idx % 2 == 0`)
+        return tuple("sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n_layers))
+    pattern = cfg.get("sliding_window_pattern")
+    if pattern:  # Gemma-3 style: every `pattern`-th layer is global
+        return tuple("full_attention" if (i + 1) % int(pattern) == 0 else "sliding_attention" for i in range(n_layers))
+    if cfg.get("use_sliding_window") is False:
+        return ("full_attention",) * n_layers
+    max_window_layers = cfg.get("max_window_layers")
+    if max_window_layers is not None and cfg.get("use_sliding_window"):
+        return tuple("sliding_attention" if i >= max_window_layers else "full_attention" for i in range(n_layers))
+    return ("sliding_attention",) * n_layers
+
+
+def spec_from_config(cfg: dict[str, Any], name: str = "model", source: str = "config") -> ModelSpec:
+    """Build a :class:`ModelSpec` from a config.json dict.
+
+    Multimodal configs are read from their ``text_config`` (the vision tower is not modelled; a note says so).
+
+    Raises:
+        ConfigError: an encoder-decoder or unsupported ``model_type``, or a missing / non-positive size field.
+    """
+    notes: list[str] = []
+    if cfg.get("text_config"):
+        notes.append("multimodal config: only the language model (text_config) is planned; vision weights are not")
+        merged = dict(cfg["text_config"])
+        merged.setdefault("torch_dtype", cfg.get("torch_dtype") or cfg.get("dtype"))
+        merged.setdefault("quantization_config", cfg.get("quantization_config"))
+        cfg = merged
+    model_type = cfg.get("model_type")
+    if cfg.get("is_encoder_decoder"):
+        raise ConfigError("config.json:is_encoder_decoder", True, "decoder-only causal LMs",
+                          "vramguard plans decoder-only models (Llama, Mistral, Qwen, Gemma, Phi...)")
+    if model_type not in _FAMILIES:
+        raise ConfigError("config.json:model_type", model_type, ", ".join(SUPPORTED_MODEL_TYPES),
+                          "use a model of a supported family, or a catalog name (vramguard plan --list-models)")
+    fam = _FAMILIES[model_type]
+    hidden = _pos_int(_req(cfg, "hidden_size", name), "hidden_size", name)
+    heads = _pos_int(_req(cfg, "num_attention_heads", name), "num_attention_heads", name)
+    kv_heads = _pos_int(cfg.get("num_key_value_heads") or heads, "num_key_value_heads", name)
+    if heads % kv_heads:
+        raise ConfigError("config.json:num_key_value_heads", kv_heads, f"a divisor of num_attention_heads={heads}",
+                          "fix num_key_value_heads in the config")
+    head_dim = _pos_int(cfg.get("head_dim") or hidden // heads, "head_dim", name)
+    n_layers = _pos_int(_req(cfg, "num_hidden_layers", name), "num_hidden_layers", name)
+    window = cfg.get("sliding_window")
+    if window is not None and (cfg.get("use_sliding_window") is False):
+        window = None
+    layer_types = _layer_types(cfg, fam, n_layers, window)
+    if window is None and "sliding_attention" in layer_types:
+        raise ConfigError("config.json:sliding_window", None, "a window size when layer_types has sliding layers",
+                          "set sliding_window in the config")
+    if "sliding_attention" not in layer_types:
+        window = None
+    n_experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0) if fam.get("moe") else 0
+    intermediate = _pos_int(_req(cfg, "intermediate_size", name), "intermediate_size", name)
+    dtype_name = cfg.get("torch_dtype") or cfg.get("dtype")
+    qcfg = cfg.get("quantization_config") or {}
+    return ModelSpec(
+        name=name, model_type=model_type, hidden_size=hidden, intermediate_size=intermediate,
+        num_layers=n_layers, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+        vocab_size=_pos_int(_req(cfg, "vocab_size", name), "vocab_size", name),
+        max_position_embeddings=_pos_int(_req(cfg, "max_position_embeddings", name), "max_position_embeddings", name),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        layer_types=layer_types, sliding_window=int(window) if window else None,
+        num_experts=n_experts,
+        num_experts_per_tok=int(cfg.get("num_experts_per_tok") or 0) if n_experts else 0,
+        moe_intermediate_size=int(cfg.get("moe_intermediate_size") or intermediate) if n_experts else 0,
+        shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0) if n_experts else 0,
+        qkv_bias=bool(fam.get("qkv_bias")) or bool(cfg.get("attention_bias", False)),
+        o_bias=bool(cfg.get("attention_bias", False)) and model_type not in ("qwen2", "qwen2_moe"),
+        mlp_bias=bool(cfg.get("mlp_bias", False)),
+        fused_qkv=bool(fam.get("fused_qkv")), fused_gate_up=bool(fam.get("fused_gate_up")),
+        norms_per_layer=int(fam.get("norms_per_layer", 2)), qk_norm=bool(fam.get("qk_norm")),
+        scaled_embeddings=bool(fam.get("scaled_embeddings")),
+        attn_logit_softcapping=cfg.get("attn_logit_softcapping"),
+        final_logit_softcapping=cfg.get("final_logit_softcapping"),
+        checkpoint_dtype=_DTYPE_NAMES.get(str(dtype_name)) if dtype_name else None,
+        prequantized=qcfg.get("quant_method") if isinstance(qcfg, dict) else None,
+        source=source, notes=tuple(notes),
+    )

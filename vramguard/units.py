@@ -1,0 +1,71 @@
+"""Units: every size inside vramguard is an ``int`` of bytes; text is produced only here.
+
+``GiB = 2**30`` and ``GB = 10**9``. :func:`parse_size` accepts exactly ``<number><unit>`` with the unit one of
+B, KiB, MiB, GiB, TiB, KB, MB, GB, TB (case-insensitive on the letters, so ``24gib`` works), and rejects
+anything else with a message naming the accepted forms.
+"""
+
+from __future__ import annotations
+
+import re
+
+from vramguard.errors import InvalidValue
+
+KiB = 2**10
+MiB = 2**20
+GiB = 2**30
+TiB = 2**40
+KB = 10**3
+MB = 10**6
+GB = 10**9
+TB = 10**12
+
+_UNITS = {"b": 1, "kib": KiB, "mib": MiB, "gib": GiB, "tib": TiB, "kb": KB, "mb": MB, "gb": GB, "tb": TB}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]+)\s*$")
+ACCEPTED_SIZE_FORMS = "a number and a unit, e.g. 24GiB, 24GB, 24000MiB, 12.5GiB (units: B KiB MiB GiB TiB KB MB GB TB)"
+
+
+def parse_size(text: str, field: str = "size") -> int:
+    """Parse a memory size such as ``"24GiB"`` into bytes.
+
+    Args:
+        text: the size as typed by a user.
+        field: the option or field name used in the error message.
+
+    Returns:
+        The size in bytes (int, rounded down to a whole byte).
+
+    Raises:
+        InvalidValue: the text has no unit, an unknown unit, or is not positive.
+    """
+    m = _SIZE_RE.match(str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise InvalidValue(field, text, ACCEPTED_SIZE_FORMS)
+    value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if value <= 0:
+        raise InvalidValue(field, text, "a size larger than 0 B")
+    return value
+
+
+def fmt_gib(n: int | None, digits: int = 2) -> str:
+    """Render bytes as GiB (divided by 2**30), e.g. ``3.61 GiB``; ``None`` renders as ``-``."""
+    if n is None:
+        return "-"
+    return f"{n / GiB:.{digits}f} GiB"
+
+
+def fmt_bytes(n: int | None) -> str:
+    """Render bytes with the largest binary unit that keeps the number >= 1 (B, KiB, MiB, GiB, TiB)."""
+    if n is None:
+        return "-"
+    sign = "-" if n < 0 else ""
+    v = abs(n)
+    for name, size in (("TiB", TiB), ("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
+        if v >= size:
+            return f"{sign}{v / size:.2f} {name}"
+    return f"{sign}{v} B"
+
+
+def fmt_tokens(n: int | None) -> str:
+    """Render a token count with thousands separators."""
+    return "-" if n is None else f"{n:,}"
