@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 
 
 def _has_cuda() -> bool:
@@ -59,10 +58,8 @@ def read_jsonl(path: Path) -> list[dict]:
 
 @pytest.fixture
 def shared_reference() -> Path:
-    p = SHARED / "reference"
-    if not p.is_dir():
-        pytest.fail(f"shared/reference not found at {p}: the tests need the measured reference beside the repo")
-    return p
+    """The H200 reference measurements (a copy of shared/reference/h200_llama2_7b_shape.jsonl in tests/data)."""
+    return Path(__file__).resolve().parent / "data"
 
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

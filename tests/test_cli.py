@@ -43,7 +43,12 @@ def test_json_carries_integer_bytes():
     (("plan", "no-such-model"), 3, ["MODEL", "no-such-model", "catalog name"]),
     (("plan", "--gpu", "rtx-9999"), 3, ["--gpu", "rtx-9999", "rtx-4090"]),
     (("plan", "--vram", "24XB"), 2, ["--vram", "24XB", "24GiB"]),
-    (("plan", "--batch", "0"), 2, ["batch", "0", ">= 1"]),
+    (("plan", "--batch", "0"), 2, ["--batch", "0", ">= 1", "fix:"]),
+    (("plan", "--vram", "24"), 2, ["--vram", "add a unit: 24GiB"]),
+    (("plan", "--num-return-sequences", "3"), 2, ["--num-return-sequences", "beam search"]),
+    (("plan", "--kv-dtype", "int4", "--cache", "static"), 2, ["--kv-dtype", "--cache dynamic"]),
+    (("plan", "--quant", "int8", "--compute-dtype", "fp16"), 2, ["--compute-dtype", "4-bit"]),
+    (("plan", "./no/such/config.json"), 3, ["no such file or folder"]),
     (("plan", "--prompt-tokens", "5000"), 2, ["max_position_embeddings=4096"]),
     (("plan", "--gpu", "t4", "--vram", "16GiB"), 2, ["--gpu/--vram", "one of the two"]),
     (("plan", "--quant", "int3"), 2, ["int3"]),
@@ -54,6 +59,29 @@ def test_bad_input_gets_a_clear_error(args, code, words):
     assert "Traceback" not in r.stderr + r.stdout
     for w in words:
         assert w in r.stderr, (w, r.stderr)
+
+
+def test_binary_file_as_model_is_a_clear_error(tmp_path):
+    f = tmp_path / "model.safetensors"
+    f.write_bytes(bytes(range(256)) * 4)
+    r = run("plan", str(f))
+    assert r.returncode == 3 and "not JSON text" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_json_errors_are_json():
+    r = run("plan", "--batch", "0", "--format", "json")
+    assert r.returncode == 2
+    e = json.loads(r.stdout)["error"]
+    assert e["field"] == "--batch" and e["value"] == "0" and e["exit_code"] == 2
+
+
+def test_context_override_for_rope_scaled_models():
+    """C8's Qwen2-7B at 131,072 tokens (YaRN): the config says 32,768, --context allows more."""
+    r = run("plan", "qwen2-7b", "--prompt-tokens", "131072", "--max-new-tokens", "0", "--logits", "all",
+            "--context", "131072", "--vram", "141GiB", "--format", "json")
+    assert r.returncode == 0, r.stderr
+    f = next(f for f in json.loads(r.stdout)["findings"] if f["code"] == "logits_all_positions")
+    assert "74.25 GiB" in f["message"]
 
 
 def test_named_card_and_listing():

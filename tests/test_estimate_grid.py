@@ -18,6 +18,8 @@ def test_every_setting_gives_integral_consistent_components(name):
     spec = resolve_model(name)
     prompt = min(2048, spec.max_position_embeddings // 2)
     for quant, attn, kv, cache in GRID:
+        if kv == "int4" and cache != "dynamic":
+            continue  # the quantized cache is a cache of its own (rejected by Settings)
         s = Settings(quant=quant, attn=attn, kv_dtype=kv, cache=cache, batch=2, prompt_tokens=prompt,
                      max_new_tokens=64, prefill_chunk=512)
         e = estimate(spec, s)

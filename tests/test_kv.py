@@ -56,7 +56,7 @@ def test_batch_beams_and_return_sequences_multiply():
     beams = Settings(batch=2, num_beams=4, num_return_sequences=2, prompt_tokens=512, max_new_tokens=0)
     assert beams.sequences == 8
     assert kv_cache_bytes(spec, beams, 512).gpu_bytes == 8 * one
-    sampled = Settings(batch=3, num_return_sequences=5, prompt_tokens=512, max_new_tokens=0)
+    sampled = Settings(batch=3, num_return_sequences=5, do_sample=True, prompt_tokens=512, max_new_tokens=0)
     assert kv_cache_bytes(spec, sampled, 512).gpu_bytes == 15 * one
 
 

@@ -21,7 +21,7 @@ from vramguard.errors import (ConfigError, Infeasible, InvalidValue, UnknownGpu,
 EXIT_CODES: dict[type, int] = {InvalidValue: 2, ConfigError: 3, UnknownModel: 3, UnknownGpu: 3, Infeasible: 4}
 EXIT_INTERNAL = 70
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None,
                   help="vramguard: plan, verify and guard GPU memory for Hugging Face transformers inference.")
 err = Console(stderr=True)
 
@@ -75,18 +75,29 @@ class Format(str, Enum):
     json = "json"
 
 
-def _fail(e: BaseException) -> None:
+# library field name -> the CLI option that sets it
+FIELD_FLAGS = {"batch": "--batch", "num_beams": "--num-beams", "num_return_sequences": "--num-return-sequences",
+               "prompt_tokens": "--prompt-tokens", "max_new_tokens": "--max-new-tokens",
+               "prefill_chunk": "--prefill-chunk", "kv_dtype": "--kv-dtype", "compute_dtype": "--compute-dtype",
+               "dtype": "--dtype", "quant": "--quant", "attn": "--attn", "cache": "--cache", "context": "--context",
+               "max_cache_len": "--max-cache-len"}
+
+
+def _fail(e: VramguardError, as_json: bool = False) -> None:
     code = EXIT_CODES.get(type(e), getattr(e, "exit_code", 2))
-    err.print(f"[red]error[/red] {e}", markup=True, highlight=False)
+    flag = " + ".join(FIELD_FLAGS.get(part.strip(), part.strip()) for part in e.field.split("+"))
+    err.print("error " + e.render(flag), markup=False, highlight=False)
+    if as_json:
+        sys.stdout.write(json.dumps({"error": {**e.as_dict(), "field": flag}}) + "\n")
     raise typer.Exit(code)
 
 
-def run_guarded(fn, *args, **kwargs):
+def run_guarded(fn, *args, as_json: bool = False, **kwargs):
     """Call ``fn``; map vramguard errors to their exit code and anything else to an internal-error message."""
     try:
         return fn(*args, **kwargs)
     except VramguardError as e:
-        _fail(e)
+        _fail(e, as_json)
     except (typer.Exit, KeyboardInterrupt):
         raise
     except Exception as e:  # an internal error: say so plainly, keep the traceback for debugging only
@@ -119,6 +130,8 @@ def plan(
     logits: Logits = typer.Option(Logits.last, help="last: generate(); all: a forward over every position"),
     output_attentions: bool = typer.Option(False, help="attention maps requested (forces eager)"),
     padded: bool = typer.Option(False, help="prompts of different lengths in one batch"),
+    do_sample: bool = typer.Option(False, help="sampling (allows --num-return-sequences > 1 without beams)"),
+    context: Optional[int] = typer.Option(None, help="context length to allow (RoPE-scaled models beyond config)"),
     gpu: Optional[str] = typer.Option(None, help="a catalog card (see --list-gpus)"),
     vram: Optional[str] = typer.Option(None, help="card memory, e.g. 24GiB, 24GB, 24000MiB"),
     fmt: Format = typer.Option(Format.human, "--format", help="human or json"),
@@ -141,14 +154,14 @@ def plan(
                      kv_dtype=kv_dtype.value if kv_dtype else None, cache=cache.value, batch=batch,
                      num_beams=num_beams, num_return_sequences=num_return_sequences, prompt_tokens=prompt_tokens,
                      max_new_tokens=max_new_tokens, prefill_chunk=prefill_chunk, logits=logits.value,
-                     output_attentions=output_attentions, padded=padded)
-        return plan_fn(model, s, gpu=gpu, vram=vram)
+                     output_attentions=output_attentions, padded=padded, do_sample=do_sample)
+        return plan_fn(model, s, gpu=gpu, vram=vram, context=context)
 
-    p = run_guarded(build)
+    p = run_guarded(build, as_json=fmt == Format.json)
     if fmt == Format.json:
         sys.stdout.write(json.dumps(plan_to_json(p), indent=2) + "\n")
     else:
-        print_plan(p, Console(width=max(120, Console().width)))
+        print_plan(p, Console())
 
 
 def _print_catalog(models: bool, gpus: bool) -> None:

@@ -16,10 +16,16 @@ class VramguardError(Exception):
         self.value = value
         self.accepted = accepted
         self.fix = fix
-        msg = f"{field}: {value!r} is not valid; accepted: {accepted}."
-        if fix:
-            msg += f"\nfix: {fix}"
-        super().__init__(msg)
+        super().__init__(self.render())
+
+    def render(self, field: str | None = None) -> str:
+        """The two-line message, with ``field`` (e.g. the CLI flag) in place of the library's field name."""
+        msg = f"{field or self.field}: {self.value!r} is not valid; accepted: {self.accepted}."
+        return msg + (f"\nfix: {self.fix}" if self.fix else "")
+
+    def as_dict(self) -> dict:
+        return {"type": type(self).__name__, "field": self.field, "value": str(self.value),
+                "accepted": self.accepted, "fix": self.fix, "exit_code": self.exit_code}
 
 
 class InvalidValue(VramguardError):

@@ -19,6 +19,14 @@ def plan_findings(p: "Plan") -> list["Finding"]:
     from vramguard.plan import Finding
     spec, s, est = p.model, p.settings, p.estimate
     out: list[Finding] = [Finding("model_note", "info", n) for n in spec.notes]
+    if spec.checkpoint_dtype == "fp32" and s.dtype is None and s.act_dtype != "fp32":
+        f32 = weight_bytes(spec, s.with_(quant="fp32" if s.quant in ("bf16", "fp16") else s.quant,
+                                         dtype="fp32")).total_bytes
+        out.append(Finding("checkpoint_fp32", "warn", f"the checkpoint's config says float32: this plan assumes "
+                           f"dtype={s.act_dtype} is passed to from_pretrained; without it transformers 5 loads "
+                           f"float32 (weights {fmt_gib(f32)} against {fmt_gib(est.weights.total_bytes)})",
+                           f"pass dtype=torch.{'bfloat16' if s.act_dtype == 'bf16' else 'float16'}",
+                           f32 - est.weights.total_bytes))
     half = s.with_(quant="bf16" if s.quant == "fp32" else s.quant, dtype="bf16")
     if s.attn == "flash_attention_2" and s.act_dtype == "fp32":
         f32 = est.weights.total_bytes

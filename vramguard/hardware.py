@@ -52,7 +52,8 @@ def gpu_from_vram(text: str) -> GpuSpec:
         InvalidValue: the size is malformed.
     """
     size = parse_size(text, "--vram")
-    return GpuSpec(f"{text.strip()} card", f"a {text.strip()} GPU", size, None, source="--vram")
+    label = f"{size / 2**30:g} GiB card" if size % 2**20 == 0 else f"{text.strip()} card"
+    return GpuSpec(label.replace(" ", "-").lower(), label, size, None, source="--vram")
 
 
 def _match_catalog(label: str, total: int, cc: tuple[int, int] | None, used: int) -> GpuSpec:

@@ -135,7 +135,8 @@ class Plan:
 
 
 def plan(model: str | ModelSpec, settings: Settings | None = None, *, gpu: str | None = None,
-         vram: str | None = None, gpus: list[GpuSpec] | None = None, solve: bool = True) -> Plan:
+         vram: str | None = None, gpus: list[GpuSpec] | None = None, solve: bool = True,
+         context: int | None = None) -> Plan:
     """Plan the memory of running ``model`` with ``settings`` on a GPU.
 
     Args:
@@ -144,6 +145,8 @@ def plan(model: str | ModelSpec, settings: Settings | None = None, *, gpu: str |
         gpu / vram / gpus: the card(s): a catalog name, a size such as ``"24GiB"``, or explicit GpuSpecs;
             none of them: the detected GPU, else 8, 12, 16 and 24 GiB cards.
         solve: also find the largest prompt, new tokens and batch per card, and rank the changes.
+        context: the context length to allow, replacing ``max_position_embeddings`` (a RoPE-scaled model run
+            beyond its config, e.g. Qwen2-7B with YaRN at 131,072 tokens).
 
     Raises:
         UnknownModel, ConfigError: the model cannot be read. UnknownGpu, InvalidValue: bad card or size.
@@ -155,6 +158,15 @@ def plan(model: str | ModelSpec, settings: Settings | None = None, *, gpu: str |
     from vramguard.solve import ranked_changes, solve_card
 
     spec = model if isinstance(model, ModelSpec) else resolve_model(model)
+    if context is not None:
+        from dataclasses import replace
+
+        from vramguard.errors import InvalidValue
+        if isinstance(context, bool) or not isinstance(context, int) or context < 1:
+            raise InvalidValue("context", context, "a positive number of tokens")
+        spec = replace(spec, max_position_embeddings=context,
+                       notes=spec.notes + (f"context set to {context:,} tokens (config: "
+                                           f"{spec.max_position_embeddings:,})",))
     s = settings or Settings()
     check_context(spec, s)
     if gpus is None:

@@ -23,6 +23,27 @@ LABELS = {
 }
 
 
+# where in the forward the peak falls, in words
+PEAK_AT = {
+    "prod": "MLP (activation x up projection)", "up_proj": "MLP up projection", "gate_proj": "MLP gate projection",
+    "down_proj": "MLP down projection", "gate_up_proj": "MLP gate/up projection", "act": "MLP activation",
+    "softmax_fp32": "eager softmax (float32 scores)", "softmax_in_fp32": "eager softmax input cast to float32",
+    "attn_weights": "eager attention weights", "sdpa_math": "SDPA math backend (float32 scores)",
+    "cache_update": "KV cache concatenation", "quantized_cache_update": "quantized KV cache dequantization",
+    "logits": "logits", "logits_fp32": "logits float32 copy", "expert": "MoE expert", "final_norm": "final norm",
+    "retained_attentions": "retained attention maps", "input_layernorm": "RMSNorm (float32 upcast)",
+    "post_attention_layernorm": "RMSNorm (float32 upcast)", "o_proj": "attention output projection",
+}
+
+
+def _where(at: str) -> str:
+    return PEAK_AT.get(at, at.replace("_", " "))
+
+
+def _n(v: int | None) -> str:
+    return "none fits" if v is None else f"{v:,}"
+
+
 def to_jsonable(obj: Any) -> Any:
     """Dataclasses, tuples and dicts to JSON-ready values; ints stay ints, None stays null."""
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
@@ -84,53 +105,66 @@ def print_plan(p: Plan, console: Console | None = None) -> None:
     c = console or Console()
     est, spec = p.estimate, p.model
     c.print(f"[bold]vramguard plan[/bold] - {spec.name}  ({spec.source})")
+    n = est.weights.parameter_count
+    params = f"{n / 1e9:.2f} B" if n >= 1e8 else f"{n / 1e6:.2f} M"
     c.print(f"{spec.num_layers} layers, hidden {spec.hidden_size}, {spec.num_heads} heads / {spec.num_kv_heads} KV "
             f"heads (head_dim {spec.head_dim}), vocab {spec.vocab_size:,}, context {spec.max_position_embeddings:,}, "
-            f"{est.weights.parameter_count / 1e9:.2f} B parameters")
+            f"{params} parameters")
     c.print(_settings_line(p))
     phase = ("prefill" if est.peak_phase == "prefill" else "last decode step")
-    t = Table(title=f"Memory at the peak ({phase}, at {(est.prefill if est.peak_phase == 'prefill' else est.decode).at})",
-              title_justify="left")
+    at = (est.prefill if est.peak_phase == "prefill" else est.decode).at
+    t = Table(title=f"Memory at the peak: {phase}, {_where(at)}", title_justify="left")
     t.add_column("component")
     t.add_column("bytes", justify="right")
     t.add_column("GiB", justify="right")
     for k, v in est.components.items():
         t.add_row(LABELS.get(k, k), f"{v:,}", f"{v / 2**30:.2f}")
-    t.add_row("[bold]PyTorch peak allocated[/bold]", f"{est.peak_allocated_bytes:,}", fmt_gib(est.peak_allocated_bytes)[:-4])
+    t.add_row("[bold]PyTorch peak allocated[/bold]", f"{est.peak_allocated_bytes:,}", f"{est.peak_allocated_bytes / 2**30:.2f}")
     t.add_row("allocator reserve (fragmentation)", f"{est.allocator_reserve_bytes:,}", f"{est.allocator_reserve_bytes / 2**30:.2f}")
     t.add_row("[bold]PyTorch peak reserved[/bold]", f"{est.peak_reserved_bytes:,}", f"{est.peak_reserved_bytes / 2**30:.2f}")
     t.add_row("CUDA context and memory outside PyTorch", f"{est.cuda_context_bytes:,}", f"{est.cuda_context_bytes / 2**30:.2f}")
     t.add_row("[bold]card memory in use[/bold]", f"{est.device_used_bytes:,}", f"{est.device_used_bytes / 2**30:.2f}")
     c.print(t)
     w = est.weights
-    c.print(f"weights: {fmt_gib(w.quantized_linear_bytes)} quantized linears ({w.quantized_parameter_count:,} params), "
-            f"{fmt_gib(w.quant_state_bytes)} quantization state, {fmt_gib(w.embedding_bytes)} embeddings, "
-            f"{fmt_gib(w.lm_head_bytes)} lm_head{' (tied)' if spec.tie_word_embeddings else ''}, "
-            f"{fmt_bytes(w.norm_bytes + w.bias_bytes)} norms and biases, {fmt_gib(w.dense_linear_bytes)} 16/32-bit linears")
+    parts = [f"{fmt_bytes(w.quantized_linear_bytes)} quantized linears ({w.quantized_parameter_count:,} params)"
+             if w.quantized_linear_bytes else "",
+             f"{fmt_bytes(w.quant_state_bytes)} quantization state" if w.quant_state_bytes else "",
+             f"{fmt_bytes(w.dense_linear_bytes)} {p.settings.weight_dtype} linears" if w.dense_linear_bytes else "",
+             f"{fmt_bytes(w.embedding_bytes)} embeddings",
+             "lm_head tied to the embeddings" if spec.tie_word_embeddings else f"{fmt_bytes(w.lm_head_bytes)} lm_head",
+             f"{fmt_bytes(w.norm_bytes + w.bias_bytes)} norms and biases"]
+    c.print(f"weights {w.total_bytes:,} B = {fmt_bytes(w.total_bytes)} = {w.total_bytes / 1e9:.2f} GB: "
+            + ", ".join(x for x in parts if x))
     kv = est.kv_full
-    c.print(f"KV cache at {fmt_tokens(kv.tokens)} tokens: {fmt_gib(kv.gpu_bytes)} on the GPU"
-            + (f", {fmt_gib(kv.cpu_bytes)} in CPU RAM" if kv.cpu_bytes else "")
+    c.print(f"KV cache at {fmt_tokens(kv.tokens)} tokens: {fmt_bytes(kv.gpu_bytes)} on the GPU"
+            + (f", {fmt_bytes(kv.cpu_bytes)} in CPU RAM" if kv.cpu_bytes else "")
             + f"; {fmt_bytes(est.kv_bytes_per_token)} per generated token")
-    dec = f"; decode peak {fmt_gib(est.decode.peak_bytes)} above the weights" if est.decode else ""
-    c.print(f"prefill peak {fmt_gib(est.prefill.peak_bytes)} above the weights (at {est.prefill.at}){dec}")
+    dec = f"; decode peak {fmt_bytes(est.decode.peak_bytes)} above the weights" if est.decode else ""
+    c.print(f"prefill peak {fmt_bytes(est.prefill.peak_bytes)} above the weights ({_where(est.prefill.at)}){dec}")
     c.print(f"logits: {p.logits_case}")
-    ct = Table(title=f"Cards ({p.cards_reason})", title_justify="left")
+    c.print(f"cards: {p.cards_reason}")
+    ct = Table(title="Cards", title_justify="left")
     for col in ("card", "memory", "need", "fits", "headroom", "max prompt", "max new tokens", "max batch"):
         ct.add_column(col, justify="left" if col == "card" else "right")
     for v in p.cards:
         ct.add_row(v.gpu.label, fmt_gib(v.usable_bytes), fmt_gib(v.need_bytes),
                    "[green]yes[/green]" if v.fits else "[red]no[/red]", fmt_gib(v.headroom_bytes),
-                   fmt_tokens(v.max_prompt_tokens), fmt_tokens(v.max_new_tokens), fmt_tokens(v.max_batch))
+                   _n(v.max_prompt_tokens), _n(v.max_new_tokens), _n(v.max_batch))
     c.print(ct)
     if p.findings:
         c.print("[bold]Findings[/bold]")
         for f in p.findings:
             color = {"fail": "red", "warn": "yellow"}.get(f.level, "cyan")
             c.print(f"  [{color}]{f.level}[/{color}] {f.message}" + (f"\n       fix: {f.fix}" if f.fix else ""))
-    if p.changes:
-        ch = Table(title="Changes that lower the need, largest saving first", title_justify="left")
+    labels = {v.gpu.name: v.gpu.label for v in p.cards}
+    if p.changes and all(v.fits for v in p.cards):
+        c.print("fits every card planned against; --format json lists the changes that would lower the need further")
+    elif p.changes:
+        ch = Table(title="Changes that lower the need: first those that keep your request, then those that shrink "
+                         "it; largest saving first in each", title_justify="left")
         for col in ("change", "saves", "need after", "fits"):
             ch.add_column(col, justify="left" if col in ("change", "fits") else "right")
         for x in p.changes:
-            ch.add_row(x.description, fmt_gib(x.saved_bytes), fmt_gib(x.need_bytes), ", ".join(x.fits_on) or "-")
+            ch.add_row(x.description, fmt_bytes(x.saved_bytes), fmt_bytes(x.need_bytes),
+                       ", ".join(labels.get(n, n) for n in x.fits_on) or "no")
         c.print(ch)

@@ -24,8 +24,9 @@ def _read_json(path: Path, field: str) -> dict:
     try:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
-    except json.JSONDecodeError as e:
-        raise ConfigError(field, str(path), "a JSON object", f"the file is not valid JSON ({e})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(field, str(path), "a config.json (a JSON object)",
+                          f"the file is not JSON text ({type(e).__name__}); pass the model folder or its config.json") from None
     except OSError as e:
         raise ConfigError(field, str(path), "a readable file", str(e)) from None
     if not isinstance(data, dict):
@@ -72,6 +73,8 @@ def resolve_model(model: str) -> ModelSpec:
         hit = _from_hf_cache(model)
         if hit:
             return spec_from_config(_read_json(hit, "MODEL"), name=model, source=f"hf-cache:{hit.parent}")
+    if model.startswith((".", "/", "~")) or model.endswith(".json"):
+        raise UnknownModel("MODEL", model, ACCEPTED_MODEL_FORMS, f"no such file or folder: {p}")
     raise UnknownModel("MODEL", model, ACCEPTED_MODEL_FORMS,
                        "download the model first, pass its folder, or use a catalog name such as llama-2-7b")
 

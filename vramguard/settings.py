@@ -30,7 +30,7 @@ def _choice(field: str, value: object, choices: tuple[str, ...]) -> None:
 
 def _count(field: str, value: object, minimum: int, fix: str | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise InvalidValue(field, value, f"an integer >= {minimum}", fix)
+        raise InvalidValue(field, value, f"an integer >= {minimum}", fix or f"pass a whole number of at least {minimum}")
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,7 @@ class Settings:
         logits: ``last`` (generate keeps only the last position) or ``all`` (a forward/scoring over the prompt).
         padded: the batch has prompts of different lengths, so a mask is materialized for SDPA.
         output_attentions: attention maps are returned, which needs eager attention and keeps every layer's map.
+        do_sample: sampling instead of greedy decoding (needed for num_return_sequences > 1 without beams).
     """
 
     quant: str = "nf4"
@@ -78,6 +79,7 @@ class Settings:
     logits: str = "last"
     padded: bool = False
     output_attentions: bool = False
+    do_sample: bool = False
 
     def __post_init__(self) -> None:
         _choice("quant", self.quant, QUANTS)
@@ -97,6 +99,15 @@ class Settings:
         if self.num_beams > 1 and self.num_return_sequences > self.num_beams:
             raise InvalidValue("num_return_sequences", self.num_return_sequences,
                                f"at most num_beams={self.num_beams} with beam search")
+        if self.num_return_sequences > 1 and self.num_beams == 1 and not self.do_sample:
+            raise InvalidValue("num_return_sequences", self.num_return_sequences, "1 with greedy decoding",
+                               "sample (do_sample) or use beam search (num_beams >= num_return_sequences)")
+        if self.kv_dtype in ("int8", "int4") and self.cache != "dynamic":
+            raise InvalidValue("kv_dtype", self.kv_dtype, f"bf16 or fp16 with a {self.cache} cache",
+                               "transformers' quantized KV cache is a cache of its own: use --cache dynamic")
+        if self.compute_dtype is not None and self.quant not in ("nf4", "fp4"):
+            raise InvalidValue("compute_dtype", self.compute_dtype, f"unset with --quant {self.quant}",
+                               "the compute dtype applies to 4-bit weights only (nf4, fp4)")
         _count("prompt_tokens", self.prompt_tokens, 1)
         _count("max_new_tokens", self.max_new_tokens, 0)
         _count("kv_group_size", self.kv_group_size, 1)

@@ -16,6 +16,7 @@ from vramguard.settings import Settings
 from vramguard.spec import ModelSpec
 
 MAX_BATCH_SEARCH = 1 << 16
+MIN_USEFUL_TOKENS = 64  # a shorter prompt or generation below this is no answer to "what fits"
 
 
 def _need(spec: ModelSpec, s: Settings) -> int:
@@ -76,7 +77,7 @@ def _candidates(spec: ModelSpec, s: Settings, target: GpuSpec | None) -> list[tu
     c: list[tuple[str, dict]] = []
     if s.output_attentions:
         c.append(("stop requesting attention maps (output_attentions=False)", {"output_attentions": False}))
-    if s.effective_attn == "eager" or s.sdpa_kernel == "math":
+    if (s.effective_attn == "eager" and not s.output_attentions) or s.sdpa_kernel == "math":
         c.append(("attention: sdpa with a flash-class kernel instead of eager/math",
                   {"attn": "sdpa", "sdpa_kernel": "auto", "output_attentions": False}))
     if s.quant in ("fp32", "fp16", "bf16", "int8", "fp4") or not s.double_quant:
@@ -94,6 +95,8 @@ def _candidates(spec: ModelSpec, s: Settings, target: GpuSpec | None) -> list[tu
     if s.cache != "offloaded":
         c.append(("KV cache offloaded to CPU RAM (OffloadedCache)", {"cache": "offloaded"}))
     for chunk in (2048, 512):
+        if s.logits == "all" or s.output_attentions:
+            break  # every position's logits or maps are kept anyway: chunking would not lower the peak
         if s.prompt_tokens > chunk and (s.prefill_chunk is None or s.prefill_chunk > chunk):
             c.append((f"chunked prefill of {chunk} tokens", {"prefill_chunk": chunk}))
     if s.logits == "all":
@@ -101,11 +104,11 @@ def _candidates(spec: ModelSpec, s: Settings, target: GpuSpec | None) -> list[tu
     if target is not None:
         u = target.total_bytes - target.used_by_others_bytes
         n = max_new_tokens(spec, s, u)
-        if n is not None and n < s.max_new_tokens:
-            c.append((f"shorter generation: {n} new tokens", {"max_new_tokens": n}))
+        if n is not None and MIN_USEFUL_TOKENS <= n < s.max_new_tokens:
+            c.append((f"shorter generation: {n:,} new tokens", {"max_new_tokens": n}))
         p = max_prompt_tokens(spec, s, u)
-        if p is not None and p < s.prompt_tokens:
-            c.append((f"shorter prompt: {p} tokens", {"prompt_tokens": p}))
+        if p is not None and MIN_USEFUL_TOKENS <= p < s.prompt_tokens:
+            c.append((f"shorter prompt: {p:,} tokens", {"prompt_tokens": p}))
         b = max_batch(spec, s, u)
         if b is not None and b < s.batch:
             c.append((f"smaller batch: {b}", {"batch": b}))
@@ -139,4 +142,33 @@ def ranked_changes(spec: ModelSpec, s: Settings, gpus: list[GpuSpec]) -> list[Ch
             reduces = bool({"prompt_tokens", "max_new_tokens", "batch", "num_beams"} & set(ch))
             out.append(Change(desc, ch, need2, need - need2, fits, reduces))
     out.sort(key=lambda c: (c.reduces_request, -c.saved_bytes))
+    combined = _combined(spec, s, out, usable, need, target)
+    if combined:
+        out.insert(0, combined)
     return out
+
+
+def _combined(spec: ModelSpec, s: Settings, changes: list[Change], usable: dict, need: int,
+              target: GpuSpec | None) -> Change | None:
+    """When no single change that keeps the request makes the run fit the target card, apply them in order of
+    saving, one setting family at a time, until it fits; None when a single change suffices or none helps."""
+    if target is None:
+        return None
+    keep = [c for c in changes if not c.reduces_request]
+    if not keep or any(target.name in c.fits_on for c in keep):
+        return None
+    applied: dict = {}
+    names: list[str] = []
+    for c in keep:
+        if set(c.settings) & set(applied) - {"output_attentions", "sdpa_kernel"}:
+            continue  # one value per setting: the larger saving came first
+        trial = {**applied, **c.settings}
+        try:
+            need2 = _need(spec, _with(s, **trial))
+        except VramguardError:
+            continue
+        applied, names = trial, names + [c.description]
+        if need2 <= usable[target.name]:
+            fits = tuple(name for name, u in usable.items() if need2 <= u)
+            return Change("together: " + " + ".join(names), applied, need2, need - need2, fits, False)
+    return None

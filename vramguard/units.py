@@ -38,12 +38,17 @@ def parse_size(text: str, field: str = "size") -> int:
     Raises:
         InvalidValue: the text has no unit, an unknown unit, or is not positive.
     """
-    m = _SIZE_RE.match(str(text))
+    t = str(text).strip()
+    if t.startswith("-"):
+        raise InvalidValue(field, text, "a size larger than 0 B", "give a positive size such as 24GiB")
+    if re.fullmatch(r"\d+(?:\.\d+)?", t):
+        raise InvalidValue(field, text, ACCEPTED_SIZE_FORMS, f"add a unit: {t}GiB or {t}GB")
+    m = _SIZE_RE.match(t)
     if not m or m.group(2).lower() not in _UNITS:
-        raise InvalidValue(field, text, ACCEPTED_SIZE_FORMS)
+        raise InvalidValue(field, text, ACCEPTED_SIZE_FORMS, "write the number and a unit, e.g. 24GiB")
     value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
     if value <= 0:
-        raise InvalidValue(field, text, "a size larger than 0 B")
+        raise InvalidValue(field, text, "a size larger than 0 B", "give a positive size such as 24GiB")
     return value
 
 

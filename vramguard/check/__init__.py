@@ -1,0 +1,146 @@
+"""``check``: the environment and the load settings, each finding a value with its reason and fix.
+
+Library entry point :func:`check` returns a :class:`CheckReport`; the CLI prints it and exits non-zero when a
+finding fails. On a machine with a CUDA GPU and a local model, the attention kernel that really runs is named by
+profiling one short forward (:mod:`vramguard.check.kernels`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vramguard.catalog.gpus import GpuSpec
+from vramguard.check.checkpoint import CheckpointInfo, read_checkpoint, resolve_param_dtype
+from vramguard.check.env import Env, probe_env
+from vramguard.check.kernels import AttentionKernel
+from vramguard.check.rules import CheckFinding, environment_findings, model_findings, runtime_findings
+from vramguard.settings import Settings
+from vramguard.units import fmt_gib
+
+__all__ = ["CheckFinding", "CheckReport", "check"]
+
+
+@dataclass
+class CheckReport:
+    """All findings; ``failed`` is True when any has status fail."""
+
+    findings: list[CheckFinding]
+    param_dtype: str
+    gpu: GpuSpec | None
+    kernel: AttentionKernel | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def failed(self) -> bool:
+        return any(f.status == "fail" for f in self.findings)
+
+
+def check(model: str | None = None, settings: Settings | None = None, *, dtype: str | None = None,
+          compute_dtype: str | None = None, device_map: str | None = None, gpu: str | None = None,
+          verify: bool = True, env: Env | None = None) -> CheckReport:
+    """Check the environment and the settings a model will be loaded with.
+
+    Args:
+        model: a local folder, config.json, cached model id or catalog name (None: environment only).
+        settings: quant, attention, lengths (``settings.dtype``/``compute_dtype`` are ignored: see below).
+        dtype: the ``dtype`` passed to from_pretrained; None = not passed (transformers' default decides).
+        compute_dtype: ``bnb_4bit_compute_dtype``; None = not passed (bitsandbytes' default: float32).
+        device_map: the ``device_map`` that will be passed (``"auto"`` is checked for silent offload).
+        gpu: check against this catalog card instead of the detected one.
+        verify: on a CUDA GPU with a local model, load it and name the attention kernel that runs.
+
+    Raises:
+        UnknownModel, ConfigError, UnknownGpu: the model or the card cannot be read.
+    """
+    from vramguard.hardware import gpu_from_catalog
+    from vramguard.plan import plan
+    from vramguard.resolve import model_folder, resolve_model
+
+    env = env or probe_env()
+    s = settings or Settings(attn="sdpa")
+    card = gpu_from_catalog(gpu) if gpu else (env.gpus[0] if env.gpus else None)
+    source = "named with --gpu (catalog)" if gpu else ("detected by NVML" if card else "")
+    spec = resolve_model(model) if model else None
+    folder = model_folder(model) if model else None
+    ckpt = read_checkpoint(folder) if folder else (
+        CheckpointInfo("", (), None, None, spec.checkpoint_dtype, False) if spec else None)
+    param_dtype, why = resolve_param_dtype(dtype, ckpt, env.transformers_version, s.quant)
+    compute = compute_dtype or ("fp32" if s.is_4bit else None)
+    if compute and s.is_4bit:
+        why_c = "" if compute_dtype else " (bnb_4bit_compute_dtype not set: bitsandbytes computes in float32)"
+    else:
+        why_c = ""
+    s = s.with_(dtype=param_dtype if s.quant not in ("bf16", "fp16", "fp32") else None,
+                compute_dtype=compute if s.is_4bit else None)
+    findings = environment_findings(env, card, source)
+    findings += runtime_findings(env, card, s, spec, param_dtype, why)
+    findings += model_findings(spec, ckpt if folder else None, s, env, param_dtype, why)
+    if why_c:
+        findings = [CheckFinding(f.name, f.status, f.value, f.reason + why_c, f.fix) if f.name == "compute_dtype"
+                    else f for f in findings]
+    report = CheckReport(findings, param_dtype, card)
+    if spec is not None and card is not None:
+        p = plan(spec, s, gpus=[card], solve=False)
+        v = p.cards[0]
+        findings.append(CheckFinding("plan", "ok" if v.fits else "fail",
+                                     f"needs {fmt_gib(v.need_bytes)} of {fmt_gib(v.usable_bytes)}",
+                                     f"vramguard plan for {s.prompt_tokens:,} + {s.max_new_tokens:,} tokens, "
+                                     f"batch {s.batch}", None if v.fits else "run `vramguard plan` for the "
+                                     "changes that make it fit"))
+        if device_map == "auto" and v.fits:
+            findings.append(_placement_finding(model, spec, s, card, env))
+    if verify and folder is not None and env.cuda_available:
+        findings.append(_verify_kernel(str(folder), s, param_dtype, report))
+    return report
+
+
+def _placement_finding(model, spec, s, card, env) -> CheckFinding:
+    from vramguard.catalog.models import MODELS
+    from vramguard.check.devicemap import auto_placement
+    from vramguard.resolve import catalog_name, model_folder
+    import json
+    key = catalog_name(model) if model else None
+    if key:
+        cfg = dict(MODELS[key])
+    else:
+        folder = model_folder(model)
+        cfg = json.loads((folder / "config.json").read_text()) if folder else {}
+    try:
+        pl = auto_placement(cfg, s, card.total_bytes - card.used_by_others_bytes, env.ram_available_bytes or 0)
+    except Exception as e:  # accelerate cannot build this config: say so instead of guessing
+        return CheckFinding("device_map", "info", "auto", f"placement unknown ({type(e).__name__}: {e})")
+    if pl is None:
+        return CheckFinding("device_map", "info", "auto", "placement unknown: torch/accelerate not installed")
+    if pl.offloaded:
+        names = ", ".join(list(pl.offloaded)[:4]) + (" ..." if len(pl.offloaded) > 4 else "")
+        return CheckFinding("device_map", "warn", f"{len(pl.offloaded)} modules off the GPU: {names}",
+                            f"device_map='auto' keeps ~10% of GPU memory back ({pl.reason}) and offloads to "
+                            "CPU/disk although the plan says the model fits, making generation many times slower",
+                            "pass device_map={'': 0} (or load with vramguard's load_model)")
+    return CheckFinding("device_map", "ok", "auto: every module on the GPU", pl.reason)
+
+
+def _verify_kernel(folder: str, s: Settings, param_dtype: str, report: CheckReport) -> CheckFinding:
+    """Load with the requested settings (no automatic choice) and profile one forward."""
+    from vramguard.load import load_model, unload
+    attn = s.attn
+    try:
+        loaded = load_model(folder, quant=s.quant, double_quant=s.double_quant,
+                            compute_dtype=s.resolved_compute_dtype if s.is_4bit else None,
+                            dtype=param_dtype, attn=attn, strict=True, verify=False)
+    except Exception as e:  # the load itself failing is the finding: name the exception
+        return CheckFinding("attention_kernel", "fail", f"{attn}: the model did not load",
+                            f"{type(e).__name__}: {str(e).splitlines()[0][:300]}",
+                            "use attn_implementation='sdpa'" if attn == "flash_attention_2" else None)
+    from vramguard.check.kernels import profile_attention
+    try:
+        k = profile_attention(loaded.model, attn if attn != "auto" else "sdpa", pinned=None)
+    except Exception as e:
+        unload(loaded)
+        return CheckFinding("attention_kernel", "fail", f"{attn}: the forward failed",
+                            f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
+    report.kernel = k
+    unload(loaded)
+    return CheckFinding("attention_kernel", "ok" if k.matches_request else "warn", k.label,
+                        k.reason + ("; kernels: " + ", ".join(k.evidence[:2]) if k.evidence else ""),
+                        None if k.matches_request else "see `vramguard check` findings for what forces this path")

@@ -1,0 +1,312 @@
+"""``load_model`` / ``unload``: the seed recipe done right, with a report of requested against active settings.
+
+Defaults (each can be set; an explicit setting is kept, or, when it cannot run, replaced and the replacement
+reported in ``LoadReport.overrides``; ``strict=True`` raises instead):
+
+* NF4 with double quant; compute dtype bf16 where the card supports it (compute capability >= 8.0), else fp16;
+  the model dtype equal to the compute dtype.
+* attention: flash_attention_2 when the flash_attn package is installed and the card, dtype and head_dim allow it,
+  else SDPA pinned to a flash-class backend (PyTorch's flash kernel, then cuDNN, then memory-efficient), verified
+  by profiling one short forward (:func:`vramguard.check.kernels.profile_attention`).
+* one GPU (``device_map={"": 0}``) unless the weights do not fit it, then an explicit ``max_memory`` split over
+  the visible GPUs; safetensors only and no remote code unless the caller opts in.
+"""
+
+from __future__ import annotations
+
+import gc
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from vramguard.check.checkpoint import read_checkpoint
+from vramguard.check.env import probe_env
+from vramguard.check.kernels import AttentionKernel, profile_attention
+from vramguard.errors import InvalidValue, UnknownModel
+from vramguard.resolve import model_folder, resolve_model
+
+SDPA_PIN_ORDER = ("flash", "cudnn", "efficient")
+_TORCH_DTYPE = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+@dataclass
+class LoadReport:
+    """Requested against active settings of a load, every override with its reason, and memory in bytes."""
+
+    model: str
+    requested: dict
+    active: dict = field(default_factory=dict)
+    overrides: list[str] = field(default_factory=list)
+    kernel: AttentionKernel | None = None
+    weights_bytes: int | None = None
+    baseline_allocated_bytes: int | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class LoadedModel:
+    """What :func:`load_model` returns: the model, its tokenizer (None when the folder has none) and the report."""
+
+    model: object
+    tokenizer: object
+    report: LoadReport
+
+    def __iter__(self):  # model, tokenizer, report = load_model(...)
+        return iter((self.model, self.tokenizer, self.report))
+
+
+def _override(report: LoadReport, strict: bool, field_: str, value, accepted: str, new, why: str) -> object:
+    if strict:
+        raise InvalidValue(field_, value, accepted, why)
+    msg = f"{field_}: {value} -> {new} ({why})"
+    report.overrides.append(msg)
+    warnings.warn("vramguard: " + msg, stacklevel=3)
+    return new
+
+
+def _choose_attn(attn: str, env, gpu, dtype: str, head_dim: int, report: LoadReport, strict: bool) -> str:
+    fa2_ok, why = True, ""
+    if env.flash_attn_version is None:
+        fa2_ok, why = False, "the flash_attn package is not installed"
+    elif gpu is None or gpu.compute_capability is None or gpu.compute_capability < (8, 0):
+        fa2_ok, why = False, "FlashAttention-2 needs a CUDA GPU of compute capability >= 8.0"
+    elif dtype == "fp32":
+        fa2_ok, why = False, "FlashAttention-2 needs float16/bfloat16"
+    elif head_dim > 256:
+        fa2_ok, why = False, f"flash_attn supports head_dim <= 256, the model has {head_dim}"
+    if attn == "auto":
+        report.notes.append("attention: flash_attention_2" if fa2_ok else f"attention: sdpa ({why})")
+        return "flash_attention_2" if fa2_ok else "sdpa"
+    if attn == "flash_attention_2" and not fa2_ok:
+        return _override(report, strict, "attn", attn, "an implementation that can run here", "sdpa", why)
+    return attn
+
+
+def _pin_sdpa(model, backend: str) -> None:
+    """Run every forward of ``model`` inside ``torch.nn.attention.sdpa_kernel([backend])`` (hooks on the model)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    b = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+         "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}[backend]
+    _unpin_sdpa(model)
+    stack: list = []
+
+    def pre(_m, _a):
+        cm = sdpa_kernel([b])
+        cm.__enter__()
+        stack.append(cm)
+
+    def post(_m, _a, _o):
+        if stack:
+            stack.pop().__exit__(None, None, None)
+
+    model._vramguard_pin = (backend, model.register_forward_pre_hook(pre), model.register_forward_hook(post),
+                            stack)
+
+
+def _unpin_sdpa(model) -> None:
+    pin = getattr(model, "_vramguard_pin", None)
+    if pin:
+        pin[1].remove()
+        pin[2].remove()
+        while pin[3]:
+            pin[3].pop().__exit__(None, None, None)
+        model._vramguard_pin = None
+
+
+def _verify_sdpa_pin(model, report: LoadReport, on_cuda: bool) -> None:
+    """Pin SDPA to the first flash-class backend that runs for this model, verified by a profiled forward."""
+    if not on_cuda:
+        report.kernel = profile_attention(model, "sdpa", seq_len=64)
+        return
+    errors = []
+    for backend in SDPA_PIN_ORDER:
+        _pin_sdpa(model, backend)
+        try:
+            k = profile_attention(model, "sdpa", pinned=backend)
+        except RuntimeError as e:  # "No available kernel": this backend cannot take these shapes
+            errors.append(f"{backend}: {str(e).splitlines()[0][:160]}")
+            _unpin_sdpa(model)
+            continue
+        if k.matches_request:
+            report.kernel = k
+            report.active["sdpa_backend"] = backend
+            report.notes += [f"sdpa backend tried and failed: {e}" for e in errors]
+            return
+        _unpin_sdpa(model)
+    report.kernel = profile_attention(model, "sdpa")
+    report.notes.append("no flash-class SDPA backend ran (" + "; ".join(errors) + "); SDPA left unpinned")
+
+
+def load_model(model: str, *, quant: str = "nf4", double_quant: bool = True, compute_dtype: str | None = None,
+               dtype: str | None = None, attn: str = "auto", device_map: str | dict | None = None,
+               trust_remote_code: bool = False, allow_pickle: bool = False, verify: bool = True,
+               strict: bool = False) -> LoadedModel:
+    """Load ``model`` (a local folder or a model id in the local HF cache) for inference, and report what runs.
+
+    Args:
+        quant: nf4 | fp4 | int8 (bitsandbytes) | bf16 | fp16 | fp32.
+        compute_dtype, dtype: bf16 | fp16 | fp32; ``None`` = bf16 on compute capability >= 8.0, else fp16.
+        attn: auto | flash_attention_2 | sdpa | eager.
+        device_map: ``None`` = one GPU, or a split by ``max_memory`` when the weights need several; else passed on.
+        trust_remote_code, allow_pickle: opt-ins (off: no custom code, safetensors only).
+        verify: profile one short forward and name the attention kernel that ran.
+        strict: raise instead of replacing a setting that cannot run here.
+
+    Returns:
+        LoadedModel (iterable as ``model, tokenizer, report``).
+
+    Raises:
+        UnknownModel: no local weights for ``model``. InvalidValue: a bad setting (or one that cannot run, with
+        ``strict``). ImportError: torch/transformers missing.
+    """
+    import torch
+    import transformers
+
+    from vramguard.check.checkpoint import resolve_param_dtype
+    from vramguard.settings import Settings
+
+    Settings(quant=quant, double_quant=double_quant, compute_dtype=compute_dtype, dtype=dtype)  # validates
+    if attn not in ("auto", "flash_attention_2", "sdpa", "eager"):
+        raise InvalidValue("attn", attn, "auto | flash_attention_2 | sdpa | eager")
+    folder = model_folder(model)
+    if folder is None or not any(Path(folder).glob("*.safetensors")) and not any(Path(folder).glob("*.bin")):
+        raise UnknownModel("model", model, "a local folder or cached model id with weights",
+                           "download the model first (a catalog name has no weights: use it with plan)")
+    ckpt = read_checkpoint(folder)
+    if ckpt.format == "pickle" and not allow_pickle:
+        raise InvalidValue("allow_pickle", False, "True to load pickle (.bin) weights",
+                           "convert the checkpoint to safetensors, or pass allow_pickle=True if you trust it")
+    spec = resolve_model(str(folder))
+    env = probe_env()
+    on_cuda = env.cuda_available and torch.cuda.is_available()
+    gpu = env.gpus[0] if on_cuda and env.gpus else None
+    report = LoadReport(str(model), {"quant": quant, "double_quant": double_quant, "compute_dtype": compute_dtype,
+                                     "dtype": dtype, "attn": attn, "device_map": device_map})
+    half = "bf16" if (gpu is None or (gpu.compute_capability or (0, 0)) >= (8, 0)) else "fp16"
+    if gpu is not None and (gpu.compute_capability or (9, 9)) < (8, 0):
+        for name, val in (("compute_dtype", compute_dtype), ("dtype", dtype)):
+            if val == "bf16":
+                _override(report, strict, name, val, "fp16 or fp32 below compute capability 8.0", "fp16",
+                          f"bfloat16 is not native on compute capability {gpu.compute_capability}")
+        compute_dtype = "fp16" if compute_dtype == "bf16" else compute_dtype
+        dtype = "fp16" if dtype == "bf16" else dtype
+    cd = compute_dtype or half
+    dt = dtype or (quant if quant in ("bf16", "fp16", "fp32") else cd)
+    param_dtype, _ = resolve_param_dtype(dt, ckpt, transformers.__version__, quant)
+    chosen_attn = _choose_attn(attn, env, gpu, param_dtype, spec.head_dim, report, strict)
+    kwargs: dict = {"dtype": getattr(torch, _TORCH_DTYPE[param_dtype]), "attn_implementation": chosen_attn,
+                    "use_safetensors": not allow_pickle, "trust_remote_code": trust_remote_code,
+                    "local_files_only": True}
+    if quant in ("nf4", "fp4"):
+        kwargs["quantization_config"] = transformers.BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type=quant, bnb_4bit_use_double_quant=double_quant,
+            bnb_4bit_compute_dtype=getattr(torch, _TORCH_DTYPE[cd]))
+    elif quant == "int8":
+        kwargs["quantization_config"] = transformers.BitsAndBytesConfig(load_in_8bit=True)
+    kwargs["device_map"] = device_map if device_map is not None else _default_device_map(spec, quant, on_cuda,
+                                                                                       report, kwargs)
+    baseline = torch.cuda.memory_allocated() if on_cuda else None
+    m = transformers.AutoModelForCausalLM.from_pretrained(str(folder), **kwargs)
+    m.eval()
+    report.baseline_allocated_bytes = baseline
+    report.weights_bytes = torch.cuda.memory_allocated() - baseline if on_cuda else None
+    m._vramguard_baseline = baseline
+    tok = None
+    try:
+        tok = transformers.AutoTokenizer.from_pretrained(str(folder), local_files_only=True,
+                                                        trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, TypeError) as e:  # a folder with weights but no tokenizer files
+        report.notes.append(f"no tokenizer loaded: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
+    if chosen_attn == "sdpa" and attn in ("auto", "sdpa", "flash_attention_2") and verify:
+        _verify_sdpa_pin(m, report, on_cuda)
+    elif verify:
+        report.kernel = profile_attention(m, chosen_attn, seq_len=64 if not on_cuda else 256)
+    report.active = {**_active(m), **report.active}
+    return LoadedModel(m, tok, report)
+
+
+def _default_device_map(spec, quant, on_cuda, report, kwargs) -> dict | str:
+    if not on_cuda:
+        return {"": "cpu"}
+    import torch
+
+    from vramguard.memory.runtime import CUDA_CONTEXT_BYTES
+    from vramguard.memory.weights import weight_bytes
+    from vramguard.settings import Settings
+    need = weight_bytes(spec, Settings(quant=quant)).total_bytes + CUDA_CONTEXT_BYTES
+    free = [torch.cuda.mem_get_info(i)[0] for i in range(torch.cuda.device_count())]
+    if need <= free[0] or len(free) == 1:
+        return {"": 0}
+    kwargs["max_memory"] = {i: int(f * 0.9) for i, f in enumerate(free)}
+    report.notes.append(f"weights ({need:,} B) exceed GPU 0's free memory ({free[0]:,} B): split with max_memory "
+                        f"{kwargs['max_memory']}")
+    return "auto"
+
+
+def _active(m) -> dict:
+    import torch
+    q = getattr(m.config, "quantization_config", None)
+    quant = "none"
+    if q is not None:
+        qd = q.to_dict() if hasattr(q, "to_dict") else dict(q)
+        quant = ("nf4" if qd.get("bnb_4bit_quant_type") == "nf4" else "fp4") if qd.get("load_in_4bit") else (
+            "int8" if qd.get("load_in_8bit") else str(qd.get("quant_method")))
+    compute = None
+    for mod in m.modules():
+        if hasattr(mod, "compute_dtype") and getattr(mod, "compute_dtype", None) is not None:
+            compute = str(mod.compute_dtype).replace("torch.", "")
+            break
+    emb = m.get_input_embeddings().weight
+    dmap = getattr(m, "hf_device_map", None) or {"": str(emb.device)}
+    offloaded = sorted(k for k, v in dmap.items() if str(v) in ("cpu", "disk"))
+    return {"quant": quant, "double_quant": (q.to_dict().get("bnb_4bit_use_double_quant") if q is not None and
+                                              hasattr(q, "to_dict") else None),
+            "compute_dtype": compute, "dtype": str(emb.dtype).replace("torch.", ""),
+            "attn": m.config._attn_implementation, "device_map": {k: str(v) for k, v in dmap.items()},
+            "offloaded_modules": offloaded, "device": str(emb.device),
+            "parameters_dtype_float32": any(p.dtype == torch.float32 for p in m.parameters())}
+
+
+@dataclass(frozen=True)
+class UnloadReport:
+    """Bytes freed, the residual above the pre-load baseline (CUDA only) and what still holds it."""
+
+    freed_bytes: int | None
+    residual_bytes: int | None
+    holders: tuple[str, ...]
+
+
+def unload(model) -> UnloadReport:
+    """Free a model loaded by :func:`load_model` (or any ``nn.Module``): drop every parameter and buffer, break
+    reference cycles (``gc.collect()``: bitsandbytes' quantized modules hold cycles that plain ``del`` does not
+    free, field case C17), and return the cached blocks (``torch.cuda.empty_cache()``).
+
+    The module object is left empty; use it no more.
+    """
+    import torch
+    if isinstance(model, LoadedModel):
+        model = model.model
+    on_cuda = torch.cuda.is_available()
+    before = torch.cuda.memory_allocated() if on_cuda else None
+    baseline = getattr(model, "_vramguard_baseline", None)
+    _unpin_sdpa(model)
+    for mod in model.modules():
+        for name in list(mod._parameters):
+            p = mod._parameters[name]
+            if p is not None and hasattr(p, "quant_state"):
+                p.quant_state = None
+            mod._parameters[name] = None
+        for name in list(mod._buffers):
+            mod._buffers[name] = None
+    gc.collect()
+    if not on_cuda:
+        return UnloadReport(None, None, ())
+    torch.cuda.empty_cache()
+    after = torch.cuda.memory_allocated()
+    residual = after - baseline if baseline is not None else None
+    holders: list[str] = []
+    if residual and residual > 0:
+        tensors = [o for o in gc.get_objects() if torch.is_tensor(o) and o.is_cuda]
+        tensors.sort(key=lambda t: -t.untyped_storage().nbytes())
+        holders = [f"{tuple(t.shape)} {t.dtype} {t.untyped_storage().nbytes():,} B" for t in tensors[:5]]
+    return UnloadReport(before - after, residual, tuple(holders))
