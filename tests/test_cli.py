@@ -81,7 +81,7 @@ def test_context_override_for_rope_scaled_models():
             "--context", "131072", "--vram", "141GiB", "--format", "json")
     assert r.returncode == 0, r.stderr
     f = next(f for f in json.loads(r.stdout)["findings"] if f["code"] == "logits_all_positions")
-    assert "74.25 GiB" in f["message"]
+    assert "74.250 GiB" in f["message"]
 
 
 def test_named_card_and_listing():
