@@ -18,6 +18,8 @@ from rich.console import Console
 from vramguard.errors import (ConfigError, Infeasible, InvalidValue, UnknownGpu, UnknownModel,
                               VramguardError)
 
+# 1: a check failed; 2: bad option value; 3: unknown model / card or unreadable config; 4: infeasible request;
+# 70: internal error
 EXIT_CODES: dict[type, int] = {InvalidValue: 2, ConfigError: 3, UnknownModel: 3, UnknownGpu: 3, Infeasible: 4}
 EXIT_INTERNAL = 70
 
@@ -162,6 +164,68 @@ def plan(
         sys.stdout.write(json.dumps(plan_to_json(p), indent=2) + "\n")
     else:
         print_plan(p, Console())
+
+
+class CheckQuant(str, Enum):
+    none = "none"
+    nf4 = "nf4"
+    fp4 = "fp4"
+    int8 = "int8"
+    bf16 = "bf16"
+    fp16 = "fp16"
+    fp32 = "fp32"
+
+
+class DtypeArg(str, Enum):
+    auto = "auto"
+    bf16 = "bf16"
+    fp16 = "fp16"
+    fp32 = "fp32"
+
+
+@app.command()
+def check(
+    model: Optional[str] = typer.Argument(None, help="model folder, config.json, catalog name or cached model id"),
+    quant: CheckQuant = typer.Option(CheckQuant.nf4, help="weight format; none: no quantization config, the "
+                                     "dtype then decides"),
+    double_quant: bool = typer.Option(True, "--double-quant/--no-double-quant", help="4-bit double quantization"),
+    compute_dtype: Optional[Dtype] = typer.Option(None, help="bnb_4bit_compute_dtype you pass (unset: float32)"),
+    dtype: Optional[DtypeArg] = typer.Option(None, help="dtype you pass to from_pretrained (unset: "
+                                                         "transformers' default)"),
+    attn: Attn = typer.Option(Attn.sdpa, help="attn_implementation you pass"),
+    output_attentions: bool = typer.Option(False, help="attention maps requested"),
+    device_map: Optional[str] = typer.Option(None, help="device_map you pass (auto is checked for offload)"),
+    batch: int = typer.Option(1, help="prompts decoded together"),
+    prompt_tokens: int = typer.Option(DEFAULT_PROMPT_TOKENS, help="prompt length in tokens"),
+    max_new_tokens: int = typer.Option(256, help="tokens to generate"),
+    gpu: Optional[str] = typer.Option(None, help="check against a catalog card instead of the detected one"),
+    verify: bool = typer.Option(True, "--verify/--no-verify", help="on a GPU: load and name the kernel that runs"),
+    fmt: Format = typer.Option(Format.human, "--format", help="human or json"),
+) -> None:
+    """Check the environment and the load settings; name the attention kernel that really runs (GPU).
+    Exits 1 when a finding fails."""
+    from vramguard.check import check as check_fn
+    from vramguard.render import check_to_json, print_check
+    from vramguard.settings import Settings
+
+    def build():
+        q = "bf16" if quant == CheckQuant.none else quant.value
+        s = Settings(quant=q, double_quant=double_quant, attn=attn.value, batch=batch,
+                     prompt_tokens=prompt_tokens, max_new_tokens=max_new_tokens,
+                     output_attentions=output_attentions)
+        if compute_dtype is not None and not s.is_4bit:
+            Settings(quant=q, compute_dtype=compute_dtype.value)  # raises the conflict error
+        return check_fn(model, s, dtype=dtype.value if dtype else None,
+                        compute_dtype=compute_dtype.value if compute_dtype else None, device_map=device_map,
+                        gpu=gpu, verify=verify, unquantized=quant == CheckQuant.none)
+
+    r = run_guarded(build, as_json=fmt == Format.json)
+    if fmt == Format.json:
+        sys.stdout.write(json.dumps(check_to_json(r), indent=2) + "\n")
+    else:
+        print_check(r, Console())
+    if r.failed:
+        raise typer.Exit(1)
 
 
 def _print_catalog(models: bool, gpus: bool) -> None:

@@ -64,7 +64,26 @@ def _override(report: LoadReport, strict: bool, field_: str, value, accepted: st
     return new
 
 
-def _choose_attn(attn: str, env, gpu, dtype: str, head_dim: int, report: LoadReport, strict: bool) -> str:
+def choose_dtypes(gpu, quant: str, compute_dtype: str | None, dtype: str | None, report: LoadReport,
+                  strict: bool) -> tuple[str, str]:
+    """(compute dtype, model dtype): bf16 where the card supports it (compute capability >= 8.0, or no CUDA
+    card), else fp16; the model dtype equal to the compute dtype. A bf16 request on an older card becomes fp16,
+    reported (or raised with ``strict``)."""
+    old = gpu is not None and gpu.compute_capability is not None and gpu.compute_capability < (8, 0)
+    if old:
+        for name, val in (("compute_dtype", compute_dtype), ("dtype", dtype)):
+            if val == "bf16":
+                _override(report, strict, name, val, "fp16 or fp32 below compute capability 8.0", "fp16",
+                          f"bfloat16 is not native on compute capability {gpu.compute_capability}")
+        compute_dtype = "fp16" if compute_dtype == "bf16" else compute_dtype
+        dtype = "fp16" if dtype == "bf16" else dtype
+    cd = compute_dtype or ("fp16" if old else "bf16")
+    return cd, dtype or (quant if quant in ("bf16", "fp16", "fp32") else cd)
+
+
+def choose_attn(attn: str, env, gpu, dtype: str, head_dim: int, report: LoadReport, strict: bool) -> str:
+    """The attention implementation to load: flash_attention_2 when the package, card, dtype and head_dim allow
+    it, else sdpa (``auto``); an explicit request that cannot run is replaced by sdpa and reported."""
     fa2_ok, why = True, ""
     if env.flash_attn_version is None:
         fa2_ok, why = False, "the flash_attn package is not installed"
@@ -182,18 +201,9 @@ def load_model(model: str, *, quant: str = "nf4", double_quant: bool = True, com
     gpu = env.gpus[0] if on_cuda and env.gpus else None
     report = LoadReport(str(model), {"quant": quant, "double_quant": double_quant, "compute_dtype": compute_dtype,
                                      "dtype": dtype, "attn": attn, "device_map": device_map})
-    half = "bf16" if (gpu is None or (gpu.compute_capability or (0, 0)) >= (8, 0)) else "fp16"
-    if gpu is not None and (gpu.compute_capability or (9, 9)) < (8, 0):
-        for name, val in (("compute_dtype", compute_dtype), ("dtype", dtype)):
-            if val == "bf16":
-                _override(report, strict, name, val, "fp16 or fp32 below compute capability 8.0", "fp16",
-                          f"bfloat16 is not native on compute capability {gpu.compute_capability}")
-        compute_dtype = "fp16" if compute_dtype == "bf16" else compute_dtype
-        dtype = "fp16" if dtype == "bf16" else dtype
-    cd = compute_dtype or half
-    dt = dtype or (quant if quant in ("bf16", "fp16", "fp32") else cd)
+    cd, dt = choose_dtypes(gpu, quant, compute_dtype, dtype, report, strict)
     param_dtype, _ = resolve_param_dtype(dt, ckpt, transformers.__version__, quant)
-    chosen_attn = _choose_attn(attn, env, gpu, param_dtype, spec.head_dim, report, strict)
+    chosen_attn = choose_attn(attn, env, gpu, param_dtype, spec.head_dim, report, strict)
     kwargs: dict = {"dtype": getattr(torch, _TORCH_DTYPE[param_dtype]), "attn_implementation": chosen_attn,
                     "use_safetensors": not allow_pickle, "trust_remote_code": trust_remote_code,
                     "local_files_only": True}
@@ -258,7 +268,8 @@ def _active(m) -> dict:
             break
     emb = m.get_input_embeddings().weight
     dmap = getattr(m, "hf_device_map", None) or {"": str(emb.device)}
-    offloaded = sorted(k for k, v in dmap.items() if str(v) in ("cpu", "disk"))
+    on_gpu = any(str(v) not in ("cpu", "disk") for v in dmap.values())
+    offloaded = sorted(k for k, v in dmap.items() if str(v) in ("cpu", "disk")) if on_gpu else []
     return {"quant": quant, "double_quant": (q.to_dict().get("bnb_4bit_use_double_quant") if q is not None and
                                               hasattr(q, "to_dict") else None),
             "compute_dtype": compute, "dtype": str(emb.dtype).replace("torch.", ""),

@@ -168,3 +168,26 @@ def print_plan(p: Plan, console: Console | None = None) -> None:
             ch.add_row(x.description, fmt_bytes(x.saved_bytes), fmt_bytes(x.need_bytes),
                        ", ".join(labels.get(n, n) for n in x.fits_on) or "no")
         c.print(ch)
+
+
+def check_to_json(r) -> dict:
+    """A CheckReport as JSON: findings, the resolved parameter dtype, the card and the kernel that ran."""
+    return {"failed": r.failed, "param_dtype": r.param_dtype, "gpu": to_jsonable(r.gpu),
+            "findings": to_jsonable(r.findings), "attention_kernel": to_jsonable(r.kernel), "notes": r.notes}
+
+
+def print_check(r, console: Console | None = None) -> None:
+    """Human-readable check: one line per finding (status, check, value), then its reason and fix, indented."""
+    c = console or Console()
+    color = {"ok": "green", "warn": "yellow", "fail": "red", "info": "cyan"}
+    c.print("[bold]vramguard check[/bold]")
+    for f in r.findings:
+        c.print(f"[{color.get(f.status, 'white')}]{f.status.upper():4}[/] [bold]{f.name}[/bold]: {f.value}",
+                highlight=False)
+        if f.status != "ok" or f.reason:
+            c.print(f"     {f.reason}", highlight=False, style="dim" if f.status == "ok" else None)
+        if f.fix:
+            c.print(f"     fix: {f.fix}", highlight=False)
+    fails = sum(f.status == "fail" for f in r.findings)
+    warns = sum(f.status == "warn" for f in r.findings)
+    c.print(f"{fails} failed, {warns} warnings" + (": fix the failures before loading" if fails else ""))

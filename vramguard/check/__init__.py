@@ -37,7 +37,7 @@ class CheckReport:
 
 def check(model: str | None = None, settings: Settings | None = None, *, dtype: str | None = None,
           compute_dtype: str | None = None, device_map: str | None = None, gpu: str | None = None,
-          verify: bool = True, env: Env | None = None) -> CheckReport:
+          verify: bool = True, env: Env | None = None, unquantized: bool = False) -> CheckReport:
     """Check the environment and the settings a model will be loaded with.
 
     Args:
@@ -48,6 +48,8 @@ def check(model: str | None = None, settings: Settings | None = None, *, dtype: 
         device_map: the ``device_map`` that will be passed (``"auto"`` is checked for silent offload).
         gpu: check against this catalog card instead of the detected one.
         verify: on a CUDA GPU with a local model, load it and name the attention kernel that runs.
+        unquantized: no quantization config at all: the weights take whatever dtype ``dtype`` (or its absence)
+            resolves to, which is what ``settings.quant`` is then set to.
 
     Raises:
         UnknownModel, ConfigError, UnknownGpu: the model or the card cannot be read.
@@ -64,7 +66,10 @@ def check(model: str | None = None, settings: Settings | None = None, *, dtype: 
     folder = model_folder(model) if model else None
     ckpt = read_checkpoint(folder) if folder else (
         CheckpointInfo("", (), None, None, spec.checkpoint_dtype, False) if spec else None)
-    param_dtype, why = resolve_param_dtype(dtype, ckpt, env.transformers_version, s.quant)
+    param_dtype, why = resolve_param_dtype(dtype, ckpt, env.transformers_version,
+                                           "none" if unquantized else s.quant)
+    if unquantized:
+        s = s.with_(quant=param_dtype, compute_dtype=None, dtype=None)
     compute = compute_dtype or ("fp32" if s.is_4bit else None)
     if compute and s.is_4bit:
         why_c = "" if compute_dtype else " (bnb_4bit_compute_dtype not set: bitsandbytes computes in float32)"

@@ -46,8 +46,9 @@ def environment_findings(env: Env, gpu: GpuSpec | None, gpu_source: str) -> list
         f.append(CheckFinding("cuda", "ok", f"runtime {env.cuda_runtime}, driver {env.driver_version or '?'}",
                               env.cuda_reason))
     else:
+        why = "; ".join(r for r in (env.cuda_reason, env.gpu_reason) if r)
         f.append(CheckFinding("cuda", "warn", "no CUDA GPU on this machine",
-                              f"{env.cuda_reason}; {env.gpu_reason}. Checking what can be checked without one"
+                              (f"{why}. " if why else "") + "Checking what can be checked without one"
                               + (f"; settings are checked against {gpu.label}" if gpu else ""),
                               None if gpu else "name the card you will run on with --gpu NAME"))
     if gpu is not None:
@@ -169,8 +170,16 @@ def model_findings(spec: ModelSpec | None, ckpt: CheckpointInfo | None, s: Setti
                               "trust the repository"))
     stored = (ckpt.config_dtype or ckpt.stored_dtype) if ckpt else (spec.checkpoint_dtype if spec else None)
     if param_dtype == "fp32" and stored in ("bf16", "fp16"):
+        cost = ""
+        if spec is not None:
+            from vramguard.memory.weights import weight_bytes
+            q = s.quant if s.is_bnb else "fp32"
+            f32 = weight_bytes(spec, s.with_(quant=q, dtype="fp32", compute_dtype=None)).total_bytes
+            b16 = weight_bytes(spec, s.with_(quant=q if s.is_bnb else "bf16", dtype="bf16",
+                                             compute_dtype=None)).total_bytes
+            cost = f" (weights {f32 / 1e9:.1f} GB in float32 against {b16 / 1e9:.1f} GB in bfloat16)"
         f.append(CheckFinding("param_dtype", "warn", f"float32 (checkpoint stores {stored})",
-                              f"{param_dtype_reason}: every unquantized weight takes twice the memory",
+                              f"{param_dtype_reason}: every unquantized weight takes twice the memory{cost}",
                               "pass dtype=torch.bfloat16 (float16 below compute capability 8.0)"))
     else:
         f.append(CheckFinding("param_dtype", "ok", param_dtype + (f" (checkpoint: {stored})" if stored else ""),
@@ -180,11 +189,12 @@ def model_findings(spec: ModelSpec | None, ckpt: CheckpointInfo | None, s: Setti
         if compute != param_dtype:
             big = max((g for g in linear_groups(spec) if g.quantizable), key=lambda g: g.numel)
             wide, narrow = big.numel * DTYPE_BYTES[compute], big.numel * DTYPE_BYTES[param_dtype]
+            cost = (f"largest dequantized weight {big.out_features} x {big.in_features}: {fmt_bytes(wide)} "
+                    f"against {fmt_bytes(narrow)}" if wide != narrow else "a cast copy of every input and output")
             f.append(CheckFinding("compute_dtype", "warn", f"bnb_4bit_compute_dtype {compute}, activations "
                                   f"{param_dtype}",
                                   "each 4-bit linear casts its input and dequantizes to the compute dtype: a slow "
-                                  f"path and more memory (largest dequantized weight {big.out_features} x "
-                                  f"{big.in_features}: {fmt_bytes(wide)} against {fmt_bytes(narrow)})",
+                                  f"path and more memory ({cost})",
                                   f"set bnb_4bit_compute_dtype=torch.{'bfloat16' if param_dtype == 'bf16' else 'float16'}"))
         else:
             f.append(CheckFinding("compute_dtype", "ok", compute, "matches the activation dtype"))

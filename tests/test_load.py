@@ -1,0 +1,76 @@
+"""load_model / unload on CPU with tiny random models (real transformers and bitsandbytes loading code)."""
+
+import gc
+import weakref
+
+import pytest
+
+from vramguard.errors import InvalidValue, UnknownModel
+from vramguard.load import load_model, unload
+
+TINY = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=1000, max_position_embeddings=256)
+
+
+def test_nf4_load_reports_requested_and_active(tiny):
+    folder, _ = tiny("LlamaConfig", **TINY)
+    model, tok, report = load_model(str(folder))
+    assert tok is None and any("no tokenizer" in n for n in report.notes)
+    a = report.active
+    assert a["quant"] == "nf4" and a["double_quant"] is True
+    assert a["compute_dtype"] == "bfloat16" and a["dtype"] == "bfloat16"
+    assert a["attn"] == "sdpa" and a["device"] == "cpu" and a["offloaded_modules"] == []
+    assert report.kernel.kind == "sdpa_cpu_flash" and report.kernel.flash_class
+    assert report.requested["quant"] == "nf4" and report.overrides == []
+    assert any("flash_attn package is not installed" in n or "compute capability" in n for n in report.notes)
+    out = model(input_ids=__import__("torch").tensor([[1, 2, 3]]))
+    assert out.logits.shape == (1, 3, 1000)
+
+
+def test_fa2_that_cannot_run_is_replaced_and_reported_or_refused(tiny):
+    folder, _ = tiny("LlamaConfig", **TINY)
+    with pytest.warns(UserWarning, match="attn: flash_attention_2 -> sdpa"):
+        _, _, report = load_model(str(folder), attn="flash_attention_2", verify=False)
+    assert report.active["attn"] == "sdpa"
+    assert report.overrides and "flash_attn package is not installed" in report.overrides[0]
+    with pytest.raises(InvalidValue) as e:
+        load_model(str(folder), attn="flash_attention_2", strict=True)
+    assert "attn" in str(e.value)
+
+
+def test_eager_is_kept_when_asked_and_verified(tiny):
+    folder, _ = tiny("LlamaConfig", **TINY)
+    _, _, report = load_model(str(folder), quant="bf16", attn="eager")
+    assert report.active["attn"] == "eager" and report.kernel.kind == "eager_softmax"
+    assert report.active["quant"] == "none" and report.active["dtype"] == "bfloat16"
+
+
+def test_safetensors_only_and_no_weights(tiny, tmp_path):
+    import shutil
+
+    import torch
+    folder, model = tiny("LlamaConfig", **TINY)
+    pkl = tmp_path / "pickle"
+    pkl.mkdir()
+    shutil.copy(folder / "config.json", pkl / "config.json")
+    torch.save(model.state_dict(), pkl / "pytorch_model.bin")
+    with pytest.raises(InvalidValue) as e:
+        load_model(str(pkl))
+    assert "allow_pickle" in str(e.value)
+    with pytest.raises(UnknownModel):
+        load_model("llama-2-7b")  # a catalog name has no weights
+
+
+def test_c17_unload_frees_every_tensor(tiny):
+    """C17: after unload, no parameter of the quantized model is alive (cycles broken by gc.collect())."""
+    folder, _ = tiny("LlamaConfig", **TINY)
+    loaded = load_model(str(folder), verify=False)
+    refs = [weakref.ref(p) for p in loaded.model.parameters()]
+    qstates = [weakref.ref(p.quant_state.absmax) for p in loaded.model.parameters()
+               if getattr(p, "quant_state", None) is not None]
+    assert qstates
+    rep = unload(loaded)
+    del loaded
+    gc.collect()
+    assert all(r() is None for r in refs + qstates)
+    assert rep.residual_bytes is None  # no CUDA here: nothing to measure
