@@ -166,6 +166,14 @@ def plan(
         print_plan(p, Console())
 
 
+class SdpaKernel(str, Enum):
+    auto = "auto"
+    flash = "flash"
+    cudnn = "cudnn"
+    efficient = "efficient"
+    math = "math"
+
+
 class CheckQuant(str, Enum):
     none = "none"
     nf4 = "nf4"
@@ -193,6 +201,8 @@ def check(
     dtype: Optional[DtypeArg] = typer.Option(None, help="dtype you pass to from_pretrained (unset: "
                                                          "transformers' default)"),
     attn: Attn = typer.Option(Attn.sdpa, help="attn_implementation you pass"),
+    sdpa_kernel: SdpaKernel = typer.Option(SdpaKernel.auto, help="SDPA backend you pin (torch.nn.attention."
+                                                                 "sdpa_kernel)"),
     output_attentions: bool = typer.Option(False, help="attention maps requested"),
     device_map: Optional[str] = typer.Option(None, help="device_map you pass (auto is checked for offload)"),
     batch: int = typer.Option(1, help="prompts decoded together"),
@@ -210,7 +220,7 @@ def check(
 
     def build():
         q = "bf16" if quant == CheckQuant.none else quant.value
-        s = Settings(quant=q, double_quant=double_quant, attn=attn.value, batch=batch,
+        s = Settings(quant=q, double_quant=double_quant, attn=attn.value, sdpa_kernel=sdpa_kernel.value, batch=batch,
                      prompt_tokens=prompt_tokens, max_new_tokens=max_new_tokens,
                      output_attentions=output_attentions)
         if compute_dtype is not None and not s.is_4bit:

@@ -138,8 +138,12 @@ def _verify_kernel(folder: str, s: Settings, param_dtype: str, report: CheckRepo
                             f"{type(e).__name__}: {str(e).splitlines()[0][:300]}",
                             "use attn_implementation='sdpa'" if attn == "flash_attention_2" else None)
     from vramguard.check.kernels import profile_attention
+    from vramguard.load import _pin_sdpa
+    pinned = s.sdpa_kernel if attn == "sdpa" and s.sdpa_kernel != "auto" else None
     try:
-        k = profile_attention(loaded.model, attn if attn != "auto" else "sdpa", pinned=None)
+        if pinned:
+            _pin_sdpa(loaded.model, pinned)
+        k = profile_attention(loaded.model, attn if attn != "auto" else "sdpa", pinned=pinned)
     except Exception as e:
         unload(loaded)
         return CheckFinding("attention_kernel", "fail", f"{attn}: the forward failed",
