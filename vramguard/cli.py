@@ -17,6 +17,7 @@ from rich.console import Console
 
 from vramguard.errors import (ConfigError, Infeasible, InvalidValue, UnknownGpu, UnknownModel,
                               VramguardError)
+from vramguard.settings import ATTNS, CACHES, DTYPES, KV_DTYPES, LOGITS, QUANTS, SDPA_KERNELS
 
 # 1: a check failed; 2: bad option value; 3: unknown model / card or unreadable config; 4: infeasible request;
 # 70: internal error
@@ -33,48 +34,21 @@ def _root() -> None:
     """vramguard: plan, verify and guard GPU memory for Hugging Face transformers inference."""
 
 
-class Quant(str, Enum):
-    nf4 = "nf4"
-    fp4 = "fp4"
-    int8 = "int8"
-    bf16 = "bf16"
-    fp16 = "fp16"
-    fp32 = "fp32"
+def _choices(name: str, values) -> type[Enum]:
+    """A str Enum of ``values`` for typer (choices come from :mod:`vramguard.settings`)."""
+    return Enum(name, {v: v for v in values}, type=str)
 
 
-class Attn(str, Enum):
-    eager = "eager"
-    sdpa = "sdpa"
-    flash_attention_2 = "flash_attention_2"
-
-
-class KvDtype(str, Enum):
-    bf16 = "bf16"
-    fp16 = "fp16"
-    int8 = "int8"
-    int4 = "int4"
-
-
-class Dtype(str, Enum):
-    bf16 = "bf16"
-    fp16 = "fp16"
-    fp32 = "fp32"
-
-
-class Cache(str, Enum):
-    dynamic = "dynamic"
-    static = "static"
-    offloaded = "offloaded"
-
-
-class Logits(str, Enum):
-    last = "last"
-    all = "all"
-
-
-class Format(str, Enum):
-    human = "human"
-    json = "json"
+Quant = _choices("Quant", QUANTS)
+CheckQuant = _choices("CheckQuant", ("none",) + QUANTS)
+Attn = _choices("Attn", ATTNS)
+KvDtype = _choices("KvDtype", KV_DTYPES)
+Dtype = _choices("Dtype", DTYPES)
+DtypeArg = _choices("DtypeArg", ("auto",) + DTYPES)
+Cache = _choices("Cache", CACHES)
+Logits = _choices("Logits", LOGITS)
+SdpaKernel = _choices("SdpaKernel", SDPA_KERNELS)
+Format = _choices("Format", ("human", "json"))
 
 
 # library field name -> the CLI option that sets it
@@ -116,27 +90,27 @@ DEFAULT_PROMPT_TOKENS = 128  # a short chat prompt: system prompt, one user turn
 @app.command()
 def plan(
     model: str = typer.Argument("llama-2-7b", help="model folder, config.json, catalog name or cached model id"),
-    quant: Quant = typer.Option(Quant.nf4, help="weight format"),
+    quant: Quant = typer.Option(Quant['nf4'], help="weight format"),
     double_quant: bool = typer.Option(True, "--double-quant/--no-double-quant", help="4-bit double quantization"),
     compute_dtype: Optional[Dtype] = typer.Option(None, help="4-bit compute dtype (default: the model dtype)"),
     dtype: Optional[Dtype] = typer.Option(None, help="model dtype (default bf16; fp16/fp32 for those quants)"),
-    attn: Attn = typer.Option(Attn.flash_attention_2, help="attn_implementation"),
+    attn: Attn = typer.Option(Attn['flash_attention_2'], help="attn_implementation"),
     kv_dtype: Optional[KvDtype] = typer.Option(None, help="KV cache type (int8/int4: quantized cache)"),
-    cache: Cache = typer.Option(Cache.dynamic, help="KV cache kind"),
+    cache: Cache = typer.Option(Cache['dynamic'], help="KV cache kind"),
     batch: int = typer.Option(1, help="prompts decoded together"),
     num_beams: int = typer.Option(1, help="beams per prompt"),
     num_return_sequences: int = typer.Option(1, help="sequences returned per prompt"),
     prompt_tokens: int = typer.Option(DEFAULT_PROMPT_TOKENS, help="prompt length in tokens"),
     max_new_tokens: int = typer.Option(256, help="tokens to generate"),
     prefill_chunk: Optional[int] = typer.Option(None, help="chunked prefill: tokens per forward"),
-    logits: Logits = typer.Option(Logits.last, help="last: generate(); all: a forward over every position"),
+    logits: Logits = typer.Option(Logits['last'], help="last: generate(); all: a forward over every position"),
     output_attentions: bool = typer.Option(False, help="attention maps requested (forces eager)"),
     padded: bool = typer.Option(False, help="prompts of different lengths in one batch"),
     do_sample: bool = typer.Option(False, help="sampling (allows --num-return-sequences > 1 without beams)"),
     context: Optional[int] = typer.Option(None, help="context length to allow (RoPE-scaled models beyond config)"),
     gpu: Optional[str] = typer.Option(None, help="a catalog card (see --list-gpus)"),
     vram: Optional[str] = typer.Option(None, help="card memory, e.g. 24GiB, 24GB, 24000MiB"),
-    fmt: Format = typer.Option(Format.human, "--format", help="human or json"),
+    fmt: Format = typer.Option(Format['human'], "--format", help="human or json"),
     list_models: bool = typer.Option(False, "--list-models", help="list the catalog architectures and exit"),
     list_gpus: bool = typer.Option(False, "--list-gpus", help="list the catalog cards and exit"),
 ) -> None:
@@ -159,49 +133,24 @@ def plan(
                      output_attentions=output_attentions, padded=padded, do_sample=do_sample)
         return plan_fn(model, s, gpu=gpu, vram=vram, context=context)
 
-    p = run_guarded(build, as_json=fmt == Format.json)
-    if fmt == Format.json:
+    p = run_guarded(build, as_json=fmt == Format['json'])
+    if fmt == Format['json']:
         sys.stdout.write(json.dumps(plan_to_json(p), indent=2) + "\n")
     else:
         print_plan(p, Console())
 
 
-class SdpaKernel(str, Enum):
-    auto = "auto"
-    flash = "flash"
-    cudnn = "cudnn"
-    efficient = "efficient"
-    math = "math"
-
-
-class CheckQuant(str, Enum):
-    none = "none"
-    nf4 = "nf4"
-    fp4 = "fp4"
-    int8 = "int8"
-    bf16 = "bf16"
-    fp16 = "fp16"
-    fp32 = "fp32"
-
-
-class DtypeArg(str, Enum):
-    auto = "auto"
-    bf16 = "bf16"
-    fp16 = "fp16"
-    fp32 = "fp32"
-
-
 @app.command()
 def check(
     model: Optional[str] = typer.Argument(None, help="model folder, config.json, catalog name or cached model id"),
-    quant: CheckQuant = typer.Option(CheckQuant.nf4, help="weight format; none: no quantization config, the "
+    quant: CheckQuant = typer.Option(CheckQuant['nf4'], help="weight format; none: no quantization config, the "
                                      "dtype then decides"),
     double_quant: bool = typer.Option(True, "--double-quant/--no-double-quant", help="4-bit double quantization"),
     compute_dtype: Optional[Dtype] = typer.Option(None, help="bnb_4bit_compute_dtype you pass (unset: float32)"),
     dtype: Optional[DtypeArg] = typer.Option(None, help="dtype you pass to from_pretrained (unset: "
                                                          "transformers' default)"),
-    attn: Attn = typer.Option(Attn.sdpa, help="attn_implementation you pass"),
-    sdpa_kernel: SdpaKernel = typer.Option(SdpaKernel.auto, help="SDPA backend you pin (torch.nn.attention."
+    attn: Attn = typer.Option(Attn['sdpa'], help="attn_implementation you pass"),
+    sdpa_kernel: SdpaKernel = typer.Option(SdpaKernel['auto'], help="SDPA backend you pin (torch.nn.attention."
                                                                  "sdpa_kernel)"),
     output_attentions: bool = typer.Option(False, help="attention maps requested"),
     device_map: Optional[str] = typer.Option(None, help="device_map you pass (auto is checked for offload)"),
@@ -210,7 +159,7 @@ def check(
     max_new_tokens: int = typer.Option(256, help="tokens to generate"),
     gpu: Optional[str] = typer.Option(None, help="check against a catalog card instead of the detected one"),
     verify: bool = typer.Option(True, "--verify/--no-verify", help="on a GPU: load and name the kernel that runs"),
-    fmt: Format = typer.Option(Format.human, "--format", help="human or json"),
+    fmt: Format = typer.Option(Format['human'], "--format", help="human or json"),
 ) -> None:
     """Check the environment and the load settings; name the attention kernel that really runs (GPU).
     Exits 1 when a finding fails."""
@@ -219,7 +168,7 @@ def check(
     from vramguard.settings import Settings
 
     def build():
-        q = "bf16" if quant == CheckQuant.none else quant.value
+        q = "bf16" if quant == CheckQuant['none'] else quant.value
         s = Settings(quant=q, double_quant=double_quant, attn=attn.value, sdpa_kernel=sdpa_kernel.value, batch=batch,
                      prompt_tokens=prompt_tokens, max_new_tokens=max_new_tokens,
                      output_attentions=output_attentions)
@@ -227,10 +176,10 @@ def check(
             Settings(quant=q, compute_dtype=compute_dtype.value)  # raises the conflict error
         return check_fn(model, s, dtype=dtype.value if dtype else None,
                         compute_dtype=compute_dtype.value if compute_dtype else None, device_map=device_map,
-                        gpu=gpu, verify=verify, unquantized=quant == CheckQuant.none)
+                        gpu=gpu, verify=verify, unquantized=quant == CheckQuant['none'])
 
-    r = run_guarded(build, as_json=fmt == Format.json)
-    if fmt == Format.json:
+    r = run_guarded(build, as_json=fmt == Format['json'])
+    if fmt == Format['json']:
         sys.stdout.write(json.dumps(check_to_json(r), indent=2) + "\n")
     else:
         print_check(r, Console())
