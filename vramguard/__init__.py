@@ -3,9 +3,12 @@
 Library entry points return dataclasses; sizes are ints of bytes (:mod:`vramguard.units`).
 """
 
+from vramguard.check import CheckReport, check
+from vramguard.load import LoadedModel, LoadReport, load_model, unload
 from vramguard.plan import Plan, estimate, plan
 from vramguard.resolve import resolve_model
 from vramguard.settings import Settings
 
-__all__ = ["Plan", "Settings", "estimate", "plan", "resolve_model"]
+__all__ = ["CheckReport", "LoadReport", "LoadedModel", "Plan", "Settings", "check", "estimate", "load_model", "plan",
+           "resolve_model", "unload"]
 __version__ = "0.1.0"
