@@ -31,6 +31,11 @@ class CheckFinding:
     fix: str | None = None
 
 
+def _gb(n: int) -> str:
+    """Decimal GB with two decimals (how shard sizes and RAM are usually quoted), bytes units when tiny."""
+    return f"{n / 1e9:.2f} GB" if n >= 10**7 else fmt_bytes(n)
+
+
 def _cc(g: GpuSpec | None) -> str:
     return ".".join(map(str, g.compute_capability)) if g and g.compute_capability else "unknown"
 
@@ -147,18 +152,18 @@ def model_findings(spec: ModelSpec | None, ckpt: CheckpointInfo | None, s: Setti
                                   "free RAM unknown (psutil missing)"))
         elif size > avail:
             f.append(CheckFinding("ram_vs_shard", "fail",
-                                  f"largest shard {name} is {size / 1e9:.2f} GB > {avail / 1e9:.2f} GB free RAM",
+                                  f"largest shard {name} is {_gb(size)} > {_gb(avail)} free RAM",
                                   "a shard is read whole into RAM while loading: the kernel's OOM killer will "
                                   "likely end the process ('Killed')",
                                   "re-shard the checkpoint with smaller shards (save_pretrained(..., "
                                   "max_shard_size='2GB')), or free RAM / add swap"))
         elif size > avail * RAM_WARN_FRACTION:
             f.append(CheckFinding("ram_vs_shard", "warn",
-                                  f"largest shard {name} is {size / 1e9:.2f} GB of {avail / 1e9:.2f} GB free RAM",
+                                  f"largest shard {name} is {_gb(size)} of {_gb(avail)} free RAM",
                                   "little RAM left while the shard is loaded", "re-shard with a smaller shard size"))
         else:
             f.append(CheckFinding("ram_vs_shard", "ok",
-                                  f"largest shard {name} is {size / 1e9:.2f} GB, {avail / 1e9:.2f} GB free RAM",
+                                  f"largest shard {name} is {_gb(size)}, {_gb(avail)} free RAM",
                                   "the shard fits in free RAM"))
     if ckpt is not None and ckpt.format == "pickle":
         f.append(CheckFinding("checkpoint_format", "warn", "pickle (.bin) weights only",
