@@ -44,6 +44,7 @@ def main():
     ap.add_argument("--arch", default="llama-3-8b")
     ap.add_argument("--ckpt", default="/dev/shm/vg_check")
     ap.add_argument("--loops", type=int, default=3)
+    ap.add_argument("--skip-checks", action="store_true", help="only the load/unload loop and the naive del")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     log = os.path.join(args.out, "check.jsonl")
@@ -60,12 +61,14 @@ def main():
     emit(log, {"kind": "versions", "torch": torch.__version__, "transformers": transformers.__version__,
                "gpu": torch.cuda.get_device_name(), "arch": args.arch})
 
-    cli(args.out, "plan_detected", "plan", args.arch, "--attn", "sdpa", "--prompt-tokens", "4096")
-    cli(args.out, "check_env", "check")
-    for name, extra in [("check_sdpa", ["--attn", "sdpa"]),
+    cases = [] if args.skip_checks else [("check_sdpa", ["--attn", "sdpa"]),
                         ("check_sdpa_pinned_flash", ["--attn", "sdpa", "--sdpa-kernel", "flash"]),
                         ("check_eager", ["--attn", "eager"]),
-                        ("check_fa2", ["--attn", "flash_attention_2"])]:
+                        ("check_fa2", ["--attn", "flash_attention_2"])]
+    if not args.skip_checks:
+        cli(args.out, "plan_detected", "plan", args.arch, "--attn", "sdpa", "--prompt-tokens", "4096")
+        cli(args.out, "check_env", "check")
+    for name, extra in cases:
         r = cli(args.out, name, "check", args.ckpt, "--quant", "nf4", "--compute-dtype", "bf16", "--dtype", "bf16",
                 "--format", "json", *extra)
         try:
@@ -96,7 +99,8 @@ def main():
         del loaded
         after = torch.cuda.memory_allocated()
         rows.append({"loop": i, "loaded_allocated": loaded_alloc, "after_unload": after, "baseline": baseline,
-                     "residual": after - baseline, "unload_report": u.__dict__})
+                     "residual": after - baseline, "unload_report": u.__dict__,
+                     "report_baseline": rep.baseline_allocated_bytes})
     emit(log, {"kind": "load_unload_loop", "rows": rows,
                "max_residual_fraction_of_weights": max(r["residual"] for r in rows) /
                max(1, rows[0]["loaded_allocated"] - baseline)})

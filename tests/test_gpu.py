@@ -41,7 +41,8 @@ def test_load_unload_loop_returns_to_baseline(tiny):
     base = torch.cuda.memory_allocated()
     for _ in range(3):
         loaded = load_model(str(folder), verify=False)
-        weights = torch.cuda.memory_allocated() - base
-        unload(loaded)
+        weights = loaded.report.weights_bytes
+        rep = unload(loaded)
+        assert rep.residual_bytes is not None and abs(rep.residual_bytes) <= 0.01 * weights, rep
         del loaded
         assert abs(torch.cuda.memory_allocated() - base) <= 0.01 * weights

@@ -215,6 +215,10 @@ def load_model(model: str, *, quant: str = "nf4", double_quant: bool = True, com
         kwargs["quantization_config"] = transformers.BitsAndBytesConfig(load_in_8bit=True)
     kwargs["device_map"] = device_map if device_map is not None else _default_device_map(spec, quant, on_cuda,
                                                                                        report, kwargs)
+    if on_cuda:  # the cuBLAS workspace is allocated by the first matmul and kept: create it before the baseline
+        a = torch.ones(8, 8, device="cuda", dtype=torch.bfloat16)
+        (a @ a).sum().item()
+        del a
     baseline = torch.cuda.memory_allocated() if on_cuda else None
     m = transformers.AutoModelForCausalLM.from_pretrained(str(folder), **kwargs)
     m.eval()
@@ -309,6 +313,9 @@ def unload(model) -> UnloadReport:
             mod._parameters[name] = None
         for name in list(mod._buffers):
             mod._buffers[name] = None
+        for name, v in list(vars(mod).items()):  # tensors and bitsandbytes QuantState kept as plain attributes
+            if torch.is_tensor(v) or type(v).__name__ == "QuantState":
+                setattr(mod, name, None)
     gc.collect()
     if not on_cuda:
         return UnloadReport(None, None, ())

@@ -174,7 +174,9 @@ def model_findings(spec: ModelSpec | None, ckpt: CheckpointInfo | None, s: Setti
                               "remote code is not run unless you opt in", "pass trust_remote_code=True if you "
                               "trust the repository"))
     stored = (ckpt.config_dtype or ckpt.stored_dtype) if ckpt else (spec.checkpoint_dtype if spec else None)
-    if param_dtype == "fp32" and stored in ("bf16", "fp16"):
+    if spec is None and ckpt is None:
+        pass  # no model named: nothing to say about its dtype
+    elif param_dtype == "fp32" and stored in ("bf16", "fp16"):
         cost = ""
         if spec is not None:
             from vramguard.memory.weights import weight_bytes
