@@ -187,6 +187,28 @@ def check(
         raise typer.Exit(1)
 
 
+@app.command("oom-log")
+def oom_log(
+    since: Optional[str] = typer.Option(None, help="only kills after: 30m, 2h, 1d, boot, or 2026-11-30T17:00"),
+    file: Optional[str] = typer.Option(None, "--file", help="a log file to read, or - for stdin"),
+    year: Optional[int] = typer.Option(None, help="year of syslog-style timestamps that omit it (default: now)"),
+    fmt: Format = typer.Option(Format['human'], "--format", help="human or json"),
+) -> None:
+    """Read the kernel OOM killer's records and explain each kill ("Killed" -> which process, how much memory, why).
+    Exits 1 when no kernel log could be read."""
+    from vramguard.oomlog import oom_log as oom_log_fn
+    from vramguard.render import oomlog_to_json, print_oomlog
+
+    r = run_guarded(oom_log_fn, file, since, year, as_json=fmt == Format['json'])
+    if fmt == Format['json']:
+        sys.stdout.write(json.dumps(oomlog_to_json(r), indent=2) + "\n")
+    else:
+        print_oomlog(r, Console())
+    if r.source is None:
+        err.print(r.message, markup=False, highlight=False)
+        raise typer.Exit(1)
+
+
 def _print_catalog(models: bool, gpus: bool) -> None:
     from vramguard.catalog.gpus import GPUS
     from vramguard.catalog.models import MODELS

@@ -191,3 +191,40 @@ def print_check(r, console: Console | None = None) -> None:
     fails = sum(f.status == "fail" for f in r.findings)
     warns = sum(f.status == "warn" for f in r.findings)
     c.print(f"{fails} failed, {warns} warnings" + (": fix the failures before loading" if fails else ""))
+
+
+def oomlog_to_json(r) -> dict:
+    """An OomLogReport as JSON (sizes in bytes, kills newest first)."""
+    return to_jsonable(r)
+
+
+def print_oomlog(r, console: Console | None = None) -> None:
+    """Human-readable kills, newest first, or the plain message when there are none."""
+    c = console or Console()
+    c.print(r.message, highlight=False)
+    n = len(r.kills)
+    for i, k in enumerate(r.kills, 1):
+        when = k.time.replace("T", " ") if k.time else (f"{k.uptime_s:.3f} s after boot" if k.uptime_s is not None
+                                                         else "time unknown")
+        where = f"cgroup {k.cgroup}" if k.constraint == "cgroup" and k.cgroup else k.constraint
+        c.print(f"[bold]OOM kill {i} of {n}[/bold]: {when} ({where})", highlight=False)
+        if k.pid is not None:
+            c.print(f"  process: {k.name} (pid {k.pid}" + (f", uid {k.uid}" if k.uid is not None else "") + ")"
+                    + (f"; command line: {k.cmdline}" if k.cmdline else ""), highlight=False)
+            parts = [f"RSS {fmt_bytes(k.rss_bytes)}" if k.rss_bytes is not None else "RSS unknown"]
+            for label, v in (("anon", k.anon_rss_bytes), ("file", k.file_rss_bytes), ("shmem", k.shmem_rss_bytes),
+                             ("virtual", k.total_vm_bytes), ("page tables", k.pgtables_bytes)):
+                if v is not None:
+                    parts.append(f"{label} {fmt_bytes(v)}")
+            c.print("  memory at death: " + ", ".join(parts), highlight=False)
+        if k.cgroup_limit_bytes:
+            c.print(f"  cgroup limit: {fmt_bytes(k.cgroup_limit_bytes)}", highlight=False)
+        if k.invoked_by:
+            c.print(f"  invoked by: {k.invoked_by} (gfp_mask {k.gfp_mask}, order {k.order})", highlight=False)
+        if k.top_others:
+            c.print("  largest other memory users then: " + ", ".join(
+                f"{o['name']} (pid {o['pid']}) {fmt_bytes(o['rss_bytes'])}" for o in k.top_others), highlight=False)
+        c.print(f"  likely cause: {k.cause}", highlight=False)
+        c.print(f"  fix: {k.fix}", highlight=False)
+    if r.skipped_lines:
+        c.print(f"{r.skipped_lines} OOM record line(s) could not be parsed and were skipped", highlight=False)

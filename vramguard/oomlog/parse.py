@@ -1,0 +1,271 @@
+"""Parsing the kernel OOM killer's records, across kernel versions and log formats.
+
+Line formats (timestamp prefixes), each handled by :func:`split_line`:
+
+* raw ``dmesg``: ``[12345.678901] text`` (seconds since boot);
+* ``dmesg -T``: ``[Mon Nov 30 17:04:05 2026] text``;
+* ``journalctl -k`` short: ``Nov 30 17:04:05 host kernel: text``; short-iso: ``2026-11-30T17:04:05+0000 host
+  kernel: text``; syslog / kern.log: the short form, often with the raw ``[seconds]`` after ``kernel:``;
+* ``journalctl -k -o json``: one JSON object a line, ``MESSAGE`` and ``__REALTIME_TIMESTAMP`` (microseconds).
+
+Record lines (mm/oom_kill.c, Linux 3.x to 6.x):
+
+* ``NAME invoked oom-killer: gfp_mask=0x..(..), order=N, oom_score_adj=N`` (older: ``oom_adj=N, oom_score_adj=N``);
+* the task table: ``[  pid  ]   uid  tgid total_vm      rss pgtables_bytes swapents oom_score_adj name`` (4.x:
+  ``nr_ptes nr_pmds`` instead of ``pgtables_bytes``), values in pages;
+* ``oom-kill:constraint=CONSTRAINT_NONE|CONSTRAINT_MEMCG|...,...,oom_memcg=..,task_memcg=..,task=..,pid=..,uid=..``;
+* ``Out of memory: Killed process PID (NAME) total-vm:NkB, anon-rss:NkB, file-rss:NkB, shmem-rss:NkB, UID:N
+  pgtables:NkB oom_score_adj:N`` and ``Memory cgroup out of memory: Killed process ...``;
+* older: ``Out of memory: Kill process PID (NAME) score N or sacrifice child`` then ``Killed process PID (NAME)
+  total-vm:NkB, anon-rss:NkB, file-rss:NkB[, shmem-rss:NkB]``;
+* cgroup v1 accounting: ``memory: usage NkB, limit NkB, failcnt N``.
+
+Nothing here raises on any input: a line that looks like part of a record but does not parse is counted in
+``ParseResult.skipped_lines``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+
+PAGE_BYTES = 4096  # the task table counts pages; x86-64 and most arm64 kernels use 4 KiB pages
+KB = 1024  # "kB" in the kill line is kibibytes (K(x) in mm/oom_kill.c shifts by PAGE_SHIFT - 10)
+
+_RAW = re.compile(r"^\s*\[\s*(\d+\.\d+)\]\s?(.*)$")
+_HUMAN = re.compile(r"^\s*\[([A-Z][a-z]{2} [A-Z][a-z]{2} +\d{1,2} \d\d:\d\d:\d\d \d{4})\]\s?(.*)$")
+_SHORT = re.compile(r"^([A-Z][a-z]{2} +\d{1,2} \d\d:\d\d:\d\d) \S+ kernel: ?(.*)$")
+_ISO = re.compile(r"^(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:\.\d+)?(?:[+-]\d\d:?\d\d|Z)?) \S+ kernel: ?(.*)$")
+
+_INVOKED = re.compile(r"^(?P<name>.+?) invoked oom-killer: gfp_mask=(?P<gfp>0x[0-9a-f]+)(?:\((?P<flags>[^)]*)\))?,"
+                      r"(?: nodemask=\S+,)? order=(?P<order>-?\d+),(?: oom_adj=-?\d+,)? oom_score_adj=(?P<adj>-?\d+)")
+_TABLE_HEAD = re.compile(r"^\[\s*pid\s*\]\s+uid\s+tgid\s+total_vm\s+rss\s+(?P<cols>.*)\bname\s*$")
+_ROW = re.compile(r"^\[\s*(?P<pid>\d+)\]\s+(?P<rest>.*)$")
+_CONSTRAINT = re.compile(r"^oom-kill:constraint=(?P<c>[A-Z_]+)(?P<rest>.*)$")
+_KILLED = re.compile(r"^(?:(?P<memcg>Memory cgroup out of memory)|(?:Out of memory(?: \(oom_kill_allocating_task\))?)):"
+                     r" Killed process (?P<pid>\d+) \((?P<name>[^)]*)\)(?P<rest>.*)$")
+_KILLED_OLD = re.compile(r"^Killed process (?P<pid>\d+) \((?P<name>[^)]*)\)(?P<rest>.*)$")
+_KILL_SCORE = re.compile(r"^(?P<memcg>Memory cgroup out of memory|Out of memory): Kill process (?P<pid>\d+) "
+                         r"\((?P<name>[^)]*)\) score (?P<score>\d+) or sacrifice child")
+_KV_KB = re.compile(r"(total-vm|anon-rss|file-rss|shmem-rss|pgtables):(\d+)kB")
+_CG_USAGE = re.compile(r"^memory: usage (\d+)kB, limit (\d+)kB, failcnt (\d+)")
+_OOMISH = ("oom", "Killed process", "Kill process", "[  pid  ]", "invoked")
+
+
+@dataclass
+class TaskRow:
+    """One task table row at the moment of the OOM: sizes in bytes."""
+
+    pid: int
+    uid: int
+    name: str
+    total_vm_bytes: int
+    rss_bytes: int
+    swap_bytes: int
+    oom_score_adj: int
+
+
+@dataclass
+class OomRecord:
+    """One OOM-killer event as parsed. Sizes are bytes; ``time`` is a datetime when the log gives wall time,
+    ``uptime_s`` seconds since boot when it gives that."""
+
+    time: datetime | None = None
+    uptime_s: float | None = None
+    invoked_by: str | None = None
+    gfp_mask: str | None = None
+    gfp_flags: str | None = None
+    order: int | None = None
+    invoker_oom_score_adj: int | None = None
+    tasks: list[TaskRow] = field(default_factory=list)
+    constraint: str | None = None
+    oom_memcg: str | None = None
+    task_memcg: str | None = None
+    cgroup_usage_bytes: int | None = None
+    cgroup_limit_bytes: int | None = None
+    killed_pid: int | None = None
+    killed_name: str | None = None
+    total_vm_bytes: int | None = None
+    anon_rss_bytes: int | None = None
+    file_rss_bytes: int | None = None
+    shmem_rss_bytes: int | None = None
+    pgtables_bytes: int | None = None
+    uid: int | None = None
+    oom_score_adj: int | None = None
+    score: int | None = None
+    memcg_kill: bool = False
+    complete: bool = False
+
+    @property
+    def rss_bytes(self) -> int | None:
+        parts = [self.anon_rss_bytes, self.file_rss_bytes, self.shmem_rss_bytes]
+        return sum(p or 0 for p in parts) if any(p is not None for p in parts) else None
+
+
+@dataclass
+class ParseResult:
+    """All records (in log order), the lines read, and the OOM-looking lines that could not be parsed."""
+
+    records: list[OomRecord]
+    lines_read: int
+    skipped_lines: int
+
+
+def split_line(line: str, year: int | None = None) -> tuple[datetime | None, float | None, str]:
+    """(wall time, seconds since boot, message) of one log line; the message alone when no prefix matches."""
+    line = line.rstrip("\n")
+    if line.startswith("{"):
+        try:
+            obj = json.loads(line)
+            msg = str(obj.get("MESSAGE", ""))
+            ts = obj.get("__REALTIME_TIMESTAMP")
+            when = datetime.fromtimestamp(int(ts) / 1e6, tz=timezone.utc) if ts is not None else None
+            mono = obj.get("_SOURCE_MONOTONIC_TIMESTAMP")
+            return when, (int(mono) / 1e6 if mono is not None else None), msg
+        except (ValueError, TypeError, AttributeError, OverflowError):
+            return None, None, line
+    when: datetime | None = None
+    m = _ISO.match(line)
+    if m:
+        try:
+            when = datetime.fromisoformat(m.group(1).replace("Z", "+00:00"))
+        except ValueError:
+            when = None
+        line = m.group(2)
+    else:
+        m = _SHORT.match(line)
+        if m:
+            try:
+                when = datetime.strptime(f"{year or datetime.now().year} {m.group(1)}", "%Y %b %d %H:%M:%S")
+            except ValueError:
+                when = None
+            line = m.group(2)
+    m = _HUMAN.match(line)
+    if m:
+        try:
+            when = datetime.strptime(re.sub(" +", " ", m.group(1)), "%a %b %d %H:%M:%S %Y")
+        except ValueError:
+            pass
+        return when, None, m.group(2)
+    m = _RAW.match(line)
+    if m:
+        return when, float(m.group(1)), m.group(2)
+    return when, None, line
+
+
+def _kv(rest: str) -> dict[str, str]:
+    out = {}
+    for part in rest.split(","):
+        if "=" in part:
+            k, _, v = part.partition("=")
+            out[k.strip()] = v.strip()
+    return out
+
+
+def _row(m: re.Match, cols: list[str]) -> TaskRow | None:
+    parts = m.group("rest").split()
+    # uid tgid total_vm rss <cols...> oom_score_adj name: at least 6 fields
+    if len(parts) < 4 + len(cols) + 1:
+        return None
+    try:
+        uid, _tgid, total_vm, rss = (int(x) for x in parts[:4])
+        extra = dict(zip(cols, (int(x) for x in parts[4:4 + len(cols)])))
+        name = " ".join(parts[4 + len(cols):]) or "?"
+    except ValueError:
+        return None
+    return TaskRow(int(m.group("pid")), uid, name, total_vm * PAGE_BYTES, rss * PAGE_BYTES,
+                   extra.get("swapents", 0) * PAGE_BYTES, extra.get("oom_score_adj", 0))
+
+
+def parse_lines(lines, year: int | None = None) -> ParseResult:
+    """Assemble OOM records from log lines (any iterable of str). Never raises."""
+    records: list[OomRecord] = []
+    cur: OomRecord | None = None
+    cols: list[str] = []
+    n = skipped = 0
+    for raw in lines:
+        n += 1
+        try:
+            when, up, msg = split_line(str(raw), year)
+        except Exception:  # defensive: a line that breaks the splitter is skipped, never fatal
+            skipped += 1
+            continue
+        msg = msg.strip()
+        m = _INVOKED.match(msg)
+        if m:
+            cur = OomRecord(time=when, uptime_s=up, invoked_by=m.group("name"), gfp_mask=m.group("gfp"),
+                            gfp_flags=m.group("flags"), order=int(m.group("order")),
+                            invoker_oom_score_adj=int(m.group("adj")))
+            records.append(cur)
+            cols = []
+            continue
+        m = _TABLE_HEAD.match(msg)
+        if m:
+            cols = m.group("cols").split()  # e.g. pgtables_bytes swapents oom_score_adj (4.x: nr_ptes nr_pmds ...)
+            continue
+        m = _ROW.match(msg)
+        if m and cols and cur is not None:
+            row = _row(m, cols)
+            if row is None:
+                skipped += 1
+            else:
+                cur.tasks.append(row)
+            continue
+        m = _CONSTRAINT.match(msg)
+        if m:
+            cur = cur if cur is not None and cur.killed_pid is None else _new(records, when, up)
+            kv = _kv(m.group("rest"))
+            cur.constraint = m.group("c")
+            cur.oom_memcg = kv.get("oom_memcg")
+            cur.task_memcg = kv.get("task_memcg")
+            continue
+        m = _CG_USAGE.match(msg)
+        if m:
+            cur = cur if cur is not None and cur.killed_pid is None else _new(records, when, up)
+            cur.cgroup_usage_bytes, cur.cgroup_limit_bytes = int(m.group(1)) * KB, int(m.group(2)) * KB
+            continue
+        m = _KILL_SCORE.match(msg)
+        if m:
+            cur = cur if cur is not None and cur.killed_pid is None else _new(records, when, up)
+            cur.killed_pid, cur.killed_name = int(m.group("pid")), m.group("name")
+            cur.score = int(m.group("score"))
+            cur.memcg_kill = m.group("memcg").startswith("Memory cgroup") or cur.memcg_kill
+            cur.complete = False  # the "Killed process" line with the sizes follows
+            continue
+        m = _KILLED.match(msg) or _KILLED_OLD.match(msg)
+        if m:
+            pid = int(m.group("pid"))
+            if cur is None or (cur.complete or (cur.killed_pid is not None and cur.killed_pid != pid
+                                                and cur.total_vm_bytes is not None)):
+                cur = _new(records, when, up)
+            cur.killed_pid, cur.killed_name = pid, m.group("name")
+            if "memcg" in m.groupdict() and m.group("memcg"):
+                cur.memcg_kill = True
+            if cur.time is None and cur.uptime_s is None:
+                cur.time, cur.uptime_s = when, up
+            sizes = {k: int(v) * KB for k, v in _KV_KB.findall(m.group("rest"))}
+            if not sizes:
+                skipped += 1
+            cur.total_vm_bytes = sizes.get("total-vm")
+            cur.anon_rss_bytes = sizes.get("anon-rss")
+            cur.file_rss_bytes = sizes.get("file-rss")
+            cur.shmem_rss_bytes = sizes.get("shmem-rss")
+            cur.pgtables_bytes = sizes.get("pgtables")
+            um = re.search(r"UID:(\d+)", m.group("rest"))
+            am = re.search(r"oom_score_adj:(-?\d+)", m.group("rest"))
+            cur.uid = int(um.group(1)) if um else cur.uid
+            cur.oom_score_adj = int(am.group(1)) if am else cur.oom_score_adj
+            cur.complete = True
+            continue
+        if cur is not None and not cur.complete and any(k in msg for k in _OOMISH) and "oom_reaper" not in msg \
+                and "Tasks state" not in msg and "oom_score_adj" not in msg:
+            skipped += 1
+    return ParseResult(records, n, skipped)
+
+
+def _new(records: list[OomRecord], when, up) -> OomRecord:
+    rec = OomRecord(time=when, uptime_s=up)
+    records.append(rec)
+    return rec
