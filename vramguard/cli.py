@@ -209,6 +209,43 @@ def oom_log(
         raise typer.Exit(1)
 
 
+@app.command()
+def explain(
+    message: Optional[str] = typer.Argument(None, help="the OOM message, or - to read it from stdin"),
+    model: Optional[str] = typer.Option(None, help="the model that ran, to name the allocation that failed"),
+    quant: Quant = typer.Option(Quant['nf4'], help="its weight format"),
+    attn: Attn = typer.Option(Attn['sdpa'], help="its attn_implementation"),
+    batch: int = typer.Option(1, help="its batch"),
+    prompt_tokens: int = typer.Option(DEFAULT_PROMPT_TOKENS, help="its prompt length in tokens"),
+    max_new_tokens: int = typer.Option(256, help="its new tokens"),
+    fmt: Format = typer.Option(Format['human'], "--format", help="human or json"),
+) -> None:
+    """Classify a CUDA out-of-memory message: fragmentation, one allocation too large (algorithmic), memory held
+    by other processes, or steady growth; with the evidence and the fix."""
+    import os
+
+    from vramguard.explain import explain as explain_fn
+    from vramguard.explain import plan_candidates
+    from vramguard.render import print_explanation, to_jsonable
+
+    def build():
+        text = sys.stdin.read() if message in (None, "-") else message
+        cands = None
+        if model:
+            from vramguard.resolve import resolve_model
+            from vramguard.settings import Settings
+            cands = plan_candidates(resolve_model(model), Settings(quant=quant.value, attn=attn.value, batch=batch,
+                                                                   prompt_tokens=prompt_tokens,
+                                                                   max_new_tokens=max_new_tokens))
+        return explain_fn(text, os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), cands)
+
+    e = run_guarded(build, as_json=fmt == Format['json'])
+    if fmt == Format['json']:
+        sys.stdout.write(json.dumps(to_jsonable(e), indent=2) + "\n")
+    else:
+        print_explanation(e, Console())
+
+
 def _print_catalog(models: bool, gpus: bool) -> None:
     from vramguard.catalog.gpus import GPUS
     from vramguard.catalog.models import MODELS

@@ -228,3 +228,13 @@ def print_oomlog(r, console: Console | None = None) -> None:
         c.print(f"  fix: {k.fix}", highlight=False)
     if r.skipped_lines:
         c.print(f"{r.skipped_lines} OOM record line(s) could not be parsed and were skipped", highlight=False)
+
+
+def print_explanation(e, console: Console | None = None) -> None:
+    """Human-readable explanation of an OOM message."""
+    c = console or Console()
+    c.print(f"[bold]{e.kind}[/bold]: {e.summary}", highlight=False)
+    for line in e.evidence:
+        c.print(f"  - {line}", highlight=False)
+    for fix in e.fixes:
+        c.print(f"  fix: {fix}", highlight=False)

@@ -1,0 +1,104 @@
+"""explain: OOM messages of several PyTorch versions; C15 and its opposite; the recorded H200 messages."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from vramguard.errors import InvalidValue
+from vramguard.explain import explain, parse_oom_message, plan_candidates
+from vramguard.resolve import resolve_model
+from vramguard.settings import Settings
+from vramguard.units import GiB, MiB
+
+C15_NEW = ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 MiB. GPU 0 has a total capacity of "
+           "8.00 GiB of which 0 bytes is free. Including non-PyTorch memory, this process has 7.29 GiB memory in use. "
+           "Of the allocated memory 6.63 GiB is allocated by PyTorch, and 675.84 MiB is reserved by PyTorch but "
+           "unallocated. If reserved but unallocated memory is large try setting "
+           "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.  See documentation for Memory "
+           "Management  (https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)")
+C15_OLD = ("RuntimeError: CUDA out of memory. Tried to allocate 20.00 MiB (GPU 0; 8.00 GiB total capacity; 6.63 GiB "
+           "already allocated; 0 bytes free; 7.29 GiB reserved in total by PyTorch) If reserved memory is >> "
+           "allocated memory try setting max_split_size_mb to avoid fragmentation.")
+TORCH_1_4 = ("RuntimeError: CUDA out of memory. Tried to allocate 2.00 MiB (GPU 0; 10.76 GiB total capacity; "
+             "9.70 GiB already allocated; 3.56 MiB free; 9.91 GiB cached)")
+TORCH_2_1_TYPO = ("CUDA out of memory. Tried to allocate 64.00 MiB. GPU 0 has a total capacty of 23.65 GiB of which "
+                  "50.06 MiB is free. Process 38265 has 6.00 GiB memory in use. Including non-PyTorch memory, this "
+                  "process has 17.56 GiB memory in use. Of the allocated memory 17.01 GiB is allocated by PyTorch, "
+                  "and 12.25 MiB is reserved by PyTorch but unallocated.")
+BIGGER_THAN_CARD = ("CUDA out of memory. Tried to allocate 30.00 GiB. GPU 0 has a total capacity of 23.65 GiB of "
+                    "which 20.10 GiB is free. Including non-PyTorch memory, this process has 3.40 GiB memory in use. "
+                    "Of the allocated memory 2.90 GiB is allocated by PyTorch, and 40.00 GiB is reserved by PyTorch "
+                    "but unallocated.")
+STEADY = ("CUDA out of memory. Tried to allocate 32.00 MiB. GPU 0 has a total capacity of 23.65 GiB of which "
+          "21.06 MiB is free. Including non-PyTorch memory, this process has 23.20 GiB memory in use. Of the allocated "
+          "memory 22.90 GiB is allocated by PyTorch, and 14.12 MiB is reserved by PyTorch but unallocated.")
+
+
+def test_c15_fragmentation_with_the_33x_ratio():
+    for text in (C15_NEW, C15_OLD):
+        e = explain(text)
+        assert e.kind == "fragmentation", text
+        assert e.message.request_bytes == 20 * MiB
+        assert e.message.reserved_unallocated_bytes == 675.84 * MiB or \
+            abs(e.message.reserved_unallocated_bytes - int(0.66 * GiB)) < 10 * MiB
+        assert "33x" in e.summary
+        assert any("used outside PyTorch's pool" in x and "0.71 GiB" in x for x in e.evidence)
+        assert any("expandable_segments:True" in f for f in e.fixes)
+        assert any("static KV cache" in f for f in e.fixes)
+    assert explain(C15_NEW).message.format == "torch>=2.1" and explain(C15_OLD).message.format == "torch<2.1"
+
+
+def test_expandable_segments_already_set_is_not_suggested_again():
+    e = explain(C15_NEW, alloc_conf="expandable_segments:True")
+    assert e.kind == "fragmentation" and not any(f.startswith("export PYTORCH") for f in e.fixes)
+
+
+def test_c15_opposite_a_request_larger_than_the_card_is_never_fragmentation():
+    e = explain(BIGGER_THAN_CARD)  # 40 GiB reserved-unallocated would look like fragmentation: it is not
+    assert e.kind == "algorithmic" and "larger than all the memory" in e.summary
+
+
+def test_other_processes_and_steady_growth():
+    e = explain(TORCH_2_1_TYPO)
+    assert e.message.total_bytes == int(23.65 * GiB) and e.message.other_processes == [(38265, 6 * GiB)]
+    assert e.kind == "other_processes" and any("pid 38265" in x for x in e.evidence)
+    s = explain(STEADY)
+    assert s.kind == "steady_growth" and "quantized KV cache" in s.fixes[0]
+
+
+def test_torch_1_4_cached_format():
+    m = parse_oom_message(TORCH_1_4)
+    assert m.total_bytes == int(10.76 * GiB) and m.allocated_bytes == int(9.70 * GiB)
+    assert m.reserved_bytes == int(9.91 * GiB) and m.free_bytes == int(3.56 * MiB)
+    assert explain(TORCH_1_4).kind == "fragmentation"  # 0.21 GiB cached-unallocated against a 2 MiB request
+
+
+def test_recorded_h200_messages():
+    """The messages of the runs that ran out of memory under the 24 GiB cap (benchmarks/results/h200_matrix)."""
+    recs = [json.loads(line) for p in sorted(Path(__file__).parents[1].glob("benchmarks/results/h200_matrix/*/"
+                                                                           "matrix.jsonl")) for line in open(p)]
+    errs = {(r["model"], r["quant"], r["attn"], r["batch"], r["prompt"]): r["err"] for r in recs
+            if r["kind"] == "gen" and not r["ok"]}
+    frag = explain(errs[("llama-3.1-8b", "bf16", "sdpa", 4, 16384)])  # 1.75 GiB asked, 2.75 GiB unallocated
+    assert frag.kind == "fragmentation" and frag.message.allowed_bytes == 24 * GiB
+    spec = resolve_model("llama-3.1-8b")
+    s = Settings(quant="bf16", attn="eager", batch=4, prompt_tokens=4096, max_new_tokens=64)
+    algo = explain(errs[("llama-3.1-8b", "bf16", "eager", 4, 4096)], candidates=plan_candidates(spec, s))
+    assert algo.kind == "algorithmic" and "eager attention scores in float32" in algo.matched_allocation
+    assert "sdpa" in algo.fixes[0]
+
+
+def test_not_an_oom_message():
+    with pytest.raises(InvalidValue) as e:
+        explain("Segmentation fault")
+    assert "Tried to allocate" in str(e.value)
+
+
+def test_cli_reads_stdin():
+    r = subprocess.run([sys.executable, "-m", "vramguard", "explain", "-", "--format", "json"], input=C15_NEW,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["kind"] == "fragmentation"

@@ -1,0 +1,240 @@
+"""``explain``: read a CUDA out-of-memory message and say what kind of problem it is, with the evidence and the fix.
+
+Message formats (c10/cuda/CUDACachingAllocator.cpp):
+
+* PyTorch >= 2.1: ``CUDA out of memory. Tried to allocate 20.00 MiB. GPU 0 has a total capacity of 8.00 GiB of
+  which 0 bytes is free. [Process 1234 has 1.20 GiB memory in use.] Including non-PyTorch memory, this process has
+  7.29 GiB memory in use. [24.00 GiB allowed;] Of the allocated memory 6.63 GiB is allocated by PyTorch, and
+  675.84 MiB is reserved by PyTorch but unallocated. ...`` (2.1 printed "capacty");
+* PyTorch 1.x / 2.0: ``CUDA out of memory. Tried to allocate 20.00 MiB (GPU 0; 8.00 GiB total capacity; 6.63 GiB
+  already allocated; 0 bytes free; 7.29 GiB reserved in total by PyTorch)``; before 1.5 the last field was
+  ``... MiB cached``.
+
+Classification, in this order (a request larger than the whole card is never called fragmentation):
+
+1. ``algorithmic``: the single request exceeds what the process may use (the card, or the per-process cap): an
+   allocation that cannot fit on any state of the allocator (eager attention scores, full-prompt logits...).
+2. ``fragmentation``: reserved-but-unallocated memory is at least the request: the bytes exist inside PyTorch's
+   pool but not as one block.
+3. ``other_processes``: other processes hold at least the request and at least 1 GiB (the card's use minus
+   what the message says this process holds).
+4. ``algorithmic``: one request of at least a quarter of the usable memory.
+5. ``steady_growth``: a small request on a full card: memory grew until it ran out (KV cache, activations).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from vramguard.errors import InvalidValue
+from vramguard.memory.runtime import CUDA_CONTEXT_BYTES
+from vramguard.units import GiB, KiB, MiB, TiB, fmt_bytes
+
+_UNIT = {"bytes": 1, "B": 1, "KiB": KiB, "MiB": MiB, "GiB": GiB, "TiB": TiB}
+_SIZE = r"(\d+(?:\.\d+)?) ?(bytes|B|KiB|MiB|GiB|TiB)"
+PATTERNS = {
+    "request": re.compile(r"Tried to allocate " + _SIZE),
+    "total": re.compile(r"total capac(?:i)?ty of " + _SIZE + r"|; " + _SIZE + r" total capacity"),
+    "free": re.compile(r"of which " + _SIZE + r" is free|; " + _SIZE + r" free"),
+    "process": re.compile(r"this process has " + _SIZE + r" memory in use"),
+    "allowed": re.compile(_SIZE + r" allowed"),
+    "allocated": re.compile(r"Of the allocated memory " + _SIZE + r" is allocated by PyTorch|; " + _SIZE
+                            + r" already allocated"),
+    "unallocated": re.compile(r"and " + _SIZE + r" is reserved by PyTorch but unallocated"),
+    "reserved": re.compile(_SIZE + r" reserved in total by PyTorch|" + _SIZE + r" cached\)"),
+}
+_OTHER = re.compile(r"Process (\d+) has " + _SIZE + r" memory in use")
+_GPU = re.compile(r"GPU (\d+)")
+ALGORITHMIC_FRACTION_DEN = 4  # one request of a quarter of the usable memory or more is algorithmic
+OTHER_PROCESSES_MIN_BYTES = GiB  # less than this outside the process is a display or a driver, not a culprit
+
+
+@dataclass
+class OomMessage:
+    """The numbers of an OOM message, in bytes (None when the message does not carry them)."""
+
+    request_bytes: int | None = None
+    total_bytes: int | None = None
+    free_bytes: int | None = None
+    process_in_use_bytes: int | None = None
+    allowed_bytes: int | None = None
+    allocated_bytes: int | None = None
+    reserved_bytes: int | None = None
+    reserved_unallocated_bytes: int | None = None
+    other_processes: list[tuple[int, int]] = field(default_factory=list)
+    gpu: int | None = None
+    format: str = "unknown"
+
+
+@dataclass
+class Explanation:
+    """What the message means: ``kind`` (fragmentation, algorithmic, other_processes, steady_growth, unknown),
+    the evidence lines with numbers, the fixes, and the parsed numbers."""
+
+    kind: str
+    summary: str
+    evidence: list[str]
+    fixes: list[str]
+    message: OomMessage
+    matched_allocation: str | None = None
+
+
+def _size(n: int) -> str:
+    """GiB with two decimals from 0.1 GiB up (as OOM messages are read), else the fitting binary unit."""
+    return f"{n / GiB:.2f} GiB" if n >= GiB // 10 else fmt_bytes(n)
+
+
+def _bytes(m: re.Match | None) -> int | None:
+    if not m:
+        return None
+    g = [x for x in m.groups() if x is not None]
+    return int(float(g[0]) * _UNIT[g[1]]) if len(g) >= 2 else None
+
+
+def parse_oom_message(text: str) -> OomMessage:
+    """Numbers of a CUDA OOM message of any PyTorch version (see the module docstring).
+
+    Raises:
+        InvalidValue: the text is not a CUDA out-of-memory message.
+    """
+    if "out of memory" not in text.lower() or "Tried to allocate" not in text:
+        raise InvalidValue("MESSAGE", text[:80] + ("..." if len(text) > 80 else ""),
+                           "a CUDA out-of-memory message (it contains 'Tried to allocate')",
+                           "paste the whole error, from 'CUDA out of memory' to its end")
+    t = " ".join(text.split())
+    m = OomMessage(**{f"{k}_bytes" if k not in ("process",) else "process_in_use_bytes": _bytes(p.search(t))
+                      for k, p in PATTERNS.items() if k not in ("unallocated", "allowed")})
+    m.allowed_bytes = _bytes(PATTERNS["allowed"].search(t))
+    m.reserved_unallocated_bytes = _bytes(PATTERNS["unallocated"].search(t))
+    m.other_processes = [(int(pid), int(float(v) * _UNIT[u])) for pid, v, u in _OTHER.findall(t)]
+    g = _GPU.search(t)
+    m.gpu = int(g.group(1)) if g else None
+    if m.reserved_unallocated_bytes is not None and m.allocated_bytes is not None:
+        m.reserved_bytes = m.allocated_bytes + m.reserved_unallocated_bytes
+        m.format = "torch>=2.1"
+    elif m.reserved_bytes is not None and m.allocated_bytes is not None:
+        m.reserved_unallocated_bytes = m.reserved_bytes - m.allocated_bytes
+        m.format = "torch<2.1"
+    return m
+
+
+def explain(text: str, alloc_conf: str | None = None, candidates: dict[str, int] | None = None) -> Explanation:
+    """Classify an OOM message (see the module docstring) and give the evidence and the fix.
+
+    Args:
+        text: the message (the whole error text is fine).
+        alloc_conf: the PYTORCH_CUDA_ALLOC_CONF in force, so the fix does not repeat a setting already made.
+        candidates: named allocation sizes of the run (from the plan of a model and settings), to name the
+            allocation that failed.
+
+    Raises:
+        InvalidValue: the text is not a CUDA OOM message.
+    """
+    m = parse_oom_message(text)
+    req = m.request_bytes or 0
+    usable = m.allowed_bytes or m.total_bytes
+    ev: list[str] = []
+    if m.request_bytes is not None:
+        ev.append(f"the failed request: {fmt_bytes(m.request_bytes)}")
+    if usable:
+        ev.append(f"the process may use {fmt_bytes(usable)}" + (" (per-process cap)" if m.allowed_bytes else
+                                                                   " (the card's capacity)"))
+    matched = _match(req, candidates)
+    outside = None
+    if m.total_bytes is not None and m.free_bytes is not None and m.reserved_bytes is not None:
+        outside = max(m.total_bytes - m.free_bytes - m.reserved_bytes, 0)
+        if m.allowed_bytes is None:
+            ev.append(f"used outside PyTorch's pool (CUDA context, display, other processes): {_size(outside)}")
+    frag = m.reserved_unallocated_bytes
+    if frag is not None:
+        ev.append(f"reserved by PyTorch but unallocated: {_size(frag)}"
+                  + (f" = {frag // req}x the request" if req and frag >= req else ""))
+    others = sum(b for _, b in m.other_processes)
+    # memory of other processes: what the card uses minus this process (its context included when the message
+    # says how much the process holds; else this process's context is estimated)
+    foreign = 0
+    if m.total_bytes is not None and m.free_bytes is not None:
+        if m.process_in_use_bytes is not None:
+            foreign = max(m.total_bytes - m.free_bytes - m.process_in_use_bytes, 0)
+        elif m.reserved_bytes is not None:
+            foreign = max(m.total_bytes - m.free_bytes - m.reserved_bytes - CUDA_CONTEXT_BYTES, 0)
+    expandable = bool(alloc_conf and "expandable_segments:True" in alloc_conf)
+    if usable and req > usable:
+        kind, summary = "algorithmic", (f"one allocation of {fmt_bytes(req)} is larger than all the memory the "
+                                        f"process may use ({fmt_bytes(usable)}): no allocator setting can fit it")
+        fixes = _algorithmic_fixes(matched)
+    elif frag is not None and req and frag >= req:
+        kind = "fragmentation"
+        summary = (f"fragmentation: {_size(frag)} are reserved but unallocated, {frag // req}x the "
+                   f"{fmt_bytes(req)} requested, but not as one block")
+        fixes = (["expandable segments are already on: free cached blocks between requests "
+                  "(torch.cuda.empty_cache()) and keep tensor sizes steady"] if expandable else
+                 ["export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (lets segments grow instead of "
+                  "stranding blocks)"])
+        fixes.append("use a static KV cache (preallocated once) instead of a dynamic cache that grows by "
+                     "concatenation")
+    elif (others and others >= req) or (foreign >= max(req, OTHER_PROCESSES_MIN_BYTES) and not m.allowed_bytes):
+        kind = "other_processes"
+        held = others or foreign
+        summary = f"{fmt_bytes(held)} of the card are held outside this process's PyTorch pool"
+        if m.other_processes:
+            ev.append("other processes: " + ", ".join(f"pid {p} {fmt_bytes(b)}" for p, b in m.other_processes))
+        fixes = ["close the other GPU processes (nvidia-smi lists them), or run on another GPU "
+                 "(CUDA_VISIBLE_DEVICES)", "plan with the memory that is left: vramguard plan ... --vram SIZE"]
+    elif usable and req * ALGORITHMIC_FRACTION_DEN >= usable:
+        kind, summary = "algorithmic", (f"one allocation of {fmt_bytes(req)} is "
+                                        f"{req / usable:.0%} of the usable memory: an algorithmic cost")
+        fixes = _algorithmic_fixes(matched)
+    elif m.allocated_bytes is not None and usable:
+        kind = "steady_growth"
+        summary = (f"a small request ({fmt_bytes(req)}) on a full pool ({fmt_bytes(m.allocated_bytes)} allocated of "
+                   f"{fmt_bytes(usable)}): memory grew until it ran out")
+        fixes = ["plan the run (vramguard plan MODEL ...): a shorter generation, a quantized KV cache "
+                 "(--kv-dtype int8/int4), a smaller batch, or NF4 weights"]
+    else:
+        kind, summary, fixes = "unknown", "the message does not carry enough numbers to classify it", [
+            "paste the whole message, including the memory figures"]
+    if matched:
+        ev.append(f"the request matches {matched}")
+    return Explanation(kind, summary, ev, fixes, m, matched)
+
+
+def _algorithmic_fixes(matched: str | None) -> list[str]:
+    fixes = []
+    if matched and "eager" in matched:
+        fixes.append("use attn_implementation='sdpa' (or flash_attention_2): no score matrix is materialized")
+    if matched and "logits" in matched:
+        fixes.append("keep logits for the positions you need (logits_to_keep), or score in chunks")
+    if not (matched and "eager" in matched):
+        fixes.append("use sdpa/flash attention instead of eager (eager holds batch x heads x q x k float32 scores)")
+    fixes += ["chunked prefill (generation_config.prefill_chunk_size), a smaller batch, or a shorter prompt",
+              "vramguard plan MODEL with your settings shows the largest allocation and what fits"]
+    return list(dict.fromkeys(fixes))
+
+
+def _match(req: int, candidates: dict[str, int] | None) -> str | None:
+    """The named allocation within 1% of ``req`` (message sizes are rounded to 2 decimals)."""
+    if not req or not candidates:
+        return None
+    best = min(candidates.items(), key=lambda kv: abs(kv[1] - req))
+    return best[0] if abs(best[1] - req) <= max(req // 100, 2 * MiB) else None
+
+
+def plan_candidates(spec, s) -> dict[str, int]:
+    """Named single allocations of a run (bytes), to match against a failed request."""
+    from vramguard.memory.forward import logits_bytes
+    from vramguard.memory.kv import kv_tensor_bytes
+    seqs, p = s.sequences, s.prompt_tokens
+    scores = seqs * spec.num_heads * p * p
+    native, fp32 = logits_bytes(spec, seqs, p, s.act_dtype)
+    dt = 4 if s.act_dtype == "fp32" else 2
+    return {
+        f"eager attention scores in float32 ({seqs} x {spec.num_heads} heads x {p} x {p} x 4 B)": scores * 4,
+        f"eager attention scores in {s.act_dtype} ({seqs} x {spec.num_heads} x {p} x {p} x {dt} B)": scores * dt,
+        f"logits for all {p} positions in float32": fp32,
+        f"logits for all {p} positions in {s.act_dtype}": native,
+        f"the MLP intermediate ({seqs} x {p} x {spec.intermediate_size} x {dt} B)":
+            seqs * p * spec.intermediate_size * dt,
+        f"one layer's KV cache tensor at {s.total_tokens} tokens": kv_tensor_bytes(spec, s, s.total_tokens),
+    }
