@@ -246,6 +246,74 @@ def explain(
         print_explanation(e, Console())
 
 
+@app.command()
+def profile(
+    model: str = typer.Argument(..., help="model folder or cached model id (weights needed)"),
+    quant: Quant = typer.Option(Quant['nf4'], help="weight format"),
+    attn: Attn = typer.Option(Attn['sdpa'], help="attn_implementation"),
+    batch: int = typer.Option(1, help="prompts decoded together"),
+    prompt_tokens: int = typer.Option(DEFAULT_PROMPT_TOKENS, help="prompt length in tokens (random ids)"),
+    max_new_tokens: int = typer.Option(256, help="tokens to generate"),
+    out: Optional[str] = typer.Option(None, help="folder for timeline.png, timeline.html (and the snapshot)"),
+    memory_snapshot: bool = typer.Option(False, help="also dump a PyTorch memory snapshot for memory_viz"),
+    fmt: Format = typer.Option(Format['human'], "--format", help="human or json"),
+) -> None:
+    """A measured run beside the plan: weights, prefill peak, KV growth per token, decode peak, reserved vs
+    allocated, fragmentation, memory outside PyTorch, TTFT and decode ms/token; a memory timeline picture."""
+    from vramguard.profile import profile as profile_fn
+    from vramguard.render import print_profile, to_jsonable
+    from vramguard.settings import Settings
+
+    def build():
+        s = Settings(quant=quant.value, attn=attn.value, batch=batch, prompt_tokens=prompt_tokens,
+                     max_new_tokens=max_new_tokens)
+        return profile_fn(model, s, out_dir=out, memory_snapshot=memory_snapshot)
+
+    r = run_guarded(build, as_json=fmt == Format['json'])
+    if fmt == Format['json']:
+        d = to_jsonable(r)
+        d["rows"] = [{**to_jsonable(x), "diff": x.diff} for x in r.rows]
+        sys.stdout.write(json.dumps(d, indent=2) + "\n")
+    else:
+        print_profile(r, Console())
+
+
+@app.command()
+def fit(
+    model: str = typer.Argument(..., help="model folder or cached model id (weights needed)"),
+    vary: str = typer.Option(..., help="prompt | new-tokens | batch"),
+    vram_budget: Optional[str] = typer.Option(None, help="memory PyTorch may use, e.g. 24GiB (default: the card)"),
+    quant: Quant = typer.Option(Quant['nf4'], help="weight format"),
+    attn: Attn = typer.Option(Attn['sdpa'], help="attn_implementation"),
+    batch: int = typer.Option(1, help="prompts decoded together"),
+    prompt_tokens: int = typer.Option(DEFAULT_PROMPT_TOKENS, help="prompt length in tokens"),
+    max_new_tokens: int = typer.Option(256, help="tokens to generate"),
+    max_runs: int = typer.Option(8, help="at most this many real runs"),
+    out: Optional[str] = typer.Option(None, help="folder for the fit picture"),
+    fmt: Format = typer.Option(Format['human'], "--format", help="human or json"),
+) -> None:
+    """Real runs that find the largest prompt / new tokens / batch that completes under a budget, seeded by the
+    plan; emulates a smaller card with a per-process memory fraction."""
+    from vramguard.fit import fit as fit_fn
+    from vramguard.render import print_fit, to_jsonable
+    from vramguard.settings import Settings
+    from vramguard.units import parse_size
+
+    def build():
+        import torch
+        s = Settings(quant=quant.value, attn=attn.value, batch=batch, prompt_tokens=prompt_tokens,
+                     max_new_tokens=max_new_tokens)
+        budget = parse_size(vram_budget, "--vram-budget") if vram_budget else (
+            torch.cuda.mem_get_info()[1] if torch.cuda.is_available() else 0)
+        return fit_fn(model, s, vary, budget, out_dir=out, max_runs=max_runs)
+
+    r = run_guarded(build, as_json=fmt == Format['json'])
+    if fmt == Format['json']:
+        sys.stdout.write(json.dumps(to_jsonable(r), indent=2) + "\n")
+    else:
+        print_fit(r, Console())
+
+
 def _print_catalog(models: bool, gpus: bool) -> None:
     from vramguard.catalog.gpus import GPUS
     from vramguard.catalog.models import MODELS

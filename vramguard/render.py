@@ -238,3 +238,41 @@ def print_explanation(e, console: Console | None = None) -> None:
         c.print(f"  - {line}", highlight=False)
     for fix in e.fixes:
         c.print(f"  fix: {fix}", highlight=False)
+
+
+def print_profile(r, console: Console | None = None) -> None:
+    """The profile table (measured beside planned, bytes and GiB) and the timings."""
+    c = console or Console()
+    t = Table(title=f"vramguard profile - {r.model}", title_justify="left")
+    for col in ("quantity", "measured", "planned", "difference"):
+        t.add_column(col, justify="left" if col == "quantity" else "right")
+    for row in r.rows:
+        t.add_row(row.name, fmt_bytes(row.measured), fmt_bytes(row.planned),
+                  f"{row.rel:+.2%}" if row.rel is not None else "")
+    c.print(t)
+    if r.ttft_s is not None:
+        c.print(f"time to first token {r.ttft_s * 1000:.1f} ms"
+                + (f"; decode {r.decode_ms_per_token:.2f} ms/token" if r.decode_ms_per_token else ""))
+    for k, v in r.files.items():
+        c.print(f"{k}: {v}")
+    for n in r.notes:
+        c.print(f"[yellow]{n}[/yellow]")
+
+
+def print_fit(r, console: Console | None = None) -> None:
+    """The fit result: boundary, runs, binding component, picture."""
+    c = console or Console()
+    b = "none completed" if r.boundary is None else f"{r.boundary:,}"
+    c.print(f"[bold]largest {r.vary} that completes under {fmt_bytes(r.budget_bytes)}: {b}[/bold]"
+            + (f" (smallest failure {r.smallest_failure:,})" if r.smallest_failure else ""))
+    c.print(f"plan seeds: {r.seed_conservative} (planned reserved fits) to {r.seed_optimistic} (planned allocated "
+            f"fits); binding at the edge: {r.binding_component}")
+    t = Table(title=f"{len(r.runs)} runs", title_justify="left")
+    for col in (r.vary, "result", "peak allocated", "peak reserved", "seconds"):
+        t.add_column(col, justify="right")
+    for x in r.runs:
+        t.add_row(f"{x.value:,}", "ok" if x.ok else f"OOM ({x.oom_kind or '?'})", fmt_bytes(x.peak_allocated),
+                  fmt_bytes(x.peak_reserved), f"{x.seconds:.1f}")
+    c.print(t)
+    if r.plot:
+        c.print(f"picture: {r.plot}")

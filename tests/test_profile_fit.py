@@ -1,0 +1,122 @@
+"""profile and fit on the CPU: the measurement plumbing through a fake probe, the table against the plan, the
+timeline files, and the plan-seeded search."""
+
+import pytest
+
+from vramguard import measure
+from vramguard.fit import FitRun, binding_component, search, seeds
+from vramguard.measure import MemorySnapshot, StepSample
+from vramguard.profile import build_rows, kv_growth_per_token
+from vramguard.resolve import resolve_model
+from vramguard.runner import RunResult, run_generate
+from vramguard.settings import Settings
+from vramguard.units import GiB
+
+
+class FakeProbe:
+    """Memory that grows by ``step`` bytes at every read, with a peak 100 bytes above."""
+
+    def __init__(self, step=1000):
+        self.n, self.step = 0, step
+
+    def read(self):
+        self.n += 1
+        a = 10_000 + self.n * self.step
+        return {"allocated": a, "reserved": a + 500, "peak_allocated": a + 100, "peak_reserved": a + 600,
+                "inactive_split": 50, "device_used": a + 900, "total": 10**9}
+
+    def reset_peak(self):
+        pass
+
+    def sync(self):
+        pass
+
+
+def test_snapshot_subtracts_field_by_field():
+    a = MemorySnapshot(allocated=10, reserved=30, device_used=50)
+    b = MemorySnapshot(allocated=4, reserved=10, device_used=20)
+    d = a - b
+    assert (d.allocated, d.reserved, d.device_used) == (6, 20, 30)
+    assert a.nontorch == 20 and a.fragmentation == 20
+
+
+def test_runner_records_one_sample_per_token_on_a_tiny_model(tiny, monkeypatch):
+    import transformers
+    monkeypatch.setattr(measure, "PROBE", FakeProbe())
+    folder, _ = tiny("LlamaConfig", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, vocab_size=300, max_position_embeddings=256)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    r = run_generate(model, Settings(quant="bf16", prompt_tokens=12, max_new_tokens=5, batch=2))
+    assert r.ok and len(r.samples) == 5 and [s.step for s in r.samples] == [0, 1, 2, 3, 4]
+    assert r.peak_allocated == r.samples[-1].allocated + 100
+    assert all(b.t_s >= a.t_s for a, b in zip(r.samples, r.samples[1:]))
+
+
+def test_kv_growth_is_the_least_squares_slope():
+    samples = [StepSample(i, i * 0.1, 1000 + (500 if i else 0) + 131_072 * i, 0, 0, 0, 0) for i in range(10)]
+    assert kv_growth_per_token(samples) == 131_072
+    assert kv_growth_per_token(samples[:3]) is None
+
+
+def test_profile_rows_put_measurements_beside_the_plan():
+    spec = resolve_model("llama-2-7b")
+    s = Settings(quant="nf4", attn="sdpa", prompt_tokens=3968, max_new_tokens=128)
+    samples = [StepSample(0, 0.5, 4_000_000_000, 7_000_000_000, 6_399_500_288, 7_300_000_000, 10)] + [
+        StepSample(i, 0.5 + i * 0.03, 4_000_000_000 + i * 524_288, 7_000_000_000, 6_100_000_000, 7_300_000_000, 20)
+        for i in range(1, 128)]
+    run = RunResult(True, samples, 4.3, 3_910_000_000, None, 8_100_000_000, 7_300_000_000)
+    rows = {r.name: r for r in build_rows(run, 3_876_562_944, spec, s)}
+    assert rows["weights"].planned == 3_866_075_136 and abs(rows["weights"].rel) < 0.01
+    assert rows["prefill peak allocated"].measured == 6_399_500_288
+    assert abs(rows["prefill peak allocated"].rel) < 0.02  # the reference peak against the plan
+    assert rows["KV growth per generated token"].measured == 524_288 == rows["KV growth per generated token"].planned
+    assert rows["memory outside PyTorch"].measured == 800_000_000
+    assert rows["reserved minus allocated (largest)"].measured == 3_000_000_000
+
+
+def test_timeline_png_and_self_contained_html(tmp_path):
+    from vramguard.timeline import write_fit_plot, write_timeline
+    samples = [StepSample(i, 0.2 + i * 0.05, GiB + i * 2**20, 2 * GiB, GiB + i * 2**20 + 10, 2 * GiB, 0)
+               for i in range(20)]
+    png, page = write_timeline(samples, tmp_path, "test run", "<table><tr><td>x</td></tr></table>", int(1.1 * GiB))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    text = page.read_text()
+    assert "<svg" in text and "<table>" in text and "http" not in text.split("<svg")[0]
+    fit_png = write_fit_plot([100, 200, 300], [GiB, 2 * GiB, None], [True, True, False], 3 * GiB, "prompt", 200,
+                             tmp_path / "fit.png", "fit")
+    assert fit_png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_fit_search_is_seeded_by_the_plan():
+    spec = resolve_model("llama-3.1-8b")
+    s = Settings(quant="nf4", attn="sdpa", max_new_tokens=64)
+    budget = 24 * GiB
+    cons, opt = seeds(spec, s, "prompt", budget)
+    assert 30_000 < cons < opt < 131_072
+    for true in (int(opt * 1.03), int((cons + opt) / 2) + 300):
+        best, fail, runs = search(spec, s, "prompt", budget, lambda v: FitRun(v, v <= true, None, None, 1.0))
+        assert best <= true < fail and (true - best) / true <= 0.02
+        assert len(runs) <= 6, [(r.value, r.ok) for r in runs]
+
+
+def test_binding_component_at_the_boundary():
+    spec = resolve_model("llama-3.1-8b")
+    s = Settings(quant="nf4", attn="sdpa", max_new_tokens=64)
+    name, comps = binding_component(spec, s, "prompt", 80_000, None)
+    assert name in ("prefill activations", "KV cache") and comps["kv_cache"] > 9 * GiB
+    assert binding_component(spec, s, "prompt", 80_000, 50 * GiB)[0] == "fragmentation"
+
+
+def test_profile_and_fit_need_a_gpu():
+    from vramguard.errors import InvalidValue
+    from vramguard.fit import fit
+    from vramguard.profile import profile
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(InvalidValue, match="CUDA GPU"):
+        profile("x", Settings())
+    with pytest.raises(InvalidValue, match="CUDA GPU"):
+        fit("x", Settings(), "prompt", GiB)
+    with pytest.raises(InvalidValue, match="--vary"):
+        fit("x", Settings(), "tokens", GiB)

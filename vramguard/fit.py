@@ -1,0 +1,213 @@
+"""``fit``: the largest prompt, number of new tokens or batch that really completes under a memory budget.
+
+Real ``generate`` runs under ``torch.cuda.set_per_process_memory_fraction(budget / total)``, which caps PyTorch's
+reserved memory and so emulates a smaller card on a bigger one. The search is seeded by the plan: the largest
+value whose *planned reserved* peak fits (conservative) and the one whose *planned allocated* peak fits
+(optimistic) bracket the boundary, so a few runs narrow it to ``tolerance``:
+
+1. run the optimistic seed; if it completes, step up by 5% until a run fails;
+2. else run the middle of the two seeds, then the conservative seed, then step down by 20% until one completes;
+3. bisect between the largest success and the smallest failure until they are within ``tolerance``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from vramguard.errors import InvalidValue
+from vramguard.plan import estimate
+from vramguard.settings import Settings
+from vramguard.solve import _largest
+from vramguard.spec import ModelSpec
+
+VARY = {"prompt": "prompt_tokens", "new-tokens": "max_new_tokens", "batch": "batch"}
+DYNAMIC = ("kv_cache", "attention", "activations", "dequant", "logits")
+
+
+@dataclass
+class FitRun:
+    """One real run: the value tried, whether it completed, its peaks (bytes) and time."""
+
+    value: int
+    ok: bool
+    peak_allocated: int | None
+    peak_reserved: int | None
+    seconds: float
+    oom_kind: str | None = None
+    error: str | None = None
+
+
+@dataclass
+class FitReport:
+    """The boundary found (largest completed value), the runs made, and what binds there."""
+
+    vary: str
+    budget_bytes: int
+    boundary: int | None
+    smallest_failure: int | None
+    runs: list[FitRun]
+    seed_conservative: int | None
+    seed_optimistic: int | None
+    binding_component: str
+    components_at_boundary: dict = field(default_factory=dict)
+    plot: str | None = None
+
+
+def limits(spec: ModelSpec, s: Settings, vary: str) -> tuple[int, int]:
+    """The range the varied value may take: the model's context bounds prompt and new tokens."""
+    if vary == "prompt":
+        return 1, spec.max_position_embeddings - s.max_new_tokens
+    if vary == "new-tokens":
+        return 1, spec.max_position_embeddings - s.prompt_tokens
+    return 1, 4096
+
+
+def seeds(spec: ModelSpec, s: Settings, vary: str, budget: int) -> tuple[int | None, int | None]:
+    """(largest value whose planned reserved peak fits the budget, largest whose planned allocated peak fits)."""
+    lo, hi = limits(spec, s, vary)
+    key = VARY[vary]
+    cons = _largest(lo, hi, lambda v: estimate(spec, s.with_(**{key: v})).peak_reserved_bytes <= budget)
+    opt = _largest(lo, hi, lambda v: estimate(spec, s.with_(**{key: v})).peak_allocated_bytes <= budget)
+    return cons, opt
+
+
+def _round(v: int, vary: str) -> int:
+    return max(128, v // 128 * 128) if vary == "prompt" and v >= 256 else max(1, v)
+
+
+def search(spec: ModelSpec, s: Settings, vary: str, budget: int, run: Callable[[int], FitRun],
+           max_runs: int = 8, tolerance: float = 0.015,
+           on_run: Callable[[FitRun], None] | None = None) -> tuple[int | None, int | None, list[FitRun]]:
+    """The boundary search of the module docstring. ``run(value)`` performs one real run.
+
+    Returns (largest completed value, smallest failed value, the runs in order).
+    """
+    lo_lim, hi_lim = limits(spec, s, vary)
+    cons, opt = seeds(spec, s, vary, budget)
+    runs: list[FitRun] = []
+    best_ok: int | None = None
+    first_fail: int | None = None
+
+    def go(v: int) -> bool:
+        nonlocal best_ok, first_fail
+        v = min(max(_round(v, vary), lo_lim), hi_lim)
+        prior = next((r for r in runs if r.value == v), None)
+        r = prior or run(v)
+        if prior is None:
+            runs.append(r)
+            if on_run:
+                on_run(r)
+        if r.ok:
+            best_ok = v if best_ok is None else max(best_ok, v)
+        else:
+            first_fail = v if first_fail is None else min(first_fail, v)
+        return r.ok
+
+    opt = opt or lo_lim
+    if go(opt):  # the optimistic seed completed: step up by 5% until a run fails
+        up = opt
+        while len(runs) < max_runs and up < hi_lim:
+            up = min(hi_lim, max(int(up * 1.05), up + 1))
+            if not go(up):
+                break
+    else:
+        for v in ((cons + opt) // 2 if cons else None, cons):  # then the middle of the seeds, then the low seed
+            if v and len(runs) < max_runs and v < (first_fail or hi_lim + 1) and go(v):
+                break
+        down = cons or opt
+        while best_ok is None and len(runs) < max_runs and down > lo_lim:  # below the low seed: step down by 20%
+            down = max(lo_lim, int(down * 0.8))
+            go(down)
+    while (len(runs) < max_runs and best_ok is not None and first_fail is not None
+           and (first_fail - best_ok) > max(tolerance * best_ok, 128 if vary == "prompt" else 1)):
+        go((best_ok + first_fail) // 2)
+    return best_ok, first_fail, runs
+
+
+def binding_component(spec: ModelSpec, s: Settings, vary: str, boundary: int | None,
+                      measured_fragmentation: int | None) -> tuple[str, dict]:
+    """The component that grows into the budget at the boundary: the largest dynamic component of the plan, or
+    fragmentation when the measured reserved-minus-allocated is larger than it, or the weights."""
+    if boundary is None:
+        return "weights", {}
+    est = estimate(spec, s.with_(**{VARY[vary]: boundary}))
+    comps = {k: v for k, v in est.components.items()}
+    dyn = {k: comps.get(k, 0) for k in DYNAMIC}
+    name, size = max(dyn.items(), key=lambda kv: kv[1])
+    if measured_fragmentation and measured_fragmentation > size:
+        return "fragmentation", comps
+    if comps.get("weights", 0) > sum(dyn.values()):
+        return "weights", comps
+    return {"kv_cache": "KV cache", "attention": "attention workspace", "activations": "prefill activations",
+            "dequant": "dequantized weights", "logits": "logits"}[name], comps
+
+
+def fit(model, s: Settings, vary: str, budget_bytes: int, out_dir: str | None = None, max_runs: int = 8,
+        tolerance: float = 0.015, progress: bool = True) -> FitReport:
+    """Find the largest ``vary`` value (prompt / new-tokens / batch) that completes under ``budget_bytes``.
+
+    Args:
+        model: a local model folder / cached id, or a :class:`~vramguard.load.LoadedModel`.
+        budget_bytes: the memory PyTorch may reserve (the emulated card, context excluded).
+
+    Raises:
+        InvalidValue: unknown ``vary``, a budget above the card, or no CUDA device.
+    """
+    import torch
+
+    from vramguard.explain import explain
+    from vramguard.load import LoadedModel, load_model
+    from vramguard.resolve import resolve_model
+    from vramguard.runner import free_memory, run_generate
+    if vary not in VARY:
+        raise InvalidValue("--vary", vary, " | ".join(VARY))
+    if not torch.cuda.is_available():
+        raise InvalidValue("device", "cpu", "a CUDA GPU", "fit makes real runs: run it on a machine with a GPU")
+    total = torch.cuda.mem_get_info()[1]
+    if budget_bytes > total:
+        raise InvalidValue("--vram-budget", budget_bytes, f"at most the card's {total:,} B", "give a smaller budget")
+    loaded = model if isinstance(model, LoadedModel) else load_model(model, quant=s.quant, attn=s.attn)
+    spec = resolve_model(loaded.report.model)
+    key = VARY[vary]
+
+    def one(v: int) -> FitRun:
+        r = run_generate(loaded.model, s.with_(**{key: v}))
+        kind = None
+        if not r.ok and r.error and "Tried to allocate" in r.error:
+            kind = explain(r.error).kind
+        return FitRun(v, r.ok, r.peak_allocated, r.peak_reserved, round(r.seconds, 2), kind, r.error)
+
+    torch.cuda.set_per_process_memory_fraction(budget_bytes / total)
+    try:
+        free_memory()
+        bar = _progress(progress, max_runs)
+        with bar:
+            task = bar.add_task(f"fit --vary {vary}", total=max_runs)
+            best, fail, runs = search(spec, s, vary, budget_bytes, one, max_runs, tolerance,
+                                      on_run=lambda r: bar.update(task, advance=1,
+                                                                  description=f"{vary}={r.value:,} "
+                                                                              f"{'ok' if r.ok else 'OOM'}"))
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+    cons, opt = seeds(spec, s, vary, budget_bytes)
+    frag = max(((r.peak_reserved or 0) - (r.peak_allocated or 0) for r in runs if r.ok), default=None)
+    binding, comps = binding_component(spec, s, vary, best, frag)
+    rep = FitReport(vary, budget_bytes, best, fail, runs, cons, opt, binding, comps)
+    if out_dir:
+        from pathlib import Path
+
+        from vramguard.timeline import write_fit_plot
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        rep.plot = str(write_fit_plot([r.value for r in runs], [r.peak_allocated for r in runs],
+                                      [r.ok for r in runs], budget_bytes, vary, best,
+                                      Path(out_dir) / f"fit_{vary}.png",
+                                      f"{spec.name}: largest {vary} under {budget_bytes / 2**30:.1f} GiB"))
+    return rep
+
+
+def _progress(enabled: bool, total: int):
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    console=Console(stderr=True), disable=not enabled, transient=False)

@@ -1,0 +1,115 @@
+"""Measuring GPU memory: a snapshot dataclass with ``__sub__`` (allocated, reserved, peaks, split blocks, memory
+outside PyTorch), and a per-step recorder for ``generate``.
+
+All sizes are bytes from ``torch.cuda.memory_stats`` / ``mem_get_info``. Tests replace :data:`PROBE` with a
+fake to run the recorder on the CPU.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, fields
+
+
+class CudaProbe:
+    """Reads the caching allocator's counters and the device's free memory (one CUDA device)."""
+
+    def __init__(self, device: int = 0):
+        self.device = device
+
+    def read(self) -> dict:
+        import torch
+        st = torch.cuda.memory_stats(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        return {"allocated": st.get("allocated_bytes.all.current", 0), "reserved": st.get("reserved_bytes.all.current", 0),
+                "peak_allocated": st.get("allocated_bytes.all.peak", 0), "peak_reserved": st.get("reserved_bytes.all.peak", 0),
+                "inactive_split": st.get("inactive_split_bytes.all.current", 0), "device_used": total - free,
+                "total": total}
+
+    def reset_peak(self) -> None:
+        import torch
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def sync(self) -> None:
+        import torch
+        torch.cuda.synchronize(self.device)
+
+
+PROBE = None  # set by tests; None means CudaProbe()
+
+
+def probe():
+    return PROBE or CudaProbe()
+
+
+@dataclass(frozen=True)
+class MemorySnapshot:
+    """One reading (bytes). ``nontorch`` = what the card shows in use minus PyTorch's reserved memory."""
+
+    allocated: int = 0
+    reserved: int = 0
+    peak_allocated: int = 0
+    peak_reserved: int = 0
+    inactive_split: int = 0
+    device_used: int = 0
+    total: int = 0
+
+    @property
+    def nontorch(self) -> int:
+        return self.device_used - self.reserved
+
+    @property
+    def fragmentation(self) -> int:
+        """Reserved but not allocated."""
+        return self.reserved - self.allocated
+
+    def __sub__(self, other: "MemorySnapshot") -> "MemorySnapshot":
+        return MemorySnapshot(**{f.name: getattr(self, f.name) - getattr(other, f.name) for f in fields(self)})
+
+    @classmethod
+    def take(cls) -> "MemorySnapshot":
+        return cls(**probe().read())
+
+
+@dataclass
+class StepSample:
+    """Memory after one generate step: ``step`` 0 is the prefill (first token); ``peak_*`` since the last one."""
+
+    step: int
+    t_s: float
+    allocated: int
+    reserved: int
+    peak_allocated: int
+    peak_reserved: int
+    inactive_split: int
+
+
+@dataclass
+class StepRecorder:
+    """A ``generate`` streamer: records memory and time at every new token (the first ``put`` is the prompt)."""
+
+    samples: list[StepSample] = field(default_factory=list)
+    t0: float = 0.0
+    _calls: int = 0
+
+    def start(self) -> None:
+        p = probe()
+        p.sync()
+        p.reset_peak()
+        self.t0 = time.perf_counter()
+        self._calls = 0
+        self.samples = []
+
+    def put(self, value) -> None:
+        self._calls += 1
+        if self._calls == 1:
+            return
+        p = probe()
+        p.sync()
+        r = p.read()
+        self.samples.append(StepSample(len(self.samples), time.perf_counter() - self.t0, r["allocated"],
+                                       r["reserved"], r["peak_allocated"], r["peak_reserved"], r["inactive_split"]))
+        p.reset_peak()
+
+    def end(self) -> None:
+        pass
