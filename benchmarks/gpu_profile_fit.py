@@ -48,6 +48,7 @@ def main():
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--fine-step", type=int, default=512)
     ap.add_argument("--skip-profile", action="store_true")
+    ap.add_argument("--skip-fine", action="store_true", help="no fine linear search after fit")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     log = os.path.join(args.out, "results.jsonl")
@@ -86,6 +87,8 @@ def main():
                "runs": [r.__dict__ for r in fr.runs], "seeds": [fr.seed_conservative, fr.seed_optimistic],
                "binding": fr.binding_component, "secs": round(time.perf_counter() - t0, 1), "plot": fr.plot})
 
+    if args.skip_fine:
+        return
     # fine linear search around the boundary fit found, in steps of --fine-step tokens
     total = torch.cuda.mem_get_info()[1]
     torch.cuda.set_per_process_memory_fraction(budget / total)

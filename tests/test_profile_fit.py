@@ -87,16 +87,35 @@ def test_timeline_png_and_self_contained_html(tmp_path):
     assert fit_png.read_bytes()[:4] == b"\x89PNG"
 
 
+def test_fit_search_on_the_h200_measurements():
+    """The measured H200 runs (benchmarks/results/h200_profile_fit): reserved peak 23,295,164,416 B at 57,344
+    tokens growing ~303.8 KB a token; the fine linear search found 65,024 completing and 65,536 failing."""
+    spec = resolve_model("llama-3.1-8b")
+    s = Settings(quant="nf4", attn="sdpa", max_new_tokens=64)
+
+    def run(v):
+        ok = v <= 65_024
+        return FitRun(v, ok, None, 23_295_164_416 + (v - 57_344) * 303_800 if ok else None, 1.0)
+    best, fail, runs = search(spec, s, "prompt", 24 * GiB, run)
+    assert len(runs) <= 6 and (65_024 - best) / 65_024 <= 0.02 and fail <= 65_536 + 1024
+
+
 def test_fit_search_is_seeded_by_the_plan():
     spec = resolve_model("llama-3.1-8b")
     s = Settings(quant="nf4", attn="sdpa", max_new_tokens=64)
     budget = 24 * GiB
     cons, opt = seeds(spec, s, "prompt", budget)
     assert 30_000 < cons < opt < 131_072
-    for true in (int(opt * 1.03), int((cons + opt) / 2) + 300):
-        best, fail, runs = search(spec, s, "prompt", budget, lambda v: FitRun(v, v <= true, None, None, 1.0))
+    for true in (int(opt * 1.03), int((cons + opt) / 2) + 300, int(cons * 0.9), 100_000):
+        # a run completes up to ``true``; its measured reserved peak reaches the budget there (300 KB a token)
+        def run(v, true=true):
+            return FitRun(v, v <= true, None, budget - (true - v) * 300_000 if v <= true else None, 1.0)
+        best, fail, runs = search(spec, s, "prompt", budget, run)
         assert best <= true < fail and (true - best) / true <= 0.02
         assert len(runs) <= 6, [(r.value, r.ok) for r in runs]
+        # without measurements (no reserved peak) it still converges, by bisection
+        best, fail, runs = search(spec, s, "prompt", budget, lambda v, true=true: FitRun(v, v <= true, None, None, 1))
+        assert best <= true < fail and (true - best) / true <= 0.02 and len(runs) <= 8
 
 
 def test_binding_component_at_the_boundary():

@@ -5,9 +5,13 @@ reserved memory and so emulates a smaller card on a bigger one. The search is se
 value whose *planned reserved* peak fits (conservative) and the one whose *planned allocated* peak fits
 (optimistic) bracket the boundary, so a few runs narrow it to ``tolerance``:
 
-1. run the optimistic seed; if it completes, step up by 5% until a run fails;
-2. else run the middle of the two seeds, then the conservative seed, then step down by 20% until one completes;
-3. bisect between the largest success and the smallest failure until they are within ``tolerance``.
+1. run the conservative seed (its planned reserved peak fits); on failure step down by 20% until a run completes;
+2. from the largest completed run, extrapolate with its *measured* reserved peak and the plan's slope (reserved
+   bytes per unit) to where the budget is reached, less half the tolerance, and run there;
+   When that is within the tolerance of the largest success, probe just past it to close the bracket;
+3. when it points outside the bracket (or nothing was measured), bisect between the largest success and the
+   smallest failure, or step up (to the optimistic seed, at least 5%) when no run has failed yet; stop when the
+   two are within ``tolerance``.
 """
 
 from __future__ import annotations
@@ -76,6 +80,15 @@ def _round(v: int, vary: str) -> int:
     return max(128, v // 128 * 128) if vary == "prompt" and v >= 256 else max(1, v)
 
 
+def _reserved_slope(spec: ModelSpec, s: Settings, vary: str, v: int) -> float:
+    """Planned reserved bytes per unit of the varied value at ``v`` (finite difference over 1%)."""
+    key = VARY[vary]
+    dv = max(1, v // 100)
+    hi = estimate(spec, s.with_(**{key: v + dv})).peak_reserved_bytes
+    lo = estimate(spec, s.with_(**{key: v})).peak_reserved_bytes
+    return max((hi - lo) / dv, 1.0)
+
+
 def search(spec: ModelSpec, s: Settings, vary: str, budget: int, run: Callable[[int], FitRun],
            max_runs: int = 8, tolerance: float = 0.015,
            on_run: Callable[[FitRun], None] | None = None) -> tuple[int | None, int | None, list[FitRun]]:
@@ -86,11 +99,11 @@ def search(spec: ModelSpec, s: Settings, vary: str, budget: int, run: Callable[[
     lo_lim, hi_lim = limits(spec, s, vary)
     cons, opt = seeds(spec, s, vary, budget)
     runs: list[FitRun] = []
-    best_ok: int | None = None
+    ok_runs: dict[int, FitRun] = {}
     first_fail: int | None = None
 
     def go(v: int) -> bool:
-        nonlocal best_ok, first_fail
+        nonlocal first_fail
         v = min(max(_round(v, vary), lo_lim), hi_lim)
         prior = next((r for r in runs if r.value == v), None)
         r = prior or run(v)
@@ -99,30 +112,39 @@ def search(spec: ModelSpec, s: Settings, vary: str, budget: int, run: Callable[[
             if on_run:
                 on_run(r)
         if r.ok:
-            best_ok = v if best_ok is None else max(best_ok, v)
+            ok_runs[v] = r
         else:
             first_fail = v if first_fail is None else min(first_fail, v)
         return r.ok
 
-    opt = opt or lo_lim
-    if go(opt):  # the optimistic seed completed: step up by 5% until a run fails
-        up = opt
-        while len(runs) < max_runs and up < hi_lim:
-            up = min(hi_lim, max(int(up * 1.05), up + 1))
-            if not go(up):
+    def closed() -> bool:
+        best = max(ok_runs, default=None)
+        return (best is not None and first_fail is not None
+                and first_fail - best <= max(tolerance * best, 128 if vary == "prompt" else 1))
+
+    start = cons or opt or lo_lim
+    while len(runs) < max_runs and not go(start) and start > lo_lim:  # 1. a run that completes
+        start = max(lo_lim, int(start * 0.8))
+    while len(runs) < max_runs and ok_runs and not closed():
+        best = max(ok_runs)
+        r = ok_runs[best]
+        ceiling = first_fail if first_fail is not None else hi_lim + 1
+        target = None
+        if r.peak_reserved:  # 2. secant: the measured reserved peak plus the plan's slope reach the budget here
+            step = (budget - r.peak_reserved) / _reserved_slope(spec, s, vary, best)
+            target = int(best + step * (1 - tolerance / 2))
+        if target is not None and best < target < ceiling and target - best < tolerance * best:
+            target = int(best * (1 + tolerance))  # the edge is close: probe just past it to close the bracket
+        if target is None or target <= best or target >= ceiling:
+            # 3. no measurement to extrapolate from, or it points outside the bracket: bisect or expand
+            target = ((best + ceiling) // 2 if first_fail is not None
+                      else max(int(best * 1.05), best + 1, (opt or 0) if (opt or 0) > best else 0))
+        if _round(target, vary) in (r2.value for r2 in runs):
+            target = best + max(1, int(best * tolerance)) if first_fail is None else (best + ceiling) // 2
+            if _round(target, vary) in (r2.value for r2 in runs):
                 break
-    else:
-        for v in ((cons + opt) // 2 if cons else None, cons):  # then the middle of the seeds, then the low seed
-            if v and len(runs) < max_runs and v < (first_fail or hi_lim + 1) and go(v):
-                break
-        down = cons or opt
-        while best_ok is None and len(runs) < max_runs and down > lo_lim:  # below the low seed: step down by 20%
-            down = max(lo_lim, int(down * 0.8))
-            go(down)
-    while (len(runs) < max_runs and best_ok is not None and first_fail is not None
-           and (first_fail - best_ok) > max(tolerance * best_ok, 128 if vary == "prompt" else 1)):
-        go((best_ok + first_fail) // 2)
-    return best_ok, first_fail, runs
+        go(target)
+    return max(ok_runs, default=None), first_fail, runs
 
 
 def binding_component(spec: ModelSpec, s: Settings, vary: str, boundary: int | None,
