@@ -51,7 +51,15 @@ def test_json_carries_integer_bytes():
     (("plan", "./no/such/config.json"), 3, ["no such file or folder"]),
     (("plan", "--prompt-tokens", "5000"), 2, ["max_position_embeddings=4096"]),
     (("plan", "--gpu", "t4", "--vram", "16GiB"), 2, ["--gpu/--vram", "one of the two"]),
-    (("plan", "--quant", "int3"), 2, ["int3"]),
+    (("plan", "--quant", "int3"), 2, ["--quant", "int3", "fix:"]),
+    (("plan", "--batch", "x"), 2, ["--batch", "valid integer", "fix:"]),
+    (("plan", "--no-such-option"), 2, ["--no-such-option", "fix:"]),
+    (("check", "--quant", "none", "--compute-dtype", "bf16"), 2, ["--compute-dtype", "--quant none"]),
+    (("check", "llama-7b", "--prompt-tokens", "5000"), 2, ["max_position_embeddings=2048"]),
+    (("check", "--device-map", "weird"), 2, ["--device-map", "weird"]),
+    (("explain", ""), 2, ["MESSAGE", "pass -"]),
+    (("oom-log", "--year", "0"), 2, ["--year"]),
+    (("fit", "x", "--vary", "width"), 2, ["--vary", "width", "fix:"]),
 ])
 def test_bad_input_gets_a_clear_error(args, code, words):
     r = run(*args)

@@ -126,6 +126,11 @@ def test_fuzzed_input_never_raises():
         parse_lines([line, line[::-1], "{" + line, "[" + line], 2026)
 
 
+def test_since_says_when_it_cannot_date_a_record():
+    r = oom_log(file=str(DATA / "global_5.15_dmesg_raw.log"), since="1h")
+    assert len(r.kills) == 1 and "cannot date them" in r.message
+
+
 def test_since_filters_and_rejects_bad_forms():
     r = oom_log(file=str(DATA / "cgroup_6.5_dmesg_T.log"), since="2026-11-30T14:00")
     assert len(r.kills) == 1
@@ -156,7 +161,11 @@ def test_cli_stdin_json_and_exit_codes():
     assert d["kills"][0]["pid"] == 4242 and d["kills"][0]["rss_bytes"] == 12_415_139_840
     r = subprocess.run([sys.executable, "-m", "vramguard", "oom-log", "--file", "/no/such/log"],
                        capture_output=True, text=True, timeout=60)
-    assert r.returncode == 1 and "No such file" in r.stderr and "Traceback" not in r.stderr
+    assert r.returncode == 2 and "No such file" in r.stderr and "Traceback" not in r.stderr
+    assert r.stdout == ""  # the error is said once, on stderr
+    r = subprocess.run([sys.executable, "-m", "vramguard", "oom-log", "--file", "-"], input="",
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "at least one line" in r.stderr
 
 
 def test_command_line_is_found_when_the_process_still_runs(tmp_path):

@@ -126,16 +126,22 @@ def test_binding_component_at_the_boundary():
     assert binding_component(spec, s, "prompt", 80_000, 50 * GiB)[0] == "fragmentation"
 
 
-def test_profile_and_fit_need_a_gpu():
-    from vramguard.errors import InvalidValue
+def test_profile_and_fit_need_a_model_and_a_gpu(tiny):
+    from vramguard.errors import InvalidValue, UnknownModel
     from vramguard.fit import fit
     from vramguard.profile import profile
     torch = pytest.importorskip("torch")
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
+    with pytest.raises(UnknownModel):
+        profile("/no/such/model", Settings())
+    with pytest.raises(UnknownModel):
+        fit("llama-2-7b", Settings(), "prompt", GiB)  # a catalog name has no weights
+    folder, _ = tiny("LlamaConfig", hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                     num_attention_heads=4, vocab_size=300, max_position_embeddings=128)
     with pytest.raises(InvalidValue, match="CUDA GPU"):
-        profile("x", Settings())
+        profile(str(folder), Settings())
     with pytest.raises(InvalidValue, match="CUDA GPU"):
-        fit("x", Settings(), "prompt", GiB)
+        fit(str(folder), Settings(), "prompt", GiB)
     with pytest.raises(InvalidValue, match="--vary"):
-        fit("x", Settings(), "tokens", GiB)
+        fit(str(folder), Settings(), "tokens", GiB)

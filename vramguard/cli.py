@@ -49,6 +49,7 @@ Cache = _choices("Cache", CACHES)
 Logits = _choices("Logits", LOGITS)
 SdpaKernel = _choices("SdpaKernel", SDPA_KERNELS)
 Format = _choices("Format", ("human", "json"))
+Vary = _choices("Vary", ("prompt", "new-tokens", "batch"))
 
 
 # library field name -> the CLI option that sets it
@@ -173,7 +174,8 @@ def check(
                      prompt_tokens=prompt_tokens, max_new_tokens=max_new_tokens,
                      output_attentions=output_attentions)
         if compute_dtype is not None and not s.is_4bit:
-            Settings(quant=q, compute_dtype=compute_dtype.value)  # raises the conflict error
+            raise InvalidValue("--compute-dtype", compute_dtype.value, f"unset with --quant {quant.value}",
+                               "the compute dtype applies to 4-bit weights only (--quant nf4 or fp4)")
         return check_fn(model, s, dtype=dtype.value if dtype else None,
                         compute_dtype=compute_dtype.value if compute_dtype else None, device_map=device_map,
                         gpu=gpu, verify=verify, unquantized=quant == CheckQuant['none'])
@@ -203,9 +205,8 @@ def oom_log(
     if fmt == Format['json']:
         sys.stdout.write(json.dumps(oomlog_to_json(r), indent=2) + "\n")
     else:
-        print_oomlog(r, Console())
+        print_oomlog(r, Console(stderr=r.source is None))
     if r.source is None:
-        err.print(r.message, markup=False, highlight=False)
         raise typer.Exit(1)
 
 
@@ -281,7 +282,7 @@ def profile(
 @app.command()
 def fit(
     model: str = typer.Argument(..., help="model folder or cached model id (weights needed)"),
-    vary: str = typer.Option(..., help="prompt | new-tokens | batch"),
+    vary: Vary = typer.Option(..., help="the value to vary"),
     vram_budget: Optional[str] = typer.Option(None, help="memory PyTorch may use, e.g. 24GiB (default: the card)"),
     quant: Quant = typer.Option(Quant['nf4'], help="weight format"),
     attn: Attn = typer.Option(Attn['sdpa'], help="attn_implementation"),
@@ -305,7 +306,9 @@ def fit(
                      max_new_tokens=max_new_tokens)
         budget = parse_size(vram_budget, "--vram-budget") if vram_budget else (
             torch.cuda.mem_get_info()[1] if torch.cuda.is_available() else 0)
-        return fit_fn(model, s, vary, budget, out_dir=out, max_runs=max_runs)
+        if max_runs < 1:
+            raise InvalidValue("--max-runs", max_runs, "an integer >= 1", "allow at least one run")
+        return fit_fn(model, s, vary.value, budget, out_dir=out, max_runs=max_runs)
 
     r = run_guarded(build, as_json=fmt == Format['json'])
     if fmt == Format['json']:
@@ -328,7 +331,28 @@ def _print_catalog(models: bool, gpus: bool) -> None:
 
 
 def main() -> None:
-    app()
+    """Entry point: click's own usage errors (a wrong type, an unknown choice or option) are printed in the same
+    two-line form as vramguard's errors, with exit code 2."""
+    try:  # typer >= 0.20 vendors click as typer._click; older typer uses the click package
+        import typer._click.exceptions as cx
+    except ImportError:
+        import click.exceptions as cx
+    try:
+        rc = app(standalone_mode=False)  # click returns the code of typer.Exit instead of raising it here
+    except cx.NoArgsIsHelpError as e:
+        print(e.ctx.get_help() if e.ctx else str(e))
+        rc = 0
+    except cx.UsageError as e:
+        where = f"`vramguard {e.ctx.info_name} --help`" if e.ctx and e.ctx.info_name != "vramguard" else \
+            "`vramguard --help`"
+        msg = e.format_message().replace("Value error, ", "")
+        err.print(f"error {msg}\nfix: see {where} for the accepted values", markup=False, highlight=False)
+        rc = 2
+    except typer.Exit as e:
+        rc = e.exit_code
+    except cx.Abort:
+        rc = 130
+    sys.exit(rc if isinstance(rc, int) else 0)
 
 
 if __name__ == "__main__":

@@ -100,8 +100,8 @@ def parse_oom_message(text: str) -> OomMessage:
     """
     if "out of memory" not in text.lower() or "Tried to allocate" not in text:
         raise InvalidValue("MESSAGE", text[:80] + ("..." if len(text) > 80 else ""),
-                           "a CUDA out-of-memory message (it contains 'Tried to allocate')",
-                           "paste the whole error, from 'CUDA out of memory' to its end")
+                           "a CUDA out-of-memory message (with 'out of memory' and 'Tried to allocate')",
+                           "paste the whole error, from 'CUDA out of memory' to its end, or pass - and pipe it in")
     t = " ".join(text.split())
     m = OomMessage(**{f"{k}_bytes" if k not in ("process",) else "process_in_use_bytes": _bytes(p.search(t))
                       for k, p in PATTERNS.items() if k not in ("unallocated", "allowed")})
@@ -166,7 +166,7 @@ def explain(text: str, alloc_conf: str | None = None, candidates: dict[str, int]
         fixes = _algorithmic_fixes(matched)
     elif frag is not None and req and frag >= req:
         kind = "fragmentation"
-        summary = (f"fragmentation: {_size(frag)} are reserved but unallocated, {frag // req}x the "
+        summary = (f"{_size(frag)} are reserved but unallocated, {frag // req}x the "
                    f"{fmt_bytes(req)} requested, but not as one block")
         fixes = (["expandable segments are already on: free cached blocks between requests "
                   "(torch.cuda.empty_cache()) and keep tensor sizes steady"] if expandable else
@@ -188,8 +188,8 @@ def explain(text: str, alloc_conf: str | None = None, candidates: dict[str, int]
         fixes = _algorithmic_fixes(matched)
     elif m.allocated_bytes is not None and usable:
         kind = "steady_growth"
-        summary = (f"a small request ({fmt_bytes(req)}) on a full pool ({fmt_bytes(m.allocated_bytes)} allocated of "
-                   f"{fmt_bytes(usable)}): memory grew until it ran out")
+        summary = (f"a request of {fmt_bytes(req)} with {fmt_bytes(m.allocated_bytes)} already allocated of "
+                   f"{fmt_bytes(usable)}: memory grew until it ran out")
         fixes = ["plan the run (vramguard plan MODEL ...): a shorter generation, a quantized KV cache "
                  "(--kv-dtype int8/int4), a smaller batch, or NF4 weights"]
     else:

@@ -182,8 +182,13 @@ def fit(model, s: Settings, vary: str, budget_bytes: int, out_dir: str | None = 
     from vramguard.load import LoadedModel, load_model
     from vramguard.resolve import resolve_model
     from vramguard.runner import free_memory, run_generate
+    from vramguard.errors import UnknownModel
+    from vramguard.resolve import model_folder
     if vary not in VARY:
-        raise InvalidValue("--vary", vary, " | ".join(VARY))
+        raise InvalidValue("--vary", vary, " | ".join(VARY), "vary one of those")
+    if not isinstance(model, LoadedModel) and model_folder(model) is None:
+        raise UnknownModel("MODEL", model, "a local model folder or a cached model id with weights",
+                           "download the model first (a catalog name has no weights: use it with plan)")
     if not torch.cuda.is_available():
         raise InvalidValue("device", "cpu", "a CUDA GPU", "fit makes real runs: run it on a machine with a GPU")
     total = torch.cuda.mem_get_info()[1]

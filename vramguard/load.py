@@ -135,7 +135,10 @@ def _unpin_sdpa(model) -> None:
 def _verify_sdpa_pin(model, report: LoadReport, on_cuda: bool) -> None:
     """Pin SDPA to the first flash-class backend that runs for this model, verified by a profiled forward."""
     if not on_cuda:
-        report.kernel = profile_attention(model, "sdpa", seq_len=64)
+        try:
+            report.kernel = profile_attention(model, "sdpa", seq_len=64)
+        except (RuntimeError, AssertionError) as e:  # e.g. bitsandbytes' CPU kernels refuse some shapes
+            report.notes.append(f"attention not verified on the CPU: {type(e).__name__}: {str(e)[:160]}")
         return
     errors = []
     for backend in SDPA_PIN_ORDER:

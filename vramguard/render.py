@@ -40,6 +40,11 @@ def _where(at: str) -> str:
     return PEAK_AT.get(at, at.replace("_", " "))
 
 
+def short_label(label: str) -> str:
+    """A card's name without the vendor's prefixes, for narrow tables ("NVIDIA GeForce RTX 4090" -> "RTX 4090")."""
+    return label.replace("NVIDIA ", "").replace("GeForce ", "")
+
+
 def _n(v: int | None) -> str:
     return "none fits" if v is None else f"{v:,}"
 
@@ -147,7 +152,7 @@ def print_plan(p: Plan, console: Console | None = None) -> None:
     for col in ("card", "memory", "need", "fits", "headroom", "max prompt", "max new tokens", "max batch"):
         ct.add_column(col, justify="left" if col == "card" else "right")
     for v in p.cards:
-        ct.add_row(v.gpu.label, fmt_gib(v.usable_bytes), fmt_gib(v.need_bytes),
+        ct.add_row(short_label(v.gpu.label), fmt_gib(v.usable_bytes), fmt_gib(v.need_bytes),
                    "[green]yes[/green]" if v.fits else "[red]no[/red]", fmt_gib(v.headroom_bytes),
                    _n(v.max_prompt_tokens), _n(v.max_new_tokens), _n(v.max_batch))
     c.print(ct)
@@ -156,7 +161,7 @@ def print_plan(p: Plan, console: Console | None = None) -> None:
         for f in p.findings:
             color = {"fail": "red", "warn": "yellow"}.get(f.level, "cyan")
             c.print(f"  [{color}]{f.level}[/{color}] {f.message}" + (f"\n       fix: {f.fix}" if f.fix else ""))
-    labels = {v.gpu.name: v.gpu.label for v in p.cards}
+    labels = {v.gpu.name: short_label(v.gpu.label) for v in p.cards}
     if p.changes and all(v.fits for v in p.cards):
         c.print("fits every card planned against; --format json lists the changes that would lower the need further")
     elif p.changes:

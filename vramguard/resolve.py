@@ -46,7 +46,12 @@ def _from_hf_cache(model_id: str) -> Path | None:
         from huggingface_hub import try_to_load_from_cache
     except ImportError:
         return None
-    hit = try_to_load_from_cache(model_id, "config.json")
+    if model_id.startswith((".", "/", "~")):
+        return None
+    try:
+        hit = try_to_load_from_cache(model_id, "config.json")
+    except ValueError:  # HFValidationError: not a valid repo id, so not in the cache
+        return None
     return Path(hit) if isinstance(hit, str) and os.path.isfile(hit) else None
 
 

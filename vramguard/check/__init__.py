@@ -58,6 +58,11 @@ def check(model: str | None = None, settings: Settings | None = None, *, dtype: 
     from vramguard.plan import plan
     from vramguard.resolve import model_folder, resolve_model
 
+    if device_map is not None and device_map not in ("auto", "balanced", "balanced_low_0", "sequential", "cpu",
+                                                     "cuda", "disk") and not device_map.isdigit():
+        from vramguard.errors import InvalidValue
+        raise InvalidValue("--device-map", device_map, "auto | balanced | balanced_low_0 | sequential | cpu | cuda "
+                           "| a GPU index", "pass what you give from_pretrained as device_map")
     env = env or probe_env()
     s = settings or Settings(attn="sdpa")
     card = gpu_from_catalog(gpu) if gpu else (env.gpus[0] if env.gpus else None)
@@ -79,11 +84,19 @@ def check(model: str | None = None, settings: Settings | None = None, *, dtype: 
                 compute_dtype=compute if s.is_4bit else None)
     findings = environment_findings(env, card, source)
     findings += runtime_findings(env, card, s, spec, param_dtype, why)
-    findings += model_findings(spec, ckpt if folder else None, s, env, param_dtype, why)
+    findings += model_findings(spec, ckpt if folder else None, s, env, param_dtype, why, card)
     if why_c:
         findings = [CheckFinding(f.name, f.status, f.value, f.reason + why_c, f.fix) if f.name == "compute_dtype"
                     else f for f in findings]
     report = CheckReport(findings, param_dtype, card)
+    if spec is not None:
+        from vramguard.plan import check_context
+        check_context(spec, s)
+    if spec is not None and card is None:
+        from vramguard.plan import estimate
+        est = estimate(spec, s)
+        findings.append(CheckFinding("plan", "info", f"needs {fmt_gib(est.device_used_bytes)} on the card",
+                                     "no card to compare with", "pass --gpu NAME to check against a card"))
     if spec is not None and card is not None:
         p = plan(spec, s, gpus=[card], solve=False)
         v = p.cards[0]

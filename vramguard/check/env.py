@@ -71,6 +71,8 @@ def _torch() -> dict:
 
 
 def _bnb(cuda_available: bool) -> dict:
+    import logging
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)  # its CPU-kernel notice is noise for a check
     version, reason = _version("bitsandbytes")
     out = {"bnb_version": version, "bnb_reason": reason}
     if version is None:

@@ -91,7 +91,7 @@ def runtime_findings(env: Env, gpu: GpuSpec | None, s: Settings, spec: ModelSpec
             f.append(CheckFinding("bitsandbytes", "ok", f"{env.bnb_version} ({env.bnb_backend or '?'} backend)",
                                   env.bnb_reason))
     f += _flash_attn_findings(env, gpu, s, spec, param_dtype, param_dtype_reason)
-    if s.effective_attn == "sdpa" and env.sdpa_backends:
+    if s.effective_attn == "sdpa" and env.sdpa_backends and env.cuda_available:
         fused = [k for k in ("flash", "cudnn", "efficient") if env.sdpa_backends.get(k)]
         on = ", ".join(k for k, v in env.sdpa_backends.items() if v)
         f.append(CheckFinding("sdpa_backends", "ok" if fused else "warn", on or "none",
@@ -141,7 +141,7 @@ def _flash_attn_findings(env: Env, gpu: GpuSpec | None, s: Settings, spec: Model
 
 
 def model_findings(spec: ModelSpec | None, ckpt: CheckpointInfo | None, s: Settings, env: Env, param_dtype: str,
-                   param_dtype_reason: str) -> list[CheckFinding]:
+                   param_dtype_reason: str, gpu: GpuSpec | None = None) -> list[CheckFinding]:
     """RAM against the largest shard, parameter and compute dtypes, options that force eager attention."""
     f: list[CheckFinding] = []
     if ckpt is not None and ckpt.largest_shard:
@@ -191,9 +191,16 @@ def model_findings(spec: ModelSpec | None, ckpt: CheckpointInfo | None, s: Setti
     else:
         f.append(CheckFinding("param_dtype", "ok", param_dtype + (f" (checkpoint: {stored})" if stored else ""),
                               param_dtype_reason))
+    pre_ampere = gpu is not None and gpu.compute_capability is not None and gpu.compute_capability < (8, 0)
+    half_name = "float16" if pre_ampere or param_dtype == "fp16" else "bfloat16"
     if s.is_4bit and spec is not None:
         compute = s.resolved_compute_dtype
-        if compute != param_dtype:
+        if compute == "fp32" and param_dtype == "fp32":
+            f.append(CheckFinding("compute_dtype", "warn", "bnb_4bit_compute_dtype fp32, activations fp32",
+                                  "4-bit layers dequantize to float32 and every activation is float32: twice the "
+                                  "activation memory and a slow path",
+                                  f"load with dtype=torch.{half_name} and bnb_4bit_compute_dtype=torch.{half_name}"))
+        elif compute != param_dtype:
             big = max((g for g in linear_groups(spec) if g.quantizable), key=lambda g: g.numel)
             wide, narrow = big.numel * DTYPE_BYTES[compute], big.numel * DTYPE_BYTES[param_dtype]
             cost = (f"largest dequantized weight {big.out_features} x {big.in_features}: {fmt_bytes(wide)} "
@@ -202,7 +209,10 @@ def model_findings(spec: ModelSpec | None, ckpt: CheckpointInfo | None, s: Setti
                                   f"{param_dtype}",
                                   "each 4-bit linear casts its input and dequantizes to the compute dtype: a slow "
                                   f"path and more memory ({cost})",
-                                  f"set bnb_4bit_compute_dtype=torch.{'bfloat16' if param_dtype == 'bf16' else 'float16'}"))
+                                  f"set bnb_4bit_compute_dtype=torch.{half_name}"
+                                  + (f" and dtype=torch.{half_name}" if half_name != {"bf16": "bfloat16",
+                                                                                     "fp16": "float16"}.get(param_dtype)
+                                     else "")))
         else:
             f.append(CheckFinding("compute_dtype", "ok", compute, "matches the activation dtype"))
     if s.output_attentions:
@@ -211,7 +221,8 @@ def model_findings(spec: ModelSpec | None, ckpt: CheckpointInfo | None, s: Setti
             per_layer = s.sequences * spec.num_heads * s.prompt_tokens ** 2 * DTYPE_BYTES[param_dtype]
             extra = (f": attention maps of {fmt_bytes(per_layer)} per layer, "
                      f"{fmt_gib(per_layer * spec.num_layers)} over {spec.num_layers} layers at "
-                     f"{s.prompt_tokens:,} tokens")
+                     f"{s.prompt_tokens:,} tokens, plus a float32 softmax buffer of "
+                     f"{fmt_bytes(per_layer * 4 // DTYPE_BYTES[param_dtype])} per layer while it runs")
         f.append(CheckFinding("eager_forced", "warn", "output_attentions=True",
                               "attention maps need eager attention: the fused kernels cannot return them" + extra,
                               "request attention maps only where needed"))

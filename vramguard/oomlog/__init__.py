@@ -150,11 +150,21 @@ def oom_log(file: str | None = None, since: str | None = None, year: int | None 
         InvalidValue: a malformed ``since``.
     """
     cutoff = parse_since(since)
+    if year is not None and not 1970 <= year <= 9999:
+        raise InvalidValue("--year", year, "a year from 1970 to 9999", "give the year of the log's timestamps")
     src = read_source(file)
+    if file and src.name is None:
+        raise InvalidValue("--file", file, "a readable log file, or - for stdin",
+                           "; ".join(src.attempts) + (f". {PERMISSION_HELP}" if src.permission_denied else ""))
+    if file and not src.lines:
+        raise InvalidValue("--file", file, "a kernel log with at least one line",
+                           "pass the output of dmesg, journalctl -k or /var/log/kern.log")
     parsed = parse_lines(src.lines, year)
     boot = boot_time() if src.name and not file else None  # raw dmesg seconds are this boot's only when live
     kills = [_kill(r, boot) for r in parsed.records]
+    undated = 0
     if cutoff is not None:
+        undated = sum(1 for k in kills if k.time is None)
         kills = [k for k in kills if k.time is None or datetime.fromisoformat(k.time).astimezone() >= cutoff]
     kills.sort(key=_sort_key, reverse=True)
     if src.name is None:
@@ -168,5 +178,8 @@ def oom_log(file: str | None = None, since: str | None = None, year: int | None 
                                                                               counted.items())
     else:
         msg = f"{len(kills)} OOM kill(s) in {src.name}"
+    if undated:
+        msg += (f"; {undated} record(s) carry only seconds since boot (a saved raw dmesg): --since cannot date them, "
+                "they are listed")
     return OomLogReport(src.name, src.attempts, kills, parsed.lines_read, parsed.skipped_lines,
                         src.permission_denied, msg, src.cgroup_oom_kills)
