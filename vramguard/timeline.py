@@ -14,12 +14,14 @@ def _figure_timeline(samples: list[StepSample], base_t: float, title: str, plan_
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(10, 4.8), dpi=110)
-    t = [base_t] + [s.t_s for s in samples]
     gib = 2**30
-    ax.step(t[1:], [s.peak_allocated / gib for s in samples], where="pre", color="#d62728", lw=1,
-            label="peak allocated in the step")
-    ax.plot(t[1:], [s.allocated / gib for s in samples], color="#1f77b4", lw=1.6, label="allocated after the step")
-    ax.plot(t[1:], [s.reserved / gib for s in samples], color="#2ca02c", lw=1.2, ls="--", label="reserved")
+    ts = [s.t_s for s in samples]
+    if samples:  # each step's peak spans the interval that ends at its sample (the prefill from 0 to the first)
+        peaks = [s.peak_allocated / gib for s in samples]
+        ax.step([base_t] + ts, [peaks[0]] + peaks, where="pre", color="#d62728", lw=1,
+                label="peak allocated in the step")
+    ax.plot(ts, [s.allocated / gib for s in samples], color="#1f77b4", lw=1.6, label="allocated after the step")
+    ax.plot(ts, [s.reserved / gib for s in samples], color="#2ca02c", lw=1.2, ls="--", label="reserved")
     if samples:
         ax.axvspan(0, samples[0].t_s, color="#ff7f0e", alpha=0.12, label="prefill")
         ax.axvspan(samples[0].t_s, samples[-1].t_s, color="#9467bd", alpha=0.06, label="decode")
