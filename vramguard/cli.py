@@ -317,6 +317,57 @@ def fit(
         print_fit(r, Console())
 
 
+@app.command()
+def run(
+    model: str = typer.Argument(..., help="model folder or cached model id (weights and tokenizer needed)"),
+    prompt: Optional[str] = typer.Option(None, help="the prompt text"),
+    prompt_file: Optional[str] = typer.Option(None, help="read the prompt from this file (- for stdin)"),
+    max_new_tokens: int = typer.Option(256, help="tokens to generate"),
+    vram_budget: Optional[str] = typer.Option(None, help="memory PyTorch may use, e.g. 12GiB (default: what is free)"),
+    auto: bool = typer.Option(True, "--auto/--no-auto", help="pick the strategy that fits (else refuse)"),
+    quant: Quant = typer.Option(Quant['nf4'], help="weight format"),
+    do_sample: bool = typer.Option(False, help="sample instead of greedy decoding"),
+    temperature: Optional[float] = typer.Option(None, help="sampling temperature"),
+    top_p: Optional[float] = typer.Option(None, help="nucleus sampling"),
+    top_k: Optional[int] = typer.Option(None, help="top-k sampling"),
+    seed: Optional[int] = typer.Option(None, help="random seed for sampling"),
+    fmt: Format = typer.Option(Format['human'], "--format", help="human: text on stdout; json: one object"),
+) -> None:
+    """Generate text without running out of memory: plan first, pick a strategy that fits, recover from OOM.
+    The text streams to stdout; a summary (strategy and why, peak memory, TTFT, tokens/s) goes to stderr."""
+    from vramguard.generate import generate as generate_fn
+    from vramguard.load import load_model
+    from vramguard.render import print_generation_summary, to_jsonable
+    from vramguard.units import parse_size
+
+    def build():
+        if (prompt is None) == (prompt_file is None):
+            raise InvalidValue("--prompt/--prompt-file", "both" if prompt else "neither", "exactly one of the two",
+                               "pass --prompt TEXT or --prompt-file FILE")
+        text = prompt
+        if prompt_file is not None:
+            try:
+                text = sys.stdin.read() if prompt_file == "-" else open(prompt_file, encoding="utf-8").read()
+            except OSError as e:
+                raise InvalidValue("--prompt-file", prompt_file, "a readable text file", str(e)) from None
+        budget = parse_size(vram_budget, "--vram-budget") if vram_budget else None
+        loaded = load_model(model, quant=quant.value)
+        if loaded.tokenizer is None:
+            raise InvalidValue("MODEL", model, "a model folder with tokenizer files", "save the tokenizer with the "
+                               "model (tokenizer.save_pretrained(folder))")
+        stream = None if fmt == Format['json'] else (lambda t: (sys.stdout.write(t), sys.stdout.flush()))
+        return generate_fn(loaded.model, loaded.tokenizer, text, max_new_tokens, budget_bytes=budget, auto=auto,
+                           on_text=stream, do_sample=do_sample, temperature=temperature, top_p=top_p, top_k=top_k,
+                           seed=seed)
+
+    r = run_guarded(build, as_json=fmt == Format['json'])
+    if fmt == Format['json']:
+        sys.stdout.write(json.dumps(to_jsonable(r), indent=2) + "\n")
+    else:
+        sys.stdout.write("\n")
+        print_generation_summary(r, err)
+
+
 def _print_catalog(models: bool, gpus: bool) -> None:
     from vramguard.catalog.gpus import GPUS
     from vramguard.catalog.models import MODELS

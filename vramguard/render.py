@@ -281,3 +281,16 @@ def print_fit(r, console: Console | None = None) -> None:
     c.print(t)
     if r.plot:
         c.print(f"picture: {r.plot}")
+
+
+def print_generation_summary(r, console: Console) -> None:
+    """The summary of a guarded generation (stderr): strategy and why, recoveries, peak memory, speed."""
+    console.print(f"strategy: {r.strategy} - {r.reason}", highlight=False)
+    parts = [f"{len(r.token_ids)} tokens"]
+    if r.peak_allocated_bytes is not None:
+        parts.append(f"peak allocated {fmt_bytes(r.peak_allocated_bytes)}")
+    if r.ttft_s is not None:
+        parts.append(f"time to first token {r.ttft_s * 1000:.0f} ms")
+    if r.tokens_per_s:
+        parts.append(f"{r.tokens_per_s:.1f} tokens/s")
+    console.print(", ".join(parts), highlight=False)

@@ -1,0 +1,129 @@
+"""Guarded generation on the CPU: every strategy, OOM injected at prefill and at decode step k, the preflight
+refusal, and the CLI streaming text from a tiny model with a real (locally built) tokenizer."""
+
+import subprocess
+import sys
+
+import pytest
+
+from vramguard import generate as G
+from vramguard.errors import Infeasible
+from vramguard.resolve import resolve_model
+from vramguard.settings import Settings
+from vramguard.units import GiB, MiB
+
+CFG = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+           vocab_size=300, max_position_embeddings=512)
+PROMPT = list(range(5, 45))
+
+
+@pytest.fixture(scope="module")
+def model():
+    import torch
+    import transformers
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**CFG)).eval()
+
+
+@pytest.fixture(autouse=True)
+def _no_injection():
+    yield
+    G.OOM_INJECTOR = None
+
+
+def oom_at(attempt, phase, step=0):
+    import torch
+
+    def inj(ph, att, st):
+        if att == attempt and ph == phase and (phase == "prefill" or st == step):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB (injected)")
+    return inj
+
+
+def cpu_strategies():
+    return [s for s in G.STRATEGIES if s.available(False)[0]]
+
+
+def test_the_cpu_runs_every_strategy_it_can(model):
+    names = [s.name for s in cpu_strategies()]
+    assert names[:3] == ["dynamic", "chunked prefill 2048", "static cache + chunked prefill 512"]
+    base = G.generate(model, None, PROMPT, 16).token_ids
+    for st in cpu_strategies():
+        import torch
+        ids = torch.tensor([PROMPT])
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, min_new_tokens=16,
+                             do_sample=False, pad_token_id=0, **st.kwargs)
+        assert out[0, len(PROMPT):].tolist() == base, st.name
+
+
+@pytest.mark.parametrize("phase,step", [("prefill", 0), ("decode", 1), ("decode", 7), ("decode", 15)])
+def test_oom_is_recovered_with_identical_greedy_tokens(model, phase, step):
+    base = G.generate(model, None, PROMPT, 16)
+    G.OOM_INJECTOR = oom_at(0, phase, step)
+    r = G.generate(model, None, PROMPT, 16)
+    assert r.token_ids == base.token_ids and len(r.token_ids) == 16
+    assert [a.strategy for a in r.attempts] == ["dynamic", "chunked prefill 2048"]
+    assert (r.attempts[0].phase, r.attempts[0].step, r.attempts[0].new_tokens) == (phase, step, step)
+    assert "ran out at" in r.reason
+
+
+def test_every_strategy_recovers_in_turn(model):
+    """OOM in each strategy's own run (prefill in one, decode in the next) until the last one completes."""
+    base = G.generate(model, None, PROMPT, 12).token_ids
+    import torch
+    n = len(cpu_strategies())
+
+    def inj(phase, attempt, step):
+        if attempt < n - 1 and ((attempt % 2 == 0 and phase == "prefill") or (attempt % 2 == 1 and step == 3)):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB (injected)")
+    G.OOM_INJECTOR = inj
+    r = G.generate(model, None, PROMPT, 12)
+    assert r.token_ids == base and len(r.attempts) == n and r.strategy == cpu_strategies()[-1].name
+
+
+def test_a_request_that_never_fits_ends_with_a_clear_error(model):
+    import torch
+
+    def always(phase, attempt, step):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB (injected)")
+    G.OOM_INJECTOR = always
+    with pytest.raises(Infeasible) as e:
+        G.generate(model, None, PROMPT, 8)
+    assert "every strategy ran out of memory" in str(e.value)
+
+
+def test_preflight_picks_the_first_strategy_that_fits_and_refuses_otherwise():
+    spec = resolve_model("llama-3.1-8b")
+    s = Settings(quant="nf4", attn="sdpa", prompt_tokens=120_000, max_new_tokens=512)
+    order, why = G.preflight(spec, s, 18 * GiB, auto=True, on_cuda=True, weights_loaded=True)
+    assert order[0][0].name != "dynamic" and order[0][1] <= 18 * GiB and "planned" in why
+    assert all(n < order[0][1] for _, n in order[1:])  # fallbacks are smaller than the first choice
+    with pytest.raises(Infeasible) as e:
+        G.preflight(spec, s, 18 * GiB, auto=False, on_cuda=True, weights_loaded=True)
+    assert "--auto" in str(e.value) and "dynamic" in str(e.value)
+    with pytest.raises(Infeasible) as e:
+        G.preflight(spec, s, 512 * MiB, auto=True, on_cuda=True, weights_loaded=True)
+    assert "at most 512.00 MiB" in str(e.value)
+
+
+def _tokenizer(folder):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    words = ["[UNK]", "[BOS]", "[EOS]"] + [f"w{i}" for i in range(297)] + ["hello", "world"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words[:300])}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", bos_token="[BOS]", eos_token="[EOS]")
+    fast.save_pretrained(folder)
+
+
+def test_cli_run_streams_text_and_summarizes(tiny):
+    folder, _ = tiny("LlamaConfig", **CFG)
+    _tokenizer(folder)
+    r = subprocess.run([sys.executable, "-m", "vramguard", "run", str(folder), "--prompt", "w1 w2 w3 w4",
+                        "--max-new-tokens", "6", "--quant", "bf16"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert len(r.stdout.split()) == 6 and all(w.startswith("w") or w.startswith("[") for w in r.stdout.split())
+    assert "strategy: dynamic" in r.stderr and "6 tokens" in r.stderr
+    bad = subprocess.run([sys.executable, "-m", "vramguard", "run", str(folder)], capture_output=True, text=True,
+                         timeout=60)
+    assert bad.returncode == 2 and "--prompt" in bad.stderr and "Traceback" not in bad.stderr

@@ -1,0 +1,301 @@
+"""``generate``: guarded generation that plans before it starts and recovers from out-of-memory errors.
+
+1. Preflight: the plan of every strategy (:data:`STRATEGIES`, in order of speed) against the memory this process
+   can still use (the budget, or the card's free memory plus what PyTorch holds unused, minus the loaded
+   weights). The first that fits is used; with ``auto=False`` only the plain strategy is considered. When none
+   fits, :class:`~vramguard.errors.Infeasible` is raised with the numbers and the plan's fix, before any GPU work.
+2. On ``torch.OutOfMemoryError`` in the prefill or at any decode step, everything the failed attempt held is
+   freed, the next strategy that the plan ranks as smaller is taken, and generation continues from the prompt plus
+   the tokens already produced (streamed text is never repeated). Nothing is lost unless no strategy is left,
+   which ends in :class:`~vramguard.errors.Infeasible`, not a traceback.
+
+Continuing re-encodes the tokens produced so far in one prefill; with a 16-bit KV cache and greedy decoding the
+result equals an uninterrupted run up to floating-point reassociation (exactly equal in the CPU tests).
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib.util
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from vramguard.errors import Infeasible
+from vramguard.settings import Settings
+from vramguard.units import fmt_bytes
+
+OOM_INJECTOR: Callable[[str, int, int], None] | None = None  # tests: (phase, attempt, step) -> raise or not
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """A way to run ``generate``: transformers keyword arguments and the matching plan settings."""
+
+    name: str
+    kwargs: dict
+    plan: dict
+    needs_cuda: bool = False
+    needs_module: str | None = None
+
+    def available(self, on_cuda: bool) -> tuple[bool, str]:
+        if self.needs_cuda and not on_cuda:
+            return False, "needs a CUDA device"
+        if self.needs_module and importlib.util.find_spec(self.needs_module.split(".")[0]) is None:
+            return False, f"needs the {self.needs_module} package"
+        return True, ""
+
+
+STRATEGIES: tuple[Strategy, ...] = (
+    Strategy("dynamic", {}, {}),
+    Strategy("chunked prefill 2048", {"prefill_chunk_size": 2048}, {"prefill_chunk": 2048}),
+    Strategy("static cache + chunked prefill 512", {"cache_implementation": "static", "prefill_chunk_size": 512},
+             {"cache": "static", "prefill_chunk": 512}),
+    Strategy("int8 KV cache + chunked prefill 512",
+             {"cache_implementation": "quantized", "cache_config": {"backend": "quanto", "nbits": 8},
+              "prefill_chunk_size": 512}, {"kv_dtype": "int8", "prefill_chunk": 512}, needs_module="optimum.quanto"),
+    Strategy("int4 KV cache + chunked prefill 512",
+             {"cache_implementation": "quantized", "cache_config": {"backend": "quanto", "nbits": 4},
+              "prefill_chunk_size": 512}, {"kv_dtype": "int4", "prefill_chunk": 512}, needs_module="optimum.quanto"),
+    Strategy("offloaded KV cache + chunked prefill 512",
+             {"cache_implementation": "offloaded", "prefill_chunk_size": 512},
+             {"cache": "offloaded", "prefill_chunk": 512}, needs_cuda=True),
+)
+
+
+@dataclass
+class Attempt:
+    """One try: the strategy, how many tokens it added, and the OOM that ended it (phase and step)."""
+
+    strategy: str
+    new_tokens: int
+    oom: str | None = None
+    phase: str | None = None
+    step: int | None = None
+
+
+@dataclass
+class GenerationResult:
+    """The generated text and token ids, the strategy that finished, every attempt, and the measurements."""
+
+    text: str
+    token_ids: list[int]
+    strategy: str
+    reason: str
+    attempts: list[Attempt] = field(default_factory=list)
+    peak_allocated_bytes: int | None = None
+    ttft_s: float | None = None
+    tokens_per_s: float | None = None
+    planned_need_bytes: int | None = None
+    usable_bytes: int | None = None
+
+
+def usable_bytes(budget_bytes: int | None) -> tuple[int | None, int]:
+    """(bytes this process can still give to generation, bytes held now by PyTorch), or (None, 0) on the CPU.
+
+    With a budget: the budget minus what PyTorch has allocated. Without: the card's free memory plus the reserved
+    but unallocated cache.
+    """
+    import torch
+    if not torch.cuda.is_available():
+        return (None, 0) if budget_bytes is None else (budget_bytes, 0)
+    allocated = torch.cuda.memory_allocated()
+    if budget_bytes is not None:
+        return budget_bytes - allocated, allocated
+    free, _ = torch.cuda.mem_get_info()
+    return free + torch.cuda.memory_reserved() - allocated, allocated
+
+
+def preflight(spec, s: Settings, usable: int | None, auto: bool, on_cuda: bool,
+              weights_loaded: bool) -> tuple[list[tuple[Strategy, int]], str]:
+    """Strategies that may run, first the one to use, each with its planned need in bytes beyond what is already
+    loaded; and the reason. Raises Infeasible when none fits ``usable``."""
+    from vramguard.plan import estimate
+    cands: list[tuple[Strategy, int]] = []
+    skipped: list[str] = []
+    for st in STRATEGIES if auto else STRATEGIES[:1]:
+        ok, why = st.available(on_cuda)
+        if not ok:
+            skipped.append(f"{st.name}: {why}")
+            continue
+        est = estimate(spec, s.with_(**st.plan))
+        need = est.peak_reserved_bytes - (est.weights.total_bytes if weights_loaded else 0)
+        cands.append((st, need))
+    if usable is None:
+        return cands, "no CUDA device: nothing to plan against; the plain strategy runs"
+    fitting = [(st, n) for st, n in cands if n <= usable]
+    if not fitting:
+        best = min(cands, key=lambda c: c[1])
+        raise Infeasible("request", f"{s.prompt_tokens:,} prompt + {s.max_new_tokens:,} new tokens",
+                         f"at most {fmt_bytes(usable)} of memory left; the smallest strategy ({best[0].name}) "
+                         f"needs {fmt_bytes(best[1])}",
+                         "shorten the prompt or the generation, use a smaller batch, or run `vramguard plan` for "
+                         "what fits" + ("" if auto else "; or let vramguard pick a strategy (--auto)"))
+    first = fitting[0]
+    order = [first] + [c for c in cands if c[0] is not first[0] and c[1] < first[1]]
+    why = (f"{first[0].name}: planned {fmt_bytes(first[1])} of {fmt_bytes(usable)} usable"
+           + (f" (skipped: {'; '.join(skipped)})" if skipped else ""))
+    return order, why
+
+
+class _Tap:
+    """Streamer: keeps new token ids, streams decoded text, and lets tests inject an OOM at a given step."""
+
+    def __init__(self, tokenizer, on_text: Callable[[str], None] | None, attempt: int, already: list[int],
+                 prompt_len: int):
+        self.tok, self.on_text, self.attempt = tokenizer, on_text, attempt
+        self.ids = already
+        self.start = len(already)
+        self.calls = 0
+        self.prompt_len = prompt_len
+        self.t_first: float | None = None
+        self.printed = len(self._text(already))
+
+    def _text(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=True) if self.tok is not None else ""
+
+    def put(self, value) -> None:
+        self.calls += 1
+        if self.calls == 1:  # the prompt
+            return
+        if self.t_first is None:
+            self.t_first = time.perf_counter()
+        self.ids.extend(int(x) for x in value.reshape(-1).tolist())
+        if self.on_text is not None and self.tok is not None:
+            text = self._text(self.ids)
+            if len(text) > self.printed and not text.endswith("\ufffd"):
+                self.on_text(text[self.printed:])
+                self.printed = len(text)
+
+    def end(self) -> None:
+        if self.on_text is not None and self.tok is not None:
+            text = self._text(self.ids)
+            if len(text) > self.printed:
+                self.on_text(text[self.printed:])
+                self.printed = len(text)
+
+
+def _inject_hook(model, attempt: int, tap: _Tap):
+    """A forward pre-hook calling :data:`OOM_INJECTOR` (tests only): phase prefill on the first forward of an
+    attempt, decode at step k after that."""
+    if OOM_INJECTOR is None:
+        return None
+    calls = {"n": 0}
+
+    def hook(_m, _a):
+        calls["n"] += 1
+        phase = "prefill" if len(tap.ids) == tap.start else "decode"
+        OOM_INJECTOR(phase, attempt, len(tap.ids) - tap.start)
+
+    return model.register_forward_pre_hook(hook)
+
+
+def generate(model, tokenizer, prompt: str | list[int], max_new_tokens: int = 256, *, budget_bytes: int | None = None,
+             auto: bool = True, on_text: Callable[[str], None] | None = None, do_sample: bool = False,
+             temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
+             seed: int | None = None, settings: Settings | None = None) -> GenerationResult:
+    """Generate ``max_new_tokens`` after ``prompt`` without running out of memory (see the module docstring).
+
+    Args:
+        model, tokenizer: as returned by :func:`vramguard.load.load_model` (tokenizer may be None with token ids).
+        prompt: text, or a list of token ids.
+        budget_bytes: memory PyTorch may use in total (default: what the card has free).
+        auto: choose the strategy from the plan (else only the plain dynamic cache, refused if it cannot fit).
+        on_text: called with each new piece of text as it is generated.
+
+    Raises:
+        Infeasible: no strategy fits, before any GPU work; or every strategy ran out of memory.
+        InvalidValue: a bad argument.
+    """
+    import torch
+
+    from vramguard.errors import InvalidValue
+    from vramguard.plan import check_context
+    from vramguard.spec import spec_from_config
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise InvalidValue("max_new_tokens", max_new_tokens, "an integer >= 1")
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise InvalidValue("tokenizer", None, "a tokenizer for a text prompt", "pass token ids, or a tokenizer")
+        prompt_ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
+    else:
+        prompt_ids = [int(x) for x in prompt]
+    if not prompt_ids:
+        raise InvalidValue("prompt", "", "at least one token", "pass a non-empty prompt")
+    spec = spec_from_config(model.config.to_dict(), name=getattr(model.config, "_name_or_path", "model"))
+    s = (settings or Settings(quant=_quant_of(model), attn=_attn_of(model))).with_(
+        prompt_tokens=len(prompt_ids), max_new_tokens=max_new_tokens, batch=1)
+    check_context(spec, s)
+    on_cuda = next(model.parameters()).device.type == "cuda"
+    usable, _ = usable_bytes(budget_bytes) if on_cuda else (None, 0)
+    order, why = preflight(spec, s, usable, auto, on_cuda, weights_loaded=True)
+    if on_cuda and budget_bytes is not None:
+        torch.cuda.set_per_process_memory_fraction(budget_bytes / torch.cuda.mem_get_info()[1])
+        torch.cuda.reset_peak_memory_stats()
+    elif on_cuda:
+        torch.cuda.reset_peak_memory_stats()
+    generated: list[int] = []
+    attempts: list[Attempt] = []
+    t0 = time.perf_counter()
+    ttft = None
+    try:
+        for i, (st, _need) in enumerate(order):
+            tap = _Tap(tokenizer, on_text, i, generated, len(prompt_ids))
+            hook = _inject_hook(model, i, tap)
+            ids = torch.tensor([prompt_ids + generated], device=next(model.parameters()).device)
+            remaining = max_new_tokens - len(generated)
+            if seed is not None:
+                torch.manual_seed(seed + len(generated))
+            try:
+                model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=remaining,
+                               min_new_tokens=remaining, do_sample=do_sample, temperature=temperature, top_p=top_p,
+                               top_k=top_k, streamer=tap,
+                               pad_token_id=getattr(model.generation_config, "pad_token_id", None) or 0,
+                               **st.kwargs)
+                attempts.append(Attempt(st.name, len(generated) - tap.start))
+                ttft = ttft if ttft is not None else (tap.t_first - t0 if tap.t_first else None)
+                break
+            except torch.OutOfMemoryError as e:
+                added = len(generated) - tap.start
+                attempts.append(Attempt(st.name, added, str(e).split("\n")[0][:300],
+                                        "prefill" if added == 0 else "decode", added))
+                ttft = ttft if ttft is not None else (tap.t_first - t0 if tap.t_first else None)
+                del ids
+                gc.collect()
+                if on_cuda:
+                    torch.cuda.empty_cache()
+            finally:
+                if hook is not None:
+                    hook.remove()
+        else:
+            raise Infeasible("request", f"{len(prompt_ids):,} + {max_new_tokens:,} tokens",
+                             "a strategy that completes", "every strategy ran out of memory: "
+                             + "; ".join(f"{a.strategy}: {a.phase} step {a.step}" for a in attempts)
+                             + ". Shorten the prompt or the generation")
+    finally:
+        if on_cuda and budget_bytes is not None:
+            torch.cuda.set_per_process_memory_fraction(1.0)
+    elapsed = time.perf_counter() - t0
+    last = attempts[-1]
+    reason = why if len(attempts) == 1 else (
+        f"{last.strategy} after {len(attempts) - 1} out-of-memory error(s): "
+        + "; ".join(f"{a.strategy} ran out at {a.phase} step {a.step}" for a in attempts[:-1]))
+    text = tokenizer.decode(generated, skip_special_tokens=True) if tokenizer is not None else ""
+    return GenerationResult(text, list(generated), last.strategy, reason, attempts,
+                            torch.cuda.max_memory_allocated() if on_cuda else None, ttft,
+                            len(generated) / elapsed if elapsed > 0 else None, order[0][1], usable)
+
+
+def _quant_of(model) -> str:
+    q = getattr(model.config, "quantization_config", None)
+    if q is None:
+        return {"torch.float32": "fp32", "torch.float16": "fp16"}.get(str(model.dtype), "bf16")
+    d = q.to_dict() if hasattr(q, "to_dict") else dict(q)
+    if d.get("load_in_4bit"):
+        return "fp4" if d.get("bnb_4bit_quant_type") == "fp4" else "nf4"
+    return "int8" if d.get("load_in_8bit") else "bf16"
+
+
+def _attn_of(model) -> str:
+    a = getattr(model.config, "_attn_implementation", "sdpa") or "sdpa"
+    return a if a in ("eager", "sdpa", "flash_attention_2") else "sdpa"
