@@ -82,7 +82,9 @@ def estimate(spec: ModelSpec, s: Settings) -> MemoryEstimate:
     for k, v in peak.components.items():
         comps[k] = comps.get(k, 0) + v
     allocated = sum(comps.values())
-    reserve = allocator_reserve_bytes(peak.peak_bytes, peak.largest_alloc)
+    # a static cache is allocated once, before anything else, and never re-requested: it does not fragment
+    static_kv = peak.components.get("kv_cache", 0) if s.cache == "static" else 0
+    reserve = allocator_reserve_bytes(peak.peak_bytes - static_kv, peak.largest_alloc)
     kv_full = kv_cache_bytes(spec, s, s.total_tokens)
     return MemoryEstimate(
         weights=w, kv_full=kv_full, prefill=pf, decode=dc, peak_phase=peak.phase,

@@ -136,14 +136,17 @@ class _Forward:
             self.t.alloc("mask", s.sequences * self.chunk * self.keys, "attention")
 
     def needs_bool_mask(self, window_binds: bool | None = None) -> bool:
-        """SDPA / FA2 get an explicit mask (so no ``is_causal`` fast path) for padding, a binding window, or a
-        static cache in decode."""
+        """SDPA gets an explicit mask, so no ``is_causal`` fast path and, for GQA, ``repeat_kv`` copies, whenever
+        transformers cannot skip it (``masking_utils._ignore_causal_mask_sdpa``: only for one query token or for
+        as many keys as queries): padding, a binding sliding window, a static cache (keys = its whole length), or a
+        prefill chunk after the first (keys = past + chunk)."""
         s, spec = self.s, self.spec
         if self.attn == "flash_attention_2":
             return False
         if window_binds is None:
             window_binds = spec.sliding_window is not None and self.keys > spec.sliding_window
-        return s.padded or window_binds or (s.cache == "static" and self.chunk == 1)
+        return (s.padded or window_binds or s.cache == "static"
+                or (self.past > 0 and self.chunk > 1))
 
     def layer(self, x: int) -> None:
         spec, s, t = self.spec, self.s, self.t
@@ -232,8 +235,7 @@ class _Forward:
             t.transient("flash_attn_lse", attention=lse)
             return
         masked = self.needs_bool_mask()
-        pack_gqa = self.chunk == 1  # transformers 5 runs one-query GQA on the KV heads without repeat_kv
-        if spec.gqa_groups > 1 and masked and not pack_gqa:
+        if spec.gqa_groups > 1 and masked:  # use_gqa_in_sdpa needs mask None (transformers 5.17)
             t.alloc("repeat_kv", repeat, "attention")
         t.alloc("sdpa_out", q, "activations")
         if s.sdpa_kernel == "math" or (s.act_dtype == "fp32" and s.sdpa_kernel in ("flash", "cudnn")):
