@@ -127,3 +127,52 @@ def test_cli_run_streams_text_and_summarizes(tiny):
     bad = subprocess.run([sys.executable, "-m", "vramguard", "run", str(folder)], capture_output=True, text=True,
                          timeout=60)
     assert bad.returncode == 2 and "--prompt" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_context_chunks_rank_and_pack_within_the_budget(tiny):
+    from transformers import AutoTokenizer
+
+    from vramguard.context import bm25_scores, build_prompt, pack, split_chunks
+    folder, _ = tiny("LlamaConfig", **CFG)
+    _tokenizer(folder)
+    tok = AutoTokenizer.from_pretrained(folder)
+    text = "\n\n".join(" ".join(f"w{(i * 7 + j) % 290 + 3}" for j in range(30)) for i in range(12))
+    text += "\n\nhello w200 w201 w202"
+    chunks = split_chunks(text, "doc.txt", tok, chunk_tokens=64)
+    assert all(c.tokens <= 64 for c in chunks) and len(chunks) >= 6
+    scores = bm25_scores("w201 w202", [c.text for c in chunks])
+    best = max(range(len(chunks)), key=lambda i: scores[i])
+    assert "w201" in chunks[best].text
+    budget = len(tok(build_prompt("w201 w202", [chunks[best]]))["input_ids"]) + 5
+    packed = pack("w201 w202", chunks, tok, budget)
+    assert packed.used == [chunks[best]] and packed.prompt_tokens <= budget and packed.notes
+
+
+def test_summarize_then_ask_fits_context_that_never_could(tiny):
+    from transformers import AutoTokenizer
+
+    from vramguard.context import split_chunks, summarize_then_ask
+    folder, _ = tiny("LlamaConfig", **CFG)
+    _tokenizer(folder)
+    tok = AutoTokenizer.from_pretrained(folder)
+    chunks = split_chunks("\n\n".join(" ".join(f"w{j}" for j in range(i, i + 40)) for i in range(10)), "d", tok, 48)
+    calls = []
+
+    def summ(prompt, n):
+        calls.append(n)
+        return " ".join(["w5"] * min(n, 4))
+    packed = summarize_then_ask("w5", chunks, tok, 120, summ)
+    assert packed.summarized and len(calls) == len(chunks) and packed.prompt_tokens <= 120
+    assert len(packed.used) == len(chunks)
+
+
+def test_cli_run_with_context_files(tiny, tmp_path):
+    folder, _ = tiny("LlamaConfig", **CFG)
+    _tokenizer(folder)
+    doc = tmp_path / "doc.txt"
+    doc.write_text("\n\n".join(" ".join(f"w{(i * 5 + j) % 290 + 3}" for j in range(50)) for i in range(30)))
+    r = subprocess.run([sys.executable, "-m", "vramguard", "run", str(folder), "--prompt", "w7 w8",
+                        "--context", str(doc), "--max-new-tokens", "4", "--quant", "bf16"], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "context:" in r.stderr and "chunks" in r.stderr and len(r.stdout.split()) == 4

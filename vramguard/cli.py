@@ -331,6 +331,10 @@ def run(
     top_p: Optional[float] = typer.Option(None, help="nucleus sampling"),
     top_k: Optional[int] = typer.Option(None, help="top-k sampling"),
     seed: Optional[int] = typer.Option(None, help="random seed for sampling"),
+    context: Optional[list[str]] = typer.Option(None, help="files to answer from (repeat the option); the prompt is "
+                                                           "the question"),
+    summarize: bool = typer.Option(False, help="when the context cannot fit, summarize it chunk by chunk first"),
+    chunk_tokens: int = typer.Option(256, help="tokens per context chunk"),
     fmt: Format = typer.Option(Format['human'], "--format", help="human: text on stdout; json: one object"),
 ) -> None:
     """Generate text without running out of memory: plan first, pick a strategy that fits, recover from OOM.
@@ -356,6 +360,8 @@ def run(
             raise InvalidValue("MODEL", model, "a model folder with tokenizer files", "save the tokenizer with the "
                                "model (tokenizer.save_pretrained(folder))")
         stream = None if fmt == Format['json'] else (lambda t: (sys.stdout.write(t), sys.stdout.flush()))
+        if context:
+            text = _with_context(loaded, text, context, summarize, chunk_tokens, max_new_tokens, budget, auto)
         return generate_fn(loaded.model, loaded.tokenizer, text, max_new_tokens, budget_bytes=budget, auto=auto,
                            on_text=stream, do_sample=do_sample, temperature=temperature, top_p=top_p, top_k=top_k,
                            seed=seed)
@@ -366,6 +372,32 @@ def run(
     else:
         sys.stdout.write("\n")
         print_generation_summary(r, err)
+
+
+def _with_context(loaded, question, files, summarize, chunk_tokens, max_new_tokens, budget, auto) -> str:
+    """The prompt built from ``files`` for ``question`` within the plan's token budget (messages on stderr)."""
+    from vramguard.context import pack, split_chunks, summarize_then_ask
+    from vramguard.generate import generate as generate_fn
+    from vramguard.generate import prompt_budget
+    if chunk_tokens < 16:
+        raise InvalidValue("--chunk-tokens", chunk_tokens, "an integer >= 16", "use larger chunks")
+    chunks = []
+    for f in files:
+        try:
+            chunks += split_chunks(open(f, encoding="utf-8").read(), f, loaded.tokenizer, chunk_tokens)
+        except (OSError, UnicodeDecodeError) as e:
+            raise InvalidValue("--context", f, "a readable UTF-8 text file", str(e)) from None
+    limit = prompt_budget(loaded.model, max_new_tokens, budget, auto)
+    packed = pack(question, chunks, loaded.tokenizer, limit)
+    if summarize and len(packed.used) < len(chunks):
+        def summ(p: str, n: int) -> str:
+            return generate_fn(loaded.model, loaded.tokenizer, p, n, budget_bytes=budget, auto=auto).text
+        packed = summarize_then_ask(question, chunks, loaded.tokenizer, limit, summ)
+    err.print(f"context: {len(packed.used)} of {packed.total_chunks} chunks"
+              + (" (summarized)" if packed.summarized else "") + f", prompt {packed.prompt_tokens:,} of "
+              f"{limit:,} tokens the plan allows" + ("; " + "; ".join(packed.notes) if packed.notes else ""),
+              markup=False, highlight=False)
+    return packed.prompt
 
 
 def _print_catalog(models: bool, gpus: bool) -> None:

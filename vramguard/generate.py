@@ -299,3 +299,30 @@ def _quant_of(model) -> str:
 def _attn_of(model) -> str:
     a = getattr(model.config, "_attn_implementation", "sdpa") or "sdpa"
     return a if a in ("eager", "sdpa", "flash_attention_2") else "sdpa"
+
+
+def prompt_budget(model, max_new_tokens: int, budget_bytes: int | None = None, auto: bool = True) -> int:
+    """The longest prompt (tokens) that some strategy can run with ``max_new_tokens`` in the memory left: the
+    plan's :func:`~vramguard.solve.max_prompt_tokens` per strategy, the largest of them; the model's context when
+    there is no CUDA device to plan against."""
+    from vramguard.plan import estimate
+    from vramguard.solve import _largest
+    from vramguard.spec import spec_from_config
+    spec = spec_from_config(model.config.to_dict(), name=getattr(model.config, "_name_or_path", "model"))
+    ctx = spec.max_position_embeddings - max_new_tokens
+    on_cuda = next(model.parameters()).device.type == "cuda"
+    usable, _ = usable_bytes(budget_bytes) if on_cuda else (None, 0)
+    if usable is None:
+        return ctx
+    s = Settings(quant=_quant_of(model), attn=_attn_of(model), max_new_tokens=max_new_tokens)
+    best = 0
+    for st in STRATEGIES if auto else STRATEGIES[:1]:
+        if not st.available(on_cuda)[0]:
+            continue
+        ss = s.with_(**st.plan)
+
+        def fits(p: int, ss=ss) -> bool:
+            est = estimate(spec, ss.with_(prompt_tokens=p))
+            return est.peak_reserved_bytes - est.weights.total_bytes <= usable
+        best = max(best, _largest(1, ctx, fits) or 0)
+    return best

@@ -1,0 +1,132 @@
+"""Long prompts: fill the prompt with the retrieved chunks that fit the token budget the plan allows, or, for
+context that can never fit, summarize it chunk by chunk and ask with the summaries.
+
+Relevance is Okapi BM25 over lower-cased word tokens (Robertson and Zaragoza, "The Probabilistic Relevance
+Framework: BM25 and Beyond", 2009; k1 = 1.5, b = 0.75). Chunks keep their original order in the prompt.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable
+
+BM25_K1, BM25_B = 1.5, 0.75
+_WORD = re.compile(r"\w+", re.UNICODE)
+
+
+@dataclass
+class Chunk:
+    """A piece of the context: its text, source file, position and token count."""
+
+    text: str
+    source: str
+    index: int
+    tokens: int
+
+
+@dataclass
+class PackedContext:
+    """The prompt built from the context, the chunks it holds, and what was left out or summarized."""
+
+    prompt: str
+    prompt_tokens: int
+    used: list[Chunk]
+    total_chunks: int
+    budget_tokens: int
+    summarized: bool = False
+    notes: list[str] = field(default_factory=list)
+
+
+def _count(tokenizer, text: str) -> int:
+    return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def split_chunks(text: str, source: str, tokenizer, chunk_tokens: int = 256) -> list[Chunk]:
+    """Paragraphs (blank-line separated) merged up to ``chunk_tokens`` tokens; longer paragraphs split at sentence
+    ends, then at ``chunk_tokens`` tokens."""
+    pieces: list[str] = []
+    for para in re.split(r"\n\s*\n", text):
+        para = para.strip()
+        if not para:
+            continue
+        if _count(tokenizer, para) <= chunk_tokens:
+            pieces.append(para)
+            continue
+        for sent in re.split(r"(?<=[.!?])\s+", para):
+            ids = tokenizer(sent, add_special_tokens=False)["input_ids"]
+            for i in range(0, len(ids), chunk_tokens):
+                pieces.append(tokenizer.decode(ids[i:i + chunk_tokens]))
+    chunks: list[Chunk] = []
+    cur, cur_n = "", 0
+    for p in pieces:
+        n = _count(tokenizer, p)
+        if cur and cur_n + n > chunk_tokens:
+            chunks.append(Chunk(cur, source, len(chunks), cur_n))
+            cur, cur_n = "", 0
+        cur = f"{cur}\n\n{p}" if cur else p
+        cur_n = _count(tokenizer, cur)
+    if cur:
+        chunks.append(Chunk(cur, source, len(chunks), cur_n))
+    return chunks
+
+
+def bm25_scores(query: str, docs: list[str]) -> list[float]:
+    """BM25 score of every document for ``query`` (see the module docstring)."""
+    toks = [[w.lower() for w in _WORD.findall(d)] for d in docs]
+    n = len(toks)
+    avg = sum(len(t) for t in toks) / n if n else 0.0
+    df = Counter(w for t in toks for w in set(t))
+    q = [w.lower() for w in _WORD.findall(query)]
+    out = []
+    for t in toks:
+        tf = Counter(t)
+        score = 0.0
+        for w in q:
+            if w not in tf:
+                continue
+            idf = math.log(1 + (n - df[w] + 0.5) / (df[w] + 0.5))
+            f = tf[w]
+            score += idf * f * (BM25_K1 + 1) / (f + BM25_K1 * (1 - BM25_B + BM25_B * len(t) / (avg or 1)))
+        out.append(score)
+    return out
+
+
+def build_prompt(question: str, chunks: list[Chunk]) -> str:
+    body = "\n\n".join(f"[{c.source} #{c.index + 1}]\n{c.text}" for c in chunks)
+    return f"Context:\n{body}\n\nQuestion: {question}\nAnswer:"
+
+
+def pack(question: str, chunks: list[Chunk], tokenizer, budget_tokens: int) -> PackedContext:
+    """The most relevant chunks whose prompt fits ``budget_tokens`` tokens, in their original order."""
+    scores = bm25_scores(question, [c.text for c in chunks])
+    order = sorted(range(len(chunks)), key=lambda i: -scores[i])
+    chosen: list[Chunk] = []
+    for i in order:
+        trial = sorted(chosen + [chunks[i]], key=lambda c: (c.source, c.index))
+        if _count(tokenizer, build_prompt(question, trial)) <= budget_tokens:
+            chosen = trial
+    prompt = build_prompt(question, chosen)
+    res = PackedContext(prompt, _count(tokenizer, prompt), chosen, len(chunks), budget_tokens)
+    if len(chosen) < len(chunks):
+        res.notes.append(f"{len(chunks) - len(chosen)} of {len(chunks)} chunks left out (token budget "
+                         f"{budget_tokens:,})")
+    return res
+
+
+def summarize_then_ask(question: str, chunks: list[Chunk], tokenizer, budget_tokens: int,
+                       summarize: Callable[[str, int], str]) -> PackedContext:
+    """Summarize every chunk (``summarize(prompt, max_new_tokens) -> text``) to an equal share of the budget,
+    then pack the summaries like chunks."""
+    share = max(16, (budget_tokens - _count(tokenizer, build_prompt(question, []))) // max(len(chunks), 1) - 16)
+    summaries = []
+    for c in chunks:
+        text = summarize(f"Summarize the following text.\n\n{c.text}\n\nSummary:", share)
+        summaries.append(Chunk(text.strip(), c.source, c.index, _count(tokenizer, text)))
+    res = pack(question, summaries, tokenizer, budget_tokens)
+    res.summarized = True
+    res.total_chunks = len(chunks)
+    res.notes.insert(0, f"{len(chunks)} chunks summarized to at most {share} tokens each")
+    return res
