@@ -197,6 +197,9 @@ def explain(text: str, alloc_conf: str | None = None, candidates: dict[str, int]
             "paste the whole message, including the memory figures"]
     if matched:
         ev.append(f"the request matches {matched}")
+    elif candidates:
+        ev.append("no single allocation of the planned run matches the request (it is a smaller tensor: an "
+                  "activation, a KV cache block or a workspace)")
     return Explanation(kind, summary, ev, fixes, m, matched)
 
 

@@ -24,7 +24,7 @@ def plan_findings(p: "Plan") -> list["Finding"]:
                                          dtype="fp32")).total_bytes
         out.append(Finding("checkpoint_fp32", "warn", f"the checkpoint's config says float32: this plan assumes "
                            f"dtype={s.act_dtype} is passed to from_pretrained; without it transformers 5 loads "
-                           f"float32 (weights {fmt_gib(f32)} against {fmt_gib(est.weights.total_bytes)})",
+                           f"float32 (weights {fmt_bytes(f32)} against {fmt_bytes(est.weights.total_bytes)})",
                            f"pass dtype=torch.{'bfloat16' if s.act_dtype == 'bf16' else 'float16'}",
                            f32 - est.weights.total_bytes))
     half = s.with_(quant="bf16" if s.quant == "fp32" else s.quant, dtype="bf16")
@@ -33,14 +33,14 @@ def plan_findings(p: "Plan") -> list["Finding"]:
         b16 = weight_bytes(spec, half).total_bytes
         out.append(Finding("fa2_needs_half", "fail",
                            "flash_attention_2 runs only in float16/bfloat16, and the parameters resolve to float32 "
-                           f"(weights {fmt_gib(f32)} in float32 against {fmt_gib(b16)} in bfloat16)",
+                           f"(weights {fmt_bytes(f32)} in float32 against {fmt_bytes(b16)} in bfloat16)",
                            "pass dtype=torch.bfloat16 to from_pretrained (torch.float16 below compute capability 8.0)",
                            f32 - b16))
     elif s.act_dtype == "fp32":
         f32 = est.weights.total_bytes
         b16 = weight_bytes(spec, half).total_bytes
-        out.append(Finding("fp32_params", "warn", f"parameters in float32: weights {fmt_gib(f32)} against "
-                           f"{fmt_gib(b16)} in bfloat16", "pass dtype=torch.bfloat16", f32 - b16))
+        out.append(Finding("fp32_params", "warn", f"parameters in float32: weights {fmt_bytes(f32)} against "
+                           f"{fmt_bytes(b16)} in bfloat16", "pass dtype=torch.bfloat16", f32 - b16))
     for card in p.cards:
         cc = card.gpu.compute_capability
         if cc is None or cc >= (8, 0):

@@ -6,7 +6,9 @@ import dataclasses
 from typing import Any
 
 from rich.console import Console
+from rich.padding import Padding
 from rich.table import Table
+from rich.text import Text
 
 from vramguard.plan import Plan
 from vramguard.units import fmt_bytes, fmt_gib, fmt_tokens
@@ -38,6 +40,11 @@ PEAK_AT = {
 
 def _where(at: str) -> str:
     return PEAK_AT.get(at, at.replace("_", " "))
+
+
+def indented(c: Console, text: str, indent: int = 5) -> None:
+    """Print ``text`` so that wrapped lines keep the indent."""
+    c.print(Padding(Text(text), (0, 0, 0, indent)))
 
 
 def short_label(label: str) -> str:
@@ -160,7 +167,10 @@ def print_plan(p: Plan, console: Console | None = None) -> None:
         c.print("[bold]Findings[/bold]")
         for f in p.findings:
             color = {"fail": "red", "warn": "yellow"}.get(f.level, "cyan")
-            c.print(f"  [{color}]{f.level}[/{color}] {f.message}" + (f"\n       fix: {f.fix}" if f.fix else ""))
+            c.print(f"  [{color}]{f.level}[/{color}]", end=" ")
+            c.print(Text(f.message), soft_wrap=False)
+            if f.fix:
+                indented(c, f"fix: {f.fix}", 7)
     labels = {v.gpu.name: short_label(v.gpu.label) for v in p.cards}
     if p.changes and all(v.fits for v in p.cards):
         c.print("fits every card planned against; --format json lists the changes that would lower the need further")
@@ -185,14 +195,14 @@ def print_check(r, console: Console | None = None) -> None:
     """Human-readable check: one line per finding (status, check, value), then its reason and fix, indented."""
     c = console or Console()
     color = {"ok": "green", "warn": "yellow", "fail": "red", "info": "cyan"}
-    c.print("[bold]vramguard check[/bold]")
+    c.print("[bold]vramguard check[/bold]" + (f" - {r.model}" if getattr(r, "model", None) else ""))
     for f in r.findings:
         c.print(f"[{color.get(f.status, 'white')}]{f.status.upper():4}[/] [bold]{f.name}[/bold]: {f.value}",
                 highlight=False)
-        if f.status != "ok" or f.reason:
-            c.print(f"     {f.reason}", highlight=False, style="dim" if f.status == "ok" else None)
+        if f.reason:
+            c.print(Padding(Text(f.reason, style="dim" if f.status == "ok" else ""), (0, 0, 0, 5)))
         if f.fix:
-            c.print(f"     fix: {f.fix}", highlight=False)
+            indented(c, f"fix: {f.fix}")
     fails = sum(f.status == "fail" for f in r.findings)
     warns = sum(f.status == "warn" for f in r.findings)
     c.print(f"{fails} failed, {warns} warnings" + (": fix the failures before loading" if fails else ""))
@@ -229,8 +239,8 @@ def print_oomlog(r, console: Console | None = None) -> None:
         if k.top_others:
             c.print("  largest other memory users then: " + ", ".join(
                 f"{o['name']} (pid {o['pid']}) {fmt_bytes(o['rss_bytes'])}" for o in k.top_others), highlight=False)
-        c.print(f"  likely cause: {k.cause}", highlight=False)
-        c.print(f"  fix: {k.fix}", highlight=False)
+        indented(c, f"likely cause: {k.cause}", 2)
+        indented(c, f"fix: {k.fix}", 2)
     if r.skipped_lines:
         c.print(f"{r.skipped_lines} OOM record line(s) could not be parsed and were skipped", highlight=False)
 
@@ -240,9 +250,9 @@ def print_explanation(e, console: Console | None = None) -> None:
     c = console or Console()
     c.print(f"[bold]{e.kind}[/bold]: {e.summary}", highlight=False)
     for line in e.evidence:
-        c.print(f"  - {line}", highlight=False)
+        indented(c, f"- {line}", 2)
     for fix in e.fixes:
-        c.print(f"  fix: {fix}", highlight=False)
+        indented(c, f"fix: {fix}", 2)
 
 
 def print_profile(r, console: Console | None = None) -> None:

@@ -29,6 +29,7 @@ class CheckReport:
     gpu: GpuSpec | None
     kernel: AttentionKernel | None = None
     notes: list[str] = field(default_factory=list)
+    model: str | None = None
 
     @property
     def failed(self) -> bool:
@@ -88,7 +89,7 @@ def check(model: str | None = None, settings: Settings | None = None, *, dtype: 
     if why_c:
         findings = [CheckFinding(f.name, f.status, f.value, f.reason + why_c, f.fix) if f.name == "compute_dtype"
                     else f for f in findings]
-    report = CheckReport(findings, param_dtype, card)
+    report = CheckReport(findings, param_dtype, card, model=spec.name if spec else None)
     if spec is not None:
         from vramguard.plan import check_context
         check_context(spec, s)
