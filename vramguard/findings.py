@@ -41,6 +41,16 @@ def plan_findings(p: "Plan") -> list["Finding"]:
         b16 = weight_bytes(spec, half).total_bytes
         out.append(Finding("fp32_params", "warn", f"parameters in float32: weights {fmt_bytes(f32)} against "
                            f"{fmt_bytes(b16)} in bfloat16", "pass dtype=torch.bfloat16", f32 - b16))
+    _card_findings(p, out)
+    _attention_findings(p, out)
+    _memory_findings(p, out)
+    return out
+
+
+def _card_findings(p: "Plan", out: list) -> None:
+    """Settings the cards cannot run (FA2, bf16 below compute capability 8.0) and the compute dtype."""
+    from vramguard.plan import Finding
+    spec, s, est = p.model, p.settings, p.estimate
     for card in p.cards:
         cc = card.gpu.compute_capability
         if cc is None or cc >= (8, 0):
@@ -64,6 +74,12 @@ def plan_findings(p: "Plan") -> list["Finding"]:
                            f"{s.resolved_compute_dtype} (slow path, more memory): the largest dequantized weight "
                            f"({big.out_features} x {big.in_features}) is {fmt_bytes(wide)} against "
                            f"{fmt_bytes(narrow)}", f"set bnb_4bit_compute_dtype to {s.act_dtype}", wide - narrow))
+
+
+def _attention_findings(p: "Plan", out: list) -> None:
+    """Attention paths that materialize scores or cannot run."""
+    from vramguard.plan import Finding
+    spec, s, est = p.model, p.settings, p.estimate
     if s.output_attentions:
         per_layer = s.sequences * spec.num_heads * s.prompt_tokens * s.prompt_tokens * DTYPE_BYTES[s.act_dtype]
         out.append(Finding("output_attentions_eager", "warn",
@@ -82,6 +98,12 @@ def plan_findings(p: "Plan") -> list["Finding"]:
     if spec.attn_logit_softcapping and s.effective_attn == "sdpa":
         out.append(Finding("sdpa_softcap", "fail", f"{spec.model_type} uses attention logit soft-capping, which SDPA "
                            "does not implement", "use attn_implementation='eager' or 'flash_attention_2'"))
+
+
+def _memory_findings(p: "Plan", out: list) -> None:
+    """Large KV caches and logits, MoE, pre-quantized checkpoints and sliding windows."""
+    from vramguard.plan import Finding
+    spec, s, est = p.model, p.settings, p.estimate
     if est.kv_full.gpu_bytes + est.kv_full.cpu_bytes >= est.weights.total_bytes:
         kv = est.kv_full.gpu_bytes + est.kv_full.cpu_bytes
         out.append(Finding("kv_as_large_as_weights", "warn",
@@ -106,4 +128,3 @@ def plan_findings(p: "Plan") -> list["Finding"]:
     if spec.sliding_window and spec.num_sliding_layers:
         out.append(Finding("sliding_window", "info", f"{spec.num_sliding_layers} of {spec.num_layers} layers attend "
                            f"to a window of {spec.sliding_window:,} tokens; their KV cache stops growing there"))
-    return out

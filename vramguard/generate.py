@@ -190,6 +190,61 @@ def _inject_hook(model, attempt: int, tap: _Tap):
     return model.register_forward_pre_hook(hook)
 
 
+def _prompt_ids(tokenizer, prompt: str | list[int]) -> list[int]:
+    from vramguard.errors import InvalidValue
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise InvalidValue("tokenizer", None, "a tokenizer for a text prompt", "pass token ids, or a tokenizer")
+        ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
+    else:
+        ids = [int(x) for x in prompt]
+    if not ids:
+        raise InvalidValue("prompt", "", "at least one token", "pass a non-empty prompt")
+    return ids
+
+
+def _attempts(model, tokenizer, prompt_ids: list[int], max_new_tokens: int, order, on_text, sample: dict,
+              seed: int | None) -> tuple[list[int], list[Attempt], float | None]:
+    """Run the strategies in ``order`` until one completes; each continues from the tokens produced so far."""
+    import torch
+    on_cuda = next(model.parameters()).device.type == "cuda"
+    generated: list[int] = []
+    attempts: list[Attempt] = []
+    t0 = time.perf_counter()
+    ttft = None
+    for i, (st, _need) in enumerate(order):
+        tap = _Tap(tokenizer, on_text, i, generated, len(prompt_ids))
+        hook = _inject_hook(model, i, tap)
+        ids = torch.tensor([prompt_ids + generated], device=next(model.parameters()).device)
+        remaining = max_new_tokens - len(generated)
+        if seed is not None:
+            torch.manual_seed(seed + len(generated))
+        try:
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=remaining,
+                           min_new_tokens=remaining, streamer=tap,
+                           pad_token_id=getattr(model.generation_config, "pad_token_id", None) or 0,
+                           **sample, **st.kwargs)
+            attempts.append(Attempt(st.name, len(generated) - tap.start))
+            ttft = ttft if ttft is not None else (tap.t_first - t0 if tap.t_first else None)
+            return generated, attempts, ttft
+        except torch.OutOfMemoryError as e:  # free what the attempt held, then the next strategy continues
+            added = len(generated) - tap.start
+            attempts.append(Attempt(st.name, added, str(e).split("\n")[0][:300],
+                                    "prefill" if added == 0 else "decode", added))
+            ttft = ttft if ttft is not None else (tap.t_first - t0 if tap.t_first else None)
+            del ids
+            gc.collect()
+            if on_cuda:
+                torch.cuda.empty_cache()
+        finally:
+            if hook is not None:
+                hook.remove()
+    raise Infeasible("request", f"{len(prompt_ids):,} + {max_new_tokens:,} tokens", "a strategy that completes",
+                     "every strategy ran out of memory: "
+                     + "; ".join(f"{a.strategy}: {a.phase} step {a.step}" for a in attempts)
+                     + ". Shorten the prompt or the generation")
+
+
 def generate(model, tokenizer, prompt: str | list[int], max_new_tokens: int = 256, *, budget_bytes: int | None = None,
              auto: bool = True, on_text: Callable[[str], None] | None = None, do_sample: bool = False,
              temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
@@ -214,14 +269,7 @@ def generate(model, tokenizer, prompt: str | list[int], max_new_tokens: int = 25
     from vramguard.spec import spec_from_config
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise InvalidValue("max_new_tokens", max_new_tokens, "an integer >= 1")
-    if isinstance(prompt, str):
-        if tokenizer is None:
-            raise InvalidValue("tokenizer", None, "a tokenizer for a text prompt", "pass token ids, or a tokenizer")
-        prompt_ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
-    else:
-        prompt_ids = [int(x) for x in prompt]
-    if not prompt_ids:
-        raise InvalidValue("prompt", "", "at least one token", "pass a non-empty prompt")
+    prompt_ids = _prompt_ids(tokenizer, prompt)
     spec = spec_from_config(model.config.to_dict(), name=getattr(model.config, "_name_or_path", "model"))
     s = (settings or Settings(quant=_quant_of(model), attn=_attn_of(model))).with_(
         prompt_tokens=len(prompt_ids), max_new_tokens=max_new_tokens, batch=1)
@@ -229,49 +277,15 @@ def generate(model, tokenizer, prompt: str | list[int], max_new_tokens: int = 25
     on_cuda = next(model.parameters()).device.type == "cuda"
     usable, _ = usable_bytes(budget_bytes) if on_cuda else (None, 0)
     order, why = preflight(spec, s, usable, auto, on_cuda, weights_loaded=True)
-    if on_cuda and budget_bytes is not None:
-        torch.cuda.set_per_process_memory_fraction(budget_bytes / torch.cuda.mem_get_info()[1])
+    if on_cuda:
+        if budget_bytes is not None:
+            torch.cuda.set_per_process_memory_fraction(budget_bytes / torch.cuda.mem_get_info()[1])
         torch.cuda.reset_peak_memory_stats()
-    elif on_cuda:
-        torch.cuda.reset_peak_memory_stats()
-    generated: list[int] = []
-    attempts: list[Attempt] = []
     t0 = time.perf_counter()
-    ttft = None
+    sample = {"do_sample": do_sample, "temperature": temperature, "top_p": top_p, "top_k": top_k}
     try:
-        for i, (st, _need) in enumerate(order):
-            tap = _Tap(tokenizer, on_text, i, generated, len(prompt_ids))
-            hook = _inject_hook(model, i, tap)
-            ids = torch.tensor([prompt_ids + generated], device=next(model.parameters()).device)
-            remaining = max_new_tokens - len(generated)
-            if seed is not None:
-                torch.manual_seed(seed + len(generated))
-            try:
-                model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=remaining,
-                               min_new_tokens=remaining, do_sample=do_sample, temperature=temperature, top_p=top_p,
-                               top_k=top_k, streamer=tap,
-                               pad_token_id=getattr(model.generation_config, "pad_token_id", None) or 0,
-                               **st.kwargs)
-                attempts.append(Attempt(st.name, len(generated) - tap.start))
-                ttft = ttft if ttft is not None else (tap.t_first - t0 if tap.t_first else None)
-                break
-            except torch.OutOfMemoryError as e:
-                added = len(generated) - tap.start
-                attempts.append(Attempt(st.name, added, str(e).split("\n")[0][:300],
-                                        "prefill" if added == 0 else "decode", added))
-                ttft = ttft if ttft is not None else (tap.t_first - t0 if tap.t_first else None)
-                del ids
-                gc.collect()
-                if on_cuda:
-                    torch.cuda.empty_cache()
-            finally:
-                if hook is not None:
-                    hook.remove()
-        else:
-            raise Infeasible("request", f"{len(prompt_ids):,} + {max_new_tokens:,} tokens",
-                             "a strategy that completes", "every strategy ran out of memory: "
-                             + "; ".join(f"{a.strategy}: {a.phase} step {a.step}" for a in attempts)
-                             + ". Shorten the prompt or the generation")
+        generated, attempts, ttft = _attempts(model, tokenizer, prompt_ids, max_new_tokens, order, on_text, sample,
+                                              seed)
     finally:
         if on_cuda and budget_bytes is not None:
             torch.cuda.set_per_process_memory_fraction(1.0)

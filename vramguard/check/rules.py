@@ -140,9 +140,8 @@ def _flash_attn_findings(env: Env, gpu: GpuSpec | None, s: Settings, spec: Model
     return f
 
 
-def model_findings(spec: ModelSpec | None, ckpt: CheckpointInfo | None, s: Settings, env: Env, param_dtype: str,
-                   param_dtype_reason: str, gpu: GpuSpec | None = None) -> list[CheckFinding]:
-    """RAM against the largest shard, parameter and compute dtypes, options that force eager attention."""
+def checkpoint_findings(ckpt: CheckpointInfo | None, env: Env) -> list[CheckFinding]:
+    """Free RAM against the largest shard (a shard is read whole while loading), pickle weights, remote code."""
     f: list[CheckFinding] = []
     if ckpt is not None and ckpt.largest_shard:
         name, size = ckpt.largest_shard
@@ -173,6 +172,13 @@ def model_findings(spec: ModelSpec | None, ckpt: CheckpointInfo | None, s: Setti
         f.append(CheckFinding("remote_code", "warn", "config.json has auto_map (custom modelling code)",
                               "remote code is not run unless you opt in", "pass trust_remote_code=True if you "
                               "trust the repository"))
+    return f
+
+
+def model_findings(spec: ModelSpec | None, ckpt: CheckpointInfo | None, s: Settings, env: Env, param_dtype: str,
+                   param_dtype_reason: str, gpu: GpuSpec | None = None) -> list[CheckFinding]:
+    """RAM against the largest shard, parameter and compute dtypes, options that force eager attention."""
+    f: list[CheckFinding] = checkpoint_findings(ckpt, env)
     stored = (ckpt.config_dtype or ckpt.stored_dtype) if ckpt else (spec.checkpoint_dtype if spec else None)
     if spec is None and ckpt is None:
         pass  # no model named: nothing to say about its dtype
