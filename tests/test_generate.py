@@ -176,3 +176,12 @@ def test_cli_run_with_context_files(tiny, tmp_path):
                        text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "context:" in r.stderr and "chunks" in r.stderr and len(r.stdout.split()) == 4
+
+
+@pytest.mark.parametrize("kw,field", [({"temperature": -1.0}, "temperature"), ({"temperature": 0.0}, "temperature"),
+                                      ({"top_p": 2.0}, "top_p"), ({"top_p": 0.0}, "top_p"), ({"top_k": 0}, "top_k")])
+def test_bad_sampling_values_are_refused(model, kw, field):
+    from vramguard.errors import InvalidValue
+    with pytest.raises(InvalidValue) as e:
+        G.generate(model, None, PROMPT, 4, do_sample=True, **kw)
+    assert field in str(e.value)

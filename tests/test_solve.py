@@ -70,3 +70,10 @@ def test_eager_to_sdpa_is_ranked_with_its_saving():
     assert top.saved_bytes > 15 * GiB and "rtx-4090" in top.fits_on
     batch = next(c for c in changes if "batch" in c.settings)
     assert batch.reduces_request and batch.settings["batch"] == 1
+
+
+def test_weights_larger_than_the_card_are_said_plainly():
+    p = plan("llama-3.1-70b", Settings(quant="nf4", prompt_tokens=128, max_new_tokens=128), gpu="rtx-4090")
+    f = next(f for f in p.findings if f.code == "weights_exceed_card")
+    assert f.level == "fail" and "no prompt, batch or KV setting can fit" in f.message and "several GPUs" in f.fix
+    assert not any(f.code == "weights_exceed_card" for f in plan("llama-3.1-8b", Settings(), gpu="rtx-4090").findings)

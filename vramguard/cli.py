@@ -57,7 +57,8 @@ FIELD_FLAGS = {"batch": "--batch", "num_beams": "--num-beams", "num_return_seque
                "prompt_tokens": "--prompt-tokens", "max_new_tokens": "--max-new-tokens",
                "prefill_chunk": "--prefill-chunk", "kv_dtype": "--kv-dtype", "compute_dtype": "--compute-dtype",
                "dtype": "--dtype", "quant": "--quant", "attn": "--attn", "cache": "--cache", "context": "--context",
-               "max_cache_len": "--max-cache-len"}
+               "max_cache_len": "--max-cache-len", "temperature": "--temperature", "top_p": "--top-p",
+               "top_k": "--top-k"}
 
 
 def _fail(e: VramguardError, as_json: bool = False) -> None:
@@ -353,12 +354,16 @@ def run(
             try:
                 text = sys.stdin.read() if prompt_file == "-" else open(prompt_file, encoding="utf-8").read()
             except OSError as e:
-                raise InvalidValue("--prompt-file", prompt_file, "a readable text file", str(e)) from None
+                raise InvalidValue("--prompt-file", prompt_file, "a readable text file",
+                                   f"check the path ({e.strerror or e}), or pass - and pipe the prompt in") from None
         budget = parse_size(vram_budget, "--vram-budget") if vram_budget else None
-        loaded = load_model(model, quant=quant.value)
+        import torch
+        import transformers
+        transformers.utils.logging.disable_progress_bar()
+        loaded = load_model(model, quant=quant.value, verify=torch.cuda.is_available())
         if loaded.tokenizer is None:
-            raise InvalidValue("MODEL", model, "a model folder with tokenizer files", "save the tokenizer with the "
-                               "model (tokenizer.save_pretrained(folder))")
+            raise ConfigError("MODEL", model, "a model folder with tokenizer files", "save the tokenizer with the "
+                              "model (tokenizer.save_pretrained(folder))")
         stream = None if fmt == Format['json'] else (lambda t: (sys.stdout.write(t), sys.stdout.flush()))
         if context:
             text = _with_context(loaded, text, context, summarize, chunk_tokens, max_new_tokens, budget, auto)
@@ -386,7 +391,8 @@ def _with_context(loaded, question, files, summarize, chunk_tokens, max_new_toke
         try:
             chunks += split_chunks(open(f, encoding="utf-8").read(), f, loaded.tokenizer, chunk_tokens)
         except (OSError, UnicodeDecodeError) as e:
-            raise InvalidValue("--context", f, "a readable UTF-8 text file", str(e)) from None
+            raise InvalidValue("--context", f, "a readable UTF-8 text file",
+                               f"pass a text file ({type(e).__name__}: {getattr(e, 'strerror', None) or e})") from None
     limit = prompt_budget(loaded.model, max_new_tokens, budget, auto)
     packed = pack(question, chunks, loaded.tokenizer, limit)
     if summarize and len(packed.used) < len(chunks):

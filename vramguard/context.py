@@ -120,7 +120,10 @@ def summarize_then_ask(question: str, chunks: list[Chunk], tokenizer, budget_tok
                        summarize: Callable[[str, int], str]) -> PackedContext:
     """Summarize every chunk (``summarize(prompt, max_new_tokens) -> text``) to an equal share of the budget,
     then pack the summaries like chunks."""
-    share = max(16, (budget_tokens - _count(tokenizer, build_prompt(question, []))) // max(len(chunks), 1) - 16)
+    base = _count(tokenizer, build_prompt(question, []))
+    header = max((_count(tokenizer, build_prompt(question, [Chunk("", c.source, c.index, 0)])) - base
+                  for c in chunks), default=0)  # the "[source #i]" line and separators of each chunk
+    share = max(8, (budget_tokens - base) // max(len(chunks), 1) - header - 2)
     summaries = []
     for c in chunks:
         text = summarize(f"Summarize the following text.\n\n{c.text}\n\nSummary:", share)

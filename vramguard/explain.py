@@ -80,6 +80,11 @@ class Explanation:
     matched_allocation: str | None = None
 
 
+def _ratio(a: int, b: int) -> str:
+    """``a / b`` as a multiple: whole below (33x) from 10 up, one decimal under 10 (1.1x)."""
+    return f"{a // b}x" if a >= 10 * b else f"{a / b:.1f}x"
+
+
 def _size(n: int) -> str:
     """GiB with two decimals from 0.1 GiB up (as OOM messages are read), else the fitting binary unit."""
     return f"{n / GiB:.2f} GiB" if n >= GiB // 10 else fmt_bytes(n)
@@ -149,7 +154,7 @@ def explain(text: str, alloc_conf: str | None = None, candidates: dict[str, int]
     frag = m.reserved_unallocated_bytes
     if frag is not None:
         ev.append(f"reserved by PyTorch but unallocated: {_size(frag)}"
-                  + (f" = {frag // req}x the request" if req and frag >= req else ""))
+                  + (f" = {_ratio(frag, req)} the request" if req and frag >= req else ""))
     others = sum(b for _, b in m.other_processes)
     # memory of other processes: what the card uses minus this process (its context included when the message
     # says how much the process holds; else this process's context is estimated)
@@ -166,7 +171,7 @@ def explain(text: str, alloc_conf: str | None = None, candidates: dict[str, int]
         fixes = _algorithmic_fixes(matched)
     elif frag is not None and req and frag >= req:
         kind = "fragmentation"
-        summary = (f"{_size(frag)} are reserved but unallocated, {frag // req}x the "
+        summary = (f"{_size(frag)} are reserved but unallocated, {_ratio(frag, req)} the "
                    f"{fmt_bytes(req)} requested, but not as one block")
         fixes = (["expandable segments are already on: free cached blocks between requests "
                   "(torch.cuda.empty_cache()) and keep tensor sizes steady"] if expandable else

@@ -48,9 +48,22 @@ def plan_findings(p: "Plan") -> list["Finding"]:
 
 
 def _card_findings(p: "Plan", out: list) -> None:
-    """Settings the cards cannot run (FA2, bf16 below compute capability 8.0) and the compute dtype."""
+    """Weights larger than a card; settings the cards cannot run (FA2, bf16 below compute capability 8.0) and
+    the compute dtype."""
+    from vramguard.memory.runtime import CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES
     from vramguard.plan import Finding
     spec, s, est = p.model, p.settings, p.estimate
+    floor = est.weights.total_bytes + CUBLAS_WORKSPACE_BYTES + CUDA_CONTEXT_BYTES
+    for card in p.cards:
+        if floor > card.usable_bytes:
+            out.append(Finding("weights_exceed_card", "fail",
+                               f"the weights alone ({fmt_gib(est.weights.total_bytes)}, plus "
+                               f"{fmt_gib(CUDA_CONTEXT_BYTES + CUBLAS_WORKSPACE_BYTES)} of CUDA context and "
+                               f"workspace) exceed {card.gpu.label} ({fmt_gib(card.usable_bytes)} usable): no "
+                               "prompt, batch or KV setting can fit",
+                               "a card with more memory, several GPUs (load_model splits with max_memory), a "
+                               "smaller quantization" + (" (NF4)" if not s.is_4bit else "") + ", or a smaller model",
+                               floor - card.usable_bytes))
     for card in p.cards:
         cc = card.gpu.compute_capability
         if cc is None or cc >= (8, 0):

@@ -269,6 +269,12 @@ def generate(model, tokenizer, prompt: str | list[int], max_new_tokens: int = 25
     from vramguard.spec import spec_from_config
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise InvalidValue("max_new_tokens", max_new_tokens, "an integer >= 1")
+    if temperature is not None and not temperature > 0:
+        raise InvalidValue("temperature", temperature, "a number > 0", "use --temperature 0.7, or greedy decoding")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise InvalidValue("top_p", top_p, "a number in (0, 1]", "use e.g. --top-p 0.9")
+    if top_k is not None and top_k < 1:
+        raise InvalidValue("top_k", top_k, "an integer >= 1", "use e.g. --top-k 50")
     prompt_ids = _prompt_ids(tokenizer, prompt)
     spec = spec_from_config(model.config.to_dict(), name=getattr(model.config, "_name_or_path", "model"))
     s = (settings or Settings(quant=_quant_of(model), attn=_attn_of(model))).with_(
@@ -291,6 +297,8 @@ def generate(model, tokenizer, prompt: str | list[int], max_new_tokens: int = 25
             torch.cuda.set_per_process_memory_fraction(1.0)
     elapsed = time.perf_counter() - t0
     last = attempts[-1]
+    if budget_bytes is not None and not on_cuda:
+        why += "; no CUDA device: the memory budget was not applied"
     reason = why if len(attempts) == 1 else (
         f"{last.strategy} after {len(attempts) - 1} out-of-memory error(s): "
         + "; ".join(f"{a.strategy} ran out at {a.phase} step {a.step}" for a in attempts[:-1]))

@@ -42,7 +42,8 @@ def gpu_from_catalog(name: str) -> GpuSpec:
     for g in GPUS.values():
         if _norm(g.label) == key or _norm(g.label).replace("nvidia-", "").replace("geforce-", "") == key:
             return g
-    raise UnknownGpu("--gpu", name, ", ".join(GPUS), "pick a catalog card, or give the memory with --vram 24GiB")
+    raise UnknownGpu("--gpu", name, ", ".join(GPUS), "pick a catalog card (vramguard plan --list-gpus); "
+                     "`vramguard plan` also takes the memory of any card with --vram 24GiB")
 
 
 def gpu_from_vram(text: str) -> GpuSpec:

@@ -193,6 +193,9 @@ def check_context(spec: ModelSpec, s: Settings) -> None:
     """Raise InvalidValue when ``prompt + new tokens`` exceeds the model's ``max_position_embeddings``."""
     from vramguard.errors import InvalidValue
     if s.total_tokens > spec.max_position_embeddings:
-        raise InvalidValue("--prompt-tokens + --max-new-tokens", s.total_tokens,
+        room = spec.max_position_embeddings - s.max_new_tokens
+        raise InvalidValue("prompt + new tokens", f"{s.prompt_tokens:,} + {s.max_new_tokens:,} = {s.total_tokens:,}",
                            f"at most the model's context, max_position_embeddings={spec.max_position_embeddings}",
-                           "shorten the prompt or the generation")
+                           (f"a prompt of at most {room:,} tokens with {s.max_new_tokens:,} new tokens"
+                            if room > 0 else f"fewer than {spec.max_position_embeddings:,} new tokens")
+                           + " (a RoPE-scaled model may allow more: plan --context N)")

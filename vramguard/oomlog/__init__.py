@@ -155,7 +155,8 @@ def oom_log(file: str | None = None, since: str | None = None, year: int | None 
     src = read_source(file)
     if file and src.name is None:
         raise InvalidValue("--file", file, "a readable log file, or - for stdin",
-                           "; ".join(src.attempts) + (f". {PERMISSION_HELP}" if src.permission_denied else ""))
+                           ("; ".join(src.attempts) + ": check the path, or pipe the log into --file -")
+                           + (f". {PERMISSION_HELP}" if src.permission_denied else ""))
     if file and not src.lines:
         raise InvalidValue("--file", file, "a kernel log with at least one line",
                            "pass the output of dmesg, journalctl -k or /var/log/kern.log")

@@ -65,7 +65,7 @@ def read_source(file: str | None = None) -> LogSource:
     """The kernel log lines: ``file`` (``-`` = stdin), else the first readable system source."""
     if SOURCE_OVERRIDE is not None:
         return SOURCE_OVERRIDE()
-    counters = cgroup_counters()
+    counters = cgroup_counters() if not file else {}  # this machine's counters say nothing about a saved log
     if file == "-":
         return LogSource("stdin", sys.stdin.read().splitlines(), ["stdin"], cgroup_oom_kills=counters)
     if file:
@@ -75,7 +75,7 @@ def read_source(file: str | None = None) -> LogSource:
         except PermissionError as e:
             return LogSource(None, [], [f"{p}: {e}"], True, counters)
         except OSError as e:
-            return LogSource(None, [], [f"{p}: {e}"], False, counters)
+            return LogSource(None, [], [f"{p}: {e.strerror or e}"], False, counters)
     attempts, denied = [], False
     for cmd in (["dmesg", "--kernel"], ["journalctl", "-k", "-b", "-o", "short-iso", "--no-pager"]):
         lines, why, d = _run(cmd)
