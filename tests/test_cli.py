@@ -99,3 +99,9 @@ def test_named_card_and_listing():
     assert r.returncode == 0 and len(r.stdout.strip().splitlines()) >= 15
     r = run("plan", "--list-models")
     assert r.returncode == 0 and len(r.stdout.strip().splitlines()) >= 12
+
+
+def test_a_closed_pipe_ends_quietly():
+    r = subprocess.run(f"{sys.executable} -m vramguard plan llama-3.1-70b --gpu rtx-4090 | head -1", shell=True,
+                       capture_output=True, text=True, env=ENV, timeout=120)
+    assert "vramguard plan" in r.stdout and "Traceback" not in r.stderr

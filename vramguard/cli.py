@@ -426,12 +426,13 @@ def main() -> None:
         import typer._click.exceptions as cx
     except ImportError:
         import click.exceptions as cx
+    no_args, usage, abort = (getattr(cx, n, ()) for n in ("NoArgsIsHelpError", "UsageError", "Abort"))
     try:
         rc = app(standalone_mode=False)  # click returns the code of typer.Exit instead of raising it here
-    except cx.NoArgsIsHelpError as e:
+    except no_args as e:
         print(e.ctx.get_help() if e.ctx else str(e))
         rc = 0
-    except cx.UsageError as e:
+    except usage as e:
         where = f"`vramguard {e.ctx.info_name} --help`" if e.ctx and e.ctx.info_name != "vramguard" else \
             "`vramguard --help`"
         msg = e.format_message().replace("Value error, ", "")
@@ -439,8 +440,12 @@ def main() -> None:
         rc = 2
     except typer.Exit as e:
         rc = e.exit_code
-    except cx.Abort:
+    except abort:
         rc = 130
+    except BrokenPipeError:  # the reader (e.g. `| head`) went away: stop quietly
+        import os
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        rc = 1
     sys.exit(rc if isinstance(rc, int) else 0)
 
 
