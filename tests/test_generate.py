@@ -12,7 +12,7 @@ from vramguard.resolve import resolve_model
 from vramguard.settings import Settings
 from vramguard.units import GiB, MiB
 
-CFG = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+CFG = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
            vocab_size=300, max_position_embeddings=512)
 PROMPT = list(range(5, 45))
 

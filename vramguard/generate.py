@@ -51,9 +51,9 @@ STRATEGIES: tuple[Strategy, ...] = (
     Strategy("chunked prefill 2048", {"prefill_chunk_size": 2048}, {"prefill_chunk": 2048}),
     Strategy("static cache + chunked prefill 512", {"cache_implementation": "static", "prefill_chunk_size": 512},
              {"cache": "static", "prefill_chunk": 512}),
-    Strategy("int8 KV cache + chunked prefill 512",
-             {"cache_implementation": "quantized", "cache_config": {"backend": "quanto", "nbits": 8},
-              "prefill_chunk_size": 512}, {"kv_dtype": "int8", "prefill_chunk": 512}, needs_module="optimum.quanto"),
+    Strategy("int8 KV cache + chunked prefill 512",  # quanto takes 2 or 4 bits only; HQQ takes 8
+             {"cache_implementation": "quantized", "cache_config": {"backend": "hqq", "nbits": 8},
+              "prefill_chunk_size": 512}, {"kv_dtype": "int8", "prefill_chunk": 512}, needs_module="hqq"),
     Strategy("int4 KV cache + chunked prefill 512",
              {"cache_implementation": "quantized", "cache_config": {"backend": "quanto", "nbits": 4},
               "prefill_chunk_size": 512}, {"kv_dtype": "int4", "prefill_chunk": 512}, needs_module="optimum.quanto"),
