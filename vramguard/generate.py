@@ -72,11 +72,13 @@ class Attempt:
     oom: str | None = None
     phase: str | None = None
     step: int | None = None
+    peak_allocated_bytes: int | None = None
 
 
 @dataclass
 class GenerationResult:
-    """The generated text and token ids, the strategy that finished, every attempt, and the measurements."""
+    """The generated text and token ids, the strategy that finished, every attempt, and the measurements
+    (``peak_allocated_bytes``: the finishing attempt's peak; each attempt keeps its own)."""
 
     text: str
     token_ids: list[int]
@@ -224,18 +226,21 @@ def _attempts(model, tokenizer, prompt_ids: list[int], max_new_tokens: int, orde
                            min_new_tokens=remaining, streamer=tap,
                            pad_token_id=getattr(model.generation_config, "pad_token_id", None) or 0,
                            **sample, **st.kwargs)
-            attempts.append(Attempt(st.name, len(generated) - tap.start))
+            attempts.append(Attempt(st.name, len(generated) - tap.start,
+                                    peak_allocated_bytes=torch.cuda.max_memory_allocated() if on_cuda else None))
             ttft = ttft if ttft is not None else (tap.t_first - t0 if tap.t_first else None)
             return generated, attempts, ttft
         except torch.OutOfMemoryError as e:  # free what the attempt held, then the next strategy continues
             added = len(generated) - tap.start
             attempts.append(Attempt(st.name, added, str(e).split("\n")[0][:300],
-                                    "prefill" if added == 0 else "decode", added))
+                                    "prefill" if added == 0 else "decode", added,
+                                    torch.cuda.max_memory_allocated() if on_cuda else None))
             ttft = ttft if ttft is not None else (tap.t_first - t0 if tap.t_first else None)
             del ids
             gc.collect()
             if on_cuda:
                 torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()  # the next attempt's peak is its own
         finally:
             if hook is not None:
                 hook.remove()
@@ -304,7 +309,7 @@ def generate(model, tokenizer, prompt: str | list[int], max_new_tokens: int = 25
         + "; ".join(f"{a.strategy} ran out at {a.phase} step {a.step}" for a in attempts[:-1]))
     text = tokenizer.decode(generated, skip_special_tokens=True) if tokenizer is not None else ""
     return GenerationResult(text, list(generated), last.strategy, reason, attempts,
-                            torch.cuda.max_memory_allocated() if on_cuda else None, ttft,
+                            last.peak_allocated_bytes, ttft,
                             len(generated) / elapsed if elapsed > 0 else None, order[0][1], usable)
 
 
