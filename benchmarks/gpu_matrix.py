@@ -152,7 +152,6 @@ def main():
     args = ap.parse_args()
 
     import transformers
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
     free, total = torch.cuda.mem_get_info()
     emit(args.out, {"kind": "versions", "torch": torch.__version__, "transformers": transformers.__version__,
                     "gpu": torch.cuda.get_device_name(), "cc": list(torch.cuda.get_device_capability()),

@@ -42,7 +42,7 @@ def test_differences_from_the_request_are_flagged():
 @pytest.mark.parametrize("attn,pin,kind", [("sdpa", None, "sdpa_cpu_flash"), ("eager", None, "eager_softmax"),
                                            ("sdpa", "math", "sdpa_math")])
 def test_real_profile_of_a_tiny_model_on_cpu(attn, pin, kind):
-    torch = pytest.importorskip("torch")
+    pytest.importorskip("torch")
     import transformers
     from torch.nn.attention import SDPBackend, sdpa_kernel
     cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,

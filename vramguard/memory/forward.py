@@ -248,7 +248,7 @@ class _Forward:
         t.free("sdpa_out")
 
     def mlp(self, x: int) -> None:
-        spec, s, t = self.spec, self.s, self.t
+        spec, t = self.spec, self.t
         h, rows = spec.hidden_size, self.rows
         if spec.is_moe:
             self.moe(x)
