@@ -105,3 +105,9 @@ def test_a_closed_pipe_ends_quietly():
     r = subprocess.run(f"{sys.executable} -m vramguard plan llama-3.1-70b --gpu rtx-4090 | head -1", shell=True,
                        capture_output=True, text=True, env=ENV, timeout=120)
     assert "vramguard plan" in r.stdout and "Traceback" not in r.stderr
+
+
+def test_exit_code_when_nothing_fits():
+    assert run("plan", "llama-3.1-70b", "--gpu", "rtx-4090", "--exit-code").returncode == 1
+    assert run("plan", "llama-3.1-8b", "--gpu", "rtx-4090", "--exit-code").returncode == 0
+    assert run("plan", "llama-3.1-70b", "--gpu", "rtx-4090").returncode == 0

@@ -115,6 +115,7 @@ def plan(
     fmt: Format = typer.Option(Format['human'], "--format", help="human or json"),
     list_models: bool = typer.Option(False, "--list-models", help="list the catalog architectures and exit"),
     list_gpus: bool = typer.Option(False, "--list-gpus", help="list the catalog cards and exit"),
+    exit_code: bool = typer.Option(False, "--exit-code", help="exit 1 when the run fits none of the cards"),
 ) -> None:
     """Predict memory by component, say whether it fits, solve for what fits, and rank the fixes."""
     from vramguard.plan import plan as plan_fn
@@ -140,6 +141,8 @@ def plan(
         sys.stdout.write(json.dumps(plan_to_json(p), indent=2) + "\n")
     else:
         print_plan(p, Console())
+    if exit_code and not any(c.fits for c in p.cards):
+        raise typer.Exit(1)
 
 
 @app.command()
