@@ -20,13 +20,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from vramguard.catalog.models import MODELS  # noqa: E402
+from benchmarks.common import build_checkpoint, emit  # noqa: E402
 
 
-def emit(path, rec):
-    print(json.dumps(rec)[:600], flush=True)
-    with open(path, "a") as f:
-        f.write(json.dumps(rec) + "\n")
 
 
 def cli(out_dir, name, *args):
@@ -49,15 +45,7 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     log = os.path.join(args.out, "check.jsonl")
     import transformers
-    fields = {k: v for k, v in MODELS[args.arch].items() if k not in ("source", "architectures", "torch_dtype",
-                                                                       "model_type", "rope_scaling")}
-    cfg = transformers.AutoConfig.for_model(MODELS[args.arch]["model_type"], **fields)
-    with torch.device("cuda"):
-        m = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-    m.save_pretrained(args.ckpt)
-    del m
-    gc.collect()
-    torch.cuda.empty_cache()
+    build_checkpoint(args.arch, args.ckpt)
     emit(log, {"kind": "versions", "torch": torch.__version__, "transformers": transformers.__version__,
                "gpu": torch.cuda.get_device_name(), "arch": args.arch})
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import shutil
 import sys
@@ -25,29 +24,14 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from benchmarks.common import build_checkpoint, emit  # noqa: E402
 from vramguard.catalog.models import MODELS  # noqa: E402
 
 GiB = 2**30
 
 
-def emit(path, rec):
-    line = json.dumps(rec)
-    print(line, flush=True)
-    with open(path, "a") as f:
-        f.write(line + "\n")
 
 
-def build_checkpoint(arch, path):
-    import transformers
-    fields = {k: v for k, v in MODELS[arch].items() if k not in ("source", "architectures", "torch_dtype", "model_type")}
-    fields.pop("rope_scaling", None)  # RoPE scaling changes no memory; keep the config valid on every version
-    cfg = transformers.AutoConfig.for_model(MODELS[arch]["model_type"], **fields)
-    with torch.device("cuda"):
-        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-    model.save_pretrained(path, max_shard_size="100GB")
-    del model
-    gc.collect()
-    torch.cuda.empty_cache()
 
 
 def tensor_breakdown(model):

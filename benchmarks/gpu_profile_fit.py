@@ -7,8 +7,6 @@ plain SDPA under a 24 GiB budget, with a fine linear search around the boundary 
 from __future__ import annotations
 
 import argparse
-import gc
-import json
 import os
 import shutil
 import sys
@@ -17,28 +15,14 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from benchmarks.common import build_checkpoint, emit  # noqa: E402
 from vramguard.catalog.models import MODELS  # noqa: E402
 
 GiB = 2**30
 
 
-def emit(path, rec):
-    print(json.dumps(rec)[:700], flush=True)
-    with open(path, "a") as f:
-        f.write(json.dumps(rec) + "\n")
 
 
-def build(arch, path):
-    import transformers
-    fields = {k: v for k, v in MODELS[arch].items() if k not in ("source", "architectures", "torch_dtype",
-                                                                  "model_type", "rope_scaling")}
-    cfg = transformers.AutoConfig.for_model(MODELS[arch]["model_type"], **fields)
-    with torch.device("cuda"):
-        m = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-    m.save_pretrained(path)
-    del m
-    gc.collect()
-    torch.cuda.empty_cache()
 
 
 def main():
@@ -64,7 +48,7 @@ def main():
 
     if not args.skip_profile:
         path = "/dev/shm/vg_profile"
-        build("llama-2-7b", path)
+        build_checkpoint("llama-2-7b", path)
         loaded = load_model(path, quant="nf4", attn="sdpa", verify=False)
         s = Settings(quant="nf4", attn="sdpa", prompt_tokens=3968, max_new_tokens=128)
         rep = profile(loaded, s, out_dir=os.path.join(args.out, "profile"))
@@ -77,7 +61,7 @@ def main():
         shutil.rmtree(path, ignore_errors=True)
 
     path = "/dev/shm/vg_fit"
-    build("llama-3.1-8b", path)
+    build_checkpoint("llama-3.1-8b", path)
     loaded = load_model(path, quant="nf4", attn="sdpa", verify=False)
     s = Settings(quant="nf4", attn="sdpa", max_new_tokens=args.new)
     budget = int(args.budget_gib * GiB)

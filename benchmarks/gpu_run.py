@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -19,14 +18,11 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from benchmarks.common import build_checkpoint, emit  # noqa: E402
 
 GiB = 2**30
 
 
-def emit(path, rec):
-    print(json.dumps(rec)[:900], flush=True)
-    with open(path, "a") as f:
-        f.write(json.dumps(rec) + "\n")
 
 
 def ids_of(n, vocab, seed=0):
@@ -61,7 +57,6 @@ def main():
     log = os.path.join(args.out, "run.jsonl")
     import transformers
 
-    from benchmarks.gpu_profile_fit import build
     from vramguard import generate as G
     from vramguard.fit import fit
     from vramguard.load import load_model
@@ -69,7 +64,7 @@ def main():
     emit(log, {"kind": "versions", "torch": torch.__version__, "transformers": transformers.__version__,
                "gpu": torch.cuda.get_device_name()})
     path = "/dev/shm/vg_run"
-    build("llama-3.1-8b", path)
+    build_checkpoint("llama-3.1-8b", path)
     loaded = load_model(path, quant="nf4", attn="sdpa", verify=False)
     model = loaded.model
 

@@ -8,7 +8,6 @@ the forward compiled in ``reduce-overhead`` mode (CUDA graphs), each timed after
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -16,14 +15,11 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from benchmarks.common import build_checkpoint, emit  # noqa: E402
 
 BANDWIDTH = 4.8e12  # H200 datasheet, bytes/s
 
 
-def emit(path, rec):
-    print(json.dumps(rec)[:700], flush=True)
-    with open(path, "a") as f:
-        f.write(json.dumps(rec) + "\n")
 
 
 class Clock:
@@ -64,10 +60,9 @@ def main():
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     log = os.path.join(args.out, "speed.jsonl")
-    from benchmarks.gpu_profile_fit import build
     from vramguard import generate as G
     from vramguard.load import load_model
-    build("llama-3.1-8b", "/dev/shm/vg_speed")
+    build_checkpoint("llama-3.1-8b", "/dev/shm/vg_speed")
     loaded = load_model("/dev/shm/vg_speed", quant="nf4", attn="sdpa", verify=False)
     m = loaded.model
     weights = loaded.report.weights_bytes
