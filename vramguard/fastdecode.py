@@ -1,0 +1,480 @@
+"""``fastdecode``: batch-1 decoding that replays one CUDA graph per generated token (issue #4).
+
+At batch 1 a quantized 8B model spends most of each decode step launching kernels from Python: transformers'
+``generate`` ran at 26.8 ms/token on an H200 against a 1.19 ms/token bandwidth bound. :class:`GraphDecoder`
+removes that overhead:
+
+1. A transformers ``StaticCache`` of ``max_cache_len`` tokens (``prompt + max_new_tokens - 1`` for one request:
+   the last token is never fed back, which is how ``generate`` sizes its own static cache).
+2. The prefill runs as ordinary forward calls (optionally in chunks), outside any graph.
+3. One decode step (token ids ``[1, 1]``, position ids ``[1, 1]``, a ``[1, 1, 1, max_cache_len]`` causal mask built
+   *inside* the step from the position buffer, ``logits_to_keep=1``) is run eagerly on a side stream for
+   ``warmup_steps`` real tokens, then captured once with ``torch.cuda.graph`` (PyTorch's "CUDA Graphs" notes:
+   https://pytorch.org/docs/stable/notes/cuda.html#cuda-graphs) and replayed for every later token. Before each
+   replay the next token and its position are copied into the static buffers in place; the next token is chosen on
+   the device from the graph's float32 logits, outside the graph (greedy argmax, or transformers' temperature /
+   top-k / top-p warpers and ``torch.multinomial``, as ``generate`` does).
+
+What a replay would not update, and how it is handled:
+
+* positions: ``position_ids`` is a static buffer; rotary embeddings are computed from it on the device. RoPE types
+  that recompute their frequencies on the host (``dynamic``, ``longrope``) are refused (eager mode, with the reason).
+* the attention mask: transformers builds static-cache masks from the cache's counter; here the step passes its own
+  4D mask (bool for SDPA, additive ``finfo.min`` for eager attention, the values transformers' ``sdpa_mask`` /
+  ``eager_mask`` produce), so mask creation returns early and does no host work.
+* the cache's write position: ``StaticLayer.update`` writes at its on-device ``cumulative_length`` and increments it
+  in place, which a replay repeats; it advances once per step like the position buffer, and the two are compared
+  at the end of every call (a mismatch raises instead of returning wrong tokens).
+
+Without CUDA, when the model cannot be captured, or when capture fails for any reason, the same static-input step
+runs eagerly for every token; :attr:`DecodeResult.mode` and :attr:`DecodeResult.reason` say which ran and why.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from vramguard.errors import InvalidValue
+
+# Tests: model -> (capturable, reason), replacing :func:`graph_support`'s checks.
+GRAPH_OVERRIDE: Callable[[object], tuple[bool, str]] | None = None
+# Tests: step -> (replay, output tensor, mode label), replacing ``torch.cuda.graph`` capture.
+CAPTURE_OVERRIDE: Callable[[Callable], tuple[Callable[[], None], object, str]] | None = None
+
+_UNCAPTURABLE_ROPE = ("dynamic", "longrope")  # their rotary update reads positions on the host at every step
+
+
+@dataclass
+class DecodeResult:
+    """One request's tokens and how they were produced.
+
+    ``mode`` is ``"cuda_graph"`` when at least one token came from a graph replay, else ``"eager"`` (or the label of a
+    test's capture override); ``reason`` says why. Times are seconds, rates ms per generated token:
+    ``decode_ms_per_token`` spans everything after the first token (warm-up and capture included),
+    ``replay_ms_per_token`` only the replayed steps (token selection and streaming included).
+    """
+
+    token_ids: list[int]
+    mode: str
+    reason: str
+    stop: str  # "eos" or "max_new_tokens"
+    prompt_tokens: int
+    max_cache_len: int
+    ttft_s: float
+    decode_s: float
+    decode_ms_per_token: float | None
+    warmup_steps: int = 0
+    replay_steps: int = 0
+    replay_ms_per_token: float | None = None
+    capture_s: float | None = None
+    sdpa_note: str | None = None
+
+
+def graph_support(model) -> tuple[bool, str]:
+    """Whether ``model``'s decode step can be captured in a CUDA graph, and why (or why not).
+
+    Checks the RoPE type (``dynamic`` and ``longrope`` read the positions on the host) and the device (one CUDA
+    device). Capture itself may still fail; :class:`GraphDecoder` then reports that error. Tests force a branch
+    through :data:`GRAPH_OVERRIDE`.
+    """
+    if GRAPH_OVERRIDE is not None:
+        return GRAPH_OVERRIDE(model)
+    import torch
+    for m in model.modules():
+        rope = getattr(m, "rope_type", None)
+        kinds = rope.values() if isinstance(rope, dict) else [rope]
+        bad = [k for k in kinds if isinstance(k, str) and any(u in k for u in _UNCAPTURABLE_ROPE)]
+        if bad:
+            return False, f"rope_type {bad[0]!r} recomputes its frequencies on the host at each step"
+    device = next(model.parameters()).device
+    if device.type != "cuda":
+        return False, f"no CUDA device (the model is on {device})"
+    if not torch.cuda.is_available():
+        return False, "torch.cuda is not available"
+    devices = sorted({str(p.device) for p in model.parameters()})
+    if len(devices) > 1:
+        return False, f"the model spans {', '.join(devices)}: one graph captures one device"
+    return True, f"CUDA device {device}"
+
+
+def _cache_keyword(model) -> str:
+    """The forward's name for the cache: ``cache`` (transformers >= 5.24) or ``past_key_values`` (5.17 to 5.23)."""
+    params = inspect.signature(model.forward).parameters
+    for name in ("cache", "past_key_values"):
+        if name in params:
+            return name
+    raise InvalidValue("model", type(model).__name__, "a transformers causal LM whose forward takes a cache",
+                       "use fast_decode=False for this model")
+
+
+class _Sampler:
+    """Chooses the next token from float32 logits ``[1, vocab]`` on the device, as transformers' ``generate`` does:
+    EOS set to -inf while fewer than ``min_new_tokens`` exist (``MinNewTokensLengthLogitsProcessor``), then greedy
+    argmax, or temperature, top-k, top-p (transformers' warpers, in ``generate``'s order), softmax and
+    ``torch.multinomial`` on the global RNG. ``None`` turns a warper off, as it does in ``generate(temperature=None)``.
+    """
+
+    def __init__(self, do_sample: bool, temperature, top_k, top_p, eos_ids: list[int], min_new_tokens: int, device):
+        import torch
+        from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+        self.do_sample, self.min_new_tokens = do_sample, min_new_tokens
+        self.eos = torch.tensor(eos_ids, dtype=torch.long, device=device) if eos_ids else None
+        self.warpers = []
+        if do_sample:
+            if temperature is not None and temperature != 1.0:
+                self.warpers.append(TemperatureLogitsWarper(temperature))
+            if top_k is not None and top_k != 0:
+                self.warpers.append(TopKLogitsWarper(top_k=top_k, min_tokens_to_keep=1))
+            if top_p is not None and top_p < 1.0:
+                self.warpers.append(TopPLogitsWarper(top_p=top_p, min_tokens_to_keep=1))
+
+    def __call__(self, logits, n_done: int):
+        """Token id ``[1, 1]`` (long, on the logits' device) after ``n_done`` new tokens."""
+        import torch
+        scores = logits
+        if self.eos is not None and n_done < self.min_new_tokens:
+            scores = scores.index_fill(-1, self.eos, float("-inf"))
+        if not self.do_sample:
+            return scores.argmax(-1, keepdim=True)
+        for w in self.warpers:
+            scores = w(None, scores)
+        return torch.multinomial(torch.nn.functional.softmax(scores, dim=-1), num_samples=1)
+
+
+def _eos_list(model, eos_token_id) -> list[int]:
+    if eos_token_id == "model":
+        eos_token_id = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if eos_token_id is None:
+        return []
+    return [int(eos_token_id)] if isinstance(eos_token_id, int) else [int(x) for x in eos_token_id]
+
+
+def check_model(model) -> None:
+    """Refuse, before any GPU work, a model the decoder cannot run exactly.
+
+    Raises:
+        InvalidValue: attention other than sdpa / eager (the decoder builds the static-cache masks for those two),
+            a forward without a cache argument, or cache layers other than full attention (sliding-window and
+            linear-attention layers update and mask differently).
+    """
+    from transformers import StaticCache
+    from transformers.cache_utils import StaticLayer
+    attn = getattr(model.config, "_attn_implementation", None)
+    if attn not in ("sdpa", "eager"):
+        raise InvalidValue("attn", attn, "sdpa or eager for the graph decoder (it builds the static-cache masks)",
+                           "load the model with attn='sdpa', or use fast_decode=False")
+    _cache_keyword(model)
+    kinds = sorted({type(layer).__name__ for layer in StaticCache(config=model.config, max_cache_len=1).layers
+                    if type(layer) is not StaticLayer})
+    if kinds:
+        raise InvalidValue("model", getattr(model.config, "model_type", type(model).__name__),
+                           f"full-attention layers only (this cache has {', '.join(kinds)})",
+                           "use fast_decode=False for this model")
+
+
+class GraphDecoder:
+    """Batch-1 generation with a static cache of ``max_cache_len`` tokens and one captured decode step.
+
+    The cache, the static buffers and the graph are kept between :meth:`generate` calls, so a second request that
+    fits the same cache reuses the graph (no warm-up, no capture). See the module docstring for the method.
+
+    Args:
+        model: a transformers causal LM with full-attention layers (Llama-style), ``sdpa`` or ``eager`` attention.
+        max_cache_len: cache length in tokens; a request needs ``prompt + max_new_tokens - 1`` of them.
+        prefill_chunk_tokens: prefill in chunks of this many tokens (None: one forward, as ``generate`` does).
+        use_graph: False runs every step eagerly (and says so).
+        warmup_steps: eager decode steps on a side stream before the capture (PyTorch's CUDA-graph notes ask for a
+            warm-up on a side stream; these are real tokens, nothing is recomputed).
+
+    Raises:
+        InvalidValue: a bad argument, an attention implementation other than sdpa/eager, or sliding-window /
+            non-attention cache layers (their masks and cache updates differ from the full causal case).
+    """
+
+    def __init__(self, model, max_cache_len: int, *, prefill_chunk_tokens: int | None = None,
+                 use_graph: bool = True, warmup_steps: int = 2):
+        import torch
+        from transformers import StaticCache
+        for name, v, lo in (("max_cache_len", max_cache_len, 1), ("warmup_steps", warmup_steps, 0),
+                            ("prefill_chunk_tokens", 1 if prefill_chunk_tokens is None else prefill_chunk_tokens, 1)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise InvalidValue(name, v, f"an integer >= {lo}" + (" or None" if name.startswith("prefill") else ""))
+        check_model(model)
+        self.model, self.max_cache_len = model, max_cache_len
+        self.prefill_chunk_tokens, self.warmup_steps = prefill_chunk_tokens, warmup_steps
+        self.device = next(model.parameters()).device
+        self._cache_kw = _cache_keyword(model)
+        self.cache = StaticCache(config=model.config, max_cache_len=max_cache_len)
+        attn = model.config._attn_implementation
+        self._bool_mask = attn == "sdpa"
+        self._mask_dtype = model.get_input_embeddings().weight.dtype
+        self._ids = torch.zeros((1, 1), dtype=torch.long, device=self.device)
+        self._pos = torch.zeros((1, 1), dtype=torch.long, device=self.device)
+        self._kv_idx = torch.arange(max_cache_len, device=self.device).view(1, 1, 1, max_cache_len)
+        self._graph_ok, self._why = graph_support(model) if use_graph else (False, "use_graph=False was passed")
+        self._replay: Callable[[], None] | None = None
+        self._logits = None
+        self._label = "eager"
+        self._warmed = 0
+
+    # -- the forward calls ------------------------------------------------------------------------------------
+    def _mask(self, positions):
+        """Causal mask ``[1, 1, q, max_cache_len]`` for query ``positions`` (long, ``[1, 1, q, 1]``): key slot k is
+        visible when k <= position; bool (True = attend) for SDPA, 0 / ``finfo(dtype).min`` for eager attention."""
+        import torch
+        allowed = self._kv_idx <= positions
+        if self._bool_mask:
+            return allowed
+        zero = torch.zeros(allowed.shape, dtype=self._mask_dtype, device=self.device)
+        return zero.masked_fill_(~allowed, torch.finfo(self._mask_dtype).min)
+
+    def _forward(self, ids, positions, mask):
+        out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask, use_cache=True,
+                         logits_to_keep=1, return_dict=True, **{self._cache_kw: self.cache})
+        return out.logits[:, -1, :].float()
+
+    def _step(self):
+        """One decode step from the static buffers: float32 logits ``[1, vocab]``. Captured as the graph."""
+        return self._forward(self._ids, self._pos, self._mask(self._pos.view(1, 1, 1, 1)))
+
+    def _prefill(self, ids):
+        """Forward ``ids`` (``[1, P]``) into the empty cache; float32 logits ``[1, vocab]`` of the last position.
+        Chunks after the first get an explicit causal mask, the first none (SDPA's causal path), as ``generate``."""
+        import torch
+        n = ids.shape[1]
+        step = self.prefill_chunk_tokens or n
+        for start in range(0, n, step):
+            part = ids[:, start:start + step]
+            pos = torch.arange(start, start + part.shape[1], device=self.device).unsqueeze(0)
+            mask = None if start == 0 and self._bool_mask else self._mask(pos.view(1, 1, -1, 1))
+            logits = self._forward(part, pos, mask)
+        return logits
+
+    # -- graph capture --------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _side_stream(self):
+        """Run the body on a side stream that waits for the current one and is waited for after (the warm-up)."""
+        import torch
+        if self.device.type != "cuda" or CAPTURE_OVERRIDE is not None:
+            yield
+            return
+        s = torch.cuda.Stream(device=self.device)
+        s.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(s):
+            yield
+        torch.cuda.current_stream(self.device).wait_stream(s)
+
+    def _capture(self) -> float:
+        """Capture :meth:`_step` (seconds taken). On failure the decoder stays eager and keeps the error as reason."""
+        import torch
+        t0 = time.perf_counter()
+        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        try:
+            if CAPTURE_OVERRIDE is not None:
+                self._replay, self._logits, self._label = CAPTURE_OVERRIDE(self._step)
+            else:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    logits = self._step()
+                self._replay, self._logits, self._label = graph.replay, logits, "cuda_graph"
+                torch.cuda.synchronize(self.device)
+            self._why = (f"one decode step captured after {self._warmed} warm-up step(s) on a side stream; later "
+                         "tokens replay it")
+        except Exception as e:  # noqa: BLE001 -- any capture failure: report it, continue eagerly with the same step
+            first = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+            ctx = e.__context__
+            if ctx is not None:
+                first += f" (after {type(ctx).__name__}: {str(ctx).strip().splitlines()[0][:300] if str(ctx) else ''})"
+            self._replay, self._logits, self._graph_ok, self._label = None, None, False, "eager"
+            self._why = f"graph capture failed, every step ran eagerly: {first[:600]}"
+            if stream is not None:  # torch.cuda.graph leaves its capture stream current when capture_end raises
+                torch.cuda.set_stream(stream)
+                torch.cuda.synchronize(self.device)  # raises if the failure left the device unusable
+        return time.perf_counter() - t0
+
+    @contextlib.contextmanager
+    def _sdpa_unpinned(self):
+        """Lift :func:`vramguard.load.load_model`'s SDPA pin to a backend that takes no attention mask (flash,
+        cuDNN) for the call: a static cache needs a mask at every decode step. Yields the note for the report."""
+        pin = getattr(self.model, "_vramguard_pin", None)
+        if not pin or pin[0] not in ("flash", "cudnn"):
+            yield None
+            return
+        from vramguard.load import _pin_sdpa, _unpin_sdpa
+        _unpin_sdpa(self.model)
+        try:
+            yield f"the SDPA pin to {pin[0]} was lifted for this call: a static cache passes a mask at every step"
+        finally:
+            _pin_sdpa(self.model, pin[0])
+
+    # -- generation -------------------------------------------------------------------------------------------
+    def _check_request(self, prompt_ids, max_new_tokens: int) -> list[int]:
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise InvalidValue("max_new_tokens", max_new_tokens, "an integer >= 1")
+        ids = [int(x) for x in prompt_ids]
+        if not ids:
+            raise InvalidValue("prompt", "", "at least one token", "pass a non-empty prompt")
+        room = self.max_cache_len - len(ids) + 1
+        if max_new_tokens > room:
+            raise InvalidValue("max_new_tokens", max_new_tokens,
+                               f"at most {room} after a {len(ids)}-token prompt in this {self.max_cache_len}-token "
+                               "cache (prompt + max_new_tokens - 1 slots)",
+                               "use a larger max_cache_len, a shorter prompt or fewer new tokens")
+        return ids
+
+    def generate(self, prompt_ids, max_new_tokens: int, *, do_sample: bool = False,
+                 temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
+                 eos_token_id: int | list[int] | None | str = "model", min_new_tokens: int = 0,
+                 on_token: Callable[[int], None] | None = None, on_logits: Callable[[int, object], None] | None = None,
+                 sync_every: int = 1) -> DecodeResult:
+        """Generate up to ``max_new_tokens`` after ``prompt_ids`` (a list of token ids; batch 1).
+
+        Args:
+            do_sample, temperature, top_k, top_p: as transformers' ``generate``; None leaves a warper off. Sampling
+                uses the global torch RNG (``torch.manual_seed`` makes it reproducible).
+            eos_token_id: stop after one of these tokens (it is kept, as ``generate`` keeps it); ``"model"``: the
+                model's ``generation_config.eos_token_id``; None: never stop early.
+            min_new_tokens: EOS cannot be chosen before this many new tokens (transformers' semantics).
+            on_token: called with each new token id, in order.
+            on_logits: called as ``(index, logits)`` with the float32 logits ``[1, vocab]`` that chose token
+                ``index`` (a device tensor valid during the call only: clone it to keep it).
+            sync_every: read the tokens back to the host (for ``on_token`` and the EOS check) every this many
+                steps; above 1 the host queues steps ahead of the GPU, and up to ``sync_every - 1`` steps run past
+                an EOS and are discarded.
+
+        Returns:
+            :class:`DecodeResult`.
+
+        Raises:
+            InvalidValue: an empty prompt, or ``prompt + max_new_tokens - 1`` above ``max_cache_len``.
+            torch.OutOfMemoryError: from the prefill or a step (the caller may retry with a smaller strategy).
+            RuntimeError: the cache's write position and the position buffer disagree at the end (a bug: wrong
+                tokens are never returned silently).
+        """
+        import torch
+        ids = self._check_request(prompt_ids, max_new_tokens)
+        if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
+            raise InvalidValue("sync_every", sync_every, "an integer >= 1")
+        eos = _eos_list(self.model, eos_token_id)
+        pick = _Sampler(do_sample, temperature, top_k, top_p, eos, min_new_tokens, self.device)
+        with torch.no_grad(), self._sdpa_unpinned() as note:
+            result = self._run(ids, max_new_tokens, pick, set(eos), on_token, on_logits, sync_every)
+        result.sdpa_note = note
+        return result
+
+    def _sync(self):
+        import torch
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _run(self, ids: list[int], max_new: int, pick: _Sampler, eos: set[int], on_token, on_logits,
+             sync_every: int) -> DecodeResult:
+        import torch
+        self.cache.reset()  # in place: the graph keeps pointing at the same tensors
+        t0 = time.perf_counter()
+        logits = self._prefill(torch.tensor([ids], device=self.device))
+        if on_logits is not None:
+            on_logits(0, logits)
+        tok = pick(logits, 0)
+        out = [int(tok)]
+        t_first = t_last = time.perf_counter()
+        if on_token is not None:
+            on_token(out[0])
+        stop = "eos" if out[0] in eos else None
+        pending: list = []
+        steps = warm = replays = 0
+        capture_s = t_replay0 = None
+        while stop is None and len(out) + len(pending) < max_new:
+            n = len(out) + len(pending)  # tokens so far; this step feeds the last one, at position len(ids) + n - 1
+            if self._replay is None and self._graph_ok and self._warmed >= self.warmup_steps:
+                capture_s = self._capture()
+            self._ids.copy_(tok)
+            self._pos.fill_(len(ids) + n - 1)
+            if self._replay is not None:
+                if t_replay0 is None:
+                    self._sync()
+                    t_replay0 = time.perf_counter()
+                self._replay()
+                logits, replays = self._logits, replays + 1
+            else:
+                with self._side_stream() if self._graph_ok else contextlib.nullcontext():
+                    logits = self._step()
+                warm += 1
+                if self._graph_ok:
+                    self._warmed += 1
+            steps += 1
+            if on_logits is not None:
+                on_logits(n, logits)
+            tok = pick(logits, n)
+            pending.append(tok)
+            if len(pending) >= sync_every or n + 1 >= max_new or self._replay is None:
+                stop = self._drain(pending, out, eos, on_token)
+                t_last = time.perf_counter()
+        t_end = time.perf_counter()
+        self._check_positions(len(ids) + steps)
+        return self._result(out, stop or "max_new_tokens", len(ids), t0, t_first, t_last, t_end, warm, replays,
+                            capture_s, t_replay0)
+
+    def _drain(self, pending: list, out: list[int], eos: set[int], on_token) -> str | None:
+        """Move the device tokens in ``pending`` to ``out`` (one host sync), stopping at the first EOS."""
+        import torch
+        values = torch.cat(pending, dim=-1).view(-1).tolist()
+        pending.clear()
+        for v in values:
+            out.append(int(v))
+            if on_token is not None:
+                on_token(int(v))
+            if v in eos:
+                return "eos"
+        return None
+
+    def _check_positions(self, expected: int) -> None:
+        seen = int(self.cache.get_seq_length())
+        if seen != expected:
+            raise RuntimeError(f"fast decode: the static cache holds {seen} tokens but {expected} were fed: the "
+                               "cache's write position and the position buffer disagree; rerun with "
+                               "use_graph=False and report this")
+
+    def _result(self, out, stop, n_prompt, t0, t_first, t_last, t_end, warm, replays, capture_s,
+                t_replay0) -> DecodeResult:
+        decode_s = t_last - t_first
+        mode = self._label if replays else "eager"
+        why = self._why
+        if not replays and not self._graph_ok and not why.startswith("graph capture failed"):
+            why += ": every step ran eagerly (the same static-input step, without a graph)"
+        elif not replays and self._graph_ok:
+            why = (f"the request ended after {warm} decode step(s), before the capture (it follows "
+                   f"{self.warmup_steps} warm-up steps): every step ran eagerly")
+        elif replays and capture_s is None:
+            why = "the graph captured by an earlier call was replayed"
+        return DecodeResult(out, mode, why, stop, n_prompt, self.max_cache_len, t_first - t0, decode_s,
+                            decode_s * 1000 / (len(out) - 1) if len(out) > 1 else None, warm, replays,
+                            (t_end - t_replay0) * 1000 / replays if replays else None, capture_s)
+
+    def close(self) -> None:
+        """Drop the graph and the cache (their memory returns to PyTorch's allocator)."""
+        self._replay = self._logits = None
+        self.cache = None
+
+
+def graph_decode(model, prompt_ids, max_new_tokens: int, *, prefill_chunk_tokens: int | None = None,
+                 use_graph: bool = True, warmup_steps: int = 2, **kwargs) -> DecodeResult:
+    """One request through a :class:`GraphDecoder` whose cache is sized ``len(prompt_ids) + max_new_tokens - 1``
+    (what transformers' ``generate`` allocates), freed afterwards. ``kwargs`` go to :meth:`GraphDecoder.generate`.
+
+    Raises:
+        InvalidValue: see :class:`GraphDecoder` and :meth:`GraphDecoder.generate`.
+    """
+    n = len(prompt_ids)
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise InvalidValue("max_new_tokens", max_new_tokens, "an integer >= 1")
+    dec = GraphDecoder(model, max(n + max_new_tokens - 1, 1), prefill_chunk_tokens=prefill_chunk_tokens,
+                       use_graph=use_graph, warmup_steps=warmup_steps)
+    try:
+        return dec.generate(prompt_ids, max_new_tokens, **kwargs)
+    finally:
+        dec.close()
