@@ -1,13 +1,18 @@
 """The graph decoder on the CPU: greedy tokens equal transformers' ``generate`` (static and dynamic cache, SDPA and
 eager attention, float32 and bfloat16, chunked prefill), EOS and length stops, seeded sampling, the reported mode
-and reason; and the capture logic itself through a CPU emulation of a CUDA
+and reason, the wiring into ``vramguard.generate``; and the capture logic itself through a CPU emulation of a CUDA
 graph (the step's Python code runs once, its aten ops are replayed on the same tensors), which fails when the step
 keeps Python-side state that a replay would not update. The real capture runs in the ``gpu`` tests."""
 
 import pytest
 
 from vramguard import fastdecode as F
+from vramguard import generate as G
 from vramguard.errors import InvalidValue
+from vramguard.plan import estimate
+from vramguard.resolve import resolve_model
+from vramguard.settings import Settings
+from vramguard.units import GiB
 
 # initializer_range 0.2: attention then decides the next token (with the default 0.02 the tokens follow the last
 # token's embedding, and a mask or position off by one changes none of them, so identity would prove little)
@@ -35,6 +40,7 @@ def model():
 def _no_overrides():
     yield
     F.GRAPH_OVERRIDE = F.CAPTURE_OVERRIDE = None
+    G.OOM_INJECTOR = None
 
 
 def hf(model, new=NEW, prompt=PROMPT, **kw):
@@ -263,7 +269,7 @@ def test_models_the_decoder_cannot_run_are_refused_before_any_work(model):
     model.config._attn_implementation = "flash_attention_2"
     try:
         with pytest.raises(InvalidValue) as e:
-            F.GraphDecoder(model, 64)
+            G.generate(model, None, PROMPT, 4, fast_decode=True)
         assert e.value.field == "attn" and "attn='sdpa'" in str(e.value)
     finally:
         model.config._attn_implementation = "sdpa"
@@ -279,6 +285,50 @@ def test_graph_support_names_what_prevents_a_graph(model):
     dyn = _model(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
     ok, why = F.graph_support(dyn)
     assert not ok and "'dynamic' recomputes its frequencies on the host" in why
+
+
+# -- vramguard.generate(fast_decode=True) --------------------------------------------------------------------------
+
+def test_generate_fast_decode_gives_the_static_strategy_tokens_and_reports_the_mode(model):
+    base = G.generate(model, None, PROMPT, 16)
+    r = G.generate(model, None, PROMPT, 16, fast_decode=True)
+    assert r.token_ids == base.token_ids and r.strategy == G.GRAPH_STRATEGY.name
+    assert r.decode_mode == "eager" and "no CUDA device" in r.decode_reason and "decode: eager" in r.reason
+    assert r.attempts[0].decode_mode == "eager" and r.decode_ms_per_token > 0
+    assert base.decode_mode is None
+    force_graph()
+    g = G.generate(model, None, PROMPT, 16, fast_decode=True)
+    assert g.token_ids == base.token_ids and g.decode_mode == "emulated_graph"
+
+
+def test_generate_fast_decode_recovers_from_oom_with_identical_tokens(model):
+    import torch
+    base = G.generate(model, None, PROMPT, 16).token_ids
+
+    def inj(phase, attempt, step):
+        if attempt == 0 and phase == "decode" and step == 5:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB (injected)")
+    G.OOM_INJECTOR = inj
+    r = G.generate(model, None, PROMPT, 16, fast_decode=True)
+    assert r.token_ids == base
+    assert [(a.strategy, a.phase, a.step) for a in r.attempts] == [(G.GRAPH_STRATEGY.name, "decode", 5),
+                                                                    ("dynamic", None, None)]
+    assert r.decode_mode is None  # the dynamic strategy finished
+
+
+def test_preflight_puts_the_graph_first_and_says_when_it_does_not_fit():
+    spec = resolve_model("llama-3.1-8b")
+    s = Settings(quant="nf4", attn="sdpa", prompt_tokens=4096, max_new_tokens=512)
+    order, why = G.preflight(spec, s, 18 * GiB, auto=True, on_cuda=True, weights_loaded=True, fast_decode=True)
+    assert order[0][0] is G.GRAPH_STRATEGY and "fast decode" not in why
+    static = next(st for st in G.STRATEGIES if st.name.startswith("static cache"))
+    est = estimate(spec, s.with_(**static.plan))
+    assert order[0][1] == est.peak_reserved_bytes - est.weights.total_bytes  # the static strategy's plan exactly
+    only, _ = G.preflight(spec, s, 18 * GiB, auto=False, on_cuda=True, weights_loaded=True, fast_decode=True)
+    assert [st.name for st, _ in only] == [G.GRAPH_STRATEGY.name]
+    long = s.with_(prompt_tokens=120_000)
+    order, why = G.preflight(spec, long, 18 * GiB, auto=True, on_cuda=True, weights_loaded=True, fast_decode=True)
+    assert order[0][0] is not G.GRAPH_STRATEGY and "fast decode not used: its static cache needs" in why
 
 
 # -- on the GPU ----------------------------------------------------------------------------------------------------

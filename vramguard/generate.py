@@ -11,6 +11,11 @@
 
 Continuing re-encodes the tokens produced so far in one prefill; with a 16-bit KV cache and greedy decoding the
 result equals an uninterrupted run up to floating-point reassociation (exactly equal in the CPU tests).
+
+``fast_decode=True`` puts :data:`GRAPH_STRATEGY` first: the static cache of the planner's static-cache strategy,
+decoded by :class:`vramguard.fastdecode.GraphDecoder` (one CUDA graph replayed per token; eager, and reported as
+such, without CUDA or when capture fails). Its greedy tokens equal the static-cache strategy's; the other strategies
+remain the fallbacks after an out-of-memory error.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ class Strategy:
     plan: dict
     needs_cuda: bool = False
     needs_module: str | None = None
+    graph: bool = False  # decoded by vramguard.fastdecode.GraphDecoder instead of model.generate
 
     def available(self, on_cuda: bool) -> tuple[bool, str]:
         if self.needs_cuda and not on_cuda:
@@ -63,6 +69,10 @@ STRATEGIES: tuple[Strategy, ...] = (
 )
 
 
+GRAPH_STRATEGY = Strategy("static cache + CUDA-graph decode", {"prefill_chunk_size": 512},
+                          {"cache": "static", "prefill_chunk": 512}, graph=True)
+
+
 @dataclass
 class Attempt:
     """One try: the strategy, how many tokens it added, and the OOM that ended it (phase and step)."""
@@ -73,12 +83,16 @@ class Attempt:
     phase: str | None = None
     step: int | None = None
     peak_allocated_bytes: int | None = None
+    decode_mode: str | None = None  # graph strategy only: "cuda_graph" or "eager" (see decode_reason)
+    decode_reason: str | None = None
+    decode_ms_per_token: float | None = None
 
 
 @dataclass
 class GenerationResult:
     """The generated text and token ids, the strategy that finished, every attempt, and the measurements
-    (``peak_allocated_bytes``: the finishing attempt's peak; each attempt keeps its own)."""
+    (``peak_allocated_bytes``: the finishing attempt's peak; each attempt keeps its own). ``decode_mode``,
+    ``decode_reason`` and ``decode_ms_per_token`` are set when the graph strategy finished (``fast_decode``)."""
 
     text: str
     token_ids: list[int]
@@ -90,6 +104,9 @@ class GenerationResult:
     tokens_per_s: float | None = None
     planned_need_bytes: int | None = None
     usable_bytes: int | None = None
+    decode_mode: str | None = None
+    decode_reason: str | None = None
+    decode_ms_per_token: float | None = None
 
 
 def usable_bytes(budget_bytes: int | None) -> tuple[int | None, int]:
@@ -109,13 +126,17 @@ def usable_bytes(budget_bytes: int | None) -> tuple[int | None, int]:
 
 
 def preflight(spec, s: Settings, usable: int | None, auto: bool, on_cuda: bool,
-              weights_loaded: bool) -> tuple[list[tuple[Strategy, int]], str]:
+              weights_loaded: bool, fast_decode: bool = False) -> tuple[list[tuple[Strategy, int]], str]:
     """Strategies that may run, first the one to use, each with its planned need in bytes beyond what is already
-    loaded; and the reason. Raises Infeasible when none fits ``usable``."""
+    loaded; and the reason. With ``fast_decode`` the graph strategy is considered first (alone when not ``auto``).
+    Raises Infeasible when none fits ``usable``."""
     from vramguard.plan import estimate
     cands: list[tuple[Strategy, int]] = []
     skipped: list[str] = []
-    for st in STRATEGIES if auto else STRATEGIES[:1]:
+    pool = STRATEGIES if auto else STRATEGIES[:1]
+    if fast_decode:
+        pool = (GRAPH_STRATEGY,) + (pool if auto else ())
+    for st in pool:
         ok, why = st.available(on_cuda)
         if not ok:
             skipped.append(f"{st.name}: {why}")
@@ -124,7 +145,8 @@ def preflight(spec, s: Settings, usable: int | None, auto: bool, on_cuda: bool,
         need = est.peak_reserved_bytes - (est.weights.total_bytes if weights_loaded else 0)
         cands.append((st, need))
     if usable is None:
-        return cands, "no CUDA device: nothing to plan against; the plain strategy runs"
+        return cands, ("no CUDA device: nothing to plan against; " + (
+            f"{cands[0][0].name} runs" if cands[0][0].graph else "the plain strategy runs"))
     fitting = [(st, n) for st, n in cands if n <= usable]
     if not fitting:
         best = min(cands, key=lambda c: c[1])
@@ -137,6 +159,9 @@ def preflight(spec, s: Settings, usable: int | None, auto: bool, on_cuda: bool,
     order = [first] + [c for c in cands if c[0] is not first[0] and c[1] < first[1]]
     why = (f"{first[0].name}: planned {fmt_bytes(first[1])} of {fmt_bytes(usable)} usable"
            + (f" (skipped: {'; '.join(skipped)})" if skipped else ""))
+    if fast_decode and not first[0].graph:
+        why += (f"; fast decode not used: its static cache needs {fmt_bytes(cands[0][1])}, more than the "
+                f"{fmt_bytes(usable)} usable")
     return order, why
 
 
@@ -222,12 +247,17 @@ def _attempts(model, tokenizer, prompt_ids: list[int], max_new_tokens: int, orde
         if seed is not None:
             torch.manual_seed(seed + len(generated))
         try:
-            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=remaining,
-                           min_new_tokens=remaining, streamer=tap,
-                           pad_token_id=getattr(model.generation_config, "pad_token_id", None) or 0,
-                           **sample, **st.kwargs)
+            dec = None
+            if st.graph:
+                dec = _graph_attempt(model, ids, remaining, tap, sample, st.kwargs["prefill_chunk_size"])
+            else:
+                model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=remaining,
+                               min_new_tokens=remaining, streamer=tap,
+                               pad_token_id=getattr(model.generation_config, "pad_token_id", None) or 0,
+                               **sample, **st.kwargs)
             attempts.append(Attempt(st.name, len(generated) - tap.start,
-                                    peak_allocated_bytes=torch.cuda.max_memory_allocated() if on_cuda else None))
+                                    peak_allocated_bytes=torch.cuda.max_memory_allocated() if on_cuda else None,
+                                    **_decode_fields(dec)))
             ttft = ttft if ttft is not None else (tap.t_first - t0 if tap.t_first else None)
             return generated, attempts, ttft
         except torch.OutOfMemoryError as e:  # free what the attempt held, then the next strategy continues
@@ -250,10 +280,32 @@ def _attempts(model, tokenizer, prompt_ids: list[int], max_new_tokens: int, orde
                      + ". Shorten the prompt or the generation")
 
 
+def _graph_attempt(model, ids, remaining: int, tap: _Tap, sample: dict, chunk: int):
+    """The graph strategy's run: :func:`vramguard.fastdecode.graph_decode` with ``generate``'s semantics (EOS
+    suppressed until ``remaining`` tokens, as ``min_new_tokens`` does there), streaming through ``tap``."""
+    import torch
+
+    from vramguard.fastdecode import graph_decode
+    tap.put(ids)  # the prompt, as transformers' streamers receive it first
+    res = graph_decode(model, ids[0].tolist(), remaining, prefill_chunk_tokens=chunk, min_new_tokens=remaining,
+                       on_token=lambda t: tap.put(torch.tensor([t])), **sample)
+    tap.end()
+    return res
+
+
+def _decode_fields(dec) -> dict:
+    if dec is None:
+        return {}
+    note = f"; {dec.sdpa_note}" if dec.sdpa_note else ""
+    return {"decode_mode": dec.mode, "decode_reason": dec.reason + note,
+            "decode_ms_per_token": dec.decode_ms_per_token}
+
+
 def generate(model, tokenizer, prompt: str | list[int], max_new_tokens: int = 256, *, budget_bytes: int | None = None,
              auto: bool = True, on_text: Callable[[str], None] | None = None, do_sample: bool = False,
              temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
-             seed: int | None = None, settings: Settings | None = None) -> GenerationResult:
+             seed: int | None = None, settings: Settings | None = None,
+             fast_decode: bool = False) -> GenerationResult:
     """Generate ``max_new_tokens`` after ``prompt`` without running out of memory (see the module docstring).
 
     Args:
@@ -262,10 +314,12 @@ def generate(model, tokenizer, prompt: str | list[int], max_new_tokens: int = 25
         budget_bytes: memory PyTorch may use in total (default: what the card has free).
         auto: choose the strategy from the plan (else only the plain dynamic cache, refused if it cannot fit).
         on_text: called with each new piece of text as it is generated.
+        fast_decode: try :data:`GRAPH_STRATEGY` first (CUDA-graph decode on a static cache); the result's
+            ``decode_mode`` / ``decode_reason`` say whether the graph ran.
 
     Raises:
         Infeasible: no strategy fits, before any GPU work; or every strategy ran out of memory.
-        InvalidValue: a bad argument.
+        InvalidValue: a bad argument, or (``fast_decode``) a model the graph decoder cannot run.
     """
     import torch
 
@@ -281,13 +335,16 @@ def generate(model, tokenizer, prompt: str | list[int], max_new_tokens: int = 25
     if top_k is not None and top_k < 1:
         raise InvalidValue("top_k", top_k, "an integer >= 1", "use e.g. --top-k 50")
     prompt_ids = _prompt_ids(tokenizer, prompt)
+    if fast_decode:
+        from vramguard.fastdecode import check_model
+        check_model(model)
     spec = spec_from_config(model.config.to_dict(), name=getattr(model.config, "_name_or_path", "model"))
     s = (settings or Settings(quant=_quant_of(model), attn=_attn_of(model))).with_(
         prompt_tokens=len(prompt_ids), max_new_tokens=max_new_tokens, batch=1)
     check_context(spec, s)
     on_cuda = next(model.parameters()).device.type == "cuda"
     usable, _ = usable_bytes(budget_bytes) if on_cuda else (None, 0)
-    order, why = preflight(spec, s, usable, auto, on_cuda, weights_loaded=True)
+    order, why = preflight(spec, s, usable, auto, on_cuda, weights_loaded=True, fast_decode=fast_decode)
     if on_cuda:
         if budget_bytes is not None:
             torch.cuda.set_per_process_memory_fraction(budget_bytes / torch.cuda.mem_get_info()[1])
@@ -307,10 +364,13 @@ def generate(model, tokenizer, prompt: str | list[int], max_new_tokens: int = 25
     reason = why if len(attempts) == 1 else (
         f"{last.strategy} after {len(attempts) - 1} out-of-memory error(s): "
         + "; ".join(f"{a.strategy} ran out at {a.phase} step {a.step}" for a in attempts[:-1]))
+    if last.decode_mode is not None:
+        reason += f"; decode: {last.decode_mode} ({last.decode_reason})"
     text = tokenizer.decode(generated, skip_special_tokens=True) if tokenizer is not None else ""
     return GenerationResult(text, list(generated), last.strategy, reason, attempts,
                             last.peak_allocated_bytes, ttft,
-                            len(generated) / elapsed if elapsed > 0 else None, order[0][1], usable)
+                            len(generated) / elapsed if elapsed > 0 else None, order[0][1], usable,
+                            last.decode_mode, last.decode_reason, last.decode_ms_per_token)
 
 
 def _quant_of(model) -> str:
