@@ -42,6 +42,7 @@ def _choices(name: str, values) -> type[Enum]:
 Quant = _choices("Quant", QUANTS)
 CheckQuant = _choices("CheckQuant", ("none",) + QUANTS)
 Attn = _choices("Attn", ATTNS)
+LoadAttn = _choices("LoadAttn", ("auto",) + ATTNS)
 KvDtype = _choices("KvDtype", KV_DTYPES)
 Dtype = _choices("Dtype", DTYPES)
 DtypeArg = _choices("DtypeArg", ("auto",) + DTYPES)
@@ -58,7 +59,10 @@ FIELD_FLAGS = {"batch": "--batch", "num_beams": "--num-beams", "num_return_seque
                "prefill_chunk": "--prefill-chunk", "kv_dtype": "--kv-dtype", "compute_dtype": "--compute-dtype",
                "dtype": "--dtype", "quant": "--quant", "attn": "--attn", "cache": "--cache", "context": "--context",
                "max_cache_len": "--max-cache-len", "temperature": "--temperature", "top_p": "--top-p",
-               "top_k": "--top-k"}
+               "top_k": "--top-k", "max_queue": "--max-queue", "max_running": "--max-running",
+               "max_batch_tokens": "--max-batch-tokens", "page_size": "--page-size", "n_max": "--n-max",
+               "default_max_tokens": "--default-max-tokens", "max_kv_blocks": "--max-kv-blocks", "gpus": "--gpus",
+               "vram_budget": "--vram-budget"}
 
 
 def _fail(e: VramguardError, as_json: bool = False) -> None:
@@ -380,6 +384,105 @@ def run(
     else:
         sys.stdout.write("\n")
         print_generation_summary(r, err)
+
+
+@app.command()
+def serve(
+    model: str = typer.Argument(..., help="model folder or cached model id (weights and tokenizer needed)"),
+    host: str = typer.Option("127.0.0.1", help="address to bind (loopback unless you choose otherwise)"),
+    port: int = typer.Option(8000, help="TCP port (0 picks a free one)"),
+    gpus: Optional[str] = typer.Option(None, help="GPU indices, e.g. 0,1: one worker process per GPU behind one "
+                                                  "router"),
+    vram_budget: Optional[str] = typer.Option(None, help="memory PyTorch may use per GPU, e.g. 20GiB (default: what "
+                                                         "is free after loading)"),
+    max_queue: int = typer.Option(64, help="requests that may wait beyond those running; more get 429"),
+    max_running: int = typer.Option(64, help="requests computed together in one step"),
+    max_batch_tokens: int = typer.Option(2048, help="tokens computed in one step (prefill chunks + decodes)"),
+    page_size: int = typer.Option(256, help="tokens per KV block"),
+    max_kv_blocks: Optional[int] = typer.Option(None, help="cap the KV pool below what the budget allows"),
+    api_key: Optional[str] = typer.Option(None, envvar="VRAMGUARD_API_KEY",
+                                          help="require 'Authorization: Bearer KEY' on every route but /health "
+                                               "(or set VRAMGUARD_API_KEY)"),
+    quant: Quant = typer.Option(Quant['nf4'], help="weight format"),
+    dtype: Optional[DtypeArg] = typer.Option(None, help="parameter/activation dtype (default: bf16 where supported)"),
+    attn: LoadAttn = typer.Option(LoadAttn['auto'], help="attention implementation (auto: the best that runs here)"),
+    trust_remote_code: bool = typer.Option(False, help="allow the model's own Python code (off: never run it)"),
+    allow_pickle: bool = typer.Option(False, help="allow pickle (.bin) weights (off: safetensors only)"),
+    seed: int = typer.Option(0, help="sampling seed of the engine"),
+    served_model_name: Optional[str] = typer.Option(None, help="the model name clients send (default: MODEL)"),
+    n_max: int = typer.Option(4, help="largest n (choices per request)"),
+    default_max_tokens: int = typer.Option(256, help="max_tokens of a request that gives none"),
+    max_body_size: str = typer.Option("1MiB", help="largest request body; more gets 413"),
+    ready_file: Optional[str] = typer.Option(None, hidden=True, help="write the URL here once listening"),
+) -> None:
+    """Serve the model over an OpenAI-compatible API (/v1/chat/completions, /v1/completions, /v1/models, /health,
+    /metrics) with a KV pool sized for the budget, a bounded queue, and recovery from out-of-memory errors."""
+    from vramguard.units import parse_size
+
+    def listening(url: str) -> None:
+        if ready_file:
+            with open(ready_file + ".tmp", "w") as f:
+                f.write(url)
+            os.replace(ready_file + ".tmp", ready_file)
+        err.print(f"serving {served_model_name or model} on {url}/v1", markup=False, highlight=False)
+
+    def start() -> int:
+        budget = parse_size(vram_budget, "--vram-budget") if vram_budget else None
+        body = parse_size(max_body_size, "--max-body-size")
+        if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
+            err.print(f"warning: binding {host} without --api-key: anyone who can reach this address can use the "
+                      "model", markup=False, highlight=False)
+        if gpus is not None:
+            try:
+                ids = [int(x) for x in gpus.split(",") if x.strip()]
+            except ValueError:
+                raise InvalidValue("gpus", gpus, "comma-separated GPU indices, e.g. 0,1", "pass --gpus 0,1") from None
+            import torch
+            n = torch.cuda.device_count()
+            if not ids or any(i < 0 or i >= n for i in ids) or len(set(ids)) != len(ids):
+                raise InvalidValue("gpus", gpus, f"distinct indices in 0..{n - 1}" if n else "none: no CUDA GPU "
+                                   "is visible", "pass indices of GPUs this machine has (nvidia-smi -L lists them)")
+            if len(ids) > 1:
+                from vramguard.serve.router import run_router
+                args = [a for a in sys.argv[sys.argv.index("serve") + 2:]]
+                args = _strip_options(args, ("--gpus", "--host", "--port", "--api-key", "--ready-file"))
+                return run_router(model, ids, args, host, port, api_key, on_listen=listening)
+            os.environ["CUDA_VISIBLE_DEVICES"] = str(ids[0])
+        import transformers
+
+        from vramguard.serve.server import build
+        transformers.utils.logging.disable_progress_bar()
+        served = build(model, vram_budget=budget, max_queue=max_queue, max_running=max_running,
+                       max_batch_tokens=max_batch_tokens, page_size=page_size, max_kv_blocks=max_kv_blocks,
+                       api_key=api_key, quant=quant.value, dtype=dtype.value if dtype and dtype.value != "auto"
+                       else None, attn=attn.value, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle,
+                       seed=seed, served_name=served_model_name, n_max=n_max,
+                       default_max_tokens=default_max_tokens, max_body_bytes=body)
+        err.print(served.pool.summary(), markup=False, highlight=False)
+        for note in served.engine.notes + served.options.notes:
+            err.print("note: " + note, markup=False, highlight=False)
+        return served.run(host, port, on_listen=listening)
+
+    rc = run_guarded(start)
+    if rc:
+        err.print(f"stopped after an unrecoverable error (exit code {rc})", markup=False, highlight=False)
+    raise typer.Exit(rc or 0)
+
+
+def _strip_options(args: list[str], names: tuple[str, ...]) -> list[str]:
+    """``args`` without ``names`` and their values (``--name value`` or ``--name=value``)."""
+    out, skip = [], False
+    for a in args:
+        if skip:
+            skip = False
+            continue
+        if a in names:
+            skip = True
+            continue
+        if any(a.startswith(n + "=") for n in names):
+            continue
+        out.append(a)
+    return out
 
 
 def _with_context(loaded, question, files, summarize, chunk_tokens, max_new_tokens, budget, auto) -> str:

@@ -1,0 +1,520 @@
+"""vramguard serve on a tiny random Llama on the CPU: the real engine, the real HTTP server on loopback, driven
+with the official ``openai`` client and raw HTTP. Every loop is bounded in count and time."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+
+CFG = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+           vocab_size=300, max_position_embeddings=512, bos_token_id=1, eos_token_id=2)
+PAGE = 16
+
+
+def _save(folder: Path) -> Path:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(LlamaConfig(**CFG)).save_pretrained(folder)
+    words = ["[UNK]", "[BOS]", "[EOS]"] + [f"w{i}" for i in range(297)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", bos_token="[BOS]",
+                            eos_token="[EOS]").save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    return _save(tmp_path_factory.mktemp("serve") / "tiny-llama")
+
+
+def _build(folder, **kw):
+    from vramguard.serve.server import build
+    args = dict(quant="fp32", page_size=PAGE, max_batch_tokens=64, max_running=4, max_queue=4, max_kv_blocks=20,
+                verify=False, served_name="tiny")
+    args.update(kw)
+    return build(str(folder), **args)
+
+
+@pytest.fixture(scope="module")
+def server(folder):
+    s = _build(folder)
+    url = s.start_background()
+    yield s, url
+    s.stop()
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server[1] + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def _reference(served, ids: list[int], n: int) -> list[int]:
+    """Greedy tokens of plain transformers generate on the same loaded model."""
+    m = served.engine.model
+    with torch.no_grad():
+        out = m.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                         max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+def _words(tokens: list[int]) -> str:
+    return " ".join(f"w{t - 3}" for t in tokens)
+
+
+def _post(url, path, body, **kw):
+    return httpx.post(url + path, json=body, timeout=60, **kw)
+
+
+def _err(r) -> dict:
+    return r.json()["error"]
+
+
+# ---------------------------------------------------------------------------------------------- the happy paths
+def test_completion_greedy_matches_transformers(server, client):
+    s, _ = server
+    ids = [1, 10, 11, 12, 13]
+    r = client.completions.create(model="tiny", prompt=ids, max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+    assert r.choices[0].text == _words(_reference(s, ids, 12))
+    assert r.choices[0].finish_reason == "length"
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (5, 12, 17)
+
+
+def test_chat_stream_equals_non_stream_and_reports_usage(server, client):
+    msgs = [{"role": "system", "content": "w1 w2"}, {"role": "user", "content": "w3 w4 w5"}]
+    full = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=9, temperature=0,
+                                          extra_body={"ignore_eos": True})
+    chunks = list(client.chat.completions.create(model="tiny", messages=msgs, max_tokens=9, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True},
+                                                 extra_body={"ignore_eos": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert text == full.choices[0].message.content and len(text.split()) == 9
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 9 and chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
+
+
+def test_completion_stream_and_stop_sequence(server, client):
+    s, _ = server
+    ids = [1, 20, 21, 22]
+    ref = _words(_reference(s, ids, 10)).split()
+    stop = ref[4]
+    pieces = list(client.completions.create(model="tiny", prompt=ids, max_tokens=10, temperature=0, stream=True,
+                                            stop=[stop], extra_body={"ignore_eos": True}))
+    text = "".join(p.choices[0].text for p in pieces)
+    assert stop not in text.split() or ref.index(stop) < 4
+    assert text.split() == ref[:ref.index(stop)]
+    assert pieces[-1].choices[0].finish_reason == "stop"
+
+
+def test_sampling_n_and_models_and_health(server, client):
+    r = client.completions.create(model="tiny", prompt="w1 w2", max_tokens=5, temperature=1.0, top_p=0.9, n=3,
+                                  extra_body={"ignore_eos": True})
+    assert [c.index for c in r.choices] == [0, 1, 2] and all(len(c.text.split()) == 5 for c in r.choices)
+    assert r.usage.completion_tokens == 15
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+    h = httpx.get(server[1] + "/health").json()
+    assert h["status"] == "ok" and h["kv_blocks_total"] == 20 and h["kv_tokens_total"] == 20 * PAGE
+    assert h["in_flight"] == 0 and h["kv_blocks_used"] == 0
+
+
+def test_metrics_count_requests_and_tokens(server, client):
+    before = _metric(server[1], "vramguard_generation_tokens_total")
+    client.completions.create(model="tiny", prompt=[1, 5, 6], max_tokens=7, temperature=0,
+                              extra_body={"ignore_eos": True})
+    text = httpx.get(server[1] + "/metrics").text
+    assert _metric(server[1], "vramguard_generation_tokens_total") == before + 7
+    for name in ("vramguard_kv_blocks_total 20.0", "vramguard_queue_depth", "vramguard_vram_allocated_bytes",
+                 "vramguard_time_to_first_token_seconds_bucket", "vramguard_time_per_output_token_seconds_count",
+                 "vramguard_oom_recoveries_total", 'vramguard_requests_total{outcome="completed"}',
+                 "vramguard_prompt_tokens_total"):
+        assert name in text
+
+
+def _metric(url, name) -> float:
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(name)
+
+
+# ---------------------------------------------------------------------------------------------- validation
+@pytest.mark.parametrize("body,status,param,code", [
+    ({"prompt": [5] * 512}, 400, "prompt", "context_length_exceeded"),  # 512 = the context
+    ({"prompt": [5] * 300, "max_tokens": 300}, 400, "max_tokens", "context_length_exceeded"),
+    ({"prompt": [5] * 200, "max_tokens": 200}, 400, "max_tokens", "kv_budget_exceeded"),   # 400 > 320 pool tokens
+    ({"prompt": [5, -1]}, 400, "prompt", "invalid_value"),
+    ({"prompt": [5, 300]}, 400, "prompt", "invalid_value"),                               # vocab is 300
+    ({"prompt": "w1", "n": 5}, 400, "n", "invalid_value"),
+    ({"prompt": "w1", "best_friend": 1}, 400, "best_friend", "unknown_parameter"),
+    ({"prompt": "w1", "max_tokens": "ten"}, 400, "max_tokens", "invalid_value"),
+    ({"prompt": "w1", "temperature": 3}, 400, "temperature", "invalid_value"),
+    ({"prompt": "w1", "presence_penalty": 0.5}, 400, "presence_penalty", "unsupported_parameter"),
+    ({"prompt": "w1", "model": "gpt-4"}, 404, "model", "model_not_found"),
+])
+def test_validation_errors_are_openai_shaped(server, body, status, param, code):
+    r = _post(server[1], "/v1/completions", {"model": "tiny", **body})
+    assert r.status_code == status, r.text
+    e = _err(r)
+    assert (e["param"], e["code"]) == (param, code) and e["message"] and e["type"]
+
+
+def test_validation_messages_name_limits(server):
+    e = _err(_post(server[1], "/v1/completions", {"model": "tiny", "prompt": [5] * 300, "max_tokens": 300}))
+    assert "512" in e["message"] and "max_tokens <= 212" in e["message"]
+    e = _err(_post(server[1], "/v1/completions", {"model": "tiny", "prompt": [5] * 200, "max_tokens": 200}))
+    assert "320" in e["message"]
+    r = _post(server[1], "/v1/chat/completions", {"model": "tiny", "messages": []})
+    assert r.status_code == 400 and _err(r)["param"] == "messages"
+    r = httpx.post(server[1] + "/v1/completions", content=b"{not json", timeout=10)
+    assert r.status_code == 400 and _err(r)["code"] == "invalid_json"
+
+
+def test_openai_client_raises_on_context(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt=[7] * 600, max_tokens=4)
+    assert e.value.code == "context_length_exceeded"
+
+
+def test_body_over_limit_is_413(server):
+    r = httpx.post(server[1] + "/v1/completions", content=b'{"model":"tiny","prompt":"' + b"w1 " * 400_000 + b'"}',
+                   headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == 413 and _err(r)["code"] == "request_too_large"
+
+
+def test_rejected_requests_cost_no_engine_step(server):
+    s, url = server
+    steps = s.engine.stats()["steps"]
+    for body in ({"prompt": [5, -1]}, {"prompt": "w1", "n": 9}, {"prompt": [5] * 200, "max_tokens": 200}):
+        assert _post(url, "/v1/completions", {"model": "tiny", **body}).status_code == 400
+    time.sleep(0.3)
+    assert s.engine.stats()["steps"] == steps
+
+
+# ---------------------------------------------------------------------------------------------- API key
+def test_api_key_guards_every_route_but_health(folder):
+    s = _build(folder, api_key="s3cret")
+    url = s.start_background()
+    try:
+        for method, path in (("GET", "/v1/models"), ("GET", "/metrics"), ("POST", "/v1/completions"),
+                             ("POST", "/v1/chat/completions")):
+            r = httpx.request(method, url + path, json={"model": "tiny", "prompt": "w1"}, timeout=10)
+            assert r.status_code == 401 and _err(r)["code"] == "invalid_api_key", path
+        r = httpx.get(url + "/v1/models", headers={"Authorization": "Bearer wrong"})
+        assert r.status_code == 401
+        assert httpx.get(url + "/health").status_code == 200
+        c = openai.OpenAI(base_url=url + "/v1", api_key="s3cret", max_retries=0)
+        assert len(c.completions.create(model="tiny", prompt="w1", max_tokens=3, temperature=0,
+                                        extra_body={"ignore_eos": True}).choices[0].text.split()) == 3
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=url + "/v1", api_key="nope", max_retries=0).models.list()
+    finally:
+        s.stop()
+
+
+# ---------------------------------------------------------------------------------------------- cancellation
+def _slow(engine, seconds=0.01):
+    engine.before_step = lambda i, ids: time.sleep(seconds)
+
+
+def test_stream_disconnect_frees_blocks_within_one_step(server):
+    s, url = server
+    e = s.engine
+    _slow(e)
+    try:
+        rid = _next_id(e)
+        with httpx.stream("POST", url + "/v1/completions", timeout=30,
+                          json={"model": "tiny", "prompt": [1, 7, 8], "max_tokens": 200, "stream": True,
+                                "temperature": 0, "ignore_eos": True}) as r:
+            assert r.status_code == 200, (r.read(), e.stats(), {k: vars(v) for k, v in e.handles.items()})
+            n, lines = 0, []
+            for line in r.iter_lines():
+                lines.append(line)
+                n += line.startswith("data:")
+                if n == 5:
+                    break
+            assert rid in e.handles and e.kv_blocks_used() >= 1, (lines, e.stats(), list(e.steps)[-3:])
+        t_close = time.perf_counter()
+        deadline = time.time() + 10
+        while e.kv_blocks_used() and time.time() < deadline:
+            time.sleep(0.01)
+        assert e.kv_blocks_used() == 0
+        after = [st for st in e.steps if st.at > t_close and rid in st.request_ids]
+        assert len(after) <= 1, after  # at most the step already under way when the client left
+        assert rid not in e.handles
+    finally:
+        e.before_step = None
+
+
+def test_queued_disconnect_costs_no_gpu_work(folder):
+    s = _build(folder, max_running=1, max_queue=2)
+    url = s.start_background()
+    e = s.engine
+    _slow(e, 0.02)
+    try:
+        got = {}
+        long = threading.Thread(target=lambda: got.setdefault("a", _post(url, "/v1/completions", {
+            "model": "tiny", "prompt": [1, 4, 5], "max_tokens": 60, "temperature": 0, "ignore_eos": True})))
+        long.start()
+        deadline = time.time() + 10
+        while not e.steps and time.time() < deadline:
+            time.sleep(0.01)
+        known = set(e.handles)
+        with pytest.raises(httpx.ReadTimeout):  # the client gives up while its request waits behind the long one
+            httpx.post(url + "/v1/completions", timeout=0.3,
+                       json={"model": "tiny", "prompt": [1, 9, 9], "max_tokens": 5, "temperature": 0})
+        long.join(timeout=30)
+        assert got["a"].status_code == 200
+        time.sleep(0.3)
+        queued = [rid for st in e.steps for rid in st.request_ids if rid not in known]
+        assert queued == [], str([(st.index, st.request_ids) for st in e.steps][-70:])
+        assert e.kv_blocks_used() == 0 and e.in_flight() == 0
+        assert _metric(url, 'vramguard_requests_total{outcome="cancelled"}') == 1
+    finally:
+        e.before_step = None
+        s.stop()
+
+
+# ---------------------------------------------------------------------------------------------- overload
+def test_burst_beyond_the_queue_gets_429_and_the_rest_complete(folder):
+    s = _build(folder, max_running=2, max_queue=2)
+    url = s.start_background()
+    _slow(s.engine, 0.01)
+    results = []
+    lock = threading.Lock()
+
+    def one(i):
+        t0 = time.perf_counter()
+        r = _post(url, "/v1/completions", {"model": "tiny", "prompt": [1, 3 + i], "max_tokens": 16,
+                                           "temperature": 0, "ignore_eos": True})
+        with lock:
+            results.append((r, time.perf_counter() - t0))
+
+    try:
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(12)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        codes = sorted(r.status_code for r, _ in results)
+        assert len(results) == 12 and set(codes) <= {200, 429}
+        ok = [r for r, _ in results if r.status_code == 200]
+        busy = [(r, dt) for r, dt in results if r.status_code == 429]
+        assert 4 <= len(ok) < 12 and busy
+        assert all(r.json()["usage"]["completion_tokens"] == 16 for r in ok)
+        for r, dt in busy:
+            assert int(r.headers["Retry-After"]) >= 1 and _err(r)["code"] == "queue_full"
+        assert _metric(url, 'vramguard_requests_total{outcome="rejected_overload"}') == len(busy)
+    finally:
+        s.stop()
+
+
+# ---------------------------------------------------------------------------------------------- faults
+def test_injected_oom_at_step_k_is_recovered_with_the_same_tokens(folder):
+    s = _build(folder)
+    url = s.start_background()
+    e = s.engine
+    prompts = [[1, 30, 31, 32], [1, 40, 41], [1, 50]]
+    refs = [_reference(s, p, 24) for p in prompts]
+    fired = []
+
+    def inject(index, ids):
+        time.sleep(0.005)
+        if not fired and len(ids) >= 2 and e.handles and index >= 8:
+            fired.append((index, tuple(ids)))
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+
+    e.before_step = inject
+    try:
+        out = [None] * 3
+
+        def one(i):
+            out[i] = _post(url, "/v1/completions", {"model": "tiny", "prompt": prompts[i], "max_tokens": 24,
+                                                     "temperature": 0, "ignore_eos": True})
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        assert fired, "the injection did not fire"
+        assert [o.status_code for o in out] == [200, 200, 200]
+        assert [o.json()["choices"][0]["text"] for o in out] == [_words(r) for r in refs]
+        assert e.oom_recoveries == 1 and e.oom_events[0]["requeued"]
+        assert httpx.get(url + "/health").json()["status"] == "ok"
+        assert _metric(url, "vramguard_oom_recoveries_total") == 1
+    finally:
+        s.stop()
+
+
+def test_request_that_keeps_running_out_of_memory_fails_cleanly(folder):
+    s = _build(folder)
+    url = s.start_background()
+    e = s.engine
+    victim = {}
+
+    def inject(index, ids):
+        rid = victim.get("id")
+        if rid is not None and rid in ids:
+            raise torch.OutOfMemoryError("CUDA out of memory (injected, every step)")
+
+    e.before_step = inject
+    try:
+        res = {}
+        t = threading.Thread(target=lambda: res.setdefault("r", _post(url, "/v1/completions", {
+            "model": "tiny", "prompt": [1, 9], "max_tokens": 8, "temperature": 0})))
+        victim["id"] = _next_id(e)
+        t.start()
+        t.join(timeout=30)
+        r = res["r"]
+        assert r.status_code == 503 and _err(r)["type"] == "server_error" and "out of memory" in _err(r)["message"]
+        ok = _post(url, "/v1/completions", {"model": "tiny", "prompt": [1, 5], "max_tokens": 4, "temperature": 0,
+                                            "ignore_eos": True})
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
+        assert httpx.get(url + "/health").json()["status"] == "ok"
+    finally:
+        s.stop()
+
+
+def _next_id(engine) -> str:
+    import copy
+    return f"vg-{next(copy.copy(engine._ids))}"
+
+
+def test_unrecoverable_device_error_fails_health_and_exits_nonzero(folder):
+    s = _build(folder)
+    url = s.start_background()
+
+    def boom(index, ids):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    s.engine.before_step = boom
+    r = _post(url, "/v1/completions", {"model": "tiny", "prompt": [1, 9], "max_tokens": 4})
+    assert r.status_code == 503 and _err(r)["type"] == "server_error"
+    t = s._thread
+    t.join(timeout=15)
+    assert not t.is_alive() and s.exit_code == 3
+    assert "illegal memory access" in str(s.fatal)
+
+
+# ---------------------------------------------------------------------------------------------- router and CLI
+def _run_router(workers, **kw):
+    from vramguard.serve.router import create_router
+    from vramguard.serve.server import make_server
+    fatal = []
+    app = create_router(workers, on_fatal=fatal.append, **kw)
+    server = make_server(app, "127.0.0.1", 0)
+    t = threading.Thread(target=server.run, daemon=True)
+    t.start()
+    deadline = time.time() + 20
+    while not server.started and time.time() < deadline:
+        time.sleep(0.02)
+    h, p = server.servers[0].sockets[0].getsockname()[:2]
+    return server, t, f"http://{h}:{p}", fatal
+
+
+def test_router_balances_two_workers_by_free_kv(folder):
+    from vramguard.serve.router import Worker, pick
+    a, b = _build(folder, api_key="ka"), _build(folder, api_key="kb")
+    ua, ub = a.start_background(), b.start_background()
+    for s in (a, b):
+        _slow(s.engine, 0.01)
+    server, t, url, fatal = _run_router([Worker("a", ua, key="ka"), Worker("b", ub, key="kb")], api_key="front")
+    try:
+        time.sleep(0.4)  # first /health poll
+        h = httpx.get(url + "/health").json()
+        assert h["status"] == "ok" and set(h["workers"]) == {"a", "b"}
+        assert httpx.get(url + "/v1/models").status_code == 401
+        seen = []
+
+        def one(i):
+            r = _post(url, "/v1/completions", {"model": "tiny", "prompt": [1, 3 + i], "max_tokens": 20,
+                                               "temperature": 0, "ignore_eos": True},
+                      headers={"Authorization": "Bearer front"})
+            seen.append((r.status_code, r.headers.get("x-vramguard-worker"), r.json()["usage"]["completion_tokens"]))
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(6)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(timeout=60)
+        assert sorted(x[0] for x in seen) == [200] * 6 and all(x[2] == 20 for x in seen)
+        assert {x[1] for x in seen} == {"a", "b"}
+        c = openai.OpenAI(base_url=url + "/v1", api_key="front", max_retries=0)
+        text = "".join(ch.choices[0].delta.content or "" for ch in c.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "w1"}], max_tokens=5, temperature=0, stream=True,
+            extra_body={"ignore_eos": True}) if ch.choices)
+        assert len(text.split()) == 5
+        r = _post(url, "/v1/completions", {"model": "tiny", "prompt": [5, -1]}, headers={"Authorization": "Bearer front"})
+        assert r.status_code == 400 and _err(r)["param"] == "prompt"  # the worker's own error, relayed
+    finally:
+        server.should_exit = True
+        t.join(timeout=10)
+        a.stop()
+        b.stop()
+    # the choice itself: most free KV among workers with admission slots
+    w1 = Worker("x", "", stats={"kv_tokens_total": 1000, "kv_tokens_reserved": 900, "max_running": 2, "max_queue": 0,
+                                "in_flight": 1}, healthy=True)
+    w2 = Worker("y", "", stats={"kv_tokens_total": 1000, "kv_tokens_reserved": 100, "max_running": 2, "max_queue": 0,
+                                "in_flight": 2}, healthy=True)
+    assert pick([w1, w2]).name == "x"  # y has more free KV but no slot
+    w2.stats["in_flight"] = 1
+    assert pick([w1, w2]).name == "y"
+    w2.healthy = False
+    assert pick([w1, w2]).name == "x"
+
+
+def test_router_fails_health_when_a_worker_dies(folder):
+    from vramguard.serve.router import Worker
+    a = _build(folder)
+    ua = a.start_background()
+    server, t, url, fatal = _run_router([Worker("a", ua)])
+    try:
+        time.sleep(0.4)
+        assert httpx.get(url + "/health").status_code == 200
+        a.engine.before_step = lambda i, ids: (_ for _ in ()).throw(RuntimeError("CUDA error: unspecified launch failure"))
+        assert _post(url, "/v1/completions", {"model": "tiny", "prompt": [1, 2]}).status_code == 503
+        deadline = time.time() + 10
+        while not fatal and time.time() < deadline:
+            time.sleep(0.05)
+        assert fatal and httpx.get(url + "/health").status_code == 503
+    finally:
+        server.should_exit = True
+        t.join(timeout=10)
+        a.stop()
+
+
+def test_cli_serve_answers_and_stops_cleanly(folder, tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    ready = tmp_path / "url"
+    p = subprocess.Popen([sys.executable, "-m", "vramguard", "serve", str(folder), "--port", "0", "--quant", "fp32",
+                          "--page-size", "16", "--max-batch-tokens", "64", "--max-running", "4",
+                          "--served-model-name", "tiny", "--ready-file", str(ready)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 120
+        while not ready.exists() and p.poll() is None and time.time() < deadline:
+            time.sleep(0.1)
+        assert ready.exists(), p.stderr.read() if p.poll() is not None else "no ready file"
+        url = ready.read_text()
+        assert url.startswith("http://127.0.0.1:")
+        r = _post(url, "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "w1 w2"}],
+                                                "max_tokens": 4, "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200 and len(r.json()["choices"][0]["message"]["content"].split()) == 4
+    finally:
+        p.send_signal(signal.SIGINT)
+        out, errs = p.communicate(timeout=30)
+    assert p.returncode == 0, errs
+    assert "KV pool" in errs and "serving tiny on http://127.0.0.1:" in errs

@@ -1,0 +1,53 @@
+"""The two places the serving engine touches transformers' continuous batching beyond its public calls.
+
+Tested with transformers 5.17 and 5.24: ``ContinuousBatchingConfig`` renamed ``block_size`` to ``page_size`` in 5.17
+(5.17's field is ``block_size``), and the manager's ``_generation_step`` / ``_generation_loop_body`` are the hooks
+where a step's requests are known and where an exception inside a step can be caught before the engine's
+``_handle_critical_error`` fails every request.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import lru_cache
+
+
+def cb_config(page_size: int, **kw):
+    """A ``ContinuousBatchingConfig`` with the fields this transformers knows (``page_size`` or ``block_size``)."""
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+    names = {f.name for f in dataclasses.fields(ContinuousBatchingConfig)}
+    size_field = "page_size" if "page_size" in names else "block_size"
+    kw[size_field] = page_size
+    dropped = sorted(k for k in kw if k not in names)
+    cfg = ContinuousBatchingConfig(**{k: v for k, v in kw.items() if k in names})
+    cfg._vramguard_dropped = dropped
+    return cfg
+
+
+@lru_cache(maxsize=1)
+def guarded_manager_class():
+    """The ``ContinuousBatchingManager`` subclass whose loop survives an OOM inside a step (see engine.py)."""
+    from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager
+
+    from vramguard.serve.engine import is_oom
+
+    class GuardedManager(ContinuousBatchingManager):
+        vg_engine = None
+
+        def _generation_step(self):
+            bp = self.batch_processor
+            ids = [fs.state.request_id for fs in getattr(bp.inputs_and_outputs, "requests_in_batch", [])]
+            self.vg_engine._on_step(self.current_batch, ids)
+            return super()._generation_step()
+
+        def _generation_loop_body(self, batch_processor, bootstrapping):
+            try:
+                return super()._generation_loop_body(batch_processor, bootstrapping)
+            except Exception as e:  # noqa: BLE001 - OOM is recovered; anything else goes to the engine's handler
+                if not is_oom(e):
+                    self.vg_engine.fatal_error = e
+                    raise
+                self.vg_engine._recover(self, batch_processor, e)
+                return True
+
+    return GuardedManager

@@ -1,0 +1,337 @@
+"""The serving engine: transformers' continuous-batching manager with a sized pool, admission and OOM recovery.
+
+transformers' engine treats any exception inside a step as fatal: it fails every request and stops. Here an
+out-of-memory error inside a step is caught in the engine's own loop: the requests of the failed step give back
+their KV blocks and go back to the front of the queue as "prompt + tokens generated so far" (the engine's own
+soft-reset, ``RequestState.create_equivalent_initial_request``), the step budget is halved, the allocator cache is
+emptied, and the loop goes on; greedy requests therefore continue with the same tokens. A request that runs out
+of memory ``MAX_OOM_RETRIES`` times alone fails with a clear error. Any other device error is unrecoverable: the
+engine stops, every request fails with a 503 error object and :attr:`Engine.fatal_error` is set.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+from vramguard.serve.pool import PoolPlan, blocks_needed
+
+log = logging.getLogger("vramguard.serve")
+
+MAX_OOM_RETRIES = 3
+# Values of the generation config that make transformers build the per-request temperature, top-k and top-p
+# processors; every request then passes its own three values, so these defaults are never applied to a request.
+_PROCESSOR_SEEDS = {"temperature": 0.5, "top_k": 50, "top_p": 0.9}
+
+
+def is_oom(error: BaseException) -> bool:
+    """True for PyTorch's out-of-memory error and for CUDA/cuBLAS allocation failures raised as RuntimeError."""
+    import torch
+    if isinstance(error, torch.OutOfMemoryError):
+        return True
+    text = str(error)
+    return isinstance(error, RuntimeError) and ("CUDA out of memory" in text or "CUBLAS_STATUS_ALLOC_FAILED" in text
+                                                or "CUDA error: out of memory" in text)
+
+
+@dataclass
+class Sampling:
+    """Per-request decoding: ``temperature`` 0 means greedy (top-k 1, i.e. the argmax unless two logits are equal)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+    def processor_kwargs(self, vocab_size: int) -> dict:
+        if self.temperature == 0:
+            return {"temperature": 1.0, "top_k": 1, "top_p": 1.0}
+        return {"temperature": float(self.temperature), "top_k": int(self.top_k or vocab_size),
+                "top_p": float(self.top_p)}
+
+
+@dataclass
+class Handle:
+    """One admitted request as the API sees it: an asyncio queue of transformers ``GenerationOutput``."""
+
+    request_id: str
+    prompt_tokens: int
+    max_new_tokens: int
+    queue: asyncio.Queue
+    submitted: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+    finished: bool = False
+    retries: int = 0
+
+
+@dataclass
+class StepRecord:
+    """One engine step: its index and the requests it computed (kept for the last ``STEP_HISTORY`` steps)."""
+
+    index: int
+    request_ids: tuple[str, ...]
+    at: float
+
+
+STEP_HISTORY = 4096
+
+
+class Engine:
+    """Continuous batching with a planned pool. Thread model: the model runs in transformers' background thread;
+    :meth:`submit`, :meth:`cancel` and :meth:`stats` are called from the asyncio loop of the server.
+
+    Args:
+        model, tokenizer: a loaded causal LM and its tokenizer.
+        pool: the :class:`~vramguard.serve.pool.PoolPlan` (``num_blocks``, ``page_size``, step limits).
+        max_queue: requests allowed to wait for their first token beyond those the engine runs at once.
+        seed: the sampling seed of the engine (one per server: OpenAI's per-request ``seed`` is not supported).
+        metrics: optional :class:`~vramguard.serve.metrics.Metrics`.
+
+    Test hooks: ``before_step(index, request_ids)`` is called in the engine thread before each step's forward;
+    raising ``torch.OutOfMemoryError`` there exercises recovery exactly as a real OOM in the forward would.
+    """
+
+    def __init__(self, model, tokenizer, pool: PoolPlan, *, max_queue: int = 64, seed: int | None = 0,
+                 metrics=None):
+        self.model, self.tokenizer, self.pool = model, tokenizer, pool
+        self.max_queue = max_queue
+        self.max_running = pool.max_requests
+        self.seed = seed
+        self.metrics = metrics
+        self.handles: dict[str, Handle] = {}
+        self.steps: deque[StepRecord] = deque(maxlen=STEP_HISTORY)
+        self.oom_recoveries = 0
+        self.oom_events: list[dict] = []
+        self.fatal_error: BaseException | None = None
+        self.before_step: Callable[[int, list[str]], None] | None = None
+        self.attn_implementation: str | None = None
+        self.notes: list[str] = []
+        self._ids = itertools.count()
+        self._cancelled: deque[tuple[float, str]] = deque()
+        self._lock = threading.Lock()
+        self._manager = None
+        self._cache = None
+        self.vocab_size = int(model.config.get_text_config().vocab_size)
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        """Build the engine with the planned pool and start its background thread (no GPU work before this)."""
+        import torch
+        from transformers import GenerationConfig
+
+        from vramguard.serve._compat import cb_config, guarded_manager_class
+        text_cfg = self.model.config.get_text_config()
+        eos = getattr(self.model.generation_config, "eos_token_id", None)
+        if eos is None and self.tokenizer is not None:
+            eos = self.tokenizer.eos_token_id
+        gen = GenerationConfig(do_sample=True, max_new_tokens=16, eos_token_id=eos if eos is not None else -1,
+                               pad_token_id=getattr(text_cfg, "pad_token_id", None) or 0, **_PROCESSOR_SEEDS)
+        cfg = cb_config(num_blocks=self.pool.num_blocks, page_size=self.pool.page_size,
+                        max_batch_tokens=self.pool.max_batch_tokens, max_requests_per_batch=self.pool.max_requests,
+                        use_async_batching=False, per_request_processors=True, drop_unsupported_processors=False,
+                        max_memory_percent=1.0, seed=self.seed, allow_block_sharing=False)
+        before = self.model.config._attn_implementation
+        cls = guarded_manager_class()
+        with torch.inference_mode(False):
+            self._manager = cls(model=self.model, generation_config=gen, continuous_batching_config=cfg)
+        self._manager.vg_engine = self
+        self.attn_implementation = self.model.config._attn_implementation
+        if self.attn_implementation != before:
+            self.notes.append(f"attention: the continuous-batching engine runs {self.attn_implementation!r} "
+                              f"(loaded as {before!r}); it needs a paged attention implementation")
+        if next(self.model.parameters()).is_cuda:
+            t0 = time.perf_counter()
+            try:  # CUDA graphs / compiled paths are prepared now rather than on the first requests
+                with torch.inference_mode(False):
+                    self._manager.warmup()
+                self.notes.append(f"engine warm-up (CUDA graph capture where enabled) took "
+                                  f"{time.perf_counter() - t0:.1f} s")
+            except Exception as e:  # noqa: BLE001 - warm-up is an optimisation: report and serve without it
+                self.notes.append(f"engine warm-up failed, serving without it: {type(e).__name__}: "
+                                  f"{str(e).splitlines()[0][:160]}")
+        self._manager.start()
+        deadline = time.time() + 120
+        while getattr(self._manager, "batch_processor", None) is None and time.time() < deadline:
+            if self._manager.background_thread_status.fatal_error is not None:
+                break
+            time.sleep(0.01)
+        bp = getattr(self._manager, "batch_processor", None)
+        if bp is None:
+            err = self._manager.background_thread_status.fatal_error
+            raise RuntimeError(f"the continuous-batching engine did not start: {err!r}")
+        self._cache = bp.cache
+        actual = int(getattr(self._cache, "num_blocks", self.pool.num_blocks))
+        if actual != self.pool.num_blocks:
+            self.notes.append(f"the engine made {actual} blocks of the {self.pool.num_blocks} planned")
+        self.pool.num_blocks = actual
+        self.pool.pool_tokens = actual * self.pool.page_size
+
+    def stop(self) -> None:
+        if self._manager is not None:
+            try:
+                self._manager.stop(block=True, timeout=10)
+            except Exception as e:  # noqa: BLE001 - shutting down: report, never raise
+                log.warning("engine stop: %s", e)
+
+    # ------------------------------------------------------------------ state
+    @property
+    def running(self) -> bool:
+        m = self._manager
+        return m is not None and m.is_running() and self.fatal_error is None
+
+    def check_fatal(self) -> BaseException | None:
+        """The engine's unrecoverable error, if its loop died (also when it died outside a step)."""
+        if self.fatal_error is None and self._manager is not None:
+            err = self._manager.background_thread_status.fatal_error
+            if err is not None:
+                self.fatal_error = err
+        return self.fatal_error
+
+    def in_flight(self) -> int:
+        return sum(1 for h in self.handles.values() if not h.finished)
+
+    def waiting(self) -> int:
+        return sum(1 for h in self.handles.values() if not h.finished and h.first_token_at is None)
+
+    def capacity_left(self) -> int:
+        """Requests that may still be admitted: ``max_running + max_queue - in flight``."""
+        return self.max_running + self.max_queue - self.in_flight()
+
+    def kv_blocks_used(self) -> int:
+        """Blocks held now, from the engine's own pool (whole-model blocks of ``page_size`` tokens)."""
+        c = self._cache
+        if c is None:
+            return 0
+        total = self.pool.num_blocks
+        if hasattr(c, "compute_free_capacity"):
+            return total - int(round(c.compute_free_capacity(relative=True) * total))
+        if hasattr(c, "get_num_free_blocks"):
+            return total - int(c.get_num_free_blocks())
+        return 0
+
+    def kv_tokens_reserved(self) -> int:
+        """Tokens promised to admitted, unfinished requests (prompt + max new tokens)."""
+        return sum(h.prompt_tokens + h.max_new_tokens for h in self.handles.values() if not h.finished)
+
+    def stats(self) -> dict:
+        return {"running": self.running, "in_flight": self.in_flight(), "waiting": self.waiting(),
+                "max_running": self.max_running, "max_queue": self.max_queue,
+                "kv_blocks_total": self.pool.num_blocks, "kv_blocks_used": self.kv_blocks_used(),
+                "kv_tokens_total": self.pool.pool_tokens, "kv_tokens_reserved": self.kv_tokens_reserved(),
+                "oom_recoveries": self.oom_recoveries, "steps": self.steps[-1].index + 1 if self.steps else 0}
+
+    # ------------------------------------------------------------------ requests
+    def fits_pool(self, tokens: int) -> bool:
+        """Whether one request of ``tokens`` (prompt + max new) can ever be held by the pool."""
+        return blocks_needed(tokens, self.pool.page_size) <= self.pool.num_blocks
+
+    def submit(self, input_ids: list[int], max_new_tokens: int, sampling: Sampling,
+               eos_token_id: int | list[int] | None = None) -> Handle:
+        """Admit one request (the caller checked validity and capacity). Must be called from the event loop."""
+        rid = f"vg-{next(self._ids)}"
+        h = Handle(rid, len(input_ids), max_new_tokens, asyncio.Queue())
+        self.handles[rid] = h
+
+        def deliver(output, h=h):
+            if h.first_token_at is None and output.generated_tokens:
+                h.first_token_at = time.perf_counter()
+            h.queue.put_nowait(output)
+
+        self._manager.register_result_handler(rid, deliver)
+        kw = sampling.processor_kwargs(self.vocab_size)
+        if eos_token_id is not None:
+            kw["eos_token_id"] = eos_token_id
+        ok = self._manager.add_request(list(input_ids), request_id=rid, max_new_tokens=max_new_tokens,
+                                       streaming=True, **kw)
+        if ok is None:
+            h.finished = True
+            raise RuntimeError("the engine is not accepting requests (stopping or stopped)")
+        return h
+
+    def cancel(self, request_id: str) -> None:
+        """Cancel a request: a waiting one never reaches the GPU; a running one frees its blocks at the next step."""
+        h = self.handles.pop(request_id, None)
+        if h is not None and not h.finished:
+            h.finished = True
+            if self._manager is not None:
+                self._manager.cancel_request(request_id)
+                router = self._manager.output_router
+                with router._lock:  # late outputs go nowhere; the entry is dropped by sweep()
+                    if request_id in router.result_handlers:
+                        router.result_handlers[request_id] = (lambda _o: None, router.result_handlers[request_id][1])
+                self._cancelled.append((time.perf_counter(), request_id))
+
+    def sweep(self, older_than_s: float = 5.0) -> None:
+        """Forget the output handlers of requests cancelled more than ``older_than_s`` ago."""
+        now = time.perf_counter()
+        while self._cancelled and now - self._cancelled[0][0] > older_than_s:
+            _, rid = self._cancelled.popleft()
+            with self._manager.output_router._lock:
+                self._manager.output_router.result_handlers.pop(rid, None)
+
+    def finish(self, request_id: str) -> None:
+        h = self.handles.pop(request_id, None)
+        if h is not None:
+            h.finished = True
+
+    # ------------------------------------------------------------------ engine thread
+    def _on_step(self, index: int, request_ids: list[str]) -> None:
+        self.steps.append(StepRecord(index, tuple(request_ids), time.perf_counter()))
+        if self.before_step is not None:
+            self.before_step(index, request_ids)
+
+    def _recover(self, manager, bp, error: BaseException) -> None:
+        """Called in the engine thread after an OOM inside a step (see the module docstring)."""
+        import torch
+        io = bp.inputs_and_outputs
+        states = [fs.state for fs in getattr(io, "requests_in_batch", [])]
+        if not states:
+            states = list(bp.scheduler.active_requests.values())
+        try:
+            io.requests_in_batch = []
+        except AttributeError:
+            pass
+        requeued, failed = [], []
+        for st in states:
+            rid = st.request_id
+            sched = bp.scheduler
+            if rid not in sched.active_requests and rid not in sched.waiting_requests:
+                continue
+            sched.finish_request(rid)
+            sched.waiting_requests.pop(rid, None)
+            if rid in sched.waiting_requests_order:
+                sched.waiting_requests_order.remove(rid)
+            h = self.handles.get(rid)
+            retries = (h.retries + 1) if h else MAX_OOM_RETRIES + 1
+            if h:
+                h.retries = retries
+            if retries > MAX_OOM_RETRIES:
+                bp.output_router.fail_and_deliver(st, RuntimeError(
+                    f"out of memory {retries} times while computing this request; the server's budget leaves too "
+                    "little room for it: send a shorter prompt or fewer max_tokens"))
+                failed.append(rid)
+                continue
+            new = st.create_equivalent_initial_request()
+            sched.add_waiting_request(new)
+            sched.waiting_requests_order.remove(rid)
+            sched.waiting_requests_order.appendleft(rid)
+            requeued.append(rid)
+        old = bp.max_batch_tokens
+        bp.max_batch_tokens = max(self.pool.page_size, old // 2)
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        self.oom_recoveries += 1
+        event = {"step": getattr(manager, "current_batch", None), "error": str(error).splitlines()[0][:200],
+                 "requeued": requeued, "failed": failed, "max_batch_tokens": [old, bp.max_batch_tokens]}
+        self.oom_events.append(event)
+        log.warning("out of memory in step %s: %d request(s) requeued, %d failed; max_batch_tokens %d -> %d",
+                    event["step"], len(requeued), len(failed), old, bp.max_batch_tokens)
+        if self.metrics is not None:
+            self.metrics.oom_recoveries.inc()

@@ -1,0 +1,238 @@
+"""One process per GPU behind one router: ``vramguard serve MODEL --gpus 0,1``.
+
+Each worker is a full ``vramguard serve`` process pinned to one GPU (``CUDA_VISIBLE_DEVICES``), listening on a
+loopback port and protected by an internal key. The router polls every worker's /health (KV tokens in the pool and
+promised to admitted requests, admission slots left) and sends each request to the worker with the most free KV
+capacity, counting the requests it sent since the last poll. Responses, streamed or not, are relayed unchanged
+(status, body, Retry-After), so validation errors and 429s are the workers' own. A worker that dies makes /health
+fail and the router exit non-zero.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import secrets
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+
+from vramguard.serve.api import ApiError, _ApiKey
+
+POLL_S = 0.1
+TOKENS_PER_UNREPORTED_REQUEST = 512  # assumed size of a request sent since the last poll
+
+
+@dataclass
+class Worker:
+    """A backend: its base URL, the internal key, the process (None when not spawned here), the last /health."""
+
+    name: str
+    url: str
+    key: str | None = None
+    process: subprocess.Popen | None = None
+    stats: dict = field(default_factory=dict)
+    healthy: bool = False
+    sent_since_poll: int = 0
+
+    def free_tokens(self) -> int:
+        s = self.stats
+        free = s.get("kv_tokens_total", 0) - s.get("kv_tokens_reserved", 0)
+        return free - self.sent_since_poll * TOKENS_PER_UNREPORTED_REQUEST
+
+    def slots(self) -> int:
+        s = self.stats
+        return s.get("max_running", 0) + s.get("max_queue", 0) - s.get("in_flight", 0) - self.sent_since_poll
+
+
+def pick(workers: list[Worker]) -> Worker | None:
+    """The healthy worker with the most free KV tokens among those with admission slots left (else the healthy one
+    with the most free tokens, whose own 429 then reaches the client)."""
+    up = [w for w in workers if w.healthy]
+    if not up:
+        return None
+    with_slots = [w for w in up if w.slots() > 0]
+    return max(with_slots or up, key=lambda w: (w.free_tokens(), w.slots()))
+
+
+def create_router(workers: list[Worker], api_key: str | None = None, on_fatal=None) -> FastAPI:
+    """The router app over ``workers`` (already listening)."""
+    registry = CollectorRegistry()
+    routed = Counter("vramguard_router_requests", "Requests relayed, by worker", ["worker"], registry=registry)
+    up_g = Gauge("vramguard_worker_up", "1 when the worker's /health is ok", ["worker"], registry=registry)
+    free_g = Gauge("vramguard_worker_kv_free_tokens", "KV tokens not promised to requests", ["worker"],
+                   registry=registry)
+    client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5))
+    state = {"fatal": None}
+
+    async def poll():
+        while True:
+            for w in workers:
+                try:
+                    r = await client.get(w.url + "/health", timeout=2)
+                    w.stats, w.healthy = r.json(), r.status_code == 200
+                except (httpx.HTTPError, ValueError):
+                    w.healthy = False
+                w.sent_since_poll = 0
+                dead = w.process is not None and w.process.poll() is not None
+                if (dead or w.stats.get("status") == "unhealthy") and state["fatal"] is None:
+                    state["fatal"] = f"worker {w.name} " + (f"exited with code {w.process.returncode}" if dead
+                                                            else f"unhealthy: {w.stats.get('error')}")
+                    if on_fatal is not None:
+                        on_fatal(state["fatal"])
+                up_g.labels(w.name).set(1 if w.healthy else 0)
+                free_g.labels(w.name).set(max(w.free_tokens(), 0))
+            await asyncio.sleep(POLL_S)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        task = asyncio.create_task(poll())
+        try:
+            yield
+        finally:
+            task.cancel()
+            await client.aclose()
+
+    app = FastAPI(title="vramguard router", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    app.state.workers = workers
+    if api_key:
+        app.add_middleware(_ApiKey, key=api_key, on_reject=lambda: None)
+
+    @app.get("/health")
+    async def health():
+        ok = state["fatal"] is None and all(w.healthy for w in workers)
+        body = {"status": "ok" if ok else "unhealthy", "workers": {w.name: {"url": w.url, "healthy": w.healthy,
+                                                                            **w.stats} for w in workers}}
+        if state["fatal"]:
+            body["error"] = state["fatal"]
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(generate_latest(registry), media_type="text/plain; version=0.0.4")
+
+    def _headers(w: Worker, request: Request) -> dict:
+        h = {"content-type": request.headers.get("content-type", "application/json")}
+        if w.key:
+            h["authorization"] = f"Bearer {w.key}"
+        return h
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        w = pick(workers)
+        if w is None:
+            return ApiError(503, "no worker is healthy", type_="server_error", code="no_worker").response()
+        r = await client.get(w.url + "/v1/models", headers=_headers(w, request))
+        return Response(r.content, status_code=r.status_code, media_type="application/json")
+
+    async def relay(request: Request, path: str):
+        w = pick(workers)
+        if w is None:
+            return ApiError(503, "no worker is healthy", type_="server_error", code="no_worker",
+                            headers={"Retry-After": "1"}).response()
+        w.sent_since_poll += 1
+        routed.labels(w.name).inc()
+        body = await request.body()
+        req = client.build_request("POST", w.url + path, content=body, headers=_headers(w, request))
+        upstream = await client.send(req, stream=True)
+        keep = {k: v for k, v in upstream.headers.items() if k.lower() in ("retry-after", "content-type")}
+        keep["x-vramguard-worker"] = w.name
+
+        async def body_iter():
+            try:
+                async for chunk in upstream.aiter_raw():
+                    yield chunk
+            finally:
+                await upstream.aclose()  # a client that left closes the worker's stream: the worker cancels
+
+        return StreamingResponse(body_iter(), status_code=upstream.status_code, headers=keep)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await relay(request, "/v1/completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        return await relay(request, "/v1/chat/completions")
+
+    return app
+
+
+def spawn_workers(model: str, gpus: list[int], worker_args: list[str], timeout_s: float = 900) -> list[Worker]:
+    """Start one ``vramguard serve`` per GPU on loopback and wait until each listens.
+
+    Raises:
+        RuntimeError: a worker exited before listening (its stderr tail is in the message) or did not start in time.
+    """
+    workers = []
+    tmp = tempfile.mkdtemp(prefix="vramguard-router-")
+    for g in gpus:
+        key = secrets.token_hex(16)
+        ready = os.path.join(tmp, f"worker{g}.url")
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(g), "VRAMGUARD_API_KEY": key}
+        log = open(os.path.join(tmp, f"worker{g}.log"), "w")
+        p = subprocess.Popen([sys.executable, "-m", "vramguard", "serve", model, "--host", "127.0.0.1", "--port", "0",
+                              "--ready-file", ready, *worker_args], env=env, stdout=log, stderr=subprocess.STDOUT)
+        workers.append(Worker(name=f"gpu{g}", url="", key=key, process=p))
+        workers[-1]._ready, workers[-1]._log = ready, log.name
+    deadline = time.time() + timeout_s
+    for w in workers:
+        while not os.path.exists(w._ready) or not open(w._ready).read().strip():
+            if w.process.poll() is not None:
+                tail = open(w._log).read()[-2000:]
+                stop_workers(workers)
+                raise RuntimeError(f"worker {w.name} exited with code {w.process.returncode}:\n{tail}")
+            if time.time() > deadline:
+                stop_workers(workers)
+                raise RuntimeError(f"worker {w.name} did not start within {timeout_s:.0f} s (log: {w._log})")
+            time.sleep(0.2)
+        w.url = open(w._ready).read().strip()
+    return workers
+
+
+def stop_workers(workers: list[Worker]) -> None:
+    for w in workers:
+        if w.process is not None and w.process.poll() is None:
+            w.process.terminate()
+    for w in workers:
+        if w.process is not None:
+            try:
+                w.process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                w.process.kill()
+
+
+def worker_summary(workers: list[Worker]) -> str:
+    return json.dumps({w.name: w.url for w in workers})
+
+
+def run_router(model: str, gpus: list[int], worker_args: list[str], host: str, port: int,
+               api_key: str | None = None, on_listen=None) -> int:
+    """Spawn the workers, serve the router until interrupted; returns 0, or 3 when a worker died."""
+    from vramguard.serve.server import EXIT_DEVICE_ERROR, make_server
+    workers = spawn_workers(model, gpus, worker_args)
+    code = {"rc": 0}
+    server = None
+
+    def fatal(msg):
+        code["rc"] = EXIT_DEVICE_ERROR
+        print(f"error: {msg}; stopping the router", file=sys.stderr)
+        if server is not None:
+            server.should_exit = True
+
+    try:
+        app = create_router(workers, api_key, on_fatal=fatal)
+        server = make_server(app, host, port, on_listen)
+        server.run()
+    finally:
+        stop_workers(workers)
+    return code["rc"]

@@ -1,0 +1,121 @@
+"""Request bodies of the OpenAI-compatible routes (pydantic, unknown fields refused).
+
+Fields OpenAI defines that this server does not implement are accepted only at their "off" value (e.g.
+``logprobs: null``, ``presence_penalty: 0``); anything else is a 400 that names the field, so a client never gets
+a response computed without a setting it asked for.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+Stop = str | list[str] | None
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=False)
+
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0)
+    n: int = Field(default=1, ge=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: Stop = None
+    user: str | None = None
+    ignore_eos: bool = False  # extension (as in vLLM): generate exactly max_tokens tokens
+    # accepted only at their "off" values (see the module docstring)
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict | None = None
+    logprobs: bool | int | None = None
+
+    def unsupported(self) -> tuple[str, str] | None:
+        """(field, why) for the first field set to a value this server does not implement, else None."""
+        if self.seed is not None:
+            return "seed", "per-request seeds are not supported: the server samples with its --seed"
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) != 0:
+                return name, f"{name} is not supported by this server: send 0 or leave it out"
+        if self.logit_bias:
+            return "logit_bias", "logit_bias is not supported by this server"
+        if self.logprobs not in (None, False, 0):
+            return "logprobs", "logprobs are not returned by this server: leave logprobs out"
+        return None
+
+    def stops(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[int] | list[str]
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def unsupported(self):
+        if self.echo:
+            return "echo", "echo is not supported by this server"
+        if self.suffix:
+            return "suffix", "suffix (insertion) is not supported by this server"
+        if self.best_of not in (None, 1):
+            return "best_of", "best_of is not supported by this server: use n"
+        return super().unsupported()
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[ContentPart]
+    name: str | None = None
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+
+
+class ChatRequest(_Common):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    top_logprobs: int | None = None
+    response_format: ResponseFormat | None = None
+    tools: list | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None
+
+    def unsupported(self):
+        if self.tools:
+            return "tools", "tool calling is not supported by this server"
+        if self.tool_choice not in (None, "none"):
+            return "tool_choice", "tool calling is not supported by this server"
+        if self.top_logprobs:
+            return "top_logprobs", "logprobs are not returned by this server"
+        return super().unsupported()
+
+    def limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def limit_field(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"

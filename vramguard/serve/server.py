@@ -1,0 +1,189 @@
+"""Build and run one serving process: load the model, size the KV pool from the budget, start the engine and the
+HTTP server. ``vramguard serve`` is a thin wrapper over :func:`build` and :meth:`Served.run`."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+
+from vramguard.errors import InvalidValue
+from vramguard.serve.api import ServeOptions, create_app
+from vramguard.serve.engine import Engine
+from vramguard.serve.metrics import Metrics
+from vramguard.serve.pool import PoolPlan, plan_pool
+from vramguard.units import GiB
+
+log = logging.getLogger("vramguard.serve")
+
+CPU_DEFAULT_BUDGET = 2 * GiB  # host memory for the pool when serving on the CPU without --vram-budget
+EXIT_DEVICE_ERROR = 3
+
+
+def _usable(budget: int | None, model) -> tuple[int, str]:
+    import torch
+    if torch.cuda.is_available() and next(model.parameters()).is_cuda:
+        dev = next(model.parameters()).device
+        allocated = torch.cuda.memory_allocated(dev)
+        if budget is not None:
+            return budget - allocated, f"--vram-budget minus {allocated:,} B allocated after loading"
+        free, _ = torch.cuda.mem_get_info(dev)
+        return free + torch.cuda.memory_reserved(dev) - allocated, "free memory of the card after loading"
+    held = sum(p.numel() * p.element_size() for p in model.parameters())
+    if budget is not None:
+        return budget - held, f"--vram-budget minus {held:,} B of weights (host memory: no CUDA device)"
+    return CPU_DEFAULT_BUDGET, "2 GiB of host memory (no CUDA device and no --vram-budget)"
+
+
+@dataclass
+class Served:
+    """A ready server: ``app`` (FastAPI), ``engine``, the ``pool`` plan and load report. Run it with :meth:`run`."""
+
+    app: object
+    engine: Engine
+    pool: PoolPlan
+    options: ServeOptions
+    report: object = None
+    exit_code: int = 0
+    fatal: BaseException | None = None
+    server: object = None
+    notes: list[str] = field(default_factory=list)
+
+    def _server(self, host: str, port: int, on_listen=None):
+        self.server = make_server(self.app, host, port, on_listen)
+        return self.server
+
+    def on_fatal(self, error: BaseException) -> None:
+        self.fatal, self.exit_code = error, EXIT_DEVICE_ERROR
+        log.error("unrecoverable device error, shutting down: %s", error)
+        if self.server is not None:
+            self.server.should_exit = True
+
+    def run(self, host: str = "127.0.0.1", port: int = 8000, on_listen=None) -> int:
+        """Serve until interrupted; returns the exit code (0, or 3 after an unrecoverable device error).
+        ``on_listen(url)`` is called once the socket listens."""
+        server = self._server(host, port, on_listen)
+        try:
+            server.run()
+        finally:
+            self.engine.stop()
+        return self.exit_code
+
+    def start_background(self, host: str = "127.0.0.1", port: int = 0, timeout_s: float = 60) -> str:
+        """Run in a daemon thread; returns the base URL once the socket listens (``port=0`` picks a free port)."""
+        server = self._server(host, port)
+        t = threading.Thread(target=self._run_quiet, daemon=True)
+        t.start()
+        deadline = time.time() + timeout_s
+        while not server.started:
+            if not t.is_alive() or time.time() > deadline:
+                raise RuntimeError("the HTTP server did not start")
+            time.sleep(0.02)
+        h, p = server.servers[0].sockets[0].getsockname()[:2]
+        self._thread = t
+        return f"http://{h}:{p}"
+
+    def _run_quiet(self):
+        try:
+            self.server.run()
+        finally:
+            self.engine.stop()
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.should_exit = True
+            t = getattr(self, "_thread", None)
+            if t is not None:
+                t.join(timeout=15)
+
+
+def make_server(app, host: str, port: int, on_listen=None):
+    """A uvicorn server for ``app`` that calls ``on_listen(base_url)`` once its socket listens."""
+    import uvicorn
+
+    class _Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):
+            """Ctrl-C / SIGTERM: a graceful stop and exit code 0 (uvicorn would re-raise the signal)."""
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            original = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in original.items():
+                    signal.signal(sig, handler)
+
+        async def startup(self, sockets=None):
+            await super().startup(sockets)
+            if on_listen is not None and self.started and self.servers:
+                h, p = self.servers[0].sockets[0].getsockname()[:2]
+                on_listen(f"http://{h}:{p}")
+
+    return _Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on",
+                                  timeout_graceful_shutdown=5))
+
+
+def build(model: str, *, vram_budget: int | None = None, max_queue: int = 64, max_running: int = 64,
+          max_batch_tokens: int = 2048, page_size: int = 256, api_key: str | None = None, quant: str = "nf4",
+          dtype: str | None = None, attn: str = "auto", trust_remote_code: bool = False, allow_pickle: bool = False,
+          seed: int = 0, served_name: str | None = None, n_max: int = 4, default_max_tokens: int = 256,
+          max_body_bytes: int = 1 << 20, max_kv_blocks: int | None = None, verify: bool = True,
+          loaded=None) -> Served:
+    """Load ``model`` and prepare the server (no socket yet).
+
+    Raises:
+        InvalidValue: a limit out of range. Infeasible: the budget leaves no room for the pool.
+        UnknownModel / ConfigError: from :func:`vramguard.load.load_model`.
+    """
+    for name, value, lo in (("max_queue", max_queue, 0), ("max_running", max_running, 1),
+                            ("max_batch_tokens", max_batch_tokens, 16), ("page_size", page_size, 4),
+                            ("n_max", n_max, 1), ("default_max_tokens", default_max_tokens, 1)):
+        if value < lo:
+            raise InvalidValue(name, value, f"an integer >= {lo}", f"pass {lo} or more")
+    from vramguard.load import load_model
+    from vramguard.resolve import resolve_model
+    if loaded is None:
+        loaded = load_model(model, quant=quant, dtype=dtype, attn=attn, trust_remote_code=trust_remote_code,
+                            allow_pickle=allow_pickle, verify=verify)
+    m, tok, report = loaded
+    unpinned = None
+    if getattr(m, "_vramguard_pin", None):
+        from vramguard.load import _unpin_sdpa
+        unpinned = m._vramguard_pin[0]
+        _unpin_sdpa(m)
+    spec = resolve_model(str(model)) if not hasattr(m, "_vramguard_spec") else m._vramguard_spec
+    import torch
+    usable, source = _usable(vram_budget, m)
+    act_bytes = torch.finfo(m.dtype).bits // 8 if m.dtype.is_floating_point else 2
+    flash = "flash" in (m.config._attn_implementation or "")
+    pool = plan_pool(spec, usable, act_bytes=act_bytes, flash=flash, page_size=page_size,
+                     max_batch_tokens=max_batch_tokens, max_requests=max_running,
+                     on_cuda=next(m.parameters()).is_cuda, source=source)
+    if max_kv_blocks is not None:
+        if max_kv_blocks < 1:
+            raise InvalidValue("max_kv_blocks", max_kv_blocks, "an integer >= 1", "pass --max-kv-blocks 1 or more")
+        if max_kv_blocks < pool.num_blocks:
+            pool.num_blocks, pool.pool_tokens = max_kv_blocks, max_kv_blocks * page_size
+            pool.pool_bytes = pool.pool_tokens * pool.kv_bytes_per_token
+            pool.source += f"; capped at {max_kv_blocks} blocks by --max-kv-blocks"
+    metrics = Metrics()
+    engine = Engine(m, tok, pool, max_queue=max_queue, seed=seed, metrics=metrics)
+    metrics._engine_stats = engine.stats
+    engine.start()
+    options = ServeOptions(model_id=served_name or str(model), context_length=spec.max_position_embeddings,
+                           api_key=api_key, max_body_bytes=max_body_bytes, n_max=n_max,
+                           default_max_tokens=default_max_tokens)
+    if tok is not None and not getattr(tok, "chat_template", None):
+        options.notes.append("the tokenizer has no chat template: chat prompts use 'role: content' lines "
+                             "ending with 'assistant:'")
+    if unpinned:
+        options.notes.append(f"SDPA was pinned to the {unpinned} backend at load; unpinned for serving: paged "
+                             "attention passes a block mask, which that backend cannot take")
+    served = Served(app=None, engine=engine, pool=pool, options=options, report=report)
+    served.app = create_app(engine, tok, options, metrics, on_fatal=served.on_fatal)
+    return served
