@@ -133,7 +133,7 @@ def test_greedy_tokens_equal_generate_on_the_cpu(attn, dtype, chunk):
         assert r.token_ids == hf(m, min_new_tokens=NEW)
     assert (r.mode, r.stop, r.prompt_tokens, r.max_cache_len) == ("eager", "max_new_tokens", 40, 40 + NEW - 1)
     assert r.reason.startswith("no CUDA device (the model is on cpu)") and "eagerly" in r.reason
-    assert r.replay_steps == 0 and r.warmup_steps == NEW - 1 and r.decode_ms_per_token > 0
+    assert r.replay_steps == 0 and r.eager_steps == NEW - 1 and r.decode_ms_per_token > 0
 
 
 @pytest.mark.parametrize("attn,chunk", [("sdpa", None), ("eager", 16)])
@@ -143,7 +143,7 @@ def test_emulated_graph_replays_give_the_same_tokens(attn, chunk):
     r = F.graph_decode(m, PROMPT, NEW, prefill_chunk_tokens=chunk, min_new_tokens=NEW)
     assert r.token_ids == hf(m, min_new_tokens=NEW, cache_implementation="static", prefill_chunk_size=chunk)
     assert r.mode == "emulated_graph" and "captured after 2 warm-up step(s)" in r.reason
-    assert (r.warmup_steps, r.replay_steps) == (2, NEW - 1 - 2)  # 19 decode forwards: 2 eager, 17 replayed
+    assert (r.eager_steps, r.replay_steps) == (2, NEW - 1 - 2)  # 19 decode forwards: 2 eager, 17 replayed
     assert r.capture_s is not None and r.replay_ms_per_token > 0
 
 
@@ -155,7 +155,7 @@ def test_a_graph_is_reused_by_the_next_request(model):
     second = dec.generate(other, 12, min_new_tokens=12)
     assert first.token_ids == hf(model, min_new_tokens=NEW)
     assert second.token_ids == hf(model, 12, other, min_new_tokens=12)
-    assert (second.warmup_steps, second.replay_steps, second.capture_s) == (0, 11, None)
+    assert (second.eager_steps, second.replay_steps, second.capture_s) == (0, 11, None)
     assert "earlier call" in second.reason
     with pytest.raises(InvalidValue) as e:  # 90 + 12 - 1 = 101 slots > 100
         dec.generate(list(range(90)), 12)

@@ -67,7 +67,7 @@ class DecodeResult:
     ttft_s: float
     decode_s: float
     decode_ms_per_token: float | None
-    warmup_steps: int = 0
+    eager_steps: int = 0  # decode steps run without the graph: the warm-up, or all of them in eager mode
     replay_steps: int = 0
     replay_ms_per_token: float | None = None
     capture_s: float | None = None
