@@ -207,11 +207,13 @@ def run_variants(B: Bench, m, ids, new, bound_ms):
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
         dec = GraphDecoder(m, n_prompt + new - 1)
-        first = B.runs["graph_first"] = decoder_run(dec, prompt, new, keep_logits=True)
-        second = B.runs["graph"] = decoder_run(dec, prompt, new)
-        third = B.runs["graph_sync16"] = decoder_run(dec, prompt, new, sync_every=16)
-        peak = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None
-        dec.close()
+        try:
+            first = B.runs["graph_first"] = decoder_run(dec, prompt, new, keep_logits=True)
+            second = B.runs["graph"] = decoder_run(dec, prompt, new)
+            third = B.runs["graph_sync16"] = decoder_run(dec, prompt, new, sync_every=16)
+            peak = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None
+        finally:
+            dec.close()
         r2 = second["result"]
         ms = r2.replay_ms_per_token or r2.decode_ms_per_token
         rec = {"mode": first["result"].mode, "first_call_logits_kept": _decoder_record(first["result"]),
@@ -239,8 +241,10 @@ def run_variants(B: Bench, m, ids, new, bound_ms):
 
     def decoder_eager():
         dec = GraphDecoder(m, n_prompt + new - 1, use_graph=False)
-        run = B.runs["decoder_eager"] = decoder_run(dec, prompt, new, keep_logits=True)
-        dec.close()
+        try:
+            run = B.runs["decoder_eager"] = decoder_run(dec, prompt, new, keep_logits=True)
+        finally:
+            dec.close()
         return _decoder_record(run["result"])
 
     def fast():

@@ -46,7 +46,7 @@ def _no_overrides():
 def hf(model, new=NEW, prompt=PROMPT, **kw):
     """transformers' own generate: the reference."""
     import torch
-    ids = torch.tensor([prompt])
+    ids = torch.tensor([prompt], device=next(model.parameters()).device)
     kw.setdefault("do_sample", False)
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, pad_token_id=0, **kw)
     return out[0, len(prompt):].tolist()
