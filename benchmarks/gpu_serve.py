@@ -6,8 +6,9 @@ Llama-3.1-8B architecture (random weights), NF4, prompts of 512 random token ids
 1. transformers ``generate`` one request after another (``--seq`` requests): tokens/s;
 2. transformers ``generate_batch`` (its continuous batching) on ``--concurrency`` requests with the same KV pool
    and step limits as vramguard's plan (after a warm-up call): tokens/s, peak memory;
-3. ``vramguard serve`` (the real HTTP server on loopback, driven with httpx): ``--concurrency`` concurrent
-   requests: aggregate tokens/s, peak memory against the budget;
+3. ``vramguard serve`` started from the CLI in its own process (the budget enforced as a hard cap), driven over
+   loopback with httpx from this process: ``--concurrency`` concurrent requests: aggregate tokens/s, peak memory
+   against the budget; the same with ``--greedy`` (no sampling processors in the step);
 4. a burst of ``--burst`` requests at once with ``--queue`` queue slots: accepted requests complete with exactly
    their tokens, the others get 429/503 (rejection latency), zero 5xx, zero OOM recoveries needed;
 5. ``--big`` concurrent requests that each need 30% of the KV pool (pool capped with ``max_kv_blocks``): all
@@ -22,7 +23,9 @@ import argparse
 import asyncio
 import gc
 import os
+import signal
 import statistics
+import subprocess
 import sys
 import time
 
@@ -51,7 +54,7 @@ async def fire(url: str, bodies: list[dict], timeout: float = 600) -> list[dict]
                 dt = time.perf_counter() - t0
                 toks = r.json().get("usage", {}).get("completion_tokens") if r.status_code == 200 else None
                 return {"status": r.status_code, "tokens": toks, "s": dt,
-                        "retry_after": r.headers.get("retry-after"),
+                        "retry_after": r.headers.get("retry-after"), "worker": r.headers.get("x-vramguard-worker"),
                         "code": (r.json().get("error") or {}).get("code") if r.status_code != 200 else None}
             except Exception as e:  # noqa: BLE001 - recorded, counted as a failure
                 return {"status": -1, "tokens": None, "s": time.perf_counter() - t0, "error": repr(e)[:200]}
@@ -170,62 +173,104 @@ def main():
         gc.collect()
         torch.cuda.empty_cache()
 
-    # 3-4. vramguard serve
-    torch.cuda.reset_peak_memory_stats()
-    t = time.perf_counter()
-    served = build(args.ckpt, loaded=loaded, vram_budget=budget, max_queue=args.queue,
-                   max_running=args.concurrency, served_name="m")
-    url = served.start_background()
-    emit(out, {"phase": "serve_start", "s": round(time.perf_counter() - t, 1), "pool": served.pool.as_dict(),
-               "notes": served.engine.notes + served.options.notes, "attn": served.engine.attn_implementation})
-    asyncio.run(fire(url, [body(P[i], 16) for i in range(8)]))  # warm-up
-    if "serve" not in skip:
-        t = time.perf_counter()
-        rs = asyncio.run(fire(url, [body(P[i], args.new) for i in range(args.concurrency)]))
-        dt = time.perf_counter() - t
-        toks = sum(r["tokens"] or 0 for r in rs)
-        emit(out, {"phase": "serve_concurrent", "requests": args.concurrency, "ok": sum(r["status"] == 200 for r in rs),
-                   "exact_tokens": sum(r["tokens"] == args.new for r in rs), "tokens": toks, "s": round(dt, 2),
-                   "tokens_per_s": round(toks / dt, 1), "peak_bytes": torch.cuda.max_memory_allocated(),
-                   "budget_bytes": budget, "oom_recoveries": served.engine.oom_recoveries,
-                   "statuses": sorted({r["status"] for r in rs})})
-    if "burst" not in skip:
-        t = time.perf_counter()
-        rs = asyncio.run(fire(url, [body(P[i % len(P)], args.new) for i in range(args.burst)]))
-        dt = time.perf_counter() - t
-        ok = [r for r in rs if r["status"] == 200]
-        rej = [r for r in rs if r["status"] in (429, 503)]
-        emit(out, {"phase": "burst", "requests": args.burst, "queue": args.queue, "accepted": len(ok),
-                   "exact_tokens": sum(r["tokens"] == args.new for r in ok), "rejected": len(rej),
-                   "rejected_median_ms": round(1000 * statistics.median([r["s"] for r in rej]), 1) if rej else None,
-                   "rejected_max_ms": round(1000 * max(r["s"] for r in rej), 1) if rej else None,
-                   "retry_after": sorted({r["retry_after"] for r in rej}), "5xx": sum(r["status"] >= 500 for r in rs),
-                   "other": [r for r in rs if r["status"] not in (200, 429, 503)][:3],
-                   "s": round(dt, 2), "tokens_per_s": round(sum(r["tokens"] for r in ok) / dt, 1),
-                   "oom_recoveries": served.engine.oom_recoveries, "peak_bytes": torch.cuda.max_memory_allocated()})
-    served.stop()
-
-    # 5. requests that each need 30% of the pool
+    # 3-5. vramguard serve, as users run it: its own process (the CLI), driven from this one over loopback
+    del m, loaded
+    gc.collect()
+    torch.cuda.empty_cache()
+    base = ["--vram-budget", f"{args.budget}GiB", "--max-queue", str(args.queue), "--max-running",
+            str(args.concurrency), "--served-model-name", "m"] + ([] if cuda else ["--quant", "fp32"])
+    variants = [("serve", base), ("serve_greedy", base + ["--greedy"])]
     if "big" not in skip:
-        new = 64
-        page = 64
-        need = -(-(args.prompt + new) // page)  # blocks per request
-        blocks = int(need / 0.3)
-        gc.collect()
-        torch.cuda.empty_cache()
-        served = build(args.ckpt, loaded=loaded, vram_budget=budget, max_queue=args.big, max_running=args.big,
-                       page_size=page, max_kv_blocks=blocks, served_name="m")
-        url = served.start_background()
+        variants.append(("big", ["--vram-budget", f"{args.budget}GiB", "--page-size", "64", "--max-kv-blocks",
+                                 str(int(-(-(args.prompt + 64) // 64) / 0.3)), "--max-queue", str(args.big),
+                                 "--max-running", str(args.big), "--served-model-name", "m"]
+                         + ([] if cuda else ["--quant", "fp32"])))
+    for name, flags in variants:
+        if name in skip:
+            continue
         t = time.perf_counter()
-        rs = asyncio.run(fire(url, [body(P[i], new) for i in range(args.big)]))
-        dt = time.perf_counter() - t
-        emit(out, {"phase": "big_requests", "requests": args.big, "blocks_per_request": need, "pool_blocks": blocks,
-                   "share": round(need / blocks, 3), "ok": sum(r["status"] == 200 for r in rs),
-                   "exact_tokens": sum(r["tokens"] == new for r in rs),
-                   "refused": sum(r["status"] in (400, 429, 503) for r in rs),
-                   "other": [r for r in rs if r["status"] not in (200, 400, 429, 503)][:3], "s": round(dt, 1),
-                   "oom_recoveries": served.engine.oom_recoveries, "peak_bytes": torch.cuda.max_memory_allocated()})
-        served.stop()
+        proc, url = spawn_server(args.ckpt, flags, os.path.join(args.out, f"{name}.log"))
+        try:
+            health = httpx_get(url + "/health")
+            emit(out, {"phase": f"{name}_start", "s": round(time.perf_counter() - t, 1), "flags": flags,
+                       "pool": health["pool"], "notes": health["notes"]})
+            asyncio.run(fire(url, [body(P[i], 16) for i in range(8)]))  # warm-up
+            if name == "big":
+                new = 64
+                need = -(-(args.prompt + new) // 64)
+                t = time.perf_counter()
+                rs = asyncio.run(fire(url, [body(P[i], new) for i in range(args.big)]))
+                dt = time.perf_counter() - t
+                h = httpx_get(url + "/health")
+                emit(out, {"phase": "big_requests", "requests": args.big, "blocks_per_request": need,
+                           "pool_blocks": h["kv_blocks_total"], "share": round(need / h["kv_blocks_total"], 3),
+                           "ok": sum(r["status"] == 200 for r in rs), "exact_tokens": sum(r["tokens"] == new for r in rs),
+                           "refused": sum(r["status"] in (400, 429, 503) for r in rs),
+                           "other": [r for r in rs if r["status"] not in (200, 400, 429, 503)][:3], "s": round(dt, 1),
+                           "oom_recoveries": h["oom_recoveries"], "peak_bytes": metric(url, "vramguard_vram_peak_allocated_bytes")})
+                continue
+            t = time.perf_counter()
+            rs = asyncio.run(fire(url, [body(P[i], args.new) for i in range(args.concurrency)]))
+            dt = time.perf_counter() - t
+            toks = sum(r["tokens"] or 0 for r in rs)
+            emit(out, {"phase": f"{name}_concurrent", "requests": args.concurrency,
+                       "ok": sum(r["status"] == 200 for r in rs), "exact_tokens": sum(r["tokens"] == args.new for r in rs),
+                       "tokens": toks, "s": round(dt, 2), "tokens_per_s": round(toks / dt, 1),
+                       "peak_bytes": metric(url, "vramguard_vram_peak_allocated_bytes"), "budget_bytes": budget,
+                       "oom_recoveries": httpx_get(url + "/health")["oom_recoveries"],
+                       "statuses": sorted({r["status"] for r in rs})})
+            if name == "serve" and "burst" not in skip:
+                t = time.perf_counter()
+                rs = asyncio.run(fire(url, [body(P[i % len(P)], args.new) for i in range(args.burst)]))
+                dt = time.perf_counter() - t
+                ok = [r for r in rs if r["status"] == 200]
+                rej = [r for r in rs if r["status"] in (429, 503)]
+                emit(out, {"phase": "burst", "requests": args.burst, "queue": args.queue, "accepted": len(ok),
+                           "exact_tokens": sum(r["tokens"] == args.new for r in ok), "rejected": len(rej),
+                           "rejected_median_ms": round(1000 * statistics.median([r["s"] for r in rej]), 1) if rej else None,
+                           "rejected_max_ms": round(1000 * max(r["s"] for r in rej), 1) if rej else None,
+                           "retry_after": sorted({r["retry_after"] for r in rej}),
+                           "5xx": sum(r["status"] >= 500 for r in rs),
+                           "other": [r for r in rs if r["status"] not in (200, 429, 503)][:3],
+                           "s": round(dt, 2), "tokens_per_s": round(sum(r["tokens"] for r in ok) / dt, 1),
+                           "oom_recoveries": httpx_get(url + "/health")["oom_recoveries"],
+                           "peak_bytes": metric(url, "vramguard_vram_peak_allocated_bytes")})
+        finally:
+            proc.send_signal(signal.SIGINT)
+            try:
+                rc = proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                rc = "killed"
+            emit(out, {"phase": f"{name}_stop", "exit_code": rc})
+
+
+def spawn_server(ckpt: str, flags: list[str], log: str, timeout_s: float = 300):
+    """``vramguard serve`` in its own process on a free loopback port; returns (process, base URL)."""
+    ready = log + ".url"
+    if os.path.exists(ready):
+        os.remove(ready)
+    proc = subprocess.Popen([sys.executable, "-m", "vramguard", "serve", ckpt, "--port", "0", "--ready-file", ready,
+                             *flags], stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    deadline = time.time() + timeout_s
+    while not os.path.exists(ready):
+        if proc.poll() is not None or time.time() > deadline:
+            raise RuntimeError(f"server did not start (exit {proc.poll()}): {open(log).read()[-3000:]}")
+        time.sleep(0.2)
+    return proc, open(ready).read().strip()
+
+
+def httpx_get(url: str) -> dict:
+    import httpx
+    return httpx.get(url, timeout=30).json()
+
+
+def metric(url: str, name: str) -> float | None:
+    import httpx
+    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    return None
 
 
 if __name__ == "__main__":

@@ -518,3 +518,17 @@ def test_cli_serve_answers_and_stops_cleanly(folder, tmp_path):
         out, errs = p.communicate(timeout=30)
     assert p.returncode == 0, errs
     assert "KV pool" in errs and "serving tiny on http://127.0.0.1:" in errs
+
+
+def test_greedy_server_refuses_sampling_and_matches_transformers(folder):
+    s = _build(folder, greedy=True)
+    url = s.start_background()
+    try:
+        ids = [1, 60, 61]
+        r = _post(url, "/v1/completions", {"model": "tiny", "prompt": ids, "max_tokens": 10, "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == _words(_reference(s, ids, 10))
+        r = _post(url, "/v1/completions", {"model": "tiny", "prompt": ids, "max_tokens": 4, "temperature": 0.7})
+        assert r.status_code == 400 and (_err(r)["param"], _err(r)["code"]) == ("temperature", "unsupported_parameter")
+        assert "--greedy" in _err(r)["message"]
+    finally:
+        s.stop()

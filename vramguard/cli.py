@@ -393,8 +393,9 @@ def serve(
     port: int = typer.Option(8000, help="TCP port (0 picks a free one)"),
     gpus: Optional[str] = typer.Option(None, help="GPU indices, e.g. 0,1: one worker process per GPU behind one "
                                                   "router"),
-    vram_budget: Optional[str] = typer.Option(None, help="memory PyTorch may use per GPU, e.g. 20GiB (default: what "
-                                                         "is free after loading)"),
+    vram_budget: Optional[str] = typer.Option(None, help="memory PyTorch may use per GPU, e.g. 20GiB, enforced as a "
+                                                         "hard cap on this process (default: what is free after "
+                                                         "loading)"),
     max_queue: int = typer.Option(64, help="requests that may wait beyond those running; more get 429"),
     max_running: int = typer.Option(64, help="requests computed together in one step"),
     max_batch_tokens: int = typer.Option(2048, help="tokens computed in one step (prefill chunks + decodes)"),
@@ -413,11 +414,22 @@ def serve(
     n_max: int = typer.Option(4, help="largest n (choices per request)"),
     default_max_tokens: int = typer.Option(256, help="max_tokens of a request that gives none"),
     max_body_size: str = typer.Option("1MiB", help="largest request body; more gets 413"),
+    greedy: bool = typer.Option(False, help="decode every request greedily (no sampling work in the step); requests "
+                                            "asking for temperature > 0 are refused"),
     ready_file: Optional[str] = typer.Option(None, hidden=True, help="write the URL here once listening"),
 ) -> None:
     """Serve the model over an OpenAI-compatible API (/v1/chat/completions, /v1/completions, /v1/models, /health,
     /metrics) with a KV pool sized for the budget, a bounded queue, and recovery from out-of-memory errors."""
     from vramguard.units import parse_size
+    try:
+        import fastapi  # noqa: F401
+        import prometheus_client  # noqa: F401
+        import sse_starlette  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as e:
+        err.print(f"error serve: {e.name} is not installed.\nfix: pip install 'vramguard[serve]'", markup=False,
+                  highlight=False)
+        raise typer.Exit(3) from None
 
     def listening(url: str) -> None:
         if ready_file:
@@ -457,7 +469,8 @@ def serve(
                        api_key=api_key, quant=quant.value, dtype=dtype.value if dtype and dtype.value != "auto"
                        else None, attn=attn.value, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle,
                        seed=seed, served_name=served_model_name, n_max=n_max,
-                       default_max_tokens=default_max_tokens, max_body_bytes=body)
+                       default_max_tokens=default_max_tokens, max_body_bytes=body, greedy=greedy,
+                       hard_cap=True)
         err.print(served.pool.summary(), markup=False, highlight=False)
         for note in served.engine.notes + served.options.notes:
             err.print("note: " + note, markup=False, highlight=False)

@@ -85,6 +85,14 @@ class _ApiKey:
         await self.app(scope, receive, send)
 
 
+async def _disconnected(request: Request) -> None:
+    """Return when the client has gone (the request body was read before: the next ASGI message is the disconnect)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
 def _fallback_template(messages) -> str:
     return "".join(f"{m.role}: {m.text()}\n" for m in messages) + "assistant:"
 
@@ -230,6 +238,8 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions, metrics: Metric
         return max_new
 
     def _sampling(req) -> Sampling:
+        if engine.greedy_only:
+            return Sampling(temperature=0)
         return Sampling(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k)
 
     async def _generate(request: Request, req, ids: list[int], max_new: int, chat: bool):
@@ -309,19 +319,20 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions, metrics: Metric
                 yield delta, False, None, None, len(tokens)
 
     async def _consume(request: Request, h, stops) -> dict:
-        text, result = "", {"text": "", "tokens": 0, "finish": None, "error": None, "cancelled": False}
+        result = {"text": "", "tokens": 0, "finish": None, "error": None, "cancelled": False}
+        text = ""
         agen = _events(h, stops)
+        gone = asyncio.ensure_future(_disconnected(request))  # one waiter per request, no polling
         try:
             while True:
                 nxt = asyncio.ensure_future(agen.__anext__())
-                while not nxt.done():
-                    await asyncio.wait([nxt], timeout=0.1)
-                    if not nxt.done() and await request.is_disconnected():
-                        nxt.cancel()
-                        engine.cancel(h.request_id)
-                        metrics.requests.labels("cancelled").inc()
-                        result["cancelled"] = True
-                        return result
+                await asyncio.wait({nxt, gone}, return_when=asyncio.FIRST_COMPLETED)
+                if not nxt.done():
+                    nxt.cancel()
+                    engine.cancel(h.request_id)
+                    metrics.requests.labels("cancelled").inc()
+                    result["cancelled"] = True
+                    return result
                 try:
                     delta, done, reason, err, n = nxt.result()
                 except StopAsyncIteration:
@@ -332,6 +343,7 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions, metrics: Metric
                     metrics.requests.labels("failed" if err else "completed").inc()
                     break
         finally:
+            gone.cancel()
             engine.finish(h.request_id)
         return result
 
@@ -419,8 +431,19 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions, metrics: Metric
 
     async def _handle(request: Request, schema, chat: bool):
         try:
+            t_arrival = time.perf_counter()
+            try:
+                _admit_or_429(1)  # overload is decided before the body is even read
+            except ApiError as e:
+                if e.status == 429:
+                    metrics.rejection_seconds.observe(time.perf_counter() - t_arrival)
+                raise
             req = await _body(request, schema)
             _admit_or_429(req.n)
+            if engine.greedy_only and "temperature" in req.model_fields_set and req.temperature > 0:
+                raise ApiError(400, f"temperature: {req.temperature} asks for sampling, and this server decodes "
+                                    "greedily (started with --greedy); send temperature 0 or leave it out",
+                               param="temperature", code="unsupported_parameter")
             ids = _chat_prompt(req) if chat else _completion_prompt(req)
             if not ids:
                 raise ApiError(400, "prompt: empty; send at least one token", param="prompt", code="invalid_value")

@@ -92,15 +92,18 @@ class Engine:
         max_queue: requests allowed to wait for their first token beyond those the engine runs at once.
         seed: the sampling seed of the engine (one per server: OpenAI's per-request ``seed`` is not supported).
         metrics: optional :class:`~vramguard.serve.metrics.Metrics`.
+        greedy_only: decode every request greedily with a plain argmax (no sampling processors in the step);
+            requests that ask for sampling are refused by the API.
 
     Test hooks: ``before_step(index, request_ids)`` is called in the engine thread before each step's forward;
     raising ``torch.OutOfMemoryError`` there exercises recovery exactly as a real OOM in the forward would.
     """
 
     def __init__(self, model, tokenizer, pool: PoolPlan, *, max_queue: int = 64, seed: int | None = 0,
-                 metrics=None):
+                 metrics=None, greedy_only: bool = False):
         self.model, self.tokenizer, self.pool = model, tokenizer, pool
         self.max_queue = max_queue
+        self.greedy_only = greedy_only
         self.max_running = pool.max_requests
         self.seed = seed
         self.metrics = metrics
@@ -130,11 +133,14 @@ class Engine:
         eos = getattr(self.model.generation_config, "eos_token_id", None)
         if eos is None and self.tokenizer is not None:
             eos = self.tokenizer.eos_token_id
-        gen = GenerationConfig(do_sample=True, max_new_tokens=16, eos_token_id=eos if eos is not None else -1,
-                               pad_token_id=getattr(text_cfg, "pad_token_id", None) or 0, **_PROCESSOR_SEEDS)
+        sampling = {} if self.greedy_only else {"do_sample": True, **_PROCESSOR_SEEDS}
+        gen = GenerationConfig(max_new_tokens=16, eos_token_id=eos if eos is not None else -1,
+                               pad_token_id=getattr(text_cfg, "pad_token_id", None) or 0,
+                               **(sampling or {"do_sample": False}))
         cfg = cb_config(num_blocks=self.pool.num_blocks, page_size=self.pool.page_size,
                         max_batch_tokens=self.pool.max_batch_tokens, max_requests_per_batch=self.pool.max_requests,
-                        use_async_batching=False, per_request_processors=True, drop_unsupported_processors=False,
+                        use_async_batching=False, per_request_processors=not self.greedy_only,
+                        drop_unsupported_processors=False,
                         max_memory_percent=1.0, seed=self.seed, allow_block_sharing=False)
         before = self.model.config._attn_implementation
         cls = guarded_manager_class()
@@ -244,7 +250,7 @@ class Engine:
             h.queue.put_nowait(output)
 
         self._manager.register_result_handler(rid, deliver)
-        kw = sampling.processor_kwargs(self.vocab_size)
+        kw = {} if self.greedy_only else sampling.processor_kwargs(self.vocab_size)
         if eos_token_id is not None:
             kw["eos_token_id"] = eos_token_id
         ok = self._manager.add_request(list(input_ids), request_id=rid, max_new_tokens=max_new_tokens,

@@ -25,7 +25,13 @@ class Metrics:
                               registry=r)
         self.tpot = Histogram("vramguard_time_per_output_token_seconds", "Time per output token after the first",
                               buckets=TPOT_BUCKETS, registry=r)
+        self.rejection_seconds = Histogram("vramguard_overload_rejection_seconds",
+                                           "Time to answer 429 once the request reached the handler",
+                                           buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25),
+                                           registry=r)
         self.vram_allocated = Gauge("vramguard_vram_allocated_bytes", "torch.cuda.memory_allocated", registry=r)
+        self.vram_peak = Gauge("vramguard_vram_peak_allocated_bytes", "torch.cuda.max_memory_allocated since start",
+                               registry=r)
         self.vram_reserved = Gauge("vramguard_vram_reserved_bytes", "torch.cuda.memory_reserved", registry=r)
         self.kv_blocks_used = Gauge("vramguard_kv_blocks_used", "KV blocks held by requests", registry=r)
         self.kv_blocks_total = Gauge("vramguard_kv_blocks_total", "KV blocks in the pool", registry=r)
@@ -41,6 +47,7 @@ class Metrics:
             if torch.cuda.is_available():
                 self.vram_allocated.set(torch.cuda.memory_allocated(device))
                 self.vram_reserved.set(torch.cuda.memory_reserved(device))
+                self.vram_peak.set(torch.cuda.max_memory_allocated(device))
         except ImportError:
             pass
         if self._engine_stats is not None:

@@ -74,27 +74,31 @@ def create_router(workers: list[Worker], api_key: str | None = None, on_fatal=No
     client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5))
     state = {"fatal": None}
 
+    async def poll_once():
+        for w in workers:
+            try:
+                r = await client.get(w.url + "/health", timeout=2)
+                w.stats, w.healthy = r.json(), r.status_code == 200
+            except (httpx.HTTPError, ValueError):
+                w.healthy = False
+            w.sent_since_poll = 0
+            dead = w.process is not None and w.process.poll() is not None
+            if (dead or w.stats.get("status") == "unhealthy") and state["fatal"] is None:
+                state["fatal"] = f"worker {w.name} " + (f"exited with code {w.process.returncode}" if dead
+                                                        else f"unhealthy: {w.stats.get('error')}")
+                if on_fatal is not None:
+                    on_fatal(state["fatal"])
+            up_g.labels(w.name).set(1 if w.healthy else 0)
+            free_g.labels(w.name).set(max(w.free_tokens(), 0))
+
     async def poll():
         while True:
-            for w in workers:
-                try:
-                    r = await client.get(w.url + "/health", timeout=2)
-                    w.stats, w.healthy = r.json(), r.status_code == 200
-                except (httpx.HTTPError, ValueError):
-                    w.healthy = False
-                w.sent_since_poll = 0
-                dead = w.process is not None and w.process.poll() is not None
-                if (dead or w.stats.get("status") == "unhealthy") and state["fatal"] is None:
-                    state["fatal"] = f"worker {w.name} " + (f"exited with code {w.process.returncode}" if dead
-                                                            else f"unhealthy: {w.stats.get('error')}")
-                    if on_fatal is not None:
-                        on_fatal(state["fatal"])
-                up_g.labels(w.name).set(1 if w.healthy else 0)
-                free_g.labels(w.name).set(max(w.free_tokens(), 0))
             await asyncio.sleep(POLL_S)
+            await poll_once()
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
+        await poll_once()  # the workers' state is known before the first request
         task = asyncio.create_task(poll())
         try:
             yield

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import signal
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -21,6 +22,9 @@ log = logging.getLogger("vramguard.serve")
 
 CPU_DEFAULT_BUDGET = 2 * GiB  # host memory for the pool when serving on the CPU without --vram-budget
 EXIT_DEVICE_ERROR = 3
+# The engine thread and the HTTP event loop share the GIL; a shorter switch interval than CPython's 5 ms lets the
+# loop answer (e.g. reject with 429) while the engine is busy between kernel launches.
+SWITCH_INTERVAL_S = 0.001
 
 
 def _usable(budget: int | None, model) -> tuple[int, str]:
@@ -66,6 +70,7 @@ class Served:
         """Serve until interrupted; returns the exit code (0, or 3 after an unrecoverable device error).
         ``on_listen(url)`` is called once the socket listens."""
         server = self._server(host, port, on_listen)
+        sys.setswitchinterval(SWITCH_INTERVAL_S)
         try:
             server.run()
         finally:
@@ -132,8 +137,8 @@ def build(model: str, *, vram_budget: int | None = None, max_queue: int = 64, ma
           max_batch_tokens: int = 2048, page_size: int = 256, api_key: str | None = None, quant: str = "nf4",
           dtype: str | None = None, attn: str = "auto", trust_remote_code: bool = False, allow_pickle: bool = False,
           seed: int = 0, served_name: str | None = None, n_max: int = 4, default_max_tokens: int = 256,
-          max_body_bytes: int = 1 << 20, max_kv_blocks: int | None = None, verify: bool = True,
-          loaded=None) -> Served:
+          max_body_bytes: int = 1 << 20, max_kv_blocks: int | None = None, greedy: bool = False,
+          hard_cap: bool = False, verify: bool = True, loaded=None) -> Served:
     """Load ``model`` and prepare the server (no socket yet).
 
     Raises:
@@ -147,6 +152,13 @@ def build(model: str, *, vram_budget: int | None = None, max_queue: int = 64, ma
             raise InvalidValue(name, value, f"an integer >= {lo}", f"pass {lo} or more")
     from vramguard.load import load_model
     from vramguard.resolve import resolve_model
+    import torch
+    if hard_cap and vram_budget is not None and torch.cuda.is_available():
+        total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        if vram_budget > total:
+            raise InvalidValue("vram_budget", vram_budget, f"at most the card's {total:,} B",
+                               "pass a smaller --vram-budget")
+        torch.cuda.set_per_process_memory_fraction(vram_budget / total)
     if loaded is None:
         loaded = load_model(model, quant=quant, dtype=dtype, attn=attn, trust_remote_code=trust_remote_code,
                             allow_pickle=allow_pickle, verify=verify)
@@ -172,7 +184,7 @@ def build(model: str, *, vram_budget: int | None = None, max_queue: int = 64, ma
             pool.pool_bytes = pool.pool_tokens * pool.kv_bytes_per_token
             pool.source += f"; capped at {max_kv_blocks} blocks by --max-kv-blocks"
     metrics = Metrics()
-    engine = Engine(m, tok, pool, max_queue=max_queue, seed=seed, metrics=metrics)
+    engine = Engine(m, tok, pool, max_queue=max_queue, seed=seed, metrics=metrics, greedy_only=greedy)
     metrics._engine_stats = engine.stats
     engine.start()
     options = ServeOptions(model_id=served_name or str(model), context_length=spec.max_position_embeddings,
