@@ -54,6 +54,9 @@ def main():
     ap.add_argument("--ckpt", default="/tmp/ckpt-llama3-8b")
     ap.add_argument("--budget", default="24")
     ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--short", action="store_true", help="skip the 64-request runs")
+    ap.add_argument("--burst-front", action="store_true",
+                    help="only: --gpus 0 (front process + one worker), warm-up, then the 300-request burst")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     out = os.path.join(args.out, "results.jsonl")
@@ -64,18 +67,21 @@ def main():
     P = prompts(300, 512, 128256)
     flags = ["--vram-budget", f"{args.budget}GiB", "--max-queue", "64", "--max-running", "64",
              "--served-model-name", "m"]
-    for name, gpus in (("one_gpu", "0"), ("two_gpus", "0,1")):
+    cases = (("front_one_gpu", "0"),) if args.burst_front else (("one_gpu", "0"), ("two_gpus", "0,1"))
+    for name, gpus in cases:
         t = time.perf_counter()
         proc, url = spawn_server(args.ckpt, flags + ["--gpus", gpus], os.path.join(args.out, f"{name}.log"))
         try:
             emit(out, {"phase": f"{name}_start", "s": round(time.perf_counter() - t, 1),
                        "health": {k: v for k, v in httpx_get(url + "/health").items() if k != "pool"}})
             asyncio.run(fire(url, [body(P[i], 16) for i in range(16)]))  # warm-up (both workers)
-            run_load(out, url, f"{name}_128", P, 128, args.new)
-            run_load(out, url, f"{name}_64", P, 64, args.new)
-            if name == "one_gpu":
+            if not args.burst_front:
+                run_load(out, url, f"{name}_128", P, 128, args.new)
+            if not args.short:
+                run_load(out, url, f"{name}_64", P, 64, args.new)
+            if name in ("one_gpu", "front_one_gpu"):
                 t = time.perf_counter()
-                rs = asyncio.run(fire(url, [body(P[i], args.new) for i in range(300)]))
+                rs = asyncio.run(fire(url, [body(P[i], args.new) for i in range(300)], connect_first=True))
                 dt = time.perf_counter() - t
                 ok = [r for r in rs if r["status"] == 200]
                 rej = [r for r in rs if r["status"] in (429, 503)]
@@ -86,6 +92,7 @@ def main():
                            "rejected_p90_ms": round(1000 * sorted(r["s"] for r in rej)[int(0.9 * len(rej))], 1)
                            if rej else None,
                            "server_rejection_seconds_buckets": histogram(url, "vramguard_overload_rejection_seconds"),
+                           "router_rejected": metric(url, "vramguard_router_rejected_total"),
                            "5xx": sum(r["status"] >= 500 for r in rs), "s": round(dt, 2),
                            "oom_recoveries": httpx_get(url + "/health").get("oom_recoveries"),
                            "peak_bytes": metric(url, "vramguard_vram_peak_allocated_bytes")})

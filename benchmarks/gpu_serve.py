@@ -42,11 +42,15 @@ def prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
     return [torch.randint(1000, vocab - 1000, (length,), generator=g).tolist() for _ in range(n)]
 
 
-async def fire(url: str, bodies: list[dict], timeout: float = 600) -> list[dict]:
-    """POST every body at once; returns status, tokens and latency per request (in input order)."""
+async def fire(url: str, bodies: list[dict], timeout: float = 600, connect_first: bool = False) -> list[dict]:
+    """POST every body at once; returns status, tokens and latency per request (in input order).
+    ``connect_first``: open one connection per request beforehand (concurrent GET /health), so a request's time is
+    the server's answer and not this client opening hundreds of connections from one Python thread."""
     import httpx
     limits = httpx.Limits(max_connections=len(bodies) + 8, max_keepalive_connections=len(bodies) + 8)
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as c:
+        if connect_first:
+            await asyncio.gather(*[c.get(url + "/health") for _ in bodies])
         async def one(b):
             t0 = time.perf_counter()
             try:

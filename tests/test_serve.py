@@ -461,16 +461,50 @@ def test_router_balances_two_workers_by_free_kv(folder):
         t.join(timeout=10)
         a.stop()
         b.stop()
-    # the choice itself: most free KV among workers with admission slots
-    w1 = Worker("x", "", stats={"kv_tokens_total": 1000, "kv_tokens_reserved": 900, "max_running": 2, "max_queue": 0,
-                                "in_flight": 1}, healthy=True)
-    w2 = Worker("y", "", stats={"kv_tokens_total": 1000, "kv_tokens_reserved": 100, "max_running": 2, "max_queue": 0,
-                                "in_flight": 2}, healthy=True)
+    # the choice itself: most free KV among workers with admission slots (slots counted by the router itself)
+    stats = {"kv_tokens_total": 1000, "max_running": 2, "max_queue": 0}
+    w1 = Worker("x", "", stats={**stats, "kv_tokens_reserved": 900}, healthy=True, relaying=1)
+    w2 = Worker("y", "", stats={**stats, "kv_tokens_reserved": 100}, healthy=True, relaying=2)
     assert pick([w1, w2]).name == "x"  # y has more free KV but no slot
-    w2.stats["in_flight"] = 1
+    w2.relaying = 1
     assert pick([w1, w2]).name == "y"
     w2.healthy = False
     assert pick([w1, w2]).name == "x"
+    w1.relaying = 2
+    assert pick([w1, w2]) is None  # every healthy worker full: the router answers 429 itself
+
+
+def test_router_rejects_when_every_worker_is_full_without_asking_them(folder):
+    from vramguard.serve.router import Worker
+    a = _build(folder, max_running=1, max_queue=1)
+    ua = a.start_background()
+    _slow(a.engine, 0.02)
+    server, t, url, fatal = _run_router([Worker("a", ua)])
+    try:
+        time.sleep(0.3)
+        out = []
+
+        def one(i):
+            out.append(_post(url, "/v1/completions", {"model": "tiny", "prompt": [1, 3 + i], "max_tokens": 12,
+                                                      "temperature": 0, "ignore_eos": True}))
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(timeout=60)
+        ok = [r for r in out if r.status_code == 200]
+        busy = [r for r in out if r.status_code == 429]
+        assert len(ok) == 2 and len(busy) == 6 and len(out) == 8
+        assert all(r.json()["usage"]["completion_tokens"] == 12 for r in ok)
+        assert all(int(r.headers["Retry-After"]) >= 1 and _err(r)["code"] == "queue_full" for r in busy)
+        assert all("x-vramguard-worker" not in r.headers for r in busy)  # answered by the router itself
+        assert _metric(ua, 'vramguard_requests_total{outcome="rejected_overload"}') == 0
+        assert _metric(url, "vramguard_router_rejected_total") == 6
+    finally:
+        server.should_exit = True
+        t.join(timeout=10)
+        a.stop()
 
 
 def test_router_fails_health_when_a_worker_dies(folder):

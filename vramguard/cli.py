@@ -391,8 +391,9 @@ def serve(
     model: str = typer.Argument(..., help="model folder or cached model id (weights and tokenizer needed)"),
     host: str = typer.Option("127.0.0.1", help="address to bind (loopback unless you choose otherwise)"),
     port: int = typer.Option(8000, help="TCP port (0 picks a free one)"),
-    gpus: Optional[str] = typer.Option(None, help="GPU indices, e.g. 0,1: one worker process per GPU behind one "
-                                                  "router"),
+    gpus: Optional[str] = typer.Option(None, help="GPU indices, e.g. 0 or 0,1: one worker process per GPU behind a "
+                                                  "front process that balances them and answers 429 itself "
+                                                  "(default: one process on the current device)"),
     vram_budget: Optional[str] = typer.Option(None, help="memory PyTorch may use per GPU, e.g. 20GiB, enforced as a "
                                                          "hard cap on this process (default: what is free after "
                                                          "loading)"),
@@ -454,12 +455,10 @@ def serve(
             if not ids or any(i < 0 or i >= n for i in ids) or len(set(ids)) != len(ids):
                 raise InvalidValue("gpus", gpus, f"distinct indices in 0..{n - 1}" if n else "none: no CUDA GPU "
                                    "is visible", "pass indices of GPUs this machine has (nvidia-smi -L lists them)")
-            if len(ids) > 1:
-                from vramguard.serve.router import run_router
-                args = [a for a in sys.argv[sys.argv.index("serve") + 2:]]
-                args = _strip_options(args, ("--gpus", "--host", "--port", "--api-key", "--ready-file"))
-                return run_router(model, ids, args, host, port, api_key, on_listen=listening)
-            os.environ["CUDA_VISIBLE_DEVICES"] = str(ids[0])
+            from vramguard.serve.router import run_router
+            args = [a for a in sys.argv[sys.argv.index("serve") + 2:]]
+            args = _strip_options(args, ("--gpus", "--host", "--port", "--api-key", "--ready-file"))
+            return run_router(model, ids, args, host, port, api_key, on_listen=listening)
         import transformers
 
         from vramguard.serve.server import build

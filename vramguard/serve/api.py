@@ -430,6 +430,7 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions, metrics: Metric
         return list(p)
 
     async def _handle(request: Request, schema, chat: bool):
+        held = 0  # admission slots this request holds until its handles exist (or it is refused)
         try:
             t_arrival = time.perf_counter()
             try:
@@ -438,8 +439,13 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions, metrics: Metric
                 if e.status == 429:
                     metrics.rejection_seconds.observe(time.perf_counter() - t_arrival)
                 raise
+            engine.reserved += 1
+            held = 1
             req = await _body(request, schema)
-            _admit_or_429(req.n)
+            if req.n > 1:
+                _admit_or_429(req.n - 1)
+                engine.reserved += req.n - 1
+                held = req.n
             if engine.greedy_only and "temperature" in req.model_fields_set and req.temperature > 0:
                 raise ApiError(400, f"temperature: {req.temperature} asks for sampling, and this server decodes "
                                     "greedily (started with --greedy); send temperature 0 or leave it out",
@@ -450,7 +456,8 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions, metrics: Metric
             limit = req.limit() if chat else req.max_tokens
             limit_field = req.limit_field() if chat else "max_tokens"
             max_new = _check_tokens(ids, limit, limit_field, "messages" if chat else "prompt")
-            _admit_or_429(req.n)
+            engine.reserved -= held
+            held = 0
             return await _generate(request, req, ids, max_new, chat)
         except ApiError as e:
             if e.status == 429:
@@ -460,6 +467,8 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions, metrics: Metric
             else:
                 metrics.requests.labels("failed").inc()
             return e.response()
+        finally:
+            engine.reserved -= held
 
     @app.post("/v1/completions")
     async def completions(request: Request):

@@ -104,6 +104,7 @@ class Engine:
         self.model, self.tokenizer, self.pool = model, tokenizer, pool
         self.max_queue = max_queue
         self.greedy_only = greedy_only
+        self.reserved = 0  # admission slots held by requests being validated (event-loop thread only)
         self.max_running = pool.max_requests
         self.seed = seed
         self.metrics = metrics
@@ -206,8 +207,8 @@ class Engine:
         return sum(1 for h in self.handles.values() if not h.finished and h.first_token_at is None)
 
     def capacity_left(self) -> int:
-        """Requests that may still be admitted: ``max_running + max_queue - in flight``."""
-        return self.max_running + self.max_queue - self.in_flight()
+        """Requests that may still be admitted: ``max_running + max_queue - in flight - being validated``."""
+        return self.max_running + self.max_queue - self.in_flight() - self.reserved
 
     def kv_blocks_used(self) -> int:
         """Blocks held now, from the engine's own pool (whole-model blocks of ``page_size`` tokens)."""

@@ -3,8 +3,10 @@
 Each worker is a full ``vramguard serve`` process pinned to one GPU (``CUDA_VISIBLE_DEVICES``), listening on a
 loopback port and protected by an internal key. The router polls every worker's /health (KV tokens in the pool and
 promised to admitted requests, admission slots left) and sends each request to the worker with the most free KV
-capacity, counting the requests it sent since the last poll. Responses, streamed or not, are relayed unchanged
-(status, body, Retry-After), so validation errors and 429s are the workers' own. A worker that dies makes /health
+capacity among those with admission slots left. The router is the workers' only client, so it knows exactly how
+many requests each one holds: when every worker is full it answers 429 itself, before reading the body, in a
+process whose event loop never waits on a model step (the engine thread of a worker shares its GIL with that
+worker's HTTP loop). Other responses, streamed or not, are relayed unchanged (status, body, Retry-After). A worker that dies makes /health
 fail and the router exit non-zero.
 """
 
@@ -43,6 +45,11 @@ class Worker:
     stats: dict = field(default_factory=dict)
     healthy: bool = False
     sent_since_poll: int = 0
+    relaying: int = 0  # requests the router sent to this worker and has not finished relaying
+
+    def capacity(self) -> int:
+        """Requests the worker admits at once (``max_running + max_queue`` from its /health)."""
+        return self.stats.get("max_running", 0) + self.stats.get("max_queue", 0)
 
     def free_tokens(self) -> int:
         s = self.stats
@@ -50,18 +57,18 @@ class Worker:
         return free - self.sent_since_poll * TOKENS_PER_UNREPORTED_REQUEST
 
     def slots(self) -> int:
-        s = self.stats
-        return s.get("max_running", 0) + s.get("max_queue", 0) - s.get("in_flight", 0) - self.sent_since_poll
+        """Admission slots left. The router is the workers' only client (they need its internal key), so its own
+        count of requests being relayed is exact, and no poll is needed to decide."""
+        return self.capacity() - self.relaying
 
 
 def pick(workers: list[Worker]) -> Worker | None:
-    """The healthy worker with the most free KV tokens among those with admission slots left (else the healthy one
-    with the most free tokens, whose own 429 then reaches the client)."""
-    up = [w for w in workers if w.healthy]
+    """The healthy worker with admission slots left that has the most free KV tokens; None when every healthy
+    worker is full (the router then answers 429 itself) or none is healthy."""
+    up = [w for w in workers if w.healthy and w.slots() > 0]
     if not up:
         return None
-    with_slots = [w for w in up if w.slots() > 0]
-    return max(with_slots or up, key=lambda w: (w.free_tokens(), w.slots()))
+    return max(up, key=lambda w: (w.free_tokens(), w.slots()))
 
 
 def create_router(workers: list[Worker], api_key: str | None = None, on_fatal=None) -> FastAPI:
@@ -71,8 +78,11 @@ def create_router(workers: list[Worker], api_key: str | None = None, on_fatal=No
     up_g = Gauge("vramguard_worker_up", "1 when the worker's /health is ok", ["worker"], registry=registry)
     free_g = Gauge("vramguard_worker_kv_free_tokens", "KV tokens not promised to requests", ["worker"],
                    registry=registry)
-    client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5))
-    state = {"fatal": None}
+    rejected = Counter("vramguard_router_rejected", "Requests answered 429 by the router (every worker full)",
+                       registry=registry)
+    client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5),
+                               limits=httpx.Limits(max_connections=None, max_keepalive_connections=1024))
+    state = {"fatal": None, "mean_s": 1.0}
 
     async def poll_once():
         for w in workers:
@@ -141,13 +151,27 @@ def create_router(workers: list[Worker], api_key: str | None = None, on_fatal=No
     async def relay(request: Request, path: str):
         w = pick(workers)
         if w is None:
-            return ApiError(503, "no worker is healthy", type_="server_error", code="no_worker",
-                            headers={"Retry-After": "1"}).response()
+            if not any(x.healthy for x in workers):
+                return ApiError(503, "no worker is healthy", type_="server_error", code="no_worker",
+                                headers={"Retry-After": "1"}).response()
+            rejected.inc()  # decided here, before the body is read: no worker is asked
+            cap = sum(x.capacity() for x in workers if x.healthy)
+            running = sum(x.stats.get("max_running", 0) for x in workers if x.healthy) or 1
+            retry = max(1, round(state["mean_s"] * cap / running))
+            return ApiError(429, f"server busy: {cap} requests in flight on {len(workers)} worker(s), every queue "
+                                 f"full; retry after {retry} s", type_="rate_limit_error", code="queue_full",
+                            headers={"Retry-After": str(retry)}).response()
         w.sent_since_poll += 1
+        w.relaying += 1
         routed.labels(w.name).inc()
-        body = await request.body()
-        req = client.build_request("POST", w.url + path, content=body, headers=_headers(w, request))
-        upstream = await client.send(req, stream=True)
+        t0 = time.perf_counter()
+        try:
+            body = await request.body()
+            req = client.build_request("POST", w.url + path, content=body, headers=_headers(w, request))
+            upstream = await client.send(req, stream=True)
+        except BaseException:
+            w.relaying -= 1
+            raise
         keep = {k: v for k, v in upstream.headers.items() if k.lower() in ("retry-after", "content-type")}
         keep["x-vramguard-worker"] = w.name
 
@@ -156,6 +180,9 @@ def create_router(workers: list[Worker], api_key: str | None = None, on_fatal=No
                 async for chunk in upstream.aiter_raw():
                     yield chunk
             finally:
+                w.relaying -= 1
+                if upstream.status_code == 200:
+                    state["mean_s"] = 0.9 * state["mean_s"] + 0.1 * (time.perf_counter() - t0)
                 await upstream.aclose()  # a client that left closes the worker's stream: the worker cancels
 
         return StreamingResponse(body_iter(), status_code=upstream.status_code, headers=keep)
@@ -183,6 +210,9 @@ def spawn_workers(model: str, gpus: list[int], worker_args: list[str], timeout_s
         key = secrets.token_hex(16)
         ready = os.path.join(tmp, f"worker{g}.url")
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(g), "VRAMGUARD_API_KEY": key}
+        # each worker's host-side tensor work gets its share of the cores (N processes x all cores of OpenMP
+        # threads spin against each other); a value the user set is kept
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // len(gpus))))
         log = open(os.path.join(tmp, f"worker{g}.log"), "w")
         p = subprocess.Popen([sys.executable, "-m", "vramguard", "serve", model, "--host", "127.0.0.1", "--port", "0",
                               "--ready-file", ready, *worker_args], env=env, stdout=log, stderr=subprocess.STDOUT)
