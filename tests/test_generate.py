@@ -185,3 +185,14 @@ def test_bad_sampling_values_are_refused(model, kw, field):
     with pytest.raises(InvalidValue) as e:
         G.generate(model, None, PROMPT, 4, do_sample=True, **kw)
     assert field in str(e.value)
+
+
+def test_cli_run_fast_decode_reports_the_decode_mode(tiny):
+    folder, _ = tiny("LlamaConfig", **CFG)
+    _tokenizer(folder)
+    r = subprocess.run([sys.executable, "-m", "vramguard", "run", str(folder), "--prompt", "w1 w2 w3",
+                        "--max-new-tokens", "5", "--quant", "bf16", "--fast-decode"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert len(r.stdout.split()) == 5
+    assert "static cache + CUDA-graph decode" in r.stderr and "eager" in r.stderr and "ms/token" in r.stderr

@@ -342,6 +342,8 @@ def run(
     context: Optional[list[str]] = typer.Option(None, help="files to answer from (repeat the option); the prompt is "
                                                            "the question"),
     summarize: bool = typer.Option(False, help="when the context cannot fit, summarize it chunk by chunk first"),
+    fast_decode: bool = typer.Option(False, help="decode by replaying one captured CUDA graph per token on a static "
+                                                 "cache (batch 1; falls back to eager steps and says why)"),
     chunk_tokens: int = typer.Option(256, help="tokens per context chunk"),
     fmt: Format = typer.Option(Format['human'], "--format", help="human: text on stdout; json: one object"),
 ) -> None:
@@ -376,7 +378,7 @@ def run(
             text = _with_context(loaded, text, context, summarize, chunk_tokens, max_new_tokens, budget, auto)
         return generate_fn(loaded.model, loaded.tokenizer, text, max_new_tokens, budget_bytes=budget, auto=auto,
                            on_text=stream, do_sample=do_sample, temperature=temperature, top_p=top_p, top_k=top_k,
-                           seed=seed)
+                           seed=seed, fast_decode=fast_decode)
 
     r = run_guarded(build, as_json=fmt == Format['json'])
     if fmt == Format['json']:

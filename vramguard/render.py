@@ -303,4 +303,6 @@ def print_generation_summary(r, console: Console) -> None:
         parts.append(f"time to first token {r.ttft_s * 1000:.0f} ms")
     if r.tokens_per_s:
         parts.append(f"{r.tokens_per_s:.1f} tokens/s")
+    if getattr(r, "decode_ms_per_token", None):
+        parts.append(f"decode {r.decode_ms_per_token:.2f} ms/token ({r.decode_mode})")
     console.print(", ".join(parts), highlight=False)
