@@ -196,3 +196,23 @@ def test_cli_run_fast_decode_reports_the_decode_mode(tiny):
     assert r.returncode == 0, r.stderr
     assert len(r.stdout.split()) == 5
     assert "static cache + CUDA-graph decode" in r.stderr and "eager" in r.stderr and "ms/token" in r.stderr
+
+
+def test_sampling_defaults_come_from_the_models_generation_config(model):
+    import torch
+    gc = model.generation_config
+    saved = (gc.temperature, gc.top_p, gc.top_k)
+    gc.temperature, gc.top_p, gc.top_k = 0.6, 0.9, 5
+    try:
+        kw, note = G.resolve_sampling(model, True, None, None, 3)
+        assert kw == {"do_sample": True, "temperature": 0.6, "top_p": 0.9, "top_k": 3}
+        assert note == "sampling with the model's generation_config: temperature 0.6, top_p 0.9"
+        assert G.resolve_sampling(model, False, None, None, None) == (
+            {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}, None)
+        r = G.generate(model, None, [1, 2, 3, 4], 12, do_sample=True, seed=7)
+        torch.manual_seed(7)
+        ref = model.generate(torch.tensor([[1, 2, 3, 4]]), max_new_tokens=12, min_new_tokens=12, do_sample=True,
+                             pad_token_id=0)[0, 4:].tolist()
+        assert r.token_ids == ref and "temperature 0.6, top_p 0.9, top_k 5" in r.reason
+    finally:
+        gc.temperature, gc.top_p, gc.top_k = saved

@@ -350,7 +350,7 @@ def generate(model, tokenizer, prompt: str | list[int], max_new_tokens: int = 25
             torch.cuda.set_per_process_memory_fraction(budget_bytes / torch.cuda.mem_get_info()[1])
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
-    sample = {"do_sample": do_sample, "temperature": temperature, "top_p": top_p, "top_k": top_k}
+    sample, sampling_note = resolve_sampling(model, do_sample, temperature, top_p, top_k)
     try:
         generated, attempts, ttft = _attempts(model, tokenizer, prompt_ids, max_new_tokens, order, on_text, sample,
                                               seed)
@@ -366,11 +366,29 @@ def generate(model, tokenizer, prompt: str | list[int], max_new_tokens: int = 25
         + "; ".join(f"{a.strategy} ran out at {a.phase} step {a.step}" for a in attempts[:-1]))
     if last.decode_mode is not None:
         reason += f"; decode: {last.decode_mode} ({last.decode_reason})"
+    if sampling_note:
+        reason += f"; {sampling_note}"
     text = tokenizer.decode(generated, skip_special_tokens=True) if tokenizer is not None else ""
     return GenerationResult(text, list(generated), last.strategy, reason, attempts,
                             last.peak_allocated_bytes, ttft,
                             len(generated) / elapsed if elapsed > 0 else None, order[0][1], usable,
                             last.decode_mode, last.decode_reason, last.decode_ms_per_token)
+
+
+def resolve_sampling(model, do_sample: bool, temperature, top_p, top_k) -> tuple[dict, str | None]:
+    """The sampling arguments every strategy gets, explicit: a value the caller left ``None`` is the model's own
+    (``model.generation_config``, e.g. a checkpoint's temperature 0.6 / top_p 0.9), so no path drops it and the
+    graph decoder and ``generate`` sample alike. Returns (kwargs, a note naming the values taken from the model)."""
+    gc = getattr(model, "generation_config", None)
+    out = {"do_sample": do_sample}
+    taken = []
+    for name, value in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k)):
+        if value is None and do_sample and gc is not None and getattr(gc, name, None) is not None:
+            value = getattr(gc, name)
+            taken.append(f"{name} {value}")
+        out[name] = value
+    note = ("sampling with the model's generation_config: " + ", ".join(taken)) if taken else None
+    return out, note
 
 
 def _quant_of(model) -> str:
