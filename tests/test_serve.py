@@ -57,9 +57,18 @@ def client(server):
     return openai.OpenAI(base_url=server[1] + "/v1", api_key="unused", max_retries=0, timeout=60)
 
 
+_REF_MODELS: dict = {}
+
+
 def _reference(served, ids: list[int], n: int) -> list[int]:
-    """Greedy tokens of plain transformers generate on the same loaded model."""
-    m = served.engine.model
+    """Greedy tokens of plain transformers ``generate`` on the same weights, loaded separately in float32 (the served
+    model object runs the engine's paged attention and is not used for a plain forward)."""
+    from transformers import AutoModelForCausalLM
+    folder = served.engine.model.config._name_or_path
+    if folder not in _REF_MODELS:
+        _REF_MODELS[folder] = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
+                                                                   attn_implementation="sdpa").eval()
+    m = _REF_MODELS[folder]
     with torch.no_grad():
         out = m.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                          max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
