@@ -169,6 +169,11 @@ def _metric(url, name) -> float:
     ({"prompt": "w1", "temperature": 3}, 400, "temperature", "invalid_value"),
     ({"prompt": "w1", "presence_penalty": 0.5}, 400, "presence_penalty", "unsupported_parameter"),
     ({"prompt": "w1", "model": "gpt-4"}, 404, "model", "model_not_found"),
+    ({"prompt": "w1", "max_tokens": "3"}, 400, "max_tokens", "invalid_value"),     # JSON types as sent
+    ({"prompt": "w1", "max_tokens": True}, 400, "max_tokens", "invalid_value"),
+    ({"prompt": "w1", "stream": "yes"}, 400, "stream", "invalid_value"),
+    ({"prompt": "w1", "n": "2"}, 400, "n", "invalid_value"),
+    ({"prompt": 5}, 400, "prompt", "invalid_value"),                                # no union-branch tags
 ])
 def test_validation_errors_are_openai_shaped(server, body, status, param, code):
     r = _post(server[1], "/v1/completions", {"model": "tiny", **body})
@@ -186,6 +191,19 @@ def test_validation_messages_name_limits(server):
     assert r.status_code == 400 and _err(r)["param"] == "messages"
     r = httpx.post(server[1] + "/v1/completions", content=b"{not json", timeout=10)
     assert r.status_code == 400 and _err(r)["code"] == "invalid_json"
+
+
+def test_unknown_routes_and_methods_are_openai_shaped_and_model_aliases_work(server, folder):
+    url = server[1]
+    r = httpx.get(url + "/v1/nothing")
+    assert r.status_code == 404 and _err(r)["code"] == "not_found" and "/v1/completions" in _err(r)["message"]
+    r = httpx.get(url + "/v1/completions")
+    assert r.status_code == 405 and _err(r)["code"] == "method_not_allowed"
+    r = _post(url, "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": 5}]})
+    assert r.status_code == 400 and _err(r)["param"] == "messages.0.content"
+    for name in (str(folder), folder.name):  # the folder's path and name are accepted as well as the served name
+        r = _post(url, "/v1/completions", {"model": name, "prompt": [1, 2], "max_tokens": 2, "ignore_eos": True})
+        assert r.status_code == 200, r.text
 
 
 def test_openai_client_raises_on_context(client):
@@ -245,13 +263,11 @@ def test_stream_disconnect_frees_blocks_within_one_step(server):
                           json={"model": "tiny", "prompt": [1, 7, 8], "max_tokens": 200, "stream": True,
                                 "temperature": 0, "ignore_eos": True}) as r:
             assert r.status_code == 200, (r.read(), e.stats(), {k: vars(v) for k, v in e.handles.items()})
-            n, lines = 0, []
-            for line in r.iter_lines():
-                lines.append(line)
-                n += line.startswith("data:")
-                if n == 5:
-                    break
-            assert rid in e.handles and e.kv_blocks_used() >= 1, (lines, e.stats(), list(e.steps)[-3:])
+            lines = r.iter_lines()  # kept open: leaving a for-loop would close the connection before the asserts
+            n = 0
+            while n < 5:
+                n += next(lines).startswith("data:")
+            assert rid in e.handles and e.kv_blocks_used() >= 1, (e.stats(), list(e.steps)[-3:])
         t_close = time.perf_counter()
         deadline = time.time() + 10
         while e.kv_blocks_used() and time.time() < deadline:
@@ -534,6 +550,55 @@ def test_router_fails_health_when_a_worker_dies(folder):
         server.should_exit = True
         t.join(timeout=10)
         a.stop()
+
+
+def test_cli_serve_rejects_bad_or_busy_ports_before_loading(folder):
+    import socket
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-m", "vramguard", "serve", str(folder), "--port", "99999"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "error --port: 99999 is not valid; accepted: 0..65535" in r.stderr
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        t0 = time.perf_counter()
+        r = subprocess.run([sys.executable, "-m", "vramguard", "serve", str(folder), "--port", str(port)],
+                           capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "a free port on 127.0.0.1" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_cli_stop_with_a_request_in_flight_answers_503_and_exits_0(folder, tmp_path):
+    import signal
+    import subprocess
+    import sys
+    ready = tmp_path / "url"
+    p = subprocess.Popen([sys.executable, "-m", "vramguard", "serve", str(folder), "--port", "0", "--quant", "fp32",
+                          "--page-size", "16", "--max-batch-tokens", "64", "--served-model-name", "tiny",
+                          "--ready-file", str(ready)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 120
+        while not ready.exists() and p.poll() is None and time.time() < deadline:
+            time.sleep(0.1)
+        url = ready.read_text()
+        res = {}
+        t = threading.Thread(target=lambda: res.setdefault("r", _post(url, "/v1/completions", {
+            "model": "tiny", "prompt": [1, 2], "max_tokens": 400, "ignore_eos": True, "temperature": 0})))
+        t.start()
+        deadline = time.time() + 30
+        while httpx.get(url + "/health").json()["in_flight"] == 0 and time.time() < deadline:
+            time.sleep(0.01)
+        p.send_signal(signal.SIGINT)  # once: a second Ctrl-C is uvicorn's forced exit
+        t.join(timeout=60)
+        out, errs = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    r = res["r"]
+    assert r.status_code == 503 and _err(r)["type"] == "server_error" and "shutting down" in _err(r)["message"]
+    assert p.returncode == 0, errs
+    assert "Traceback" not in errs and "Event loop is closed" not in errs, errs
 
 
 def test_cli_serve_answers_and_stops_cleanly(folder, tmp_path):

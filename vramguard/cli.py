@@ -62,7 +62,7 @@ FIELD_FLAGS = {"batch": "--batch", "num_beams": "--num-beams", "num_return_seque
                "top_k": "--top-k", "max_queue": "--max-queue", "max_running": "--max-running",
                "max_batch_tokens": "--max-batch-tokens", "page_size": "--page-size", "n_max": "--n-max",
                "default_max_tokens": "--default-max-tokens", "max_kv_blocks": "--max-kv-blocks", "gpus": "--gpus",
-               "vram_budget": "--vram-budget"}
+               "vram_budget": "--vram-budget", "port": "--port", "host": "--host"}
 
 
 def _fail(e: VramguardError, as_json: bool = False) -> None:
@@ -444,6 +444,8 @@ def serve(
     def start() -> int:
         budget = parse_size(vram_budget, "--vram-budget") if vram_budget else None
         body = parse_size(max_body_size, "--max-body-size")
+        from vramguard.serve.server import check_bind
+        check_bind(host, port)  # before minutes of loading: a bad or busy port is known now
         if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
             err.print(f"warning: binding {host} without --api-key: anyone who can reach this address can use the "
                       "model", markup=False, highlight=False)

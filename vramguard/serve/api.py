@@ -22,6 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from sse_starlette.sse import EventSourceResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from vramguard.serve.engine import Engine, Sampling
 from vramguard.serve.metrics import Metrics
@@ -48,6 +49,7 @@ class ServeOptions:
     default_max_tokens: int = 256
     chat_template_note: str | None = None
     notes: list[str] = field(default_factory=list)
+    model_aliases: tuple[str, ...] = ()  # other names accepted as ``model`` (the folder's path and name)
 
 
 class ApiError(Exception):
@@ -83,6 +85,21 @@ class _ApiKey:
                 await resp(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+_TYPE_TAGS = ("str", "int", "float", "bool", "list", "dict", "none")
+
+
+def _param(loc) -> str | None:
+    """The field path of a pydantic error location, without the union-branch tags pydantic adds
+    (``("prompt", "str")`` -> ``prompt``; ``("messages", 0, "content", "str")`` -> ``messages.0.content``)."""
+    parts = []
+    for p in loc:
+        text = str(p)
+        if isinstance(p, str) and (text.split("[")[0] in _TYPE_TAGS or "[" in text or "-" in text):
+            break
+        parts.append(text)
+    return ".".join(parts) or None
 
 
 async def _disconnected(request: Request) -> None:
@@ -124,6 +141,14 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions, metrics: Metric
 
     app = FastAPI(title="vramguard", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.state.engine, app.state.metrics, app.state.options = engine, metrics, options
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        msg = {404: f"{request.url.path}: no such route; this server has /v1/chat/completions, /v1/completions, "
+                    "/v1/models, /health and /metrics",
+               405: f"{request.method} {request.url.path}: method not allowed"}.get(exc.status_code, str(exc.detail))
+        return ApiError(exc.status_code, msg, code=code).response()
     latency = _Latency()
     eos = tokenizer.eos_token_id if tokenizer is not None else None
     vocab = engine.vocab_size
@@ -182,7 +207,7 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions, metrics: Metric
             req = schema.model_validate(data)
         except ValidationError as e:
             first = e.errors()[0]
-            param = ".".join(str(p) for p in first["loc"]) or None
+            param = _param(first["loc"])
             if first["type"] == "extra_forbidden":
                 raise ApiError(400, f"{param}: unknown parameter; this server accepts the OpenAI fields listed in "
                                     "its README", param=param, code="unknown_parameter") from None
@@ -195,7 +220,7 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions, metrics: Metric
         if req.n > options.n_max:
             raise ApiError(400, f"n: {req.n} is over this server's limit of {options.n_max}; send n <= "
                                 f"{options.n_max} (or several requests)", param="n", code="invalid_value")
-        if req.model != options.model_id:
+        if req.model != options.model_id and req.model not in options.model_aliases:
             raise ApiError(404, f"model: {req.model!r} is not served here; this server serves {options.model_id!r}",
                            param="model", code="model_not_found")
         if len(req.stops()) > 4:
@@ -204,14 +229,18 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions, metrics: Metric
 
     def _admit_or_429(n: int):
         left = engine.capacity_left()
-        if engine.check_fatal() is not None or not engine.running:
+        if engine.check_fatal() is not None:
             raise ApiError(503, "the engine has stopped after a device error; the server is shutting down",
                            type_="server_error", code="engine_unavailable")
+        if not engine.running:
+            raise ApiError(503, "the server is shutting down; send the request to another instance or retry "
+                                "after it restarts", type_="server_error", code="shutting_down",
+                           headers={"Retry-After": "5"})
         if left < n:
             waiting = engine.waiting()
             retry = max(1, math.ceil(latency.mean * (waiting + n) / max(engine.max_running, 1)))
-            raise ApiError(429, f"server busy: {engine.in_flight()} requests in flight, queue of {engine.max_queue} "
-                                f"full; retry after {retry} s", type_="rate_limit_error", code="queue_full",
+            raise ApiError(429, f"server busy: {engine.in_flight() + engine.reserved} requests admitted (at most "
+                                f"{engine.max_running} running and {engine.max_queue} queued); retry after {retry} s", type_="rate_limit_error", code="queue_full",
                            headers={"Retry-After": str(retry)})
 
     def _check_tokens(ids: list[int], limit: int | None, limit_field: str, prompt_field: str) -> int:

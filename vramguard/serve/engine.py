@@ -105,6 +105,8 @@ class Engine:
         self.max_queue = max_queue
         self.greedy_only = greedy_only
         self.reserved = 0  # admission slots held by requests being validated (event-loop thread only)
+        self.accepting = True
+        self._stopped = False
         self.max_running = pool.max_requests
         self.seed = seed
         self.metrics = metrics
@@ -180,17 +182,35 @@ class Engine:
         self.pool.pool_tokens = actual * self.pool.page_size
 
     def stop(self) -> None:
-        if self._manager is not None:
+        """Stop the engine thread (idempotent; waits up to 10 s)."""
+        self.accepting = False
+        if self._manager is not None and not self._stopped:
+            self._stopped = True
             try:
                 self._manager.stop(block=True, timeout=10)
             except Exception as e:  # noqa: BLE001 - shutting down: report, never raise
                 log.warning("engine stop: %s", e)
 
+    def fail_inflight(self, message: str) -> int:
+        """Stop admitting and end every unfinished request with ``message`` (an error the API turns into a 503
+        error object). Event-loop thread only. Returns how many requests were ended."""
+        from types import SimpleNamespace
+        self.accepting = False
+        n = 0
+        for rid, h in list(self.handles.items()):
+            if not h.finished:
+                h.queue.put_nowait(SimpleNamespace(status=SimpleNamespace(name="FAILED"), error=message,
+                                                   generated_tokens=[], request_id=rid))
+                if self._manager is not None:
+                    self._manager.cancel_request(rid)
+                n += 1
+        return n
+
     # ------------------------------------------------------------------ state
     @property
     def running(self) -> bool:
         m = self._manager
-        return m is not None and m.is_running() and self.fatal_error is None
+        return m is not None and self.accepting and m.is_running() and self.fatal_error is None
 
     def check_fatal(self) -> BaseException | None:
         """The engine's unrecoverable error, if its loop died (also when it died outside a step)."""

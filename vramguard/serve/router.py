@@ -46,6 +46,7 @@ class Worker:
     healthy: bool = False
     sent_since_poll: int = 0
     relaying: int = 0  # requests the router sent to this worker and has not finished relaying
+    stopping: bool = False  # the router is stopping it: its exit is not a failure
 
     def capacity(self) -> int:
         """Requests the worker admits at once (``max_running + max_queue`` from its /health)."""
@@ -93,6 +94,8 @@ def create_router(workers: list[Worker], api_key: str | None = None, on_fatal=No
                 w.healthy = False
             w.sent_since_poll = 0
             dead = w.process is not None and w.process.poll() is not None
+            if w.stopping:
+                continue
             if (dead or w.stats.get("status") == "unhealthy") and state["fatal"] is None:
                 state["fatal"] = f"worker {w.name} " + (f"exited with code {w.process.returncode}" if dead
                                                         else f"unhealthy: {w.stats.get('error')}")
@@ -234,6 +237,9 @@ def spawn_workers(model: str, gpus: list[int], worker_args: list[str], timeout_s
 
 
 def stop_workers(workers: list[Worker]) -> None:
+    """SIGTERM every worker (each ends its open requests with a 503 and exits 0), then wait up to 20 s each."""
+    for w in workers:
+        w.stopping = True
     for w in workers:
         if w.process is not None and w.process.poll() is None:
             w.process.terminate()
@@ -263,9 +269,12 @@ def run_router(model: str, gpus: list[int], worker_args: list[str], host: str, p
         if server is not None:
             server.should_exit = True
 
+    async def drain():  # workers end their open requests with 503s, which are relayed before the router stops
+        await asyncio.get_running_loop().run_in_executor(None, stop_workers, workers)
+
     try:
         app = create_router(workers, api_key, on_fatal=fatal)
-        server = make_server(app, host, port, on_listen)
+        server = make_server(app, host, port, on_listen, on_shutdown=drain)
         server.run()
     finally:
         stop_workers(workers)

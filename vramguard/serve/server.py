@@ -16,7 +16,7 @@ from vramguard.serve.api import ServeOptions, create_app
 from vramguard.serve.engine import Engine
 from vramguard.serve.metrics import Metrics
 from vramguard.serve.pool import PoolPlan, plan_pool
-from vramguard.units import GiB
+from vramguard.units import GiB, fmt_gib
 
 log = logging.getLogger("vramguard.serve")
 
@@ -38,6 +38,12 @@ def _usable(budget: int | None, model) -> tuple[int, str]:
         return free + torch.cuda.memory_reserved(dev) - allocated, "free memory of the card after loading"
     held = sum(p.numel() * p.element_size() for p in model.parameters())
     if budget is not None:
+        import psutil
+        avail = psutil.virtual_memory().available + held
+        if budget > avail:
+            raise InvalidValue("vram_budget", fmt_gib(budget), f"at most the {fmt_gib(avail)} of host memory "
+                               "available (no CUDA device: the model and its KV pool live in RAM)",
+                               f"pass --vram-budget {max(1, int(avail * 0.8) // GiB)}GiB or less")
         return budget - held, f"--vram-budget minus {held:,} B of weights (host memory: no CUDA device)"
     return CPU_DEFAULT_BUDGET, "2 GiB of host memory (no CUDA device and no --vram-budget)"
 
@@ -57,8 +63,19 @@ class Served:
     notes: list[str] = field(default_factory=list)
 
     def _server(self, host: str, port: int, on_listen=None):
-        self.server = make_server(self.app, host, port, on_listen)
+        self.server = make_server(self.app, host, port, on_listen, on_shutdown=self._drain)
         return self.server
+
+    async def _drain(self) -> None:
+        """On Ctrl-C / SIGTERM: refuse new requests, end the open ones with a 503 error object, stop the engine
+        while the event loop still runs (its last outputs need the loop)."""
+        import asyncio
+        why = ("the server stopped after an unrecoverable device error" if self.fatal is not None
+               else "the server is shutting down (Ctrl-C or SIGTERM); retry on another instance")
+        n = self.engine.fail_inflight(why)
+        if n:
+            log.warning("shutting down: %d open request(s) ended with a 503 error", n)
+        await asyncio.get_running_loop().run_in_executor(None, self.engine.stop)
 
     def on_fatal(self, error: BaseException) -> None:
         self.fatal, self.exit_code = error, EXIT_DEVICE_ERROR
@@ -105,8 +122,30 @@ class Served:
                 t.join(timeout=15)
 
 
-def make_server(app, host: str, port: int, on_listen=None):
-    """A uvicorn server for ``app`` that calls ``on_listen(base_url)`` once its socket listens."""
+def check_bind(host: str, port: int) -> None:
+    """Raise :class:`InvalidValue` when ``port`` is out of range or ``host:port`` cannot be bound (in use, not an
+    address of this machine), before the model is loaded."""
+    import socket
+    if not 0 <= port <= 65535:
+        raise InvalidValue("port", port, "0..65535 (0 picks a free port)", "pass e.g. --port 8000")
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise InvalidValue("host", host, "an address or name of this machine", f"check the name ({e.strerror}); "
+                           "use 127.0.0.1 for this machine only, 0.0.0.0 for every interface") from None
+    family, _, _, _, addr = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(addr)
+        except OSError as e:
+            raise InvalidValue("port", port, f"a free port on {host}", f"{e.strerror}: choose another --port, or "
+                               "stop the process that holds it (ss -ltnp shows it)") from None
+
+
+def make_server(app, host: str, port: int, on_listen=None, on_shutdown=None):
+    """A uvicorn server for ``app`` that calls ``on_listen(base_url)`` once its socket listens and awaits
+    ``on_shutdown()`` when a stop begins, before uvicorn waits for open requests (so they can be ended cleanly)."""
     import uvicorn
 
     class _Server(uvicorn.Server):
@@ -122,6 +161,14 @@ def make_server(app, host: str, port: int, on_listen=None):
             finally:
                 for sig, handler in original.items():
                     signal.signal(sig, handler)
+
+        async def shutdown(self, sockets=None):
+            if on_shutdown is not None:
+                try:
+                    await on_shutdown()
+                except Exception as e:  # noqa: BLE001 - stopping anyway: report
+                    log.warning("shutdown hook: %s", e)
+            await super().shutdown(sockets)
 
         async def startup(self, sockets=None):
             await super().startup(sockets)
@@ -187,7 +234,11 @@ def build(model: str, *, vram_budget: int | None = None, max_queue: int = 64, ma
     engine = Engine(m, tok, pool, max_queue=max_queue, seed=seed, metrics=metrics, greedy_only=greedy)
     metrics._engine_stats = engine.stats
     engine.start()
-    options = ServeOptions(model_id=served_name or str(model), context_length=spec.max_position_embeddings,
+    import os
+    aliases = tuple(sorted({str(model), os.path.abspath(str(model)), os.path.basename(os.path.normpath(str(model))),
+                            str(getattr(m.config, "_name_or_path", "") or model)} - {served_name or str(model)}))
+    options = ServeOptions(model_id=served_name or str(model), model_aliases=aliases,
+                           context_length=spec.max_position_embeddings,
                            api_key=api_key, max_body_bytes=max_body_bytes, n_max=n_max,
                            default_max_tokens=default_max_tokens)
     if tok is not None and not getattr(tok, "chat_template", None):
