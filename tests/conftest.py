@@ -47,6 +47,36 @@ def save_tiny(tmp_path: Path, config_cls_name: str, **kw) -> tuple[Path, object]
     return folder, model
 
 
+def save_word_tokenizer(folder: Path, vocab_size: int = 300) -> None:
+    """A word-level tokenizer of ``[UNK] [BOS] [EOS] w0 w1 ...`` (``vocab_size`` words, split on whitespace),
+    saved in ``folder`` so that ``AutoTokenizer.from_pretrained(folder)`` loads it offline."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    words = ["[UNK]", "[BOS]", "[EOS]"] + [f"w{i}" for i in range(vocab_size - 3)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", bos_token="[BOS]",
+                            eos_token="[EOS]").save_pretrained(folder)
+
+
+def save_tiny_llama(folder: Path, **cfg) -> Path:
+    """A tiny random Llama (seed 0) and its word-level tokenizer, saved in ``folder``; returns ``folder``."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(LlamaConfig(**cfg)).save_pretrained(folder)
+    save_word_tokenizer(folder, cfg.get("vocab_size", 300))
+    return folder
+
+
+@pytest.fixture(autouse=True)
+def _no_oom_injection():
+    """No test leaves an out-of-memory injector behind for the next one."""
+    yield
+    from vramguard import generate
+    generate.OOM_INJECTOR = None
+
+
 @pytest.fixture
 def tiny(tmp_path):
     return lambda name, **kw: save_tiny(tmp_path, name, **kw)

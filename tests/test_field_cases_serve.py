@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from conftest import save_tiny_llama
 
 from vramguard import generate as G
 from vramguard.memory.forward import logits_bytes
@@ -36,12 +37,6 @@ def model():
     import transformers
     torch.manual_seed(0)
     return transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**CFG)).eval()
-
-
-@pytest.fixture(autouse=True)
-def _no_injection():
-    yield
-    G.OOM_INJECTOR = None
 
 
 class _LmHeadRows:
@@ -113,16 +108,7 @@ def test_c8_fast_decode_prefill_keeps_one_logit_row(model):
 
 # ---------------------------------------------------------------------------------------------- serving
 def _save(folder: Path) -> Path:
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(LlamaConfig(**{**CFG, "max_position_embeddings": 512})).save_pretrained(folder)
-    words = ["[UNK]", "[BOS]", "[EOS]"] + [f"w{i}" for i in range(297)]
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", bos_token="[BOS]",
-                            eos_token="[EOS]").save_pretrained(folder)
-    return folder
+    return save_tiny_llama(folder, **{**CFG, "max_position_embeddings": 512})
 
 
 def test_c8_serving_engine_computes_one_logit_row_per_request(tmp_path):

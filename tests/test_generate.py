@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import save_word_tokenizer
 
 from vramguard import generate as G
 from vramguard.errors import Infeasible
@@ -23,12 +24,6 @@ def model():
     import transformers
     torch.manual_seed(0)
     return transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**CFG)).eval()
-
-
-@pytest.fixture(autouse=True)
-def _no_injection():
-    yield
-    G.OOM_INJECTOR = None
 
 
 def oom_at(attempt, phase, step=0):
@@ -107,13 +102,7 @@ def test_preflight_picks_the_first_strategy_that_fits_and_refuses_otherwise():
 
 
 def _tokenizer(folder):
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-    words = ["[UNK]", "[BOS]", "[EOS]"] + [f"w{i}" for i in range(297)] + ["hello", "world"]
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words[:300])}, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", bos_token="[BOS]", eos_token="[EOS]")
-    fast.save_pretrained(folder)
+    save_word_tokenizer(folder, 300)
 
 
 def test_cli_run_streams_text_and_summarizes(tiny):

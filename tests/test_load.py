@@ -74,3 +74,14 @@ def test_c17_unload_frees_every_tensor(tiny):
     gc.collect()
     assert all(r() is None for r in refs + qstates)
     assert rep.residual_bytes is None  # no CUDA here: nothing to measure
+
+
+def test_compute_dtype_follows_an_explicit_dtype_c3():
+    """Field case C3: a 4-bit model given only a dtype computes in that dtype, never a silent bf16 mismatch."""
+    from vramguard.load import LoadReport, choose_dtypes
+    r = LoadReport("m", {})
+    assert choose_dtypes(None, "nf4", None, "fp16", r, False) == ("fp16", "fp16")
+    assert choose_dtypes(None, "nf4", None, "fp32", r, False) == ("fp32", "fp32")
+    assert choose_dtypes(None, "nf4", None, None, r, False) == ("bf16", "bf16")
+    assert choose_dtypes(None, "nf4", "fp16", "fp32", r, False) == ("fp16", "fp32")  # both explicit: as asked
+    assert r.overrides == []

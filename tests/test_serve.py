@@ -12,28 +12,16 @@ import httpx
 import openai
 import pytest
 import torch
+from conftest import save_tiny_llama
 
 CFG = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
            vocab_size=300, max_position_embeddings=512, bos_token_id=1, eos_token_id=2)
 PAGE = 16
 
 
-def _save(folder: Path) -> Path:
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(LlamaConfig(**CFG)).save_pretrained(folder)
-    words = ["[UNK]", "[BOS]", "[EOS]"] + [f"w{i}" for i in range(297)]
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", bos_token="[BOS]",
-                            eos_token="[EOS]").save_pretrained(folder)
-    return folder
-
-
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory) -> Path:
-    return _save(tmp_path_factory.mktemp("serve") / "tiny-llama")
+    return save_tiny_llama(tmp_path_factory.mktemp("serve") / "tiny-llama", **CFG)
 
 
 def _build(folder, **kw):

@@ -67,8 +67,9 @@ def _override(report: LoadReport, strict: bool, field_: str, value, accepted: st
 def choose_dtypes(gpu, quant: str, compute_dtype: str | None, dtype: str | None, report: LoadReport,
                   strict: bool) -> tuple[str, str]:
     """(compute dtype, model dtype): bf16 where the card supports it (compute capability >= 8.0, or no CUDA
-    card), else fp16; the model dtype equal to the compute dtype. A bf16 request on an older card becomes fp16,
-    reported (or raised with ``strict``)."""
+    card), else fp16; whichever of the two is not given equals the other, so a 4-bit layer never computes in a
+    dtype other than its activations' unless both are set apart explicitly (field case C3: the mismatch costs a
+    cast per layer). A bf16 request on an older card becomes fp16, reported (or raised with ``strict``)."""
     old = gpu is not None and gpu.compute_capability is not None and gpu.compute_capability < (8, 0)
     if old:
         for name, val in (("compute_dtype", compute_dtype), ("dtype", dtype)):
@@ -77,7 +78,7 @@ def choose_dtypes(gpu, quant: str, compute_dtype: str | None, dtype: str | None,
                           f"bfloat16 is not native on compute capability {gpu.compute_capability}")
         compute_dtype = "fp16" if compute_dtype == "bf16" else compute_dtype
         dtype = "fp16" if dtype == "bf16" else dtype
-    cd = compute_dtype or ("fp16" if old else "bf16")
+    cd = compute_dtype or (dtype if dtype in ("bf16", "fp16", "fp32") else ("fp16" if old else "bf16"))
     return cd, dtype or (quant if quant in ("bf16", "fp16", "fp32") else cd)
 
 
