@@ -22,7 +22,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from benchmarks.common import build_checkpoint, emit  # noqa: E402
-from benchmarks.gpu_serve import body, fire, httpx_get, metric, prompts, spawn_server  # noqa: E402
+from benchmarks.gpu_serve import body, fire, fire_raw, httpx_get, metric, prompts, spawn_server  # noqa: E402
 
 
 def run_load(out, url, name, P, n, new):
@@ -81,7 +81,7 @@ def main():
                 run_load(out, url, f"{name}_64", P, 64, args.new)
             if name in ("one_gpu", "front_one_gpu"):
                 t = time.perf_counter()
-                rs = asyncio.run(fire(url, [body(P[i], args.new) for i in range(300)], connect_first=True))
+                rs = asyncio.run(fire_raw(url, [body(P[i], args.new) for i in range(300)]))
                 dt = time.perf_counter() - t
                 ok = [r for r in rs if r["status"] == 200]
                 rej = [r for r in rs if r["status"] in (429, 503)]
