@@ -474,6 +474,9 @@ def serve(
                        seed=seed, served_name=served_model_name, n_max=n_max,
                        default_max_tokens=default_max_tokens, max_body_bytes=body, greedy=greedy,
                        hard_cap=True)
+        a = served.report.active if served.report is not None else {}
+        err.print("loaded: " + ", ".join(f"{k} {a[k]}" for k in ("quant", "compute_dtype", "dtype", "attn", "device")
+                                          if k in a), markup=False, highlight=False)
         err.print(served.pool.summary(), markup=False, highlight=False)
         for note in served.engine.notes + served.options.notes:
             err.print("note: " + note, markup=False, highlight=False)
