@@ -3,6 +3,7 @@ HTTP server. ``vramguard serve`` is a thin wrapper over :func:`build` and :meth:
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import signal
@@ -169,6 +170,11 @@ def make_server(app, host: str, port: int, on_listen=None, on_shutdown=None):
                 except Exception as e:  # noqa: BLE001 - stopping anyway: report
                     log.warning("shutdown hook: %s", e)
             await super().shutdown(sockets)
+            if self.force_exit:  # a second Ctrl-C: uvicorn skips the app's shutdown, which would then be
+                try:             # cancelled with a traceback; ours is quick, so run it
+                    await asyncio.wait_for(self.lifespan.shutdown(), 2)
+                except Exception:  # noqa: BLE001 - forced exit: nothing more to do
+                    pass
 
         async def startup(self, sockets=None):
             await super().startup(sockets)
