@@ -46,3 +46,80 @@ def test_load_unload_loop_returns_to_baseline(tiny):
         assert rep.residual_bytes is not None and abs(rep.residual_bytes) <= 0.01 * weights, rep
         del loaded
         assert abs(torch.cuda.memory_allocated() - base) <= 0.01 * weights
+
+
+def test_every_strategy_recovers_on_gpu_including_offloaded_kv(tiny):
+    """Issue #4 on the GPU: an OOM injected in each strategy in turn (prefill, then decode) until the last one,
+    the offloaded KV cache (CUDA only), completes with the greedy tokens of an uninterrupted run (float32)."""
+    import torch
+
+    from vramguard import generate as G
+    from vramguard.load import load_model, unload
+    folder, _ = tiny("LlamaConfig", **SMALL)
+    loaded = load_model(str(folder), quant="fp32", verify=False)
+    m = loaded.model
+    prompt = list(range(5, 300))
+    base = G.generate(m, None, prompt, 12).token_ids
+    order = [s for s in G.STRATEGIES if s.available(True)[0]]
+    assert order[-1].name.startswith("offloaded")
+
+    def inj(phase, attempt, step):
+        if attempt < len(order) - 1 and ((attempt % 2 == 0 and phase == "prefill") or
+                                         (attempt % 2 == 1 and step == 3)):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB (injected)")
+    G.OOM_INJECTOR = inj
+    try:
+        r = G.generate(m, None, prompt, 12)
+    finally:
+        G.OOM_INJECTOR = None
+    assert r.strategy == order[-1].name and len(r.attempts) == len(order)
+    assert r.token_ids == base
+    unload(loaded)
+
+
+def test_serve_on_gpu_recovers_an_oom_inside_a_step(tiny):
+    """Issue #7 on the GPU: the real engine on CUDA, 8 concurrent greedy requests, an OOM injected in one step:
+    every request completes with the tokens of plain ``generate`` (float32), /health stays ok."""
+    import threading
+
+    import httpx
+    import torch
+
+    from vramguard.serve.server import build
+    from conftest import save_word_tokenizer
+    folder, _ = tiny("LlamaConfig", **SMALL)
+    save_word_tokenizer(folder, SMALL["vocab_size"])
+    s = build(str(folder), quant="fp32", page_size=64, max_batch_tokens=512, max_running=8, max_queue=8,
+              vram_budget=8 << 30, served_name="m", verify=False)
+    url = s.start_background()
+    fired = []
+
+    def inject(index, ids):
+        if not fired and len(ids) >= 4 and index >= 5:
+            fired.append(index)
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+    s.engine.before_step = inject
+    prompts = [[1] + list(range(10 + i, 60 + i)) for i in range(8)]
+    out = [None] * 8
+
+    def one(i):
+        out[i] = httpx.post(url + "/v1/completions", timeout=120, json={
+            "model": "m", "prompt": prompts[i], "max_tokens": 16, "temperature": 0, "ignore_eos": True}).json()
+    try:
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert fired and s.engine.oom_recoveries == 1
+        assert httpx.get(url + "/health").json()["status"] == "ok"
+    finally:
+        s.stop()
+    from transformers import AutoModelForCausalLM
+    ref = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).cuda().eval()
+    for i, p in enumerate(prompts):
+        ids = torch.tensor([p], device="cuda")
+        want = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, min_new_tokens=16,
+                            do_sample=False, pad_token_id=0)[0, len(p):].tolist()
+        assert out[i]["usage"]["completion_tokens"] == 16
+        assert out[i]["choices"][0]["text"] == " ".join(f"w{t - 3}" for t in want), i
