@@ -628,3 +628,18 @@ def test_greedy_server_refuses_sampling_and_matches_transformers(folder):
         assert "--greedy" in _err(r)["message"]
     finally:
         s.stop()
+
+
+def test_cli_serve_names_missing_packages(monkeypatch, folder):
+    import importlib.util
+
+    from typer.testing import CliRunner
+
+    from vramguard.cli import app
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in ("fastapi", "uvicorn")
+                        else real(name, *a))
+    r = CliRunner().invoke(app, ["serve", str(folder)])
+    assert r.exit_code == 3
+    text = r.output + (r.stderr if hasattr(r, "stderr") and r.stderr_bytes is not None else "")
+    assert "fastapi, uvicorn not installed" in text and "pip install 'vramguard[serve,gpu]'" in text

@@ -424,15 +424,14 @@ def serve(
     """Serve the model over an OpenAI-compatible API (/v1/chat/completions, /v1/completions, /v1/models, /health,
     /metrics) with a KV pool sized for the budget, a bounded queue, and recovery from out-of-memory errors."""
     from vramguard.units import parse_size
-    try:
-        import fastapi  # noqa: F401
-        import prometheus_client  # noqa: F401
-        import sse_starlette  # noqa: F401
-        import uvicorn  # noqa: F401
-    except ImportError as e:
-        err.print(f"error serve: {e.name} is not installed.\nfix: pip install 'vramguard[serve]'", markup=False,
+    import importlib.util
+    missing = [m for m in ("torch", "transformers", "accelerate", "fastapi", "uvicorn", "sse_starlette",
+                           "prometheus_client", "httpx") if importlib.util.find_spec(m) is None]
+    if missing:
+        err.print(f"error serve: {', '.join(missing)} not installed.\nfix: pip install 'vramguard[serve,gpu]' (on "
+                  "a machine without a GPU, pip install torch first to get its CPU build)", markup=False,
                   highlight=False)
-        raise typer.Exit(3) from None
+        raise typer.Exit(3)
 
     def listening(url: str) -> None:
         if ready_file:
