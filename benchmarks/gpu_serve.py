@@ -138,7 +138,6 @@ def main():
     from vramguard.resolve import resolve_model
     from vramguard.serve._compat import cb_config
     from vramguard.serve.pool import plan_pool
-    from vramguard.serve.server import build
     transformers.utils.logging.disable_progress_bar()
 
     t0 = time.perf_counter()
@@ -251,17 +250,20 @@ def main():
                 h = httpx_get(url + "/health")
                 emit(out, {"phase": "big_requests", "requests": args.big, "blocks_per_request": need,
                            "pool_blocks": h["kv_blocks_total"], "share": round(need / h["kv_blocks_total"], 3),
-                           "ok": sum(r["status"] == 200 for r in rs), "exact_tokens": sum(r["tokens"] == new for r in rs),
+                           "ok": sum(r["status"] == 200 for r in rs),
+                           "exact_tokens": sum(r["tokens"] == new for r in rs),
                            "refused": sum(r["status"] in (400, 429, 503) for r in rs),
                            "other": [r for r in rs if r["status"] not in (200, 400, 429, 503)][:3], "s": round(dt, 1),
-                           "oom_recoveries": h["oom_recoveries"], "peak_bytes": metric(url, "vramguard_vram_peak_allocated_bytes")})
+                           "oom_recoveries": h["oom_recoveries"],
+                           "peak_bytes": metric(url, "vramguard_vram_peak_allocated_bytes")})
                 continue
             t = time.perf_counter()
             rs = asyncio.run(fire(url, [body(P[i], args.new) for i in range(args.concurrency)]))
             dt = time.perf_counter() - t
             toks = sum(r["tokens"] or 0 for r in rs)
             emit(out, {"phase": f"{name}_concurrent", "requests": args.concurrency,
-                       "ok": sum(r["status"] == 200 for r in rs), "exact_tokens": sum(r["tokens"] == args.new for r in rs),
+                       "ok": sum(r["status"] == 200 for r in rs),
+                       "exact_tokens": sum(r["tokens"] == args.new for r in rs),
                        "tokens": toks, "s": round(dt, 2), "tokens_per_s": round(toks / dt, 1),
                        "peak_bytes": metric(url, "vramguard_vram_peak_allocated_bytes"), "budget_bytes": budget,
                        "oom_recoveries": httpx_get(url + "/health")["oom_recoveries"],
@@ -274,7 +276,8 @@ def main():
                 rej = [r for r in rs if r["status"] in (429, 503)]
                 emit(out, {"phase": "burst", "requests": args.burst, "queue": args.queue, "accepted": len(ok),
                            "exact_tokens": sum(r["tokens"] == args.new for r in ok), "rejected": len(rej),
-                           "rejected_median_ms": round(1000 * statistics.median([r["s"] for r in rej]), 1) if rej else None,
+                           "rejected_median_ms": round(1000 * statistics.median([r["s"] for r in rej]), 1)
+                           if rej else None,
                            "rejected_max_ms": round(1000 * max(r["s"] for r in rej), 1) if rej else None,
                            "retry_after": sorted({r["retry_after"] for r in rej}),
                            "5xx": sum(r["status"] >= 500 for r in rs),

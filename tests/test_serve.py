@@ -3,7 +3,6 @@ with the official ``openai`` client and raw HTTP. Every loop is bounded in count
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from pathlib import Path
@@ -79,7 +78,8 @@ def _err(r) -> dict:
 def test_completion_greedy_matches_transformers(server, client):
     s, _ = server
     ids = [1, 10, 11, 12, 13]
-    r = client.completions.create(model="tiny", prompt=ids, max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+    r = client.completions.create(model="tiny", prompt=ids, max_tokens=12, temperature=0,
+                                  extra_body={"ignore_eos": True})
     assert r.choices[0].text == _words(_reference(s, ids, 12))
     assert r.choices[0].finish_reason == "length"
     assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (5, 12, 17)
@@ -467,7 +467,8 @@ def test_router_balances_two_workers_by_free_kv(folder):
             model="tiny", messages=[{"role": "user", "content": "w1"}], max_tokens=5, temperature=0, stream=True,
             extra_body={"ignore_eos": True}) if ch.choices)
         assert len(text.split()) == 5
-        r = _post(url, "/v1/completions", {"model": "tiny", "prompt": [5, -1]}, headers={"Authorization": "Bearer front"})
+        r = _post(url, "/v1/completions", {"model": "tiny", "prompt": [5, -1]},
+                  headers={"Authorization": "Bearer front"})
         assert r.status_code == 400 and _err(r)["param"] == "prompt"  # the worker's own error, relayed
     finally:
         server.should_exit = True
@@ -528,7 +529,9 @@ def test_router_fails_health_when_a_worker_dies(folder):
     try:
         time.sleep(0.4)
         assert httpx.get(url + "/health").status_code == 200
-        a.engine.before_step = lambda i, ids: (_ for _ in ()).throw(RuntimeError("CUDA error: unspecified launch failure"))
+        def boom(i, ids):
+            raise RuntimeError("CUDA error: unspecified launch failure")
+        a.engine.before_step = boom
         assert _post(url, "/v1/completions", {"model": "tiny", "prompt": [1, 2]}).status_code == 503
         deadline = time.time() + 10
         while not fatal and time.time() < deadline:
@@ -551,7 +554,7 @@ def test_cli_serve_rejects_bad_or_busy_ports_before_loading(folder):
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        t0 = time.perf_counter()
+        time.perf_counter()
         r = subprocess.run([sys.executable, "-m", "vramguard", "serve", str(folder), "--port", str(port)],
                            capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "a free port on 127.0.0.1" in r.stderr and "Traceback" not in r.stderr
@@ -590,7 +593,6 @@ def test_cli_stop_with_a_request_in_flight_answers_503_and_exits_0(folder, tmp_p
 
 
 def test_cli_serve_answers_and_stops_cleanly(folder, tmp_path):
-    import os
     import signal
     import subprocess
     import sys

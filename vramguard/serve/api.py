@@ -240,7 +240,8 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions, metrics: Metric
             waiting = engine.waiting()
             retry = max(1, math.ceil(latency.mean * (waiting + n) / max(engine.max_running, 1)))
             raise ApiError(429, f"server busy: {engine.in_flight() + engine.reserved} requests admitted (at most "
-                                f"{engine.max_running} running and {engine.max_queue} queued); retry after {retry} s", type_="rate_limit_error", code="queue_full",
+                                f"{engine.max_running} running and {engine.max_queue} queued); retry after {retry} s",
+                           type_="rate_limit_error", code="queue_full",
                            headers={"Retry-After": str(retry)})
 
     def _check_tokens(ids: list[int], limit: int | None, limit_field: str, prompt_field: str) -> int:

@@ -18,7 +18,8 @@ R = max requests per step, V = vocab):
   (``M x a``).
 * per request row of logits: ``V x 34`` B: the float32 logits, the temperature-scaled copy, top-k/top-p sort values
   (float32) and indices (int64), softmax, cumulative sum, masks and the sampling probabilities.
-* the caching allocator's reserve on the step's transient memory: :func:`vramguard.memory.runtime.allocator_reserve_bytes`.
+* the caching allocator's reserve on the step's transient memory:
+  :func:`vramguard.memory.runtime.allocator_reserve_bytes`.
 """
 
 from __future__ import annotations

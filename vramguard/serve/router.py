@@ -6,8 +6,8 @@ promised to admitted requests, admission slots left) and sends each request to t
 capacity among those with admission slots left. The router is the workers' only client, so it knows exactly how
 many requests each one holds: when every worker is full it answers 429 itself, before reading the body, in a
 process whose event loop never waits on a model step (the engine thread of a worker shares its GIL with that
-worker's HTTP loop). Other responses, streamed or not, are relayed unchanged (status, body, Retry-After). A worker that dies makes /health
-fail and the router exit non-zero.
+worker's HTTP loop). Other responses, streamed or not, are relayed unchanged (status, body, Retry-After).
+A worker that dies makes /health fail and the router exit non-zero.
 """
 
 from __future__ import annotations

@@ -226,8 +226,9 @@ def build(model: str, *, vram_budget: int | None = None, max_queue: int = 64, ma
     usable, source = _usable(vram_budget, m)
     if usable <= 0:
         from vramguard.errors import Infeasible
-        raise Infeasible("vram_budget", fmt_gib(vram_budget or 0), f"more than the {fmt_gib(-usable + (vram_budget or 0))} "
-                         "already taken by the weights and runtime", "raise --vram-budget, or quantize the weights "
+        held = -usable + (vram_budget or 0)
+        raise Infeasible("vram_budget", fmt_gib(vram_budget or 0), f"more than the {fmt_gib(held)} already taken "
+                         "by the weights and runtime", "raise --vram-budget, or quantize the weights "
                          "(--quant nf4)")
     act_bytes = torch.finfo(m.dtype).bits // 8 if m.dtype.is_floating_point else 2
     flash = "flash" in (m.config._attn_implementation or "")
