@@ -32,6 +32,9 @@ def guarded_manager_class():
     from vramguard.serve.engine import is_oom
 
     class GuardedManager(ContinuousBatchingManager):
+        """transformers' manager whose steps are reported to ``vg_engine`` (:class:`~vramguard.serve.engine.Engine`)
+        and whose loop hands an OOM inside a step to ``vg_engine._recover`` instead of failing every request."""
+
         vg_engine = None
 
         def _generation_step(self):

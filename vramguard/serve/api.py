@@ -53,6 +53,8 @@ class ServeOptions:
 
 
 class ApiError(Exception):
+    """An HTTP error with OpenAI's body ``{"error": {"message", "type", "param", "code"}}`` and optional headers."""
+
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
                  type_: str = "invalid_request_error", headers: dict | None = None):
         super().__init__(message)
@@ -60,9 +62,11 @@ class ApiError(Exception):
         self.headers = headers or {}
 
     def body(self) -> dict:
+        """The OpenAI error object."""
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
+        """The JSON response with this status and headers."""
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 

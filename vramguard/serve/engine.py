@@ -50,6 +50,7 @@ class Sampling:
     top_k: int = 0
 
     def processor_kwargs(self, vocab_size: int) -> dict:
+        """The per-request values for transformers' temperature, top-k and top-p processors (all three, always)."""
         if self.temperature == 0:
             return {"temperature": 1.0, "top_k": 1, "top_p": 1.0}
         return {"temperature": float(self.temperature), "top_k": int(self.top_k or vocab_size),
@@ -209,6 +210,7 @@ class Engine:
     # ------------------------------------------------------------------ state
     @property
     def running(self) -> bool:
+        """The engine thread runs, accepts requests, and no unrecoverable error happened."""
         m = self._manager
         return m is not None and self.accepting and m.is_running() and self.fatal_error is None
 
@@ -221,9 +223,11 @@ class Engine:
         return self.fatal_error
 
     def in_flight(self) -> int:
+        """Admitted requests not finished."""
         return sum(1 for h in self.handles.values() if not h.finished)
 
     def waiting(self) -> int:
+        """Admitted requests without a first token yet."""
         return sum(1 for h in self.handles.values() if not h.finished and h.first_token_at is None)
 
     def capacity_left(self) -> int:
@@ -247,6 +251,7 @@ class Engine:
         return sum(h.prompt_tokens + h.max_new_tokens for h in self.handles.values() if not h.finished)
 
     def stats(self) -> dict:
+        """Counts for /health, the metrics and the router (requests, KV blocks and tokens, recoveries, steps)."""
         return {"running": self.running, "in_flight": self.in_flight(), "waiting": self.waiting(),
                 "max_running": self.max_running, "max_queue": self.max_queue,
                 "kv_blocks_total": self.pool.num_blocks, "kv_blocks_used": self.kv_blocks_used(),
@@ -303,6 +308,7 @@ class Engine:
                 self._manager.output_router.result_handlers.pop(rid, None)
 
     def finish(self, request_id: str) -> None:
+        """Forget a request whose response is complete."""
         h = self.handles.pop(request_id, None)
         if h is not None:
             h.finished = True

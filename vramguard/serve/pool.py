@@ -64,9 +64,11 @@ class PoolPlan:
     source: str
 
     def as_dict(self) -> dict:
+        """Every field, for /health and JSON output."""
         return asdict(self)
 
     def summary(self) -> str:
+        """One line for the server's start: blocks, tokens, bytes, what is left beside them, and the budget source."""
         return (f"KV pool {self.num_blocks} blocks x {self.page_size} tokens = {self.pool_tokens:,} tokens "
                 f"({fmt_gib(self.pool_bytes)}) of {fmt_gib(self.usable_bytes)} usable ({self.source}); "
                 f"step peak {fmt_gib(self.step_peak_bytes)} + reserve {fmt_gib(self.reserve_bytes)}")

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import secrets
 import subprocess
@@ -53,6 +52,7 @@ class Worker:
         return self.stats.get("max_running", 0) + self.stats.get("max_queue", 0)
 
     def free_tokens(self) -> int:
+        """KV tokens not promised to admitted requests at the last poll, minus an estimate for those sent since."""
         s = self.stats
         free = s.get("kv_tokens_total", 0) - s.get("kv_tokens_reserved", 0)
         return free - self.sent_since_poll * TOKENS_PER_UNREPORTED_REQUEST
@@ -249,10 +249,6 @@ def stop_workers(workers: list[Worker]) -> None:
                 w.process.wait(timeout=20)
             except subprocess.TimeoutExpired:
                 w.process.kill()
-
-
-def worker_summary(workers: list[Worker]) -> str:
-    return json.dumps({w.name: w.url for w in workers})
 
 
 def run_router(model: str, gpus: list[int], worker_args: list[str], host: str, port: int,

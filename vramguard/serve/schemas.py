@@ -15,6 +15,8 @@ Stop = str | list[str] | None
 
 
 class StreamOptions(BaseModel):
+    """OpenAI's ``stream_options``: ``include_usage`` adds a last chunk with the token counts."""
+
     model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
 
@@ -54,12 +56,15 @@ class _Common(BaseModel):
         return None
 
     def stops(self) -> list[str]:
+        """The stop sequences as a list (empty when none)."""
         if self.stop is None:
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
 
 class CompletionRequest(_Common):
+    """Body of POST /v1/completions: ``prompt`` is one string, a list of one string, or a list of token ids."""
+
     prompt: str | list[int] | list[str]
     echo: bool = False
     suffix: str | None = None
@@ -76,27 +81,36 @@ class CompletionRequest(_Common):
 
 
 class ContentPart(BaseModel):
+    """A text part of a chat message's content (images and audio are not accepted)."""
+
     model_config = ConfigDict(extra="forbid", strict=True)
     type: Literal["text"]
     text: str
 
 
 class Message(BaseModel):
+    """One chat message; ``developer`` is treated as ``system`` for the chat template."""
+
     model_config = ConfigDict(extra="forbid", strict=True)
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[ContentPart]
     name: str | None = None
 
     def text(self) -> str:
+        """The message's text, parts joined."""
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
 class ResponseFormat(BaseModel):
+    """Only ``{"type": "text"}``: structured output is not supported."""
+
     model_config = ConfigDict(extra="forbid", strict=True)
     type: Literal["text"]
 
 
 class ChatRequest(_Common):
+    """Body of POST /v1/chat/completions. ``max_completion_tokens`` wins over ``max_tokens`` when both are given."""
+
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     top_logprobs: int | None = None
@@ -115,7 +129,9 @@ class ChatRequest(_Common):
         return super().unsupported()
 
     def limit(self) -> int | None:
+        """The new-token limit the client asked for, or None."""
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def limit_field(self) -> str:
+        """The name of the field that set the limit, for error messages."""
         return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"

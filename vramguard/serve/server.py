@@ -79,6 +79,7 @@ class Served:
         await asyncio.get_running_loop().run_in_executor(None, self.engine.stop)
 
     def on_fatal(self, error: BaseException) -> None:
+        """The engine died: remember why, exit code 3, and stop the server (which ends the open requests)."""
         self.fatal, self.exit_code = error, EXIT_DEVICE_ERROR
         log.error("unrecoverable device error, shutting down: %s", error)
         if self.server is not None:
@@ -116,6 +117,7 @@ class Served:
             self.engine.stop()
 
     def stop(self) -> None:
+        """Stop a server started with :meth:`start_background` and wait for its thread (up to 15 s)."""
         if self.server is not None:
             self.server.should_exit = True
             t = getattr(self, "_thread", None)
