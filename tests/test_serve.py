@@ -645,3 +645,26 @@ def test_cli_serve_names_missing_packages(monkeypatch, folder):
     assert r.exit_code == 3
     text = r.output + (r.stderr if hasattr(r, "stderr") and r.stderr_bytes is not None else "")
     assert "fastapi, uvicorn not installed" in text and "pip install 'vramguard[serve,gpu]'" in text
+
+
+def test_step_budget_halved_by_an_oom_grows_back(folder, monkeypatch):
+    from vramguard.serve import engine as E
+    monkeypatch.setattr(E, "RESTORE_AFTER_STEPS", 5)
+    s = _build(folder)
+    url = s.start_background()
+    e = s.engine
+    fired = []
+
+    def inject(index, ids):
+        if not fired and ids:
+            fired.append(index)
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+    e.before_step = inject
+    try:
+        r = _post(url, "/v1/completions", {"model": "tiny", "prompt": [1, 8], "max_tokens": 30, "temperature": 0,
+                                           "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 30
+        assert e.oom_events[0]["max_batch_tokens"] == [64, 32]
+        assert e._manager.batch_processor.max_batch_tokens == 64  # 30 steps later: doubled back to the plan's
+    finally:
+        s.stop()

@@ -40,7 +40,7 @@ def guarded_manager_class():
         def _generation_step(self):
             bp = self.batch_processor
             ids = [fs.state.request_id for fs in getattr(bp.inputs_and_outputs, "requests_in_batch", [])]
-            self.vg_engine._on_step(self.current_batch, ids)
+            self.vg_engine._on_step(self.current_batch, ids, bp)
             return super()._generation_step()
 
         def _generation_loop_body(self, batch_processor, bootstrapping):

@@ -4,7 +4,8 @@ transformers' engine treats any exception inside a step as fatal: it fails every
 out-of-memory error inside a step is caught in the engine's own loop: the requests of the failed step give back
 their KV blocks and go back to the front of the queue as "prompt + tokens generated so far" (the engine's own
 soft-reset, ``RequestState.create_equivalent_initial_request``), the step budget is halved, the allocator cache is
-emptied, and the loop goes on; greedy requests therefore continue with the same tokens. A request that runs out
+emptied, and the loop goes on; greedy requests therefore continue with the same tokens. The step budget doubles
+back after ``RESTORE_AFTER_STEPS`` steps without another OOM. A request that runs out
 of memory ``MAX_OOM_RETRIES`` times alone fails with a clear error. Any other device error is unrecoverable: the
 engine stops, every request fails with a 503 error object and :attr:`Engine.fatal_error` is set.
 """
@@ -26,6 +27,7 @@ from vramguard.serve.pool import PoolPlan, blocks_needed
 log = logging.getLogger("vramguard.serve")
 
 MAX_OOM_RETRIES = 3
+RESTORE_AFTER_STEPS = 200  # steps without an OOM before a halved step budget doubles again
 # Values of the generation config that make transformers build the per-request temperature, top-k and top-p
 # processors; every request then passes its own three values, so these defaults are never applied to a request.
 _PROCESSOR_SEEDS = {"temperature": 0.5, "top_k": 50, "top_p": 0.9}
@@ -121,6 +123,7 @@ class Engine:
         self.notes: list[str] = []
         self._ids = itertools.count()
         self._cancelled: deque[tuple[float, str]] = deque()
+        self._steps_since_oom = 0
         self._lock = threading.Lock()
         self._manager = None
         self._cache = None
@@ -314,8 +317,15 @@ class Engine:
             h.finished = True
 
     # ------------------------------------------------------------------ engine thread
-    def _on_step(self, index: int, request_ids: list[str]) -> None:
+    def _on_step(self, index: int, request_ids: list[str], bp=None) -> None:
         self.steps.append(StepRecord(index, tuple(request_ids), time.perf_counter()))
+        self._steps_since_oom += 1
+        if (bp is not None and self._steps_since_oom >= RESTORE_AFTER_STEPS
+                and bp.max_batch_tokens < self.pool.max_batch_tokens):  # the step budget halved by an OOM grows back
+            bp.max_batch_tokens = min(self.pool.max_batch_tokens, bp.max_batch_tokens * 2)
+            self._steps_since_oom = 0
+            log.info("max_batch_tokens back to %d after %d steps without OOM", bp.max_batch_tokens,
+                     RESTORE_AFTER_STEPS)
         if self.before_step is not None:
             self.before_step(index, request_ids)
 
@@ -361,6 +371,7 @@ class Engine:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         self.oom_recoveries += 1
+        self._steps_since_oom = 0
         event = {"step": getattr(manager, "current_batch", None), "error": str(error).splitlines()[0][:200],
                  "requeued": requeued, "failed": failed, "max_batch_tokens": [old, bp.max_batch_tokens]}
         self.oom_events.append(event)
