@@ -14,15 +14,14 @@ import argparse
 import asyncio
 import collections
 import os
-import signal
 import statistics
-import subprocess
 import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from benchmarks.common import build_checkpoint, emit  # noqa: E402
-from benchmarks.gpu_serve import body, fire, fire_raw, httpx_get, metric, prompts, spawn_server  # noqa: E402
+from benchmarks.gpu_serve import (body, fire, fire_raw, httpx_get, metric, prompts, spawn_server,  # noqa: E402
+                                  stop_server)
 
 
 def run_load(out, url, name, P, n, new):
@@ -99,13 +98,7 @@ def main():
             else:
                 emit(out, {"phase": "two_gpus_health", "health": httpx_get(url + "/health")})
         finally:
-            proc.send_signal(signal.SIGINT)
-            try:
-                rc = proc.wait(timeout=90)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                rc = "killed"
-            emit(out, {"phase": f"{name}_stop", "exit_code": rc})
+            emit(out, {"phase": f"{name}_stop", "exit_code": stop_server(proc)})
 
 
 if __name__ == "__main__":

@@ -286,13 +286,17 @@ def main():
                            "oom_recoveries": httpx_get(url + "/health")["oom_recoveries"],
                            "peak_bytes": metric(url, "vramguard_vram_peak_allocated_bytes")})
         finally:
-            proc.send_signal(signal.SIGINT)
-            try:
-                rc = proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                rc = "killed"
-            emit(out, {"phase": f"{name}_stop", "exit_code": rc})
+            emit(out, {"phase": f"{name}_stop", "exit_code": stop_server(proc)})
+
+
+def stop_server(proc, timeout_s: float = 90):
+    """Ctrl-C once (a graceful stop), wait; kill after ``timeout_s``. Returns the exit code, or "killed"."""
+    proc.send_signal(signal.SIGINT)
+    try:
+        return proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return "killed"
 
 
 def spawn_server(ckpt: str, flags: list[str], log: str, timeout_s: float = 300):
