@@ -668,3 +668,21 @@ def test_step_budget_halved_by_an_oom_grows_back(folder, monkeypatch):
         assert e._manager.batch_processor.max_batch_tokens == 64  # 30 steps later: doubled back to the plan's
     finally:
         s.stop()
+
+
+def test_engine_refusing_the_pool_is_a_clear_error(folder, monkeypatch):
+    """transformers' own free-memory check refusing the planned pool ends the start with Infeasible (exit 4 in the
+    CLI) naming both numbers, not with the engine's traceback."""
+    from vramguard.errors import Infeasible
+    from vramguard.serve import _compat
+    real = _compat.guarded_manager_class()
+
+    class Refusing(real):
+        def _create_batch_processor(self):
+            raise MemoryError("Memory footprint 22563073024 is more than available memory 20719665152")
+
+    monkeypatch.setattr(_compat, "guarded_manager_class", lambda: Refusing)
+    with pytest.raises(Infeasible) as e:
+        _build(folder)
+    msg = str(e.value)
+    assert "21.01 GiB" in msg and "19.30 GiB" in msg and "--max-kv-blocks" in msg and e.value.exit_code == 4

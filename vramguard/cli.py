@@ -398,7 +398,8 @@ def serve(
                                                   "(default: one process on the current device)"),
     vram_budget: Optional[str] = typer.Option(None, help="memory PyTorch may use per GPU, e.g. 20GiB, enforced as a "
                                                          "hard cap on this process (default: what is free after "
-                                                         "loading)"),
+                                                         "loading); without a GPU, host memory for the model and its "
+                                                         "KV pool (default 2GiB)"),
     max_queue: int = typer.Option(64, help="requests that may wait beyond those running; more get 429"),
     max_running: int = typer.Option(64, help="requests computed together in one step"),
     max_batch_tokens: int = typer.Option(2048, help="tokens computed in one step (prefill chunks + decodes)"),
@@ -475,7 +476,7 @@ def serve(
                        hard_cap=True)
         a = served.report.active if served.report is not None else {}
         err.print("loaded: " + ", ".join(f"{k} {a[k]}" for k in ("quant", "compute_dtype", "dtype", "attn", "device")
-                                          if k in a), markup=False, highlight=False)
+                                          if a.get(k) not in (None, "None")), markup=False, highlight=False)
         err.print(served.pool.summary(), markup=False, highlight=False)
         for note in served.engine.notes + served.options.notes:
             err.print("note: " + note, markup=False, highlight=False)

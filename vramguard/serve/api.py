@@ -243,7 +243,7 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions, metrics: Metric
         if left < n:
             waiting = engine.waiting()
             retry = max(1, math.ceil(latency.mean * (waiting + n) / max(engine.max_running, 1)))
-            raise ApiError(429, f"server busy: {engine.in_flight() + engine.reserved} requests admitted (at most "
+            raise ApiError(429, f"server busy: {engine.in_flight() + engine.reserved} generations admitted (at most "
                                 f"{engine.max_running} running and {engine.max_queue} queued); retry after {retry} s",
                            type_="rate_limit_error", code="queue_full",
                            headers={"Retry-After": str(retry)})
@@ -477,7 +477,12 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions, metrics: Metric
             held = 1
             req = await _body(request, schema)
             if req.n > 1:
-                _admit_or_429(req.n - 1)
+                try:
+                    _admit_or_429(req.n - 1)
+                except ApiError as e:
+                    if e.status == 429:
+                        metrics.rejection_seconds.observe(time.perf_counter() - t_arrival)
+                    raise
                 engine.reserved += req.n - 1
                 held = req.n
             if engine.greedy_only and "temperature" in req.model_fields_set and req.temperature > 0:

@@ -131,7 +131,21 @@ class Engine:
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
-        """Build the engine with the planned pool and start its background thread (no GPU work before this)."""
+        """Build the engine with the planned pool and start its background thread (no GPU work before this).
+
+        Raises:
+            Infeasible: transformers' engine refused the pool (its own free-memory check); the message has both
+                numbers and the fix. RuntimeError: the engine thread died while starting for another reason.
+        """
+        cb_log = logging.getLogger("ContinuousBatchingLogger")
+        level = cb_log.level
+        cb_log.setLevel(logging.CRITICAL)  # a refusal while starting is reported by us, with the fix, not a traceback
+        try:
+            self._start()
+        finally:
+            cb_log.setLevel(level)
+
+    def _start(self) -> None:
         import torch
         from transformers import GenerationConfig
 
@@ -165,6 +179,8 @@ class Engine:
                     self._manager.warmup()
                 self.notes.append(f"engine warm-up (CUDA graph capture where enabled) took "
                                   f"{time.perf_counter() - t0:.1f} s")
+            except MemoryError as e:
+                raise self._refused(e) from None
             except Exception as e:  # noqa: BLE001 - warm-up is an optimisation: report and serve without it
                 self.notes.append(f"engine warm-up failed, serving without it: {type(e).__name__}: "
                                   f"{str(e).splitlines()[0][:160]}")
@@ -177,6 +193,8 @@ class Engine:
         bp = getattr(self._manager, "batch_processor", None)
         if bp is None:
             err = self._manager.background_thread_status.fatal_error
+            if isinstance(err, MemoryError):
+                raise self._refused(err)
             raise RuntimeError(f"the continuous-batching engine did not start: {err!r}")
         self._cache = bp.cache
         actual = int(getattr(self._cache, "num_blocks", self.pool.num_blocks))
@@ -184,6 +202,21 @@ class Engine:
             self.notes.append(f"the engine made {actual} blocks of the {self.pool.num_blocks} planned")
         self.pool.num_blocks = actual
         self.pool.pool_tokens = actual * self.pool.page_size
+
+    def _refused(self, err: BaseException):
+        """transformers' engine refused the pool: its own check of free memory (on the CPU: host RAM, less what
+        this process holds) is stricter than the budget. An :class:`Infeasible` naming both numbers and the fix."""
+        import re
+
+        from vramguard.errors import Infeasible
+        from vramguard.units import fmt_bytes
+        nums = [int(x) for x in re.findall(r"\d{4,}", str(err))]
+        seen = (f"the engine needs {fmt_bytes(nums[0])} with this pool and sees {fmt_bytes(nums[1])} available"
+                if len(nums) >= 2 else str(err))
+        self.stop()
+        return Infeasible("vram_budget", f"{self.pool.num_blocks} KV blocks planned",
+                          f"a pool the engine accepts ({seen})",
+                          "lower --vram-budget (or cap the pool with --max-kv-blocks) and start again")
 
     def stop(self) -> None:
         """Stop the engine thread (idempotent; waits up to 10 s)."""

@@ -17,7 +17,7 @@ from vramguard.serve.api import ServeOptions, create_app
 from vramguard.serve.engine import Engine
 from vramguard.serve.metrics import Metrics
 from vramguard.serve.pool import PoolPlan, plan_pool
-from vramguard.units import GiB, fmt_gib
+from vramguard.units import GiB, fmt_bytes, fmt_gib
 
 log = logging.getLogger("vramguard.serve")
 
@@ -128,6 +128,7 @@ class Served:
 def check_bind(host: str, port: int) -> None:
     """Raise :class:`InvalidValue` when ``port`` is out of range or ``host:port`` cannot be bound (in use, not an
     address of this machine), before the model is loaded."""
+    import errno
     import socket
     if not 0 <= port <= 65535:
         raise InvalidValue("port", port, "0..65535 (0 picks a free port)", "pass e.g. --port 8000")
@@ -142,6 +143,9 @@ def check_bind(host: str, port: int) -> None:
         try:
             sock.bind(addr)
         except OSError as e:
+            if e.errno == errno.EADDRNOTAVAIL:
+                raise InvalidValue("host", host, "an address of this machine", "use 127.0.0.1 for this machine only, "
+                                   "0.0.0.0 for every interface, or an address `ip addr` lists") from None
             raise InvalidValue("port", port, f"a free port on {host}", f"{e.strerror}: choose another --port, or "
                                "stop the process that holds it (ss -ltnp shows it)") from None
 
@@ -229,8 +233,8 @@ def build(model: str, *, vram_budget: int | None = None, max_queue: int = 64, ma
     if usable <= 0:
         from vramguard.errors import Infeasible
         held = -usable + (vram_budget or 0)
-        raise Infeasible("vram_budget", fmt_gib(vram_budget or 0), f"more than the {fmt_gib(held)} already taken "
-                         "by the weights and runtime", "raise --vram-budget, or quantize the weights "
+        raise Infeasible("vram_budget", fmt_bytes(vram_budget or 0), f"more than the {fmt_bytes(held)} already "
+                         "taken by the weights and runtime", "raise --vram-budget, or quantize the weights "
                          "(--quant nf4)")
     act_bytes = torch.finfo(m.dtype).bits // 8 if m.dtype.is_floating_point else 2
     flash = "flash" in (m.config._attn_implementation or "")
