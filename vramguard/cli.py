@@ -95,7 +95,8 @@ DEFAULT_PROMPT_TOKENS = 128  # a short chat prompt: system prompt, one user turn
 
 @app.command()
 def plan(
-    model: str = typer.Argument("llama-2-7b", metavar="MODEL", help="model folder, config.json, catalog name or cached model id"),
+    model: str = typer.Argument("llama-2-7b", metavar="MODEL",
+                                 help="model folder, config.json, catalog name or cached model id"),
     quant: Quant = typer.Option(Quant['nf4'], help="weight format"),
     double_quant: bool = typer.Option(True, "--double-quant/--no-double-quant", help="4-bit double quantization"),
     compute_dtype: Optional[Dtype] = typer.Option(None, help="4-bit compute dtype (default: the model dtype)"),
@@ -151,7 +152,8 @@ def plan(
 
 @app.command()
 def check(
-    model: Optional[str] = typer.Argument(None, metavar="MODEL", help="model folder, config.json, catalog name or cached model id"),
+    model: Optional[str] = typer.Argument(None, metavar="MODEL",
+                                 help="model folder, config.json, catalog name or cached model id"),
     quant: CheckQuant = typer.Option(CheckQuant['nf4'], help="weight format; none: no quantization config, the "
                                      "dtype then decides"),
     double_quant: bool = typer.Option(True, "--double-quant/--no-double-quant", help="4-bit double quantization"),
@@ -257,7 +259,8 @@ def explain(
 
 @app.command()
 def profile(
-    model: str = typer.Argument(..., metavar="MODEL", help="model folder or cached model id (weights needed)"),
+    model: str = typer.Argument(..., metavar="MODEL",
+                                 help="model folder or cached model id (weights needed)"),
     quant: Quant = typer.Option(Quant['nf4'], help="weight format"),
     attn: Attn = typer.Option(Attn['sdpa'], help="attn_implementation"),
     batch: int = typer.Option(1, help="prompts decoded together"),
@@ -289,7 +292,8 @@ def profile(
 
 @app.command()
 def fit(
-    model: str = typer.Argument(..., metavar="MODEL", help="model folder or cached model id (weights needed)"),
+    model: str = typer.Argument(..., metavar="MODEL",
+                                 help="model folder or cached model id (weights needed)"),
     vary: Vary = typer.Option(..., help="the value to vary"),
     vram_budget: Optional[str] = typer.Option(None, help="memory PyTorch may use, e.g. 24GiB (default: the card)"),
     quant: Quant = typer.Option(Quant['nf4'], help="weight format"),
@@ -327,7 +331,8 @@ def fit(
 
 @app.command()
 def run(
-    model: str = typer.Argument(..., metavar="MODEL", help="model folder or cached model id (weights and tokenizer needed)"),
+    model: str = typer.Argument(..., metavar="MODEL",
+                                 help="model folder or cached model id (weights and tokenizer needed)"),
     prompt: Optional[str] = typer.Option(None, help="the prompt text"),
     prompt_file: Optional[str] = typer.Option(None, help="read the prompt from this file (- for stdin)"),
     max_new_tokens: int = typer.Option(256, help="tokens to generate"),
@@ -390,7 +395,8 @@ def run(
 
 @app.command()
 def serve(
-    model: str = typer.Argument(..., metavar="MODEL", help="model folder or cached model id (weights and tokenizer needed)"),
+    model: str = typer.Argument(..., metavar="MODEL",
+                                 help="model folder or cached model id (weights and tokenizer needed)"),
     host: str = typer.Option("127.0.0.1", help="address to bind (loopback unless you choose otherwise)"),
     port: int = typer.Option(8000, help="TCP port (0 picks a free one)"),
     gpus: Optional[str] = typer.Option(None, help="GPU indices, e.g. 0 or 0,1: one worker process per GPU behind a "
