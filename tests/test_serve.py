@@ -119,6 +119,9 @@ def test_sampling_n_and_models_and_health(server, client):
     assert r.usage.completion_tokens == 15
     models = client.models.list()
     assert [m.id for m in models.data] == ["tiny"]
+    assert client.models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4")
     h = httpx.get(server[1] + "/health").json()
     assert h["status"] == "ok" and h["kv_blocks_total"] == 20 and h["kv_tokens_total"] == 20 * PAGE
     assert h["in_flight"] == 0 and h["kv_blocks_used"] == 0
@@ -463,6 +466,7 @@ def test_router_balances_two_workers_by_free_kv(folder):
         assert sorted(x[0] for x in seen) == [200] * 6 and all(x[2] == 20 for x in seen)
         assert {x[1] for x in seen} == {"a", "b"}
         c = openai.OpenAI(base_url=url + "/v1", api_key="front", max_retries=0)
+        assert c.models.retrieve("tiny").id == "tiny"
         text = "".join(ch.choices[0].delta.content or "" for ch in c.chat.completions.create(
             model="tiny", messages=[{"role": "user", "content": "w1"}], max_tokens=5, temperature=0, stream=True,
             extra_body={"ignore_eos": True}) if ch.choices)

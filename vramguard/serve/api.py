@@ -184,11 +184,20 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions, metrics: Metric
     async def prometheus():
         return Response(metrics.render(), media_type="text/plain; version=0.0.4")
 
+    def _model_card() -> dict:
+        return {"id": options.model_id, "object": "model", "created": 0, "owned_by": "vramguard",
+                "context_length": options.context_length, "kv_pool_tokens": engine.pool.pool_tokens}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": options.model_id, "object": "model", "created": 0,
-                                            "owned_by": "vramguard", "context_length": options.context_length,
-                                            "kv_pool_tokens": engine.pool.pool_tokens}]}
+        return {"object": "list", "data": [_model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id != options.model_id and model_id not in options.model_aliases:
+            return ApiError(404, f"model: {model_id!r} is not served here; this server serves "
+                                 f"{options.model_id!r}", param="model", code="model_not_found").response()
+        return _model_card()
 
     async def _body(request: Request, schema):
         size = request.headers.get("content-length")

@@ -144,11 +144,12 @@ def create_router(workers: list[Worker], api_key: str | None = None, on_fatal=No
         return h
 
     @app.get("/v1/models")
+    @app.get("/v1/models/{model_id:path}")
     async def models(request: Request):
-        w = pick(workers)
+        w = next((x for x in workers if x.healthy), None)  # any healthy worker can answer, full or not
         if w is None:
             return ApiError(503, "no worker is healthy", type_="server_error", code="no_worker").response()
-        r = await client.get(w.url + "/v1/models", headers=_headers(w, request))
+        r = await client.get(w.url + request.url.path, headers=_headers(w, request))
         return Response(r.content, status_code=r.status_code, media_type="application/json")
 
     async def relay(request: Request, path: str):
