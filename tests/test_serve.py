@@ -165,6 +165,7 @@ def _metric(url, name) -> float:
     ({"prompt": "w1", "stream": "yes"}, 400, "stream", "invalid_value"),
     ({"prompt": "w1", "n": "2"}, 400, "n", "invalid_value"),
     ({"prompt": 5}, 400, "prompt", "invalid_value"),                                # no union-branch tags
+    ({"prompt": [[1, 2], [3]]}, 400, "prompt", "invalid_value"),                    # one prompt per request
 ])
 def test_validation_errors_are_openai_shaped(server, body, status, param, code):
     r = _post(server[1], "/v1/completions", {"model": "tiny", **body})
@@ -192,7 +193,7 @@ def test_unknown_routes_and_methods_are_openai_shaped_and_model_aliases_work(ser
     assert r.status_code == 405 and _err(r)["code"] == "method_not_allowed"
     r = _post(url, "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": 5}]})
     assert r.status_code == 400 and _err(r)["param"] == "messages.0.content"
-    for name in (str(folder), folder.name):  # the folder's path and name are accepted as well as the served name
+    for name in (str(folder), folder.name, folder.name + "/"):  # the folder's path and name, as well as the served name
         r = _post(url, "/v1/completions", {"model": name, "prompt": [1, 2], "max_tokens": 2, "ignore_eos": True})
         assert r.status_code == 200, r.text
 
@@ -592,6 +593,7 @@ def test_cli_stop_with_a_request_in_flight_answers_503_and_exits_0(folder, tmp_p
             p.kill()
     r = res["r"]
     assert r.status_code == 503 and _err(r)["type"] == "server_error" and "shutting down" in _err(r)["message"]
+    assert _err(r)["code"] == "shutting_down" and r.headers["Retry-After"] == "5"
     assert p.returncode == 0, errs
     assert "Traceback" not in errs and "Event loop is closed" not in errs, errs
 

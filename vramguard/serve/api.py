@@ -184,6 +184,10 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions, metrics: Metric
     async def prometheus():
         return Response(metrics.render(), media_type="text/plain; version=0.0.4")
 
+    def _serves(name: str) -> bool:
+        names = {n.rstrip("/") for n in (options.model_id, *options.model_aliases)}
+        return name.rstrip("/") in names
+
     def _model_card() -> dict:
         return {"id": options.model_id, "object": "model", "created": 0, "owned_by": "vramguard",
                 "context_length": options.context_length, "kv_pool_tokens": engine.pool.pool_tokens}
@@ -194,7 +198,7 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions, metrics: Metric
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
-        if model_id != options.model_id and model_id not in options.model_aliases:
+        if not _serves(model_id):
             return ApiError(404, f"model: {model_id!r} is not served here; this server serves "
                                  f"{options.model_id!r}", param="model", code="model_not_found").response()
         return _model_card()
@@ -216,6 +220,10 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions, metrics: Metric
             raise ApiError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
         if not isinstance(data, dict):
             raise ApiError(400, "request body must be a JSON object", code="invalid_json")
+        p = data.get("prompt")
+        if isinstance(p, list) and any(isinstance(x, list) for x in p):
+            raise ApiError(400, "prompt: a batch of prompts (a list of token-id lists) is not accepted; send one prompt "
+                                "per request", param="prompt", code="invalid_value")
         try:
             req = schema.model_validate(data)
         except ValidationError as e:
@@ -233,7 +241,7 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions, metrics: Metric
         if req.n > options.n_max:
             raise ApiError(400, f"n: {req.n} is over this server's limit of {options.n_max}; send n <= "
                                 f"{options.n_max} (or several requests)", param="n", code="invalid_value")
-        if req.model != options.model_id and req.model not in options.model_aliases:
+        if not _serves(req.model):
             raise ApiError(404, f"model: {req.model!r} is not served here; this server serves {options.model_id!r}",
                            param="model", code="model_not_found")
         if len(req.stops()) > 4:
@@ -298,7 +306,10 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions, metrics: Metric
         results = await asyncio.gather(*[_consume(request, h, stops) for h in handles])
         for r in results:
             if r["error"] is not None:
-                raise ApiError(503, r["error"], type_="server_error", code="generation_failed")
+                stopping = not engine.accepting and engine.check_fatal() is None
+                raise ApiError(503, r["error"], type_="server_error",
+                               code="shutting_down" if stopping else "generation_failed",
+                               headers={"Retry-After": "5"} if stopping else None)
             if r["cancelled"]:
                 return Response(status_code=499)
         usage = {"prompt_tokens": len(ids), "completion_tokens": sum(r["tokens"] for r in results),
@@ -421,8 +432,9 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions, metrics: Metric
                 total[i] = n
                 if err is not None:
                     metrics.requests.labels("failed").inc()
-                    yield {"data": json.dumps(ApiError(503, err, type_="server_error",
-                                                       code="generation_failed").body())}
+                    stopping = not engine.accepting and engine.check_fatal() is None
+                    yield {"data": json.dumps(ApiError(503, err, type_="server_error", code="shutting_down"
+                                                       if stopping else "generation_failed").body())}
                     done_flags[i] = True
                     continue
                 if delta:
