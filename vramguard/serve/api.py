@@ -222,8 +222,8 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions, metrics: Metric
             raise ApiError(400, "request body must be a JSON object", code="invalid_json")
         p = data.get("prompt")
         if isinstance(p, list) and any(isinstance(x, list) for x in p):
-            raise ApiError(400, "prompt: a batch of prompts (a list of token-id lists) is not accepted; send one prompt "
-                                "per request", param="prompt", code="invalid_value")
+            raise ApiError(400, "prompt: a batch of prompts (a list of token-id lists) is not accepted; send one "
+                                "prompt per request", param="prompt", code="invalid_value")
         try:
             req = schema.model_validate(data)
         except ValidationError as e:
