@@ -30,13 +30,12 @@ SWITCH_INTERVAL_S = 0.001
 
 def _usable(budget: int | None, model) -> tuple[int, str]:
     import torch
+
+    from vramguard.generate import usable_bytes
     if torch.cuda.is_available() and next(model.parameters()).is_cuda:
-        dev = next(model.parameters()).device
-        allocated = torch.cuda.memory_allocated(dev)
-        if budget is not None:
-            return budget - allocated, f"--vram-budget minus {allocated:,} B allocated after loading"
-        free, _ = torch.cuda.mem_get_info(dev)
-        return free + torch.cuda.memory_reserved(dev) - allocated, "free memory of the card after loading"
+        usable, allocated = usable_bytes(budget)  # the same rule as guarded generation
+        return usable, (f"--vram-budget minus {allocated:,} B allocated after loading" if budget is not None
+                        else "free memory of the card after loading")
     held = sum(p.numel() * p.element_size() for p in model.parameters())
     if budget is not None:
         import psutil
