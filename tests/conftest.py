@@ -69,6 +69,16 @@ def save_tiny_llama(folder: Path, **cfg) -> Path:
     return folder
 
 
+def concurrently(fn, n: int, timeout_s: float = 60) -> None:
+    """Call ``fn(0) ... fn(n - 1)`` in ``n`` threads at once and wait for all (each join bounded by ``timeout_s``)."""
+    import threading
+    threads = [threading.Thread(target=fn, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=timeout_s)
+
+
 @pytest.fixture(autouse=True)
 def _no_oom_injection():
     """No test leaves an out-of-memory injector behind for the next one."""

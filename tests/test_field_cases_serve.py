@@ -10,13 +10,12 @@ row per sequence, as the plan counts.
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 
 import httpx
 import pytest
 import torch
-from conftest import save_tiny_llama
+from conftest import concurrently, save_tiny_llama
 
 from vramguard import generate as G
 from vramguard.memory.forward import logits_bytes
@@ -133,11 +132,7 @@ def test_c8_serving_engine_computes_one_logit_row_per_request(tmp_path):
                                                                "max_tokens": 8, "temperature": 0,
                                                                "ignore_eos": True}, timeout=60)
 
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(3)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=60)
+        concurrently(one, 3, 60)
         assert [o.status_code for o in out] == [200, 200, 200]
         assert all(o.json()["usage"]["completion_tokens"] == 8 for o in out)
     finally:

@@ -80,13 +80,12 @@ def test_every_strategy_recovers_on_gpu_including_offloaded_kv(tiny):
 def test_serve_on_gpu_recovers_an_oom_inside_a_step(tiny):
     """Issue #7 on the GPU: the real engine on CUDA, 8 concurrent greedy requests, an OOM injected in one step:
     every request completes with the tokens of plain ``generate`` (float32), /health stays ok."""
-    import threading
 
     import httpx
     import torch
 
     from vramguard.serve.server import build
-    from conftest import save_word_tokenizer
+    from conftest import concurrently, save_word_tokenizer
     folder, _ = tiny("LlamaConfig", **SMALL)
     save_word_tokenizer(folder, SMALL["vocab_size"])
     s = build(str(folder), quant="fp32", page_size=64, max_batch_tokens=512, max_running=8, max_queue=8,
@@ -106,11 +105,7 @@ def test_serve_on_gpu_recovers_an_oom_inside_a_step(tiny):
         out[i] = httpx.post(url + "/v1/completions", timeout=120, json={
             "model": "m", "prompt": prompts[i], "max_tokens": 16, "temperature": 0, "ignore_eos": True}).json()
     try:
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=120)
+        concurrently(one, 8, 120)
         assert fired and s.engine.oom_recoveries == 1
         assert httpx.get(url + "/health").json()["status"] == "ok"
     finally:

@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 import torch
-from conftest import save_tiny_llama
+from conftest import concurrently, save_tiny_llama
 
 CFG = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
            vocab_size=300, max_position_embeddings=512, bos_token_id=1, eos_token_id=2)
@@ -317,11 +317,7 @@ def test_burst_beyond_the_queue_gets_429_and_the_rest_complete(folder):
             results.append((r, time.perf_counter() - t0))
 
     try:
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(12)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=60)
+        concurrently(one, 12, 60)
         codes = sorted(r.status_code for r, _ in results)
         assert len(results) == 12 and set(codes) <= {200, 429}
         ok = [r for r, _ in results if r.status_code == 200]
@@ -358,11 +354,7 @@ def test_injected_oom_at_step_k_is_recovered_with_the_same_tokens(folder):
             out[i] = _post(url, "/v1/completions", {"model": "tiny", "prompt": prompts[i], "max_tokens": 24,
                                                      "temperature": 0, "ignore_eos": True})
 
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(3)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=60)
+        concurrently(one, 3, 60)
         assert fired, "the injection did not fire"
         assert [o.status_code for o in out] == [200, 200, 200]
         assert [o.json()["choices"][0]["text"] for o in out] == [_words(r) for r in refs]
@@ -459,11 +451,7 @@ def test_router_balances_two_workers_by_free_kv(folder):
                       headers={"Authorization": "Bearer front"})
             seen.append((r.status_code, r.headers.get("x-vramguard-worker"), r.json()["usage"]["completion_tokens"]))
 
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(6)]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join(timeout=60)
+        concurrently(one, 6, 60)
         assert sorted(x[0] for x in seen) == [200] * 6 and all(x[2] == 20 for x in seen)
         assert {x[1] for x in seen} == {"a", "b"}
         c = openai.OpenAI(base_url=url + "/v1", api_key="front", max_retries=0)
@@ -507,11 +495,7 @@ def test_router_rejects_when_every_worker_is_full_without_asking_them(folder):
             out.append(_post(url, "/v1/completions", {"model": "tiny", "prompt": [1, 3 + i], "max_tokens": 12,
                                                       "temperature": 0, "ignore_eos": True}))
 
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join(timeout=60)
+        concurrently(one, 8, 60)
         ok = [r for r in out if r.status_code == 200]
         busy = [r for r in out if r.status_code == 429]
         assert len(ok) == 2 and len(busy) == 6 and len(out) == 8
