@@ -68,8 +68,8 @@ async def fire(url: str, bodies: list[dict], timeout: float = 600, connect_first
 async def fire_raw(url: str, bodies: list[dict], timeout: float = 600) -> list[dict]:
     """The burst as a load generator should send it: one connection per request opened first, every request
     pre-serialized, then all written back to back (microseconds apart) and each timed from its own write to its
-    complete response. Plain asyncio streams and HTTP/1.1: an httpx client spends about a millisecond of Python per
-    request, so the last of 300 would wait for the client itself. Returns what :func:`fire` returns."""
+    complete response (its Content-Length). Plain asyncio streams and HTTP/1.1: an httpx client spends about a
+    millisecond of Python per request, so the last of 300 would wait for the client itself. Returns what :func:`fire` returns."""
     import json as _json
     from urllib.parse import urlsplit
     u = urlsplit(url)
@@ -82,12 +82,15 @@ async def fire_raw(url: str, bodies: list[dict], timeout: float = 600) -> list[d
                     + payload)
 
     async def read(i, reader, t0):
-        raw = await asyncio.wait_for(reader.read(-1), timeout)
+        async def complete():  # the response ends at Content-Length, as for any HTTP client (the server's close
+            head = await reader.readuntil(b"\r\n\r\n")  # of the connection may come later)
+            lines = head[:-4].decode("latin-1").split("\r\n")
+            headers = {k.lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:])}
+            n = headers.get("content-length")
+            body_ = await (reader.readexactly(int(n)) if n is not None else reader.read(-1))
+            return int(lines[0].split()[1]), headers, body_
+        status, headers, body_ = await asyncio.wait_for(complete(), timeout)
         dt = time.perf_counter() - t0
-        head, _, body_ = raw.partition(b"\r\n\r\n")
-        lines = head.decode("latin-1").split("\r\n")
-        status = int(lines[0].split()[1])
-        headers = {k.lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:])}
         try:
             data = _json.loads(body_)
         except ValueError:

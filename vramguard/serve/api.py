@@ -114,6 +114,9 @@ async def _disconnected(request: Request) -> None:
             return
 
 
+_COMPLETION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+
+
 def _fallback_template(messages) -> str:
     return "".join(f"{m.role}: {m.text()}\n" for m in messages) + "assistant:"
 
@@ -167,7 +170,41 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions, metrics: Metric
                 if on_fatal is not None:
                     on_fatal(err)
 
-    if options.api_key:
+    class _OverloadGate:
+        """Pure ASGI, first thing for a completion request (after the API key): overload is decided here, before
+        routing and before the body is read. An admitted request holds its slot (``engine.reserved``) and then
+        yields once, so every request of a burst that has already arrived gets its decision (a 429 costs a few
+        tens of microseconds) before any admitted one spends time on its body, validation and submission."""
+
+        def __init__(self, app):
+            self.app = app
+
+        async def __call__(self, scope, receive, send):
+            if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in _COMPLETION_PATHS:
+                await self.app(scope, receive, send)
+                return
+            t_arrival = time.perf_counter()
+            try:
+                _admit_or_429(1)
+            except ApiError as e:
+                if e.status == 429:
+                    metrics.rejection_seconds.observe(time.perf_counter() - t_arrival)
+                    metrics.requests.labels("rejected_overload").inc()
+                else:
+                    metrics.requests.labels("failed").inc()
+                await e.response()(scope, receive, send)
+                return
+            engine.reserved += 1
+            slot = scope["vramguard.slot"] = {"held": True}  # the handler takes it over (see _handle)
+            try:
+                await asyncio.sleep(0)
+                await self.app(scope, receive, send)
+            finally:
+                if slot["held"]:
+                    engine.reserved -= 1
+
+    app.add_middleware(_OverloadGate)
+    if options.api_key:  # added last: the outermost layer, so a request without the key never reaches the gate
         app.add_middleware(_ApiKey, key=options.api_key, on_reject=lambda: metrics.requests.labels(
             "rejected_auth").inc())
 
@@ -488,13 +525,17 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions, metrics: Metric
         held = 0  # admission slots this request holds until its handles exist (or it is refused)
         try:
             t_arrival = time.perf_counter()
-            try:
-                _admit_or_429(1)  # overload is decided before the body is even read
-            except ApiError as e:
-                if e.status == 429:
-                    metrics.rejection_seconds.observe(time.perf_counter() - t_arrival)
-                raise
-            engine.reserved += 1
+            slot = request.scope.get("vramguard.slot")
+            if slot is not None and slot["held"]:  # admitted by the gate: this handler now holds the slot
+                slot["held"] = False
+            else:
+                try:
+                    _admit_or_429(1)
+                except ApiError as e:
+                    if e.status == 429:
+                        metrics.rejection_seconds.observe(time.perf_counter() - t_arrival)
+                    raise
+                engine.reserved += 1
             held = 1
             req = await _body(request, schema)
             if req.n > 1:

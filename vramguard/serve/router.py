@@ -170,6 +170,7 @@ def create_router(workers: list[Worker], api_key: str | None = None, on_fatal=No
         routed.labels(w.name).inc()
         t0 = time.perf_counter()
         try:
+            await asyncio.sleep(0)  # every request of a burst already here gets its decision before this one relays
             body = await request.body()
             req = client.build_request("POST", w.url + path, content=body, headers=_headers(w, request))
             upstream = await client.send(req, stream=True)
