@@ -122,12 +122,25 @@ def teacher_forced(m, ids, ref: list[int], kwargs: dict) -> dict:
             "median_gap_at_miss": miss[len(miss) // 2] if miss else None}
 
 
+def fallback_order(m, prompt_tokens: int, new: int, on_cuda: bool) -> list:
+    """The strategies ``vramguard.generate`` tries, in its order, for this request (its preflight)."""
+    from vramguard import generate as G
+    from vramguard.settings import Settings
+    from vramguard.spec import spec_from_config
+    spec = spec_from_config(m.config.to_dict(), name="m")
+    s = Settings(quant=G._quant_of(m), attn=G._attn_of(m)).with_(prompt_tokens=prompt_tokens, max_new_tokens=new,
+                                                                 batch=1)
+    usable = G.usable_bytes(None)[0] if on_cuda else None
+    return [st for st, _ in G.preflight(spec, s, usable, True, on_cuda, weights_loaded=True)[0]]
+
+
 def identity(m, ids, new, log, t_end) -> None:
     """Parts 2 and 3."""
     from vramguard import generate as G
     prompt = ids[0].tolist()
     on_cuda = ids.device.type == "cuda"
-    order = [s for s in G.STRATEGIES if s.available(on_cuda)[0]]
+    order = fallback_order(m, len(prompt), new, on_cuda)
+    emit(log, {"kind": "order", "strategies": [st.name for st in order]})
     runs: dict = {}
 
     def rec(kind, fn):
@@ -178,6 +191,8 @@ def identity(m, ids, new, log, t_end) -> None:
                    "decode_mode": r.decode_mode}
             if vs in runs:
                 out.update(cmp(kind, runs[kind], vs))
+            if vs == "reference" and "reference_again" in runs:  # the reference's own run-to-run variation
+                out["vs_reference_again"] = cmp(kind, runs[kind], "reference_again")
             return out
         return rec(kind, fn)
 
@@ -188,7 +203,7 @@ def identity(m, ids, new, log, t_end) -> None:
                 raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB (injected)")
         same = f"plain[{st.name}]"
         if st.plan.get("kv_dtype") is None:  # 16-bit KV: transformers with the same settings is the reference
-            plain(same, **st.kwargs)
+            plain(same, **copy.deepcopy(st.kwargs))
             ours(f"vramguard[{st.name}]", skip_to, vs=same)
             if same in runs:
                 rec(f"plain[{st.name}]_vs_reference", lambda same=same: cmp(same, runs[same]))
@@ -200,7 +215,7 @@ def identity(m, ids, new, log, t_end) -> None:
                 rec(f"agreement[{st.name}]", lambda ref=ref, got=got, st=st: {
                     "free_running_match": sum(x == y for x, y in zip(ref, got)) / len(ref),
                     "first_divergence": first_diff(ref, got),
-                    "teacher_forced": teacher_forced(m, ids, ref, st.kwargs)})
+                    "teacher_forced": teacher_forced(m, ids, ref, copy.deepcopy(st.kwargs))})
     if "reference" in runs:
         rec("teacher_forced[reference_settings]", lambda: teacher_forced(m, ids, runs["reference"]["tokens"], {}))
 

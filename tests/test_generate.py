@@ -1,6 +1,7 @@
 """Guarded generation on the CPU: every strategy, OOM injected at prefill and at decode step k, the preflight
 refusal, and the CLI streaming text from a tiny model with a real (locally built) tokenizer."""
 
+import copy
 import subprocess
 import sys
 
@@ -48,7 +49,7 @@ def test_the_cpu_runs_every_strategy_it_can(model):
         import torch
         ids = torch.tensor([PROMPT])
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, min_new_tokens=16,
-                             do_sample=False, pad_token_id=0, **st.kwargs)
+                             do_sample=False, pad_token_id=0, **copy.deepcopy(st.kwargs))
         assert out[0, len(PROMPT):].tolist() == base, st.name
 
 
@@ -61,6 +62,22 @@ def test_oom_is_recovered_with_identical_greedy_tokens(model, phase, step):
     assert [a.strategy for a in r.attempts] == ["dynamic", "chunked prefill 2048"]
     assert (r.attempts[0].phase, r.attempts[0].step, r.attempts[0].new_tokens) == (phase, step, step)
     assert "ran out at" in r.reason
+
+
+def test_strategies_are_not_changed_by_running_them(model):
+    """transformers 5.17 pops ``backend`` from a quantized cache's ``cache_config`` and adds the model's config:
+    run twice, the int8 (HQQ) strategy must still be HQQ the second time (it fell back to quanto, which refuses
+    8 bits, before each run got its own copy)."""
+    import torch
+    before = copy.deepcopy([s.kwargs for s in G.STRATEGIES])
+    n = len(cpu_strategies())
+    for _ in range(2):
+        G.OOM_INJECTOR = lambda phase, attempt, step: (_ for _ in ()).throw(
+            torch.OutOfMemoryError("CUDA out of memory (injected)")) if attempt < n - 2 else None
+        r = G.generate(model, None, PROMPT, 4)
+        assert r.strategy == "int8 KV cache + chunked prefill 512"
+    G.OOM_INJECTOR = None
+    assert [s.kwargs for s in G.STRATEGIES] == before
 
 
 def test_every_strategy_recovers_in_turn(model):

@@ -20,6 +20,7 @@ remain the fallbacks after an out-of-memory error.
 
 from __future__ import annotations
 
+import copy
 import gc
 import importlib.util
 import time
@@ -254,7 +255,8 @@ def _attempts(model, tokenizer, prompt_ids: list[int], max_new_tokens: int, orde
                 model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=remaining,
                                min_new_tokens=remaining, streamer=tap,
                                pad_token_id=getattr(model.generation_config, "pad_token_id", None) or 0,
-                               **sample, **st.kwargs)
+                               **sample, **copy.deepcopy(st.kwargs))  # transformers 5.17 pops keys of
+                # cache_config ("backend") and adds the model's config to it: each call gets its own copy
             attempts.append(Attempt(st.name, len(generated) - tap.start,
                                     peak_allocated_bytes=torch.cuda.max_memory_allocated() if on_cuda else None,
                                     **_decode_fields(dec)))
