@@ -122,24 +122,12 @@ def teacher_forced(m, ids, ref: list[int], kwargs: dict) -> dict:
             "median_gap_at_miss": miss[len(miss) // 2] if miss else None}
 
 
-def fallback_order(m, prompt_tokens: int, new: int, on_cuda: bool) -> list:
-    """The strategies ``vramguard.generate`` tries, in its order, for this request (its preflight)."""
-    from vramguard import generate as G
-    from vramguard.settings import Settings
-    from vramguard.spec import spec_from_config
-    spec = spec_from_config(m.config.to_dict(), name="m")
-    s = Settings(quant=G._quant_of(m), attn=G._attn_of(m)).with_(prompt_tokens=prompt_tokens, max_new_tokens=new,
-                                                                 batch=1)
-    usable = G.usable_bytes(None)[0] if on_cuda else None
-    return [st for st, _ in G.preflight(spec, s, usable, True, on_cuda, weights_loaded=True)[0]]
-
-
 def identity(m, ids, new, log, t_end) -> None:
     """Parts 2 and 3."""
     from vramguard import generate as G
     prompt = ids[0].tolist()
     on_cuda = ids.device.type == "cuda"
-    order = fallback_order(m, len(prompt), new, on_cuda)
+    order = [st for st, _ in G.strategy_order(m, len(prompt), new)[0]]  # generate's own fallback order
     emit(log, {"kind": "order", "strategies": [st.name for st in order]})
     runs: dict = {}
 

@@ -87,7 +87,17 @@ async def fire_raw(url: str, bodies: list[dict], timeout: float = 600) -> list[d
             lines = head[:-4].decode("latin-1").split("\r\n")
             headers = {k.lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:])}
             n = headers.get("content-length")
-            body_ = await (reader.readexactly(int(n)) if n is not None else reader.read(-1))
+            if n is not None:
+                body_ = await reader.readexactly(int(n))
+            elif headers.get("transfer-encoding", "").lower() == "chunked":  # e.g. relayed by the router
+                body_ = b""
+                while True:
+                    size = int((await reader.readuntil(b"\r\n")).split(b";")[0], 16)
+                    body_ += (await reader.readexactly(size + 2))[:-2]
+                    if size == 0:
+                        break
+            else:
+                body_ = await reader.read(-1)
             return int(lines[0].split()[1]), headers, body_
         status, headers, body_ = await asyncio.wait_for(complete(), timeout)
         dt = time.perf_counter() - t0
@@ -128,6 +138,8 @@ def main():
     ap.add_argument("--burst", type=int, default=300)
     ap.add_argument("--queue", type=int, default=64)
     ap.add_argument("--big", type=int, default=100)
+    ap.add_argument("--repeat", type=int, default=1, help="runs of generate_batch and of each serve load (means "
+                    "are in the last record)")
     ap.add_argument("--skip", default="", help="comma list of phases to skip: seq,batch,serve,burst,big")
     ap.add_argument("--smoke", action="store_true", help="a tiny model on the CPU, to check the script itself")
     args = ap.parse_args()
@@ -206,16 +218,17 @@ def main():
                    max_requests_per_batch=args.concurrency)
         try:
             m.generate_batch(P[:8], generation_config=gen, continuous_batching_config=cb_config(**cfg))
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            res = m.generate_batch(P[:args.concurrency], generation_config=gen,
-                                   continuous_batching_config=cb_config(**cfg))
-            torch.cuda.synchronize()
-            dt = time.perf_counter() - t
-            toks = sum(len(r.generated_tokens) for r in res.values())
-            emit(out, {"phase": "generate_batch", "requests": args.concurrency, "tokens": toks, "s": round(dt, 2),
-                       "tokens_per_s": round(toks / dt, 1), "peak_bytes": torch.cuda.max_memory_allocated(),
-                       "attn": m.config._attn_implementation})
+            for rep in range(args.repeat):
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+                res = m.generate_batch(P[:args.concurrency], generation_config=gen,
+                                       continuous_batching_config=cb_config(**cfg))
+                torch.cuda.synchronize()
+                dt = time.perf_counter() - t
+                toks = sum(len(r.generated_tokens) for r in res.values())
+                emit(out, {"phase": "generate_batch", "rep": rep, "requests": args.concurrency, "tokens": toks,
+                           "s": round(dt, 2), "tokens_per_s": round(toks / dt, 1),
+                           "peak_bytes": torch.cuda.max_memory_allocated(), "attn": m.config._attn_implementation})
         except Exception as e:  # noqa: BLE001
             emit(out, {"phase": "generate_batch", "error": repr(e)[:400]})
         m.set_attn_implementation("sdpa")
@@ -260,17 +273,18 @@ def main():
                            "oom_recoveries": h["oom_recoveries"],
                            "peak_bytes": metric(url, "vramguard_vram_peak_allocated_bytes")})
                 continue
-            t = time.perf_counter()
-            rs = asyncio.run(fire(url, [body(P[i], args.new) for i in range(args.concurrency)]))
-            dt = time.perf_counter() - t
-            toks = sum(r["tokens"] or 0 for r in rs)
-            emit(out, {"phase": f"{name}_concurrent", "requests": args.concurrency,
-                       "ok": sum(r["status"] == 200 for r in rs),
-                       "exact_tokens": sum(r["tokens"] == args.new for r in rs),
-                       "tokens": toks, "s": round(dt, 2), "tokens_per_s": round(toks / dt, 1),
-                       "peak_bytes": metric(url, "vramguard_vram_peak_allocated_bytes"), "budget_bytes": budget,
-                       "oom_recoveries": httpx_get(url + "/health")["oom_recoveries"],
-                       "statuses": sorted({r["status"] for r in rs})})
+            for rep in range(args.repeat):
+                t = time.perf_counter()
+                rs = asyncio.run(fire(url, [body(P[i], args.new) for i in range(args.concurrency)]))
+                dt = time.perf_counter() - t
+                toks = sum(r["tokens"] or 0 for r in rs)
+                emit(out, {"phase": f"{name}_concurrent", "rep": rep, "requests": args.concurrency,
+                           "ok": sum(r["status"] == 200 for r in rs),
+                           "exact_tokens": sum(r["tokens"] == args.new for r in rs),
+                           "tokens": toks, "s": round(dt, 2), "tokens_per_s": round(toks / dt, 1),
+                           "peak_bytes": metric(url, "vramguard_vram_peak_allocated_bytes"), "budget_bytes": budget,
+                           "oom_recoveries": httpx_get(url + "/health")["oom_recoveries"],
+                           "statuses": sorted({r["status"] for r in rs})})
             if name == "serve" and "burst" not in skip:
                 t = time.perf_counter()
                 rs = asyncio.run(fire_raw(url, [body(P[i % len(P)], args.new) for i in range(args.burst)]))
@@ -290,6 +304,27 @@ def main():
                            "peak_bytes": metric(url, "vramguard_vram_peak_allocated_bytes")})
         finally:
             emit(out, {"phase": f"{name}_stop", "exit_code": stop_server(proc)})
+    emit(out, summary(out))
+
+
+def summary(path: str) -> dict:
+    """Mean tokens/s of each throughput phase in this run's records, and serve's ratios to the baselines."""
+    import json
+    runs: dict = {}
+    with open(path) as f:
+        for line in f:
+            r = json.loads(line)
+            if "tokens_per_s" in r and r["phase"] in ("sequential_generate", "generate_batch", "serve_concurrent",
+                                                       "serve_greedy_concurrent"):
+                runs.setdefault(r["phase"], []).append(r["tokens_per_s"])
+    mean = {k: round(statistics.mean(v), 1) for k, v in runs.items()}
+    out = {"phase": "summary", "tokens_per_s_runs": runs, "tokens_per_s_mean": mean}
+    for name in ("serve_concurrent", "serve_greedy_concurrent"):
+        if name in mean and "generate_batch" in mean:
+            out[f"{name}_vs_generate_batch"] = round(mean[name] / mean["generate_batch"], 3)
+        if name in mean and "sequential_generate" in mean:
+            out[f"{name}_vs_sequential"] = round(mean[name] / mean["sequential_generate"], 2)
+    return out
 
 
 def stop_server(proc, timeout_s: float = 90):

@@ -303,6 +303,28 @@ def _decode_fields(dec) -> dict:
             "decode_ms_per_token": dec.decode_ms_per_token}
 
 
+def strategy_order(model, prompt_tokens: int, max_new_tokens: int, *, budget_bytes: int | None = None,
+                   auto: bool = True, fast_decode: bool = False,
+                   settings: Settings | None = None) -> tuple[list[tuple[Strategy, int]], str]:
+    """The strategies :func:`generate` tries for a request of ``prompt_tokens`` + ``max_new_tokens`` on ``model``,
+    in its order, each with its planned need in bytes beyond the loaded weights; and the reason for the first.
+    After the first strategy that fits, only those planned to need less memory follow (a fallback that needs as
+    much would run out again): e.g. chunked prefill 2048 is left out for a prompt of at most 2048 tokens.
+
+    Raises:
+        InvalidValue: the request is over the model's context. Infeasible: no strategy fits, before any GPU work.
+    """
+    from vramguard.plan import check_context
+    from vramguard.spec import spec_from_config
+    spec = spec_from_config(model.config.to_dict(), name=getattr(model.config, "_name_or_path", "model"))
+    s = (settings or Settings(quant=_quant_of(model), attn=_attn_of(model))).with_(
+        prompt_tokens=prompt_tokens, max_new_tokens=max_new_tokens, batch=1)
+    check_context(spec, s)
+    on_cuda = next(model.parameters()).device.type == "cuda"
+    usable, _ = usable_bytes(budget_bytes) if on_cuda else (None, 0)
+    return preflight(spec, s, usable, auto, on_cuda, weights_loaded=True, fast_decode=fast_decode)
+
+
 def generate(model, tokenizer, prompt: str | list[int], max_new_tokens: int = 256, *, budget_bytes: int | None = None,
              auto: bool = True, on_text: Callable[[str], None] | None = None, do_sample: bool = False,
              temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
@@ -326,8 +348,6 @@ def generate(model, tokenizer, prompt: str | list[int], max_new_tokens: int = 25
     import torch
 
     from vramguard.errors import InvalidValue
-    from vramguard.plan import check_context
-    from vramguard.spec import spec_from_config
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise InvalidValue("max_new_tokens", max_new_tokens, "an integer >= 1")
     if temperature is not None and not temperature > 0:
@@ -340,13 +360,9 @@ def generate(model, tokenizer, prompt: str | list[int], max_new_tokens: int = 25
     if fast_decode:
         from vramguard.fastdecode import check_model
         check_model(model)
-    spec = spec_from_config(model.config.to_dict(), name=getattr(model.config, "_name_or_path", "model"))
-    s = (settings or Settings(quant=_quant_of(model), attn=_attn_of(model))).with_(
-        prompt_tokens=len(prompt_ids), max_new_tokens=max_new_tokens, batch=1)
-    check_context(spec, s)
+    order, why = strategy_order(model, len(prompt_ids), max_new_tokens, budget_bytes=budget_bytes, auto=auto,
+                                fast_decode=fast_decode, settings=settings)
     on_cuda = next(model.parameters()).device.type == "cuda"
-    usable, _ = usable_bytes(budget_bytes) if on_cuda else (None, 0)
-    order, why = preflight(spec, s, usable, auto, on_cuda, weights_loaded=True, fast_decode=fast_decode)
     if on_cuda:
         if budget_bytes is not None:
             torch.cuda.set_per_process_memory_fraction(budget_bytes / torch.cuda.mem_get_info()[1])
