@@ -44,6 +44,7 @@ def test_the_cpu_runs_every_strategy_it_can(model):
     names = [s.name for s in cpu_strategies()]  # the test extras install hqq and optimum-quanto: none is skipped
     assert names == ["dynamic", "chunked prefill 2048", "static cache + chunked prefill 512",
                      "int8 KV cache + chunked prefill 512", "int4 KV cache + chunked prefill 512"]
+    assert [st.name for st, _ in G.strategy_order(model, len(PROMPT), 16)[0]] == names  # no budget on the CPU
     base = G.generate(model, None, PROMPT, 16).token_ids
     for st in cpu_strategies():
         import torch

@@ -363,6 +363,7 @@ def generate(model, tokenizer, prompt: str | list[int], max_new_tokens: int = 25
     order, why = strategy_order(model, len(prompt_ids), max_new_tokens, budget_bytes=budget_bytes, auto=auto,
                                 fast_decode=fast_decode, settings=settings)
     on_cuda = next(model.parameters()).device.type == "cuda"
+    usable, _ = usable_bytes(budget_bytes) if on_cuda else (None, 0)
     if on_cuda:
         if budget_bytes is not None:
             torch.cuda.set_per_process_memory_fraction(budget_bytes / torch.cuda.mem_get_info()[1])
