@@ -81,6 +81,33 @@ def test_strategies_are_not_changed_by_running_them(model):
     assert [s.kwargs for s in G.STRATEGIES] == before
 
 
+def test_a_pinned_flash_sdpa_is_lifted_for_strategies_that_pass_a_mask(model):
+    """load_model pins SDPA to the flash kernel on a GPU; that kernel takes no attention mask, which chunked prefill
+    and the static/quantized/offloaded caches pass. The fallback strategies run unpinned, say so, and the pin is
+    back afterwards; the plain dynamic attempt keeps it."""
+    import torch
+
+    from vramguard.load import _pin_sdpa, _unpin_sdpa
+    _pin_sdpa(model, "flash")
+    seen = []
+
+    def inj(phase, attempt, step):
+        seen.append((attempt, getattr(model, "_vramguard_pin", None) is not None))
+        if attempt == 0 and phase == "prefill":
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+    G.OOM_INJECTOR = inj
+    try:
+        r = G.generate(model, None, PROMPT, 4)
+    finally:
+        G.OOM_INJECTOR = None
+        pinned_after = getattr(model, "_vramguard_pin", None) is not None
+        _unpin_sdpa(model)
+    assert (0, True) in seen and (1, False) in seen and (1, True) not in seen
+    assert pinned_after
+    assert r.attempts[0].sdpa_note is None and "pin to flash was lifted" in r.attempts[1].sdpa_note
+    assert "pin to flash was lifted" in r.reason
+
+
 def test_every_strategy_recovers_in_turn(model):
     """OOM in each strategy's own run (prefill in one, decode in the next) until the last one completes."""
     base = G.generate(model, None, PROMPT, 12).token_ids

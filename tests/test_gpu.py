@@ -118,3 +118,65 @@ def test_serve_on_gpu_recovers_an_oom_inside_a_step(tiny):
                             do_sample=False, pad_token_id=0)[0, len(p):].tolist()
         assert out[i]["usage"]["completion_tokens"] == 16
         assert out[i]["choices"][0]["text"] == " ".join(f"w{t - 3}" for t in want), i
+
+
+def test_a_real_oom_under_a_cap_recovers_with_the_tokens_of_an_uninterrupted_run(tiny):
+    """Issue #4: a real CUDA out-of-memory error, from the caching allocator under the per-process cap (not an
+    injected exception): ballast fills the cap just before the first strategy's prefill, and is freed when the next
+    strategy starts; the request completes with the greedy tokens of an uninterrupted run (float32)."""
+    import torch
+
+    from vramguard import generate as G
+    from vramguard.load import load_model, unload
+    folder, _ = tiny("LlamaConfig", **SMALL)
+    loaded = load_model(str(folder), quant="fp32", verify=False)
+    m = loaded.model
+    prompt = list(range(5, 1500))
+    base = G.generate(m, None, prompt, 16).token_ids
+    budget = 2 << 30
+    ballast = []
+
+    def fill(phase, attempt, step):
+        if attempt == 0 and phase == "prefill":
+            torch.cuda.empty_cache()
+            room = budget - torch.cuda.memory_reserved() - (2 << 20)
+            ballast.append(torch.empty(room, dtype=torch.uint8, device="cuda"))
+        elif attempt >= 1:
+            ballast.clear()
+    G.OOM_INJECTOR = fill
+    try:
+        r = G.generate(m, None, prompt, 16, budget_bytes=budget)
+    finally:
+        G.OOM_INJECTOR = None
+        ballast.clear()
+    first = r.attempts[0]
+    assert first.oom and "out of memory" in first.oom and "injected" not in first.oom and first.phase == "prefill"
+    assert len(r.attempts) == 2 and r.token_ids == base
+    unload(loaded)
+
+
+def test_every_strategy_runs_under_the_flash_pin_of_a_default_load(tiny):
+    """load_model's default (verify) pins SDPA to the flash kernel, which takes no mask; chunked prefill (a prompt
+    of several chunks) and the static, quantized and offloaded caches pass one. Each strategy, reached by injected
+    OOMs, must complete in bf16 and say that the pin was lifted."""
+    import torch
+
+    from vramguard import generate as G
+    from vramguard.load import load_model, unload
+    folder, _ = tiny("LlamaConfig", **SMALL)
+    loaded = load_model(str(folder), quant="bf16")
+    m = loaded.model
+    assert getattr(m, "_vramguard_pin", None) is not None and m._vramguard_pin[0] == "flash"
+    prompt = list(range(5, 1300))  # 3 chunks of 512
+    order = [st for st, _ in G.strategy_order(m, len(prompt), 8)[0]]
+    for k in range(1, len(order)):
+        G.OOM_INJECTOR = lambda phase, attempt, step, k=k: (_ for _ in ()).throw(
+            torch.OutOfMemoryError("CUDA out of memory (injected)")) if attempt < k and phase == "prefill" else None
+        try:
+            r = G.generate(m, None, prompt, 8)
+        finally:
+            G.OOM_INJECTOR = None
+        assert r.strategy == order[k].name and len(r.token_ids) == 8
+        assert "pin to flash was lifted" in r.reason
+    assert m._vramguard_pin[0] == "flash"
+    unload(loaded)

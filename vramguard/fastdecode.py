@@ -296,20 +296,10 @@ class GraphDecoder:
                 torch.cuda.synchronize(self.device)  # raises if the failure left the device unusable
         return time.perf_counter() - t0
 
-    @contextlib.contextmanager
     def _sdpa_unpinned(self):
-        """Lift :func:`vramguard.load.load_model`'s SDPA pin to a backend that takes no attention mask (flash,
-        cuDNN) for the call: a static cache needs a mask at every decode step. Yields the note for the report."""
-        pin = getattr(self.model, "_vramguard_pin", None)
-        if not pin or pin[0] not in ("flash", "cudnn"):
-            yield None
-            return
-        from vramguard.load import _pin_sdpa, _unpin_sdpa
-        _unpin_sdpa(self.model)
-        try:
-            yield f"the SDPA pin to {pin[0]} was lifted for this call: a static cache passes a mask at every step"
-        finally:
-            _pin_sdpa(self.model, pin[0])
+        """:func:`vramguard.load.sdpa_unpinned` for this call: a static cache needs a mask at every decode step."""
+        from vramguard.load import sdpa_unpinned
+        return sdpa_unpinned(self.model, "a static cache passes a mask at every step")
 
     # -- generation -------------------------------------------------------------------------------------------
     def _check_request(self, prompt_ids, max_new_tokens: int) -> list[int]:

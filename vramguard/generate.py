@@ -20,6 +20,7 @@ remain the fallbacks after an out-of-memory error.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import importlib.util
@@ -87,6 +88,7 @@ class Attempt:
     decode_mode: str | None = None  # graph strategy only: "cuda_graph" or "eager" (see decode_reason)
     decode_reason: str | None = None
     decode_ms_per_token: float | None = None
+    sdpa_note: str | None = None  # load_model's SDPA pin lifted for this attempt, and why
 
 
 @dataclass
@@ -235,6 +237,8 @@ def _attempts(model, tokenizer, prompt_ids: list[int], max_new_tokens: int, orde
               seed: int | None) -> tuple[list[int], list[Attempt], float | None]:
     """Run the strategies in ``order`` until one completes; each continues from the tokens produced so far."""
     import torch
+
+    from vramguard.load import sdpa_unpinned
     on_cuda = next(model.parameters()).device.type == "cuda"
     generated: list[int] = []
     attempts: list[Attempt] = []
@@ -247,19 +251,22 @@ def _attempts(model, tokenizer, prompt_ids: list[int], max_new_tokens: int, orde
         remaining = max_new_tokens - len(generated)
         if seed is not None:
             torch.manual_seed(seed + len(generated))
+        sdpa_note = None
         try:
             dec = None
             if st.graph:
                 dec = _graph_attempt(model, ids, remaining, tap, sample, st.kwargs["prefill_chunk_size"])
             else:
-                model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=remaining,
-                               min_new_tokens=remaining, streamer=tap,
-                               pad_token_id=getattr(model.generation_config, "pad_token_id", None) or 0,
-                               **sample, **copy.deepcopy(st.kwargs))  # transformers 5.17 pops keys of
-                # cache_config ("backend") and adds the model's config to it: each call gets its own copy
+                with (sdpa_unpinned(model, "chunked prefill and the non-dynamic caches pass an attention mask")
+                      if st.kwargs else contextlib.nullcontext()) as sdpa_note:
+                    model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=remaining,
+                                   min_new_tokens=remaining, streamer=tap,
+                                   pad_token_id=getattr(model.generation_config, "pad_token_id", None) or 0,
+                                   **sample, **copy.deepcopy(st.kwargs))  # transformers 5.17 pops keys of
+                    # cache_config ("backend") and adds the model's config to it: each call gets its own copy
             attempts.append(Attempt(st.name, len(generated) - tap.start,
                                     peak_allocated_bytes=torch.cuda.max_memory_allocated() if on_cuda else None,
-                                    **_decode_fields(dec)))
+                                    sdpa_note=sdpa_note, **_decode_fields(dec)))
             ttft = ttft if ttft is not None else (tap.t_first - t0 if tap.t_first else None)
             return generated, attempts, ttft
         except torch.OutOfMemoryError as e:  # free what the attempt held, then the next strategy continues
@@ -385,6 +392,8 @@ def generate(model, tokenizer, prompt: str | list[int], max_new_tokens: int = 25
         + "; ".join(f"{a.strategy} ran out at {a.phase} step {a.step}" for a in attempts[:-1]))
     if last.decode_mode is not None:
         reason += f"; decode: {last.decode_mode} ({last.decode_reason})"
+    if last.sdpa_note:
+        reason += f"; {last.sdpa_note}"
     if sampling_note:
         reason += f"; {sampling_note}"
     text = tokenizer.decode(generated, skip_special_tokens=True) if tokenizer is not None else ""

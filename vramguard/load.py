@@ -14,6 +14,7 @@ reported in ``LoadReport.overrides``; ``strict=True`` raises instead):
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import warnings
 from dataclasses import dataclass, field
@@ -131,6 +132,26 @@ def _unpin_sdpa(model) -> None:
         while pin[3]:
             pin[3].pop().__exit__(None, None, None)
         model._vramguard_pin = None
+
+
+@contextlib.contextmanager
+def sdpa_unpinned(model, why: str):
+    """Lift :func:`load_model`'s SDPA pin for the duration when it names a backend that takes no attention mask
+    (PyTorch's flash kernel, cuDNN), and pin it again after. Calls that pass a mask (a static cache at every step,
+    a prefill chunk after the first) would otherwise fail with "No available kernel".
+
+    Yields:
+        The note for the report (``why`` says what passes the mask), or None when nothing needed lifting.
+    """
+    pin = getattr(model, "_vramguard_pin", None)
+    if not pin or pin[0] not in ("flash", "cudnn"):
+        yield None
+        return
+    _unpin_sdpa(model)
+    try:
+        yield f"the SDPA pin to {pin[0]} was lifted for this call: {why}"
+    finally:
+        _pin_sdpa(model, pin[0])
 
 
 def _verify_sdpa_pin(model, report: LoadReport, on_cuda: bool) -> None:
