@@ -48,6 +48,16 @@ def test_load_unload_loop_returns_to_baseline(tiny):
         assert abs(torch.cuda.memory_allocated() - base) <= 0.01 * weights
 
 
+def test_check_reports_whether_unloading_returned_the_memory(tiny):
+    """C17 on the GPU: `check` loads, verifies the kernel, unloads, and reports the residual (memory returned)."""
+    from vramguard.check import check
+    from vramguard.settings import Settings
+    folder, _ = tiny("LlamaConfig", **SMALL)
+    r = check(str(folder), Settings(quant="nf4", attn="sdpa"), verify=True)
+    f = next(x for x in r.findings if x.name == "unload")
+    assert f.status == "ok" and "B above the allocated memory before loading" in f.reason
+
+
 def test_every_strategy_recovers_on_gpu_including_offloaded_kv(tiny):
     """Issue #4 on the GPU: an OOM injected in each strategy in turn (prefill, then decode) until the last one,
     the offloaded KV cache (CUDA only), completes with the greedy tokens of an uninterrupted run (float32)."""

@@ -76,6 +76,22 @@ def test_c17_unload_frees_every_tensor(tiny):
     assert rep.residual_bytes is None  # no CUDA here: nothing to measure
 
 
+def test_c17_the_unload_report_names_a_residual_and_its_holders():
+    """C17: what check and profile print after unloading: memory back within 1% of the weights, or the residual
+    with the tensors that still hold it."""
+    from vramguard.load import UnloadReport
+    weights = 5_707_474_944
+    back = UnloadReport(weights, 33_555_456, ("(917504,) torch.uint8 917,504 B",))
+    assert back.returned(weights) is True
+    assert back.describe(weights) == ("33,555,456 B above the allocated memory before loading (0.59% of the "
+                                      "5,707,474,944 B of weights)")
+    held = UnloadReport(weights - 144_770_048, 144_770_048, ("(4096, 4096) torch.bfloat16 33,554,432 B",))
+    assert held.returned(weights) is False
+    assert held.describe(weights).endswith("(2.54% of the 5,707,474,944 B of weights); still held by: "
+                                           "(4096, 4096) torch.bfloat16 33,554,432 B")
+    assert UnloadReport(None, None, ()).returned(weights) is None
+
+
 def test_compute_dtype_follows_an_explicit_dtype_c3():
     """Field case C3: a 4-bit model given only a dtype computes in that dtype, never a silent bf16 mismatch."""
     from vramguard.load import LoadReport, choose_dtypes

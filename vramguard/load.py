@@ -315,6 +315,27 @@ class UnloadReport:
     residual_bytes: int | None
     holders: tuple[str, ...]
 
+    RESIDUAL_TOLERANCE = 0.01  # of the weights: allocator rounding and a few small cached tensors (field case C17)
+
+    def returned(self, weights_bytes: int | None) -> bool | None:
+        """Whether memory went back to the pre-load baseline, within 1% of ``weights_bytes`` (None: not measured,
+        i.e. no CUDA device or no baseline)."""
+        if self.residual_bytes is None:
+            return None
+        return self.residual_bytes <= self.RESIDUAL_TOLERANCE * (weights_bytes or 0) + (1 << 20)
+
+    def describe(self, weights_bytes: int | None) -> str:
+        """One line for reports: the residual against the baseline and, when memory was not returned, what holds
+        it (the largest CUDA tensors still alive)."""
+        if self.residual_bytes is None:
+            return "not measured (no CUDA device)"
+        text = f"{self.residual_bytes:,} B above the allocated memory before loading"
+        if weights_bytes:
+            text += f" ({100 * self.residual_bytes / weights_bytes:.2f}% of the {weights_bytes:,} B of weights)"
+        if not self.returned(weights_bytes) and self.holders:
+            text += "; still held by: " + ", ".join(self.holders)
+        return text
+
 
 def unload(model) -> UnloadReport:
     """Free a model loaded by :func:`load_model` (or any ``nn.Module``): drop every parameter and buffer, break

@@ -7,7 +7,7 @@ import html
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from vramguard.load import LoadedModel, load_model
+from vramguard.load import LoadedModel, load_model, unload
 from vramguard.measure import StepSample
 from vramguard.memory.runtime import CUBLAS_WORKSPACE_BYTES
 from vramguard.plan import estimate
@@ -137,6 +137,12 @@ def profile(model: str | LoadedModel, s: Settings, out_dir: str | None = None, m
             report.files["memory_snapshot"] = str(snap)
     if memory_snapshot:
         torch.cuda.memory._record_memory_history(enabled=None)
+    if not isinstance(model, LoadedModel):  # loaded here: free it, and say whether memory went back (C17)
+        weights = loaded.report.weights_bytes
+        rep = unload(loaded)
+        del loaded
+        report.notes.append(f"unload: {'memory returned' if rep.returned(weights) else 'memory NOT returned'}, "
+                            f"{rep.describe(weights)}")
     return report
 
 

@@ -109,7 +109,7 @@ def check(model: str | None = None, settings: Settings | None = None, *, dtype: 
         if device_map == "auto" and v.fits:
             findings.append(_placement_finding(model, spec, s, card, env))
     if verify and folder is not None and env.cuda_available:
-        findings.append(_verify_kernel(str(folder), s, param_dtype, report))
+        findings.extend(_verify_kernel(str(folder), s, param_dtype, report))
     return report
 
 
@@ -139,8 +139,9 @@ def _placement_finding(model, spec, s, card, env) -> CheckFinding:
     return CheckFinding("device_map", "ok", "auto: every module on the GPU", pl.reason)
 
 
-def _verify_kernel(folder: str, s: Settings, param_dtype: str, report: CheckReport) -> CheckFinding:
-    """Load with the requested settings (no automatic choice) and profile one forward."""
+def _verify_kernel(folder: str, s: Settings, param_dtype: str, report: CheckReport) -> list[CheckFinding]:
+    """Load with the requested settings (no automatic choice), profile one forward, unload: the attention kernel
+    finding, and the unload finding (memory back to the pre-load baseline, or what still holds it: field case C17)."""
     from vramguard.load import load_model, unload
     attn = s.attn
     try:
@@ -148,22 +149,34 @@ def _verify_kernel(folder: str, s: Settings, param_dtype: str, report: CheckRepo
                             compute_dtype=s.resolved_compute_dtype if s.is_4bit else None,
                             dtype=param_dtype, attn=attn, strict=True, verify=False)
     except Exception as e:  # the load itself failing is the finding: name the exception
-        return CheckFinding("attention_kernel", "fail", f"{attn}: the model did not load",
-                            f"{type(e).__name__}: {str(e).splitlines()[0][:300]}",
-                            "use attn_implementation='sdpa'" if attn == "flash_attention_2" else None)
+        return [CheckFinding("attention_kernel", "fail", f"{attn}: the model did not load",
+                             f"{type(e).__name__}: {str(e).splitlines()[0][:300]}",
+                             "use attn_implementation='sdpa'" if attn == "flash_attention_2" else None)]
     from vramguard.check.kernels import profile_attention
     from vramguard.load import _pin_sdpa
     pinned = s.sdpa_kernel if attn == "sdpa" and s.sdpa_kernel != "auto" else None
+    weights = loaded.report.weights_bytes
     try:
         if pinned:
             _pin_sdpa(loaded.model, pinned)
         k = profile_attention(loaded.model, attn if attn != "auto" else "sdpa", pinned=pinned)
     except Exception as e:
-        unload(loaded)
-        return CheckFinding("attention_kernel", "fail", f"{attn}: the forward failed",
-                            f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
+        return [CheckFinding("attention_kernel", "fail", f"{attn}: the forward failed",
+                             f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"),
+                _unload_finding(unload(loaded), weights)]
     report.kernel = k
-    unload(loaded)
-    return CheckFinding("attention_kernel", "ok" if k.matches_request else "warn", k.label,
-                        k.reason + ("; kernels: " + ", ".join(k.evidence[:2]) if k.evidence else ""),
-                        None if k.matches_request else "see `vramguard check` findings for what forces this path")
+    return [CheckFinding("attention_kernel", "ok" if k.matches_request else "warn", k.label,
+                         k.reason + ("; kernels: " + ", ".join(k.evidence[:2]) if k.evidence else ""),
+                         None if k.matches_request else "see `vramguard check` findings for what forces this path"),
+            _unload_finding(unload(loaded), weights)]
+
+
+def _unload_finding(rep, weights_bytes: int | None) -> CheckFinding:
+    """The unload after verification: memory back to the baseline (ok), or the residual and its holders (warn)."""
+    ok = rep.returned(weights_bytes)
+    return CheckFinding("unload", "ok" if ok or ok is None else "warn",
+                        "memory returned" if ok else ("not measured" if ok is None else "memory not returned"),
+                        rep.describe(weights_bytes),
+                        None if ok or ok is None else "in a long-lived process, free models with "
+                        "vramguard.load.unload (it breaks the reference cycles gc.collect() would) and drop your own "
+                        "references to the tensors named")
