@@ -111,3 +111,18 @@ def test_exit_code_when_nothing_fits():
     assert run("plan", "llama-3.1-70b", "--gpu", "rtx-4090", "--exit-code").returncode == 1
     assert run("plan", "llama-3.1-8b", "--gpu", "rtx-4090", "--exit-code").returncode == 0
     assert run("plan", "llama-3.1-70b", "--gpu", "rtx-4090").returncode == 0
+
+
+@pytest.mark.parametrize("command", [["run", "{m}", "--prompt", "hi", "--max-new-tokens", "2"],
+                                     ["profile", "{m}"], ["fit", "{m}", "--vary", "prompt"]])
+def test_a_missing_optional_package_is_named_with_its_extra(tiny, command):
+    """`pip install .` alone has no torch: commands that need it say which package and which extra (exit 3), not an
+    internal error."""
+    folder, _ = tiny("LlamaConfig", hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                     num_key_value_heads=2, vocab_size=500)
+    code = ("import sys; sys.modules['torch'] = None; from vramguard.cli import main; "
+            f"sys.argv = ['vramguard'] + {[c.replace('{m}', str(folder)) for c in command]!r}; main()")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 3, p.stderr
+    assert "error torch not installed" in p.stderr and "pip install 'vramguard[gpu]'" in p.stderr
+    assert "internal error" not in p.stderr and "Traceback" not in p.stderr

@@ -676,3 +676,26 @@ def test_engine_refusing_the_pool_is_a_clear_error(folder, monkeypatch):
         _build(folder)
     msg = str(e.value)
     assert "21.01 GiB" in msg and "19.30 GiB" in msg and "--max-kv-blocks" in msg and e.value.exit_code == 4
+
+
+def test_a_model_without_a_tokenizer_says_what_that_means(tmp_path):
+    """A folder with weights and no tokenizer serves token-id prompts; completions then carry no text, which the
+    start notes and /health say (with the fix), and chat is refused with a 400 naming the reason."""
+    import transformers
+    torch.manual_seed(0)
+    folder = tmp_path / "no-tok"
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**CFG)).save_pretrained(folder)
+    s = _build(folder)
+    url = s.start_background()
+    try:
+        health = httpx.get(url + "/health").json()
+        note = next(n for n in health["notes"] if n.startswith("no tokenizer"))
+        assert "completions carry no text" in note and "add the tokenizer files" in note
+        r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 3,
+                                                       "temperature": 0, "ignore_eos": True}, timeout=60).json()
+        assert r["usage"]["completion_tokens"] == 3 and r["choices"][0]["text"] == ""
+        c = httpx.post(url + "/v1/chat/completions", json={"model": "tiny", "messages": [
+            {"role": "user", "content": "hi"}]}, timeout=60)
+        assert c.status_code == 400 and c.json()["error"]["code"] == "no_tokenizer"
+    finally:
+        s.stop()

@@ -23,6 +23,10 @@ from vramguard.settings import ATTNS, CACHES, DTYPES, KV_DTYPES, LOGITS, QUANTS,
 # 70: internal error
 EXIT_CODES: dict[type, int] = {InvalidValue: 2, ConfigError: 3, UnknownModel: 3, UnknownGpu: 3, Infeasible: 4}
 EXIT_INTERNAL = 70
+# optional packages and the extra that installs each (pyproject.toml); a missing one is exit 3, not an internal error
+OPTIONAL_PACKAGES = {m: "gpu" for m in ("torch", "transformers", "accelerate", "safetensors", "bitsandbytes",
+                                        "matplotlib", "optimum", "hqq")} | {
+    m: "serve" for m in ("fastapi", "uvicorn", "sse_starlette", "prometheus_client", "httpx", "pydantic")}
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None,
                   help="vramguard: plan, verify and guard GPU memory for Hugging Face transformers inference.")
@@ -82,6 +86,14 @@ def run_guarded(fn, *args, as_json: bool = False, **kwargs):
         _fail(e, as_json)
     except (typer.Exit, KeyboardInterrupt):
         raise
+    except ModuleNotFoundError as e:  # an optional dependency of this command is missing: name it and the extra
+        top = (e.name or "").split(".")[0]
+        if top not in OPTIONAL_PACKAGES or os.environ.get("VRAMGUARD_DEBUG"):
+            raise
+        err.print(f"error {top} not installed: this command needs it.\nfix: pip install "
+                  f"'vramguard[{OPTIONAL_PACKAGES[top]}]' (on a machine without a GPU, pip install torch first to "
+                  "get its CPU build)", markup=False, highlight=False)
+        raise typer.Exit(3) from None
     except Exception as e:  # an internal error: say so plainly, keep the traceback for debugging only
         if os.environ.get("VRAMGUARD_DEBUG"):
             raise

@@ -258,6 +258,10 @@ def build(model: str, *, vram_budget: int | None = None, max_queue: int = 64, ma
                            context_length=spec.max_position_embeddings,
                            api_key=api_key, max_body_bytes=max_body_bytes, n_max=n_max,
                            default_max_tokens=default_max_tokens)
+    if tok is None:
+        options.notes.append("no tokenizer in the model folder: prompts must be token ids, /v1/chat/completions is "
+                             "refused, and completions carry no text (usage.completion_tokens counts what was "
+                             "generated); add the tokenizer files to the folder to get text")
     if tok is not None and not getattr(tok, "chat_template", None):
         options.notes.append("the tokenizer has no chat template: chat prompts use 'role: content' lines "
                              "ending with 'assistant:'")
