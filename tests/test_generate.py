@@ -222,6 +222,14 @@ def test_bad_sampling_values_are_refused(model, kw, field):
     assert field in str(e.value)
 
 
+def test_sampling_values_without_do_sample_are_refused_not_ignored(model):
+    """Greedy decoding ignores temperature/top_p/top_k (transformers warns and drops them): refuse, naming the fix."""
+    from vramguard.errors import InvalidValue
+    with pytest.raises(InvalidValue) as e:
+        G.generate(model, None, PROMPT, 4, temperature=0.7, top_p=0.9)
+    assert e.value.field == "temperature" and "--do-sample" in e.value.fix and "temperature, top_p" in e.value.fix
+
+
 def test_cli_run_fast_decode_reports_the_decode_mode(tiny):
     folder, _ = tiny("LlamaConfig", **CFG)
     _tokenizer(folder)

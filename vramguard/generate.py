@@ -363,6 +363,11 @@ def generate(model, tokenizer, prompt: str | list[int], max_new_tokens: int = 25
         raise InvalidValue("top_p", top_p, "a number in (0, 1]", "use e.g. --top-p 0.9")
     if top_k is not None and top_k < 1:
         raise InvalidValue("top_k", top_k, "an integer >= 1", "use e.g. --top-k 50")
+    given = [n for n, v in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k)) if v is not None]
+    if given and not do_sample:  # greedy decoding would ignore them: refuse rather than drop the user's setting
+        raise InvalidValue(given[0], locals()[given[0]], "a sampling setting, used only with do_sample",
+                           f"add --do-sample (library: do_sample=True) to sample with {', '.join(given)}, or leave "
+                           "them out for greedy decoding")
     prompt_ids = _prompt_ids(tokenizer, prompt)
     if fast_decode:
         from vramguard.fastdecode import check_model
