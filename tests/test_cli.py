@@ -126,3 +126,22 @@ def test_a_missing_optional_package_is_named_with_its_extra(tiny, command):
     assert p.returncode == 3, p.stderr
     assert "error torch not installed" in p.stderr and "pip install 'vramguard[gpu]'" in p.stderr
     assert "internal error" not in p.stderr and "Traceback" not in p.stderr
+
+
+def test_plan_defaults_follow_the_named_card_and_explicit_values_are_kept():
+    """On a --gpu card below compute capability 8.0 plan's defaults are what the loader would run there (sdpa,
+    fp16), said on stderr; FlashAttention-2 passed explicitly is kept and flagged (field case C1)."""
+    d = subprocess.run([sys.executable, "-m", "vramguard", "plan", "mistral-7b-v0.3", "--gpu", "t4", "--format",
+                        "json"], capture_output=True, text=True, timeout=120)
+    assert d.returncode == 0, d.stderr
+    data = json.loads(d.stdout)
+    assert data["settings"]["attn"] == "sdpa" and data["settings"]["dtype"] == "fp16"
+    assert "defaults for the NVIDIA T4 (compute capability 7.5): --attn sdpa" in " ".join(d.stderr.split())
+    assert not any(f["level"] == "fail" for f in data["findings"])
+    e = subprocess.run([sys.executable, "-m", "vramguard", "plan", "mistral-7b-v0.3", "--gpu", "t4", "--attn",
+                        "flash_attention_2", "--format", "json"], capture_output=True, text=True, timeout=120)
+    codes = {f["code"]: f["level"] for f in json.loads(e.stdout)["findings"]}
+    assert codes["fa2_compute_capability"] == "fail" and "--attn sdpa" not in e.stderr
+    a = subprocess.run([sys.executable, "-m", "vramguard", "plan", "mistral-7b-v0.3", "--gpu", "rtx-4090", "--format",
+                        "json"], capture_output=True, text=True, timeout=120)
+    assert json.loads(a.stdout)["settings"]["attn"] == "flash_attention_2" and a.stderr == ""

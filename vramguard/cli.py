@@ -105,6 +105,31 @@ def run_guarded(fn, *args, as_json: bool = False, **kwargs):
 DEFAULT_PROMPT_TOKENS = 128  # a short chat prompt: system prompt, one user turn and the chat template
 
 
+def _card_defaults(gpu: str | None, attn: str | None, dtype: str | None,
+                   compute_dtype_given: bool) -> tuple[str, str | None]:
+    """plan's attention and dtype when the user gave none: what vramguard's loader would choose on the named card.
+    FlashAttention-2 and native bf16 need compute capability >= 8.0, so on an older ``--gpu`` card the defaults are
+    sdpa and fp16 (said on stderr); a value the user passed is kept, and flagged by the findings if it cannot run."""
+    card = None
+    if gpu is not None and (attn is None or (dtype is None and not compute_dtype_given)):
+        from vramguard.hardware import gpu_from_catalog
+        card = gpu_from_catalog(gpu)  # UnknownGpu: the usual exit 3 through run_guarded
+    if card is None or tuple(card.compute_capability) >= (8, 0):
+        return attn or "flash_attention_2", dtype
+    chosen = []
+    if attn is None:
+        attn = "sdpa"
+        chosen.append("--attn sdpa (FlashAttention-2 needs compute capability >= 8.0)")
+    if dtype is None and not compute_dtype_given:
+        dtype = "fp16"
+        chosen.append("--dtype fp16 (no native bf16 below compute capability 8.0)")
+    if chosen:
+        cc = ".".join(map(str, card.compute_capability))
+        err.print(f"defaults for the {card.label} (compute capability {cc}): " + "; ".join(chosen), markup=False,
+                  highlight=False)
+    return attn, dtype
+
+
 @app.command()
 def plan(
     model: str = typer.Argument("llama-2-7b", metavar="MODEL",
@@ -113,7 +138,8 @@ def plan(
     double_quant: bool = typer.Option(True, "--double-quant/--no-double-quant", help="4-bit double quantization"),
     compute_dtype: Optional[Dtype] = typer.Option(None, help="4-bit compute dtype (default: the model dtype)"),
     dtype: Optional[Dtype] = typer.Option(None, help="model dtype (default bf16; fp16/fp32 for those quants)"),
-    attn: Attn = typer.Option(Attn['flash_attention_2'], help="attn_implementation"),
+    attn: Optional[Attn] = typer.Option(None, help="attn_implementation (default: flash_attention_2; sdpa on a "
+                                        "--gpu card below compute capability 8.0, which cannot run it)"),
     kv_dtype: Optional[KvDtype] = typer.Option(None, help="KV cache type (int8/int4: quantized cache)"),
     cache: Cache = typer.Option(Cache['dynamic'], help="KV cache kind"),
     batch: int = typer.Option(1, help="prompts decoded together"),
@@ -144,9 +170,11 @@ def plan(
         return
 
     def build():
+        chosen_attn, chosen_dtype = _card_defaults(gpu, attn.value if attn else None,
+                                                   dtype.value if dtype else None, compute_dtype is not None)
         s = Settings(quant=quant.value, double_quant=double_quant,
                      compute_dtype=compute_dtype.value if compute_dtype else None,
-                     dtype=dtype.value if dtype else None, attn=attn.value,
+                     dtype=chosen_dtype, attn=chosen_attn,
                      kv_dtype=kv_dtype.value if kv_dtype else None, cache=cache.value, batch=batch,
                      num_beams=num_beams, num_return_sequences=num_return_sequences, prompt_tokens=prompt_tokens,
                      max_new_tokens=max_new_tokens, prefill_chunk=prefill_chunk, logits=logits.value,
