@@ -78,6 +78,26 @@ def test_c2_fa2_with_parameters_resolving_to_float32():
     assert r5.param_dtype == "bf16" and not [f for f in by_name(r5, "flash_attention_2") if f.status == "fail"]
 
 
+def test_c2_a_float32_checkpoint_loaded_as_stored_is_flagged_with_its_cost(tmp_path):
+    """C2: a checkpoint stored in float32, no dtype passed: transformers 5 loads it as stored ("auto"), twice the
+    memory of bf16 weights: a warning with the cost and the fix; passing --dtype fp32 on purpose is not flagged."""
+    import transformers
+    folder = tmp_path / "fp32-llama"
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=1000)).save_pretrained(folder)  # float32, as constructed
+    r = check(str(folder), Settings(attn="sdpa"), gpu="rtx-4090", env=env(transformers_version="5.24.0"),
+              verify=False, unquantized=True)
+    assert r.param_dtype == "fp32"
+    pd = by_name(r, "param_dtype")[0]
+    assert pd.status == "warn" and pd.value == "float32 (checkpoint stores fp32)"
+    assert "twice the memory of 16-bit weights" in pd.reason and "GB in float32 against" in pd.reason
+    assert "dtype=torch.bfloat16" in pd.fix
+    on_purpose = check(str(folder), Settings(attn="sdpa"), dtype="fp32", gpu="rtx-4090",
+                       env=env(transformers_version="5.24.0"), verify=False, unquantized=True)
+    assert by_name(on_purpose, "param_dtype")[0].status == "ok"
+
+
 def test_c3_compute_dtype_left_at_float32():
     """C3: 4-bit, bf16 activations, batch 32, 512 new tokens, bnb_4bit_compute_dtype unset (float32)."""
     s = Settings(quant="nf4", batch=32, prompt_tokens=256, max_new_tokens=512)

@@ -85,7 +85,8 @@ def check(model: str | None = None, settings: Settings | None = None, *, dtype: 
                 compute_dtype=compute if s.is_4bit else None)
     findings = environment_findings(env, card, source)
     findings += runtime_findings(env, card, s, spec, param_dtype, why)
-    findings += model_findings(spec, ckpt if folder else None, s, env, param_dtype, why, card)
+    findings += model_findings(spec, ckpt if folder else None, s, env, param_dtype, why, card,
+                               dtype_passed=dtype is not None)
     if why_c:
         findings = [CheckFinding(f.name, f.status, f.value, f.reason + why_c, f.fix) if f.name == "compute_dtype"
                     else f for f in findings]

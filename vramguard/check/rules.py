@@ -176,13 +176,16 @@ def checkpoint_findings(ckpt: CheckpointInfo | None, env: Env) -> list[CheckFind
 
 
 def model_findings(spec: ModelSpec | None, ckpt: CheckpointInfo | None, s: Settings, env: Env, param_dtype: str,
-                   param_dtype_reason: str, gpu: GpuSpec | None = None) -> list[CheckFinding]:
-    """RAM against the largest shard, parameter and compute dtypes, options that force eager attention."""
+                   param_dtype_reason: str, gpu: GpuSpec | None = None,
+                   dtype_passed: bool = False) -> list[CheckFinding]:
+    """RAM against the largest shard, parameter and compute dtypes, options that force eager attention.
+    Parameters in float32 are a warning (twice the memory, with the cost in bytes) unless the user passed that
+    dtype for a float32 checkpoint (field case C2)."""
     f: list[CheckFinding] = checkpoint_findings(ckpt, env)
     stored = (ckpt.config_dtype or ckpt.stored_dtype) if ckpt else (spec.checkpoint_dtype if spec else None)
     if spec is None and ckpt is None:
         pass  # no model named: nothing to say about its dtype
-    elif param_dtype == "fp32" and stored in ("bf16", "fp16"):
+    elif param_dtype == "fp32" and (stored in ("bf16", "fp16") or (stored == "fp32" and not dtype_passed)):
         cost = ""
         if spec is not None:
             from vramguard.memory.weights import weight_bytes
@@ -192,8 +195,8 @@ def model_findings(spec: ModelSpec | None, ckpt: CheckpointInfo | None, s: Setti
                                              compute_dtype=None)).total_bytes
             cost = f" (weights {f32 / 1e9:.1f} GB in float32 against {b16 / 1e9:.1f} GB in bfloat16)"
         f.append(CheckFinding("param_dtype", "warn", f"float32 (checkpoint stores {stored})",
-                              f"{param_dtype_reason}: every unquantized weight takes twice the memory{cost}",
-                              "pass dtype=torch.bfloat16 (float16 below compute capability 8.0)"))
+                              f"{param_dtype_reason}: every unquantized weight takes twice the memory of 16-bit "
+                              f"weights{cost}", "pass dtype=torch.bfloat16 (float16 below compute capability 8.0)"))
     else:
         f.append(CheckFinding("param_dtype", "ok", param_dtype + (f" (checkpoint: {stored})" if stored else ""),
                               param_dtype_reason))
