@@ -55,3 +55,23 @@ def test_real_profile_of_a_tiny_model_on_cpu(attn, pin, kind):
     else:
         k = profile_attention(model, attn, seq_len=32)
     assert k.kind == kind and k.matches_request, k
+
+
+def test_the_profilers_own_stderr_lines_are_filtered_and_the_rest_kept(capfd):
+    """Kineto prints 'USDT: ... profiler_start/stop' on fd 2 at each profile: filtered; any other line written
+    to fd 2 meanwhile comes through, in order."""
+    import os
+
+    import torch
+
+    from vramguard.check.kernels import kineto_lines_filtered
+    from torch.profiler import ProfilerActivity, profile
+    with kineto_lines_filtered():
+        os.write(2, b"before\n")
+        with profile(activities=[ProfilerActivity.CPU]):
+            torch.ones(3).add_(1)
+        os.write(2, b"USDT:2026-11-30 22:21:29 7215:7215 SyncActivityProfilerHandler.cpp:52] profiler_start\n")
+        os.write(2, b"after\n")
+    err = capfd.readouterr().err
+    assert "USDT" not in err and "profiler_start" not in err
+    assert err.index("before") < err.index("after")

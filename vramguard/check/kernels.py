@@ -11,7 +11,11 @@ plain sdpa and ``softmax_warp_forward<float, float, float, ...>`` for eager (sha
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
+import sys
+import tempfile
 from dataclasses import dataclass, field
 
 # kind -> (label, flash-class, ATen op patterns, CUDA kernel patterns); checked in this order
@@ -91,6 +95,38 @@ def classify(op_names: list[str], kernel_names: list[str], requested: str = "",
     return AttentionKernel(kind, LABELS[kind], kind in FLASH_CLASS, ev, requested, ok, why)
 
 
+_KINETO_LINE = re.compile(r"^(USDT|STAGE):\d{4}-\d\d-\d\d [\d:]+ \d+:\d+ \w*ActivityProfiler\w*\.cpp:\d+\]")
+
+
+@contextlib.contextmanager
+def kineto_lines_filtered():
+    """PyTorch's profiler backend (Kineto) prints ``USDT: ... profiler_start`` / ``profiler_stop`` lines straight
+    to the process's stderr (file descriptor 2) at each profile, which the verification of every load would show
+    the user. For the duration, fd 2 goes to a temporary file; afterwards everything written there except those
+    lines is written back to stderr, in order."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError):  # no usable fd 2: nothing to filter
+        yield
+        return
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield
+        finally:
+            try:
+                sys.stderr.flush()
+            finally:
+                os.dup2(saved, 2)
+                os.close(saved)
+            tmp.seek(0)
+            kept = [ln for ln in tmp.read().splitlines(keepends=True)
+                    if not _KINETO_LINE.match(ln.decode("utf-8", "replace"))]
+            if kept:
+                os.write(2, b"".join(kept))
+
+
 def profile_attention(model, requested: str, pinned: str | None = None, seq_len: int = 256) -> AttentionKernel:
     """Run one forward of ``seq_len`` random tokens under the profiler and classify the attention path.
 
@@ -104,7 +140,7 @@ def profile_attention(model, requested: str, pinned: str | None = None, seq_len:
     vocab = int(getattr(model.config, "vocab_size", 1000) or 1000)
     ids = torch.randint(0, max(vocab - 1, 1), (1, seq_len), device=device)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with torch.no_grad(), profile(activities=activities) as prof:
+    with kineto_lines_filtered(), torch.no_grad(), profile(activities=activities) as prof:
         model(input_ids=ids, use_cache=False)
         if device.type == "cuda":
             torch.cuda.synchronize()
