@@ -91,7 +91,10 @@ def test_c2_a_float32_checkpoint_loaded_as_stored_is_flagged_with_its_cost(tmp_p
     assert r.param_dtype == "fp32"
     pd = by_name(r, "param_dtype")[0]
     assert pd.status == "warn" and pd.value == "float32 (checkpoint stores fp32)"
-    assert "twice the memory of 16-bit weights" in pd.reason and "GB in float32 against" in pd.reason
+    import re
+    m = re.search(r"weights ([\d,]+) B in float32 against ([\d,]+) B in bfloat16", pd.reason)
+    f32, b16 = (int(x.replace(",", "")) for x in m.groups())
+    assert "twice the memory of 16-bit weights" in pd.reason and f32 == 2 * b16 and b16 > 0
     assert "dtype=torch.bfloat16" in pd.fix
     on_purpose = check(str(folder), Settings(attn="sdpa"), dtype="fp32", gpu="rtx-4090",
                        env=env(transformers_version="5.24.0"), verify=False, unquantized=True)

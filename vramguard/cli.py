@@ -122,7 +122,7 @@ def _card_defaults(gpu: str | None, attn: str | None, dtype: str | None,
         chosen.append("--attn sdpa (FlashAttention-2 needs compute capability >= 8.0)")
     if dtype is None and not compute_dtype_given:
         dtype = "fp16"
-        chosen.append("--dtype fp16 (no native bf16 below compute capability 8.0)")
+        chosen.append("--dtype fp16, and a 4-bit compute dtype with it (no native bf16 below compute capability 8.0)")
     if chosen:
         cc = ".".join(map(str, card.compute_capability))
         err.print(f"defaults for the {card.label} (compute capability {cc}): " + "; ".join(chosen), markup=False,

@@ -365,7 +365,7 @@ def generate(model, tokenizer, prompt: str | list[int], max_new_tokens: int = 25
         raise InvalidValue("top_k", top_k, "an integer >= 1", "use e.g. --top-k 50")
     given = [n for n, v in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k)) if v is not None]
     if given and not do_sample:  # greedy decoding would ignore them: refuse rather than drop the user's setting
-        raise InvalidValue(given[0], locals()[given[0]], "a sampling setting, used only with do_sample",
+        raise InvalidValue(given[0], locals()[given[0]], "only with do_sample (greedy decoding ignores it)",
                            f"add --do-sample (library: do_sample=True) to sample with {', '.join(given)}, or leave "
                            "them out for greedy decoding")
     prompt_ids = _prompt_ids(tokenizer, prompt)

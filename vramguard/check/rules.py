@@ -193,7 +193,8 @@ def model_findings(spec: ModelSpec | None, ckpt: CheckpointInfo | None, s: Setti
             f32 = weight_bytes(spec, s.with_(quant=q, dtype="fp32", compute_dtype=None)).total_bytes
             b16 = weight_bytes(spec, s.with_(quant=q if s.is_bnb else "bf16", dtype="bf16",
                                              compute_dtype=None)).total_bytes
-            cost = f" (weights {f32 / 1e9:.1f} GB in float32 against {b16 / 1e9:.1f} GB in bfloat16)"
+            cost = (f" (weights {f32 / 1e9:.1f} GB in float32 against {b16 / 1e9:.1f} GB in bfloat16)" if b16 >= 1e8
+                    else f" (weights {f32:,} B in float32 against {b16:,} B in bfloat16)")
         f.append(CheckFinding("param_dtype", "warn", f"float32 (checkpoint stores {stored})",
                               f"{param_dtype_reason}: every unquantized weight takes twice the memory of 16-bit "
                               f"weights{cost}", "pass dtype=torch.bfloat16 (float16 below compute capability 8.0)"))
