@@ -105,31 +105,6 @@ def run_guarded(fn, *args, as_json: bool = False, **kwargs):
 DEFAULT_PROMPT_TOKENS = 128  # a short chat prompt: system prompt, one user turn and the chat template
 
 
-def _card_defaults(gpu: str | None, attn: str | None, dtype: str | None,
-                   compute_dtype_given: bool) -> tuple[str, str | None]:
-    """plan's attention and dtype when the user gave none: what vramguard's loader would choose on the named card.
-    FlashAttention-2 and native bf16 need compute capability >= 8.0, so on an older ``--gpu`` card the defaults are
-    sdpa and fp16 (said on stderr); a value the user passed is kept, and flagged by the findings if it cannot run."""
-    card = None
-    if gpu is not None and (attn is None or (dtype is None and not compute_dtype_given)):
-        from vramguard.hardware import gpu_from_catalog
-        card = gpu_from_catalog(gpu)  # UnknownGpu: the usual exit 3 through run_guarded
-    if card is None or tuple(card.compute_capability) >= (8, 0):
-        return attn or "flash_attention_2", dtype
-    chosen = []
-    if attn is None:
-        attn = "sdpa"
-        chosen.append("--attn sdpa (FlashAttention-2 needs compute capability >= 8.0)")
-    if dtype is None and not compute_dtype_given:
-        dtype = "fp16"
-        chosen.append("--dtype fp16, and a 4-bit compute dtype with it (no native bf16 below compute capability 8.0)")
-    if chosen:
-        cc = ".".join(map(str, card.compute_capability))
-        err.print(f"defaults for the {card.label} (compute capability {cc}): " + "; ".join(chosen), markup=False,
-                  highlight=False)
-    return attn, dtype
-
-
 @app.command()
 def plan(
     model: str = typer.Argument("llama-2-7b", metavar="MODEL",
@@ -170,8 +145,11 @@ def plan(
         return
 
     def build():
-        chosen_attn, chosen_dtype = _card_defaults(gpu, attn.value if attn else None,
-                                                   dtype.value if dtype else None, compute_dtype is not None)
+        from vramguard.hardware import card_defaults
+        chosen_attn, chosen_dtype, notes = card_defaults(gpu, attn.value if attn else None,
+                                                         dtype.value if dtype else None, compute_dtype is not None)
+        for note in notes:
+            err.print(note, markup=False, highlight=False)
         s = Settings(quant=quant.value, double_quant=double_quant,
                      compute_dtype=compute_dtype.value if compute_dtype else None,
                      dtype=chosen_dtype, attn=chosen_attn,
@@ -551,25 +529,11 @@ def _strip_options(args: list[str], names: tuple[str, ...]) -> list[str]:
 
 
 def _with_context(loaded, question, files, summarize, chunk_tokens, max_new_tokens, budget, auto) -> str:
-    """The prompt built from ``files`` for ``question`` within the plan's token budget (messages on stderr)."""
-    from vramguard.context import pack, split_chunks, summarize_then_ask
-    from vramguard.generate import generate as generate_fn
-    from vramguard.generate import prompt_budget
-    if chunk_tokens < 16:
-        raise InvalidValue("--chunk-tokens", chunk_tokens, "an integer >= 16", "use larger chunks")
-    chunks = []
-    for f in files:
-        try:
-            chunks += split_chunks(open(f, encoding="utf-8").read(), f, loaded.tokenizer, chunk_tokens)
-        except (OSError, UnicodeDecodeError) as e:
-            raise InvalidValue("--context", f, "a readable UTF-8 text file",
-                               f"pass a text file ({type(e).__name__}: {getattr(e, 'strerror', None) or e})") from None
-    limit = prompt_budget(loaded.model, max_new_tokens, budget, auto)
-    packed = pack(question, chunks, loaded.tokenizer, limit)
-    if summarize and len(packed.used) < len(chunks):
-        def summ(p: str, n: int) -> str:
-            return generate_fn(loaded.model, loaded.tokenizer, p, n, budget_bytes=budget, auto=auto).text
-        packed = summarize_then_ask(question, chunks, loaded.tokenizer, limit, summ)
+    """:func:`vramguard.context.context_prompt`, its summary line on stderr."""
+    from vramguard.context import context_prompt
+    packed, limit = context_prompt(loaded.model, loaded.tokenizer, question, files, chunk_tokens=chunk_tokens,
+                                   max_new_tokens=max_new_tokens, budget_bytes=budget, auto=auto,
+                                   summarize=summarize)
     err.print(f"context: {len(packed.used)} of {packed.total_chunks} chunks"
               + (" (summarized)" if packed.summarized else "") + f", prompt {packed.prompt_tokens:,} of "
               f"{limit:,} tokens the plan allows" + ("; " + "; ".join(packed.notes) if packed.notes else ""),

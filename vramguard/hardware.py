@@ -117,3 +117,33 @@ def resolve_gpus(gpu: str | None = None, vram: str | None = None) -> tuple[list[
     from vramguard.catalog.gpus import DEFAULT_CARD_SIZES_GIB
     cards = [gpu_from_vram(f"{n}GiB") for n in DEFAULT_CARD_SIZES_GIB]
     return cards, f"no GPU detected ({det.reason}); planning against common card sizes"
+
+
+def card_defaults(gpu: str | None, attn: str | None, dtype: str | None,
+                  compute_dtype_given: bool) -> tuple[str, str | None, list[str]]:
+    """Attention implementation and dtype for planning on the catalog card ``gpu`` when the user gave none: what
+    vramguard's loader would run there. FlashAttention-2 and native bf16 need compute capability >= 8.0 (the
+    FlashAttention-2 README; CUDA's bf16 arithmetic), so below it the defaults are sdpa and fp16. A value the user
+    passed is kept (the plan's findings flag it if it cannot run).
+
+    Returns:
+        (attn, dtype or None for the default, notes naming each default chosen for the card).
+
+    Raises:
+        UnknownGpu: ``gpu`` is not a catalog card.
+    """
+    card = None
+    if gpu is not None and (attn is None or (dtype is None and not compute_dtype_given)):
+        card = gpu_from_catalog(gpu)
+    if card is None or tuple(card.compute_capability) >= (8, 0):
+        return attn or "flash_attention_2", dtype, []
+    chosen = []
+    if attn is None:
+        attn = "sdpa"
+        chosen.append("--attn sdpa (FlashAttention-2 needs compute capability >= 8.0)")
+    if dtype is None and not compute_dtype_given:
+        dtype = "fp16"
+        chosen.append("--dtype fp16, and a 4-bit compute dtype with it (no native bf16 below compute capability 8.0)")
+    cc = ".".join(map(str, card.compute_capability))
+    notes = [f"defaults for the {card.label} (compute capability {cc}): " + "; ".join(chosen)] if chosen else []
+    return attn, dtype, notes
