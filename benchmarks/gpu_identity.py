@@ -37,7 +37,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from benchmarks.common import build_checkpoint, emit  # noqa: E402
-from benchmarks.gpu_speed import CKPT, agreement, env_record, hf_generate, margins  # noqa: E402
+from benchmarks.gpu_speed import CKPT, agreement, env_record, hf_generate, margins, smoke_model  # noqa: E402
 
 
 def first_diff(a: list, b: list) -> int | None:
@@ -139,7 +139,8 @@ def identity(m, ids, new, log, t_end) -> None:
         try:
             r = fn()
         except Exception as e:  # recorded; the others still run
-            emit(log, {"kind": kind, "error": f"{type(e).__name__}: {e}"[:1200], "traceback": traceback.format_exc()[-2000:]})
+            emit(log, {"kind": kind, "error": f"{type(e).__name__}: {e}"[:1200],
+                       "traceback": traceback.format_exc()[-2000:]})
             return None
         emit(log, {"kind": kind, "s": round(time.perf_counter() - t, 2), **(r or {})})
         return r
@@ -236,12 +237,7 @@ def main():
             "CUBLAS_WORKSPACE_CONFIG": os.environ.get("CUBLAS_WORKSPACE_CONFIG")}
     emit(log, {**env_record(), "kind": "env", "mode": mode, "smoke": args.smoke})
     if args.smoke:
-        import transformers
-        torch.manual_seed(0)
-        cfg = transformers.LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                                       num_attention_heads=4, num_key_value_heads=2, vocab_size=1000,
-                                       max_position_embeddings=512, initializer_range=0.2)
-        m = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
+        m = smoke_model()
     else:
         from vramguard.load import load_model
         if not os.path.exists(os.path.join(CKPT, "config.json")):

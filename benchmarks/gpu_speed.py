@@ -143,16 +143,21 @@ class Bench:
             emit(self.log, agreement(a, self.runs[a], b, self.runs[b]))
 
 
+def smoke_model():
+    """The ``--smoke`` model: a tiny random float32 Llama on the CPU (initializer_range 0.2: peaked logits)."""
+    import transformers
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=1000,
+                                   max_position_embeddings=512, initializer_range=0.2)
+    return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
+
+
 def load(args, log):
     """The model (NF4 checkpoint on the GPU, or a tiny float32 Llama on the CPU with ``--smoke``) and its weight
     bytes."""
     if args.smoke:
-        import transformers
-        torch.manual_seed(0)
-        cfg = transformers.LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                                       num_attention_heads=4, num_key_value_heads=2, vocab_size=1000,
-                                       max_position_embeddings=512, initializer_range=0.2)
-        m = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
+        m = smoke_model()
         weights = sum(p.numel() * p.element_size() for p in m.parameters())
         emit(log, {"kind": "model", "smoke": True, "weights_bytes": weights})
         return m, weights

@@ -525,17 +525,7 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions, metrics: Metric
         held = 0  # admission slots this request holds until its handles exist (or it is refused)
         try:
             t_arrival = time.perf_counter()
-            slot = request.scope.get("vramguard.slot")
-            if slot is not None and slot["held"]:  # admitted by the gate: this handler now holds the slot
-                slot["held"] = False
-            else:
-                try:
-                    _admit_or_429(1)
-                except ApiError as e:
-                    if e.status == 429:
-                        metrics.rejection_seconds.observe(time.perf_counter() - t_arrival)
-                    raise
-                engine.reserved += 1
+            request.scope["vramguard.slot"]["held"] = False  # admitted by _OverloadGate: this handler holds it now
             held = 1
             req = await _body(request, schema)
             if req.n > 1:
