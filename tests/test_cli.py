@@ -60,6 +60,7 @@ def test_json_carries_integer_bytes():
     (("explain", ""), 2, ["MESSAGE", "pass -"]),
     (("oom-log", "--year", "0"), 2, ["--year"]),
     (("fit", "x", "--vary", "width"), 2, ["--vary", "width", "fix:"]),
+    (("serve", "/no/such/folder", "--max-body-size", "10"), 2, ["--max-body-size", "add a unit: 10MiB or 10MB"]),
 ])
 def test_bad_input_gets_a_clear_error(args, code, words):
     r = run(*args)

@@ -259,3 +259,13 @@ def test_sampling_defaults_come_from_the_models_generation_config(model):
         assert r.token_ids == ref and "temperature 0.6, top_p 0.9, top_k 5" in r.reason
     finally:
         gc.temperature, gc.top_p, gc.top_k = saved
+
+
+def test_a_request_over_the_context_is_refused_with_its_room(model):
+    """max_position_embeddings=512: 500 + 20 tokens is refused before any work, with the prompt that fits; the fix
+    does not point at `plan --context` (a loaded model's context is its config's)."""
+    from vramguard.errors import InvalidValue
+    with pytest.raises(InvalidValue) as e:
+        G.generate(model, None, list(range(5, 505)), 20)
+    assert "500 + 20 = 520" in str(e.value) and "at most 492 tokens" in e.value.fix
+    assert "plan --context" not in str(e.value)

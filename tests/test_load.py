@@ -90,6 +90,9 @@ def test_c17_the_unload_report_names_a_residual_and_its_holders():
     assert held.describe(weights).endswith("(2.54% of the 5,707,474,944 B of weights); still held by: "
                                            "(4096, 4096) torch.bfloat16 33,554,432 B")
     assert UnloadReport(None, None, ()).returned(weights) is None
+    below = UnloadReport(weights + 1_048_576, -1_048_576, ())  # a tensor from before the load freed meanwhile
+    assert below.returned(weights) is True
+    assert below.describe(weights) == "all returned: 1,048,576 B below the allocated memory before loading"
 
 
 def test_compute_dtype_follows_an_explicit_dtype_c3():

@@ -190,7 +190,7 @@ def test_unknown_routes_and_methods_are_openai_shaped_and_model_aliases_work(ser
     r = httpx.get(url + "/v1/nothing")
     assert r.status_code == 404 and _err(r)["code"] == "not_found" and "/v1/completions" in _err(r)["message"]
     r = httpx.get(url + "/v1/completions")
-    assert r.status_code == 405 and _err(r)["code"] == "method_not_allowed"
+    assert r.status_code == 405 and _err(r)["code"] == "method_not_allowed" and r.headers["Allow"] == "POST"
     r = _post(url, "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": 5}]})
     assert r.status_code == 400 and _err(r)["param"] == "messages.0.content"
     for name in (str(folder), folder.name, folder.name + "/"):  # the folder's path and name, as well as the served name
@@ -699,3 +699,25 @@ def test_a_model_without_a_tokenizer_says_what_that_means(tmp_path):
         assert c.status_code == 400 and c.json()["error"]["code"] == "no_tokenizer"
     finally:
         s.stop()
+
+
+# ---------------------------------------------------------------------------------------------- close
+def test_close_stops_serving_and_drops_the_pool_and_the_model(folder):
+    """An in-process server gives its memory back on close(): the engine's manager (KV pool, paged cache) is
+    garbage, the model's parameters are gone, and the port no longer answers. On the GPU the same call's
+    UnloadReport is checked in tests/test_gpu.py."""
+    import gc
+    import weakref
+    s = _build(folder)
+    url = s.start_background()
+    r = _post(url, "/v1/completions", {"model": "tiny", "prompt": [1, 5, 6], "max_tokens": 4, "temperature": 0,
+                                       "ignore_eos": True})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+    manager = weakref.ref(s.engine._manager)
+    rep = s.close()
+    gc.collect()
+    assert manager() is None and s.engine._cache is None
+    assert all(p is None for mod in s.engine.model.modules() for p in mod._parameters.values())
+    assert rep.residual_bytes is None  # CPU: not measured
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(url + "/health", timeout=2)

@@ -467,7 +467,7 @@ def serve(
 
     def start() -> int:
         budget = parse_size(vram_budget, "--vram-budget") if vram_budget else None
-        body = parse_size(max_body_size, "--max-body-size")
+        body = parse_size(max_body_size, "--max-body-size", example="1MiB")
         from vramguard.serve.server import check_bind
         check_bind(host, port)  # before minutes of loading: a bad or busy port is known now
         if host not in ("127.0.0.1", "localhost", "::1") and not api_key:
@@ -500,7 +500,8 @@ def serve(
                        hard_cap=True)
         a = served.report.active if served.report is not None else {}
         err.print("loaded: " + ", ".join(f"{k} {a[k]}" for k in ("quant", "compute_dtype", "dtype", "attn", "device")
-                                          if a.get(k) not in (None, "None")), markup=False, highlight=False)
+                                          if a.get(k) not in (None, "None") and (k, a[k]) != ("quant", "none")),
+                  markup=False, highlight=False)
         err.print(served.pool.summary(), markup=False, highlight=False)
         for note in served.engine.notes + served.options.notes:
             err.print("note: " + note, markup=False, highlight=False)

@@ -181,6 +181,7 @@ def fit(model, s: Settings, vary: str, budget_bytes: int, out_dir: str | None = 
     from vramguard.explain import explain
     from vramguard.load import LoadedModel, load_model
     from vramguard.resolve import resolve_model
+    from vramguard.measure import memory_cap
     from vramguard.runner import free_memory, run_generate
     from vramguard.errors import UnknownModel
     from vramguard.resolve import model_folder
@@ -205,8 +206,7 @@ def fit(model, s: Settings, vary: str, budget_bytes: int, out_dir: str | None = 
             kind = explain(r.error).kind
         return FitRun(v, r.ok, r.peak_allocated, r.peak_reserved, round(r.seconds, 2), kind, r.error)
 
-    torch.cuda.set_per_process_memory_fraction(budget_bytes / total)
-    try:
+    with memory_cap(budget_bytes):
         free_memory()
         bar = _progress(progress, max_runs)
         with bar:
@@ -215,8 +215,6 @@ def fit(model, s: Settings, vary: str, budget_bytes: int, out_dir: str | None = 
                                       on_run=lambda r: bar.update(task, advance=1,
                                                                   description=f"{vary}={r.value:,} "
                                                                               f"{'ok' if r.ok else 'OOM'}"))
-    finally:
-        torch.cuda.set_per_process_memory_fraction(1.0)
     cons, opt = seeds(spec, s, vary, budget_bytes)
     frag = max(((r.peak_reserved or 0) - (r.peak_allocated or 0) for r in runs if r.ok), default=None)
     binding, comps = binding_component(spec, s, vary, best, frag)

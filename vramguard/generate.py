@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from vramguard.errors import Infeasible
+from vramguard.measure import memory_cap
 from vramguard.settings import Settings
 from vramguard.units import fmt_bytes
 
@@ -57,7 +58,11 @@ class Strategy:
 STRATEGIES: tuple[Strategy, ...] = (
     Strategy("dynamic", {}, {}),
     Strategy("chunked prefill 2048", {"prefill_chunk_size": 2048}, {"prefill_chunk": 2048}),
-    Strategy("static cache + chunked prefill 512", {"cache_implementation": "static", "prefill_chunk_size": 512},
+    # disable_compile: transformers otherwise compiles the forward for a static cache (torch.compile with CUDA graph
+    # trees): tens of seconds before the first token of a fallback, and a private memory pool the plan does not
+    # count (benchmarks/gpu_compile_oom.py measures what an OOM inside that compiled call leaves behind).
+    Strategy("static cache + chunked prefill 512", {"cache_implementation": "static", "prefill_chunk_size": 512,
+                                                    "disable_compile": True},
              {"cache": "static", "prefill_chunk": 512}),
     Strategy("int8 KV cache + chunked prefill 512",  # quanto takes 2 or 4 bits only; HQQ takes 8
              {"cache_implementation": "quantized", "cache_config": {"backend": "hqq", "nbits": 8},
@@ -326,7 +331,7 @@ def strategy_order(model, prompt_tokens: int, max_new_tokens: int, *, budget_byt
     spec = spec_from_config(model.config.to_dict(), name=getattr(model.config, "_name_or_path", "model"))
     s = (settings or Settings(quant=_quant_of(model), attn=_attn_of(model))).with_(
         prompt_tokens=prompt_tokens, max_new_tokens=max_new_tokens, batch=1)
-    check_context(spec, s)
+    check_context(spec, s, beyond=None)
     on_cuda = next(model.parameters()).device.type == "cuda"
     usable, _ = usable_bytes(budget_bytes) if on_cuda else (None, 0)
     return preflight(spec, s, usable, auto, on_cuda, weights_loaded=True, fast_decode=fast_decode)
@@ -377,17 +382,12 @@ def generate(model, tokenizer, prompt: str | list[int], max_new_tokens: int = 25
     on_cuda = next(model.parameters()).device.type == "cuda"
     usable, _ = usable_bytes(budget_bytes) if on_cuda else (None, 0)
     if on_cuda:
-        if budget_bytes is not None:
-            torch.cuda.set_per_process_memory_fraction(budget_bytes / torch.cuda.mem_get_info()[1])
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     sample, sampling_note = resolve_sampling(model, do_sample, temperature, top_p, top_k)
-    try:
+    with memory_cap(budget_bytes if on_cuda else None):
         generated, attempts, ttft = _attempts(model, tokenizer, prompt_ids, max_new_tokens, order, on_text, sample,
                                               seed)
-    finally:
-        if on_cuda and budget_bytes is not None:
-            torch.cuda.set_per_process_memory_fraction(1.0)
     elapsed = time.perf_counter() - t0
     last = attempts[-1]
     if budget_bytes is not None and not on_cuda:

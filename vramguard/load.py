@@ -240,15 +240,18 @@ def load_model(model: str, *, quant: str = "nf4", double_quant: bool = True, com
         kwargs["quantization_config"] = transformers.BitsAndBytesConfig(load_in_8bit=True)
     kwargs["device_map"] = device_map if device_map is not None else _default_device_map(spec, quant, on_cuda,
                                                                                        report, kwargs)
-    if on_cuda:  # the cuBLAS workspace is allocated by the first matmul and kept: create it before the baseline
-        a = torch.ones(8, 8, device="cuda", dtype=torch.bfloat16)
-        (a @ a).sum().item()
+    baseline = workspace = None
+    if on_cuda:  # baseline and residual (unload) both leave cuBLAS workspaces out: dropped here and there
+        clear_cublas_workspaces()
+        baseline = torch.cuda.memory_allocated()
+        a = torch.ones(8, 8, device="cuda", dtype=torch.bfloat16)  # the workspace the first matmul takes and
+        (a @ a).sum().item()  # keeps, now rather than inside loading, where it would count as weights
         del a
-    baseline = torch.cuda.memory_allocated() if on_cuda else None
+        workspace = torch.cuda.memory_allocated() - baseline
     m = transformers.AutoModelForCausalLM.from_pretrained(str(folder), **kwargs)
     m.eval()
     report.baseline_allocated_bytes = baseline
-    report.weights_bytes = torch.cuda.memory_allocated() - baseline if on_cuda else None
+    report.weights_bytes = torch.cuda.memory_allocated() - baseline - workspace if on_cuda else None
     m._vramguard_baseline = baseline
     tok = None
     try:
@@ -314,6 +317,7 @@ class UnloadReport:
     freed_bytes: int | None
     residual_bytes: int | None
     holders: tuple[str, ...]
+    workspace_bytes: int = 0  # cuBLAS workspaces dropped with the model (left out of baseline and residual)
 
     RESIDUAL_TOLERANCE = 0.01  # of the weights: allocator rounding and a few small cached tensors (field case C17)
 
@@ -329,6 +333,8 @@ class UnloadReport:
         it (the largest CUDA tensors still alive)."""
         if self.residual_bytes is None:
             return "not measured (no CUDA device)"
+        if self.residual_bytes < 0:
+            return f"all returned: {-self.residual_bytes:,} B below the allocated memory before loading"
         text = f"{self.residual_bytes:,} B above the allocated memory before loading"
         if weights_bytes:
             text += f" ({100 * self.residual_bytes / weights_bytes:.2f}% of the {weights_bytes:,} B of weights)"
@@ -337,10 +343,27 @@ class UnloadReport:
         return text
 
 
+def clear_cublas_workspaces() -> int:
+    """Drop cuBLAS's workspaces; returns the bytes freed (0 without CUDA or where PyTorch lacks the call).
+
+    cuBLAS keeps one workspace per (thread, stream) in PyTorch's caching allocator (32 MiB on sm90), taken by the
+    first matmul and never given back, e.g. one for a server's engine thread. PyTorch's own CUDA memory-leak check
+    drops them the same way (torch.testing._internal.common_utils: gc.collect, _cuda_clearCublasWorkspaces,
+    empty_cache). The next matmul takes a new one. Call it only when no kernel of this process is running.
+    """
+    import torch
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is None or not torch.cuda.is_available():
+        return 0
+    held = torch.cuda.memory_allocated()
+    clear()
+    return held - torch.cuda.memory_allocated()
+
+
 def unload(model) -> UnloadReport:
     """Free a model loaded by :func:`load_model` (or any ``nn.Module``): drop every parameter and buffer, break
     reference cycles (``gc.collect()``: bitsandbytes' quantized modules hold cycles that plain ``del`` does not
-    free, field case C17), and return the cached blocks (``torch.cuda.empty_cache()``).
+    free, field case C17), drop cuBLAS workspaces, and return the cached blocks (``torch.cuda.empty_cache()``).
 
     The module object is left empty; use it no more.
     """
@@ -365,6 +388,7 @@ def unload(model) -> UnloadReport:
     gc.collect()
     if not on_cuda:
         return UnloadReport(None, None, ())
+    workspaces = clear_cublas_workspaces()
     torch.cuda.empty_cache()
     after = torch.cuda.memory_allocated()
     residual = after - baseline if baseline is not None else None
@@ -373,4 +397,4 @@ def unload(model) -> UnloadReport:
         tensors = [o for o in gc.get_objects() if torch.is_tensor(o) and o.is_cuda]
         tensors.sort(key=lambda t: -t.untyped_storage().nbytes())
         holders = [f"{tuple(t.shape)} {t.dtype} {t.untyped_storage().nbytes():,} B" for t in tensors[:5]]
-    return UnloadReport(before - after, residual, tuple(holders))
+    return UnloadReport(before - after, residual, tuple(holders), workspaces)

@@ -7,6 +7,7 @@ fake to run the recorder on the CPU.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field, fields
 
@@ -36,6 +37,30 @@ class CudaProbe:
 
 
 PROBE = None  # set by tests; None means CudaProbe()
+
+
+@contextlib.contextmanager
+def memory_cap(budget_bytes: int | None, device: int | None = None):
+    """Cap what PyTorch's caching allocator may reserve on ``device`` at ``budget_bytes`` (bytes) for the block,
+    with ``torch.cuda.set_per_process_memory_fraction(budget / total)``, and put back the fraction that was set
+    before (a cap the caller chose is kept, not reset to 1.0). Does nothing for ``None`` or without CUDA.
+
+    Yields the fraction applied (or None). Memory outside the allocator (CUDA context, cuBLAS workspaces, NCCL)
+    is not counted by this cap: that is PyTorch's rule, not ours.
+    """
+    import torch
+    if budget_bytes is None or not torch.cuda.is_available():
+        yield None
+        return
+    dev = torch.cuda.current_device() if device is None else device
+    getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    before = getter(dev) if getter is not None else 1.0
+    fraction = min(1.0, budget_bytes / torch.cuda.get_device_properties(dev).total_memory)
+    torch.cuda.set_per_process_memory_fraction(fraction, dev)
+    try:
+        yield fraction
+    finally:
+        torch.cuda.set_per_process_memory_fraction(before, dev)
 
 
 def probe():

@@ -189,8 +189,10 @@ def plan(model: str | ModelSpec, settings: Settings | None = None, *, gpu: str |
     return p
 
 
-def check_context(spec: ModelSpec, s: Settings) -> None:
-    """Raise InvalidValue when ``prompt + new tokens`` exceeds the model's ``max_position_embeddings``."""
+def check_context(spec: ModelSpec, s: Settings,
+                  beyond: str | None = " (a RoPE-scaled model may allow more: plan --context N)") -> None:
+    """Raise InvalidValue when ``prompt + new tokens`` exceeds the model's ``max_position_embeddings``; ``beyond``
+    ends the fix (how to plan past the config's context; None where that is not possible, e.g. a loaded model)."""
     from vramguard.errors import InvalidValue
     if s.total_tokens > spec.max_position_embeddings:
         room = spec.max_position_embeddings - s.max_new_tokens
@@ -198,4 +200,4 @@ def check_context(spec: ModelSpec, s: Settings) -> None:
                            f"at most the model's context, max_position_embeddings={spec.max_position_embeddings}",
                            (f"a prompt of at most {room:,} tokens with {s.max_new_tokens:,} new tokens"
                             if room > 0 else f"fewer than {spec.max_position_embeddings:,} new tokens")
-                           + " (a RoPE-scaled model may allow more: plan --context N)")
+                           + (beyond or ""))

@@ -25,12 +25,13 @@ _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]+)\s*$")
 ACCEPTED_SIZE_FORMS = "a number and a unit, e.g. 24GiB, 24GB, 24000MiB, 12.5GiB (units: B KiB MiB GiB TiB KB MB GB TB)"
 
 
-def parse_size(text: str, field: str = "size") -> int:
+def parse_size(text: str, field: str = "size", example: str = "24GiB") -> int:
     """Parse a memory size such as ``"24GiB"`` into bytes.
 
     Args:
         text: the size as typed by a user.
         field: the option or field name used in the error message.
+        example: a typical value of the field, used in the fix (its unit is suggested for a bare number).
 
     Returns:
         The size in bytes (int, rounded down to a whole byte).
@@ -39,16 +40,17 @@ def parse_size(text: str, field: str = "size") -> int:
         InvalidValue: the text has no unit, an unknown unit, or is not positive.
     """
     t = str(text).strip()
+    unit = example.lstrip("0123456789.")
     if t.startswith("-"):
-        raise InvalidValue(field, text, "a size larger than 0 B", "give a positive size such as 24GiB")
+        raise InvalidValue(field, text, "a size larger than 0 B", f"give a positive size such as {example}")
     if re.fullmatch(r"\d+(?:\.\d+)?", t):
-        raise InvalidValue(field, text, ACCEPTED_SIZE_FORMS, f"add a unit: {t}GiB or {t}GB")
+        raise InvalidValue(field, text, ACCEPTED_SIZE_FORMS, f"add a unit: {t}{unit} or {t}{unit.replace('i', '')}")
     m = _SIZE_RE.match(t)
     if not m or m.group(2).lower() not in _UNITS:
-        raise InvalidValue(field, text, ACCEPTED_SIZE_FORMS, "write the number and a unit, e.g. 24GiB")
+        raise InvalidValue(field, text, ACCEPTED_SIZE_FORMS, f"write the number and a unit, e.g. {example}")
     value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
     if value <= 0:
-        raise InvalidValue(field, text, "a size larger than 0 B", "give a positive size such as 24GiB")
+        raise InvalidValue(field, text, "a size larger than 0 B", f"give a positive size such as {example}")
     return value
 
 

@@ -155,7 +155,7 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions, metrics: Metric
         msg = {404: f"{request.url.path}: no such route; this server has /v1/chat/completions, /v1/completions, "
                     "/v1/models, /health and /metrics",
                405: f"{request.method} {request.url.path}: method not allowed"}.get(exc.status_code, str(exc.detail))
-        return ApiError(exc.status_code, msg, code=code).response()
+        return ApiError(exc.status_code, msg, code=code, headers=dict(exc.headers or {})).response()  # 405: Allow
     latency = _Latency()
     eos = tokenizer.eos_token_id if tokenizer is not None else None
     vocab = engine.vocab_size

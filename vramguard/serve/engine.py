@@ -228,6 +228,14 @@ class Engine:
             except Exception as e:  # noqa: BLE001 - shutting down: report, never raise
                 log.warning("engine stop: %s", e)
 
+    def release(self) -> None:
+        """Stop the engine and drop its KV pool, paged cache and any captured CUDA graphs (the references this
+        engine holds; the caller frees the model). The engine cannot serve afterwards."""
+        self.stop()
+        self._manager = None
+        self._cache = None
+        self.handles.clear()
+
     def fail_inflight(self, message: str) -> int:
         """Stop admitting and end every unfinished request with ``message`` (an error the API turns into a 503
         error object). Event-loop thread only. Returns how many requests were ended."""

@@ -61,6 +61,7 @@ class Served:
     fatal: BaseException | None = None
     server: object = None
     notes: list[str] = field(default_factory=list)
+    cap_before: float | None = None  # the process's memory fraction before build's hard cap (put back by close)
 
     def _server(self, host: str, port: int, on_listen=None):
         self.server = make_server(self.app, host, port, on_listen, on_shutdown=self._drain)
@@ -122,6 +123,36 @@ class Served:
             t = getattr(self, "_thread", None)
             if t is not None:
                 t.join(timeout=15)
+
+
+    def close(self, unload_model: bool = True):
+        """Stop the server (as :meth:`stop`) and give its GPU memory back: the engine's KV pool, paged cache and
+        CUDA graphs, and, with ``unload_model``, the model (:func:`vramguard.load.unload`, which also runs the
+        garbage collector and empties PyTorch's cache); the memory fraction a ``hard_cap`` build set is put
+        back. For a server started in-process (a notebook, a test) that should not keep its memory after it stops. Returns the :class:`vramguard.load.UnloadReport`
+        (``freed_bytes``, ``residual_bytes`` above the memory allocated before loading, the largest holders), or
+        None without ``unload_model``. The object cannot serve afterwards."""
+        import gc
+
+        import torch
+
+        from vramguard.load import UnloadReport, unload
+        on_cuda = torch.cuda.is_available()
+        before = torch.cuda.memory_allocated() if on_cuda else None
+        self.stop()
+        self.engine.release()
+        self.server = None
+        if self.cap_before is not None:
+            torch.cuda.set_per_process_memory_fraction(self.cap_before)
+            self.cap_before = None
+        if not unload_model:
+            gc.collect()
+            return None
+        rep = unload(self.engine.model)
+        if before is None:
+            return rep
+        return UnloadReport(before - torch.cuda.memory_allocated(), rep.residual_bytes, rep.holders,
+                            rep.workspace_bytes)
 
 
 def check_bind(host: str, port: int) -> None:
@@ -203,6 +234,7 @@ def build(model: str, *, vram_budget: int | None = None, max_queue: int = 64, ma
         InvalidValue: a limit out of range. Infeasible: the budget leaves no room for the pool.
         UnknownModel / ConfigError: from :func:`vramguard.load.load_model`.
     """
+    cap_before = None
     for name, value, lo in (("max_queue", max_queue, 0), ("max_running", max_running, 1),
                             ("max_batch_tokens", max_batch_tokens, 16), ("page_size", page_size, 4),
                             ("n_max", n_max, 1), ("default_max_tokens", default_max_tokens, 1)):
@@ -216,6 +248,8 @@ def build(model: str, *, vram_budget: int | None = None, max_queue: int = 64, ma
         if vram_budget > total:
             raise InvalidValue("vram_budget", vram_budget, f"at most the card's {total:,} B",
                                "pass a smaller --vram-budget")
+        getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+        cap_before = getter() if getter is not None else 1.0
         torch.cuda.set_per_process_memory_fraction(vram_budget / total)
     if loaded is None:
         loaded = load_model(model, quant=quant, dtype=dtype, attn=attn, trust_remote_code=trust_remote_code,
@@ -268,6 +302,6 @@ def build(model: str, *, vram_budget: int | None = None, max_queue: int = 64, ma
     if unpinned:
         options.notes.append(f"SDPA was pinned to the {unpinned} backend at load; unpinned for serving: paged "
                              "attention passes a block mask, which that backend cannot take")
-    served = Served(app=None, engine=engine, pool=pool, options=options, report=report)
+    served = Served(app=None, engine=engine, pool=pool, options=options, report=report, cap_before=cap_before)
     served.app = create_app(engine, tok, options, metrics, on_fatal=served.on_fatal)
     return served
