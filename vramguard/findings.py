@@ -105,9 +105,10 @@ def _attention_findings(p: "Plan", out: list) -> None:
                            per_layer * spec.num_layers))
     if s.effective_attn == "eager" and not s.output_attentions:
         sc = s.sequences * spec.num_heads * s.prompt_tokens * s.prompt_tokens
+        scores = fmt_bytes(sc * eager_bytes_per_score(s.act_dtype))
         out.append(Finding("eager_scores", "warn" if sc * 10 > est.weights.total_bytes // 4 else "info",
-                           f"eager attention materializes the score matrix: {fmt_bytes(sc * eager_bytes_per_score(s.act_dtype))} "
-                           "per layer during prefill", "use attn_implementation='sdpa' or 'flash_attention_2'"))
+                           f"eager attention materializes the score matrix: {scores} per layer during prefill",
+                           "use attn_implementation='sdpa' or 'flash_attention_2'"))
     if spec.attn_logit_softcapping and s.effective_attn == "sdpa":
         out.append(Finding("sdpa_softcap", "fail", f"{spec.model_type} uses attention logit soft-capping, which SDPA "
                            "does not implement", "use attn_implementation='eager' or 'flash_attention_2'"))

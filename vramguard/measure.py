@@ -22,8 +22,10 @@ class CudaProbe:
         import torch
         st = torch.cuda.memory_stats(self.device)
         free, total = torch.cuda.mem_get_info(self.device)
-        return {"allocated": st.get("allocated_bytes.all.current", 0), "reserved": st.get("reserved_bytes.all.current", 0),
-                "peak_allocated": st.get("allocated_bytes.all.peak", 0), "peak_reserved": st.get("reserved_bytes.all.peak", 0),
+        return {"allocated": st.get("allocated_bytes.all.current", 0),
+                "reserved": st.get("reserved_bytes.all.current", 0),
+                "peak_allocated": st.get("allocated_bytes.all.peak", 0),
+                "peak_reserved": st.get("reserved_bytes.all.peak", 0),
                 "inactive_split": st.get("inactive_split_bytes.all.current", 0), "device_used": total - free,
                 "total": total}
 

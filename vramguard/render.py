@@ -131,11 +131,12 @@ def print_plan(p: Plan, console: Console | None = None) -> None:
     t.add_column("GiB", justify="right")
     for k, v in est.components.items():
         t.add_row(LABELS.get(k, k), f"{v:,}", f"{v / 2**30:.2f}")
-    t.add_row("[bold]PyTorch peak allocated[/bold]", f"{est.peak_allocated_bytes:,}", f"{est.peak_allocated_bytes / 2**30:.2f}")
-    t.add_row("allocator reserve (fragmentation)", f"{est.allocator_reserve_bytes:,}", f"{est.allocator_reserve_bytes / 2**30:.2f}")
-    t.add_row("[bold]PyTorch peak reserved[/bold]", f"{est.peak_reserved_bytes:,}", f"{est.peak_reserved_bytes / 2**30:.2f}")
-    t.add_row("CUDA context and memory outside PyTorch", f"{est.cuda_context_bytes:,}", f"{est.cuda_context_bytes / 2**30:.2f}")
-    t.add_row("[bold]card memory in use[/bold]", f"{est.device_used_bytes:,}", f"{est.device_used_bytes / 2**30:.2f}")
+    for label, v in (("[bold]PyTorch peak allocated[/bold]", est.peak_allocated_bytes),
+                     ("allocator reserve (fragmentation)", est.allocator_reserve_bytes),
+                     ("[bold]PyTorch peak reserved[/bold]", est.peak_reserved_bytes),
+                     ("CUDA context and memory outside PyTorch", est.cuda_context_bytes),
+                     ("[bold]card memory in use[/bold]", est.device_used_bytes)):
+        t.add_row(label, f"{v:,}", f"{v / 2**30:.2f}")
     c.print(t)
     w = est.weights
     parts = [f"{fmt_bytes(w.quantized_linear_bytes)} quantized linears ({w.quantized_parameter_count:,} params)"

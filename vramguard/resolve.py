@@ -25,8 +25,8 @@ def _read_json(path: Path, field: str) -> dict:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(field, str(path), "a config.json (a JSON object)",
-                          f"the file is not JSON text ({type(e).__name__}); pass the model folder or its config.json") from None
+        raise ConfigError(field, str(path), "a config.json (a JSON object)", f"the file is not JSON text "
+                          f"({type(e).__name__}); pass the model folder or its config.json") from None
     except OSError as e:
         raise ConfigError(field, str(path), "a readable file", str(e)) from None
     if not isinstance(data, dict):

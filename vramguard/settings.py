@@ -30,7 +30,8 @@ def _choice(field: str, value: object, choices: tuple[str, ...]) -> None:
 
 def _count(field: str, value: object, minimum: int, fix: str | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise InvalidValue(field, value, f"an integer >= {minimum}", fix or f"pass a whole number of at least {minimum}")
+        raise InvalidValue(field, value, f"an integer >= {minimum}",
+                           fix or f"pass a whole number of at least {minimum}")
 
 
 @dataclass(frozen=True)

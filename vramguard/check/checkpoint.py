@@ -83,7 +83,8 @@ def resolve_param_dtype(requested: str | None, ckpt: CheckpointInfo | None, tran
     major = int(transformers_version.split(".")[0]) if transformers_version and transformers_version[0].isdigit() \
         else 5
     if requested == "auto" or major >= 5:
-        how = "dtype='auto'" if requested == "auto" else f"no dtype given (transformers {transformers_version} means 'auto')"
+        how = ("dtype='auto'" if requested == "auto"
+               else f"no dtype given (transformers {transformers_version} means 'auto')")
         if ckpt and ckpt.config_dtype:
             return ckpt.config_dtype, f"{how}: config.json says {ckpt.config_dtype}"
         if ckpt and ckpt.stored_dtype:

@@ -129,9 +129,10 @@ class Served:
         """Stop the server (as :meth:`stop`) and give its GPU memory back: the engine's KV pool, paged cache and
         CUDA graphs, and, with ``unload_model``, the model (:func:`vramguard.load.unload`, which also runs the
         garbage collector and empties PyTorch's cache); the memory fraction a ``hard_cap`` build set is put
-        back. For a server started in-process (a notebook, a test) that should not keep its memory after it stops. Returns the :class:`vramguard.load.UnloadReport`
-        (``freed_bytes``, ``residual_bytes`` above the memory allocated before loading, the largest holders), or
-        None without ``unload_model``. The object cannot serve afterwards."""
+        back. For a server started in-process (a notebook, a test) that should not keep its memory after it
+        stops. Returns the :class:`vramguard.load.UnloadReport` (``freed_bytes``, ``residual_bytes`` above the
+        memory allocated before loading, the largest holders), or None without ``unload_model``. The object
+        cannot serve afterwards."""
         import gc
 
         import torch
