@@ -36,6 +36,8 @@ def test_c1_fa2_and_bf16_on_turing():
     assert "sdpa" in fa2[0].fix
     bf16 = by_name(r, "bf16")[0]
     assert bf16.status == "warn" and "float16" in bf16.fix
+    cd = by_name(r, "compute_dtype")[0]  # never "ok" beside the bf16 warning
+    assert cd.status == "warn" and "bnb_4bit_compute_dtype=torch.float16" in cd.fix
     assert r.failed
     # the second report: bf16 model (no quantization) with FA2 on a T4
     r2 = check("mistral-7b-v0.3", Settings(attn="flash_attention_2"), dtype="bf16", gpu="t4",
@@ -56,6 +58,21 @@ def test_c1_loader_never_picks_fa2_or_bf16_on_turing():
     with pytest.raises(Exception) as e:
         choose_dtypes(t4, "nf4", "bf16", None, LoadReport("m", {}), True)
     assert "compute_dtype" in str(e.value)
+    # the second report: bf16 weights (quant="bf16") on the T4 load as fp16, reported; the dtype load_model
+    # passes to from_pretrained follows (resolve_param_dtype takes a 16/32-bit quant as the parameters' dtype)
+    from vramguard.check.checkpoint import resolve_param_dtype
+    from vramguard.load import older_card_quant
+    rep2 = LoadReport("m", {})
+    with pytest.warns(UserWarning, match="compute capability 7.5"):
+        q = older_card_quant(t4, "bf16", rep2, False)
+    assert q == "fp16" and resolve_param_dtype("bf16", None, "5.24.0", q)[0] == "fp16"
+    assert rep2.overrides == ["quant: bf16 -> fp16 (bfloat16 is not native on compute capability 7.5 (t4); "
+                              "float16 is)"]
+    assert older_card_quant(t4, "nf4", rep2, False) == "nf4"
+    assert older_card_quant(GPUS["a100-80gb"], "bf16", rep2, False) == "bf16"
+    with pytest.raises(Exception) as e:
+        older_card_quant(t4, "bf16", LoadReport("m", {}), True)
+    assert "quant" in str(e.value) and "7.5" in str(e.value)
     # on an Ampere card with flash_attn installed, auto picks FA2 and bf16
     assert choose_attn("auto", env(flash_attn_version="2.6.3"), GPUS["a100-80gb"], "bf16", 128, rep, False) \
         == "flash_attention_2"
@@ -99,6 +116,9 @@ def test_c2_a_float32_checkpoint_loaded_as_stored_is_flagged_with_its_cost(tmp_p
     on_purpose = check(str(folder), Settings(attn="sdpa"), dtype="fp32", gpu="rtx-4090",
                        env=env(transformers_version="5.24.0"), verify=False, unquantized=True)
     assert by_name(on_purpose, "param_dtype")[0].status == "ok"
+    as_stored = check(str(folder), Settings(attn="sdpa"), dtype="auto", gpu="rtx-4090",
+                      env=env(transformers_version="5.24.0"), verify=False, unquantized=True)
+    assert by_name(as_stored, "param_dtype")[0].status == "warn"  # "auto" is "as stored", not a choice of fp32
 
 
 def test_c3_compute_dtype_left_at_float32():

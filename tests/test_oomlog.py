@@ -37,7 +37,8 @@ def test_c11_global_kill_names_the_process_and_its_rss():
     assert [(o["name"], o["rss_bytes"]) for o in k.top_others] == [
         ("jupyter-lab", 12_034 * 4096), ("systemd-journal", 1_289 * 4096), ("dbus-daemon", 812 * 4096)]
     assert "checkpoint shard" in k.cause and "vramguard check" in k.fix
-    assert r.skipped_lines == 0 and r.lines_read == 18
+    assert r.skipped_lines == 0 and r.lines_read == 21  # call-trace frames (oom_kill_process.cold+0xb/0x10) are
+    # not record lines
 
 
 def test_cgroup_kill_dmesg_T_kernel_6():

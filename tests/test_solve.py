@@ -59,6 +59,14 @@ def test_c6_ranks_kv_quantization_and_shorter_context():
     assert p.changes.index(next(c for c in p.changes if c.reduces_request)) == len(keep)
     int4 = next(c for c in p.changes if "int4" in c.description)
     assert int4.saved_bytes > 25 * GiB
+    # the quantized format's group-scale overhead is stated with the plan of a quantized KV cache
+    q = plan(spec, s.with_(kv_dtype="int4"), gpu="h100-80gb")
+    fmt = next(f for f in q.findings if f.code == "kv_quantized_format")
+    assert "0.5 B per value" in fmt.message and "0.0625 B per value, +12.5%" in fmt.message
+    assert "last 128 tokens stay in 16-bit" in fmt.message and "11.28 GiB" in fmt.message
+    q8 = plan(spec, s.with_(kv_dtype="int8"), gpu="h100-80gb")
+    assert "+6.2%" in next(f for f in q8.findings if f.code == "kv_quantized_format").message
+    assert not any(f.code == "kv_quantized_format" for f in p.findings)
 
 
 def test_eager_to_sdpa_is_ranked_with_its_saving():

@@ -124,6 +124,17 @@ def _memory_findings(p: "Plan", out: list) -> None:
                            f"the KV cache at {s.total_tokens:,} tokens ({fmt_gib(kv)}) is as large as the weights "
                            f"({fmt_gib(est.weights.total_bytes)})",
                            "quantize the KV cache (--kv-dtype int8/int4) or shorten the context", kv))
+    if s.resolved_kv_dtype in ("int8", "int4"):
+        from vramguard.memory.kv import SCALE_ZERO_BYTES
+        from vramguard.settings import KV_BITS
+        packed, extra = KV_BITS[s.resolved_kv_dtype] / 8, SCALE_ZERO_BYTES / s.kv_group_size
+        kv = est.kv_full.gpu_bytes + est.kv_full.cpu_bytes
+        out.append(Finding("kv_quantized_format", "info",
+                           f"{s.resolved_kv_dtype} KV cache ({fmt_gib(kv)} at {s.total_tokens:,} tokens): "
+                           f"{packed:g} B per value plus a 16-bit scale and a 16-bit zero-point per group of "
+                           f"{s.kv_group_size} values ({extra:g} B per value, +{100 * extra / packed:.1f}% over the "
+                           f"packed values); the last {s.kv_residual_length} tokens stay in 16-bit "
+                           "(transformers QuantizedCache)"))
     if s.logits == "all":
         native, fp32 = logits_bytes(spec, s.sequences, s.prompt_tokens, s.act_dtype)
         _, last = logits_bytes(spec, s.sequences, 1, s.act_dtype)

@@ -65,18 +65,37 @@ def _override(report: LoadReport, strict: bool, field_: str, value, accepted: st
     return new
 
 
+def _below_ampere(gpu) -> bool:
+    return gpu is not None and gpu.compute_capability is not None and tuple(gpu.compute_capability) < (8, 0)
+
+
+def _not_native(gpu) -> str:
+    major, minor = gpu.compute_capability
+    return f"bfloat16 is not native on compute capability {major}.{minor} ({gpu.name}); float16 is"
+
+
+def older_card_quant(gpu, quant: str, report: LoadReport, strict: bool) -> str:
+    """``quant`` as loaded on ``gpu``: ``bf16`` weights become ``fp16`` below compute capability 8.0, reported
+    in ``report.overrides`` (or raised as InvalidValue with ``strict``); anything else as given (field case C1)."""
+    if quant == "bf16" and _below_ampere(gpu):
+        return _override(report, strict, "quant", quant, "fp16, fp32 or a quantization below compute capability "
+                         "8.0", "fp16", _not_native(gpu))
+    return quant
+
+
 def choose_dtypes(gpu, quant: str, compute_dtype: str | None, dtype: str | None, report: LoadReport,
                   strict: bool) -> tuple[str, str]:
     """(compute dtype, model dtype): bf16 where the card supports it (compute capability >= 8.0, or no CUDA
     card), else fp16; whichever of the two is not given equals the other, so a 4-bit layer never computes in a
     dtype other than its activations' unless both are set apart explicitly (field case C3: the mismatch costs a
-    cast per layer). A bf16 request on an older card becomes fp16, reported (or raised with ``strict``)."""
-    old = gpu is not None and gpu.compute_capability is not None and gpu.compute_capability < (8, 0)
+    cast per layer). A bf16 request on an older card becomes fp16, reported (or raised with ``strict``); so does
+    ``quant="bf16"`` (weights in bf16), which :func:`load_model` overrides with :func:`older_card_quant`."""
+    old = _below_ampere(gpu)
     if old:
         for name, val in (("compute_dtype", compute_dtype), ("dtype", dtype)):
             if val == "bf16":
                 _override(report, strict, name, val, "fp16 or fp32 below compute capability 8.0", "fp16",
-                          f"bfloat16 is not native on compute capability {gpu.compute_capability}")
+                          _not_native(gpu))
         compute_dtype = "fp16" if compute_dtype == "bf16" else compute_dtype
         dtype = "fp16" if dtype == "bf16" else dtype
     cd = compute_dtype or (dtype if dtype in ("bf16", "fp16", "fp32") else ("fp16" if old else "bf16"))
@@ -226,6 +245,7 @@ def load_model(model: str, *, quant: str = "nf4", double_quant: bool = True, com
     gpu = env.gpus[0] if on_cuda and env.gpus else None
     report = LoadReport(str(model), {"quant": quant, "double_quant": double_quant, "compute_dtype": compute_dtype,
                                      "dtype": dtype, "attn": attn, "device_map": device_map})
+    quant = older_card_quant(gpu, quant, report, strict)
     cd, dt = choose_dtypes(gpu, quant, compute_dtype, dtype, report, strict)
     param_dtype, _ = resolve_param_dtype(dt, ckpt, transformers.__version__, quant)
     chosen_attn = choose_attn(attn, env, gpu, param_dtype, spec.head_dim, report, strict)

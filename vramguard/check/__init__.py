@@ -86,7 +86,7 @@ def check(model: str | None = None, settings: Settings | None = None, *, dtype: 
     findings = environment_findings(env, card, source)
     findings += runtime_findings(env, card, s, spec, param_dtype, why)
     findings += model_findings(spec, ckpt if folder else None, s, env, param_dtype, why, card,
-                               dtype_passed=dtype is not None)
+                               dtype_passed=dtype not in (None, "auto"))  # auto: as stored
     if why_c:
         findings = [CheckFinding(f.name, f.status, f.value, f.reason + why_c, f.fix) if f.name == "compute_dtype"
                     else f for f in findings]

@@ -223,6 +223,10 @@ def model_findings(spec: ModelSpec | None, ckpt: CheckpointInfo | None, s: Setti
                                   + (f" and dtype=torch.{half_name}" if half_name != {"bf16": "bfloat16",
                                                                                      "fp16": "float16"}.get(param_dtype)
                                      else "")))
+        elif pre_ampere and compute == "bf16":  # the bf16 finding above says it is not native here
+            f.append(CheckFinding("compute_dtype", "warn", compute, "matches the activation dtype, but bfloat16 is "
+                                  "not native on this card", "set bnb_4bit_compute_dtype=torch.float16 and "
+                                  "dtype=torch.float16"))
         else:
             f.append(CheckFinding("compute_dtype", "ok", compute, "matches the activation dtype"))
     if s.output_attentions:

@@ -52,6 +52,8 @@ _KILL_SCORE = re.compile(r"^(?P<memcg>Memory cgroup out of memory|Out of memory)
 _KV_KB = re.compile(r"(total-vm|anon-rss|file-rss|shmem-rss|pgtables):(\d+)kB")
 _CG_USAGE = re.compile(r"^memory: usage (\d+)kB, limit (\d+)kB, failcnt (\d+)")
 _OOMISH = ("oom", "Killed process", "Kill process", "[  pid  ]", "invoked")
+# a Call Trace frame, e.g. "oom_kill_process.cold+0xb/0x10": part of the dump, not a record line
+_TRACE_FRAME = re.compile(r"^\s*(?:\? )?[\w.$]+\+0x[0-9a-f]+/0x[0-9a-f]+")
 
 
 @dataclass
@@ -260,7 +262,7 @@ def parse_lines(lines, year: int | None = None) -> ParseResult:
             cur.complete = True
             continue
         if cur is not None and not cur.complete and any(k in msg for k in _OOMISH) and "oom_reaper" not in msg \
-                and "Tasks state" not in msg and "oom_score_adj" not in msg:
+                and "Tasks state" not in msg and "oom_score_adj" not in msg and not _TRACE_FRAME.match(msg):
             skipped += 1
     return ParseResult(records, n, skipped)
 
