@@ -267,5 +267,13 @@ def test_a_request_over_the_context_is_refused_with_its_room(model):
     from vramguard.errors import InvalidValue
     with pytest.raises(InvalidValue) as e:
         G.generate(model, None, list(range(5, 505)), 20)
-    assert "500 + 20 = 520" in str(e.value) and "at most 492 tokens" in e.value.fix
+    assert "500 + 20 = 520" in str(e.value)
+    assert e.value.fix == "at most 12 new tokens with this prompt or a prompt of at most 492 tokens with 20 new tokens"
     assert "plan --context" not in str(e.value)
+    with pytest.raises(InvalidValue) as e:  # following the fix works: 2 + 510 fits, 2 + 511 does not
+        G.generate(model, None, [5, 6], 511)
+    assert e.value.fix.startswith("at most 510 new tokens with this prompt or a prompt of at most 1 token with")
+    assert len(G.generate(model, None, [5, 6], 510).token_ids) == 510
+    with pytest.raises(InvalidValue) as e:  # the prompt alone fills the context: only a shorter prompt helps
+        G.generate(model, None, list(range(5, 517)), 20)
+    assert e.value.fix == "a prompt of at most 492 tokens with 20 new tokens"

@@ -37,6 +37,12 @@ def test_named_and_sized_cards():
     with pytest.raises(UnknownGpu) as e:
         hardware.gpu_from_catalog("rtx-9999")
     assert "rtx-4090" in str(e.value)
+    assert hardware.gpu_from_catalog("rtx4090").name == "rtx-4090"  # hyphens optional
+    assert hardware.gpu_from_catalog("a100-40").name == "a100-40gb"  # the start of one name
+    for short, sizes in (("a100", "a100-40gb, a100-80gb"), ("v100", "v100-16gb, v100-32gb")):
+        with pytest.raises(UnknownGpu) as e:  # two memory sizes: never one picked silently
+            hardware.gpu_from_catalog(short)
+        assert e.value.accepted == sizes and "name one of them" in e.value.fix
     with pytest.raises(InvalidValue):
         hardware.resolve_gpus("t4", "16GiB")
 

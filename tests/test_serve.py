@@ -675,7 +675,10 @@ def test_engine_refusing_the_pool_is_a_clear_error(folder, monkeypatch):
     with pytest.raises(Infeasible) as e:
         _build(folder)
     msg = str(e.value)
-    assert "21.01 GiB" in msg and "19.30 GiB" in msg and "--max-kv-blocks" in msg and e.value.exit_code == 4
+    assert "21.01 GiB" in msg and "19.30 GiB" in msg and e.value.exit_code == 4
+    # the fix gives the shortfall and a pool that would pass: 20 blocks of 16 tokens planned (--max-kv-blocks 20)
+    assert "by at least 1.72 GiB" in e.value.fix and "vram_budget= in build()" in e.value.fix
+    assert "--max-kv-blocks 1," in e.value.fix and "a KV pool of 20 blocks" in msg
 
 
 def test_a_model_without_a_tokenizer_says_what_that_means(tmp_path):
@@ -721,3 +724,28 @@ def test_close_stops_serving_and_drops_the_pool_and_the_model(folder):
     assert rep.residual_bytes is None  # CPU: not measured
     with pytest.raises(httpx.ConnectError):
         httpx.get(url + "/health", timeout=2)
+    with pytest.raises(RuntimeError, match="build"):
+        s.start_background()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_stop_between_admission_and_submit_answers_503_not_500(folder, stream):
+    """SIGTERM landing while an admitted request's body is still being checked: the engine has stopped by the time
+    the request reaches it. The answer is the 503 shutting_down error object (with Retry-After), never a 500 with
+    a traceback, and nothing is left queued."""
+    s = _build(folder)
+    url = s.start_background()
+    e = s.engine
+    submit = e.submit
+
+    def stopped_first(*a, **kw):
+        e.stop()  # what the shutdown hook does, between this request's admission and its submit
+        return submit(*a, **kw)
+    e.submit = stopped_first
+    try:
+        r = _post(url, "/v1/completions", {"model": "tiny", "prompt": [1, 5, 6], "max_tokens": 4, "stream": stream})
+        assert r.status_code == 503, r.text
+        assert _err(r)["code"] == "shutting_down" and r.headers["Retry-After"] == "5"
+        assert e.handles == {}
+    finally:
+        s.stop()

@@ -29,3 +29,9 @@ def test_formatting_divides_by_2_30_for_gib():
     assert fmt_gib(3 * GiB // 2) == "1.50 GiB"
     assert fmt_bytes(512 * 2**20) == "512.00 MiB"
     assert fmt_bytes(100) == "100 B"
+
+
+def test_plural_counts():
+    from vramguard.units import plural
+    assert (plural(1, "warning"), plural(0, "warning"), plural(1024, "line")) == ("1 warning", "0 warnings",
+                                                                                "1,024 lines")

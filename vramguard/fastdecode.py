@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from vramguard.errors import InvalidValue
+from vramguard.settings import require_count
 
 # Tests: model -> (capturable, reason), replacing :func:`graph_support`'s checks.
 GRAPH_OVERRIDE: Callable[[object], tuple[bool, str]] | None = None
@@ -303,8 +304,7 @@ class GraphDecoder:
 
     # -- generation -------------------------------------------------------------------------------------------
     def _check_request(self, prompt_ids, max_new_tokens: int) -> list[int]:
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise InvalidValue("max_new_tokens", max_new_tokens, "an integer >= 1")
+        require_count("max_new_tokens", max_new_tokens, 1)
         ids = [int(x) for x in prompt_ids]
         if not ids:
             raise InvalidValue("prompt", "", "at least one token", "pass a non-empty prompt")
@@ -460,8 +460,7 @@ def graph_decode(model, prompt_ids, max_new_tokens: int, *, prefill_chunk_tokens
         InvalidValue: see :class:`GraphDecoder` and :meth:`GraphDecoder.generate`.
     """
     n = len(prompt_ids)
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise InvalidValue("max_new_tokens", max_new_tokens, "an integer >= 1")
+    require_count("max_new_tokens", max_new_tokens, 1)
     dec = GraphDecoder(model, max(n + max_new_tokens - 1, 1), prefill_chunk_tokens=prefill_chunk_tokens,
                        use_graph=use_graph, warmup_steps=warmup_steps)
     try:

@@ -30,7 +30,7 @@ from typing import Callable
 
 from vramguard.errors import Infeasible
 from vramguard.measure import memory_cap
-from vramguard.settings import Settings
+from vramguard.settings import Settings, require_count
 from vramguard.units import fmt_bytes
 
 OOM_INJECTOR: Callable[[str, int, int], None] | None = None  # tests: (phase, attempt, step) -> raise or not
@@ -360,8 +360,7 @@ def generate(model, tokenizer, prompt: str | list[int], max_new_tokens: int = 25
     import torch
 
     from vramguard.errors import InvalidValue
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise InvalidValue("max_new_tokens", max_new_tokens, "an integer >= 1")
+    require_count("max_new_tokens", max_new_tokens, 1)
     if temperature is not None and not temperature > 0:
         raise InvalidValue("temperature", temperature, "a number > 0", "use --temperature 0.7, or greedy decoding")
     if top_p is not None and not 0 < top_p <= 1:

@@ -30,18 +30,30 @@ def _norm(name: str) -> str:
 
 
 def gpu_from_catalog(name: str) -> GpuSpec:
-    """A catalog GPU by name (``rtx-4090``, ``4090``, ``NVIDIA GeForce RTX 4090``...).
+    """A catalog GPU by name (``rtx-4090``, ``rtx4090``, ``4090``, ``NVIDIA GeForce RTX 4090``...), or by the
+    start of one name (``a100-40``).
 
     Raises:
-        UnknownGpu: no catalog card has that name; the message lists the accepted names.
+        UnknownGpu: no catalog card has that name, or it names several (``a100``: 40 GB and 80 GB); the message
+            lists the accepted names (or the matching ones).
     """
     key = _norm(name)
     key = GPU_ALIASES.get(key, key)
     if key in GPUS:
         return GPUS[key]
+
+    def flat(s: str) -> str:
+        return s.replace("-", "").replace(".", "")
     for g in GPUS.values():
-        if _norm(g.label) == key or _norm(g.label).replace("nvidia-", "").replace("geforce-", "") == key:
+        short = _norm(g.label).replace("nvidia-", "").replace("geforce-", "")
+        if key in (_norm(g.label), short) or flat(key) in (flat(g.name), flat(short)):
             return g
+    starts = [g for g in GPUS.values() if flat(g.name).startswith(flat(key)) or flat(g.name) == "rtx" + flat(key)]
+    if len(starts) == 1:
+        return starts[0]
+    if starts:
+        raise UnknownGpu("--gpu", name, ", ".join(g.name for g in starts),
+                         f"name one of them, e.g. --gpu {starts[-1].name}")
     raise UnknownGpu("--gpu", name, ", ".join(GPUS), "pick a catalog card (vramguard plan --list-gpus); "
                      "`vramguard plan` also takes the memory of any card with --vram 24GiB")
 

@@ -194,10 +194,17 @@ def check_context(spec: ModelSpec, s: Settings,
     """Raise InvalidValue when ``prompt + new tokens`` exceeds the model's ``max_position_embeddings``; ``beyond``
     ends the fix (how to plan past the config's context; None where that is not possible, e.g. a loaded model)."""
     from vramguard.errors import InvalidValue
-    if s.total_tokens > spec.max_position_embeddings:
-        room = spec.max_position_embeddings - s.max_new_tokens
-        raise InvalidValue("prompt + new tokens", f"{s.prompt_tokens:,} + {s.max_new_tokens:,} = {s.total_tokens:,}",
-                           f"at most the model's context, max_position_embeddings={spec.max_position_embeddings}",
-                           (f"a prompt of at most {room:,} tokens with {s.max_new_tokens:,} new tokens"
-                            if room > 0 else f"fewer than {spec.max_position_embeddings:,} new tokens")
-                           + (beyond or ""))
+    ctx, prompt, new = spec.max_position_embeddings, s.prompt_tokens, s.max_new_tokens
+    if s.total_tokens > ctx:
+        def tokens(n: int, kind: str = "") -> str:
+            return f"{n:,} {kind}token" + ("" if n == 1 else "s")
+        ways = []
+        if prompt < ctx:
+            ways.append(f"at most {tokens(ctx - prompt, 'new ')} with this prompt")
+        if new < ctx:
+            ways.append(f"a prompt of at most {tokens(ctx - new)} with {tokens(new, 'new ')}")
+        if not ways:
+            ways.append(f"prompt and new tokens together at most {ctx:,} (e.g. {ctx - ctx // 2:,} + {ctx // 2:,})")
+        raise InvalidValue("prompt + new tokens", f"{prompt:,} + {new:,} = {s.total_tokens:,}",
+                           f"at most the model's context, max_position_embeddings={ctx}",
+                           " or ".join(ways) + (beyond or ""))

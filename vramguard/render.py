@@ -11,7 +11,7 @@ from rich.table import Table
 from rich.text import Text
 
 from vramguard.plan import Plan
-from vramguard.units import fmt_bytes, fmt_gib, fmt_tokens
+from vramguard.units import fmt_bytes, fmt_gib, fmt_tokens, plural
 
 LABELS = {
     "weights": "weights (quantized linears, 16-bit embeddings, lm_head, norms)",
@@ -206,7 +206,7 @@ def print_check(r, console: Console | None = None) -> None:
             indented(c, f"fix: {f.fix}")
     fails = sum(f.status == "fail" for f in r.findings)
     warns = sum(f.status == "warn" for f in r.findings)
-    c.print(f"{fails} failed, {warns} warnings" + (": fix the failures before loading" if fails else ""))
+    c.print(f"{fails} failed, {plural(warns, 'warning')}" + (": fix the failures before loading" if fails else ""))
 
 
 def oomlog_to_json(r) -> dict:

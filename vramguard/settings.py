@@ -25,10 +25,12 @@ KV_BITS = {"bf16": 16, "fp16": 16, "int8": 8, "int4": 4}
 
 def _choice(field: str, value: object, choices: tuple[str, ...]) -> None:
     if value not in choices:
-        raise InvalidValue(field, value, " | ".join(choices))
+        raise InvalidValue(field, value, " | ".join(choices), f"use one of: {', '.join(choices)}")
 
 
-def _count(field: str, value: object, minimum: int, fix: str | None = None) -> None:
+def require_count(field: str, value: object, minimum: int, fix: str | None = None) -> None:
+    """Raise InvalidValue unless ``value`` is an int (not a bool) >= ``minimum``; ``fix`` defaults to asking for
+    a whole number of at least ``minimum``."""
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise InvalidValue(field, value, f"an integer >= {minimum}",
                            fix or f"pass a whole number of at least {minimum}")
@@ -94,9 +96,9 @@ class Settings:
             _choice("compute_dtype", self.compute_dtype, DTYPES)
         if self.kv_dtype is not None:
             _choice("kv_dtype", self.kv_dtype, KV_DTYPES)
-        _count("batch", self.batch, 1)
-        _count("num_beams", self.num_beams, 1)
-        _count("num_return_sequences", self.num_return_sequences, 1)
+        require_count("batch", self.batch, 1)
+        require_count("num_beams", self.num_beams, 1)
+        require_count("num_return_sequences", self.num_return_sequences, 1)
         if self.num_beams > 1 and self.num_return_sequences > self.num_beams:
             raise InvalidValue("num_return_sequences", self.num_return_sequences,
                                f"at most num_beams={self.num_beams} with beam search")
@@ -109,14 +111,14 @@ class Settings:
         if self.compute_dtype is not None and self.quant not in ("nf4", "fp4"):
             raise InvalidValue("compute_dtype", self.compute_dtype, f"unset with --quant {self.quant}",
                                "the compute dtype applies to 4-bit weights only (nf4, fp4)")
-        _count("prompt_tokens", self.prompt_tokens, 1)
-        _count("max_new_tokens", self.max_new_tokens, 0)
-        _count("kv_group_size", self.kv_group_size, 1)
-        _count("kv_residual_length", self.kv_residual_length, 0)
+        require_count("prompt_tokens", self.prompt_tokens, 1)
+        require_count("max_new_tokens", self.max_new_tokens, 0)
+        require_count("kv_group_size", self.kv_group_size, 1)
+        require_count("kv_residual_length", self.kv_residual_length, 0)
         if self.prefill_chunk is not None:
-            _count("prefill_chunk", self.prefill_chunk, 1)
+            require_count("prefill_chunk", self.prefill_chunk, 1)
         if self.max_cache_len is not None:
-            _count("max_cache_len", self.max_cache_len, self.prompt_tokens + self.max_new_tokens,
+            require_count("max_cache_len", self.max_cache_len, self.prompt_tokens + self.max_new_tokens,
                    "a static cache must hold the prompt and the new tokens")
 
     # ---- resolved values -------------------------------------------------------------------------------------

@@ -54,6 +54,11 @@ def parse_size(text: str, field: str = "size", example: str = "24GiB") -> int:
     return value
 
 
+def plural(n: int, noun: str) -> str:
+    """``1 warning``, ``2 warnings``, ``1,024 lines``: the count with thousands separators and the noun."""
+    return f"{n:,} {noun}" + ("" if n == 1 else "s")
+
+
 def fmt_gib(n: int | None, digits: int = 2) -> str:
     """Render bytes as GiB (divided by 2**30), e.g. ``3.61 GiB``; ``None`` renders as ``-``."""
     if n is None:

@@ -77,8 +77,9 @@ GPUS: dict[str, GpuSpec] = {g.name: g for g in [
     GpuSpec("h200", "NVIDIA H200", 150_109_880_320, (9, 0), 4800 * GB),
 ]}
 
-GPU_ALIASES = {"4090": "rtx-4090", "3090": "rtx-3090", "4080": "rtx-4080", "3060": "rtx-3060", "a100": "a100-80gb",
-               "h100": "h100-80gb", "v100": "v100-16gb", "4060-ti": "rtx-4060-ti-16gb", "5090": "rtx-5090"}
+# short names of one card only; "a100" and "v100" name two memory sizes each and are refused with both
+GPU_ALIASES = {"4090": "rtx-4090", "3090": "rtx-3090", "4080": "rtx-4080", "3060": "rtx-3060",
+               "h100": "h100-80gb", "4060-ti": "rtx-4060-ti-16gb", "5090": "rtx-5090"}
 
 # cards planned against when no GPU is detected and none is named
 DEFAULT_CARD_SIZES_GIB = (8, 12, 16, 24)

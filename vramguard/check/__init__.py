@@ -93,7 +93,7 @@ def check(model: str | None = None, settings: Settings | None = None, *, dtype: 
     report = CheckReport(findings, param_dtype, card, model=spec.name if spec else None)
     if spec is not None:
         from vramguard.plan import check_context
-        check_context(spec, s)
+        check_context(spec, s, beyond=" (a RoPE-scaled model may allow more: vramguard plan --context N)")
     if spec is not None and card is None:
         from vramguard.plan import estimate
         est = estimate(spec, s)

@@ -14,7 +14,7 @@ from datetime import datetime, timedelta, timezone
 from vramguard.errors import InvalidValue
 from vramguard.oomlog.parse import OomRecord, parse_lines
 from vramguard.oomlog.sources import PERMISSION_HELP, boot_time, cmdline_of, read_source
-from vramguard.units import fmt_bytes
+from vramguard.units import fmt_bytes, plural
 
 PYTHON_LIKE = re.compile(r"python|pt_main_thread|torchrun|accelerate|uvicorn|jupyter|ipykernel", re.I)
 BIG_LOADER_BYTES = 2**30  # a Python process above 1 GiB RSS counts as a model loader
@@ -171,7 +171,7 @@ def oom_log(file: str | None = None, since: str | None = None, year: int | None 
     if src.name is None:
         msg = (PERMISSION_HELP if src.permission_denied else "no kernel log could be read: " + "; ".join(src.attempts))
     elif not kills:
-        msg = (f"no OOM-killer record in {src.name} ({parsed.lines_read:,} lines"
+        msg = (f"no OOM-killer record in {src.name} ({plural(parsed.lines_read, 'line')}"
                + (f" since {cutoff.isoformat(timespec='minutes')}" if cutoff else "") + ")")
         counted = {k: v for k, v in src.cgroup_oom_kills.items() if k.endswith("oom_kill") and v}
         if counted:

@@ -10,6 +10,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from vramguard.units import plural
+
 LOG_FILES = ("/var/log/kern.log", "/var/log/syslog", "/var/log/messages")
 CGROUP_EVENTS = ("/sys/fs/cgroup/memory.events", "/sys/fs/cgroup/memory/memory.oom_control")
 PERMISSION_HELP = ("the kernel log is restricted (kernel.dmesg_restrict=1 needs CAP_SYSLOG, i.e. root); "
@@ -44,7 +46,7 @@ def _run(cmd: list[str]) -> tuple[list[str] | None, str, bool]:
     lines = r.stdout.splitlines()
     if not lines and err:
         return None, f"{' '.join(cmd)}: {err[:200]}", denied
-    return lines, f"{' '.join(cmd)}: {len(lines)} lines", False
+    return lines, f"{' '.join(cmd)}: {plural(len(lines), 'line')}", False
 
 
 def cgroup_counters() -> dict[str, int]:
@@ -86,7 +88,7 @@ def read_source(file: str | None = None) -> LogSource:
     for path in LOG_FILES:
         try:
             lines = Path(path).read_text(errors="replace").splitlines()
-            attempts.append(f"{path}: {len(lines)} lines")
+            attempts.append(f"{path}: {plural(len(lines), 'line')}")
             return LogSource(path, lines, attempts, cgroup_oom_kills=counters)
         except PermissionError as e:
             attempts.append(f"{path}: {e}")

@@ -24,7 +24,7 @@ from pydantic import ValidationError
 from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from vramguard.serve.engine import Engine, Sampling
+from vramguard.serve.engine import Engine, EngineStopped, Sampling
 from vramguard.serve.metrics import Metrics
 from vramguard.serve.schemas import ChatRequest, CompletionRequest
 
@@ -285,15 +285,17 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions, metrics: Metric
             raise ApiError(400, "stop: at most 4 sequences", param="stop", code="invalid_value")
         return req
 
+    def _shutting_down() -> ApiError:
+        return ApiError(503, "the server is shutting down; send the request to another instance or retry after it "
+                             "restarts", type_="server_error", code="shutting_down", headers={"Retry-After": "5"})
+
     def _admit_or_429(n: int):
         left = engine.capacity_left()
         if engine.check_fatal() is not None:
             raise ApiError(503, "the engine has stopped after a device error; the server is shutting down",
                            type_="server_error", code="engine_unavailable")
         if not engine.running:
-            raise ApiError(503, "the server is shutting down; send the request to another instance or retry "
-                                "after it restarts", type_="server_error", code="shutting_down",
-                           headers={"Retry-After": "5"})
+            raise _shutting_down()
         if left < n:
             waiting = engine.waiting()
             retry = max(1, math.ceil(latency.mean * (waiting + n) / max(engine.max_running, 1)))
@@ -331,8 +333,15 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions, metrics: Metric
         return Sampling(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k)
 
     async def _generate(request: Request, req, ids: list[int], max_new: int, chat: bool):
-        handles = [engine.submit(ids, max_new, _sampling(req), eos_token_id=-1 if req.ignore_eos else None)
-                   for _ in range(req.n)]
+        handles = []
+        try:
+            for _ in range(req.n):
+                handles.append(engine.submit(ids, max_new, _sampling(req),
+                                             eos_token_id=-1 if req.ignore_eos else None))
+        except EngineStopped:  # the stop began while this request's body was read and checked
+            for h in handles:
+                engine.cancel(h.request_id)
+            raise _shutting_down() from None
         metrics.prompt_tokens.inc(len(ids) * req.n)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())

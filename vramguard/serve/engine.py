@@ -85,6 +85,10 @@ class StepRecord:
 STEP_HISTORY = 4096
 
 
+class EngineStopped(RuntimeError):
+    """A request reached :meth:`Engine.submit` after the engine stopped accepting (the server is stopping)."""
+
+
 class Engine:
     """Continuous batching with a planned pool. Thread model: the model runs in transformers' background thread;
     :meth:`submit`, :meth:`cancel` and :meth:`stats` are called from the asyncio loop of the server.
@@ -211,12 +215,17 @@ class Engine:
         from vramguard.errors import Infeasible
         from vramguard.units import fmt_bytes
         nums = [int(x) for x in re.findall(r"\d{4,}", str(err))]
-        seen = (f"the engine needs {fmt_bytes(nums[0])} with this pool and sees {fmt_bytes(nums[1])} available"
-                if len(nums) >= 2 else str(err))
+        p = self.pool
+        seen, fix = str(err), "lower --vram-budget (or cap the pool with --max-kv-blocks) and start again"
+        if len(nums) >= 2:
+            short = nums[0] - nums[1]
+            seen = f"the engine needs {fmt_bytes(nums[0])} with this pool and sees {fmt_bytes(nums[1])} available"
+            fewer = -(-short // max(p.page_size * p.kv_bytes_per_token, 1))
+            fix = (f"lower --vram-budget (vram_budget= in build()) by at least {fmt_bytes(short)}, or cap the pool "
+                   f"with --max-kv-blocks {max(p.num_blocks - fewer - 1, 1)}, and start again")
         self.stop()
-        return Infeasible("vram_budget", f"{self.pool.num_blocks} KV blocks planned",
-                          f"a pool the engine accepts ({seen})",
-                          "lower --vram-budget (or cap the pool with --max-kv-blocks) and start again")
+        return Infeasible("vram_budget", f"a KV pool of {p.num_blocks} blocks ({fmt_bytes(p.pool_bytes)})",
+                          f"a pool the engine accepts ({seen})", fix)
 
     def stop(self) -> None:
         """Stop the engine thread (idempotent; waits up to 10 s)."""
@@ -309,7 +318,14 @@ class Engine:
 
     def submit(self, input_ids: list[int], max_new_tokens: int, sampling: Sampling,
                eos_token_id: int | list[int] | None = None) -> Handle:
-        """Admit one request (the caller checked validity and capacity). Must be called from the event loop."""
+        """Admit one request (the caller checked validity and capacity). Must be called from the event loop.
+
+        Raises:
+            EngineStopped: the server began stopping (Ctrl-C, SIGTERM, a device error) after the request was
+                admitted: nothing was queued, and the caller answers 503.
+        """
+        if not self.accepting or self._manager is None or self.fatal_error is not None:
+            raise EngineStopped("the engine is not accepting requests (stopping or stopped)")
         rid = f"vg-{next(self._ids)}"
         h = Handle(rid, len(input_ids), max_new_tokens, asyncio.Queue())
         self.handles[rid] = h
@@ -327,7 +343,8 @@ class Engine:
                                        streaming=True, **kw)
         if ok is None:
             h.finished = True
-            raise RuntimeError("the engine is not accepting requests (stopping or stopped)")
+            self.handles.pop(rid, None)
+            raise EngineStopped("the engine is not accepting requests (stopping or stopped)")
         return h
 
     def cancel(self, request_id: str) -> None:

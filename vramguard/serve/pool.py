@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass
 
 from vramguard.errors import Infeasible
 from vramguard.memory.runtime import allocator_reserve_bytes
-from vramguard.units import MiB, fmt_gib
+from vramguard.units import MiB, fmt_bytes, fmt_gib
 
 LOGIT_ROW_BYTES_PER_VOCAB = 34
 INDEX_BYTES_PER_BATCH_TOKEN = 48
@@ -132,10 +132,11 @@ def plan_pool(spec, usable_bytes: int, *, act_bytes: int = 2, flash: bool = Fals
     blocks = max(n, 0) // page_size
     if blocks < 1:
         need = page_size * kv_tok + transient + reserve + margin
-        raise Infeasible("vram_budget", fmt_gib(usable_bytes) + " left after the weights",
-                         f"at least {fmt_gib(need)} for one {page_size}-token block beside the largest step "
-                         f"({max_batch_tokens} batch tokens, {max_requests} requests)",
-                         "raise --vram-budget, lower --max-batch-tokens / --max-running, or quantize the weights")
+        raise Infeasible("vram_budget", f"{usable_bytes:,} B left after the weights",
+                         f"at least {need:,} B ({fmt_bytes(need)}) for one {page_size}-token block beside the largest "
+                         f"step ({max_batch_tokens} batch tokens, {max_requests} requests)",
+                         f"raise --vram-budget by at least {fmt_bytes(need - usable_bytes)}, lower --max-batch-tokens "
+                         "/ --max-running, or quantize the weights")
     return PoolPlan(usable_bytes=usable_bytes, page_size=page_size, num_blocks=blocks, pool_tokens=blocks * page_size,
                     kv_bytes_per_token=kv_tok, pool_bytes=blocks * page_size * kv_tok, step_peak_bytes=transient,
                     reserve_bytes=reserve, margin_bytes=margin, max_batch_tokens=max_batch_tokens,

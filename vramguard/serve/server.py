@@ -97,7 +97,15 @@ class Served:
         return self.exit_code
 
     def start_background(self, host: str = "127.0.0.1", port: int = 0, timeout_s: float = 60) -> str:
-        """Run in a daemon thread; returns the base URL once the socket listens (``port=0`` picks a free port)."""
+        """Run in a daemon thread; returns the base URL once the socket listens (``port=0`` picks a free port):
+        ``http://host:port``, the OpenAI clients' ``base_url`` being that plus ``/v1``.
+
+        Raises:
+            RuntimeError: the server was stopped or closed (its engine does not restart): build a new one.
+        """
+        if not self.engine.running:
+            raise RuntimeError("this server was stopped or closed and its engine does not restart: call "
+                               "vramguard.serve.server.build(...) again")
         server = self._server(host, port)
         t = threading.Thread(target=self._run_quiet, daemon=True)
         t.start()
@@ -131,8 +139,8 @@ class Served:
         garbage collector and empties PyTorch's cache); the memory fraction a ``hard_cap`` build set is put
         back. For a server started in-process (a notebook, a test) that should not keep its memory after it
         stops. Returns the :class:`vramguard.load.UnloadReport` (``freed_bytes``, ``residual_bytes`` above the
-        memory allocated before loading, the largest holders), or None without ``unload_model``. The object
-        cannot serve afterwards."""
+        memory allocated before loading, the largest holders; both None on the CPU, where nothing is measured),
+        or None without ``unload_model``. The object cannot serve afterwards; closing twice does nothing more."""
         import gc
 
         import torch
