@@ -77,3 +77,15 @@ def test_multimodal_text_config(tmp_path):
     p.write_text(json.dumps(cfg))
     spec = resolve_model(str(p))
     assert spec.num_layers == 32 and any("vision" in n for n in spec.notes)
+
+
+def test_an_unknown_model_id_is_pointed_at_the_closest_catalog_architecture():
+    from vramguard.errors import UnknownModel
+    from vramguard.resolve import closest_catalog_name, resolve_model
+    assert closest_catalog_name("meta-llama/Llama-3.1-8B-Instruct") == "llama-3.1-8b"
+    assert closest_catalog_name("Qwen/Qwen2-7B-Instruct") == "qwen2-7b"
+    assert closest_catalog_name("google/gemma-2-9b-it") == "gemma-2-9b"
+    assert closest_catalog_name("someone/zzzz") is None
+    with pytest.raises(UnknownModel) as e:
+        resolve_model("nobody-here/Llama-3.1-8B-Instruct")
+    assert "such as llama-3.1-8b (the closest to" in e.value.fix

@@ -215,7 +215,8 @@ def _algorithmic_fixes(matched: str | None) -> list[str]:
     if matched and "logits" in matched:
         fixes.append("keep logits for the positions you need (logits_to_keep), or score in chunks")
     if not (matched and "eager" in matched):
-        fixes.append("use sdpa/flash attention instead of eager (eager holds batch x heads x q x k float32 scores)")
+        fixes.append("if the run uses eager attention (attn_implementation='eager', or output_attentions=True): use "
+                     "sdpa or flash attention (eager holds batch x heads x q x k float32 scores)")
     fixes += ["chunked prefill (generation_config.prefill_chunk_size), a smaller batch, or a shorter prompt",
               "vramguard plan MODEL with your settings shows the largest allocation and what fits"]
     return list(dict.fromkeys(fixes))

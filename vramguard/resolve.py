@@ -41,6 +41,19 @@ def catalog_name(name: str) -> str | None:
     return key if key in MODELS else None
 
 
+def closest_catalog_name(model: str) -> str | None:
+    """The catalog name nearest to a model id's name (``meta-llama/Llama-3.1-8B-Instruct`` -> ``llama-3.1-8b``),
+    by ``difflib`` similarity of at least 0.6 once ``-Instruct``/``-chat``/``-hf``/``-it``/``-base`` are dropped,
+    or None."""
+    import difflib
+    import re
+    tail = model.strip().rstrip("/").split("/")[-1].lower()
+    tail = re.sub(r"-(instruct|chat|hf|it|base)(?=-|$)", "", tail)  # fine-tunes keep their base's shapes
+    names = list(MODELS) + list(ALIASES)
+    hit = difflib.get_close_matches(tail, names, n=1, cutoff=0.6)
+    return ALIASES.get(hit[0], hit[0]) if hit else None
+
+
 def _from_hf_cache(model_id: str) -> Path | None:
     try:
         from huggingface_hub import try_to_load_from_cache
@@ -80,8 +93,11 @@ def resolve_model(model: str) -> ModelSpec:
             return spec_from_config(_read_json(hit, "MODEL"), name=model, source=f"hf-cache:{hit.parent}")
     if model.startswith((".", "/", "~")) or model.endswith(".json"):
         raise UnknownModel("MODEL", model, ACCEPTED_MODEL_FORMS, f"no such file or folder: {p}")
+    near = closest_catalog_name(model)
     raise UnknownModel("MODEL", model, ACCEPTED_MODEL_FORMS,
-                       "download the model first, pass its folder, or use a catalog name such as llama-2-7b")
+                       "download the model first, pass its folder, or use a catalog name such as "
+                       + (f"{near} (the closest to {model!r}: check that its shapes are your model's)" if near
+                          else "llama-2-7b (vramguard plan --list-models)"))
 
 
 def model_folder(model: str) -> Path | None:
