@@ -79,6 +79,16 @@ def concurrently(fn, n: int, timeout_s: float = 60) -> None:
         t.join(timeout=timeout_s)
 
 
+def oom_when(when):
+    """An ``vramguard.generate.OOM_INJECTOR`` raising CUDA's out-of-memory error wherever
+    ``when(phase, attempt, step)`` is true (the autouse fixture below removes it after each test)."""
+    def inject(phase, attempt, step):
+        if when(phase, attempt, step):
+            import torch
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB (injected)")
+    return inject
+
+
 @pytest.fixture(autouse=True)
 def _no_oom_injection():
     """No test leaves an out-of-memory injector behind for the next one."""

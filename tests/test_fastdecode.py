@@ -5,6 +5,7 @@ graph (the step's Python code runs once, its aten ops are replayed on the same t
 keeps Python-side state that a replay would not update. The real capture runs in the ``gpu`` tests."""
 
 import pytest
+from conftest import oom_when
 
 from vramguard import fastdecode as F
 from vramguard import generate as G
@@ -302,13 +303,8 @@ def test_generate_fast_decode_gives_the_static_strategy_tokens_and_reports_the_m
 
 
 def test_generate_fast_decode_recovers_from_oom_with_identical_tokens(model):
-    import torch
     base = G.generate(model, None, PROMPT, 16).token_ids
-
-    def inj(phase, attempt, step):
-        if attempt == 0 and phase == "decode" and step == 5:
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB (injected)")
-    G.OOM_INJECTOR = inj
+    G.OOM_INJECTOR = oom_when(lambda phase, attempt, step: attempt == 0 and phase == "decode" and step == 5)
     r = G.generate(model, None, PROMPT, 16, fast_decode=True)
     assert r.token_ids == base
     assert [(a.strategy, a.phase, a.step) for a in r.attempts] == [(G.GRAPH_STRATEGY.name, "decode", 5),

@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import save_word_tokenizer
+from conftest import oom_when, save_word_tokenizer
 
 from vramguard import generate as G
 from vramguard.errors import Infeasible
@@ -28,12 +28,7 @@ def model():
 
 
 def oom_at(attempt, phase, step=0):
-    import torch
-
-    def inj(ph, att, st):
-        if att == attempt and ph == phase and (phase == "prefill" or st == step):
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB (injected)")
-    return inj
+    return oom_when(lambda ph, att, st: att == attempt and ph == phase and (phase == "prefill" or st == step))
 
 
 def cpu_strategies():
@@ -69,12 +64,10 @@ def test_strategies_are_not_changed_by_running_them(model):
     """transformers 5.17 pops ``backend`` from a quantized cache's ``cache_config`` and adds the model's config:
     run twice, the int8 (HQQ) strategy must still be HQQ the second time (it fell back to quanto, which refuses
     8 bits, before each run got its own copy)."""
-    import torch
     before = copy.deepcopy([s.kwargs for s in G.STRATEGIES])
     n = len(cpu_strategies())
     for _ in range(2):
-        G.OOM_INJECTOR = lambda phase, attempt, step: (_ for _ in ()).throw(
-            torch.OutOfMemoryError("CUDA out of memory (injected)")) if attempt < n - 2 else None
+        G.OOM_INJECTOR = oom_when(lambda phase, attempt, step: attempt < n - 2)
         r = G.generate(model, None, PROMPT, 4)
         assert r.strategy == "int8 KV cache + chunked prefill 512"
     G.OOM_INJECTOR = None
@@ -85,17 +78,14 @@ def test_a_pinned_flash_sdpa_is_lifted_for_strategies_that_pass_a_mask(model):
     """load_model pins SDPA to the flash kernel on a GPU; that kernel takes no attention mask, which chunked prefill
     and the static/quantized/offloaded caches pass. The fallback strategies run unpinned, say so, and the pin is
     back afterwards; the plain dynamic attempt keeps it."""
-    import torch
-
     from vramguard.load import _pin_sdpa, _unpin_sdpa
     _pin_sdpa(model, "flash")
     seen = []
 
-    def inj(phase, attempt, step):
+    def first_prefill(phase, attempt, step):
         seen.append((attempt, getattr(model, "_vramguard_pin", None) is not None))
-        if attempt == 0 and phase == "prefill":
-            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
-    G.OOM_INJECTOR = inj
+        return attempt == 0 and phase == "prefill"
+    G.OOM_INJECTOR = oom_when(first_prefill)
     try:
         r = G.generate(model, None, PROMPT, 4)
     finally:
@@ -111,23 +101,15 @@ def test_a_pinned_flash_sdpa_is_lifted_for_strategies_that_pass_a_mask(model):
 def test_every_strategy_recovers_in_turn(model):
     """OOM in each strategy's own run (prefill in one, decode in the next) until the last one completes."""
     base = G.generate(model, None, PROMPT, 12).token_ids
-    import torch
     n = len(cpu_strategies())
-
-    def inj(phase, attempt, step):
-        if attempt < n - 1 and ((attempt % 2 == 0 and phase == "prefill") or (attempt % 2 == 1 and step == 3)):
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB (injected)")
-    G.OOM_INJECTOR = inj
+    G.OOM_INJECTOR = oom_when(lambda phase, attempt, step: attempt < n - 1 and (
+        (attempt % 2 == 0 and phase == "prefill") or (attempt % 2 == 1 and step == 3)))
     r = G.generate(model, None, PROMPT, 12)
     assert r.token_ids == base and len(r.attempts) == n and r.strategy == cpu_strategies()[-1].name
 
 
 def test_a_request_that_never_fits_ends_with_a_clear_error(model):
-    import torch
-
-    def always(phase, attempt, step):
-        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB (injected)")
-    G.OOM_INJECTOR = always
+    G.OOM_INJECTOR = oom_when(lambda phase, attempt, step: True)
     with pytest.raises(Infeasible) as e:
         G.generate(model, None, PROMPT, 8)
     assert "every strategy ran out of memory" in str(e.value)

@@ -3,6 +3,7 @@
 import gc
 
 import pytest
+from conftest import oom_when
 
 pytestmark = pytest.mark.gpu
 
@@ -62,8 +63,6 @@ def test_check_reports_whether_unloading_returned_the_memory(tiny):
 def test_every_strategy_recovers_on_gpu_including_offloaded_kv(tiny):
     """Issue #4 on the GPU: an OOM injected in each strategy in turn (prefill, then decode) until the last one,
     the offloaded KV cache (CUDA only), completes with the greedy tokens of an uninterrupted run (float32)."""
-    import torch
-
     from vramguard import generate as G
     from vramguard.load import load_model, unload
     folder, _ = tiny("LlamaConfig", **SMALL)
@@ -74,15 +73,9 @@ def test_every_strategy_recovers_on_gpu_including_offloaded_kv(tiny):
     order = [st for st, _ in G.strategy_order(m, len(prompt), 12)[0]]  # generate's own fallback order
     assert order[-1].name.startswith("offloaded") and "int8 KV cache + chunked prefill 512" in [s.name for s in order]
 
-    def inj(phase, attempt, step):
-        if attempt < len(order) - 1 and ((attempt % 2 == 0 and phase == "prefill") or
-                                         (attempt % 2 == 1 and step == 3)):
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB (injected)")
-    G.OOM_INJECTOR = inj
-    try:
-        r = G.generate(m, None, prompt, 12)
-    finally:
-        G.OOM_INJECTOR = None
+    G.OOM_INJECTOR = oom_when(lambda phase, attempt, step: attempt < len(order) - 1 and (
+        (attempt % 2 == 0 and phase == "prefill") or (attempt % 2 == 1 and step == 3)))
+    r = G.generate(m, None, prompt, 12)
     assert r.strategy == order[-1].name and len(r.attempts) == len(order)
     assert r.token_ids == base
     unload(loaded)
@@ -181,8 +174,6 @@ def test_every_strategy_runs_under_the_flash_pin_of_a_default_load(tiny):
     """load_model's default (verify) pins SDPA to the flash kernel, which takes no mask; chunked prefill (a prompt
     of several chunks) and the static, quantized and offloaded caches pass one. Each strategy, reached by injected
     OOMs, must complete in bf16 and say that the pin was lifted."""
-    import torch
-
     from vramguard import generate as G
     from vramguard.load import load_model, unload
     folder, _ = tiny("LlamaConfig", **SMALL)
@@ -192,12 +183,8 @@ def test_every_strategy_runs_under_the_flash_pin_of_a_default_load(tiny):
     prompt = list(range(5, 1300))  # 3 chunks of 512
     order = [st for st, _ in G.strategy_order(m, len(prompt), 8)[0]]
     for k in range(1, len(order)):
-        G.OOM_INJECTOR = lambda phase, attempt, step, k=k: (_ for _ in ()).throw(
-            torch.OutOfMemoryError("CUDA out of memory (injected)")) if attempt < k and phase == "prefill" else None
-        try:
-            r = G.generate(m, None, prompt, 8)
-        finally:
-            G.OOM_INJECTOR = None
+        G.OOM_INJECTOR = oom_when(lambda phase, attempt, step, k=k: attempt < k and phase == "prefill")
+        r = G.generate(m, None, prompt, 8)
         assert r.strategy == order[k].name and len(r.token_ids) == 8
         assert "pin to flash was lifted" in r.reason
     assert m._vramguard_pin[0] == "flash"

@@ -65,10 +65,6 @@ def _override(report: LoadReport, strict: bool, field_: str, value, accepted: st
     return new
 
 
-def _below_ampere(gpu) -> bool:
-    return gpu is not None and gpu.compute_capability is not None and tuple(gpu.compute_capability) < (8, 0)
-
-
 def _not_native(gpu) -> str:
     major, minor = gpu.compute_capability
     return f"bfloat16 is not native on compute capability {major}.{minor} ({gpu.name}); float16 is"
@@ -77,7 +73,7 @@ def _not_native(gpu) -> str:
 def older_card_quant(gpu, quant: str, report: LoadReport, strict: bool) -> str:
     """``quant`` as loaded on ``gpu``: ``bf16`` weights become ``fp16`` below compute capability 8.0, reported
     in ``report.overrides`` (or raised as InvalidValue with ``strict``); anything else as given (field case C1)."""
-    if quant == "bf16" and _below_ampere(gpu):
+    if quant == "bf16" and (gpu is not None and gpu.supports_bf16 is False):
         return _override(report, strict, "quant", quant, "fp16, fp32 or a quantization below compute capability "
                          "8.0", "fp16", _not_native(gpu))
     return quant
@@ -90,7 +86,7 @@ def choose_dtypes(gpu, quant: str, compute_dtype: str | None, dtype: str | None,
     dtype other than its activations' unless both are set apart explicitly (field case C3: the mismatch costs a
     cast per layer). A bf16 request on an older card becomes fp16, reported (or raised with ``strict``); so does
     ``quant="bf16"`` (weights in bf16), which :func:`load_model` overrides with :func:`older_card_quant`."""
-    old = _below_ampere(gpu)
+    old = gpu is not None and gpu.supports_bf16 is False
     if old:
         for name, val in (("compute_dtype", compute_dtype), ("dtype", dtype)):
             if val == "bf16":

@@ -201,7 +201,7 @@ def model_findings(spec: ModelSpec | None, ckpt: CheckpointInfo | None, s: Setti
     else:
         f.append(CheckFinding("param_dtype", "ok", param_dtype + (f" (checkpoint: {stored})" if stored else ""),
                               param_dtype_reason))
-    pre_ampere = gpu is not None and gpu.compute_capability is not None and gpu.compute_capability < (8, 0)
+    pre_ampere = gpu is not None and gpu.supports_bf16 is False
     half_name = "float16" if pre_ampere or param_dtype == "fp16" else "bfloat16"
     if s.is_4bit and spec is not None:
         compute = s.resolved_compute_dtype
