@@ -749,3 +749,51 @@ def test_a_stop_between_admission_and_submit_answers_503_not_500(folder, stream)
         assert e.handles == {}
     finally:
         s.stop()
+
+
+def test_sigterm_ends_every_accepted_stream_with_an_error_event(folder):
+    """SIGTERM with streams accepted (200 and headers sent), one generating and the rest queued: each ends with
+    the shutting_down error event and [DONE], none is cut. sse-starlette cancels open streams within 0.5 s of the
+    signal unless given a grace period; the server's drain (here held back 1.5 s) ends them itself."""
+    import asyncio
+    import json
+    import signal
+
+    from sse_starlette.sse import AppStatus
+    s = _build(folder, max_running=1, max_queue=8)
+    drain = s._drain
+
+    async def late_drain():
+        await asyncio.sleep(1.5)
+        await drain()
+    s._drain = late_drain
+    url = s.start_background()
+    _slow(s.engine, 0.02)
+    n, started, ends = 4, threading.Semaphore(0), {}
+
+    def one(i):
+        try:
+            with httpx.stream("POST", url + "/v1/completions", timeout=60, json={
+                    "model": "tiny", "prompt": [1, 2 + i], "max_tokens": 200, "ignore_eos": True, "stream": True}) as r:
+                started.release()
+                data = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+                ends[i] = (r.status_code, data[-2:])
+        except httpx.HTTPError as e:
+            ends[i] = ("cut", type(e).__name__)
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    try:
+        for t in threads:
+            t.start()
+        for _ in range(n):
+            assert started.acquire(timeout=30)  # every stream accepted: headers sent
+        s.server.handle_exit(signal.SIGTERM, None)  # what the signal handler runs
+        for t in threads:
+            t.join(timeout=60)
+    finally:
+        s.stop()
+        AppStatus.should_exit = False  # process-wide in sse-starlette: the next test's server starts clean
+    assert len(ends) == n
+    for i, end in ends.items():
+        assert end[0] == 200, (i, end)
+        last, done = end[1]
+        assert done == "[DONE]" and json.loads(last)["error"]["code"] == "shutting_down", (i, end)

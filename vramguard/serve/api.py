@@ -28,6 +28,8 @@ from vramguard.serve.engine import Engine, EngineStopped, Sampling
 from vramguard.serve.metrics import Metrics
 from vramguard.serve.schemas import ChatRequest, CompletionRequest
 
+SHUTDOWN_GRACE_S = 5.0  # seconds open requests get to end on Ctrl-C/SIGTERM (uvicorn's graceful timeout too)
+
 
 @dataclass
 class ServeOptions:
@@ -347,8 +349,10 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions, metrics: Metric
         created = int(time.time())
         stops = req.stops()
         if req.stream:
+            # on SIGTERM sse-starlette would cut every open stream at once; the server's own shutdown ends each
+            # with an error event (Served._drain), so the streams get the grace period to send it
             return EventSourceResponse(_stream(request, handles, rid, created, stops, chat, req, len(ids)),
-                                       ping=15, send_timeout=30)
+                                       ping=15, send_timeout=30, shutdown_grace_period=SHUTDOWN_GRACE_S)
         results = await asyncio.gather(*[_consume(request, h, stops) for h in handles])
         for r in results:
             if r["error"] is not None:

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 
 from vramguard.errors import InvalidValue
-from vramguard.serve.api import ServeOptions, create_app
+from vramguard.serve.api import SHUTDOWN_GRACE_S, ServeOptions, create_app
 from vramguard.serve.engine import Engine
 from vramguard.serve.metrics import Metrics
 from vramguard.serve.pool import PoolPlan, plan_pool
@@ -228,7 +228,7 @@ def make_server(app, host: str, port: int, on_listen=None, on_shutdown=None):
                 on_listen(f"http://{h}:{p}")
 
     return _Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on",
-                                  timeout_graceful_shutdown=5))
+                                  timeout_graceful_shutdown=int(SHUTDOWN_GRACE_S)))
 
 
 def build(model: str, *, vram_budget: int | None = None, max_queue: int = 64, max_running: int = 64,
