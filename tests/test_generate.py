@@ -181,6 +181,17 @@ def test_summarize_then_ask_fits_context_that_never_could(tiny):
     packed = summarize_then_ask("w5", chunks, tok, 120, summ)
     assert packed.summarized and len(calls) == len(chunks) and packed.prompt_tokens <= 120
     assert len(packed.used) == len(chunks)
+    # chunks whose summary request is longer than the model's context are refused before any generation, with a
+    # --chunk-tokens that fits (here 40 tokens of context for 48-token chunks, an instruction and their share)
+    from vramguard.errors import InvalidValue
+    calls.clear()
+    with pytest.raises(InvalidValue) as e:
+        summarize_then_ask("w5", chunks, tok, 120, summ, context_tokens=40, chunk_tokens=48)
+    assert e.value.field == "--chunk-tokens" and "fits the model's context of 40 tokens" in str(e.value)
+    fits = int(e.value.fix.split()[-1])
+    assert e.value.fix.startswith("pass --chunk-tokens") and 16 <= fits < 48 and calls == []
+    small = split_chunks("\n\n".join(" ".join(f"w{j}" for j in range(i, i + 40)) for i in range(10)), "d", tok, fits)
+    summarize_then_ask("w5", small, tok, 120, summ, context_tokens=40, chunk_tokens=fits)  # following the fix
 
 
 def test_cli_run_with_context_files(tiny, tmp_path):

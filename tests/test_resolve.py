@@ -88,4 +88,7 @@ def test_an_unknown_model_id_is_pointed_at_the_closest_catalog_architecture():
     assert closest_catalog_name("someone/zzzz") is None
     with pytest.raises(UnknownModel) as e:
         resolve_model("nobody-here/Llama-3.1-8B-Instruct")
-    assert "such as llama-3.1-8b (the closest to" in e.value.fix
+    assert "llama-3.1-8b is this architecture" in e.value.fix and "config.json" in e.value.fix
+    with pytest.raises(UnknownModel) as e:
+        resolve_model("nobody-here/Llama-3.1-8B-Extended")
+    assert "llama-3.1-8b is the closest (check that its shapes" in e.value.fix

@@ -116,17 +116,41 @@ def pack(question: str, chunks: list[Chunk], tokenizer, budget_tokens: int) -> P
     return res
 
 
+MIN_SUMMARY_TOKENS = 8  # the shortest summary worth asking for
+
+
+def summary_prompt(text: str) -> str:
+    return f"Summarize the following text.\n\n{text}\n\nSummary:"
+
+
 def summarize_then_ask(question: str, chunks: list[Chunk], tokenizer, budget_tokens: int,
-                       summarize: Callable[[str, int], str]) -> PackedContext:
+                       summarize: Callable[[str, int], str], context_tokens: int | None = None,
+                       chunk_tokens: int | None = None) -> PackedContext:
     """Summarize every chunk (``summarize(prompt, max_new_tokens) -> text``) to an equal share of the budget,
-    then pack the summaries like chunks."""
+    then pack the summaries like chunks.
+
+    Raises:
+        InvalidValue: a chunk's summary request (instruction + chunk + at least 8 new tokens) is longer than
+            ``context_tokens``, the model's context; the fix gives a ``--chunk-tokens`` that fits. Otherwise each
+            summary's share of new tokens is capped to what the context leaves after the longest request.
+    """
+    from vramguard.errors import InvalidValue
     base = _count(tokenizer, build_prompt(question, []))
     header = max((_count(tokenizer, build_prompt(question, [Chunk("", c.source, c.index, 0)])) - base
                   for c in chunks), default=0)  # the "[source #i]" line and separators of each chunk
-    share = max(8, (budget_tokens - base) // max(len(chunks), 1) - header - 2)
+    share = max(MIN_SUMMARY_TOKENS, (budget_tokens - base) // max(len(chunks), 1) - header - 2)
+    if context_tokens is not None and chunks:  # each summary request must fit the model's context
+        longest = max(_count(tokenizer, summary_prompt(c.text)) for c in chunks)
+        if longest + MIN_SUMMARY_TOKENS > context_tokens:
+            fits = max(c.tokens for c in chunks) - (longest + MIN_SUMMARY_TOKENS - context_tokens) - 1
+            raise InvalidValue("--chunk-tokens", chunk_tokens, f"chunks whose summary request (instruction, chunk "
+                               f"and at least {MIN_SUMMARY_TOKENS} new tokens) fits the model's context of "
+                               f"{context_tokens:,} tokens", f"pass --chunk-tokens {fits}" if fits >= 16 else
+                               "the context is too short to summarize even 16-token chunks: shorten the files")
+        share = min(share, context_tokens - longest)
     summaries = []
     for c in chunks:
-        text = summarize(f"Summarize the following text.\n\n{c.text}\n\nSummary:", share)
+        text = summarize(summary_prompt(c.text), share)
         summaries.append(Chunk(text.strip(), c.source, c.index, _count(tokenizer, text)))
     res = pack(question, summaries, tokenizer, budget_tokens)
     res.summarized = True
@@ -166,5 +190,10 @@ def context_prompt(model, tokenizer, question: str, files: list[str], *, chunk_t
     if summarize and len(packed.used) < len(chunks):
         def summ(p: str, n: int) -> str:
             return generate(model, tokenizer, p, n, budget_bytes=budget_bytes, auto=auto).text
-        packed = summarize_then_ask(question, chunks, tokenizer, limit, summ)
+        packed = summarize_then_ask(question, chunks, tokenizer, limit, summ,
+                                    context_tokens=getattr(model.config, "max_position_embeddings", None),
+                                    chunk_tokens=chunk_tokens)
+    elif len(packed.used) < len(chunks):
+        packed.notes.append("--summarize summarizes them first" + (
+            "; no chunk fits whole: pass a smaller --chunk-tokens" if not packed.used else ""))
     return packed, limit

@@ -297,7 +297,7 @@ def print_fit(r, console: Console | None = None) -> None:
 def print_generation_summary(r, console: Console) -> None:
     """The summary of a guarded generation (stderr): strategy and why, recoveries, peak memory, speed."""
     console.print(f"strategy: {r.strategy} - {r.reason}", highlight=False)
-    parts = [f"{len(r.token_ids)} tokens"]
+    parts = [plural(len(r.token_ids), "token")]
     if r.peak_allocated_bytes is not None:
         parts.append(f"peak allocated {fmt_bytes(r.peak_allocated_bytes)}")
     if r.ttft_s is not None:

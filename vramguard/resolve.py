@@ -41,14 +41,20 @@ def catalog_name(name: str) -> str | None:
     return key if key in MODELS else None
 
 
+def _bare_name(model: str) -> str:
+    """``meta-llama/Llama-3.1-8B-Instruct`` -> ``llama-3.1-8b``: the id's last part, lower case, without the
+    suffixes of fine-tunes (``-instruct``, ``-chat``, ``-hf``, ``-it``, ``-base``), which keep their base's shapes."""
+    import re
+    tail = model.strip().rstrip("/").split("/")[-1].lower()
+    return re.sub(r"-(instruct|chat|hf|it|base)(?=-|$)", "", tail)
+
+
 def closest_catalog_name(model: str) -> str | None:
     """The catalog name nearest to a model id's name (``meta-llama/Llama-3.1-8B-Instruct`` -> ``llama-3.1-8b``),
     by ``difflib`` similarity of at least 0.6 once ``-Instruct``/``-chat``/``-hf``/``-it``/``-base`` are dropped,
     or None."""
     import difflib
-    import re
-    tail = model.strip().rstrip("/").split("/")[-1].lower()
-    tail = re.sub(r"-(instruct|chat|hf|it|base)(?=-|$)", "", tail)  # fine-tunes keep their base's shapes
+    tail = _bare_name(model)
     names = list(MODELS) + list(ALIASES)
     hit = difflib.get_close_matches(tail, names, n=1, cutoff=0.6)
     return ALIASES.get(hit[0], hit[0]) if hit else None
@@ -94,10 +100,13 @@ def resolve_model(model: str) -> ModelSpec:
     if model.startswith((".", "/", "~")) or model.endswith(".json"):
         raise UnknownModel("MODEL", model, ACCEPTED_MODEL_FORMS, f"no such file or folder: {p}")
     near = closest_catalog_name(model)
+    same = near is not None and _bare_name(model) in (near, *[a for a, k in ALIASES.items() if k == near])
     raise UnknownModel("MODEL", model, ACCEPTED_MODEL_FORMS,
-                       "download the model first, pass its folder, or use a catalog name such as "
-                       + (f"{near} (the closest to {model!r}: check that its shapes are your model's)" if near
-                          else "llama-2-7b (vramguard plan --list-models)"))
+                       "download its config.json (all that plan needs; e.g. huggingface-cli download "
+                       f"{model} config.json), pass its folder, or use a catalog name: "
+                       + (f"{near} is this architecture" if same else
+                          f"{near} is the closest (check that its shapes are your model's)" if near
+                          else "vramguard plan --list-models"))
 
 
 def model_folder(model: str) -> Path | None:
