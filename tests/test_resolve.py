@@ -59,16 +59,25 @@ def test_bad_configs(tmp_path):
     with pytest.raises(ConfigError) as e:
         resolve_model(str(p))
     assert "decoder-only" in str(e.value)
-    p.write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
+    p.write_text(json.dumps({"model_type": "llama", "hidden_size": 0}))
     with pytest.raises(ConfigError) as e:
         resolve_model(str(p))
-    assert "num_attention_heads" in str(e.value)
+    assert "hidden_size" in str(e.value)
     cfg = {k: v for k, v in MODELS["llama-2-7b"].items() if k != "source"}
     cfg["num_key_value_heads"] = 5
     p.write_text(json.dumps(cfg))
     with pytest.raises(ConfigError) as e:
         resolve_model(str(p))
     assert "divisor" in str(e.value)
+
+
+def test_missing_fields_take_the_config_class_defaults(tmp_path):
+    """transformers fills what config.json leaves out from the config class (LlamaConfig: 32 heads, 32 layers)."""
+    pytest.importorskip("transformers")
+    p = tmp_path / "config.json"
+    p.write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
+    spec = resolve_model(str(p))
+    assert (spec.num_heads, spec.num_layers, spec.hidden_size) == (32, 32, 64)
 
 
 def test_multimodal_text_config(tmp_path):

@@ -1,8 +1,15 @@
 """ModelSpec: the architecture numbers memory depends on, read from a Hugging Face ``config.json`` dict.
 
-Only decoder-only causal LMs are modelled. Families are recognised by ``model_type``; the structure that changes
-memory (GQA, ``head_dim`` overrides, sliding-window and hybrid layers, tied embeddings, fused projections, MoE,
-extra norms) is explicit in the spec so that the memory model never special-cases a family name.
+Only decoder-only causal LMs are modelled. Eleven families have a hand-written memory model that needs no torch
+(recognised by ``model_type``); the structure that changes memory (GQA, ``head_dim`` overrides, sliding-window and
+hybrid layers, tied embeddings, fused projections, MoE, extra norms) is explicit in the spec so that the memory model
+never special-cases a family name. Any other architecture transformers can build gets a *generic* spec
+(``generic=True``): its memory is taken from transformers itself (:mod:`vramguard.introspect`).
+
+When transformers is installed, every config is first read through it (``AutoConfig``), so the config class's
+defaults apply (Gemma-2's ``tie_word_embeddings=True`` when config.json omits it, Gemma-3's ``layer_types``).
+Without it, :data:`CLASS_DEFAULTS` holds those defaults for the hand-written families (a test checks them against
+transformers).
 
 Sources for the structure of each family: the modelling files of transformers 5.x
 (``models/<family>/modeling_<family>.py``): llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, gemma, gemma2,
@@ -32,6 +39,14 @@ _FAMILIES: dict[str, dict[str, Any]] = {
 }
 SUPPORTED_MODEL_TYPES = tuple(sorted(_FAMILIES))
 
+# config-class defaults that change memory, for reading a config.json without transformers installed
+# (transformers 5: models/<family>/configuration_<family>.py; tests/test_generic.py checks them against AutoConfig)
+CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
+    "gemma": {"tie_word_embeddings": True},
+    "gemma2": {"tie_word_embeddings": True},
+    "gemma3_text": {"tie_word_embeddings": True, "sliding_window_pattern": 6},
+}
+
 _DTYPE_NAMES = {"float32": "fp32", "float": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16"}
 
 
@@ -58,6 +73,9 @@ class ModelSpec:
         checkpoint_dtype: ``fp32`` / ``bf16`` / ``fp16`` as the checkpoint stores it, ``None`` when unknown.
         prequantized: the checkpoint's own ``quantization_config.quant_method`` (``bitsandbytes``, ``gptq``...).
         source: where the config came from (``catalog``, a path, ``hf-cache:<id>``).
+        generic: memory comes from transformers itself (:mod:`vramguard.introspect`), not a hand-written model;
+            the size fields above are then the text config's, for display and the serving pool.
+        config_json: the config.json as given (canonical JSON text), for the generic path and agreement tests.
     """
 
     name: str
@@ -91,6 +109,8 @@ class ModelSpec:
     prequantized: str | None = None
     source: str = "catalog"
     notes: tuple[str, ...] = field(default=())
+    generic: bool = False
+    config_json: str | None = field(default=None, repr=False, compare=False)
 
     @property
     def gqa_groups(self) -> int:
@@ -144,28 +164,71 @@ def _layer_types(cfg: dict[str, Any], fam: dict[str, Any], n_layers: int, window
     return ("sliding_attention",) * n_layers
 
 
+def _through_transformers(cfg: dict[str, Any], name: str) -> tuple[dict[str, Any] | None, str | None]:
+    """(the language model's config as transformers builds it, as a dict; the outer model_type), or (None, why)
+    when transformers is not importable, or (None, None) when it rejects the config of a hand family."""
+    try:
+        import transformers  # noqa: F401
+    except ImportError as e:
+        return None, f"transformers is not importable ({str(e).splitlines()[0][:160]})"
+    from vramguard.introspect.build import config_from_dict, text_config
+    try:
+        full = config_from_dict(cfg, name)
+    except ConfigError as e:
+        if cfg.get("model_type") in _FAMILIES or cfg.get("text_config"):
+            return None, None  # a hand family read as config.json gives it (older transformers, odd keys)
+        raise e from None
+    text = text_config(full).to_dict()
+    text.setdefault("torch_dtype", cfg.get("torch_dtype") or cfg.get("dtype"))
+    if cfg.get("quantization_config"):
+        text["quantization_config"] = cfg["quantization_config"]
+    return text, full.model_type
+
+
 def spec_from_config(cfg: dict[str, Any], name: str = "model", source: str = "config") -> ModelSpec:
     """Build a :class:`ModelSpec` from a config.json dict.
 
-    Multimodal configs are read from their ``text_config`` (the vision tower is not modelled; a note says so).
+    A hand-written family (:data:`SUPPORTED_MODEL_TYPES`) gets its exact hand model; any other architecture that
+    the installed transformers builds gets a generic spec. Multimodal wrappers whose outer ``model_type`` is not a
+    hand family (Gemma-3's ``gemma3``) are generic, planned as ``AutoModelForCausalLM`` loads them.
 
     Raises:
-        ConfigError: an encoder-decoder or unsupported ``model_type``, or a missing / non-positive size field.
+        ConfigError: an encoder-decoder config, a ``model_type`` transformers does not know (or transformers is not
+            installed and the family has no hand model), or a missing / non-positive size field.
     """
-    notes: list[str] = []
-    if cfg.get("text_config"):
-        notes.append("multimodal config: only the language model (text_config) is planned; vision weights are not")
-        merged = dict(cfg["text_config"])
-        merged.setdefault("torch_dtype", cfg.get("torch_dtype") or cfg.get("dtype"))
-        merged.setdefault("quantization_config", cfg.get("quantization_config"))
-        cfg = merged
-    model_type = cfg.get("model_type")
+    from vramguard.introspect.keys import canonical_json
+    raw_json = canonical_json(cfg)
     if cfg.get("is_encoder_decoder"):
         raise ConfigError("config.json:is_encoder_decoder", True, "decoder-only causal LMs",
                           "vramguard plans decoder-only models (Llama, Mistral, Qwen, Gemma, Phi...)")
-    if model_type not in _FAMILIES:
-        raise ConfigError("config.json:model_type", model_type, ", ".join(SUPPORTED_MODEL_TYPES),
-                          "use a model of a supported family, or a catalog name (vramguard plan --list-models)")
+    text, outer_type = _through_transformers(cfg, name)
+    why_not = outer_type if text is None else None
+    if text is not None and outer_type not in _FAMILIES:
+        return _generic_spec(text, raw_json, name, source, outer_type)
+    notes: list[str] = []
+    if text is None:
+        if cfg.get("text_config"):
+            notes.append("multimodal config: only the language model (text_config) is planned; vision weights are "
+                         "not (install transformers to plan the whole model)")
+            merged = dict(cfg["text_config"])
+            merged.setdefault("torch_dtype", cfg.get("torch_dtype") or cfg.get("dtype"))
+            merged.setdefault("quantization_config", cfg.get("quantization_config"))
+            cfg = merged
+        model_type = cfg.get("model_type")
+        if model_type not in _FAMILIES:
+            raise ConfigError("config.json:model_type", model_type,
+                              ", ".join(SUPPORTED_MODEL_TYPES) + " without transformers; any causal LM with it",
+                              (f"{why_not}: " if why_not else "") + "install transformers to plan any architecture "
+                              "it can load (pip install 'vramguard[gpu]'), or use a catalog name "
+                              "(vramguard plan --list-models)")
+        cfg = {**CLASS_DEFAULTS.get(model_type, {}), **cfg}
+    else:
+        cfg = text
+    return _hand_spec(cfg, name, source, notes, raw_json)
+
+
+def _hand_spec(cfg: dict[str, Any], name: str, source: str, notes: list[str], raw_json: str) -> ModelSpec:
+    model_type = cfg.get("model_type")
     fam = _FAMILIES[model_type]
     hidden = _pos_int(_req(cfg, "hidden_size", name), "hidden_size", name)
     heads = _pos_int(_req(cfg, "num_attention_heads", name), "num_attention_heads", name)
@@ -209,5 +272,53 @@ def spec_from_config(cfg: dict[str, Any], name: str = "model", source: str = "co
         final_logit_softcapping=cfg.get("final_logit_softcapping"),
         checkpoint_dtype=_DTYPE_NAMES.get(str(dtype_name)) if dtype_name else None,
         prequantized=qcfg.get("quant_method") if isinstance(qcfg, dict) else None,
-        source=source, notes=tuple(notes),
+        source=source, notes=tuple(notes), config_json=raw_json,
     )
+
+
+def _first_int(cfg: dict[str, Any], *keys: str) -> int | None:
+    for k in keys:
+        v = cfg.get(k)
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            return v
+    return None
+
+
+def _generic_spec(text: dict[str, Any], raw_json: str, name: str, source: str, outer_type: str | None) -> ModelSpec:
+    """A spec whose memory comes from transformers (:mod:`vramguard.introspect`); the size fields are the text
+    config's where it has them (attribute names differ by family: ``n_embd``, ``n_head``...), for display."""
+    hidden = _first_int(text, "hidden_size", "n_embd", "d_model") or 1
+    heads = _first_int(text, "num_attention_heads", "n_head", "num_heads") or 1
+    kv_heads = _first_int(text, "num_key_value_heads", "num_kv_heads", "multi_query_group_num") or heads
+    if text.get("multi_query") is True and not text.get("num_kv_heads"):
+        kv_heads = 1
+    layers = _first_int(text, "num_hidden_layers", "n_layer", "num_layers") or 1
+    ctx = _first_int(text, "max_position_embeddings", "n_positions", "seq_length", "max_seq_len")
+    notes = [f"{outer_type or text.get('model_type')}: planned from transformers' own model (meta-device module "
+             "tree, quantizer rules, a replay of the forward), not a hand-written model"]
+    if outer_type and text.get("model_type") and outer_type != text.get("model_type"):
+        notes.append(f"multimodal config ({outer_type}): the whole model AutoModelForCausalLM loads is planned, its "
+                     "vision tower included; sizes shown are the language model's")
+    if ctx is None:
+        ctx = 131072
+        notes.append("the config sets no context length (ALiBi or similar): prompts up to 131,072 tokens are planned")
+    window = text.get("sliding_window") if isinstance(text.get("sliding_window"), int) else None
+    lt = text.get("layer_types")
+    layer_types = tuple(str(t) for t in lt) if isinstance(lt, list) and len(lt) == layers else \
+        ("full_attention",) * layers
+    dtype_name = text.get("torch_dtype") or text.get("dtype")
+    qcfg = text.get("quantization_config") or {}
+    n_experts = _first_int(text, "num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts") or 0
+    return ModelSpec(
+        name=name, model_type=outer_type or str(text.get("model_type")), hidden_size=hidden,
+        intermediate_size=_first_int(text, "intermediate_size", "n_inner", "ffn_hidden_size") or 4 * hidden,
+        num_layers=layers, num_heads=heads, num_kv_heads=kv_heads if heads % kv_heads == 0 else heads,
+        head_dim=_first_int(text, "head_dim") or max(hidden // heads, 1),
+        vocab_size=_first_int(text, "vocab_size", "padded_vocab_size") or 1, max_position_embeddings=ctx,
+        tie_word_embeddings=bool(text.get("tie_word_embeddings", False)), layer_types=layer_types,
+        sliding_window=window if any("sliding" in t for t in layer_types) else None,
+        num_experts=n_experts, num_experts_per_tok=_first_int(text, "num_experts_per_tok", "moe_topk") or 0,
+        moe_intermediate_size=_first_int(text, "moe_intermediate_size") or 0,
+        checkpoint_dtype=_DTYPE_NAMES.get(str(dtype_name)) if dtype_name else None,
+        prequantized=qcfg.get("quant_method") if isinstance(qcfg, dict) else None,
+        source=source, notes=tuple(notes), generic=True, config_json=raw_json)

@@ -59,6 +59,13 @@ def logits_bytes(spec: ModelSpec, sequences: int, positions: int, act_dtype: str
     return n * DTYPE_BYTES[act_dtype], n * 4
 
 
+def sdpa_runs_math(s: Settings) -> bool:
+    """SDPA runs its math kernel (float32 scores): pinned to math, or float32 activations with a pinned flash or
+    cuDNN kernel (both need 16-bit inputs). Otherwise a flash-class kernel runs (memory-efficient accepts float32
+    and masks)."""
+    return s.sdpa_kernel == "math" or (s.act_dtype == "fp32" and s.sdpa_kernel in ("flash", "cudnn"))
+
+
 def eager_bytes_per_score(act_dtype: str) -> int:
     """Peak bytes per attention score in eager attention (see the module docstring)."""
     return {"bf16": 10, "fp16": 8, "fp32": 8}[act_dtype]
@@ -238,7 +245,7 @@ class _Forward:
         if spec.gqa_groups > 1 and masked:  # use_gqa_in_sdpa needs mask None (transformers 5.17)
             t.alloc("repeat_kv", repeat, "attention")
         t.alloc("sdpa_out", q, "activations")
-        if s.sdpa_kernel == "math" or (s.act_dtype == "fp32" and s.sdpa_kernel in ("flash", "cudnn")):
+        if sdpa_runs_math(s):
             qkv32 = (seqs * self.chunk * nh * d + 2 * seqs * self.keys * nh * d) * 4
             t.transient("sdpa_math", attention=qkv32 + scores * 8)
         else:
@@ -284,8 +291,8 @@ class _Forward:
         t.alloc("final_hidden", x, "activations")
         t.alloc("expert_mask", rows * k * (e + 1) * 8, "activations")
         n_e = min(rows, -(-2 * rows * k // e))
-        t.transient("expert", activations=n_e * (h + 4 * inter + h) * self.sz,
-                    dequant=(2 * inter * h * self.cz) if self.s.is_4bit and n_e > 1 else 0)
+        # transformers 5's fused experts are not quantized by bitsandbytes: no dequantized copy
+        t.transient("expert", activations=n_e * (h + 4 * inter + h) * self.sz)
         if spec.shared_expert_intermediate_size:
             t.transient("shared_expert", activations=rows * 4 * spec.shared_expert_intermediate_size * self.sz)
         t.free("expert_mask")
@@ -304,8 +311,12 @@ class _Forward:
 def forward_peak(spec: ModelSpec, s: Settings, past: int, chunk: int, phase: str = "prefill") -> ForwardPeak:
     """Peak bytes above the weights of one forward of ``chunk`` tokens per sequence after ``past`` cached ones.
 
-    Raises nothing for valid inputs; ``past >= 0``, ``chunk >= 1``.
+    Raises nothing for valid inputs; ``past >= 0``, ``chunk >= 1``. A generic spec (any architecture) is answered
+    by a replay of transformers' own forward (:func:`vramguard.introspect.generic.forward_peak`).
     """
+    if spec.generic:
+        from vramguard.introspect.generic import forward_peak as generic_peak
+        return generic_peak(spec, s, past, chunk, phase)
     return _Forward(spec, s, past, chunk, phase).run()
 
 

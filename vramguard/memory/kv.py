@@ -82,8 +82,12 @@ def kv_cache_bytes(spec: ModelSpec, s: Settings, n_tokens: int, in_prefill_chunk
     """KV cache of all layers after ``n_tokens`` tokens (keys and values, all sequences).
 
     Example (C6: Llama-3.1-70B, 131,072 tokens, bf16): 80 layers x 2 x 8 heads x 131,072 x 128 x 2 B
-    = 42,949,672,960 B = 40.00 GiB.
+    = 42,949,672,960 B = 40.00 GiB. A generic spec (any architecture) is answered by the tensors of the cache
+    transformers creates (:func:`vramguard.introspect.generic.kv_cache_bytes`).
     """
+    if spec.generic:
+        from vramguard.introspect.generic import kv_cache_bytes as generic_kv
+        return generic_kv(spec, s, n_tokens, in_prefill_chunk)
     full = sliding = 0
     per_layer: list[int] = []
     for lt in spec.layer_types:
@@ -103,7 +107,11 @@ def kv_cache_bytes(spec: ModelSpec, s: Settings, n_tokens: int, in_prefill_chunk
 
 
 def kv_bytes_per_token(spec: ModelSpec, s: Settings) -> int:
-    """Bytes one more token adds to the cache over all full-attention layers (the steady decode growth)."""
+    """Bytes one more token adds to the cache over all full-attention layers (the steady decode growth); for a
+    generic spec, the growth at the run's length measured on transformers' cache."""
+    if spec.generic:
+        from vramguard.introspect.generic import kv_bytes_per_token as generic_growth
+        return generic_growth(spec, s)
     n_full = sum(1 for t in spec.layer_types if t != "sliding_attention")
     values = 2 * n_full * s.sequences * spec.num_kv_heads * spec.head_dim
     kv = s.resolved_kv_dtype

@@ -12,7 +12,8 @@ bitsandbytes layouts (bitsandbytes 0.4x-0.50, ``functional.quantize_4bit`` / ``I
 * 8-bit (LLM.int8): one int8 per weight plus one float32 scale per output row (``SCB``).
 
 transformers keeps ``lm_head`` (and so tied embeddings) unquantized (``get_keys_to_not_convert``); embeddings
-and norms are not ``nn.Linear`` and stay in the model dtype. MoE routers stay unquantized.
+and norms are not ``nn.Linear`` and stay in the model dtype. MoE routers and the fused 3-D expert parameters of
+transformers 5 (``MixtralExperts.gate_up_proj``...) are not ``nn.Linear`` either and stay unquantized.
 """
 
 from __future__ import annotations
@@ -49,7 +50,14 @@ class LinearGroup:
 
 
 def linear_groups(spec: ModelSpec) -> list[LinearGroup]:
-    """All projection matrices of the model, grouped by shape (decoder layers, experts and lm_head)."""
+    """All projection matrices of the model, grouped by shape (decoder layers, experts and lm_head).
+
+    A generic spec (any architecture) answers from transformers' own module tree
+    (:func:`vramguard.introspect.generic.linear_groups`).
+    """
+    if spec.generic:
+        from vramguard.introspect.generic import linear_groups as generic_groups
+        return generic_groups(spec)
     h, nh, nkv, d, n = spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.num_layers
     g: list[LinearGroup] = []
     if spec.fused_qkv:
@@ -61,8 +69,8 @@ def linear_groups(spec: ModelSpec) -> list[LinearGroup]:
     g.append(LinearGroup("o_proj", h, nh * d, n, spec.o_bias))
     if spec.is_moe:
         i = spec.moe_intermediate_size
-        g += [LinearGroup("experts.gate_up", 2 * i, h, n * spec.num_experts),
-              LinearGroup("experts.down", h, i, n * spec.num_experts),
+        g += [LinearGroup("experts.gate_up", 2 * i, h, n * spec.num_experts, quantizable=False),
+              LinearGroup("experts.down", h, i, n * spec.num_experts, quantizable=False),
               LinearGroup("router", spec.num_experts, h, n, quantizable=False)]
         if spec.shared_expert_intermediate_size:
             si = spec.shared_expert_intermediate_size
@@ -119,7 +127,8 @@ class WeightBytes:
     """Weight memory on the GPU, by component (bytes).
 
     ``total_bytes = quantized_linear_bytes + quant_state_bytes + dense_linear_bytes + embedding_bytes
-    + lm_head_bytes + norm_bytes + bias_bytes``.
+    + lm_head_bytes + norm_bytes + bias_bytes + buffer_bytes``. ``buffer_bytes``: registered buffers (rotary
+    ``inv_freq``...), counted by the generic path only (a few KiB).
     """
 
     quantized_linear_bytes: int
@@ -131,11 +140,12 @@ class WeightBytes:
     bias_bytes: int
     parameter_count: int
     quantized_parameter_count: int
+    buffer_bytes: int = 0
 
     @property
     def total_bytes(self) -> int:
         return (self.quantized_linear_bytes + self.quant_state_bytes + self.dense_linear_bytes
-                + self.embedding_bytes + self.lm_head_bytes + self.norm_bytes + self.bias_bytes)
+                + self.embedding_bytes + self.lm_head_bytes + self.norm_bytes + self.bias_bytes + self.buffer_bytes)
 
 
 def weight_bytes(spec: ModelSpec, s: Settings) -> WeightBytes:
@@ -145,8 +155,15 @@ def weight_bytes(spec: ModelSpec, s: Settings) -> WeightBytes:
     Example (Llama-2-7B, NF4 + double quant, bf16): 224 quantized matrices with 6,476,005,376 weights ->
     3,238,002,688 B packed + 107,868,160 B state; embeddings and lm_head 2 x 32,000 x 4,096 x 2 =
     524,288,000 B; norms (2 x 32 + 1) x 4,096 x 2 = 532,480 B (each rounded to 512 B) -> 3,870,691,328 B.
-    Measured after load on an H200: 3,876,562,944 B (shared/reference).
+    Measured after load on an H200: 3,876,562,944 B (benchmarks/results).
+
+    transformers 5 stores MoE experts as fused 3-D parameters, which bitsandbytes does not convert: they stay in
+    ``s.act_dtype`` (``integrations/bitsandbytes.py::replace_with_bnb_linear`` swaps ``nn.Linear`` only). A
+    generic spec answers from transformers itself (:func:`vramguard.introspect.generic.weight_bytes`).
     """
+    if spec.generic:
+        from vramguard.introspect.generic import weight_bytes as generic_weights
+        return generic_weights(spec, s)
     dt = DTYPE_BYTES[s.act_dtype]
     q_lin = q_state = dense = bias = n_q = 0
     lm_head = 0

@@ -1,0 +1,162 @@
+"""The generic planner: any architecture transformers builds, with weights, KV cache and peaks taken from
+transformers itself, checked against real tiny models loaded, quantized and run on the CPU."""
+
+import json
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from archs import ARCHS, save_arch  # noqa: E402
+
+from vramguard.memory.weights import rounded, weight_bytes  # noqa: E402
+from vramguard.memory.kv import kv_cache_bytes  # noqa: E402
+from vramguard.resolve import resolve_model  # noqa: E402
+from vramguard.settings import Settings  # noqa: E402
+
+TYPES = sorted(ARCHS)
+
+
+@pytest.fixture(scope="module")
+def arch_dir(tmp_path_factory):
+    made = {}
+
+    def get(model_type):
+        if model_type not in made:
+            folder = tmp_path_factory.mktemp(model_type)
+            save_arch(folder, model_type)
+            made[model_type] = folder
+        return made[model_type]
+    return get
+
+
+def _param_bytes(model) -> int:
+    """Bytes of every parameter the loaded model holds (tied ones once), each rounded to 512 B, with the
+    bitsandbytes quantization state of 4-bit layers."""
+    total = 0
+    for p in model.parameters():
+        total += rounded(p.numel() * p.element_size())
+        qs = getattr(p, "quant_state", None)
+        if qs is not None:
+            ts = [qs.absmax, qs.code] + ([qs.offset, qs.state2.absmax, qs.state2.code] if qs.nested else [])
+            total += sum(rounded(t.numel() * t.element_size()) for t in ts)
+        scb = getattr(p, "SCB", None)
+        if scb is not None:
+            total += rounded(scb.numel() * scb.element_size())
+    return total
+
+
+def test_twelve_or_more_architectures_outside_the_families():
+    from vramguard.spec import SUPPORTED_MODEL_TYPES
+    assert len(set(TYPES) - set(SUPPORTED_MODEL_TYPES)) >= 12
+
+
+@pytest.mark.parametrize("model_type", TYPES)
+def test_bf16_weights_equal_the_loaded_parameters(arch_dir, model_type):
+    from transformers import AutoModelForCausalLM
+    folder = arch_dir(model_type)
+    spec = resolve_model(str(folder))
+    assert spec.generic and spec.model_type == model_type
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
+    w = weight_bytes(spec, Settings(quant="bf16"))
+    assert w.total_bytes - w.buffer_bytes == _param_bytes(model)
+    assert w.parameter_count == model.num_parameters()
+
+
+@pytest.mark.parametrize("model_type", TYPES)
+def test_nf4_weights_equal_what_bitsandbytes_keeps(arch_dir, model_type):
+    """Loaded through transformers' bitsandbytes quantizer on the CPU: every packed weight, its quantization state
+    and every tensor left in 16-bit (fused MoE experts among them)."""
+    pytest.importorskip("bitsandbytes")
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+    folder = arch_dir(model_type)
+    q = AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch.bfloat16, device_map="cpu",
+        quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                               bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.bfloat16))
+    w = weight_bytes(resolve_model(str(folder)), Settings(quant="nf4"))
+    assert w.total_bytes - w.buffer_bytes == _param_bytes(q)
+
+
+@pytest.mark.parametrize("model_type", TYPES)
+def test_kv_equals_the_cache_after_a_real_generate(arch_dir, model_type):
+    """Planned KV after prompt + new - 1 tokens (the last sampled token is never fed back) equals every tensor of
+    the cache ``generate`` returns: full, sliding, chunked, MLA latent, linear-attention and Mamba states."""
+    from transformers import AutoModelForCausalLM
+    from vramguard.introspect.replay import cache_tensors
+    folder = arch_dir(model_type)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
+    prompt, new = 40, 6
+    ids = torch.randint(3, 200, (1, prompt))
+    out = model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                         return_dict_in_generate=True)
+    real = sum(rounded(t.numel() * t.element_size()) for _, _, t in cache_tensors(out.past_key_values))
+    spec = resolve_model(str(folder))
+    s = Settings(quant="bf16", prompt_tokens=prompt, max_new_tokens=new)
+    assert kv_cache_bytes(spec, s, prompt + new - 1).gpu_bytes == real
+
+
+def test_generic_replay_agrees_with_the_hand_model_on_llama():
+    """The hand-written Llama model and the replay of transformers' own forward (the source of truth) agree within
+    1% on the prefill and decode peaks, for eager, SDPA and FlashAttention-2."""
+    from dataclasses import replace
+
+    from vramguard.memory.forward import decode_peak, prefill_peak
+    hand = resolve_model("llama-3.1-8b")
+    gen = replace(hand, generic=True)
+    for attn in ("eager", "sdpa", "flash_attention_2"):
+        s = Settings(quant="bf16", attn=attn, prompt_tokens=4096, max_new_tokens=64)
+        for fn in (prefill_peak, decode_peak):
+            h, g = fn(hand, s).peak_bytes, fn(gen, s).peak_bytes
+            assert abs(g - h) / g < 0.01, (attn, fn.__name__, h, g)
+
+
+def test_mixtral_nf4_keeps_the_fused_experts_in_bf16():
+    """transformers 5 + bitsandbytes keep Mixtral-8x7B's fused experts in bf16: 91,413,880,832 B measured on an
+    H200 (transformers 5.17, bitsandbytes 0.50.2); both the hand model and transformers' quantizer say so."""
+    from dataclasses import replace
+    hand = resolve_model("mixtral-8x7b")
+    assert weight_bytes(hand, Settings(quant="nf4")).total_bytes == 91_413_880_832
+    gen = weight_bytes(replace(hand, generic=True), Settings(quant="nf4"))
+    assert gen.total_bytes - gen.buffer_bytes == 91_413_880_832
+
+
+def test_gemma2_without_tie_word_embeddings_is_tied_by_the_class_default(tmp_path):
+    cfg = {"model_type": "gemma2", "hidden_size": 3584, "intermediate_size": 14336, "num_hidden_layers": 42,
+           "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 256, "vocab_size": 256000,
+           "max_position_embeddings": 8192, "sliding_window": 4096, "torch_dtype": "bfloat16"}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    spec = resolve_model(str(tmp_path))
+    assert spec.tie_word_embeddings
+    assert weight_bytes(spec, Settings(quant="bf16")).lm_head_bytes == 0
+
+
+def test_class_defaults_table_matches_transformers():
+    from transformers import AutoConfig
+
+    from vramguard.spec import CLASS_DEFAULTS
+    for model_type, defaults in CLASS_DEFAULTS.items():
+        cfg = AutoConfig.for_model(model_type)
+        for key, value in defaults.items():
+            if key == "sliding_window_pattern":  # transformers 5 derives layer_types from it
+                n = cfg.num_hidden_layers
+                assert list(cfg.layer_types) == ["full_attention" if (i + 1) % value == 0 else "sliding_attention"
+                                                 for i in range(n)], model_type
+                continue
+            assert getattr(cfg, key) == value, (model_type, key)
+
+
+@pytest.mark.parametrize("model_type", ["gpt2", "qwen3_next", "deepseek_v2"])
+def test_run_generates_on_architectures_outside_the_families(tmp_path, model_type):
+    """``generate`` (the library side of ``vramguard run``) loads and runs a classic (GPT-2), a hybrid
+    linear-attention MoE (Qwen3-Next) and an MLA model (DeepSeek-V2), its preflight planned by the generic path."""
+    from conftest import save_word_tokenizer
+
+    from vramguard import load_model
+    from vramguard.generate import generate
+    save_arch(tmp_path, model_type)
+    save_word_tokenizer(tmp_path, 256)
+    model, tok, report = load_model(str(tmp_path), quant="bf16")
+    r = generate(model, tok, "w1 w2 w3 w4", max_new_tokens=5)
+    assert len(r.token_ids) == 5 and r.planned_need_bytes and r.planned_need_bytes > 0

@@ -1,0 +1,221 @@
+"""The planner's memory functions for any architecture, answered by transformers itself: weights from the meta-device
+module tree and the quantizer's rules (:mod:`vramguard.introspect.build`), forward peaks and KV cache from a replay
+of the real forward (:mod:`vramguard.introspect.replay`). Same return types as the hand-written family models in
+:mod:`vramguard.memory`, which call into this module for a :class:`~vramguard.spec.ModelSpec` with ``generic=True``.
+
+Two cache variants are not replayed but derived from the replayed 16-bit cache, by the same rules as the hand
+models (:mod:`vramguard.memory.kv`): a quantized cache (int8/int4, transformers ``QuantizedCache``) stores each
+attention K/V tensor in the quantized format; an offloaded cache keeps the two largest layers on the GPU.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from vramguard.memory.forward import ForwardPeak
+from vramguard.memory.kv import KvBytes, SCALE_ZERO_BYTES
+from vramguard.memory.weights import LinearGroup, WeightBytes, quantized_tensor_bytes, rounded
+from vramguard.settings import DTYPE_BYTES, KV_BITS, Settings
+
+
+def _config(spec):
+    from vramguard.introspect.build import cached_config
+    if not spec.config_json:
+        from vramguard.errors import ConfigError
+        raise ConfigError("model", spec.name, "a model with its config.json",
+                          "plan a model folder, a config.json or a catalog name")
+    return cached_config(spec.config_json, spec.name)
+
+
+def _text(spec):
+    from vramguard.introspect.build import text_config
+    return text_config(_config(spec))
+
+
+# ---- weights ------------------------------------------------------------------------------------------------------
+@lru_cache(maxsize=32)
+def _structure(config_json: str, name: str, dtype: str, quant: str, double_quant: bool, compute: str):
+    from vramguard.introspect.build import cached_config, structure
+    return structure(cached_config(config_json, name), dtype, quant, double_quant, compute)
+
+
+def structure_of(spec, s: Settings):
+    """The :class:`~vramguard.introspect.build.Structure` transformers loads for ``spec`` with ``s``."""
+    return _structure(spec.config_json, spec.name, s.act_dtype, s.quant if s.is_bnb else s.weight_dtype,
+                      s.double_quant, s.resolved_compute_dtype)
+
+
+def weight_bytes(spec, s: Settings) -> WeightBytes:
+    """Weight memory of the model transformers builds, every tensor rounded to 512 B as the allocator holds it.
+
+    Quantized layers take the bitsandbytes layout of :func:`vramguard.memory.weights.quantized_tensor_bytes`;
+    every other parameter the dtype the meta model gives it (``s.act_dtype``, float32 where transformers keeps a
+    module in float32). Buffers (rotary ``inv_freq``...) are ``buffer_bytes``.
+    """
+    st = structure_of(spec, s)
+    q_lin = q_state = dense = embed = lm_head = norms = bias = buffers = n_q = n_params = 0
+    embed_names = _embedding_names(spec)
+    for t in st.tensors:
+        if t.kind == "buffer":
+            buffers += rounded(t.nbytes)
+            continue
+        n_params += t.numel
+        if t.kind == "quantized":
+            w, state = quantized_tensor_bytes(t.numel, t.dtype, s.double_quant, t.out_features)
+            q_lin += w
+            q_state += state
+            n_q += t.numel
+            continue
+        nbytes = rounded(t.nbytes)
+        if t.name in embed_names["output"]:
+            lm_head += nbytes
+        elif t.name in embed_names["input"]:
+            embed += nbytes
+        elif t.name.endswith("bias"):
+            bias += nbytes
+        elif len(t.shape) == 1:
+            norms += nbytes
+        else:
+            dense += nbytes
+    return WeightBytes(q_lin, q_state, dense, embed, lm_head, norms, bias, n_params, n_q, buffers)
+
+
+@lru_cache(maxsize=32)
+def _embedding_names_cached(config_json: str, name: str) -> dict[str, frozenset[str]]:
+    from vramguard.introspect.build import cached_config, meta_model
+    model = meta_model(cached_config(config_json, name), "bf16")
+    out_mod, in_mod = model.get_output_embeddings(), model.get_input_embeddings()
+    names = {"input": set(), "output": set()}
+    for n, m in model.named_modules():
+        if out_mod is not None and m is out_mod:
+            names["output"] |= {f"{n}.{p}" for p, _ in m.named_parameters()}
+        if in_mod is not None and m is in_mod:
+            names["input"] |= {f"{n}.{p}" for p, _ in m.named_parameters()}
+    names["output"] -= names["input"]  # tied: counted once, as the embedding
+    return {k: frozenset(v) for k, v in names.items()}
+
+
+def _embedding_names(spec) -> dict[str, frozenset[str]]:
+    return _embedding_names_cached(spec.config_json, spec.name)
+
+
+def linear_groups(spec, s: Settings | None = None) -> list[LinearGroup]:
+    """The layers the quantizer converts (one group per shape), and the output embedding, for findings."""
+    s = s or Settings()
+    st = structure_of(spec, s if s.is_bnb else s.with_(quant="nf4"))
+    shapes: dict[tuple[int, int], int] = {}
+    for t in st.tensors:
+        if t.kind == "quantized":
+            shapes[t.shape] = shapes.get(t.shape, 0) + 1
+    return [LinearGroup(f"linear {o}x{i}", o, i, n) for (o, i), n in sorted(shapes.items())]
+
+
+# ---- the forward ------------------------------------------------------------------------------------------------
+@lru_cache(maxsize=8)
+def _replay_model(config_json: str, name: str, dtype: str, attn: str, sdpa_kernel: str):
+    from vramguard.introspect.build import cached_config
+    from vramguard.introspect.replay import replay_model
+    s = Settings(quant="bf16", dtype=dtype if dtype != "bf16" else None, attn=attn if attn != "eager" else "eager",
+                 sdpa_kernel=sdpa_kernel)
+    return replay_model(cached_config(config_json, name), s)
+
+
+@lru_cache(maxsize=512)
+def _replayed(config_json: str, name: str, s: Settings, past: int, chunk: int):
+    from vramguard.introspect.build import cached_config, text_config
+    from vramguard.introspect.replay import replay
+    model, _note = _replay_model(config_json, name, s.act_dtype, s.effective_attn, s.sdpa_kernel)
+    quantized = set(_structure(config_json, name, s.act_dtype, s.quant, s.double_quant,
+                               s.resolved_compute_dtype).quantized_modules) if s.is_bnb else set()
+    cfg = text_config(cached_config(config_json, name))
+    return replay(model, cfg, s, past, chunk, quantized)
+
+
+def replayed(spec, s: Settings, past: int, chunk: int):
+    """The replay of one forward, memoized on the settings it depends on (a quantized or offloaded cache is
+    replayed as the dynamic 16-bit cache it is derived from; lengths other than a static cache's are arguments)."""
+    same = {"batch": s.sequences, "num_beams": 1, "num_return_sequences": 1, "do_sample": False,
+            "prefill_chunk": None, "max_cache_len": None, "kv_dtype": None}
+    if s.cache == "static":
+        canonical = s.with_(prompt_tokens=1, max_new_tokens=s.cache_len - 1, **same)
+    else:
+        canonical = s.with_(prompt_tokens=1, max_new_tokens=0, cache="dynamic", **same)
+    return _replayed(spec.config_json, spec.name, canonical, past, chunk)
+
+
+def replay_note(spec, s: Settings) -> str | None:
+    """What the replay substituted for ``s`` (an attention implementation transformers refuses), or None."""
+    return _replay_model(spec.config_json, spec.name, s.act_dtype, s.effective_attn, s.sdpa_kernel)[1]
+
+
+def _quantized_kv(r, s: Settings) -> tuple[int, int]:
+    """(bytes of the cache in ``s``'s quantized format, bytes of its largest layer in 16-bit), from the replayed
+    16-bit attention K/V tensors (4-D, tokens on dim -2); other cache tensors are kept as they are."""
+    total = largest16 = 0
+    per_layer: dict[int, int] = {}
+    bits = KV_BITS[s.resolved_kv_dtype]
+    for layer, _attr, shape, dtype in r.cache_tensors:
+        numel = 1
+        for d in shape:
+            numel *= d
+        elem = DTYPE_BYTES.get({"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(dtype, "bf16"), 2)
+        per_layer[layer] = per_layer.get(layer, 0) + rounded(numel * elem)
+        if len(shape) != 4:
+            total += rounded(numel * elem)
+            continue
+        tokens = shape[-2]
+        resid = min(tokens, s.kv_residual_length)
+        per_tok = numel // max(tokens, 1)
+        quant = (tokens - resid) * per_tok
+        total += rounded(-(-quant * bits // 8)) + rounded(-(-quant // s.kv_group_size) * SCALE_ZERO_BYTES) \
+            + rounded(resid * per_tok * elem)
+    largest16 = max(per_layer.values(), default=0)
+    return total, largest16
+
+
+def forward_peak(spec, s: Settings, past: int, chunk: int, phase: str = "prefill") -> ForwardPeak:
+    """Peak bytes above the weights of one forward (see the module docstring), as
+    :func:`vramguard.memory.forward.forward_peak`."""
+    r = replayed(spec, s, past, chunk)
+    comps = dict(r.components)
+    peak = r.peak_bytes
+    kv16 = comps.get("kv_cache", 0)
+    if s.resolved_kv_dtype in ("int8", "int4"):
+        q, largest16 = _quantized_kv(r, s)
+        extra = 4 * largest16 // 2 if past else 0  # QuantizedLayer.update: dequantized K, V and their concatenation
+        comps["kv_cache"] = q + extra
+        peak += q + extra - kv16
+    elif s.cache == "offloaded":
+        on_gpu = sum(sorted(r.cache_bytes)[-2:])
+        comps["kv_cache"] = min(on_gpu, kv16)
+        peak += comps["kv_cache"] - kv16
+    return ForwardPeak(phase, past, chunk, peak, {k: v for k, v in comps.items() if v}, r.at, r.largest_alloc)
+
+
+def kv_cache_bytes(spec, s: Settings, n_tokens: int, in_prefill_chunk: int = 0) -> KvBytes:
+    """The cache transformers holds after ``n_tokens`` (every tensor of the cache object, allocator-rounded)."""
+    r = replayed(spec, s, max(n_tokens - 1, 0), 1) if n_tokens > 1 else replayed(spec, s, 0, 1)
+    per_layer = list(r.cache_bytes)
+    total = sum(per_layer)
+    if s.resolved_kv_dtype in ("int8", "int4"):
+        total, _ = _quantized_kv(r, s)
+    largest = max(per_layer, default=0) // 2
+    full = sum(b for b, t in zip(per_layer, _layer_kinds(spec, len(per_layer))) if t != "sliding_attention")
+    sliding = total - full if s.resolved_kv_dtype not in ("int8", "int4") else 0
+    if s.cache == "offloaded":
+        return KvBytes(sum(sorted(per_layer)[-2:]), total, full, sliding, n_tokens, largest)
+    return KvBytes(total, 0, full if sliding else total, sliding, n_tokens, largest)
+
+
+def _layer_kinds(spec, n: int) -> tuple[str, ...]:
+    return tuple(spec.layer_types) + ("full_attention",) * max(n - len(spec.layer_types), 0)
+
+
+def kv_bytes_per_token(spec, s: Settings) -> int:
+    """Bytes one more token adds to the cache at the run's length (``kv(total) - kv(total - 1)``)."""
+    n = s.total_tokens
+    if n < 2:
+        return kv_cache_bytes(spec, s, 2).gpu_bytes - kv_cache_bytes(spec, s, 1).gpu_bytes
+    a = kv_cache_bytes(spec, s, n)
+    b = kv_cache_bytes(spec, s, n - 1)
+    return max((a.gpu_bytes + a.cpu_bytes) - (b.gpu_bytes + b.cpu_bytes), 0)

@@ -1,0 +1,306 @@
+"""A replay of one real transformers forward on the meta device: the prefill and decode peaks and the KV cache of any
+architecture, with no GPU and no memory.
+
+The model's own ``forward`` runs on meta tensors under :class:`~vramguard.introspect.tracker.StorageTracker`, with
+the cache transformers creates for it (``DynamicCache(config=...)`` with its sliding-window, chunked, linear-attention
+or recurrent layers, or ``StaticCache``), so every activation, mask, ``repeat_kv`` copy, float32 upcast and cache
+tensor is the one the real forward allocates. Three things the meta device cannot show are added by stated rules:
+
+* The attention kernel. SDPA on meta tensors runs PyTorch's math composite; on a CUDA card a flash-class kernel
+  (flash, cuDNN, memory-efficient) runs and allocates only its output and a float32 log-sum-exp of
+  ``batch x heads x q_len`` (``aten/src/ATen/native/transformers/attention.cpp``). The replay substitutes those two
+  tensors unless the math kernel is what would run (:func:`vramguard.memory.forward.sdpa_runs_math`).
+  FlashAttention-2 is replayed through transformers' attention registry (``AttentionInterface``) with its mask
+  function (``flash_attention_mask``), allocating the same output and log-sum-exp.
+* bitsandbytes layers. The replay model keeps ``nn.Linear`` layers; each layer the quantizer converts adds, for the
+  duration of its call, the memory :meth:`vramguard.memory.forward._Forward.linear` documents (the weight
+  dequantized to the compute dtype for more than one row, cast copies when compute and activation dtypes differ).
+* generate's float32 copy of the last position's logits (``generation/utils.py``:
+  ``logits[:, -1, :].to(copy=True, dtype=torch.float32)``).
+
+Data-dependent values follow :class:`~vramguard.introspect.tracker.DataPolicy`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from vramguard.introspect.tracker import DataPolicy, StorageTracker
+from vramguard.settings import DTYPE_BYTES, Settings
+
+FA2_REPLAY = "vramguard_fa2"  # registered in transformers' AttentionInterface for the replay
+
+
+@dataclass(frozen=True)
+class Replayed:
+    """One replayed forward: its peak above the weights by component, and the cache it left.
+
+    ``cache_bytes``: every tensor the cache object holds after the forward (allocator-rounded), by layer index;
+    ``cache_tensors``: their (layer, attribute, shape, dtype), for reports and tests.
+    """
+
+    peak_bytes: int
+    components: dict[str, int]
+    at: str
+    largest_alloc: int
+    cache_bytes: tuple[int, ...]
+    cache_tensors: tuple[tuple[int, str, tuple[int, ...], str], ...]
+
+
+def _register_fa2() -> None:
+    """Register the FlashAttention-2 replay in transformers' attention and mask registries (once)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, flash_attention_mask
+    if FA2_REPLAY in AttentionInterface._global_mapping:
+        return
+
+    def fa2_replay(module, query, key, value, attention_mask, **kwargs):
+        # flash_attn_func: output (batch, q_len, heads, v_head_dim) and a float32 softmax_lse (batch, heads, q_len)
+        b, h, q_len, _ = query.shape
+        out = torch.empty((b, q_len, h, value.shape[-1]), dtype=query.dtype, device=query.device)
+        lse = torch.empty((b, h, q_len), dtype=torch.float32, device=query.device)
+        del lse
+        return out, None
+
+    AttentionInterface.register(FA2_REPLAY, fa2_replay)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(FA2_REPLAY, flash_attention_mask)
+
+
+class _FlashSdpa(TorchFunctionMode):
+    """Replaces ``F.scaled_dot_product_attention`` by the allocations of a flash-class CUDA kernel."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.scaled_dot_product_attention:
+            q, v = args[0], args[2] if len(args) > 2 else kwargs["value"]
+            out = torch.empty((*q.shape[:-1], v.shape[-1]), dtype=q.dtype, device=q.device)
+            lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+            del lse
+            return out
+        return func(*args, **kwargs)
+
+
+class _Labels:
+    """The component of each allocation, from the module running it (global forward hooks)."""
+
+    def __init__(self, model):
+        self.stack: list[str] = []
+        out = model.get_output_embeddings()
+        self.lm_head = id(out) if out is not None else None
+        self.kinds = {id(m): self._kind(m) for m in model.modules()}
+        self.override: str | None = None
+        self.after_lm_head = False
+
+    @staticmethod
+    def _kind(m) -> str:
+        name = type(m).__name__
+        return "attention" if ("Attention" in name or "Mamba" in name or "DeltaNet" in name) else "other"
+
+    def pre(self, module, _args):
+        self.stack.append(self.kinds.get(id(module), "other") if id(module) != self.lm_head else "lm_head")
+
+    def post(self, module, _args, _out):
+        if self.stack:
+            if self.stack.pop() == "lm_head":
+                self.after_lm_head = True
+
+    def __call__(self) -> str:
+        if self.override:
+            return self.override
+        if self.after_lm_head or (self.stack and self.stack[-1] == "lm_head"):
+            return "logits"
+        if self.stack and self.stack[-1] == "attention":
+            return "attention"
+        return "activations"
+
+
+@contextlib.contextmanager
+def _module_hooks(labels: _Labels):
+    from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+    h1 = register_module_forward_pre_hook(labels.pre)
+    h2 = register_module_forward_hook(labels.post)
+    try:
+        yield
+    finally:
+        h1.remove()
+        h2.remove()
+
+
+@contextlib.contextmanager
+def _bnb_transients(model, quantized: set[str], s: Settings, labels: _Labels):
+    """While a converted layer runs, hold what its bitsandbytes kernel allocates (see the module docstring)."""
+    if not quantized or not s.is_bnb:
+        yield
+        return
+    act = DTYPE_BYTES[s.act_dtype]
+    comp = DTYPE_BYTES[s.resolved_compute_dtype]
+    held: dict[int, Any] = {}
+    handles = []
+
+    def pre(module, args):
+        x = args[0]
+        rows = x.numel() // x.shape[-1]
+        fin, fout = _features(module)
+        if s.quant == "int8":
+            n = rows * fin + rows * fout * 4
+        else:
+            n = (rows * fin * comp if comp != act else 0) + (rows * fout * comp if comp != act else 0)
+            if rows > 1:
+                n += fout * fin * comp
+        if n:
+            labels.override = "dequant"
+            held[id(module)] = torch.empty(n, dtype=torch.uint8, device="meta")
+            labels.override = None
+
+    def post(module, _args, _out):
+        held.pop(id(module), None)
+
+    for name, module in model.named_modules():
+        if name in quantized:
+            handles += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+        held.clear()
+
+
+def _features(module) -> tuple[int, int]:
+    """(in_features, out_features) of an ``nn.Linear`` or a GPT-2 style ``Conv1D`` (weight stored as in x out)."""
+    if hasattr(module, "in_features"):
+        return int(module.in_features), int(module.out_features)
+    fin, fout = module.weight.shape
+    return int(fin), int(fout)
+
+
+def cache_tensors(cache) -> list[tuple[int, str, torch.Tensor]]:
+    """Every tensor a transformers cache object holds, as (layer index, attribute, tensor): the layers of a
+    ``Cache`` (``keys``, ``values``, and the states of linear-attention / recurrent layers), or the attributes of a
+    model-specific cache class."""
+    found: list[tuple[int, str, torch.Tensor]] = []
+    seen: set[int] = set()
+
+    def walk(obj, layer: int, attr: str, depth: int) -> None:
+        if depth > 4 or id(obj) in seen:
+            return
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            found.append((layer, attr, obj))
+        elif isinstance(obj, (list, tuple)):
+            for i, v in enumerate(obj):
+                walk(v, i if layer < 0 and isinstance(obj, list) else layer, attr, depth + 1)
+        elif isinstance(obj, dict):
+            for k, v in obj.items():
+                walk(v, layer, f"{attr}.{k}" if attr else str(k), depth + 1)
+        elif hasattr(obj, "__dict__") and type(obj).__module__.startswith("transformers"):
+            for k, v in vars(obj).items():
+                walk(v, layer, k if not attr else f"{attr}.{k}", depth + 1)
+
+    layers = getattr(cache, "layers", None)
+    if isinstance(layers, list):
+        for i, layer in enumerate(layers):
+            walk(layer, i, "", 0)
+    else:
+        walk(cache, -1, "", 0)
+    return found
+
+
+def _inputs(s: Settings, past: int, chunk: int, tracker: StorageTracker) -> dict:
+    """generate's model inputs for one forward; the attention mask is declared all ones unless the batch is padded."""
+    seqs = s.sequences
+    ids = torch.zeros((seqs, chunk), dtype=torch.long, device="meta")
+    mask = torch.ones((seqs, past + chunk), dtype=torch.long, device="meta")
+    if not s.padded:
+        tracker.fill(mask, 1)
+    pos = torch.arange(past, past + chunk, device="meta").unsqueeze(0).expand(seqs, -1)
+    return {"input_ids": ids, "attention_mask": mask, "position_ids": pos}
+
+
+def _new_cache(model, config, s: Settings):
+    from transformers import DynamicCache, StaticCache
+    if s.cache == "static":
+        return StaticCache(config=config, max_cache_len=s.cache_len)
+    try:
+        return DynamicCache(config=config)
+    except Exception:  # noqa: BLE001 - a model with its own cache class creates it in its forward
+        return None
+
+
+def replay(model, config, s: Settings, past: int, chunk: int, quantized: set[str] = frozenset(),
+           policy: DataPolicy | None = None) -> Replayed:
+    """Replay one forward of ``chunk`` tokens per sequence after ``past`` cached ones (see the module docstring).
+
+    ``model``: a meta model built with the attention implementation to replay (eager, sdpa, or
+    :data:`FA2_REPLAY`); ``quantized``: names of the modules the quantizer converts.
+
+    Raises:
+        vramguard.introspect.tracker.NotModelled: the forward branches on a value meta tensors do not have.
+    """
+    from vramguard.introspect.build import _quiet
+    with _quiet():
+        return _replay(model, config, s, past, chunk, quantized, policy)
+
+
+def _replay(model, config, s: Settings, past: int, chunk: int, quantized, policy) -> Replayed:
+    from vramguard.memory.forward import sdpa_runs_math
+    cache = _new_cache(model, config, s)
+    logits_to_keep = 0 if s.logits == "all" else 1
+    with torch.no_grad():
+        if past:
+            with StorageTracker(policy=policy or DataPolicy()) as fill, _FlashSdpa():
+                out = model(**_inputs(s, 0, past, fill), past_key_values=cache, use_cache=True, logits_to_keep=1)
+            cache = out.past_key_values
+            del out
+        labels = _Labels(model)
+        tracker = StorageTracker(label=labels, policy=policy or DataPolicy())
+        flash = model.config._attn_implementation == "sdpa" and not sdpa_runs_math(s)
+        with tracker, _module_hooks(labels), _bnb_transients(model, quantized, s, labels), \
+                (_FlashSdpa() if flash else contextlib.nullcontext()):
+            if cache is not None and cache_tensors(cache):
+                held = cache_tensors(cache)
+                for _, _, t in held:
+                    tracker.adopt(t, "kv_cache")
+                del held, t  # a name left bound would keep the last layer's old tensor alive past its update
+            out = model(**_inputs(s, past, chunk, tracker), past_key_values=cache, use_cache=True,
+                        logits_to_keep=logits_to_keep)
+            labels.override = "logits"
+            last = out.logits[:, -1, :].to(copy=True, dtype=torch.float32)
+            labels.override = None
+            del last
+            cache = out.past_key_values
+            kv = cache_tensors(cache) if cache is not None else []
+            relabel = {serial: "kv_cache" for serial in (tracker.serial(t) for _, _, t in kv) if serial is not None}
+            components = tracker.peak_by_label(relabel)
+    per_layer: dict[int, int] = {}
+    for layer, _, t in kv:
+        from vramguard.memory.weights import rounded
+        per_layer[layer] = per_layer.get(layer, 0) + (rounded(t.untyped_storage().nbytes()) if t.numel() else 0)
+    n_layers = max(per_layer) + 1 if per_layer else 0
+    return Replayed(tracker.peak.bytes, components, tracker.peak.at, tracker.largest_alloc,
+                    tuple(per_layer.get(i, 0) for i in range(n_layers)),
+                    tuple((layer, attr, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for layer, attr, t in kv))
+
+
+def replay_model(config, s: Settings):
+    """The meta model to replay for ``s``: its dtype, and the attention implementation that would run
+    (FlashAttention-2 through :data:`FA2_REPLAY`). Returns (model, note) where note says what was substituted."""
+    from vramguard.introspect.build import meta_model
+    from vramguard.errors import ConfigError
+    attn = s.effective_attn
+    if attn == "flash_attention_2":
+        _register_fa2()
+        attn = FA2_REPLAY
+    try:
+        return meta_model(config, s.act_dtype, attn), None
+    except ConfigError as e:
+        if attn == "eager":
+            raise
+        return meta_model(config, s.act_dtype, "eager"), (
+            f"transformers refuses attn_implementation={s.effective_attn} for this architecture ({e.fix}); "
+            "replayed with eager, which it would need")

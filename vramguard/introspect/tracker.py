@@ -1,0 +1,210 @@
+"""A dispatch mode that keeps the live storages of meta tensors in allocation order, as the CUDA caching allocator
+would hold them, and the peak with its components.
+
+Every output whose storage none of the operator's inputs had is a new allocation (views and in-place results share
+their input's storage, and parameters were never allocated under the tracker); it is
+live until Python drops its last reference (a weak reference's callback), which is when the caching allocator
+gets the block back. Sizes are rounded up to 512 B (``kMinBlockSize`` in ``c10/cuda/CUDACachingAllocator.cpp``).
+This is the technique of PyTorch's own ``torch.distributed._tools.mem_tracker.MemTracker`` (weak references to
+``UntypedStorage`` in a ``TorchDispatchMode``), applied to meta tensors so that no memory is touched.
+
+Meta tensors hold no values, so the few data-dependent calls of a forward are answered by a small constant
+propagation and a stated policy (:class:`DataPolicy`): a tensor known to hold one value everywhere (the all-ones
+attention mask of an unpadded batch) keeps that value through casts, views, indexing, sums, comparisons and
+``all``/``any``, so transformers' checks such as ``mask.sum() == mask.numel()`` get the answer the real run gets.
+A truth test of an unknown value is false, and ``nonzero`` returns as many rows as the policy gives for its input
+(every element by default).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from vramguard.memory.weights import rounded
+
+aten = torch.ops.aten
+
+
+class NotModelled(Exception):
+    """The forward needs a value that meta tensors do not have and the policy does not decide (the message says
+    which operator)."""
+
+
+@dataclass
+class DataPolicy:
+    """Answers for data-dependent operators on meta tensors.
+
+    ``nonzero_rows``: rows ``nonzero`` returns for an input of this shape (default: every element).
+    """
+
+    nonzero_rows: Callable[[tuple[int, ...]], int] | None = None
+
+    def rows(self, shape: tuple[int, ...]) -> int:
+        if self.nonzero_rows is not None:
+            return self.nonzero_rows(shape)
+        n = 1
+        for d in shape:
+            n *= d
+        return n
+
+
+@dataclass
+class Peak:
+    """The largest live total seen, with its bytes by label and the allocation that reached it."""
+
+    bytes: int = 0
+    by_label: dict[str, int] = field(default_factory=dict)
+    at: str = ""
+    live: dict[int, tuple[int, str]] = field(default_factory=dict)  # serial -> (bytes, label) at the peak
+
+
+class StorageTracker(TorchDispatchMode):
+    """Tracks live storages created under it (see the module docstring).
+
+    ``label()`` gives the component of each new allocation; ``relabel`` moves storages to another label after the
+    fact (the cache's tensors are known only when the forward returns).
+    """
+
+    def __init__(self, label: Callable[[], str] = lambda: "activations", policy: DataPolicy | None = None):
+        super().__init__()
+        self.label = label
+        self.policy = policy or DataPolicy()
+        self.live: dict[int, tuple[int, str]] = {}  # serial -> (bytes, label)
+        self._serial_of: dict[int, int] = {}  # id(storage) -> serial, while alive
+        self._refs: dict[int, weakref.ref] = {}
+        self._next = 0
+        self.live_bytes = 0
+        self.by_label: Counter[str] = Counter()
+        self.peak = Peak()
+        self.largest_alloc = 0
+        from torch.utils.weak import WeakIdKeyDictionary
+        self._fills = WeakIdKeyDictionary()  # tensor -> the one value all its elements hold
+
+    # ---- bookkeeping -----------------------------------------------------------------------------------------
+    def serial(self, t: torch.Tensor) -> int | None:
+        """The serial of ``t``'s storage, or None when it was not allocated under this tracker."""
+        return self._serial_of.get(id(t.untyped_storage()))
+
+    def adopt(self, t: torch.Tensor, label: str) -> None:
+        """Count a tensor created before tracking began (a filled cache) as live under ``label``."""
+        self._add(t.untyped_storage(), label, "adopted")
+
+    def _add(self, st: torch.UntypedStorage, label: str, at: str) -> None:
+        key = id(st)
+        if key in self._serial_of:
+            return
+        nbytes = rounded(st.nbytes()) if st.nbytes() else 0
+        serial = self._next
+        self._next += 1
+        self._serial_of[key] = serial
+        self.live[serial] = (nbytes, label)
+        self._refs[serial] = weakref.ref(st, lambda _r, s=serial, k=key: self._free(s, k))
+        self.live_bytes += nbytes
+        self.by_label[label] += nbytes
+        self.largest_alloc = max(self.largest_alloc, nbytes)
+        if self.live_bytes > self.peak.bytes:
+            self.peak = Peak(self.live_bytes, {k: v for k, v in self.by_label.items() if v}, at, dict(self.live))
+
+    def _free(self, serial: int, key: int) -> None:
+        nbytes, label = self.live.pop(serial, (0, ""))
+        self.live_bytes -= nbytes
+        if label:
+            self.by_label[label] -= nbytes
+        self._refs.pop(serial, None)
+        if self._serial_of.get(key) == serial:
+            del self._serial_of[key]
+
+    def peak_by_label(self, relabel: dict[int, str]) -> dict[str, int]:
+        """The peak's bytes by label, with the storages in ``relabel`` (serial -> label) moved to their label."""
+        out: Counter[str] = Counter(self.peak.by_label)
+        for serial, label in relabel.items():
+            if serial in self.peak.live:
+                nbytes, old = self.peak.live[serial]
+                out[old] -= nbytes
+                out[label] += nbytes
+        return {k: v for k, v in out.items() if v}
+
+    # ---- the dispatch mode -----------------------------------------------------------------------------------
+    def fill(self, t: torch.Tensor, value) -> None:
+        """Declare that every element of ``t`` equals ``value`` (e.g. an all-ones attention mask)."""
+        self._fills[t] = value
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (aten._local_scalar_dense.default, aten.is_nonzero.default, aten.item.default):
+            return self._scalar(func, args[0])
+        if func is aten.nonzero.default:
+            x = args[0]
+            return torch.empty((self.policy.rows(tuple(x.shape)), x.dim()), dtype=torch.long, device=x.device)
+        out = func(*args, **kwargs)
+        inputs = {id(a.untyped_storage()) for a in tree_flatten((args, kwargs))[0]
+                  if isinstance(a, torch.Tensor) and a.device.type == "meta"}
+        name = str(func)
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.device.type == "meta":
+                st = t.untyped_storage()
+                if id(st) not in inputs:  # a view or an in-place result shares its input's storage
+                    self._add(st, self.label(), name)
+        if isinstance(out, torch.Tensor) and self._fills:
+            value = _propagate(func, args, kwargs, out, self._fills)
+            if value is not None:
+                self._fills[out] = value
+        return out
+
+    def _scalar(self, func, x: torch.Tensor):
+        if x.device.type != "meta":
+            return func(x)
+        if x in self._fills:
+            v = self._fills[x]
+            return bool(v) if x.dtype == torch.bool else v
+        if x.dtype == torch.bool:
+            return False
+        raise NotModelled(f"{func} on a meta tensor of dtype {x.dtype} (a value the forward branches on)")
+
+
+_SAME = {aten._to_copy.default, aten.clone.default, aten.slice.Tensor, aten.select.int, aten.index.Tensor,
+         aten.expand.default, aten.view.default, aten._unsafe_view.default, aten.unsqueeze.default,
+         aten.squeeze.dim, aten.squeeze.default, aten.alias.default, aten.t.default, aten.transpose.int,
+         aten.permute.default, aten.reshape.default, aten.repeat.default, aten.contiguous.default}
+_CMP = {aten.eq.Scalar: lambda a, b: a == b, aten.eq.Tensor: lambda a, b: a == b, aten.ne.Scalar: lambda a, b: a != b,
+        aten.ne.Tensor: lambda a, b: a != b, aten.gt.Scalar: lambda a, b: a > b, aten.lt.Scalar: lambda a, b: a < b,
+        aten.ge.Scalar: lambda a, b: a >= b, aten.le.Scalar: lambda a, b: a <= b,
+        aten.mul.Tensor: lambda a, b: a * b, aten.mul.Scalar: lambda a, b: a * b,
+        aten.add.Tensor: lambda a, b: a + b, aten.sub.Tensor: lambda a, b: a - b,
+        aten.bitwise_and.Tensor: lambda a, b: bool(a) and bool(b), aten.logical_and.default: lambda a, b: bool(a) and bool(b)}
+
+
+def _value(x, fills):
+    if isinstance(x, torch.Tensor):
+        return fills.get(x) if x in fills else None
+    if isinstance(x, (bool, int, float)):
+        return x
+    return None
+
+
+def _propagate(func, args, kwargs, out, fills):
+    """The single value every element of ``out`` holds, when the inputs' values decide it; else None."""
+    a = _value(args[0], fills) if args else None
+    if func in _SAME:
+        return None if a is None else (bool(a) if out.dtype == torch.bool else a)
+    if func in (aten.all.default, aten.all.dim, aten.all.dims, aten.any.default, aten.any.dim, aten.any.dims):
+        return None if a is None else bool(a)
+    if func in (aten.logical_not.default, aten.bitwise_not.default):
+        return None if a is None else (not a)
+    if func in (aten.sum.default, aten.sum.dim_IntList):
+        if a is None:
+            return None
+        return a * (args[0].numel() // max(out.numel(), 1))
+    if func in _CMP and len(args) > 1:
+        b = _value(args[1], fills)
+        if a is None or b is None:
+            return None
+        return _CMP[func](a, b)
+    return None
