@@ -552,7 +552,7 @@ def _print_catalog(models: bool, gpus: bool) -> None:
     if gpus:
         for g in GPUS.values():
             cc = ".".join(map(str, g.compute_capability)) if g.compute_capability else "?"
-            out.print(f"{g.name:18} {g.label:34} {g.total_bytes / 2**30:7.1f} GiB  cc {cc}")
+            out.print(f"{g.name:18} {g.label:34} {g.total_bytes / 2**30:7.2f} GiB  cc {cc}")
 
 
 def main() -> None:
