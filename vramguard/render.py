@@ -75,6 +75,7 @@ def to_jsonable(obj: Any) -> Any:
 
 def plan_to_json(p: Plan) -> dict:
     """The plan as a JSON object: every size an int of bytes."""
+    from vramguard.memory.kv import kv_growth_per_token
     est = p.estimate
     return {
         "model": to_jsonable(p.model),
@@ -88,7 +89,10 @@ def plan_to_json(p: Plan) -> dict:
         "device_used_bytes": est.device_used_bytes,
         "weights": to_jsonable(est.weights),
         "kv_cache": {"full_length_tokens": est.kv_full.tokens, "gpu_bytes": est.kv_full.gpu_bytes,
-                     "cpu_bytes": est.kv_full.cpu_bytes, "bytes_per_token": est.kv_bytes_per_token},
+                     "cpu_bytes": est.kv_full.cpu_bytes, "bytes_per_token": est.kv_bytes_per_token,
+                     "growth_per_token_by_layer_type": kv_growth_per_token(p.model, p.settings,
+                                                                           p.settings.prompt_tokens),
+                     "sliding_growth_new_tokens": sliding_growth_tokens(p)},
         "prefill": to_jsonable(est.prefill),
         "decode": to_jsonable(est.decode),
         "logits_case": p.logits_case,
@@ -110,6 +114,49 @@ def _settings_line(p: Plan) -> str:
     chunk = f", prefill chunks of {s.prefill_chunk}" if s.prefill_chunk else ""
     return (f"{q}, dtype {s.act_dtype}, attention {attn}, KV {s.resolved_kv_dtype} {s.cache}, {seqs}, "
             f"prompt {fmt_tokens(s.prompt_tokens)} + {fmt_tokens(s.max_new_tokens)} new tokens{chunk}")
+
+
+def sliding_growth_tokens(p: Plan) -> int:
+    """How many of the run's new tokens still grow the sliding-window layers (they stop at the window)."""
+    from vramguard.memory.kv import kv_growth_per_token
+    s, prompt = p.settings, p.settings.prompt_tokens
+
+    def grows(n: int) -> bool:
+        return kv_growth_per_token(p.model, s, n).get("sliding_attention", 0) > 0
+    lo, hi = prompt, prompt + s.max_new_tokens  # grows(n) is true up to the window, then false
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if grows(mid):
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - prompt
+
+
+def kv_growth_text(p: Plan) -> str:
+    """The KV growth per new token a user sees in this run, per layer type: sliding layers stop at the window."""
+    from vramguard.memory.kv import kv_growth_per_token
+    spec, s = p.model, p.settings
+    types = spec.layer_types
+    n_full = sum(1 for t in types if t != "sliding_attention" or spec.sliding_window is None)
+    parts = []
+    if n_full:
+        full = kv_growth_per_token(spec, s, s.prompt_tokens).get("full_attention", 0)
+        parts.append(f"{fmt_bytes(full)} in the {plural(n_full, 'full-attention layer')}")
+    if len(types) - n_full:
+        growing = sliding_growth_tokens(p)
+        per = kv_growth_per_token(spec, s, s.prompt_tokens - 1 if s.prompt_tokens > 0 else 0)
+        new = s.max_new_tokens
+        when = ("for all " + plural(new, "new token") if growing >= new else
+                "for none of them (the window is full)" if growing == 0 else
+                f"for the first {plural(growing, 'new token')}, then 0")
+        if s.cache == "static":
+            parts.append(f"0 B in the {plural(len(types) - n_full, 'sliding-window layer')} (static cache)")
+        else:
+            parts.append(f"{fmt_bytes(per.get('sliding_attention', 0))} in the "
+                         f"{plural(len(types) - n_full, 'sliding-window layer')} until they hold "
+                         f"{fmt_tokens(spec.sliding_window - 1)} tokens ({when})")
+    return "; ".join(parts)
 
 
 def print_plan(p: Plan, console: Console | None = None) -> None:
@@ -151,7 +198,7 @@ def print_plan(p: Plan, console: Console | None = None) -> None:
     kv = est.kv_full
     c.print(f"KV cache at {fmt_tokens(kv.tokens)} tokens: {fmt_bytes(kv.gpu_bytes)} on the GPU"
             + (f", {fmt_bytes(kv.cpu_bytes)} in CPU RAM" if kv.cpu_bytes else "")
-            + f"; {fmt_bytes(est.kv_bytes_per_token)} per generated token")
+            + f"; per generated token: {kv_growth_text(p)}")
     dec = f"; decode peak {fmt_bytes(est.decode.peak_bytes)} above the weights" if est.decode else ""
     c.print(f"prefill peak {fmt_bytes(est.prefill.peak_bytes)} above the weights ({_where(est.prefill.at)}){dec}")
     c.print(f"logits: {p.logits_case}")
