@@ -116,7 +116,7 @@ def test_exit_code_when_nothing_fits():
 
 @pytest.mark.parametrize("command", [["run", "{m}", "--prompt", "hi", "--max-new-tokens", "2"],
                                      ["profile", "{m}"], ["fit", "{m}", "--vary", "prompt"]])
-def test_a_missing_optional_package_is_named_with_its_extra(tiny, command):
+def test_a_missing_optional_package_is_named_with_its_extra(tiny, command, monkeypatch):
     """`pip install .` alone has no torch: commands that need it say which package and which extra (exit 3), not an
     internal error."""
     folder, _ = tiny("LlamaConfig", hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
@@ -126,6 +126,10 @@ def test_a_missing_optional_package_is_named_with_its_extra(tiny, command):
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert p.returncode == 3, p.stderr
     assert "error torch not installed" in p.stderr and "pip install 'vramguard[gpu]'" in p.stderr
+    from vramguard import hardware
+    monkeypatch.setattr(hardware, "DETECT_OVERRIDE", None)  # what the subprocess saw: the real NVML answer
+    if not hardware.detect_gpus().gpus:  # no GPU here: the CPU build of torch is named first
+        assert "pip install torch --index-url https://download.pytorch.org/whl/cpu" in p.stderr
     assert "internal error" not in p.stderr and "Traceback" not in p.stderr
 
 
@@ -146,3 +150,12 @@ def test_plan_defaults_follow_the_named_card_and_explicit_values_are_kept():
     a = subprocess.run([sys.executable, "-m", "vramguard", "plan", "mistral-7b-v0.3", "--gpu", "rtx-4090", "--format",
                         "json"], capture_output=True, text=True, timeout=120)
     assert json.loads(a.stdout)["settings"]["attn"] == "flash_attention_2" and a.stderr == ""
+
+
+def test_the_torch_install_fix_follows_the_gpu(monkeypatch):
+    from vramguard import cli, hardware
+    from vramguard.catalog.gpus import GPUS
+    assert cli.install_fix("gpu", True).startswith("pip install torch --index-url https://download.pytorch.org/whl/cpu")
+    monkeypatch.setattr(hardware, "DETECT_OVERRIDE", lambda: hardware.DetectedGpus((GPUS["t4"],), "1 GPU(s)"))
+    assert cli.install_fix("gpu", True) == "pip install 'vramguard[gpu]' (installs the CUDA build of torch)"
+    assert cli.install_fix("serve", False) == "pip install 'vramguard[serve]'"

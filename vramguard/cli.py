@@ -18,6 +18,7 @@ from rich.console import Console
 from vramguard.errors import (ConfigError, Infeasible, InvalidValue, UnknownGpu, UnknownModel,
                               VramguardError)
 from vramguard.settings import ATTNS, CACHES, DTYPES, KV_DTYPES, LOGITS, QUANTS, SDPA_KERNELS
+from vramguard.units import plural
 
 # 1: a check failed; 2: bad option value; 3: unknown model / card or unreadable config; 4: infeasible request;
 # 70: internal error
@@ -78,6 +79,22 @@ def _fail(e: VramguardError, as_json: bool = False) -> None:
     raise typer.Exit(code)
 
 
+TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"  # PyTorch's index of CPU-only wheels
+
+
+def install_fix(extra: str, torch_missing: bool) -> str:
+    """The install command for a missing optional package: with torch missing and no NVIDIA GPU found, the CPU
+    build of torch first (plain ``pip install torch`` resolves to the CUDA build and its CUDA packages)."""
+    cmd = f"pip install 'vramguard[{extra}]'"
+    if not torch_missing:
+        return cmd
+    from vramguard.hardware import detect_gpus
+    det = detect_gpus()
+    if det.gpus:
+        return cmd + " (installs the CUDA build of torch)"
+    return (f"pip install torch --index-url {TORCH_CPU_INDEX} (the CPU build: {det.reason}), then {cmd}")
+
+
 def run_guarded(fn, *args, as_json: bool = False, **kwargs):
     """Call ``fn``; map vramguard errors to their exit code and anything else to an internal-error message."""
     try:
@@ -90,9 +107,8 @@ def run_guarded(fn, *args, as_json: bool = False, **kwargs):
         top = (e.name or "").split(".")[0]
         if top not in OPTIONAL_PACKAGES or os.environ.get("VRAMGUARD_DEBUG"):
             raise
-        err.print(f"error {top} not installed: this command needs it.\nfix: pip install "
-                  f"'vramguard[{OPTIONAL_PACKAGES[top]}]' (on a machine without a GPU, pip install torch first to "
-                  "get its CPU build)", markup=False, highlight=False)
+        err.print(f"error {top} not installed: this command needs it.\nfix: "
+                  + install_fix(OPTIONAL_PACKAGES[top], top == "torch"), markup=False, highlight=False)
         raise typer.Exit(3) from None
     except Exception as e:  # an internal error: say so plainly, keep the traceback for debugging only
         if os.environ.get("VRAMGUARD_DEBUG"):
@@ -368,6 +384,10 @@ def run(
     fast_decode: bool = typer.Option(False, help="decode by replaying one captured CUDA graph per token on a static "
                                                  "cache (batch 1; falls back to eager steps and says why)"),
     chunk_tokens: int = typer.Option(256, help="tokens per context chunk"),
+    chat_template: Optional[bool] = typer.Option(None, "--chat-template/--raw",
+                                                 help="wrap the prompt as a user turn in the tokenizer's chat "
+                                                      "template, or send it raw (default: the template when the "
+                                                      "tokenizer has one)"),
     fmt: Format = typer.Option(Format['human'], "--format", help="human: text on stdout; json: one object"),
 ) -> None:
     """Generate text without running out of memory: plan first, pick a strategy that fits, recover from OOM.
@@ -391,7 +411,11 @@ def run(
         budget = parse_size(vram_budget, "--vram-budget") if vram_budget else None
         import torch
         import transformers
+
+        from vramguard.prompt import prepare_prompt, preflight_prompt
         transformers.utils.logging.disable_progress_bar()
+        # the tokenizer and config alone: a prompt over the context is refused before minutes of loading
+        _, prepared, _ = preflight_prompt(model, text, max_new_tokens, chat_template)
         loaded = load_model(model, quant=quant.value, verify=torch.cuda.is_available())
         if loaded.tokenizer is None:
             raise ConfigError("MODEL", model, "a model folder with tokenizer files", "save the tokenizer with the "
@@ -399,7 +423,11 @@ def run(
         stream = None if fmt == Format['json'] else (lambda t: (sys.stdout.write(t), sys.stdout.flush()))
         if context:
             text = _with_context(loaded, text, context, summarize, chunk_tokens, max_new_tokens, budget, auto)
-        return generate_fn(loaded.model, loaded.tokenizer, text, max_new_tokens, budget_bytes=budget, auto=auto,
+            prepared = prepare_prompt(loaded.tokenizer, text, chat_template)
+        err.print(f"prompt: {plural(len(prepared.ids), 'token')}, {prepared.reason}", markup=False,
+                  highlight=False)
+        return generate_fn(loaded.model, loaded.tokenizer, prepared.ids, max_new_tokens, budget_bytes=budget,
+                           auto=auto,
                            on_text=stream, do_sample=do_sample, temperature=temperature, top_p=top_p, top_k=top_k,
                            seed=seed, fast_decode=fast_decode)
 
@@ -453,9 +481,8 @@ def serve(
     missing = [m for m in ("torch", "transformers", "accelerate", "fastapi", "uvicorn", "sse_starlette",
                            "prometheus_client", "httpx") if importlib.util.find_spec(m) is None]
     if missing:
-        err.print(f"error serve: {', '.join(missing)} not installed.\nfix: pip install 'vramguard[serve,gpu]' (on "
-                  "a machine without a GPU, pip install torch first to get its CPU build)", markup=False,
-                  highlight=False)
+        err.print(f"error serve: {', '.join(missing)} not installed.\nfix: "
+                  + install_fix("serve,gpu", "torch" in missing), markup=False, highlight=False)
         raise typer.Exit(3)
 
     def listening(url: str) -> None:
