@@ -191,9 +191,15 @@ def check(
     quant: CheckQuant = typer.Option(CheckQuant['nf4'], help="weight format; none: no quantization config, the "
                                      "dtype then decides"),
     double_quant: bool = typer.Option(True, "--double-quant/--no-double-quant", help="4-bit double quantization"),
-    compute_dtype: Optional[Dtype] = typer.Option(None, help="bnb_4bit_compute_dtype you pass (unset: float32)"),
-    dtype: Optional[DtypeArg] = typer.Option(None, help="dtype you pass to from_pretrained (unset: "
-                                                         "transformers' default)"),
+    compute_dtype: Optional[Dtype] = typer.Option(None, help="bnb_4bit_compute_dtype you pass (unset: what "
+                                                             "vramguard run/serve pass, bf16 where supported else "
+                                                             "fp16)"),
+    dtype: Optional[DtypeArg] = typer.Option(None, help="dtype you pass to from_pretrained (unset: what vramguard "
+                                                         "run/serve pass)"),
+    transformers_defaults: bool = typer.Option(False, "--transformers-defaults",
+                                               help="check plain from_pretrained's defaults for what you leave "
+                                                    "unset (bitsandbytes computes in float32) instead of "
+                                                    "vramguard's"),
     attn: Attn = typer.Option(Attn['sdpa'], help="attn_implementation you pass"),
     sdpa_kernel: SdpaKernel = typer.Option(SdpaKernel['auto'], help="SDPA backend you pin (torch.nn.attention."
                                                                  "sdpa_kernel)"),
@@ -222,7 +228,8 @@ def check(
                                "the compute dtype applies to 4-bit weights only (--quant nf4 or fp4)")
         return check_fn(model, s, dtype=dtype.value if dtype else None,
                         compute_dtype=compute_dtype.value if compute_dtype else None, device_map=device_map,
-                        gpu=gpu, verify=verify, unquantized=quant == CheckQuant['none'])
+                        gpu=gpu, verify=verify, unquantized=quant == CheckQuant['none'],
+                        loader_defaults=not transformers_defaults)
 
     r = run_guarded(build, as_json=fmt == Format['json'])
     if fmt == Format['json']:
