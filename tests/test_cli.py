@@ -159,3 +159,26 @@ def test_the_torch_install_fix_follows_the_gpu(monkeypatch):
     monkeypatch.setattr(hardware, "DETECT_OVERRIDE", lambda: hardware.DetectedGpus((GPUS["t4"],), "1 GPU(s)"))
     assert cli.install_fix("gpu", True) == "pip install 'vramguard[gpu]' (installs the CUDA build of torch)"
     assert cli.install_fix("serve", False) == "pip install 'vramguard[serve]'"
+
+
+def test_only_the_known_library_noise_is_silenced():
+    code = ("import warnings, sys\n"
+            "from vramguard.cli import quiet_known_warnings\n"
+            "quiet_known_warnings()\n"
+            "import torch.distributed as dist\n"
+            "dist.reduce_op.SUM\n"
+            "from torch.profiler import profile, schedule\n"
+            "with profile(schedule=schedule(wait=0, warmup=0, active=1)) as p:\n"
+            "    torch_ = __import__('torch'); torch_.ones(2) + 1; p.step()\n"
+            "warnings.warn('Profiler clears events, a different message', UserWarning)\n"
+            "warnings.warn('`torch.distributed.reduce_op` is deprecated', UserWarning)\n")
+    r = subprocess.run([sys.executable, "-W", "default", "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "clears events at the end of each cycle" not in r.stderr
+    assert "FutureWarning" not in r.stderr
+    # other warnings, even with similar words or another category, still show
+    assert "a different message" in r.stderr and "UserWarning: `torch.distributed.reduce_op`" in r.stderr
+    # without the filters both would have shown
+    bare = subprocess.run([sys.executable, "-W", "default", "-c", code.replace("quiet_known_warnings()\n", "")],
+                          capture_output=True, text=True, timeout=120)
+    assert "clears events at the end of each cycle" in bare.stderr and "FutureWarning" in bare.stderr

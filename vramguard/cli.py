@@ -589,9 +589,24 @@ def _print_catalog(models: bool, gpus: bool) -> None:
             out.print(f"{g.name:18} {g.label:34} {g.total_bytes / 2**30:7.2f} GiB  cc {cc}")
 
 
+# library warnings a vramguard command triggers but the user can do nothing about, matched by their start only:
+# torch.profiler's note on schedules (check's kernel probe runs one cycle) and the deprecation of
+# torch.distributed.reduce_op, read by libraries that scan torch.distributed's attributes
+QUIET_WARNINGS = ((r"Warning: Profiler clears events at the end of each cycle", UserWarning),
+                  (r"`torch\.distributed\.reduce_op` is deprecated", FutureWarning))
+
+
+def quiet_known_warnings() -> None:
+    """Ignore exactly the warnings in :data:`QUIET_WARNINGS`; every other warning still reaches stderr."""
+    import warnings
+    for message, category in QUIET_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=category)
+
+
 def main() -> None:
     """Entry point: click's own usage errors (a wrong type, an unknown choice or option) are printed in the same
     two-line form as vramguard's errors, with exit code 2."""
+    quiet_known_warnings()
     try:  # typer >= 0.20 vendors click as typer._click; older typer uses the click package
         import typer._click.exceptions as cx
     except ImportError:
