@@ -166,6 +166,9 @@ def plan(
                                                          dtype.value if dtype else None, compute_dtype is not None)
         for note in notes:
             err.print(note, markup=False, highlight=False)
+        from vramguard.units import decimal_size_note
+        if vram and decimal_size_note(vram):
+            err.print("note: " + decimal_size_note(vram), markup=False, highlight=False)
         s = Settings(quant=quant.value, double_quant=double_quant,
                      compute_dtype=compute_dtype.value if compute_dtype else None,
                      dtype=chosen_dtype, attn=chosen_attn,
@@ -603,10 +606,29 @@ def quiet_known_warnings() -> None:
         warnings.filterwarnings("ignore", message=message, category=category)
 
 
+SIZE_OPTIONS = ("--vram", "--vram-budget", "--max-body-size")
+
+
+def split_size(args: list[str]) -> str | None:
+    """The error for a size typed as two words (``--vram 24 GiB``: the shell passes ``GiB`` as the next argument,
+    which would be read as a model name), or None."""
+    from vramguard.units import UNIT_WORDS
+    for i, a in enumerate(args[:-2]):
+        number, unit = args[i + 1], args[i + 2]
+        if a in SIZE_OPTIONS and number.replace(".", "", 1).isdigit() and unit.lower() in UNIT_WORDS | {"b"}:
+            return (f"{a}: {number!r} {unit!r} is two arguments; accepted: a number and a unit in one word.\n"
+                    f"fix: write {a} {number}{unit} (or quote it: {a} '{number} {unit}')")
+    return None
+
+
 def main() -> None:
     """Entry point: click's own usage errors (a wrong type, an unknown choice or option) are printed in the same
     two-line form as vramguard's errors, with exit code 2."""
     quiet_known_warnings()
+    split = split_size(sys.argv[1:])
+    if split:
+        err.print("error " + split, markup=False, highlight=False)
+        sys.exit(2)
     try:  # typer >= 0.20 vendors click as typer._click; older typer uses the click package
         import typer._click.exceptions as cx
     except ImportError:
