@@ -182,3 +182,34 @@ def test_only_the_known_library_noise_is_silenced():
     bare = subprocess.run([sys.executable, "-W", "default", "-c", code.replace("quiet_known_warnings()\n", "")],
                           capture_output=True, text=True, timeout=120)
     assert "clears events at the end of each cycle" in bare.stderr and "FutureWarning" in bare.stderr
+
+
+def _lines(*args, columns="80"):
+    r = subprocess.run([sys.executable, "-m", "vramguard", *args], capture_output=True, text=True,
+                       env={**ENV, "COLUMNS": columns}, timeout=120)
+    assert r.returncode in (0, 1), r.stderr
+    return r.stdout.splitlines()
+
+
+@pytest.mark.parametrize("args", [("plan",), ("plan", "gemma-2-9b", "--gpu", "Tesla T4"),
+                                  ("plan", "llama-3.1-70b", "--gpu", "rtx-6000-ada"),
+                                  ("check", "mistral-7b-v0.3", "--no-verify"),
+                                  ("explain", "CUDA out of memory. Tried to allocate 2.00 GiB")])
+def test_80_columns_no_wrapped_card_rows_and_no_trailing_spaces(args):
+    lines = _lines(*args)
+    assert all(len(line) <= 80 for line in lines), max(lines, key=len)
+    assert not [line for line in lines if line != line.rstrip()]
+    if args[0] == "plan":
+        head = next(i for i, line in enumerate(lines) if line.split()[:2] == ["card", "memory"])
+        rows = lines[head + 2:]
+        rows = rows[:next((i for i, line in enumerate(rows) if not line.strip()), len(rows))]
+        assert rows and all(len(row.split()) >= 8 for row in rows), rows  # every card on one line
+
+
+def test_top_level_help_is_not_cut_and_version_is_printed():
+    lines = _lines("--help")
+    commands = lines[lines.index("Commands:") + 1:]
+    assert len([c for c in commands if c.strip()]) == 8
+    assert not any(line.rstrip().endswith("...") for line in commands)
+    import vramguard
+    assert _lines("--version")[0].startswith(f"vramguard {vramguard.__version__} (torch ")

@@ -13,7 +13,6 @@ from enum import Enum
 from typing import Optional
 
 import typer
-from rich.console import Console
 
 from vramguard.errors import (ConfigError, Infeasible, InvalidValue, UnknownGpu, UnknownModel,
                               VramguardError)
@@ -29,14 +28,47 @@ OPTIONAL_PACKAGES = {m: "gpu" for m in ("torch", "transformers", "accelerate", "
                                         "matplotlib", "optimum", "hqq")} | {
     m: "serve" for m in ("fastapi", "uvicorn", "sse_starlette", "prometheus_client", "httpx", "pydantic")}
 
+from vramguard.render import console as _console  # noqa: E402  (rich only: no torch import)
+
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None,
                   help="vramguard: plan, verify and guard GPU memory for Hugging Face transformers inference.")
-err = Console(stderr=True)
+err = _console(stderr=True)
+
+
+def _version(value: bool) -> None:
+    if value:
+        import importlib.metadata
+
+        import vramguard
+        try:
+            torch_v = importlib.metadata.version("torch")
+        except importlib.metadata.PackageNotFoundError:
+            torch_v = "not installed"
+        try:
+            tf_v = importlib.metadata.version("transformers")
+        except importlib.metadata.PackageNotFoundError:
+            tf_v = "not installed"
+        print(f"vramguard {vramguard.__version__} (torch {torch_v}, transformers {tf_v})")
+        raise typer.Exit()
 
 
 @app.callback()
-def _root() -> None:
+def _root(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                       help="print the version (and torch's, transformers') and exit")) -> None:
     """vramguard: plan, verify and guard GPU memory for Hugging Face transformers inference."""
+
+
+# one line per command in `vramguard --help`, each short enough for 80 columns (click cuts longer ones with "...")
+SHORT_HELP = {
+    "plan": "Predict memory by component and what fits, before loading.",
+    "check": "Check the environment and load settings; name the kernel.",
+    "oom-log": "Explain kernel OOM kills ('Killed'): process, memory, why.",
+    "explain": "Classify a CUDA out-of-memory message, with the fix.",
+    "profile": "Measure a run beside the plan; memory timeline picture.",
+    "fit": "Real runs: the largest prompt/new tokens/batch that fits.",
+    "run": "Generate text without running out of memory.",
+    "serve": "Serve an OpenAI-compatible API with admission control.",
+}
 
 
 def _choices(name: str, values) -> type[Enum]:
@@ -121,7 +153,7 @@ def run_guarded(fn, *args, as_json: bool = False, **kwargs):
 DEFAULT_PROMPT_TOKENS = 128  # a short chat prompt: system prompt, one user turn and the chat template
 
 
-@app.command()
+@app.command(short_help=SHORT_HELP["plan"])
 def plan(
     model: str = typer.Argument("llama-2-7b", metavar="MODEL",
                                  help="model folder, config.json, catalog name or cached model id"),
@@ -182,12 +214,12 @@ def plan(
     if fmt == Format['json']:
         sys.stdout.write(json.dumps(plan_to_json(p), indent=2) + "\n")
     else:
-        print_plan(p, Console())
+        print_plan(p, _console())
     if exit_code and not any(c.fits for c in p.cards):
         raise typer.Exit(1)
 
 
-@app.command()
+@app.command(short_help=SHORT_HELP["check"])
 def check(
     model: Optional[str] = typer.Argument(None, metavar="MODEL",
                                  help="model folder, config.json, catalog name or cached model id"),
@@ -238,12 +270,12 @@ def check(
     if fmt == Format['json']:
         sys.stdout.write(json.dumps(check_to_json(r), indent=2) + "\n")
     else:
-        print_check(r, Console())
+        print_check(r, _console())
     if r.failed:
         raise typer.Exit(1)
 
 
-@app.command("oom-log")
+@app.command("oom-log", short_help=SHORT_HELP["oom-log"])
 def oom_log(
     since: Optional[str] = typer.Option(None, help="only kills after: 30m, 2h, 1d, boot, or 2026-11-30T17:00"),
     file: Optional[str] = typer.Option(None, "--file", help="a log file to read, or - for stdin"),
@@ -259,12 +291,12 @@ def oom_log(
     if fmt == Format['json']:
         sys.stdout.write(json.dumps(oomlog_to_json(r), indent=2) + "\n")
     else:
-        print_oomlog(r, Console(stderr=r.source is None))
+        print_oomlog(r, _console(stderr=r.source is None))
     if r.source is None:
         raise typer.Exit(1)
 
 
-@app.command()
+@app.command(short_help=SHORT_HELP["explain"])
 def explain(
     message: Optional[str] = typer.Argument(None, help="the OOM message, or - to read it from stdin"),
     model: Optional[str] = typer.Option(None, help="the model that ran, to name the allocation that failed"),
@@ -298,10 +330,10 @@ def explain(
     if fmt == Format['json']:
         sys.stdout.write(json.dumps(to_jsonable(e), indent=2) + "\n")
     else:
-        print_explanation(e, Console())
+        print_explanation(e, _console())
 
 
-@app.command()
+@app.command(short_help=SHORT_HELP["profile"])
 def profile(
     model: str = typer.Argument(..., metavar="MODEL",
                                  help="model folder or cached model id (weights needed)"),
@@ -331,10 +363,10 @@ def profile(
         d["rows"] = [{**to_jsonable(x), "diff": x.diff} for x in r.rows]
         sys.stdout.write(json.dumps(d, indent=2) + "\n")
     else:
-        print_profile(r, Console())
+        print_profile(r, _console())
 
 
-@app.command()
+@app.command(short_help=SHORT_HELP["fit"])
 def fit(
     model: str = typer.Argument(..., metavar="MODEL",
                                  help="model folder or cached model id (weights needed)"),
@@ -370,10 +402,10 @@ def fit(
     if fmt == Format['json']:
         sys.stdout.write(json.dumps(to_jsonable(r), indent=2) + "\n")
     else:
-        print_fit(r, Console())
+        print_fit(r, _console())
 
 
-@app.command()
+@app.command(short_help=SHORT_HELP["run"])
 def run(
     model: str = typer.Argument(..., metavar="MODEL",
                                  help="model folder or cached model id (weights and tokenizer needed)"),
@@ -449,7 +481,7 @@ def run(
         print_generation_summary(r, err)
 
 
-@app.command()
+@app.command(short_help=SHORT_HELP["serve"])
 def serve(
     model: str = typer.Argument(..., metavar="MODEL",
                                  help="model folder or cached model id (weights and tokenizer needed)"),
@@ -582,7 +614,7 @@ def _with_context(loaded, question, files, summarize, chunk_tokens, max_new_toke
 def _print_catalog(models: bool, gpus: bool) -> None:
     from vramguard.catalog.gpus import GPUS
     from vramguard.catalog.models import MODELS
-    out = Console()
+    out = _console()
     if models:
         for name, cfg in MODELS.items():
             out.print(f"{name:18} {cfg['source']}")

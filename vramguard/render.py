@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from rich import box
 from rich.console import Console
 from rich.padding import Padding
 from rich.table import Table
@@ -38,6 +39,49 @@ PEAK_AT = {
 }
 
 
+class _StripTrailingSpaces:
+    """A text stream that drops the spaces rich leaves at the end of wrapped and padded lines; the real stream
+    (``sys.stdout`` or ``sys.stderr``) is looked up at each write, so redirection and capture keep working."""
+
+    def __init__(self, name: str):
+        self._name = name
+        self._line = ""
+
+    @property
+    def _stream(self):
+        import sys
+        return getattr(sys, self._name)
+
+    def write(self, text: str) -> int:
+        *done, self._line = (self._line + text).split("\n")
+        if done:
+            self._stream.write("".join(line.rstrip(" ") + "\n" for line in done))
+        return len(text)
+
+    def flush(self) -> None:
+        if self._line:
+            self._stream.write(self._line)
+            self._line = ""
+        self._stream.flush()
+
+    def isatty(self) -> bool:
+        return self._stream.isatty()
+
+    def fileno(self) -> int:
+        return self._stream.fileno()
+
+    @property
+    def encoding(self) -> str:
+        return getattr(self._stream, "encoding", "utf-8")
+
+
+def console(stderr: bool = False) -> Console:
+    """A rich Console on stdout (or stderr) whose lines carry no trailing spaces."""
+    import sys
+    return Console(file=_StripTrailingSpaces("stderr" if stderr else "stdout"),  # type: ignore[arg-type]
+                   stderr=stderr, force_terminal=None if (sys.stderr if stderr else sys.stdout).isatty() else False)
+
+
 def _where(at: str) -> str:
     return PEAK_AT.get(at, at.replace("_", " "))
 
@@ -49,11 +93,11 @@ def indented(c: Console, text: str, indent: int = 5) -> None:
 
 def short_label(label: str) -> str:
     """A card's name without the vendor's prefixes, for narrow tables ("NVIDIA GeForce RTX 4090" -> "RTX 4090")."""
-    return label.replace("NVIDIA ", "").replace("GeForce ", "")
+    return label.replace("NVIDIA ", "").replace("GeForce ", "").replace(" Generation", "")
 
 
 def _n(v: int | None) -> str:
-    return "none fits" if v is None else f"{v:,}"
+    return "none" if v is None else f"{v:,}"
 
 
 def to_jsonable(obj: Any) -> Any:
@@ -203,20 +247,21 @@ def print_plan(p: Plan, console: Console | None = None) -> None:
     c.print(f"prefill peak {fmt_bytes(est.prefill.peak_bytes)} above the weights ({_where(est.prefill.at)}){dec}")
     c.print(f"logits: {p.logits_case}")
     c.print(f"cards: {p.cards_reason}")
-    ct = Table(title="Cards", title_justify="left")
-    for col in ("card", "memory", "need", "fits", "headroom", "max prompt", "max new tokens", "max batch"):
-        ct.add_column(col, justify="left" if col == "card" else "right")
+    # one line per card in 80 columns: sizes in GiB without the unit in each cell, no vertical rules
+    ct = Table(title="Cards: memory, need and headroom in GiB; the largest prompt, new tokens and batch that fit",
+               title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    for col in ("card", "memory", "need", "fits", "headroom", "prompt", "new", "batch"):
+        ct.add_column(col, justify="left" if col == "card" else "right", no_wrap=True)
     for v in p.cards:
-        ct.add_row(short_label(v.gpu.label), fmt_gib(v.usable_bytes), fmt_gib(v.need_bytes),
-                   "[green]yes[/green]" if v.fits else "[red]no[/red]", fmt_gib(v.headroom_bytes),
+        ct.add_row(short_label(v.gpu.label), f"{v.usable_bytes / 2**30:.2f}", f"{v.need_bytes / 2**30:.2f}",
+                   "[green]yes[/green]" if v.fits else "[red]no[/red]", f"{v.headroom_bytes / 2**30:.2f}",
                    _n(v.max_prompt_tokens), _n(v.max_new_tokens), _n(v.max_batch))
     c.print(ct)
     if p.findings:
         c.print("[bold]Findings[/bold]")
         for f in p.findings:
             color = {"fail": "red", "warn": "yellow"}.get(f.level, "cyan")
-            c.print(f"  [{color}]{f.level}[/{color}]", end=" ")
-            c.print(Text(f.message), soft_wrap=False)
+            c.print(Padding(Text.assemble((f.level, color), " ", f.message), (0, 0, 0, 2)))
             if f.fix:
                 indented(c, f"fix: {f.fix}", 7)
     labels = {v.gpu.name: short_label(v.gpu.label) for v in p.cards}
