@@ -21,7 +21,7 @@ def test_default_plan_without_gpu():
     out = r.stdout
     assert "llama-2-7b" in out and "NF4" in out and "flash_attention_2" in out
     assert "256 new tokens" in out
-    for size in ("8.00 GiB", "12.00 GiB", "16.00 GiB", "24.00 GiB"):
+    for size in ("8 GiB card      8.00", "12 GiB card    12.00", "16 GiB card    16.00", "24 GiB card    24.00"):
         assert size in out
     assert "Traceback" not in r.stderr
 
