@@ -296,6 +296,18 @@ def oom_log(
         raise typer.Exit(1)
 
 
+def read_message(message: str | None, stdin=None) -> str:
+    """The message argument, or stdin for none or ``-``; on a terminal, first say what is awaited (on stderr)."""
+    stdin = stdin or sys.stdin
+    if message not in (None, "-"):
+        return message
+    if stdin.isatty():
+        err.print("paste the out-of-memory message, then press Ctrl-D on a new line (Ctrl-Z, Enter on Windows); "
+                  "or pass it as an argument, or pipe it in: ... 2>&1 | vramguard explain -", markup=False,
+                  highlight=False)
+    return stdin.read()
+
+
 @app.command(short_help=SHORT_HELP["explain"])
 def explain(
     message: Optional[str] = typer.Argument(None, help="the OOM message, or - to read it from stdin"),
@@ -316,7 +328,7 @@ def explain(
     from vramguard.render import print_explanation, to_jsonable
 
     def build():
-        text = sys.stdin.read() if message in (None, "-") else message
+        text = read_message(message)
         cands = None
         if model:
             from vramguard.resolve import resolve_model
