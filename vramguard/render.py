@@ -11,6 +11,7 @@ from rich.padding import Padding
 from rich.table import Table
 from rich.text import Text
 
+from vramguard.catalog.gpus import GPUS
 from vramguard.plan import Plan
 from vramguard.units import fmt_bytes, fmt_gib, fmt_tokens, plural
 
@@ -248,7 +249,7 @@ def print_plan(p: Plan, console: Console | None = None) -> None:
     c.print(f"logits: {p.logits_case}")
     c.print(f"cards: {p.cards_reason}")
     # one line per card in 80 columns: sizes in GiB without the unit in each cell, no vertical rules
-    ct = Table(title="Cards: memory, need and headroom in GiB; the largest prompt, new tokens and batch that fit",
+    ct = Table(title="Cards (GiB); the largest prompt, new tokens, batch that fit",
                title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
     for col in ("card", "memory", "need", "fits", "headroom", "prompt", "new", "batch"):
         ct.add_column(col, justify="left" if col == "card" else "right", no_wrap=True)
@@ -268,13 +269,14 @@ def print_plan(p: Plan, console: Console | None = None) -> None:
     if p.changes and all(v.fits for v in p.cards):
         c.print("fits every card planned against; --format json lists the changes that would lower the need further")
     elif p.changes:
-        ch = Table(title="Changes that lower the need: first those that keep your request, then those that shrink "
-                         "it; largest saving first in each", title_justify="left")
+        ch = Table(title="Changes: first those that make it fit as asked (settings, then hardware), then those "
+                         "that lower the need, then those that shrink the request", title_justify="left")
         for col in ("change", "saves", "need after", "fits"):
             ch.add_column(col, justify="left" if col in ("change", "fits") else "right")
         for x in p.changes:
             ch.add_row(x.description, fmt_bytes(x.saved_bytes), fmt_bytes(x.need_bytes),
-                       ", ".join(labels.get(n, n) for n in x.fits_on) or "no")
+                       ", ".join(labels.get(n, short_label(GPUS[n].label) if n in GPUS else n)
+                                 for n in x.fits_on) or "no")
         c.print(ch)
 
 
