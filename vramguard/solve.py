@@ -125,6 +125,8 @@ def ranked_changes(spec: ModelSpec, s: Settings, gpus: list[GpuSpec]) -> list[Ch
     first, by bytes saved; then those that give up part of the request (shorter prompt or generation, smaller
     batch, fewer beams), by bytes saved. The length and batch changes are solved for the largest card the run
     does not fit (the smallest change that makes it fit somewhere); when it fits every card they are omitted.
+    When a card is too small, the settings changes that make it fit there come first, then
+    :func:`hardware_changes`, then the rest in the order above.
     """
     need = _need(spec, s)
     usable = {g.name: g.total_bytes - g.used_by_others_bytes for g in gpus}
