@@ -37,7 +37,8 @@ def test_the_chat_template_is_applied_when_the_tokenizer_has_one(tmp_path):
     tok = _with_template(tmp_path)
     chat = prepare_prompt(tok, "w7 w8")
     # [BOS] w1 w7 w8 [EOS] w2 w3: the user turn and the generation prompt
-    assert chat.chat_template and chat.ids == tok.convert_tokens_to_ids(["[BOS]", "w1", "w7", "w8", "[EOS]", "w2", "w3"])
+    want = tok.convert_tokens_to_ids(["[BOS]", "w1", "w7", "w8", "[EOS]", "w2", "w3"])
+    assert chat.chat_template and chat.ids == want
     assert not prepare_prompt(tok, "w7 w8", chat=False).chat_template
 
 

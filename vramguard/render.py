@@ -13,7 +13,7 @@ from rich.text import Text
 
 from vramguard.catalog.gpus import GPUS
 from vramguard.plan import Plan
-from vramguard.units import fmt_bytes, fmt_gib, fmt_tokens, plural
+from vramguard.units import fmt_bytes, fmt_tokens, plural
 
 LABELS = {
     "weights": "weights (quantized linears, 16-bit embeddings, lm_head, norms)",

@@ -71,9 +71,10 @@ def decimal_size_note(text: str, field: str = "--vram") -> str | None:
     unit = m.group(2).upper()
     value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
     binary = int(float(m.group(1)) * (GiB if unit == "GB" else TiB))
-    return (f"{field} {text.strip()} read as {m.group(1)} {unit} = {value:,} B ({value / GiB:.2f} GiB); a card sold as "
-            f"\"{m.group(1)} {unit}\" has {m.group(1)} {unit[0]}iB = {binary:,} B, less what its driver keeps: for such a "
-            f"card pass --gpu NAME (its reported total) or {field} {m.group(1)}{unit[0]}iB")
+    n = m.group(1)
+    return (f"{field} {text.strip()} read as {n} {unit} = {value:,} B ({value / GiB:.2f} GiB); a card sold as "
+            f"\"{n} {unit}\" has {n} {unit[0]}iB = {binary:,} B, less what its driver keeps: for such a card pass "
+            f"--gpu NAME (its reported total) or {field} {n}{unit[0]}iB")
 
 
 def plural(n: int, noun: str) -> str:

@@ -94,7 +94,8 @@ GPUS: dict[str, GpuSpec] = {g.name: g for g in [
        _OOM.format("11.75") + "github.com/smy20011/dreambooth-gui/issues/78 (11.76 GiB in "
        "github.com/TencentARC/PhotoMaker/issues/47)"),
     _g("rtx-3070", "NVIDIA GeForce RTX 3070", "7.76", 8, (8, 6), 448,
-       _OOM.format("7.76") + "github.com/sshan-zhao/GASDA/issues/19 (7.78 GiB in github.com/akshitac8/OW-DETR/issues/46)"),
+       _OOM.format("7.76") + "github.com/sshan-zhao/GASDA/issues/19 (7.78 GiB in "
+       "github.com/akshitac8/OW-DETR/issues/46)"),
     _g("rtx-3080", "NVIDIA GeForce RTX 3080 10GB", "9.78", 10, (8, 6), 760,
        _OOM.format("9.78") + "github.com/zai-org/CogVideo/issues/34"),
     _g("rtx-3090", "NVIDIA GeForce RTX 3090", "23.70", 24, (8, 6), 936,
