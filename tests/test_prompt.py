@@ -4,6 +4,7 @@ the missing-folder error come before any weights are loaded."""
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -61,7 +62,7 @@ def test_the_context_is_checked_from_the_folder_without_weights(tmp_path):
 def test_a_path_that_does_not_exist_is_named(tmp_path):
     with pytest.raises(UnknownModel) as e:
         preflight_prompt("./no-such-typo", "hi", 4)
-    assert "no such file or folder" in str(e.value)
+    assert "no such file or folder" in str(e.value) and str(Path("no-such-typo").absolute()) in str(e.value)
     r = subprocess.run([sys.executable, "-m", "vramguard", "run", "./no-such-typo", "--prompt", "hi"],
                        capture_output=True, text=True, env=ENV, timeout=120)
     assert r.returncode == 3 and "no such file or folder" in r.stderr and "download" not in r.stderr, r.stderr
