@@ -64,7 +64,8 @@ def preflight_prompt(model: str, text: str, max_new_tokens: int, chat: bool | No
     folder = model_folder(model)
     if folder is None:
         from pathlib import Path
-        fix = (f"no such file or folder: {Path(model).expanduser().absolute()}" if str(model).startswith((".", "/", "~"))
+        path = str(model).startswith((".", "/", "~"))
+        fix = (f"no such file or folder: {Path(model).expanduser().absolute()}" if path
                else "download the model first (a catalog name has no weights: use it with plan)")
         raise UnknownModel("MODEL", model, "a local folder or cached model id with weights", fix)
     try:
