@@ -209,3 +209,29 @@ def test_param_dtype_resolution_rules(tiny):
 def test_probe_env_on_this_machine_never_raises():
     e = probe_env()
     assert e.torch_version and e.ram_total_bytes and isinstance(e.sdpa_backends, dict)
+
+
+def test_check_with_nothing_given_checks_what_vramguard_loads():
+    """check MODEL then run: the check covers the settings run will use (bf16 compute where supported, fp16
+    below compute capability 8.0), not bitsandbytes' bare float32 default, which --transformers-defaults keeps."""
+    s = Settings(quant="nf4")
+    r = check("mistral-7b-v0.3", s, gpu="rtx-4090", env=env(), verify=False, loader_defaults=True)
+    f = by_name(r, "compute_dtype")[0]
+    assert f.status == "ok" and f.value == "bf16" and by_name(r, "param_dtype")[0].value.startswith("bf16")
+    t4 = check("mistral-7b-v0.3", s, gpu="t4", env=env(), verify=False, loader_defaults=True)
+    assert by_name(t4, "compute_dtype")[0].value == "fp16"
+    bare = check("mistral-7b-v0.3", s, gpu="rtx-4090", env=env(), verify=False)
+    assert by_name(bare, "compute_dtype")[0].status == "warn"
+
+
+def test_cli_check_defaults_and_the_transformers_defaults_flag():
+    import os
+    import subprocess
+    import sys
+    e = {**os.environ, "HF_HUB_OFFLINE": "1", "COLUMNS": "160"}
+
+    def run(*extra):
+        return subprocess.run([sys.executable, "-m", "vramguard", "check", "mistral-7b-v0.3", "--gpu", "rtx-4090",
+                               "--no-verify", *extra], capture_output=True, text=True, env=e, timeout=120).stdout
+    assert "compute_dtype: bf16" in run() and "bnb_4bit_compute_dtype fp32" not in run()
+    assert "bnb_4bit_compute_dtype fp32" in run("--transformers-defaults")

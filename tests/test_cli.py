@@ -21,7 +21,7 @@ def test_default_plan_without_gpu():
     out = r.stdout
     assert "llama-2-7b" in out and "NF4" in out and "flash_attention_2" in out
     assert "256 new tokens" in out
-    for size in ("8.00 GiB", "12.00 GiB", "16.00 GiB", "24.00 GiB"):
+    for size in ("8 GiB card      8.00", "12 GiB card    12.00", "16 GiB card    16.00", "24 GiB card    24.00"):
         assert size in out
     assert "Traceback" not in r.stderr
 
@@ -95,7 +95,7 @@ def test_context_override_for_rope_scaled_models():
 
 def test_named_card_and_listing():
     r = run("plan", "llama-3.1-70b", "--quant", "nf4", "--gpu", "rtx-4090")
-    assert r.returncode == 0 and "no" in r.stdout and "Changes that lower the need" in r.stdout
+    assert r.returncode == 0 and "no" in r.stdout and "Changes: first those that make it fit" in r.stdout
     r = run("plan", "--list-gpus")
     assert r.returncode == 0 and len(r.stdout.strip().splitlines()) >= 15
     r = run("plan", "--list-models")
@@ -116,7 +116,7 @@ def test_exit_code_when_nothing_fits():
 
 @pytest.mark.parametrize("command", [["run", "{m}", "--prompt", "hi", "--max-new-tokens", "2"],
                                      ["profile", "{m}"], ["fit", "{m}", "--vary", "prompt"]])
-def test_a_missing_optional_package_is_named_with_its_extra(tiny, command):
+def test_a_missing_optional_package_is_named_with_its_extra(tiny, command, monkeypatch):
     """`pip install .` alone has no torch: commands that need it say which package and which extra (exit 3), not an
     internal error."""
     folder, _ = tiny("LlamaConfig", hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
@@ -126,6 +126,10 @@ def test_a_missing_optional_package_is_named_with_its_extra(tiny, command):
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert p.returncode == 3, p.stderr
     assert "error torch not installed" in p.stderr and "pip install 'vramguard[gpu]'" in p.stderr
+    from vramguard import hardware
+    monkeypatch.setattr(hardware, "DETECT_OVERRIDE", None)  # what the subprocess saw: the real NVML answer
+    if not hardware.detect_gpus().gpus:  # no GPU here: the CPU build of torch is named first
+        assert "pip install torch --index-url https://download.pytorch.org/whl/cpu" in p.stderr
     assert "internal error" not in p.stderr and "Traceback" not in p.stderr
 
 
@@ -146,3 +150,66 @@ def test_plan_defaults_follow_the_named_card_and_explicit_values_are_kept():
     a = subprocess.run([sys.executable, "-m", "vramguard", "plan", "mistral-7b-v0.3", "--gpu", "rtx-4090", "--format",
                         "json"], capture_output=True, text=True, timeout=120)
     assert json.loads(a.stdout)["settings"]["attn"] == "flash_attention_2" and a.stderr == ""
+
+
+def test_the_torch_install_fix_follows_the_gpu(monkeypatch):
+    from vramguard import cli, hardware
+    from vramguard.catalog.gpus import GPUS
+    assert cli.install_fix("gpu", True).startswith("pip install torch --index-url https://download.pytorch.org/whl/cpu")
+    monkeypatch.setattr(hardware, "DETECT_OVERRIDE", lambda: hardware.DetectedGpus((GPUS["t4"],), "1 GPU(s)"))
+    assert cli.install_fix("gpu", True) == "pip install 'vramguard[gpu]' (installs the CUDA build of torch)"
+    assert cli.install_fix("serve", False) == "pip install 'vramguard[serve]'"
+
+
+def test_only_the_known_library_noise_is_silenced():
+    code = ("import warnings, sys\n"
+            "from vramguard.cli import quiet_known_warnings\n"
+            "quiet_known_warnings()\n"
+            "import torch.distributed as dist\n"
+            "dist.reduce_op.SUM\n"
+            "from torch.profiler import profile, schedule\n"
+            "with profile(schedule=schedule(wait=0, warmup=0, active=1)) as p:\n"
+            "    torch_ = __import__('torch'); torch_.ones(2) + 1; p.step()\n"
+            "warnings.warn('Profiler clears events, a different message', UserWarning)\n"
+            "warnings.warn('`torch.distributed.reduce_op` is deprecated', UserWarning)\n")
+    r = subprocess.run([sys.executable, "-W", "default", "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "clears events at the end of each cycle" not in r.stderr
+    assert "FutureWarning" not in r.stderr
+    # other warnings, even with similar words or another category, still show
+    assert "a different message" in r.stderr and "UserWarning: `torch.distributed.reduce_op`" in r.stderr
+    # without the filters both would have shown
+    bare = subprocess.run([sys.executable, "-W", "default", "-c", code.replace("quiet_known_warnings()\n", "")],
+                          capture_output=True, text=True, timeout=120)
+    assert "clears events at the end of each cycle" in bare.stderr and "FutureWarning" in bare.stderr
+
+
+def _lines(*args, columns="80"):
+    r = subprocess.run([sys.executable, "-m", "vramguard", *args], capture_output=True, text=True,
+                       env={**ENV, "COLUMNS": columns}, timeout=120)
+    assert r.returncode in (0, 1), r.stderr
+    return r.stdout.splitlines()
+
+
+@pytest.mark.parametrize("args", [("plan",), ("plan", "gemma-2-9b", "--gpu", "Tesla T4"),
+                                  ("plan", "llama-3.1-70b", "--gpu", "rtx-6000-ada"),
+                                  ("check", "mistral-7b-v0.3", "--no-verify"),
+                                  ("explain", "CUDA out of memory. Tried to allocate 2.00 GiB")])
+def test_80_columns_no_wrapped_card_rows_and_no_trailing_spaces(args):
+    lines = _lines(*args)
+    assert all(len(line) <= 80 for line in lines), max(lines, key=len)
+    assert not [line for line in lines if line != line.rstrip()]
+    if args[0] == "plan":
+        head = next(i for i, line in enumerate(lines) if line.split()[:2] == ["card", "memory"])
+        rows = lines[head + 2:]
+        rows = rows[:next((i for i, line in enumerate(rows) if not line.strip()), len(rows))]
+        assert rows and all(len(row.split()) >= 8 for row in rows), rows  # every card on one line
+
+
+def test_top_level_help_is_not_cut_and_version_is_printed():
+    lines = _lines("--help")
+    commands = lines[lines.index("Commands:") + 1:]
+    assert len([c for c in commands if c.strip()]) == 8
+    assert not any(line.rstrip().endswith("...") for line in commands)
+    import vramguard
+    assert _lines("--version")[0].startswith(f"vramguard {vramguard.__version__} (torch ")

@@ -102,3 +102,35 @@ def test_cli_reads_stdin():
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["kind"] == "fragmentation"
+
+
+def test_cublas_mps_and_accelerate_messages_are_explained():
+    from vramguard.explain import explain
+    e = explain("RuntimeError: CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`")
+    assert e.kind == "cublas_alloc" and any("nvidia-smi" in f for f in e.fixes)
+    mps = explain("RuntimeError: MPS backend out of memory (MPS allocated: 18.08 GB, other allocations: 1.42 GB, "
+                  "max allowed: 18.13 GB). Tried to allocate 1.00 MB on private pool. Use "
+                  "PYTORCH_MPS_HIGH_WATERMARK_RATIO=0.0 to disable upper limit for memory allocations (may cause "
+                  "system failure).")
+    # MPSAllocator prints 1024-based sizes: 18.13 GB = int(18.13 x 2**30), 1.00 MB = 2**20
+    assert mps.kind == "mps" and mps.message.allowed_bytes == int(18.13 * GiB) and mps.message.request_bytes == 2**20
+    assert any("PYTORCH_MPS_HIGH_WATERMARK_RATIO" in f for f in mps.fixes)
+    acc = explain("ValueError: Some modules are dispatched on the CPU or the disk. Make sure you have enough GPU "
+                  "RAM to fit the quantized model. If you want to dispatch the model on the CPU or the disk while "
+                  "keeping these modules in 32-bit, you need to set `llm_int8_enable_fp32_cpu_offload=True` and "
+                  "pass a custom `device_map` to `from_pretrained`.")
+    assert acc.kind == "offload" and any("vramguard plan" in f for f in acc.fixes)
+
+
+def test_explain_on_a_terminal_says_what_it_waits_for(capsys):
+    import io
+
+    from vramguard.cli import read_message
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+    assert read_message(None, Tty("CUDA out of memory ...")) == "CUDA out of memory ..."
+    assert "paste the out-of-memory message, then press Ctrl-D" in capsys.readouterr().err
+    assert read_message(None, io.StringIO("piped")) == "piped"  # a pipe: no prompt
+    assert capsys.readouterr().err == ""

@@ -13,7 +13,7 @@ from vramguard.units import GiB
 def test_catalog_has_15_cards_with_capability():
     assert len(GPUS) >= 15
     assert all(g.compute_capability and g.total_bytes > 0 for g in GPUS.values())
-    assert GPUS["t4"].compute_capability == (7, 5) and GPUS["rtx-4090"].total_bytes == 24 * GiB
+    assert GPUS["t4"].compute_capability == (7, 5) and GPUS["rtx-4090"].total_bytes < 24 * GiB
 
 
 def test_detected_gpu_is_planned_against_with_other_processes_subtracted(monkeypatch):

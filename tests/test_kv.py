@@ -93,3 +93,36 @@ def test_offloaded_cache_keeps_two_layers_on_gpu():
     kv = kv_cache_bytes(spec, s, 8192)
     assert kv.gpu_bytes == 2 * 2 * 8192 * 8 * 128 * 2
     assert kv.cpu_bytes == 8192 * 131_072
+
+
+def test_growth_per_token_at_the_users_length_per_layer_type():
+    from vramguard.memory.kv import kv_growth_per_token
+    from vramguard.resolve import resolve_model
+    gemma, mistral = resolve_model("gemma-2-9b"), resolve_model("mistral-7b-v0.1")
+    s = Settings()
+    # Gemma-2-9B: 21 + 21 layers x 2 (K, V) x 8 KV heads x head_dim 256 x 2 B = 172,032 B per layer type
+    assert kv_growth_per_token(gemma, s, 384) == {"sliding_attention": 172_032, "full_attention": 172_032}
+    # past the window (4,096: the layer keeps 4,095) the sliding layers add nothing
+    assert kv_growth_per_token(gemma, s, 8192) == {"sliding_attention": 0, "full_attention": 172_032}
+    # Mistral-7B-v0.1: all 32 layers slide; 32 x 2 x 8 x 128 x 2 B = 131,072 B until 4,095 tokens are held
+    assert kv_growth_per_token(mistral, s, 4094) == {"sliding_attention": 131_072}
+    assert kv_growth_per_token(mistral, s, 4095) == {"sliding_attention": 0}
+    assert kv_growth_per_token(mistral, Settings(cache="static"), 10) == {"sliding_attention": 0}
+
+
+def test_plan_shows_the_growth_a_sliding_window_model_really_has():
+    import io
+
+    from rich.console import Console
+
+    from vramguard.plan import plan
+    from vramguard.render import plan_to_json, print_plan
+    p = plan("mistral-7b-v0.1", Settings(prompt_tokens=4000, max_new_tokens=200), gpu="rtx-4090")
+    d = plan_to_json(p)["kv_cache"]
+    assert d["growth_per_token_by_layer_type"] == {"sliding_attention": 131_072}
+    assert d["sliding_growth_new_tokens"] == 95  # 4,095 - 4,000 prompt tokens
+    out = io.StringIO()
+    print_plan(p, Console(file=out, width=200))
+    text = out.getvalue()
+    assert "128.00 KiB in the 32 sliding-window layers until they hold 4,095 tokens (for the first 95 new tokens, " \
+           "then 0)" in text

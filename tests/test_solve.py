@@ -52,11 +52,13 @@ def test_c6_ranks_kv_quantization_and_shorter_context():
     assert any("int8 quantized cache" in d for d in descs)
     assert any("int4 quantized cache" in d for d in descs)
     assert any(d.startswith("shorter prompt") for d in descs)
-    keep = [c.saved_bytes for c in p.changes if not c.reduces_request]
-    cut = [c.saved_bytes for c in p.changes if c.reduces_request]
+    from vramguard.solve import HARDWARE_KEYS
+    settings = [c for c in p.changes if not set(HARDWARE_KEYS) & set(c.settings)]
+    keep = [c.saved_bytes for c in settings if not c.reduces_request]
+    cut = [c.saved_bytes for c in settings if c.reduces_request]
     assert keep == sorted(keep, reverse=True) and cut == sorted(cut, reverse=True)
     assert all(x > 0 for x in keep + cut)
-    assert p.changes.index(next(c for c in p.changes if c.reduces_request)) == len(keep)
+    assert settings.index(next(c for c in settings if c.reduces_request)) == len(keep)
     int4 = next(c for c in p.changes if "int4" in c.description)
     assert int4.saved_bytes > 25 * GiB
     # the quantized format's group-scale overhead is stated with the plan of a quantized KV cache
@@ -85,3 +87,24 @@ def test_weights_larger_than_the_card_are_said_plainly():
     f = next(f for f in p.findings if f.code == "weights_exceed_card")
     assert f.level == "fail" and "no prompt, batch or KV setting can fit" in f.message and "several GPUs" in f.fix
     assert not any(f.code == "weights_exceed_card" for f in plan("llama-3.1-8b", Settings(), gpu="rtx-4090").findings)
+
+
+def test_when_no_setting_fits_the_changes_of_hardware_come_with_the_bytes_they_need():
+    """Mixtral-8x7B in NF4 on an RTX 4090: the weights alone nearly fill it, so KV changes save MiB; what fits is
+    weights in CPU RAM (the shortfall), a second card (half the weights and KV on each) or a larger card."""
+    p = plan("mixtral-8x7b", Settings(), gpu="rtx-4090")
+    card, need = p.cards[0], p.estimate.device_used_bytes
+    assert not card.fits
+    top = p.changes[:3]
+    assert [next(k for k in ("cpu_offload_bytes", "gpus", "gpu") if k in c.settings) for c in top] == \
+        ["cpu_offload_bytes", "gpus", "gpu"]
+    offload, second, larger = top
+    assert offload.settings["cpu_offload_bytes"] == need - card.usable_bytes == offload.saved_bytes
+    assert offload.need_bytes == card.usable_bytes and "rtx-4090" in offload.fits_on
+    half = (p.estimate.weights.total_bytes + p.estimate.kv_full.gpu_bytes) // 2
+    assert second.need_bytes == need - half and "rtx-4090" in second.fits_on
+    # the smallest catalog card whose reported total holds the need
+    smallest = min((g for g in GPUS.values() if g.total_bytes >= need), key=lambda g: g.total_bytes)
+    assert larger.settings == {"gpu": smallest.name} and larger.fits_on == (smallest.name,)
+    # the KV changes that cannot make it fit come after
+    assert all("rtx-4090" not in c.fits_on for c in p.changes[3:])

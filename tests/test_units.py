@@ -11,12 +11,14 @@ from vramguard.units import GiB, fmt_bytes, fmt_gib, parse_size
     ("12.5GiB", 13421772800),         # 12.5 x 2**30
     ("512B", 512),
     ("24gib", 24 * 2**30),
+    ("24G", 24 * 2**30), ("24g", 24 * 2**30), ("24Gi", 24 * 2**30), ("512M", 512 * 2**20),  # binary, as nvidia-smi
+    ("24gb", 24 * 10**9),             # decimal GB, case-insensitive (a note says what that means: below)
 ])
 def test_parse_size_accepted_forms(text, expected):
     assert parse_size(text) == expected
 
 
-@pytest.mark.parametrize("text", ["24", "24G", "24 gigs", "-1GiB", "0GiB", "GiB", "24XB", ""])
+@pytest.mark.parametrize("text", ["24", "24 gigs", "-1GiB", "0GiB", "GiB", "24XB", ""])
 def test_parse_size_rejects_and_names_the_forms(text):
     with pytest.raises(InvalidValue) as e:
         parse_size(text, "--vram")
@@ -35,3 +37,31 @@ def test_plural_counts():
     from vramguard.units import plural
     assert (plural(1, "warning"), plural(0, "warning"), plural(1024, "line")) == ("1 warning", "0 warnings",
                                                                                 "1,024 lines")
+
+
+def test_a_byte_count_without_unit_is_suggested_as_bytes():
+    with pytest.raises(InvalidValue) as e:
+        parse_size("25769803776", "--vram")
+    assert e.value.fix == "for 25,769,803,776 bytes write 25769803776B (= 24GiB)"
+    assert parse_size("25769803776B") == 24 * GiB
+    with pytest.raises(InvalidValue) as e:
+        parse_size("24", "--vram")
+    assert "24GiB" in e.value.fix
+
+
+def test_decimal_gb_says_what_was_understood_and_what_a_24_gb_card_has():
+    from vramguard.units import decimal_size_note
+    note = decimal_size_note("24gb")
+    assert "24,000,000,000 B (22.35 GiB)" in note and "25,769,803,776 B" in note and "--vram 24GiB" in note
+    assert decimal_size_note("24GiB") is None and decimal_size_note("24G") is None
+
+
+def test_a_size_split_in_two_words_is_a_clear_error():
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-m", "vramguard", "plan", "--vram", "24", "GiB"], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2 and "two arguments" in r.stderr and "--vram 24GiB" in r.stderr, r.stderr
+    r = subprocess.run([sys.executable, "-m", "vramguard", "plan", "--vram", "24gb"], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0 and "22.35 GiB" in r.stderr

@@ -13,11 +13,11 @@ from enum import Enum
 from typing import Optional
 
 import typer
-from rich.console import Console
 
 from vramguard.errors import (ConfigError, Infeasible, InvalidValue, UnknownGpu, UnknownModel,
                               VramguardError)
 from vramguard.settings import ATTNS, CACHES, DTYPES, KV_DTYPES, LOGITS, QUANTS, SDPA_KERNELS
+from vramguard.units import plural
 
 # 1: a check failed; 2: bad option value; 3: unknown model / card or unreadable config; 4: infeasible request;
 # 70: internal error
@@ -28,14 +28,47 @@ OPTIONAL_PACKAGES = {m: "gpu" for m in ("torch", "transformers", "accelerate", "
                                         "matplotlib", "optimum", "hqq")} | {
     m: "serve" for m in ("fastapi", "uvicorn", "sse_starlette", "prometheus_client", "httpx", "pydantic")}
 
+from vramguard.render import console as _console  # noqa: E402  (rich only: no torch import)
+
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None,
                   help="vramguard: plan, verify and guard GPU memory for Hugging Face transformers inference.")
-err = Console(stderr=True)
+err = _console(stderr=True)
+
+
+def _version(value: bool) -> None:
+    if value:
+        import importlib.metadata
+
+        import vramguard
+        try:
+            torch_v = importlib.metadata.version("torch")
+        except importlib.metadata.PackageNotFoundError:
+            torch_v = "not installed"
+        try:
+            tf_v = importlib.metadata.version("transformers")
+        except importlib.metadata.PackageNotFoundError:
+            tf_v = "not installed"
+        print(f"vramguard {vramguard.__version__} (torch {torch_v}, transformers {tf_v})")
+        raise typer.Exit()
 
 
 @app.callback()
-def _root() -> None:
+def _root(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                       help="print the version (and torch's, transformers') and exit")) -> None:
     """vramguard: plan, verify and guard GPU memory for Hugging Face transformers inference."""
+
+
+# one line per command in `vramguard --help`, each short enough for 80 columns (click cuts longer ones with "...")
+SHORT_HELP = {
+    "plan": "Predict memory by component and what fits, before loading.",
+    "check": "Check the environment and load settings; name the kernel.",
+    "oom-log": "Explain kernel OOM kills ('Killed'): process, memory, why.",
+    "explain": "Classify a CUDA out-of-memory message, with the fix.",
+    "profile": "Measure a run beside the plan; memory timeline picture.",
+    "fit": "Real runs: the largest prompt/new tokens/batch that fits.",
+    "run": "Generate text without running out of memory.",
+    "serve": "Serve an OpenAI-compatible API with admission control.",
+}
 
 
 def _choices(name: str, values) -> type[Enum]:
@@ -78,6 +111,22 @@ def _fail(e: VramguardError, as_json: bool = False) -> None:
     raise typer.Exit(code)
 
 
+TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"  # PyTorch's index of CPU-only wheels
+
+
+def install_fix(extra: str, torch_missing: bool) -> str:
+    """The install command for a missing optional package: with torch missing and no NVIDIA GPU found, the CPU
+    build of torch first (plain ``pip install torch`` resolves to the CUDA build and its CUDA packages)."""
+    cmd = f"pip install 'vramguard[{extra}]'"
+    if not torch_missing:
+        return cmd
+    from vramguard.hardware import detect_gpus
+    det = detect_gpus()
+    if det.gpus:
+        return cmd + " (installs the CUDA build of torch)"
+    return (f"pip install torch --index-url {TORCH_CPU_INDEX} (the CPU build: {det.reason}), then {cmd}")
+
+
 def run_guarded(fn, *args, as_json: bool = False, **kwargs):
     """Call ``fn``; map vramguard errors to their exit code and anything else to an internal-error message."""
     try:
@@ -90,9 +139,8 @@ def run_guarded(fn, *args, as_json: bool = False, **kwargs):
         top = (e.name or "").split(".")[0]
         if top not in OPTIONAL_PACKAGES or os.environ.get("VRAMGUARD_DEBUG"):
             raise
-        err.print(f"error {top} not installed: this command needs it.\nfix: pip install "
-                  f"'vramguard[{OPTIONAL_PACKAGES[top]}]' (on a machine without a GPU, pip install torch first to "
-                  "get its CPU build)", markup=False, highlight=False)
+        err.print(f"error {top} not installed: this command needs it.\nfix: "
+                  + install_fix(OPTIONAL_PACKAGES[top], top == "torch"), markup=False, highlight=False)
         raise typer.Exit(3) from None
     except Exception as e:  # an internal error: say so plainly, keep the traceback for debugging only
         if os.environ.get("VRAMGUARD_DEBUG"):
@@ -105,7 +153,7 @@ def run_guarded(fn, *args, as_json: bool = False, **kwargs):
 DEFAULT_PROMPT_TOKENS = 128  # a short chat prompt: system prompt, one user turn and the chat template
 
 
-@app.command()
+@app.command(short_help=SHORT_HELP["plan"])
 def plan(
     model: str = typer.Argument("llama-2-7b", metavar="MODEL",
                                  help="model folder, config.json, catalog name or cached model id"),
@@ -150,6 +198,9 @@ def plan(
                                                          dtype.value if dtype else None, compute_dtype is not None)
         for note in notes:
             err.print(note, markup=False, highlight=False)
+        from vramguard.units import decimal_size_note
+        if vram and decimal_size_note(vram):
+            err.print("note: " + decimal_size_note(vram), markup=False, highlight=False)
         s = Settings(quant=quant.value, double_quant=double_quant,
                      compute_dtype=compute_dtype.value if compute_dtype else None,
                      dtype=chosen_dtype, attn=chosen_attn,
@@ -163,21 +214,27 @@ def plan(
     if fmt == Format['json']:
         sys.stdout.write(json.dumps(plan_to_json(p), indent=2) + "\n")
     else:
-        print_plan(p, Console())
+        print_plan(p, _console())
     if exit_code and not any(c.fits for c in p.cards):
         raise typer.Exit(1)
 
 
-@app.command()
+@app.command(short_help=SHORT_HELP["check"])
 def check(
     model: Optional[str] = typer.Argument(None, metavar="MODEL",
                                  help="model folder, config.json, catalog name or cached model id"),
     quant: CheckQuant = typer.Option(CheckQuant['nf4'], help="weight format; none: no quantization config, the "
                                      "dtype then decides"),
     double_quant: bool = typer.Option(True, "--double-quant/--no-double-quant", help="4-bit double quantization"),
-    compute_dtype: Optional[Dtype] = typer.Option(None, help="bnb_4bit_compute_dtype you pass (unset: float32)"),
-    dtype: Optional[DtypeArg] = typer.Option(None, help="dtype you pass to from_pretrained (unset: "
-                                                         "transformers' default)"),
+    compute_dtype: Optional[Dtype] = typer.Option(None, help="bnb_4bit_compute_dtype you pass (unset: what "
+                                                             "vramguard run/serve pass, bf16 where supported else "
+                                                             "fp16)"),
+    dtype: Optional[DtypeArg] = typer.Option(None, help="dtype you pass to from_pretrained (unset: what vramguard "
+                                                         "run/serve pass)"),
+    transformers_defaults: bool = typer.Option(False, "--transformers-defaults",
+                                               help="check plain from_pretrained's defaults for what you leave "
+                                                    "unset (bitsandbytes computes in float32) instead of "
+                                                    "vramguard's"),
     attn: Attn = typer.Option(Attn['sdpa'], help="attn_implementation you pass"),
     sdpa_kernel: SdpaKernel = typer.Option(SdpaKernel['auto'], help="SDPA backend you pin (torch.nn.attention."
                                                                  "sdpa_kernel)"),
@@ -206,18 +263,19 @@ def check(
                                "the compute dtype applies to 4-bit weights only (--quant nf4 or fp4)")
         return check_fn(model, s, dtype=dtype.value if dtype else None,
                         compute_dtype=compute_dtype.value if compute_dtype else None, device_map=device_map,
-                        gpu=gpu, verify=verify, unquantized=quant == CheckQuant['none'])
+                        gpu=gpu, verify=verify, unquantized=quant == CheckQuant['none'],
+                        loader_defaults=not transformers_defaults)
 
     r = run_guarded(build, as_json=fmt == Format['json'])
     if fmt == Format['json']:
         sys.stdout.write(json.dumps(check_to_json(r), indent=2) + "\n")
     else:
-        print_check(r, Console())
+        print_check(r, _console())
     if r.failed:
         raise typer.Exit(1)
 
 
-@app.command("oom-log")
+@app.command("oom-log", short_help=SHORT_HELP["oom-log"])
 def oom_log(
     since: Optional[str] = typer.Option(None, help="only kills after: 30m, 2h, 1d, boot, or 2026-11-30T17:00"),
     file: Optional[str] = typer.Option(None, "--file", help="a log file to read, or - for stdin"),
@@ -233,12 +291,24 @@ def oom_log(
     if fmt == Format['json']:
         sys.stdout.write(json.dumps(oomlog_to_json(r), indent=2) + "\n")
     else:
-        print_oomlog(r, Console(stderr=r.source is None))
+        print_oomlog(r, _console(stderr=r.source is None))
     if r.source is None:
         raise typer.Exit(1)
 
 
-@app.command()
+def read_message(message: str | None, stdin=None) -> str:
+    """The message argument, or stdin for none or ``-``; on a terminal, first say what is awaited (on stderr)."""
+    stdin = stdin or sys.stdin
+    if message not in (None, "-"):
+        return message
+    if stdin.isatty():
+        err.print("paste the out-of-memory message, then press Ctrl-D on a new line (Ctrl-Z, Enter on Windows); "
+                  "or pass it as an argument, or pipe it in: ... 2>&1 | vramguard explain -", markup=False,
+                  highlight=False)
+    return stdin.read()
+
+
+@app.command(short_help=SHORT_HELP["explain"])
 def explain(
     message: Optional[str] = typer.Argument(None, help="the OOM message, or - to read it from stdin"),
     model: Optional[str] = typer.Option(None, help="the model that ran, to name the allocation that failed"),
@@ -258,7 +328,7 @@ def explain(
     from vramguard.render import print_explanation, to_jsonable
 
     def build():
-        text = sys.stdin.read() if message in (None, "-") else message
+        text = read_message(message)
         cands = None
         if model:
             from vramguard.resolve import resolve_model
@@ -272,10 +342,10 @@ def explain(
     if fmt == Format['json']:
         sys.stdout.write(json.dumps(to_jsonable(e), indent=2) + "\n")
     else:
-        print_explanation(e, Console())
+        print_explanation(e, _console())
 
 
-@app.command()
+@app.command(short_help=SHORT_HELP["profile"])
 def profile(
     model: str = typer.Argument(..., metavar="MODEL",
                                  help="model folder or cached model id (weights needed)"),
@@ -305,10 +375,10 @@ def profile(
         d["rows"] = [{**to_jsonable(x), "diff": x.diff} for x in r.rows]
         sys.stdout.write(json.dumps(d, indent=2) + "\n")
     else:
-        print_profile(r, Console())
+        print_profile(r, _console())
 
 
-@app.command()
+@app.command(short_help=SHORT_HELP["fit"])
 def fit(
     model: str = typer.Argument(..., metavar="MODEL",
                                  help="model folder or cached model id (weights needed)"),
@@ -344,10 +414,10 @@ def fit(
     if fmt == Format['json']:
         sys.stdout.write(json.dumps(to_jsonable(r), indent=2) + "\n")
     else:
-        print_fit(r, Console())
+        print_fit(r, _console())
 
 
-@app.command()
+@app.command(short_help=SHORT_HELP["run"])
 def run(
     model: str = typer.Argument(..., metavar="MODEL",
                                  help="model folder or cached model id (weights and tokenizer needed)"),
@@ -368,6 +438,10 @@ def run(
     fast_decode: bool = typer.Option(False, help="decode by replaying one captured CUDA graph per token on a static "
                                                  "cache (batch 1; falls back to eager steps and says why)"),
     chunk_tokens: int = typer.Option(256, help="tokens per context chunk"),
+    chat_template: Optional[bool] = typer.Option(None, "--chat-template/--raw",
+                                                 help="wrap the prompt as a user turn in the tokenizer's chat "
+                                                      "template, or send it raw (default: the template when the "
+                                                      "tokenizer has one)"),
     fmt: Format = typer.Option(Format['human'], "--format", help="human: text on stdout; json: one object"),
 ) -> None:
     """Generate text without running out of memory: plan first, pick a strategy that fits, recover from OOM.
@@ -391,7 +465,11 @@ def run(
         budget = parse_size(vram_budget, "--vram-budget") if vram_budget else None
         import torch
         import transformers
+
+        from vramguard.prompt import prepare_prompt, preflight_prompt
         transformers.utils.logging.disable_progress_bar()
+        # the tokenizer and config alone: a prompt over the context is refused before minutes of loading
+        _, prepared, _ = preflight_prompt(model, text, max_new_tokens, chat_template)
         loaded = load_model(model, quant=quant.value, verify=torch.cuda.is_available())
         if loaded.tokenizer is None:
             raise ConfigError("MODEL", model, "a model folder with tokenizer files", "save the tokenizer with the "
@@ -399,7 +477,11 @@ def run(
         stream = None if fmt == Format['json'] else (lambda t: (sys.stdout.write(t), sys.stdout.flush()))
         if context:
             text = _with_context(loaded, text, context, summarize, chunk_tokens, max_new_tokens, budget, auto)
-        return generate_fn(loaded.model, loaded.tokenizer, text, max_new_tokens, budget_bytes=budget, auto=auto,
+            prepared = prepare_prompt(loaded.tokenizer, text, chat_template)
+        err.print(f"prompt: {plural(len(prepared.ids), 'token')}, {prepared.reason}", markup=False,
+                  highlight=False)
+        return generate_fn(loaded.model, loaded.tokenizer, prepared.ids, max_new_tokens, budget_bytes=budget,
+                           auto=auto,
                            on_text=stream, do_sample=do_sample, temperature=temperature, top_p=top_p, top_k=top_k,
                            seed=seed, fast_decode=fast_decode)
 
@@ -411,7 +493,7 @@ def run(
         print_generation_summary(r, err)
 
 
-@app.command()
+@app.command(short_help=SHORT_HELP["serve"])
 def serve(
     model: str = typer.Argument(..., metavar="MODEL",
                                  help="model folder or cached model id (weights and tokenizer needed)"),
@@ -453,9 +535,8 @@ def serve(
     missing = [m for m in ("torch", "transformers", "accelerate", "fastapi", "uvicorn", "sse_starlette",
                            "prometheus_client", "httpx") if importlib.util.find_spec(m) is None]
     if missing:
-        err.print(f"error serve: {', '.join(missing)} not installed.\nfix: pip install 'vramguard[serve,gpu]' (on "
-                  "a machine without a GPU, pip install torch first to get its CPU build)", markup=False,
-                  highlight=False)
+        err.print(f"error serve: {', '.join(missing)} not installed.\nfix: "
+                  + install_fix("serve,gpu", "torch" in missing), markup=False, highlight=False)
         raise typer.Exit(3)
 
     def listening(url: str) -> None:
@@ -545,19 +626,53 @@ def _with_context(loaded, question, files, summarize, chunk_tokens, max_new_toke
 def _print_catalog(models: bool, gpus: bool) -> None:
     from vramguard.catalog.gpus import GPUS
     from vramguard.catalog.models import MODELS
-    out = Console()
+    out = _console()
     if models:
         for name, cfg in MODELS.items():
             out.print(f"{name:18} {cfg['source']}")
     if gpus:
         for g in GPUS.values():
             cc = ".".join(map(str, g.compute_capability)) if g.compute_capability else "?"
-            out.print(f"{g.name:18} {g.label:34} {g.total_bytes / 2**30:7.1f} GiB  cc {cc}")
+            out.print(f"{g.name:18} {g.label:34} {g.total_bytes / 2**30:7.2f} GiB  cc {cc}")
+
+
+# library warnings a vramguard command triggers but the user can do nothing about, matched by their start only:
+# torch.profiler's note on schedules (check's kernel probe runs one cycle) and the deprecation of
+# torch.distributed.reduce_op, read by libraries that scan torch.distributed's attributes
+QUIET_WARNINGS = ((r"Warning: Profiler clears events at the end of each cycle", UserWarning),
+                  (r"`torch\.distributed\.reduce_op` is deprecated", FutureWarning))
+
+
+def quiet_known_warnings() -> None:
+    """Ignore exactly the warnings in :data:`QUIET_WARNINGS`; every other warning still reaches stderr."""
+    import warnings
+    for message, category in QUIET_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=category)
+
+
+SIZE_OPTIONS = ("--vram", "--vram-budget", "--max-body-size")
+
+
+def split_size(args: list[str]) -> str | None:
+    """The error for a size typed as two words (``--vram 24 GiB``: the shell passes ``GiB`` as the next argument,
+    which would be read as a model name), or None."""
+    from vramguard.units import UNIT_WORDS
+    for i, a in enumerate(args[:-2]):
+        number, unit = args[i + 1], args[i + 2]
+        if a in SIZE_OPTIONS and number.replace(".", "", 1).isdigit() and unit.lower() in UNIT_WORDS | {"b"}:
+            return (f"{a}: {number!r} {unit!r} is two arguments; accepted: a number and a unit in one word.\n"
+                    f"fix: write {a} {number}{unit} (or quote it: {a} '{number} {unit}')")
+    return None
 
 
 def main() -> None:
     """Entry point: click's own usage errors (a wrong type, an unknown choice or option) are printed in the same
     two-line form as vramguard's errors, with exit code 2."""
+    quiet_known_warnings()
+    split = split_size(sys.argv[1:])
+    if split:
+        err.print("error " + split, markup=False, highlight=False)
+        sys.exit(2)
     try:  # typer >= 0.20 vendors click as typer._click; older typer uses the click package
         import typer._click.exceptions as cx
     except ImportError:

@@ -20,6 +20,12 @@ Classification, in this order (a request larger than the whole card is never cal
    what the message says this process holds).
 4. ``algorithmic``: one request of at least a quarter of the usable memory.
 5. ``steady_growth``: a small request on a full card: memory grew until it ran out (KV cache, activations).
+
+Three other messages mean the same shortage and are recognised by their own text (:func:`_other_messages`):
+cuBLAS failing to create its handle or workspace (``CUBLAS_STATUS_ALLOC_FAILED``), Apple's MPS backend out of
+memory (``MPS backend out of memory (MPS allocated: ..., other allocations: ..., max allowed: ...)``, sizes that
+its allocator prints in 1024-based units), and accelerate/transformers refusing a quantized model whose
+``device_map`` put modules on the CPU or the disk (``Some modules are dispatched on the CPU or the disk``).
 """
 
 from __future__ import annotations
@@ -105,7 +111,9 @@ def parse_oom_message(text: str) -> OomMessage:
     """
     if "out of memory" not in text.lower() or "Tried to allocate" not in text:
         raise InvalidValue("MESSAGE", text[:80] + ("..." if len(text) > 80 else ""),
-                           "a CUDA out-of-memory message (with 'out of memory' and 'Tried to allocate')",
+                           "a CUDA out-of-memory message (with 'out of memory' and 'Tried to allocate'), "
+                           "CUBLAS_STATUS_ALLOC_FAILED, an MPS out-of-memory message, or accelerate's 'Some "
+                           "modules are dispatched on the CPU or the disk'",
                            "paste the whole error, from 'CUDA out of memory' to its end, or pass - and pipe it in")
     t = " ".join(text.split())
     m = OomMessage(**{f"{k}_bytes" if k not in ("process",) else "process_in_use_bytes": _bytes(p.search(t))
@@ -136,6 +144,9 @@ def explain(text: str, alloc_conf: str | None = None, candidates: dict[str, int]
     Raises:
         InvalidValue: the text is not a CUDA OOM message.
     """
+    other = _other_messages(text)
+    if other is not None:
+        return other
     m = parse_oom_message(text)
     req = m.request_bytes or 0
     usable = m.allowed_bytes or m.total_bytes
@@ -206,6 +217,56 @@ def explain(text: str, alloc_conf: str | None = None, candidates: dict[str, int]
         ev.append("no single allocation of the planned run matches the request (it is a smaller tensor: an "
                   "activation, a KV cache block or a workspace)")
     return Explanation(kind, summary, ev, fixes, m, matched)
+
+
+_MPS_SIZE = r"(\d+(?:\.\d+)?) ?(bytes|KB|MB|GB|TB)"
+_MPS_UNIT = {"bytes": 1, "KB": KiB, "MB": MiB, "GB": GiB, "TB": TiB}  # MPSAllocator's format_size is 1024-based
+_MPS = {k: re.compile(p + _MPS_SIZE) for k, p in (("allocated", r"MPS allocated: "),
+                                                    ("other", r"other allocations: "),
+                                                    ("allowed", r"max allowed: "),
+                                                    ("request", r"Tried to allocate "))}
+
+
+def _other_messages(text: str) -> Explanation | None:
+    """The cuBLAS, MPS and accelerate messages of the module docstring, explained; None for any other text."""
+    t = " ".join(text.split())
+    if "CUBLAS_STATUS_ALLOC_FAILED" in t:
+        return Explanation(
+            "cublas_alloc", "cuBLAS could not allocate its handle or workspace: the card was full when the first "
+            "matrix product (of this stream or thread) ran", ["CUBLAS_STATUS_ALLOC_FAILED: cuBLAS allocates outside "
+                                                           "PyTorch's pool, so PyTorch's cache can hold what it needs"],
+            ["leave room outside PyTorch: a --vram-budget (or torch.cuda.set_per_process_memory_fraction) below the "
+             "card, or torch.cuda.empty_cache() before the first forward",
+             "close other GPU processes (nvidia-smi lists them), or run on another GPU (CUDA_VISIBLE_DEVICES)",
+             "vramguard plan MODEL --vram SIZE with the memory that is free shows what fits"],
+            OomMessage(format="cublas"))
+    if "MPS backend out of memory" in t:
+        got = {}
+        for k, pat in _MPS.items():
+            hit = pat.search(t)
+            got[k] = int(float(hit.group(1)) * _MPS_UNIT[hit.group(2)]) if hit else None
+        ev = [f"{label}: {fmt_bytes(got[k])}" for k, label in (("request", "the failed request"),
+                                                               ("allocated", "held by PyTorch's MPS pool"),
+                                                               ("other", "other allocations"),
+                                                               ("allowed", "the MPS limit")) if got[k] is not None]
+        return Explanation(
+            "mps", "Apple's MPS backend reached its memory limit (unified memory shared with the system)", ev,
+            ["lower the memory the run needs: NF4 weights, a shorter prompt or generation, a smaller batch "
+             "(vramguard plan MODEL --vram SIZE with the limit above shows what fits)",
+             "PYTORCH_MPS_HIGH_WATERMARK_RATIO raises the limit (0.0 removes it), at the risk of the system "
+             "running out of memory"],
+            OomMessage(request_bytes=got["request"], allowed_bytes=got["allowed"], allocated_bytes=got["allocated"],
+                       format="mps"))
+    if "Some modules are dispatched on the CPU or the disk" in t:
+        return Explanation(
+            "offload", "the quantized model did not fit the GPU: device_map placed modules on the CPU or the disk, "
+            "which bitsandbytes refuses", ["device_map='auto' (or max_memory) left part of the weights off the GPU"],
+            ["vramguard plan MODEL --vram SIZE: the weights against the card, and the changes that fit (NF4, a "
+             "smaller model, a second card)", "free the GPU (other processes, a model loaded twice in one process)",
+             "to run slowly with the rest on the CPU anyway: BitsAndBytesConfig(llm_int8_enable_fp32_cpu_offload="
+             "True) and an explicit device_map"],
+            OomMessage(format="accelerate"))
+    return None
 
 
 def _algorithmic_fixes(matched: str | None) -> list[str]:

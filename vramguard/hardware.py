@@ -29,8 +29,29 @@ def _norm(name: str) -> str:
     return re.sub(r"[^a-z0-9.]+", "-", name.lower()).strip("-")
 
 
+# words in the names nvidia-smi and torch print that say nothing about which catalog card it is
+_NOISE_WORDS = {"nvidia", "geforce", "tesla", "sxm", "sxm2", "sxm4", "sxm5", "pcie", "hbm2", "hbm2e", "hbm3",
+                "hbm3e", "gddr6", "gddr6x"}
+
+
+def _driver_key(name: str) -> str | None:
+    """A catalog key from a name as the driver prints it: ``Tesla T4`` -> ``t4``, ``NVIDIA A100-SXM4-80GB`` ->
+    ``a100-80gb``, ``NVIDIA H100 80GB HBM3`` -> ``h100-80gb``, ``Tesla V100-SXM2-16GB`` -> ``v100-16gb``; None
+    when nothing is left once the vendor, form-factor and memory-type words are dropped."""
+    words = [w for w in _norm(name).split("-") if w and w not in _NOISE_WORDS]
+    if not words:
+        return None
+    mem = [w for w in words if re.fullmatch(r"\d+gb?", w)]
+    rest = [w for w in words if w not in mem]
+    for key in ("-".join(rest + [m.rstrip("b") + "b" for m in mem]), "-".join(rest)):
+        if key in GPUS:
+            return key
+    return "-".join(words)
+
+
 def gpu_from_catalog(name: str) -> GpuSpec:
-    """A catalog GPU by name (``rtx-4090``, ``rtx4090``, ``4090``, ``NVIDIA GeForce RTX 4090``...), or by the
+    """A catalog GPU by name (``rtx-4090``, ``rtx4090``, ``4090``, ``NVIDIA GeForce RTX 4090``...), by the name
+    nvidia-smi and torch print (``Tesla T4``, ``NVIDIA A100-SXM4-80GB``, ``NVIDIA H100 80GB HBM3``), or by the
     start of one name (``a100-40``).
 
     Raises:
@@ -48,6 +69,12 @@ def gpu_from_catalog(name: str) -> GpuSpec:
         short = _norm(g.label).replace("nvidia-", "").replace("geforce-", "")
         if key in (_norm(g.label), short) or flat(key) in (flat(g.name), flat(short)):
             return g
+    driver = _driver_key(name)
+    if driver is not None and driver != key:
+        driver = GPU_ALIASES.get(driver, driver)
+        if driver in GPUS:
+            return GPUS[driver]
+        key = driver
     starts = [g for g in GPUS.values() if flat(g.name).startswith(flat(key)) or flat(g.name) == "rtx" + flat(key)]
     if len(starts) == 1:
         return starts[0]
@@ -70,11 +97,14 @@ def gpu_from_vram(text: str) -> GpuSpec:
 
 
 def _match_catalog(label: str, total: int, cc: tuple[int, int] | None, used: int) -> GpuSpec:
-    key = _norm(label).replace("nvidia-", "").replace("geforce-", "")
-    base = next((g for g in GPUS.values()
-                 if _norm(g.label).replace("nvidia-", "").replace("geforce-", "") == key), None)
+    """A detected GPU: its own total and capability, the bandwidth of the catalog card of that name (if any)."""
+    try:
+        base = gpu_from_catalog(label)
+    except UnknownGpu:
+        base = None
+    key = base.name if base else _norm(label).replace("nvidia-", "").replace("geforce-", "")
     bw = base.bandwidth_bytes_per_s if base else None
-    return GpuSpec(base.name if base else key, label, total, cc, bw, used, "detected")
+    return GpuSpec(key, label, total, cc, bw, used, "detected", "reported by the driver (NVML)")
 
 
 def detect_gpus() -> DetectedGpus:
@@ -120,7 +150,9 @@ def resolve_gpus(gpu: str | None = None, vram: str | None = None) -> tuple[list[
     if gpu and vram:
         raise InvalidValue("--gpu/--vram", f"--gpu {gpu} --vram {vram}", "one of the two", "drop one of them")
     if gpu:
-        return [gpu_from_catalog(gpu)], "named with --gpu"
+        card = gpu_from_catalog(gpu)
+        named = "" if gpu.strip().lower() == card.name else f": {gpu.strip()!r} is the catalog card {card.name}"
+        return [card], f"named with --gpu{named} ({card.label}, {card.total_bytes:,} B as its driver reports)"
     if vram:
         return [gpu_from_vram(vram)], "given with --vram"
     det = detect_gpus()

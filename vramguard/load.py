@@ -228,6 +228,9 @@ def load_model(model: str, *, quant: str = "nf4", double_quant: bool = True, com
     if attn not in ("auto", "flash_attention_2", "sdpa", "eager"):
         raise InvalidValue("attn", attn, "auto | flash_attention_2 | sdpa | eager")
     folder = model_folder(model)
+    if folder is None and str(model).startswith((".", "/", "~")):
+        raise UnknownModel("MODEL", model, "a local folder or cached model id with weights",
+                           f"no such file or folder: {Path(model).expanduser().absolute()}")
     if folder is None or not any(Path(folder).glob("*.safetensors")) and not any(Path(folder).glob("*.bin")):
         raise UnknownModel("model", model, "a local folder or cached model id with weights",
                            "download the model first (a catalog name has no weights: use it with plan)")

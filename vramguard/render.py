@@ -5,13 +5,15 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from rich import box
 from rich.console import Console
 from rich.padding import Padding
 from rich.table import Table
 from rich.text import Text
 
+from vramguard.catalog.gpus import GPUS
 from vramguard.plan import Plan
-from vramguard.units import fmt_bytes, fmt_gib, fmt_tokens, plural
+from vramguard.units import fmt_bytes, fmt_tokens, plural
 
 LABELS = {
     "weights": "weights (quantized linears, 16-bit embeddings, lm_head, norms)",
@@ -38,6 +40,49 @@ PEAK_AT = {
 }
 
 
+class _StripTrailingSpaces:
+    """A text stream that drops the spaces rich leaves at the end of wrapped and padded lines; the real stream
+    (``sys.stdout`` or ``sys.stderr``) is looked up at each write, so redirection and capture keep working."""
+
+    def __init__(self, name: str):
+        self._name = name
+        self._line = ""
+
+    @property
+    def _stream(self):
+        import sys
+        return getattr(sys, self._name)
+
+    def write(self, text: str) -> int:
+        *done, self._line = (self._line + text).split("\n")
+        if done:
+            self._stream.write("".join(line.rstrip(" ") + "\n" for line in done))
+        return len(text)
+
+    def flush(self) -> None:
+        if self._line:
+            self._stream.write(self._line)
+            self._line = ""
+        self._stream.flush()
+
+    def isatty(self) -> bool:
+        return self._stream.isatty()
+
+    def fileno(self) -> int:
+        return self._stream.fileno()
+
+    @property
+    def encoding(self) -> str:
+        return getattr(self._stream, "encoding", "utf-8")
+
+
+def console(stderr: bool = False) -> Console:
+    """A rich Console on stdout (or stderr) whose lines carry no trailing spaces."""
+    import sys
+    return Console(file=_StripTrailingSpaces("stderr" if stderr else "stdout"),  # type: ignore[arg-type]
+                   stderr=stderr, force_terminal=None if (sys.stderr if stderr else sys.stdout).isatty() else False)
+
+
 def _where(at: str) -> str:
     return PEAK_AT.get(at, at.replace("_", " "))
 
@@ -49,11 +94,11 @@ def indented(c: Console, text: str, indent: int = 5) -> None:
 
 def short_label(label: str) -> str:
     """A card's name without the vendor's prefixes, for narrow tables ("NVIDIA GeForce RTX 4090" -> "RTX 4090")."""
-    return label.replace("NVIDIA ", "").replace("GeForce ", "")
+    return label.replace("NVIDIA ", "").replace("GeForce ", "").replace(" Generation", "")
 
 
 def _n(v: int | None) -> str:
-    return "none fits" if v is None else f"{v:,}"
+    return "none" if v is None else f"{v:,}"
 
 
 def to_jsonable(obj: Any) -> Any:
@@ -75,6 +120,7 @@ def to_jsonable(obj: Any) -> Any:
 
 def plan_to_json(p: Plan) -> dict:
     """The plan as a JSON object: every size an int of bytes."""
+    from vramguard.memory.kv import kv_growth_per_token
     est = p.estimate
     return {
         "model": to_jsonable(p.model),
@@ -88,7 +134,10 @@ def plan_to_json(p: Plan) -> dict:
         "device_used_bytes": est.device_used_bytes,
         "weights": to_jsonable(est.weights),
         "kv_cache": {"full_length_tokens": est.kv_full.tokens, "gpu_bytes": est.kv_full.gpu_bytes,
-                     "cpu_bytes": est.kv_full.cpu_bytes, "bytes_per_token": est.kv_bytes_per_token},
+                     "cpu_bytes": est.kv_full.cpu_bytes, "bytes_per_token": est.kv_bytes_per_token,
+                     "growth_per_token_by_layer_type": kv_growth_per_token(p.model, p.settings,
+                                                                           p.settings.prompt_tokens),
+                     "sliding_growth_new_tokens": sliding_growth_tokens(p)},
         "prefill": to_jsonable(est.prefill),
         "decode": to_jsonable(est.decode),
         "logits_case": p.logits_case,
@@ -110,6 +159,49 @@ def _settings_line(p: Plan) -> str:
     chunk = f", prefill chunks of {s.prefill_chunk}" if s.prefill_chunk else ""
     return (f"{q}, dtype {s.act_dtype}, attention {attn}, KV {s.resolved_kv_dtype} {s.cache}, {seqs}, "
             f"prompt {fmt_tokens(s.prompt_tokens)} + {fmt_tokens(s.max_new_tokens)} new tokens{chunk}")
+
+
+def sliding_growth_tokens(p: Plan) -> int:
+    """How many of the run's new tokens still grow the sliding-window layers (they stop at the window)."""
+    from vramguard.memory.kv import kv_growth_per_token
+    s, prompt = p.settings, p.settings.prompt_tokens
+
+    def grows(n: int) -> bool:
+        return kv_growth_per_token(p.model, s, n).get("sliding_attention", 0) > 0
+    lo, hi = prompt, prompt + s.max_new_tokens  # grows(n) is true up to the window, then false
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if grows(mid):
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - prompt
+
+
+def kv_growth_text(p: Plan) -> str:
+    """The KV growth per new token a user sees in this run, per layer type: sliding layers stop at the window."""
+    from vramguard.memory.kv import kv_growth_per_token
+    spec, s = p.model, p.settings
+    types = spec.layer_types
+    n_full = sum(1 for t in types if t != "sliding_attention" or spec.sliding_window is None)
+    parts = []
+    if n_full:
+        full = kv_growth_per_token(spec, s, s.prompt_tokens).get("full_attention", 0)
+        parts.append(f"{fmt_bytes(full)} in the {plural(n_full, 'full-attention layer')}")
+    if len(types) - n_full:
+        growing = sliding_growth_tokens(p)
+        per = kv_growth_per_token(spec, s, s.prompt_tokens - 1 if s.prompt_tokens > 0 else 0)
+        new = s.max_new_tokens
+        when = ("for all " + plural(new, "new token") if growing >= new else
+                "for none of them (the window is full)" if growing == 0 else
+                f"for the first {plural(growing, 'new token')}, then 0")
+        if s.cache == "static":
+            parts.append(f"0 B in the {plural(len(types) - n_full, 'sliding-window layer')} (static cache)")
+        else:
+            parts.append(f"{fmt_bytes(per.get('sliding_attention', 0))} in the "
+                         f"{plural(len(types) - n_full, 'sliding-window layer')} until they hold "
+                         f"{fmt_tokens(spec.sliding_window - 1)} tokens ({when})")
+    return "; ".join(parts)
 
 
 def print_plan(p: Plan, console: Console | None = None) -> None:
@@ -151,38 +243,40 @@ def print_plan(p: Plan, console: Console | None = None) -> None:
     kv = est.kv_full
     c.print(f"KV cache at {fmt_tokens(kv.tokens)} tokens: {fmt_bytes(kv.gpu_bytes)} on the GPU"
             + (f", {fmt_bytes(kv.cpu_bytes)} in CPU RAM" if kv.cpu_bytes else "")
-            + f"; {fmt_bytes(est.kv_bytes_per_token)} per generated token")
+            + f"; per generated token: {kv_growth_text(p)}")
     dec = f"; decode peak {fmt_bytes(est.decode.peak_bytes)} above the weights" if est.decode else ""
     c.print(f"prefill peak {fmt_bytes(est.prefill.peak_bytes)} above the weights ({_where(est.prefill.at)}){dec}")
     c.print(f"logits: {p.logits_case}")
     c.print(f"cards: {p.cards_reason}")
-    ct = Table(title="Cards", title_justify="left")
-    for col in ("card", "memory", "need", "fits", "headroom", "max prompt", "max new tokens", "max batch"):
-        ct.add_column(col, justify="left" if col == "card" else "right")
+    # one line per card in 80 columns: sizes in GiB without the unit in each cell, no vertical rules
+    ct = Table(title="Cards (GiB); the largest prompt, new tokens, batch that fit",
+               title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    for col in ("card", "memory", "need", "fits", "headroom", "prompt", "new", "batch"):
+        ct.add_column(col, justify="left" if col == "card" else "right", no_wrap=True)
     for v in p.cards:
-        ct.add_row(short_label(v.gpu.label), fmt_gib(v.usable_bytes), fmt_gib(v.need_bytes),
-                   "[green]yes[/green]" if v.fits else "[red]no[/red]", fmt_gib(v.headroom_bytes),
+        ct.add_row(short_label(v.gpu.label), f"{v.usable_bytes / 2**30:.2f}", f"{v.need_bytes / 2**30:.2f}",
+                   "[green]yes[/green]" if v.fits else "[red]no[/red]", f"{v.headroom_bytes / 2**30:.2f}",
                    _n(v.max_prompt_tokens), _n(v.max_new_tokens), _n(v.max_batch))
     c.print(ct)
     if p.findings:
         c.print("[bold]Findings[/bold]")
         for f in p.findings:
             color = {"fail": "red", "warn": "yellow"}.get(f.level, "cyan")
-            c.print(f"  [{color}]{f.level}[/{color}]", end=" ")
-            c.print(Text(f.message), soft_wrap=False)
+            c.print(Padding(Text.assemble((f.level, color), " ", f.message), (0, 0, 0, 2)))
             if f.fix:
                 indented(c, f"fix: {f.fix}", 7)
     labels = {v.gpu.name: short_label(v.gpu.label) for v in p.cards}
     if p.changes and all(v.fits for v in p.cards):
         c.print("fits every card planned against; --format json lists the changes that would lower the need further")
     elif p.changes:
-        ch = Table(title="Changes that lower the need: first those that keep your request, then those that shrink "
-                         "it; largest saving first in each", title_justify="left")
+        ch = Table(title="Changes: first those that make it fit as asked (settings, then hardware), then those "
+                         "that lower the need, then those that shrink the request", title_justify="left")
         for col in ("change", "saves", "need after", "fits"):
             ch.add_column(col, justify="left" if col in ("change", "fits") else "right")
         for x in p.changes:
             ch.add_row(x.description, fmt_bytes(x.saved_bytes), fmt_bytes(x.need_bytes),
-                       ", ".join(labels.get(n, n) for n in x.fits_on) or "no")
+                       ", ".join(labels.get(n, short_label(GPUS[n].label) if n in GPUS else n)
+                                 for n in x.fits_on) or "no")
         c.print(ch)
 
 

@@ -125,6 +125,8 @@ def ranked_changes(spec: ModelSpec, s: Settings, gpus: list[GpuSpec]) -> list[Ch
     first, by bytes saved; then those that give up part of the request (shorter prompt or generation, smaller
     batch, fewer beams), by bytes saved. The length and batch changes are solved for the largest card the run
     does not fit (the smallest change that makes it fit somewhere); when it fits every card they are omitted.
+    When a card is too small, the settings changes that make it fit there come first, then
+    :func:`hardware_changes`, then the rest in the order above.
     """
     need = _need(spec, s)
     usable = {g.name: g.total_bytes - g.used_by_others_bytes for g in gpus}
@@ -145,7 +147,46 @@ def ranked_changes(spec: ModelSpec, s: Settings, gpus: list[GpuSpec]) -> list[Ch
     combined = _combined(spec, s, out, usable, need, target)
     if combined:
         out.insert(0, combined)
-    return out
+    if target is None:
+        return out
+    # what makes the run fit the target as asked: settings that fit it, then other hardware, then the rest
+    hw = hardware_changes(spec, s, target, need)
+    fit = [c for c in out if target.name in c.fits_on and not c.reduces_request]
+    return fit + hw + [c for c in out if c not in fit]
+
+
+HARDWARE_KEYS = ("cpu_offload_bytes", "gpus", "gpu")  # Change.settings keys of changes of hardware, not settings
+
+
+def hardware_changes(spec: ModelSpec, s: Settings, target: GpuSpec, need: int) -> list[Change]:
+    """Changes of hardware that make the run fit as asked when ``target`` is too small, each with the bytes it
+    needs: weights offloaded to CPU RAM (the shortfall), a second such card (the layers split over two: each holds
+    half the weights and KV cache), the smallest catalog card whose reported total holds ``need``."""
+    from vramguard.catalog.gpus import GPUS
+    from vramguard.units import fmt_bytes
+    usable = target.total_bytes - target.used_by_others_bytes
+    if need <= usable:
+        return []
+    est = estimate(spec, s)
+    short = need - usable
+    out: list[Change] = []
+    if short < est.weights.total_bytes:
+        out.append(Change(f"weights: {fmt_bytes(short)} of them in CPU RAM (device_map='auto' with max_memory; "
+                          "slower: offloaded layers cross PCIe each forward)", {"device_map": "auto",
+                                                                                "cpu_offload_bytes": short},
+                          usable, short, (target.name,)))
+    per_card = need - (est.weights.total_bytes + est.kv_full.gpu_bytes) // 2
+    name = target.label.replace("NVIDIA ", "").replace("GeForce ", "")
+    out.append(Change(f"a second {name}: the layers split over two cards (device_map='auto'), "
+                      f"{fmt_bytes(per_card)} on each", {"gpus": 2}, per_card, need - per_card,
+                      (target.name,) if per_card <= usable else ()))
+    bigger = sorted((g for g in GPUS.values() if g.total_bytes >= need), key=lambda g: g.total_bytes)
+    if bigger:
+        g = bigger[0]
+        short = g.label.replace("NVIDIA ", "").replace("GeForce ", "")
+        out.append(Change(f"a larger card: {short} ({fmt_bytes(g.total_bytes)} as its driver reports, "
+                          f"{fmt_bytes(g.total_bytes - need)} to spare)", {"gpu": g.name}, need, 0, (g.name,)))
+    return sorted(out, key=lambda c: (not c.fits_on, c.need_bytes > usable))
 
 
 def _combined(spec: ModelSpec, s: Settings, changes: list[Change], usable: dict, need: int,

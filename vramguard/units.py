@@ -20,9 +20,13 @@ MB = 10**6
 GB = 10**9
 TB = 10**12
 
-_UNITS = {"b": 1, "kib": KiB, "mib": MiB, "gib": GiB, "tib": TiB, "kb": KB, "mb": MB, "gb": GB, "tb": TB}
+# K, M, G, T alone and Ki, Mi, Gi, Ti are binary, as in nvidia-smi's MiB, torch's GiB and `docker --memory 24g`
+_UNITS = {"b": 1, "kib": KiB, "mib": MiB, "gib": GiB, "tib": TiB, "kb": KB, "mb": MB, "gb": GB, "tb": TB,
+          "k": KiB, "m": MiB, "g": GiB, "t": TiB, "ki": KiB, "mi": MiB, "gi": GiB, "ti": TiB}
+UNIT_WORDS = frozenset(_UNITS) - {"b"}
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]+)\s*$")
-ACCEPTED_SIZE_FORMS = "a number and a unit, e.g. 24GiB, 24GB, 24000MiB, 12.5GiB (units: B KiB MiB GiB TiB KB MB GB TB)"
+ACCEPTED_SIZE_FORMS = ("a number and a unit, e.g. 24GiB, 24GB, 24000MiB, 12.5GiB (units: B KiB MiB GiB TiB KB MB GB "
+                       "TB; G, Gi, M, Mi... are binary: 24G = 24GiB)")
 
 
 def parse_size(text: str, field: str = "size", example: str = "24GiB") -> int:
@@ -44,6 +48,9 @@ def parse_size(text: str, field: str = "size", example: str = "24GiB") -> int:
     if t.startswith("-"):
         raise InvalidValue(field, text, "a size larger than 0 B", f"give a positive size such as {example}")
     if re.fullmatch(r"\d+(?:\.\d+)?", t):
+        if float(t) >= MiB:  # a count of bytes, e.g. torch's total_memory: say so in GiB
+            n = int(float(t))
+            raise InvalidValue(field, text, ACCEPTED_SIZE_FORMS, f"for {n:,} bytes write {n}B (= {n / GiB:g}GiB)")
         raise InvalidValue(field, text, ACCEPTED_SIZE_FORMS, f"add a unit: {t}{unit} or {t}{unit.replace('i', '')}")
     m = _SIZE_RE.match(t)
     if not m or m.group(2).lower() not in _UNITS:
@@ -52,6 +59,22 @@ def parse_size(text: str, field: str = "size", example: str = "24GiB") -> int:
     if value <= 0:
         raise InvalidValue(field, text, "a size larger than 0 B", f"give a positive size such as {example}")
     return value
+
+
+def decimal_size_note(text: str, field: str = "--vram") -> str | None:
+    """What a size in decimal GB/TB was read as, and what a card sold as that size has: ``24gb`` is 24 x 10**9 B
+    = 22.35 GiB, while a card sold as "24 GB" has 24 GiB (25,769,803,776 B) before its driver's reservation.
+    None for any other unit."""
+    m = _SIZE_RE.match(str(text))
+    if not m or m.group(2).lower() not in ("gb", "tb"):
+        return None
+    unit = m.group(2).upper()
+    value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    binary = int(float(m.group(1)) * (GiB if unit == "GB" else TiB))
+    n = m.group(1)
+    return (f"{field} {text.strip()} read as {n} {unit} = {value:,} B ({value / GiB:.2f} GiB); a card sold as "
+            f"\"{n} {unit}\" has {n} {unit[0]}iB = {binary:,} B, less what its driver keeps: for such a card pass "
+            f"--gpu NAME (its reported total) or {field} {n}{unit[0]}iB")
 
 
 def plural(n: int, noun: str) -> str:

@@ -38,7 +38,8 @@ class CheckReport:
 
 def check(model: str | None = None, settings: Settings | None = None, *, dtype: str | None = None,
           compute_dtype: str | None = None, device_map: str | None = None, gpu: str | None = None,
-          verify: bool = True, env: Env | None = None, unquantized: bool = False) -> CheckReport:
+          verify: bool = True, env: Env | None = None, unquantized: bool = False,
+          loader_defaults: bool = False) -> CheckReport:
     """Check the environment and the settings a model will be loaded with.
 
     Args:
@@ -51,6 +52,9 @@ def check(model: str | None = None, settings: Settings | None = None, *, dtype: 
         verify: on a CUDA GPU with a local model, load it and name the attention kernel that runs.
         unquantized: no quantization config at all: the weights take whatever dtype ``dtype`` (or its absence)
             resolves to, which is what ``settings.quant`` is then set to.
+        loader_defaults: ``dtype`` and ``compute_dtype`` left unset take what :func:`vramguard.load.load_model`
+            (and so ``run`` and ``serve``) passes: bf16 where the card supports it, else fp16; False checks
+            plain transformers' and bitsandbytes' defaults instead.
 
     Raises:
         UnknownModel, ConfigError, UnknownGpu: the model or the card cannot be read.
@@ -72,6 +76,11 @@ def check(model: str | None = None, settings: Settings | None = None, *, dtype: 
     folder = model_folder(model) if model else None
     ckpt = read_checkpoint(folder) if folder else (
         CheckpointInfo("", (), None, None, spec.checkpoint_dtype, False) if spec else None)
+    if loader_defaults and not unquantized and (dtype is None or compute_dtype is None):
+        from vramguard.load import choose_dtypes
+        cd, dt = choose_dtypes(card, s.quant, compute_dtype, dtype, None, False)
+        compute_dtype = compute_dtype or (cd if s.is_4bit else None)
+        dtype = dtype or dt
     param_dtype, why = resolve_param_dtype(dtype, ckpt, env.transformers_version,
                                            "none" if unquantized else s.quant)
     if unquantized:

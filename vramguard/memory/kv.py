@@ -118,3 +118,23 @@ def kv_bytes_per_token(spec: ModelSpec, s: Settings) -> int:
     if kv in ("bf16", "fp16", "fp32"):
         return values * DTYPE_BYTES[kv]
     return values * KV_BITS[kv] // 8 + values * SCALE_ZERO_BYTES // s.kv_group_size
+
+
+def kv_growth_per_token(spec: ModelSpec, s: Settings, n_tokens: int) -> dict[str, int]:
+    """Bytes the next token adds to the cache once ``n_tokens`` are held, per layer type (``full_attention``,
+    ``sliding_attention``; only the types the model has): the growth a user sees at that length. A dynamic sliding
+    layer grows until it holds ``sliding_window - 1`` tokens, then adds nothing; a static cache never grows.
+
+    Example (Gemma-2-9B: 21 full + 21 sliding layers, 8 KV heads x head_dim 256, window 4,096, bf16, batch 1):
+    at 384 tokens each layer type adds 21 x 2 x 8 x 256 x 2 B = 172,032 B; at 8,192 tokens the sliding layers add 0.
+    """
+    values = 2 * s.sequences * spec.num_kv_heads * spec.head_dim
+    kv = s.resolved_kv_dtype
+    per_layer = (values * DTYPE_BYTES[kv] if kv in ("bf16", "fp16", "fp32")
+                 else values * KV_BITS[kv] // 8 + values * SCALE_ZERO_BYTES // s.kv_group_size)
+    out: dict[str, int] = {}
+    for lt in spec.layer_types:
+        key = "sliding_attention" if lt == "sliding_attention" and spec.sliding_window is not None else "full_attention"
+        grows = s.cache != "static" and layer_tokens(spec, lt, n_tokens + 1, s) > layer_tokens(spec, lt, n_tokens, s)
+        out[key] = out.get(key, 0) + (per_layer if grows else 0)
+    return out

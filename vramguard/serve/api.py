@@ -17,6 +17,7 @@ import math
 import time
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -52,6 +53,8 @@ class ServeOptions:
     chat_template_note: str | None = None
     notes: list[str] = field(default_factory=list)
     model_aliases: tuple[str, ...] = ()  # other names accepted as ``model`` (the folder's path and name)
+    log_every_s: float = 10.0  # seconds between throughput lines on stderr (vramguard.serve.access)
+    created: int = field(default_factory=lambda: int(time.time()))  # /v1/models' created: when the model loaded
 
 
 class ApiError(Exception):
@@ -142,11 +145,14 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions, metrics: Metric
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
+        from vramguard.serve.access import throughput_loop
         watchdog["task"] = asyncio.create_task(_watch())
+        watchdog["throughput"] = asyncio.create_task(throughput_loop(engine, metrics, options.log_every_s))
         try:
             yield
         finally:
             watchdog["task"].cancel()
+            watchdog["throughput"].cancel()
 
     app = FastAPI(title="vramguard", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.state.engine, app.state.metrics, app.state.options = engine, metrics, options
@@ -209,12 +215,20 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions, metrics: Metric
     if options.api_key:  # added last: the outermost layer, so a request without the key never reaches the gate
         app.add_middleware(_ApiKey, key=options.api_key, on_reject=lambda: metrics.requests.labels(
             "rejected_auth").inc())
+    from vramguard.serve.access import AccessLog
+    app.add_middleware(AccessLog)  # outermost: every request gets its line, refused ones too
 
-    @app.get("/health")
-    async def health():
+    @app.api_route("/health", methods=["GET", "HEAD"])
+    async def health(request: Request):
         err = engine.check_fatal()
-        body = {"status": "ok" if err is None and engine.running else "unhealthy", "model": options.model_id,
-                **engine.stats(), "pool": engine.pool.as_dict(), "notes": engine.notes + options.notes}
+        # /health needs no key: without it, the model is named by its last path part (no folder path shown)
+        header = request.headers.get("authorization", "").encode()
+        given = header[7:] if header[:7].lower() == b"bearer " else b""
+        keyed = not options.api_key or hmac.compare_digest(given, options.api_key.encode())
+        name = options.model_id if keyed else Path(options.model_id).name
+        body = {"status": "ok" if err is None and engine.running else "unhealthy", "model": name,
+                **engine.stats(), "pool": engine.pool.as_dict(),
+                "notes": engine.notes + options.notes if keyed else []}
         if err is not None:
             body["error"] = f"{type(err).__name__}: {err}"
         return JSONResponse(body, status_code=200 if body["status"] == "ok" else 503)
@@ -228,7 +242,7 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions, metrics: Metric
         return name.rstrip("/") in names
 
     def _model_card() -> dict:
-        return {"id": options.model_id, "object": "model", "created": 0, "owned_by": "vramguard",
+        return {"id": options.model_id, "object": "model", "created": options.created, "owned_by": "vramguard",
                 "context_length": options.context_length, "kv_pool_tokens": engine.pool.pool_tokens}
 
     @app.get("/v1/models")
@@ -269,8 +283,9 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions, metrics: Metric
             first = e.errors()[0]
             param = _param(first["loc"])
             if first["type"] == "extra_forbidden":
-                raise ApiError(400, f"{param}: unknown parameter; this server accepts the OpenAI fields listed in "
-                                    "its README", param=param, code="unknown_parameter") from None
+                known = ", ".join(schema.model_fields) if param and "." not in param else "OpenAI's fields"
+                raise ApiError(400, f"{param}: unknown parameter; accepted: {known}", param=param,
+                               code="unknown_parameter") from None
             given = first.get("input")
             raise ApiError(400, f"{param}: {first['msg']} (got {json.dumps(given)[:80]})", param=param,
                            code="invalid_value") from None

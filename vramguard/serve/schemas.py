@@ -2,7 +2,8 @@
 
 Fields OpenAI defines that this server does not implement are accepted only at their "off" value (e.g.
 ``logprobs: null``, ``presence_penalty: 0``); anything else is a 400 that names the field, so a client never gets
-a response computed without a setting it asked for.
+a response computed without a setting it asked for. ``store``, ``metadata`` and ``service_tier``, which current
+OpenAI clients send, are accepted with any value and have no effect: nothing is stored and there is one tier.
 """
 
 from __future__ import annotations
@@ -35,6 +36,10 @@ class _Common(BaseModel):
     stop: Stop = None
     user: str | None = None
     ignore_eos: bool = False  # extension (as in vLLM): generate exactly max_tokens tokens
+    # sent by current OpenAI clients; accepted and without effect here (nothing is stored, one service tier)
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
     # accepted only at their "off" values (see the module docstring)
     seed: int | None = None
     presence_penalty: float = 0.0

@@ -1,0 +1,68 @@
+"""The card catalog: each total is what the card's driver reports, with its source; the names drivers print."""
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from vramguard.catalog.gpus import GPUS, reported_gib
+from vramguard.units import GiB, MiB
+
+
+@pytest.mark.parametrize("name", list(GPUS))
+def test_each_card_carries_a_sourced_driver_total_below_its_marketed_size(name):
+    g = GPUS[name]
+    # every driver keeps part of the memory (its reservation, the ECC share): CUDA's total is below the marketed size
+    assert 0 < g.total_bytes < g.marketed_bytes, (name, g.total_bytes, g.marketed_bytes)
+    assert g.total_bytes % MiB == 0 or "measured" in g.total_source  # a report is floored to whole MiB
+    src = g.total_source
+    assert src and ("github.com/" in src or "measured" in src), (name, src)
+    if src.startswith("no "):  # no report found: it says so, and what it planned at
+        assert "planned at" in src, (name, src)
+    reports = re.findall(r"'(\d+\.\d\d) GiB total capacity'", src)
+    if reports:  # the figure quoted in the source is the one used, at the low end of what rounds to it
+        x = float(reports[0])
+        assert (x - 0.005) * GiB - MiB < g.total_bytes <= (x - 0.005) * GiB, (name, x, g.total_bytes)
+
+
+def test_reported_gib_takes_the_low_end_of_the_rounding():
+    # 23.635 x 2**30 = 25,377,919,877.12 -> floored to 24,202 MiB
+    assert reported_gib("23.64") == 24_202 * MiB == 25_377_636_352
+    assert reported_gib("7.8") == reported_gib("7.80") == (1559 * GiB // 200) // MiB * MiB
+
+
+def test_measured_totals():
+    assert GPUS["t4"].total_bytes == 15_843_721_216  # torch total_memory on a T4
+    ref = Path(__file__).resolve().parent / "data" / "h200_llama2_7b_shape.jsonl"
+    versions = next(json.loads(line) for line in open(ref) if '"versions"' in line)
+    assert versions["gpu"] == "NVIDIA H200" and GPUS["h200"].total_bytes == versions["total"]
+
+
+def test_llama31_8b_30k_prompt_does_not_fit_a_t4():
+    from vramguard.plan import plan
+    from vramguard.settings import Settings
+    p = plan("llama-3.1-8b", Settings(prompt_tokens=30_000), gpu="t4")
+    v = p.cards[0]
+    assert not v.fits and v.usable_bytes == 15_843_721_216
+    assert round(v.headroom_bytes / GiB, 2) == -1.07
+
+
+@pytest.mark.parametrize("printed,card", [
+    ("Tesla T4", "t4"), ("NVIDIA A100-SXM4-80GB", "a100-80gb"), ("NVIDIA A100-PCIE-40GB", "a100-40gb"),
+    ("NVIDIA H100 80GB HBM3", "h100-80gb"), ("Tesla V100-SXM2-16GB", "v100-16gb"),
+    ("Tesla V100-PCIE-32GB", "v100-32gb"), ("NVIDIA GeForce RTX 4090", "rtx-4090"), ("NVIDIA RTX A6000", "rtx-a6000"),
+    ("NVIDIA H200", "h200"), ("NVIDIA A10G", "a10g"), ("NVIDIA RTX 6000 Ada Generation", "rtx-6000-ada"),
+])
+def test_names_printed_by_nvidia_smi_and_torch_are_catalog_cards(printed, card):
+    from vramguard.hardware import gpu_from_catalog, resolve_gpus
+    assert gpu_from_catalog(printed).name == card
+    cards, why = resolve_gpus(printed)
+    assert cards[0].name == card and f"{printed!r} is the catalog card {card}" in why
+
+
+def test_a_detected_card_takes_the_catalog_bandwidth_by_its_driver_name():
+    from vramguard.hardware import _match_catalog
+    g = _match_catalog("NVIDIA A100-SXM4-80GB", 85_000_000_000, (8, 0), 0)
+    assert g.name == "a100-80gb" and g.bandwidth_bytes_per_s == GPUS["a100-80gb"].bandwidth_bytes_per_s
+    assert g.total_bytes == 85_000_000_000 and g.source == "detected"

@@ -1,0 +1,40 @@
+"""The README: the two setup commands first, one example per command, nothing cited outside the repository."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+README = (ROOT / "README.md").read_text()
+
+
+def test_the_two_setup_commands_come_first():
+    first = re.search(r"```bash\n(.*?)```", README, re.S).group(1).splitlines()
+    assert first == ['pip install . && vramguard plan', 'pip install torch==2.13.0 -e ".[test]" && python -m pytest -q']
+
+
+def test_one_example_per_command_and_the_sections_a_user_needs():
+    from vramguard.cli import app
+    import typer.main
+    names = set(typer.main.get_command(app).commands)
+    examples = re.search(r"## One example per command\n\n```bash\n(.*?)```", README, re.S).group(1)
+    verbs = [re.search(r"vramguard ([a-z-]+)", line).group(1) for line in examples.splitlines()]
+    assert sorted(verbs) == sorted(names)
+    assert "## Supported models" in README and "## How accurate it is" in README
+    assert len(README.splitlines()) < 120
+
+
+def test_no_file_outside_the_repository_is_cited():
+    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "benchmarks" / "README.md"]:
+        assert "shared/" not in doc.read_text(), doc
+    for link in re.findall(r"\]\(([^)#]+)\)", README):
+        assert (ROOT / link).exists(), link
+
+
+def test_the_plan_example_runs():
+    line = next(x for x in README.splitlines() if x.startswith("vramguard plan "))
+    args = re.findall(r'"[^"]*"|\S+', line.split("#")[0])[1:]
+    r = subprocess.run([sys.executable, "-m", "vramguard", *[a.strip('"') for a in args]], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0 and "RTX 4090" in r.stdout, r.stderr

@@ -1,0 +1,79 @@
+"""A user's prompt as token ids: the tokenizer's chat template when it has one (or raw text), and the context
+check of prompt + new tokens, done from the tokenizer and config alone, before any weights are loaded."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vramguard.errors import InvalidValue
+
+
+@dataclass(frozen=True)
+class PreparedPrompt:
+    """The prompt's token ids and how they were made: ``chat_template`` True when the tokenizer's chat template
+    wrapped the text as one user turn, False for the raw text; ``reason`` says why, in words."""
+
+    ids: list[int]
+    chat_template: bool
+    reason: str
+
+
+def prepare_prompt(tokenizer, text: str, chat: bool | None = None) -> PreparedPrompt:
+    """Token ids of ``text``: as one user message through the tokenizer's chat template when ``chat`` is True, or
+    None (the default) and the tokenizer has a template; else the raw text with the tokenizer's special tokens.
+
+    Raises:
+        InvalidValue: ``chat`` is True and the tokenizer has no chat template; the text gives no tokens.
+    """
+    template = getattr(tokenizer, "chat_template", None)
+    if chat and not template:
+        raise InvalidValue("--chat-template", True, "a tokenizer with a chat_template",
+                           "drop --chat-template (this tokenizer has none), or pass --raw")
+    if template and chat is not False:
+        text_in = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                tokenize=False)
+        ids = tokenizer(text_in, add_special_tokens=False)["input_ids"]
+        why = "the tokenizer's chat template applied (--raw sends the text as is)"
+        used = True
+    else:
+        ids = tokenizer(text, add_special_tokens=True)["input_ids"]
+        why = "raw text (--raw)" if chat is False else "raw text (the tokenizer has no chat template)"
+        used = False
+    if not ids:
+        raise InvalidValue("--prompt", text, "at least one token", "pass a non-empty prompt")
+    return PreparedPrompt(list(ids), used, why)
+
+
+def preflight_prompt(model: str, text: str, max_new_tokens: int, chat: bool | None = None):
+    """Tokenizer, prepared prompt and model spec of the model folder ``model``, read without loading weights; the
+    prompt + new tokens are checked against the model's context.
+
+    Returns:
+        (tokenizer, PreparedPrompt, ModelSpec).
+
+    Raises:
+        UnknownModel: no local folder for ``model``. ConfigError: the folder has no tokenizer.
+        InvalidValue: prompt + new tokens over the context (with the room that is left).
+    """
+    from transformers import AutoTokenizer
+
+    from vramguard.errors import ConfigError, UnknownModel
+    from vramguard.plan import check_context
+    from vramguard.resolve import model_folder, resolve_model
+    from vramguard.settings import Settings
+    folder = model_folder(model)
+    if folder is None:
+        from pathlib import Path
+        path = str(model).startswith((".", "/", "~"))
+        fix = (f"no such file or folder: {Path(model).expanduser().absolute()}" if path
+               else "download the model first (a catalog name has no weights: use it with plan)")
+        raise UnknownModel("MODEL", model, "a local folder or cached model id with weights", fix)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise ConfigError("MODEL", model, "a model folder with tokenizer files",
+                          f"save the tokenizer with the model (tokenizer.save_pretrained(folder)); {e}") from None
+    prepared = prepare_prompt(tokenizer, text, chat)
+    spec = resolve_model(str(folder))
+    check_context(spec, Settings(prompt_tokens=len(prepared.ids), max_new_tokens=max_new_tokens), beyond=None)
+    return tokenizer, prepared, spec

@@ -1,0 +1,89 @@
+"""The server's log lines on stderr: one per HTTP request (method, path, status, seconds) and, while requests are
+served, one every few seconds with the generation throughput, the requests running and waiting and the KV pool.
+
+Knows nothing about validation or admission: it reads the ASGI messages and the engine's counters only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+import time
+
+log = logging.getLogger("vramguard.serve.access")
+THROUGHPUT_EVERY_S = 10.0  # seconds between throughput lines (none while idle)
+
+
+class _Stderr(logging.Handler):
+    """Writes to the current ``sys.stderr`` (looked up at each record, so redirection and capture work)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            sys.stderr.write(self.format(record) + "\n")
+            sys.stderr.flush()
+        except Exception:  # a closed stderr must not break a request
+            self.handleError(record)
+
+
+def _ensure_handler() -> None:
+    if not any(isinstance(h, _Stderr) for h in log.handlers):
+        h = _Stderr()
+        h.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
+        log.addHandler(h)
+        log.setLevel(logging.INFO)
+        log.propagate = False
+
+
+class AccessLog:
+    """Pure ASGI middleware: after each HTTP response ends, one line ``client method path status seconds``
+    (a stream ends with its last body message, so its line comes when the stream is done)."""
+
+    def __init__(self, app):
+        self.app = app
+        _ensure_handler()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        t0, status = time.perf_counter(), {"code": 0}
+
+        async def sending(message):
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                _line(scope, status["code"], t0)
+                status["logged"] = True
+
+        try:
+            await self.app(scope, receive, sending)
+        finally:
+            if not status.get("logged"):  # cancelled (client gone) or failed before the body ended
+                _line(scope, status["code"] or 499, t0)
+
+
+def _line(scope, code: int, t0: float) -> None:
+    client = scope.get("client") or ("-", 0)
+    log.info("%s %s %s %d %.3f s", client[0], scope["method"], scope["path"], code, time.perf_counter() - t0)
+
+
+def _generated(metrics) -> float:
+    return sum(s.value for m in metrics.generation_tokens.collect() for s in m.samples if s.name.endswith("_total"))
+
+
+async def throughput_loop(engine, metrics, every_s: float = THROUGHPUT_EVERY_S) -> None:
+    """Every ``every_s`` seconds in which tokens were generated: tokens and tokens/s, requests running and
+    waiting, KV blocks in use. Runs until cancelled."""
+    _ensure_handler()
+    last, t_last = _generated(metrics), time.perf_counter()
+    while True:
+        await asyncio.sleep(every_s)
+        now, t = _generated(metrics), time.perf_counter()
+        if now > last:
+            st = engine.stats()
+            log.info("throughput: %s tokens in %.1f s (%.1f tokens/s); %d running, %d waiting; KV blocks %d of %d",
+                     f"{int(now - last):,}", t - t_last, (now - last) / (t - t_last), st["in_flight"], st["waiting"],
+                     st["kv_blocks_used"], st["kv_blocks_total"])
+        last, t_last = now, t
