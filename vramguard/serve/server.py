@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 
 from vramguard.errors import InvalidValue
-from vramguard.serve.api import SHUTDOWN_GRACE_S, ServeOptions, create_app
+from vramguard.serve.api import BODY_TIMEOUT_S, SHUTDOWN_GRACE_S, ServeOptions, create_app
 from vramguard.serve.engine import Engine
 from vramguard.serve.metrics import Metrics
 from vramguard.serve.pool import PoolPlan, plan_pool
@@ -236,7 +236,7 @@ def build(model: str, *, vram_budget: int | None = None, max_queue: int = 64, ma
           dtype: str | None = None, attn: str = "auto", trust_remote_code: bool = False, allow_pickle: bool = False,
           seed: int = 0, served_name: str | None = None, n_max: int = 4, default_max_tokens: int = 256,
           max_body_bytes: int = 1 << 20, max_kv_blocks: int | None = None, greedy: bool = False,
-          hard_cap: bool = False, verify: bool = True, loaded=None) -> Served:
+          hard_cap: bool = False, verify: bool = True, loaded=None, body_timeout_s: float = BODY_TIMEOUT_S) -> Served:
     """Load ``model`` and prepare the server (no socket yet).
 
     Raises:
@@ -244,6 +244,8 @@ def build(model: str, *, vram_budget: int | None = None, max_queue: int = 64, ma
         UnknownModel / ConfigError: from :func:`vramguard.load.load_model`.
     """
     cap_before = None
+    if not body_timeout_s > 0:
+        raise InvalidValue("body_timeout_s", body_timeout_s, "a number of seconds > 0", "pass e.g. 10")
     for name, value, lo in (("max_queue", max_queue, 0), ("max_running", max_running, 1),
                             ("max_batch_tokens", max_batch_tokens, 16), ("page_size", page_size, 4),
                             ("n_max", n_max, 1), ("default_max_tokens", default_max_tokens, 1)):
@@ -299,7 +301,7 @@ def build(model: str, *, vram_budget: int | None = None, max_queue: int = 64, ma
                             str(getattr(m.config, "_name_or_path", "") or model)} - {served_name or str(model)}))
     options = ServeOptions(model_id=served_name or str(model), model_aliases=aliases,
                            context_length=spec.max_position_embeddings,
-                           api_key=api_key, max_body_bytes=max_body_bytes, n_max=n_max,
+                           api_key=api_key, max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s, n_max=n_max,
                            default_max_tokens=default_max_tokens)
     if tok is None:
         options.notes.append("no tokenizer in the model folder: prompts must be token ids, /v1/chat/completions is "
