@@ -103,14 +103,17 @@ async def read_body(request, max_bytes: int, timeout_s: float) -> bytes:
         raise ApiError.of("request_too_large", f"request body: {int(size):,} bytes is over the limit of "
                                                f"{max_bytes:,} bytes; send a shorter prompt")
     raw = bytearray()
+
+    async def read():
+        async for chunk in request.stream():
+            raw.extend(chunk)
+            if len(raw) > max_bytes:
+                raise ApiError.of("request_too_large", f"request body: over the limit of {max_bytes:,} bytes; "
+                                                       "send a shorter prompt")
+
     try:
-        async with asyncio.timeout(timeout_s):
-            async for chunk in request.stream():
-                raw += chunk
-                if len(raw) > max_bytes:
-                    raise ApiError.of("request_too_large", f"request body: over the limit of {max_bytes:,} bytes; "
-                                                           "send a shorter prompt")
-    except TimeoutError:
+        await asyncio.wait_for(read(), timeout_s)  # not asyncio.timeout: Python 3.10 is supported
+    except asyncio.TimeoutError:
         raise ApiError.of("request_timeout", f"request body: {len(raw):,} bytes arrived in {timeout_s:g} s, the "
                                              "limit for the whole body; send the body with the headers") from None
     return bytes(raw)
