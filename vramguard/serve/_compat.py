@@ -3,7 +3,7 @@
 Tested with transformers 5.17 and 5.24: ``ContinuousBatchingConfig`` renamed ``block_size`` to ``page_size`` in 5.17
 (5.17's field is ``block_size``), and the manager's ``_generation_step`` / ``_generation_loop_body`` are the hooks
 where a step's requests are known and where an exception inside a step can be caught before the engine's
-``_handle_critical_error`` fails every request.
+``_handle_critical_error`` fails every request (what happens to it instead: :mod:`vramguard.serve.recovery`).
 """
 
 from __future__ import annotations
@@ -29,11 +29,13 @@ def guarded_manager_class():
     """The ``ContinuousBatchingManager`` subclass whose loop survives an OOM inside a step (see engine.py)."""
     from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager
 
-    from vramguard.serve.engine import is_oom
+    from vramguard.serve import recovery
+    from vramguard.serve.engine import device_fault, is_oom
 
     class GuardedManager(ContinuousBatchingManager):
         """transformers' manager whose steps are reported to ``vg_engine`` (:class:`~vramguard.serve.engine.Engine`)
-        and whose loop hands an OOM inside a step to ``vg_engine._recover`` instead of failing every request."""
+        and whose loop hands an exception inside an iteration to :mod:`vramguard.serve.recovery` instead of failing
+        every request; only a device fault (or a loop that keeps failing) goes on to the engine's handler."""
 
         vg_engine = None
 
@@ -44,13 +46,22 @@ def guarded_manager_class():
             return super()._generation_step()
 
         def _generation_loop_body(self, batch_processor, bootstrapping):
+            engine = self.vg_engine
             try:
-                return super()._generation_loop_body(batch_processor, bootstrapping)
-            except Exception as e:  # noqa: BLE001 - OOM is recovered; anything else goes to the engine's handler
-                if not is_oom(e):
-                    self.vg_engine.fatal_error = e
+                more = super()._generation_loop_body(batch_processor, bootstrapping)
+            except Exception as e:  # noqa: BLE001 - sorted below; a device fault goes on to the engine's handler
+                try:
+                    if device_fault(e) is not None:
+                        raise
+                    if is_oom(e):
+                        recovery.on_oom(engine, self, batch_processor, e)
+                    else:
+                        recovery.on_step_failure(engine, self, batch_processor, e)
+                except Exception as fatal:  # noqa: BLE001 - the device fault, or a failure of the recovery itself
+                    engine.fatal_error = fatal
                     raise
-                self.vg_engine._recover(self, batch_processor, e)
                 return True
+            recovery.after_step(engine, batch_processor)
+            return more
 
     return GuardedManager

@@ -1,21 +1,30 @@
-"""The serving engine: transformers' continuous-batching manager with a sized pool, admission and OOM recovery.
+"""The serving engine: transformers' continuous-batching manager with a sized pool, admission and recovery inside a
+step; it knows nothing about HTTP.
 
-transformers' engine treats any exception inside a step as fatal: it fails every request and stops. Here an
-out-of-memory error inside a step is caught in the engine's own loop: the requests of the failed step give back
-their KV blocks and go back to the front of the queue as "prompt + tokens generated so far" (the engine's own
-soft-reset, ``RequestState.create_equivalent_initial_request``), the step budget is halved, the allocator cache is
-emptied, and the loop goes on; greedy requests therefore continue with the same tokens. The step budget doubles
-back after ``RESTORE_AFTER_STEPS`` steps without another OOM. A request that runs out
-of memory ``MAX_OOM_RETRIES`` times alone fails with a clear error. Any other device error is unrecoverable: the
-engine stops, every request fails with a 503 error object and :attr:`Engine.fatal_error` is set.
+transformers' engine treats any exception inside a step as fatal: it fails every request and stops. Here the
+engine's own loop catches it and sorts it into one of three kinds:
+
+* out of memory: the requests of the failed step give back their KV blocks and go back to the front of the queue as
+  "prompt + tokens generated so far" (the engine's own soft-reset, ``RequestState.create_equivalent_initial_request``),
+  the step budget is halved, the allocator cache is emptied, and the loop goes on; greedy requests therefore continue
+  with the same tokens. The step budget doubles back after ``RESTORE_AFTER_STEPS`` steps without another OOM. A
+  request that runs out of memory ``MAX_OOM_RETRIES`` times alone fails with a clear error.
+* a device fault (:func:`device_fault`: a CUDA/cuBLAS/cuDNN/NCCL error, an illegal access, a device-side assert):
+  unrecoverable; the engine stops, every request fails with a 503 error object and :attr:`Engine.fatal_error` is set.
+* anything else (a value of one request the step cannot compute, such as a top-k beyond int32 or NaN probabilities):
+  the request alone is to blame when the step held one request; it fails with that error and the loop goes on. When
+  the step held several, they are soft-reset like an OOM and the engine *isolates*: one request per step, suspects
+  first, until each suspect has either produced a token alone (cleared, and queued again behind the others) or
+  failed alone (its error to its client). Then batching resumes. A request in ``MAX_STEP_FAILURES`` failed steps
+  fails whatever the count of its companions, so no combination loops forever.
 """
 
 from __future__ import annotations
 
 import asyncio
-import gc
 import itertools
 import logging
+import math
 import threading
 import time
 from collections import deque
@@ -28,6 +37,15 @@ log = logging.getLogger("vramguard.serve")
 
 MAX_OOM_RETRIES = 3
 RESTORE_AFTER_STEPS = 200  # steps without an OOM before a halved step budget doubles again
+MAX_STEP_FAILURES = 3  # failed steps a request may be part of before it fails, companions or not
+MAX_FAILURES_IN_A_ROW = 16  # failed loop iterations without one good step: the engine itself is broken (fatal)
+DRAIN_WINDOW_STEPS = 64  # recent steps whose rate estimates when admission slots free up (Retry-After)
+DRAIN_WINDOW_S = 30.0  # ... counting only steps this recent
+# Text of the errors PyTorch raises for a faulty or lost device (CUDA runtime, cuBLAS, cuDNN, NCCL, ROCm); an
+# out-of-memory error is not one of them (see is_oom).
+DEVICE_FAULT_MARKERS = ("CUDA error", "CUBLAS_STATUS", "CUDNN_STATUS", "cuDNN error", "NCCL error", "HIP error",
+                        "illegal memory access", "device-side assert", "unspecified launch failure",
+                        "an illegal instruction", "uncorrectable ECC error", "misaligned address")
 # Values of the generation config that make transformers build the per-request temperature, top-k and top-p
 # processors; every request then passes its own three values, so these defaults are never applied to a request.
 _PROCESSOR_SEEDS = {"temperature": 0.5, "top_k": 50, "top_p": 0.9}
@@ -41,6 +59,24 @@ def is_oom(error: BaseException) -> bool:
     text = str(error)
     return isinstance(error, RuntimeError) and ("CUDA out of memory" in text or "CUBLAS_STATUS_ALLOC_FAILED" in text
                                                 or "CUDA error: out of memory" in text)
+
+
+def device_fault(error: BaseException) -> str | None:
+    """Why ``error`` is a fault of the device (the text it matched, or ``torch.AcceleratorError``), else None.
+    Out-of-memory errors are not device faults."""
+    import torch
+    if is_oom(error):
+        return None
+    accel = getattr(torch, "AcceleratorError", None)
+    if accel is not None and isinstance(error, accel):
+        return f"torch.AcceleratorError: {str(error).splitlines()[0][:120] if str(error) else ''}"
+    text = str(error)
+    return next((m for m in DEVICE_FAULT_MARKERS if m in text), None)
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0][:200] if text else '(no message)'}"
 
 
 @dataclass
@@ -70,7 +106,10 @@ class Handle:
     submitted: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     finished: bool = False
-    retries: int = 0
+    retries: int = 0  # out-of-memory errors in its steps
+    step_failures: int = 0  # other failed steps it was part of
+    generated: int = 0  # tokens generated so far (as last delivered)
+    error_code: str | None = None  # set by the engine when it fails the request alone ("request_failed")
 
 
 @dataclass
@@ -121,6 +160,10 @@ class Engine:
         self.steps: deque[StepRecord] = deque(maxlen=STEP_HISTORY)
         self.oom_recoveries = 0
         self.oom_events: list[dict] = []
+        self.step_failure_events: list[dict] = []  # one per failed step that was not an OOM (kept last 256)
+        self._suspects: set[str] = set()  # requests of a failed step not yet run alone (engine thread only)
+        self._batch_limit: int | None = None  # the scheduler's requests per step before isolation began
+        self._failures_in_a_row = 0
         self.fatal_error: BaseException | None = None
         self.before_step: Callable[[int, list[str]], None] | None = None
         self.attn_implementation: str | None = None
@@ -309,7 +352,46 @@ class Engine:
                 "max_running": self.max_running, "max_queue": self.max_queue,
                 "kv_blocks_total": self.pool.num_blocks, "kv_blocks_used": self.kv_blocks_used(),
                 "kv_tokens_total": self.pool.pool_tokens, "kv_tokens_reserved": self.kv_tokens_reserved(),
-                "oom_recoveries": self.oom_recoveries, "steps": self.steps[-1].index + 1 if self.steps else 0}
+                "oom_recoveries": self.oom_recoveries, "step_failures": len(self.step_failure_events),
+                "isolating": len(self._suspects), "steps": self.steps[-1].index + 1 if self.steps else 0,
+                "retry_after_s": self.retry_after_s(1)}
+
+    def retry_after_s(self, need: int) -> int:
+        """Seconds until ``need`` more requests can be admitted, from the engine's real drain rate.
+
+        An admission slot frees when an admitted request finishes. The running requests finish after their
+        remaining tokens (``max_new_tokens`` less those generated), one per step; each queued request starts, in
+        order, when a running one finishes and then needs its own ``max_new_tokens``. The ``k``-th of these finishes,
+        ``k`` being how many must free, divided by the steps per second of the recent steps, is the wait. At least
+        1 s. With fewer than two steps measured, 10 steps/s is assumed (the rate of nothing measured is unknown)."""
+        import heapq
+        over = self.in_flight() + self.reserved + need - self.max_running - self.max_queue
+        live = [h for h in list(self.handles.values()) if not h.finished]
+        if over <= 0 or not live:
+            return 1
+        running = [max(h.max_new_tokens - h.generated, 1) for h in live if h.first_token_at is not None]
+        queued = [h.max_new_tokens for h in sorted(live, key=lambda h: h.submitted) if h.first_token_at is None]
+        heap, free, finishes = list(running), max(self.max_running - len(running), 0), []
+        heapq.heapify(heap)
+        for steps in queued:
+            if free:
+                start, free = 0, free - 1
+            else:
+                start = heapq.heappop(heap)
+                finishes.append(start)
+            heapq.heappush(heap, start + steps)
+        finishes += sorted(heap)
+        steps = finishes[min(over, len(finishes)) - 1]
+        return max(1, math.ceil(steps / self.steps_per_s()))
+
+    def steps_per_s(self) -> float:
+        """Engine steps per second over the last ``DRAIN_WINDOW_STEPS`` steps of the last ``DRAIN_WINDOW_S``
+        seconds (10.0 when fewer than two are known)."""
+        now = time.perf_counter()
+        recent = [st.at for st in list(self.steps)[-DRAIN_WINDOW_STEPS:] if now - st.at <= DRAIN_WINDOW_S]
+        if len(recent) < 2 or recent[-1] <= recent[0]:
+            return 10.0
+        return (len(recent) - 1) / (recent[-1] - recent[0])
 
     # ------------------------------------------------------------------ requests
     def fits_pool(self, tokens: int) -> bool:
@@ -333,6 +415,7 @@ class Engine:
         def deliver(output, h=h):
             if h.first_token_at is None and output.generated_tokens:
                 h.first_token_at = time.perf_counter()
+            h.generated = len(output.generated_tokens)
             h.queue.put_nowait(output)
 
         self._manager.register_result_handler(rid, deliver)
@@ -386,54 +469,3 @@ class Engine:
                      RESTORE_AFTER_STEPS)
         if self.before_step is not None:
             self.before_step(index, request_ids)
-
-    def _recover(self, manager, bp, error: BaseException) -> None:
-        """Called in the engine thread after an OOM inside a step (see the module docstring)."""
-        import torch
-        io = bp.inputs_and_outputs
-        states = [fs.state for fs in getattr(io, "requests_in_batch", [])]
-        if not states:
-            states = list(bp.scheduler.active_requests.values())
-        try:
-            io.requests_in_batch = []
-        except AttributeError:
-            pass
-        requeued, failed = [], []
-        for st in states:
-            rid = st.request_id
-            sched = bp.scheduler
-            if rid not in sched.active_requests and rid not in sched.waiting_requests:
-                continue
-            sched.finish_request(rid)
-            sched.waiting_requests.pop(rid, None)
-            if rid in sched.waiting_requests_order:
-                sched.waiting_requests_order.remove(rid)
-            h = self.handles.get(rid)
-            retries = (h.retries + 1) if h else MAX_OOM_RETRIES + 1
-            if h:
-                h.retries = retries
-            if retries > MAX_OOM_RETRIES:
-                bp.output_router.fail_and_deliver(st, RuntimeError(
-                    f"out of memory {retries} times while computing this request; the server's budget leaves too "
-                    "little room for it: send a shorter prompt or fewer max_tokens"))
-                failed.append(rid)
-                continue
-            new = st.create_equivalent_initial_request()
-            sched.add_waiting_request(new)
-            sched.waiting_requests_order.remove(rid)
-            sched.waiting_requests_order.appendleft(rid)
-            requeued.append(rid)
-        old = bp.max_batch_tokens
-        bp.max_batch_tokens = max(self.pool.page_size, old // 2)
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-        self.oom_recoveries += 1
-        self._steps_since_oom = 0
-        event = {"step": getattr(manager, "current_batch", None), "error": str(error).splitlines()[0][:200],
-                 "requeued": requeued, "failed": failed, "max_batch_tokens": [old, bp.max_batch_tokens]}
-        self.oom_events.append(event)
-        log.warning("out of memory in step %s: %d request(s) requeued, %d failed; max_batch_tokens %d -> %d",
-                    event["step"], len(requeued), len(failed), old, bp.max_batch_tokens)
-        if self.metrics is not None:
-            self.metrics.oom_recoveries.inc()

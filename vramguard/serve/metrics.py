@@ -21,6 +21,10 @@ class Metrics:
         self.generation_tokens = Counter("vramguard_generation_tokens", "Tokens generated", registry=r)
         self.oom_recoveries = Counter("vramguard_oom_recoveries", "Out-of-memory errors recovered inside a step",
                                       registry=r)
+        self.step_failures = Counter("vramguard_step_failures", "Engine steps that failed for a reason other than "
+                                     "memory (the requests to blame failed alone; the others went on)", registry=r)
+        self.refusals = Counter("vramguard_refusals", "Requests refused before admission, by error code",
+                                ["code"], registry=r)
         self.ttft = Histogram("vramguard_time_to_first_token_seconds", "Time to first token", buckets=TTFT_BUCKETS,
                               registry=r)
         self.tpot = Histogram("vramguard_time_per_output_token_seconds", "Time per output token after the first",

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 
 from vramguard.errors import InvalidValue
-from vramguard.serve.api import SHUTDOWN_GRACE_S, ServeOptions, create_app
+from vramguard.serve.api import BODY_TIMEOUT_S, SHUTDOWN_GRACE_S, ServeOptions, create_app
 from vramguard.serve.engine import Engine
 from vramguard.serve.metrics import Metrics
 from vramguard.serve.pool import PoolPlan, plan_pool
@@ -231,24 +231,33 @@ def make_server(app, host: str, port: int, on_listen=None, on_shutdown=None):
                                   timeout_graceful_shutdown=int(SHUTDOWN_GRACE_S)))
 
 
+def _check_limits(body_timeout_s: float, **counts: tuple[int, int]) -> None:
+    """Raise :class:`InvalidValue` for a body timeout <= 0 or a count below its minimum (``name=(value, lo)``)."""
+    if not body_timeout_s > 0:
+        raise InvalidValue("body_timeout_s", body_timeout_s, "a number of seconds > 0", "pass e.g. 10")
+    for name, (value, lo) in counts.items():
+        if value < lo:
+            raise InvalidValue(name, value, f"an integer >= {lo}", f"pass {lo} or more")
+
+
 def build(model: str, *, vram_budget: int | None = None, max_queue: int = 64, max_running: int = 64,
           max_batch_tokens: int = 2048, page_size: int = 256, api_key: str | None = None, quant: str = "nf4",
           dtype: str | None = None, attn: str = "auto", trust_remote_code: bool = False, allow_pickle: bool = False,
           seed: int = 0, served_name: str | None = None, n_max: int = 4, default_max_tokens: int = 256,
           max_body_bytes: int = 1 << 20, max_kv_blocks: int | None = None, greedy: bool = False,
-          hard_cap: bool = False, verify: bool = True, loaded=None) -> Served:
-    """Load ``model`` and prepare the server (no socket yet).
+          hard_cap: bool = False, verify: bool = True, loaded=None,
+          body_timeout_s: float = BODY_TIMEOUT_S) -> Served:
+    """Load ``model`` and prepare the server (no socket yet). ``body_timeout_s``: a request body must arrive
+    within this many seconds of its headers (408 otherwise).
 
     Raises:
         InvalidValue: a limit out of range. Infeasible: the budget leaves no room for the pool.
         UnknownModel / ConfigError: from :func:`vramguard.load.load_model`.
     """
     cap_before = None
-    for name, value, lo in (("max_queue", max_queue, 0), ("max_running", max_running, 1),
-                            ("max_batch_tokens", max_batch_tokens, 16), ("page_size", page_size, 4),
-                            ("n_max", n_max, 1), ("default_max_tokens", default_max_tokens, 1)):
-        if value < lo:
-            raise InvalidValue(name, value, f"an integer >= {lo}", f"pass {lo} or more")
+    _check_limits(body_timeout_s, max_queue=(max_queue, 0), max_running=(max_running, 1),
+                  max_batch_tokens=(max_batch_tokens, 16), page_size=(page_size, 4), n_max=(n_max, 1),
+                  default_max_tokens=(default_max_tokens, 1))
     from vramguard.load import load_model
     from vramguard.resolve import resolve_model
     import torch
@@ -299,7 +308,7 @@ def build(model: str, *, vram_budget: int | None = None, max_queue: int = 64, ma
                             str(getattr(m.config, "_name_or_path", "") or model)} - {served_name or str(model)}))
     options = ServeOptions(model_id=served_name or str(model), model_aliases=aliases,
                            context_length=spec.max_position_embeddings,
-                           api_key=api_key, max_body_bytes=max_body_bytes, n_max=n_max,
+                           api_key=api_key, max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s, n_max=n_max,
                            default_max_tokens=default_max_tokens)
     if tok is None:
         options.notes.append("no tokenizer in the model folder: prompts must be token ids, /v1/chat/completions is "
