@@ -160,3 +160,42 @@ def test_run_generates_on_architectures_outside_the_families(tmp_path, model_typ
     model, tok, report = load_model(str(tmp_path), quant="bf16")
     r = generate(model, tok, "w1 w2 w3 w4", max_new_tokens=5)
     assert len(r.token_ids) == 5 and r.planned_need_bytes and r.planned_need_bytes > 0
+
+
+@pytest.mark.parametrize("model_type", ["gpt2", "olmoe", "starcoder2", "gpt_oss"])
+def test_serve_answers_on_architectures_outside_the_families(tmp_path, model_type):
+    """``vramguard serve``'s engine (transformers' continuous batching) on a classic model, a fused-expert MoE, a
+    sliding-window model and gpt-oss (whose class refuses SDPA: eager is loaded and reported)."""
+    import httpx
+    from conftest import save_word_tokenizer
+
+    from vramguard.serve.server import build
+    save_arch(tmp_path, model_type)
+    save_word_tokenizer(tmp_path, 256)
+    s = build(str(tmp_path), quant="fp32", page_size=16, max_batch_tokens=64, max_running=4, max_queue=4,
+              max_kv_blocks=20, verify=False, served_name="tiny")
+    try:
+        url = s.start_background()
+        r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "w1 w2 w3", "max_tokens": 5},
+                       timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
+    finally:
+        s.stop()
+    if model_type == "gpt_oss":
+        assert any("attention: eager" in n for n in s.report.notes)
+
+
+@pytest.mark.parametrize("model_type,why", [("qwen3_next", "linear_attention"), ("deepseek_v2", "first request")])
+def test_serve_refuses_what_continuous_batching_cannot_run(tmp_path, model_type, why):
+    """transformers' continuous batching has no linear-attention layer and no MLA cache: serve says so at start,
+    naming the model type and the alternative, instead of failing every request."""
+    from conftest import save_word_tokenizer
+
+    from vramguard.errors import ConfigError
+    from vramguard.serve.server import build
+    save_arch(tmp_path, model_type)
+    save_word_tokenizer(tmp_path, 256)
+    with pytest.raises(ConfigError) as e:
+        build(str(tmp_path), quant="fp32", page_size=16, max_batch_tokens=64, max_running=4, max_queue=4,
+              max_kv_blocks=20, verify=False, served_name="tiny")
+    assert model_type in str(e.value) and why in str(e.value) and "vramguard run" in str(e.value)

@@ -108,3 +108,32 @@ def test_when_no_setting_fits_the_changes_of_hardware_come_with_the_bytes_they_n
     assert larger.settings == {"gpu": smallest.name} and larger.fits_on == (smallest.name,)
     # the KV changes that cannot make it fit come after
     assert all("rtx-4090" not in c.fits_on for c in p.changes[3:])
+
+
+def test_the_bracketed_search_finds_the_exact_boundary_of_any_monotone_need():
+    """``_largest`` interpolates, so it must be checked against the definition: the largest v with need(v) <= u,
+    for steps, plateaus, quadratics and jumps alike."""
+    from hypothesis import given, settings, strategies as st
+
+    from vramguard.solve import _largest
+
+    @settings(max_examples=300, deadline=None)
+    @given(st.lists(st.integers(0, 1000), min_size=1, max_size=300), st.integers(-10, 160_000),
+           st.integers(0, 2))
+    def check(steps, usable, lo):
+        values = []
+        total = 0
+        for d in steps:
+            total += d * d  # non-decreasing, with plateaus and convex jumps
+            values.append(total)
+        hi = len(values) - 1
+        if lo > hi:
+            return
+        calls = []
+
+        def need(v):
+            calls.append(v)
+            return values[v]
+        want = max((v for v in range(lo, hi + 1) if values[v] <= usable), default=None)
+        assert _largest(lo, hi, need, usable) == want
+    check()

@@ -71,8 +71,8 @@ def seeds(spec: ModelSpec, s: Settings, vary: str, budget: int) -> tuple[int | N
     """(largest value whose planned reserved peak fits the budget, largest whose planned allocated peak fits)."""
     lo, hi = limits(spec, s, vary)
     key = VARY[vary]
-    cons = _largest(lo, hi, lambda v: estimate(spec, s.with_(**{key: v})).peak_reserved_bytes <= budget)
-    opt = _largest(lo, hi, lambda v: estimate(spec, s.with_(**{key: v})).peak_allocated_bytes <= budget)
+    cons = _largest(lo, hi, lambda v: estimate(spec, s.with_(**{key: v})).peak_reserved_bytes, budget)
+    opt = _largest(lo, hi, lambda v: estimate(spec, s.with_(**{key: v})).peak_allocated_bytes, budget)
     return cons, opt
 
 

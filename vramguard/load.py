@@ -98,9 +98,21 @@ def choose_dtypes(gpu, quant: str, compute_dtype: str | None, dtype: str | None,
     return cd, dtype or (quant if quant in ("bf16", "fp16", "fp32") else cd)
 
 
-def choose_attn(attn: str, env, gpu, dtype: str, head_dim: int, report: LoadReport, strict: bool) -> str:
+def choose_attn(attn: str, env, gpu, dtype: str, head_dim: int, report: LoadReport, strict: bool,
+                supports: dict[str, bool] | None = None) -> str:
     """The attention implementation to load: flash_attention_2 when the package, card, dtype and head_dim allow
-    it, else sdpa (``auto``); an explicit request that cannot run is replaced by sdpa and reported."""
+    it, else sdpa (``auto``); an explicit request that cannot run is replaced by sdpa and reported. ``supports``:
+    what the model class accepts (:func:`vramguard.introspect.build.attention_support`); where it accepts neither
+    flash_attention_2 nor sdpa, eager is loaded and the replacement reported (strict raises)."""
+    supports = supports or {"sdpa": True, "flash_attention_2": True}
+    if not supports.get("sdpa", True) and attn in ("auto", "sdpa") or \
+            attn == "flash_attention_2" and not supports.get("flash_attention_2", True) and \
+            not supports.get("sdpa", True):
+        why = "transformers' class for this model accepts neither sdpa nor flash_attention_2 here"
+        if attn == "auto":
+            report.notes.append(f"attention: eager ({why})")
+            return "eager"
+        return _override(report, strict, "attn", attn, "an implementation the model class accepts", "eager", why)
     fa2_ok, why = True, ""
     if env.flash_attn_version is None:
         fa2_ok, why = False, "the flash_attn package is not installed"
@@ -247,7 +259,7 @@ def load_model(model: str, *, quant: str = "nf4", double_quant: bool = True, com
     quant = older_card_quant(gpu, quant, report, strict)
     cd, dt = choose_dtypes(gpu, quant, compute_dtype, dtype, report, strict)
     param_dtype, _ = resolve_param_dtype(dt, ckpt, transformers.__version__, quant)
-    chosen_attn = choose_attn(attn, env, gpu, param_dtype, spec.head_dim, report, strict)
+    chosen_attn = choose_attn(attn, env, gpu, param_dtype, spec.head_dim, report, strict, _attention_support(spec))
     kwargs: dict = {"dtype": getattr(torch, _TORCH_DTYPE[param_dtype]), "attn_implementation": chosen_attn,
                     "use_safetensors": not allow_pickle, "trust_remote_code": trust_remote_code,
                     "local_files_only": True}
@@ -284,6 +296,11 @@ def load_model(model: str, *, quant: str = "nf4", double_quant: bool = True, com
         report.kernel = profile_attention(m, chosen_attn, seq_len=64 if not on_cuda else 256)
     report.active = {**_active(m), **report.active}
     return LoadedModel(m, tok, report)
+
+
+def _attention_support(spec) -> dict[str, bool]:
+    from vramguard.introspect.build import attention_support, cached_config
+    return attention_support(cached_config(spec.config_json, spec.name)) if spec.config_json else {}
 
 
 def _default_device_map(spec, quant, on_cuda, report, kwargs) -> dict | str:

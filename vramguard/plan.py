@@ -71,8 +71,9 @@ class MemoryEstimate:
     kv_bytes_per_token: int
 
 
-def estimate(spec: ModelSpec, s: Settings) -> MemoryEstimate:
-    """Predict the memory of ``generate`` for ``spec`` with settings ``s`` (see the module docstring)."""
+def _peak(spec: ModelSpec, s: Settings) -> tuple[WeightBytes, ForwardPeak, ForwardPeak | None, ForwardPeak,
+                                                 dict[str, int], int, int]:
+    """(weights, prefill, decode, the larger of the two, components at the peak, allocated, reserve)."""
     w = weight_bytes(spec, s)
     pf = prefill_peak(spec, s)
     dc = decode_peak(spec, s)
@@ -85,6 +86,19 @@ def estimate(spec: ModelSpec, s: Settings) -> MemoryEstimate:
     # a static cache is allocated once, before anything else, and never re-requested: it does not fragment
     static_kv = peak.components.get("kv_cache", 0) if s.cache == "static" else 0
     reserve = allocator_reserve_bytes(peak.peak_bytes - static_kv, peak.largest_alloc)
+    return w, pf, dc, peak, comps, allocated, reserve
+
+
+def need_bytes(spec: ModelSpec, s: Settings) -> int:
+    """``estimate(spec, s).device_used_bytes`` without the parts of the estimate the need does not use (the KV
+    cache at the end of the run and its growth per token): what the solvers evaluate many times."""
+    *_, allocated, reserve = _peak(spec, s)
+    return allocated + reserve + CUDA_CONTEXT_BYTES
+
+
+def estimate(spec: ModelSpec, s: Settings) -> MemoryEstimate:
+    """Predict the memory of ``generate`` for ``spec`` with settings ``s`` (see the module docstring)."""
+    w, pf, dc, peak, comps, allocated, reserve = _peak(spec, s)
     kv_full = kv_cache_bytes(spec, s, s.total_tokens)
     return MemoryEstimate(
         weights=w, kv_full=kv_full, prefill=pf, decode=dc, peak_phase=peak.phase,

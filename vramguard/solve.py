@@ -1,7 +1,10 @@
 """Solving: the largest prompt, new tokens and batch that fit a card, and the changes that would make a run fit.
 
-Every memory need is monotone in prompt tokens, new tokens and batch, so each maximum is found by binary search
-over the exact integer model (:func:`vramguard.plan.estimate`), never by extrapolation.
+Every memory need is monotone in prompt tokens, new tokens and batch, so each maximum is the exact boundary of the
+integer model (:func:`vramguard.plan.need_bytes`): ``need(v) <= usable < need(v + 1)``, never an extrapolation. The
+search interpolates between the bracket's ends (the need is nearly linear in each variable) and bisects whenever
+interpolation stops halving the bracket, so a boundary costs a few evaluations, which matters when each one is a
+replay of transformers' forward (a generic spec).
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from typing import Callable
 
 from vramguard.catalog.gpus import GpuSpec
 from vramguard.errors import VramguardError
-from vramguard.plan import CardVerdict, Change, estimate
+from vramguard.plan import CardVerdict, Change, estimate, need_bytes
 from vramguard.settings import Settings
 from vramguard.spec import ModelSpec
 
@@ -20,44 +23,63 @@ MIN_USEFUL_TOKENS = 64  # a shorter prompt or generation below this is no answer
 
 
 def _need(spec: ModelSpec, s: Settings) -> int:
-    return estimate(spec, s).device_used_bytes
+    return need_bytes(spec, s)
 
 
-def _largest(lo: int, hi: int, ok: Callable[[int], bool]) -> int | None:
-    """Largest ``v`` in ``[lo, hi]`` with ``ok(v)``, for a monotone ``ok`` (True then False); None if none."""
-    if hi < lo or not ok(lo):
+def _largest(lo: int, hi: int, need: Callable[[int], int], usable: int) -> int | None:
+    """Largest ``v`` in ``[lo, hi]`` with ``need(v) <= usable``, for a non-decreasing ``need``; None if none.
+
+    Keeps a bracket ``need(a) <= usable < need(b)`` and tries the point where the straight line between its ends
+    crosses ``usable``; a step that leaves more than half of the bracket is followed by a bisection.
+    """
+    if hi < lo:
         return None
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if ok(mid):
-            lo = mid
+    f_lo = need(lo)
+    if f_lo > usable:
+        return None
+    f_hi = need(hi)
+    if f_hi <= usable:
+        return hi
+    a, b, fa, fb = lo, hi, f_lo, f_hi
+    bisect = False
+    while b - a > 1:
+        if bisect or fb <= fa:
+            mid = (a + b) // 2
         else:
-            hi = mid - 1
-    return lo
+            mid = a + int((usable - fa) * (b - a) / (fb - fa))
+            mid = min(max(mid, a + 1), b - 1)
+        width = b - a
+        f = need(mid)
+        if f <= usable:
+            a, fa = mid, f
+        else:
+            b, fb = mid, f
+        bisect = (b - a) * 2 > width and not bisect
+    return a
 
 
 def max_prompt_tokens(spec: ModelSpec, s: Settings, usable_bytes: int) -> int | None:
     """Largest prompt (tokens) that fits ``usable_bytes`` with ``s.max_new_tokens`` new tokens, or None."""
     hi = spec.max_position_embeddings - s.max_new_tokens
-    return _largest(1, hi, lambda p: _need(spec, _with(s, prompt_tokens=p)) <= usable_bytes)
+    return _largest(1, hi, lambda p: _need(spec, _with(s, prompt_tokens=p)), usable_bytes)
 
 
 def max_new_tokens(spec: ModelSpec, s: Settings, usable_bytes: int) -> int | None:
     """Largest number of new tokens that fits with ``s.prompt_tokens``, or None when the prompt alone does not."""
     hi = spec.max_position_embeddings - s.prompt_tokens
-    return _largest(0, hi, lambda n: _need(spec, _with(s, max_new_tokens=n)) <= usable_bytes)
+    return _largest(0, hi, lambda n: _need(spec, _with(s, max_new_tokens=n)), usable_bytes)
 
 
 def max_batch(spec: ModelSpec, s: Settings, usable_bytes: int) -> int | None:
-    """Largest batch that fits (exponential then binary search up to 65,536), or None when 1 does not."""
-    def ok(b: int) -> bool:
-        return _need(spec, _with(s, batch=b)) <= usable_bytes
-    if not ok(1):
+    """Largest batch that fits (doubling, then the bracketed search up to 65,536), or None when 1 does not."""
+    def need(b: int) -> int:
+        return _need(spec, _with(s, batch=b))
+    if need(1) > usable_bytes:
         return None
     hi = 1
-    while hi < MAX_BATCH_SEARCH and ok(hi * 2):
+    while hi < MAX_BATCH_SEARCH and need(hi * 2) <= usable_bytes:
         hi *= 2
-    return _largest(hi, min(hi * 2 - 1, MAX_BATCH_SEARCH), ok)
+    return _largest(hi, min(hi * 2 - 1, MAX_BATCH_SEARCH), need, usable_bytes)
 
 
 def _with(s: Settings, **changes) -> Settings:

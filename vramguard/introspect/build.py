@@ -79,6 +79,20 @@ def text_config(config):
     return config.get_text_config(decoder=True)
 
 
+def attention_support(config) -> dict[str, bool]:
+    """Which attention implementations the causal-LM class transformers loads for ``config`` accepts: its own
+    ``_supports_sdpa`` and ``_supports_flash_attn`` flags (``PreTrainedModel._sdpa_can_dispatch`` refuses the
+    load otherwise). Unknown classes are taken to accept both."""
+    from transformers import AutoModelForCausalLM
+    try:
+        cls = AutoModelForCausalLM._model_mapping[type(config)]
+    except (KeyError, ValueError):
+        return {"sdpa": True, "flash_attention_2": True}
+    return {"sdpa": bool(getattr(cls, "_supports_sdpa", True)),
+            "flash_attention_2": bool(getattr(cls, "_supports_flash_attn", getattr(cls, "_supports_flash_attn_2",
+                                                                                   True)))}
+
+
 @dataclass(frozen=True)
 class TensorInfo:
     """One parameter or buffer the loaded model keeps on the GPU.

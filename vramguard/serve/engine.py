@@ -451,6 +451,10 @@ class Engine:
             with self._manager.output_router._lock:
                 self._manager.output_router.result_handlers.pop(rid, None)
 
+    def clear_history(self) -> None:
+        """Forget the recorded steps (after the server's own check request, which no client sent)."""
+        self.steps.clear()
+
     def finish(self, request_id: str) -> None:
         """Forget a request whose response is complete."""
         h = self.handles.pop(request_id, None)

@@ -231,6 +231,57 @@ def make_server(app, host: str, port: int, on_listen=None, on_shutdown=None):
                                   timeout_graceful_shutdown=int(SHUTDOWN_GRACE_S)))
 
 
+SMOKE_TIMEOUT_S = 300.0  # seconds the two-token request before serving may take (a large model's first step)
+
+
+def _cannot_serve(model, why: str):
+    from vramguard.errors import ConfigError
+    return ConfigError("MODEL", getattr(model.config, "model_type", "?"),
+                       "an architecture transformers' continuous batching (the serve engine) can run",
+                       f"{why[:300]}; `vramguard run` generates with this model, or serve it with another engine")
+
+
+def _started_engine(model, tokenizer, pool, **kw) -> Engine:
+    """The engine, started, after one two-token greedy request went through it: transformers' continuous batching
+    does not run every architecture (its paged cache holds attention layers of one K/V shape), and a model it
+    cannot run is refused here rather than failing every request.
+
+    Raises:
+        ConfigError: the engine cannot be built for this model or its first request fails (not out of memory).
+    """
+    import torch
+
+    from vramguard.serve.engine import Sampling
+    try:
+        engine = Engine(model, tokenizer, pool, **kw)
+        kw["metrics"]._engine_stats = engine.stats
+        engine.start()
+    except (ValueError, NotImplementedError, TypeError, KeyError) as e:
+        raise _cannot_serve(model, f"{type(e).__name__}: {e}") from None
+
+    async def one_request():
+        h = engine.submit([min(1, engine.vocab_size - 1)] * 2, 2, Sampling(temperature=0))
+        while True:
+            out = await asyncio.wait_for(h.queue.get(), SMOKE_TIMEOUT_S)
+            status = getattr(out.status, "name", str(out.status))
+            if out.error or status == "FAILED":
+                engine.finish(h.request_id)
+                return str(out.error or "the request failed")
+            if status == "FINISHED":
+                engine.finish(h.request_id)
+                return None
+
+    err = asyncio.run(one_request())
+    if err is not None and "out of memory" not in err.lower():
+        engine.stop()
+        engine.release()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        raise _cannot_serve(model, f"its first request failed: {err}")
+    engine.clear_history()
+    return engine
+
+
 def _check_limits(body_timeout_s: float, **counts: tuple[int, int]) -> None:
     """Raise :class:`InvalidValue` for a body timeout <= 0 or a count below its minimum (``name=(value, lo)``)."""
     if not body_timeout_s > 0:
@@ -300,9 +351,7 @@ def build(model: str, *, vram_budget: int | None = None, max_queue: int = 64, ma
             pool.pool_bytes = pool.pool_tokens * pool.kv_bytes_per_token
             pool.source += f"; capped at {max_kv_blocks} blocks by --max-kv-blocks"
     metrics = Metrics()
-    engine = Engine(m, tok, pool, max_queue=max_queue, seed=seed, metrics=metrics, greedy_only=greedy)
-    metrics._engine_stats = engine.stats
-    engine.start()
+    engine = _started_engine(m, tok, pool, max_queue=max_queue, seed=seed, metrics=metrics, greedy_only=greedy)
     import os
     aliases = tuple(sorted({str(model), os.path.abspath(str(model)), os.path.basename(os.path.normpath(str(model))),
                             str(getattr(m.config, "_name_or_path", "") or model)} - {served_name or str(model)}))
