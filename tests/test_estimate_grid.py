@@ -25,7 +25,9 @@ def test_every_setting_gives_integral_consistent_components(name):
         e = estimate(spec, s)
         assert all(isinstance(v, int) and v >= 0 for v in e.components.values())
         assert sum(e.components.values()) == e.peak_allocated_bytes
-        assert e.device_used_bytes == e.peak_allocated_bytes + e.allocator_reserve_bytes + e.cuda_context_bytes
+        assert e.generate_device_bytes == e.peak_allocated_bytes + e.allocator_reserve_bytes + e.cuda_context_bytes
+        load = e.load.peak_reserved_bytes + e.cuda_context_bytes if e.load else 0
+        assert e.device_used_bytes == max(e.generate_device_bytes, load)
         assert e.weights.total_bytes <= e.peak_allocated_bytes
 
 

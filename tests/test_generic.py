@@ -199,3 +199,31 @@ def test_serve_refuses_what_continuous_batching_cannot_run(tmp_path, model_type,
         build(str(tmp_path), quant="fp32", page_size=16, max_batch_tokens=64, max_running=4, max_queue=4,
               max_kv_blocks=20, verify=False, served_name="tiny")
     assert model_type in str(e.value) and why in str(e.value) and "vramguard run" in str(e.value)
+
+
+def test_the_load_plan_counts_the_fused_expert_conversion(arch_dir):
+    """A checkpoint that stores MoE experts one per tensor is fused at load (MergeModulelist + Concatenate): the
+    sources and both outputs of the largest fused parameter are held beside the weights (measured on the H200 for
+    OLMoE-1B-7B: reserved peak 15,453,913,088 B against 15,448,937,472 planned)."""
+    from vramguard.introspect.generic import load_plan
+    from vramguard.memory.runtime import RESERVE_SEGMENT_BYTES
+    spec = resolve_model(str(arch_dir("olmoe")))
+    lp = load_plan(spec, Settings(quant="bf16"))
+    # 2 layers x (gate_up, down); gate_up: 4 experts x 256 x 64 x 2 B = 131,072 B, with 2 operations -> 3 x
+    assert len(lp.converted) == 4
+    assert lp.largest_transient_bytes == 3 * 4 * 2 * 128 * 64 * 2
+    assert lp.peak_reserved_bytes == lp.weights_bytes + lp.largest_transient_bytes + RESERVE_SEGMENT_BYTES
+    dense = load_plan(resolve_model(str(arch_dir("olmo2"))), Settings(quant="bf16"))
+    assert dense.converted == () and dense.largest_transient_bytes == 0
+
+
+def test_serve_refuses_a_hard_cap_the_load_cannot_fit_under(arch_dir):
+    from vramguard.errors import Infeasible
+    from vramguard.introspect.generic import load_plan
+    from vramguard.serve.server import _check_load_fits
+    folder = str(arch_dir("olmoe"))
+    lp = load_plan(resolve_model(folder), Settings(quant="bf16"))
+    with pytest.raises(Infeasible) as e:
+        _check_load_fits(folder, "bf16", None, lp.peak_reserved_bytes - 1)
+    assert "vram_budget" in str(e.value) and "loading holds the weights" in str(e.value)
+    _check_load_fits(folder, "bf16", None, lp.peak_reserved_bytes)

@@ -143,10 +143,14 @@ def _memory_findings(p: "Plan", out: list) -> None:
                            f"plus a float32 copy of {fmt_gib(fp32, 3)}, against {fmt_bytes(last)} for the last "
                            "position only", "keep logits for the positions you score (logits_to_keep), or score "
                            "in chunks", native + fp32))
-    if spec.is_moe and s.is_bnb:
-        out.append(Finding("moe_quant", "info", "MoE experts are planned as quantized like other linears; "
-                           "transformers 5 stores experts as 3-D parameters, which some quantizers leave in 16-bit",
-                           "run `vramguard check` on the loaded model to see what was quantized"))
+    if spec.is_moe and s.is_bnb and est.weights.dense_linear_bytes:
+        dense = est.weights.dense_linear_bytes
+        out.append(Finding("moe_experts_16bit", "warn" if dense * 2 > est.weights.total_bytes else "info",
+                           f"MoE experts stay in {s.act_dtype} under --quant {s.quant}: transformers 5 stores them as "
+                           "fused 3-D parameters, which bitsandbytes (nn.Linear only) does not convert; "
+                           f"{fmt_gib(dense)} of the {fmt_gib(est.weights.total_bytes)} of weights are these",
+                           "plan with the weights in 16-bit in mind (a larger card, several GPUs), or use a "
+                           "checkpoint quantized with a method that converts 3-D expert weights", dense))
     if spec.prequantized and s.is_bnb and spec.prequantized != "bitsandbytes":
         out.append(Finding("prequantized", "warn", f"the checkpoint is already quantized ({spec.prequantized}); "
                            f"--quant {s.quant} does not apply to it", "plan with the checkpoint's own format"))

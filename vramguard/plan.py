@@ -7,7 +7,10 @@ What is predicted (all ints of bytes):
 * ``peak_allocated_bytes``: ``torch.cuda.max_memory_allocated()`` over the whole ``generate`` call, weights
   included: ``weights + cuBLAS workspace + max(prefill peak, decode peak)``.
 * ``peak_reserved_bytes``: the caching allocator's reserved peak (``allocated + reserve``).
-* ``device_used_bytes``: what ``nvidia-smi`` shows for this process at the peak (``reserved + CUDA context``).
+* ``device_used_bytes``: what ``nvidia-smi`` shows for this process at the peak (``reserved + CUDA context``), of
+  ``generate`` or of the load, whichever is larger: a load holds transients beside the weights (a weight in 16-bit
+  while bitsandbytes quantizes it; MoE experts fused from per-expert checkpoint tensors), taken from transformers
+  by :func:`vramguard.introspect.generic.load_plan` when it is installed.
 
 A card fits when ``device_used_bytes <= total - memory used by other processes``.
 """
@@ -69,6 +72,22 @@ class MemoryEstimate:
     cuda_context_bytes: int
     device_used_bytes: int
     kv_bytes_per_token: int
+    load: object | None = None  # vramguard.introspect.generic.LoadPlan, None without transformers
+    generate_device_bytes: int = 0  # device_used_bytes of generate alone (device_used_bytes is the larger of the
+    # load and generate needs)
+
+
+def load_plan_or_none(spec: ModelSpec, s: Settings):
+    """The load's :class:`~vramguard.introspect.generic.LoadPlan`, or None where it cannot be taken from
+    transformers (not installed, or a spec without its config.json)."""
+    if not spec.config_json:
+        return None
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return None
+    from vramguard.introspect.generic import load_plan
+    return load_plan(spec, s)
 
 
 def _peak(spec: ModelSpec, s: Settings) -> tuple[WeightBytes, ForwardPeak, ForwardPeak | None, ForwardPeak,
@@ -93,20 +112,25 @@ def need_bytes(spec: ModelSpec, s: Settings) -> int:
     """``estimate(spec, s).device_used_bytes`` without the parts of the estimate the need does not use (the KV
     cache at the end of the run and its growth per token): what the solvers evaluate many times."""
     *_, allocated, reserve = _peak(spec, s)
-    return allocated + reserve + CUDA_CONTEXT_BYTES
+    load = load_plan_or_none(spec, s)
+    return max(allocated + reserve, load.peak_reserved_bytes if load else 0) + CUDA_CONTEXT_BYTES
 
 
 def estimate(spec: ModelSpec, s: Settings) -> MemoryEstimate:
     """Predict the memory of ``generate`` for ``spec`` with settings ``s`` (see the module docstring)."""
     w, pf, dc, peak, comps, allocated, reserve = _peak(spec, s)
     kv_full = kv_cache_bytes(spec, s, s.total_tokens)
+    load = load_plan_or_none(spec, s)
+    run_need = allocated + reserve + CUDA_CONTEXT_BYTES
+    load_need = load.peak_reserved_bytes + CUDA_CONTEXT_BYTES if load else 0
     return MemoryEstimate(
-        weights=w, kv_full=kv_full, prefill=pf, decode=dc, peak_phase=peak.phase,
+        weights=w, kv_full=kv_full, prefill=pf, decode=dc,
+        peak_phase="load" if load_need > run_need else peak.phase,
         components={k: comps[k] for k in COMPONENT_ORDER if comps.get(k)} | {k: v for k, v in comps.items()
                                                                            if k not in COMPONENT_ORDER and v},
         peak_allocated_bytes=allocated, allocator_reserve_bytes=reserve, peak_reserved_bytes=allocated + reserve,
-        cuda_context_bytes=CUDA_CONTEXT_BYTES, device_used_bytes=allocated + reserve + CUDA_CONTEXT_BYTES,
-        kv_bytes_per_token=kv_bytes_per_token(spec, s))
+        cuda_context_bytes=CUDA_CONTEXT_BYTES, device_used_bytes=max(run_need, load_need),
+        kv_bytes_per_token=kv_bytes_per_token(spec, s), load=load, generate_device_bytes=run_need)
 
 
 def verdict(est: MemoryEstimate, gpu: GpuSpec) -> CardVerdict:

@@ -132,6 +132,8 @@ def plan_to_json(p: Plan) -> dict:
         "peak_reserved_bytes": est.peak_reserved_bytes,
         "cuda_context_bytes": est.cuda_context_bytes,
         "device_used_bytes": est.device_used_bytes,
+        "generate_device_bytes": est.generate_device_bytes,
+        "load": to_jsonable(est.load),
         "weights": to_jsonable(est.weights),
         "kv_cache": {"full_length_tokens": est.kv_full.tokens, "gpu_bytes": est.kv_full.gpu_bytes,
                      "cpu_bytes": est.kv_full.cpu_bytes, "bytes_per_token": est.kv_bytes_per_token,
@@ -204,6 +206,20 @@ def kv_growth_text(p: Plan) -> str:
     return "; ".join(parts)
 
 
+def load_text(est) -> str:
+    """One line on the load: its reserved peak and what it holds beside the weights, the warm-up block, and
+    whether the load or generate sets the card's need."""
+    ld = est.load
+    why = (f"{len(ld.converted)} fused parameters built from per-part checkpoint tensors (the largest: "
+           f"{fmt_bytes(ld.largest_transient_bytes)} of sources and outputs)" if ld.converted else
+           f"the largest weight in 16-bit while it is quantized ({fmt_bytes(ld.largest_transient_bytes)})"
+           if ld.largest_transient_bytes else "nothing beside the weights")
+    first = ("the load needs more than generate: it sets the card's need" if est.peak_phase == "load" else
+             "generate needs more than the load")
+    return (f"loading: peak {fmt_bytes(ld.peak_reserved_bytes)} reserved = weights + {why}; transformers' warm-up "
+            f"block {fmt_bytes(ld.warmup_bytes)} (one allocation before any weight); {first}")
+
+
 def print_plan(p: Plan, console: Console | None = None) -> None:
     """Human-readable plan on stdout: components, cards, findings and ranked changes."""
     c = console or Console()
@@ -215,9 +231,10 @@ def print_plan(p: Plan, console: Console | None = None) -> None:
             f"heads (head_dim {spec.head_dim}), vocab {spec.vocab_size:,}, context {spec.max_position_embeddings:,}, "
             f"{params} parameters")
     c.print(_settings_line(p))
-    phase = ("prefill" if est.peak_phase == "prefill" else "last decode step")
-    at = (est.prefill if est.peak_phase == "prefill" else est.decode).at
-    t = Table(title=f"Memory at the peak: {phase}, {_where(at)}", title_justify="left")
+    prefill_peaks = est.decode is None or est.prefill.peak_bytes >= est.decode.peak_bytes
+    phase = "prefill" if prefill_peaks else "last decode step"
+    at = (est.prefill if prefill_peaks else est.decode).at
+    t = Table(title=f"Memory at the peak of generate: {phase}, {_where(at)}", title_justify="left")
     t.add_column("component")
     t.add_column("bytes", justify="right")
     t.add_column("GiB", justify="right")
@@ -227,7 +244,7 @@ def print_plan(p: Plan, console: Console | None = None) -> None:
                      ("allocator reserve (fragmentation)", est.allocator_reserve_bytes),
                      ("[bold]PyTorch peak reserved[/bold]", est.peak_reserved_bytes),
                      ("CUDA context and memory outside PyTorch", est.cuda_context_bytes),
-                     ("[bold]card memory in use[/bold]", est.device_used_bytes)):
+                     ("[bold]card memory in use[/bold]", est.generate_device_bytes or est.device_used_bytes)):
         t.add_row(label, f"{v:,}", f"{v / 2**30:.2f}")
     c.print(t)
     w = est.weights
@@ -246,6 +263,8 @@ def print_plan(p: Plan, console: Console | None = None) -> None:
             + f"; per generated token: {kv_growth_text(p)}")
     dec = f"; decode peak {fmt_bytes(est.decode.peak_bytes)} above the weights" if est.decode else ""
     c.print(f"prefill peak {fmt_bytes(est.prefill.peak_bytes)} above the weights ({_where(est.prefill.at)}){dec}")
+    if est.load is not None:
+        c.print(load_text(est))
     c.print(f"logits: {p.logits_case}")
     c.print(f"cards: {p.cards_reason}")
     # one line per card in 80 columns: sizes in GiB without the unit in each cell, no vertical rules

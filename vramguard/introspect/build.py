@@ -139,6 +139,20 @@ def _bnb_config(quant: str, double_quant: bool, compute_dtype: str):
                               bnb_4bit_compute_dtype=_torch_dtype(compute_dtype))
 
 
+def _import_bitsandbytes():
+    """``import bitsandbytes``, with its import-time warning about optional CPU kernels (``kernels-community``, its
+    logger ``bitsandbytes``) held back: planning runs no kernel. Raises ImportError when it is not installed."""
+    import logging
+    log = logging.getLogger("bitsandbytes")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        import bitsandbytes
+    finally:
+        log.setLevel(level)
+    return bitsandbytes
+
+
 def _quantize_meta(model, qcfg) -> tuple[set[str], str]:
     """Swap the layers bitsandbytes converts, as ``from_pretrained`` does; return their module names and how.
 
@@ -148,7 +162,7 @@ def _quantize_meta(model, qcfg) -> tuple[set[str], str]:
     """
     import torch
     try:
-        import bitsandbytes as bnb  # noqa: F401
+        bnb = _import_bitsandbytes()
         from transformers.quantizers import AutoHfQuantizer
         quantizer = AutoHfQuantizer.from_config(qcfg, pre_quantized=False)
         with _quiet(), torch.device("meta"):

@@ -10,6 +10,7 @@ attention K/V tensor in the quantized format; an offloaded cache keeps the two l
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import lru_cache
 
 from vramguard.memory.forward import ForwardPeak
@@ -219,3 +220,109 @@ def kv_bytes_per_token(spec, s: Settings) -> int:
     a = kv_cache_bytes(spec, s, n)
     b = kv_cache_bytes(spec, s, n - 1)
     return max((a.gpu_bytes + a.cpu_bytes) - (b.gpu_bytes + b.cpu_bytes), 0)
+
+
+# ---- loading ------------------------------------------------------------------------------------------------------
+WARMUP_ROUND = 2 << 20  # the caching allocator rounds a large request up to 2 MiB (kRoundLarge, CUDACachingAllocator.cpp)
+
+
+@dataclass(frozen=True)
+class LoadPlan:
+    """Memory while ``from_pretrained`` loads the model (bytes).
+
+    ``warmup_bytes``: transformers 5's ``caching_allocator_warmup`` allocates, before reading any weight, one block
+    of the model's size by its own count (``get_total_byte_count``: every parameter's ``numel`` times
+    ``hf_quantizer.param_element_size``, 0.5 B for a 4-bit weight, tied ones once) and frees it into the cache;
+    under a per-process cap that block must fit in one piece. ``largest_transient_bytes``: the largest weight held
+    in 16-bit on the GPU while bitsandbytes quantizes it (0 without quantization). ``peak_allocated_bytes``: the
+    final weights plus that transient.
+    """
+
+    weights_bytes: int
+    warmup_bytes: int
+    largest_transient_bytes: int
+    peak_reserved_bytes: int
+    converted: tuple[str, ...] = ()
+
+
+def load_plan(spec, s: Settings) -> LoadPlan:
+    """The :class:`LoadPlan` of ``spec`` loaded with ``s`` (any spec that carries its config.json).
+
+    Raises:
+        ConfigError: the spec has no config.json (planned from bare numbers).
+    """
+    from dataclasses import replace
+    gspec = spec if spec.generic else replace(spec, generic=True)
+    _config(gspec)
+    w = weight_bytes(gspec, s)
+    st = structure_of(gspec, s)
+    per_quantized = {"nf4": 0.5, "fp4": 0.5, "int8": 1.0}
+    warm = 0.0
+    transient = 0
+    for t in st.tensors:
+        if t.kind == "buffer":
+            continue
+        if t.kind == "quantized":
+            warm += t.numel * per_quantized[t.dtype]
+            transient = max(transient, rounded(t.numel * DTYPE_BYTES[s.act_dtype]))
+        else:
+            warm += t.nbytes
+    warmup = int(warm) // 2 * 2
+    warmup = -(-warmup // WARMUP_ROUND) * WARMUP_ROUND
+    converted = _converted(gspec, st)
+    for nbytes, n_ops in converted.values():
+        transient = max(transient, nbytes * (1 + n_ops))
+    from vramguard.memory.runtime import RESERVE_SEGMENT_BYTES
+    return LoadPlan(w.total_bytes, warmup, transient, w.total_bytes + transient + RESERVE_SEGMENT_BYTES,
+                    tuple(sorted(converted)))
+
+
+@lru_cache(maxsize=16)
+def _conversion_rules(config_json: str, name: str) -> tuple:
+    """transformers' WeightConverters for the model (``conversion_mapping.get_model_conversion_mapping``) that
+    change tensors (not renames): ``((source patterns, target patterns, number of operations), ...)``."""
+    from vramguard.introspect.build import _quiet, cached_config, meta_model
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter
+    except ImportError:
+        return ()
+    with _quiet():
+        rules = get_model_conversion_mapping(meta_model(cached_config(config_json, name), "bf16"))
+    return tuple((tuple(r.source_patterns), tuple(r.target_patterns), len(r.operations)) for r in rules
+                 if isinstance(r, WeightConverter) and r.operations)
+
+
+def _converted(spec, st) -> dict[str, tuple[int, int]]:
+    """Parameters transformers fuses at load from several checkpoint tensors: name -> (bytes, operations)."""
+    import re
+    keys = _checkpoint_keys(spec.source)
+    out: dict[str, tuple[int, int]] = {}
+    for source_patterns, target_patterns, n_ops in _conversion_rules(spec.config_json, spec.name):
+        sources = [re.compile(p.replace(".", r"\.").replace("*", r"\d+")) for p in source_patterns]
+        if keys is not None and not any(src.search(k) for src in sources for k in keys):
+            continue  # stored already fused
+        for t in st.tensors:
+            if any(t.name.endswith(target) for target in target_patterns):
+                out[t.name] = (rounded(t.nbytes), n_ops)
+    return out
+
+
+@lru_cache(maxsize=16)
+def _checkpoint_keys(source: str) -> tuple[str, ...] | None:
+    """Tensor names of the safetensors checkpoint in folder ``source`` (headers only), or None without one or when a
+    header cannot be read (then every convertible parameter is planned as converted, the larger need)."""
+    from pathlib import Path
+    folder = Path(source)
+    files = sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
+    if not files:
+        return None
+    from safetensors import safe_open
+    keys: list[str] = []
+    for f in files:
+        try:
+            with safe_open(str(f), "pt") as h:
+                keys += list(h.keys())
+        except Exception:  # noqa: BLE001 - an unreadable header: the layout is unknown, planned as unfused
+            return None
+    return tuple(keys)

@@ -282,6 +282,29 @@ def _started_engine(model, tokenizer, pool, **kw) -> Engine:
     return engine
 
 
+def _check_load_fits(model: str, quant: str, dtype: str | None, budget: int) -> None:
+    """Refuse, before loading, a hard cap that the load itself cannot fit under: transformers' warm-up block and
+    the load's transients (:func:`vramguard.introspect.generic.load_plan`) must fit in ``budget`` bytes.
+
+    Raises:
+        Infeasible: the planned reserved peak of the load is over ``budget``.
+    """
+    from vramguard.errors import Infeasible, VramguardError
+    from vramguard.plan import load_plan_or_none
+    from vramguard.resolve import resolve_model
+    from vramguard.settings import Settings
+    try:
+        ld = load_plan_or_none(resolve_model(model), Settings(quant=quant, dtype=dtype))
+    except VramguardError:  # an unreadable model or setting: the load reports it with its own error
+        return
+    if ld is not None and ld.peak_reserved_bytes > budget:
+        raise Infeasible("vram_budget", fmt_bytes(budget),
+                         f"at least {fmt_bytes(ld.peak_reserved_bytes)}: loading holds the weights "
+                         f"({fmt_bytes(ld.weights_bytes)}) and {fmt_bytes(ld.largest_transient_bytes)} beside them",
+                         f"raise --vram-budget to at least {fmt_bytes(ld.peak_reserved_bytes)} plus the KV pool, or "
+                         "quantize the weights")
+
+
 def _check_limits(body_timeout_s: float, **counts: tuple[int, int]) -> None:
     """Raise :class:`InvalidValue` for a body timeout <= 0 or a count below its minimum (``name=(value, lo)``)."""
     if not body_timeout_s > 0:
@@ -317,6 +340,7 @@ def build(model: str, *, vram_budget: int | None = None, max_queue: int = 64, ma
         if vram_budget > total:
             raise InvalidValue("vram_budget", vram_budget, f"at most the card's {total:,} B",
                                "pass a smaller --vram-budget")
+        _check_load_fits(model, quant, dtype, vram_budget)
         getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
         cap_before = getter() if getter is not None else 1.0
         torch.cuda.set_per_process_memory_fraction(vram_budget / total)
