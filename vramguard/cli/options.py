@@ -1,0 +1,59 @@
+"""Option parsing shared by the commands: the choice types (from :mod:`vramguard.settings`), the defaults several
+commands share, and the checks of the raw argument list that click cannot make."""
+
+from __future__ import annotations
+
+from enum import Enum
+
+from vramguard.settings import ATTNS, CACHES, DTYPES, KV_DTYPES, LOGITS, QUANTS, SDPA_KERNELS
+
+DEFAULT_PROMPT_TOKENS = 128  # a short chat prompt: system prompt, one user turn and the chat template
+
+
+def _choices(name: str, values) -> type[Enum]:
+    """A str Enum of ``values`` for typer (choices come from :mod:`vramguard.settings`)."""
+    return Enum(name, {v: v for v in values}, type=str)
+
+
+Quant = _choices("Quant", QUANTS)
+CheckQuant = _choices("CheckQuant", ("none",) + QUANTS)
+Attn = _choices("Attn", ATTNS)
+LoadAttn = _choices("LoadAttn", ("auto",) + ATTNS)
+KvDtype = _choices("KvDtype", KV_DTYPES)
+Dtype = _choices("Dtype", DTYPES)
+DtypeArg = _choices("DtypeArg", ("auto",) + DTYPES)
+Cache = _choices("Cache", CACHES)
+Logits = _choices("Logits", LOGITS)
+SdpaKernel = _choices("SdpaKernel", SDPA_KERNELS)
+Format = _choices("Format", ("human", "json"))
+Vary = _choices("Vary", ("prompt", "new-tokens", "batch"))
+
+SIZE_OPTIONS = ("--vram", "--vram-budget", "--max-body-size")
+
+
+def split_size(args: list[str]) -> str | None:
+    """The error for a size typed as two words (``--vram 24 GiB``: the shell passes ``GiB`` as the next argument,
+    which would be read as a model name), or None."""
+    from vramguard.units import UNIT_WORDS
+    for i, a in enumerate(args[:-2]):
+        number, unit = args[i + 1], args[i + 2]
+        if a in SIZE_OPTIONS and number.replace(".", "", 1).isdigit() and unit.lower() in UNIT_WORDS | {"b"}:
+            return (f"{a}: {number!r} {unit!r} is two arguments; accepted: a number and a unit in one word.\n"
+                    f"fix: write {a} {number}{unit} (or quote it: {a} '{number} {unit}')")
+    return None
+
+
+def strip_options(args: list[str], names: tuple[str, ...]) -> list[str]:
+    """``args`` without ``names`` and their values (``--name value`` or ``--name=value``)."""
+    out, skip = [], False
+    for a in args:
+        if skip:
+            skip = False
+            continue
+        if a in names:
+            skip = True
+            continue
+        if any(a.startswith(n + "=") for n in names):
+            continue
+        out.append(a)
+    return out
