@@ -8,7 +8,8 @@ from typing import Optional
 import typer
 
 from vramguard.cli.common import run_guarded, write_json
-from vramguard.cli.options import DEFAULT_PROMPT_TOKENS, Attn, CheckQuant, Dtype, DtypeArg, Format, SdpaKernel
+from vramguard.cli.options import (Attn, CheckQuant, Dtype, DtypeArg, Format, SdpaKernel, attn_option, batch_option,
+                                   format_option, max_new_tokens_option, prompt_tokens_option)
 from vramguard.errors import InvalidValue
 from vramguard.render import console
 
@@ -28,17 +29,17 @@ def check(
                                                help="check plain from_pretrained's defaults for what you leave "
                                                     "unset (bitsandbytes computes in float32) instead of "
                                                     "vramguard's"),
-    attn: Attn = typer.Option(Attn['sdpa'], help="attn_implementation you pass"),
+    attn: Attn = attn_option("attn_implementation you pass"),
     sdpa_kernel: SdpaKernel = typer.Option(SdpaKernel['auto'], help="SDPA backend you pin (torch.nn.attention."
                                                                  "sdpa_kernel)"),
     output_attentions: bool = typer.Option(False, help="attention maps requested"),
     device_map: Optional[str] = typer.Option(None, help="device_map you pass (auto is checked for offload)"),
-    batch: int = typer.Option(1, help="prompts decoded together"),
-    prompt_tokens: int = typer.Option(DEFAULT_PROMPT_TOKENS, help="prompt length in tokens"),
-    max_new_tokens: int = typer.Option(256, help="tokens to generate"),
+    batch: int = batch_option(),
+    prompt_tokens: int = prompt_tokens_option(),
+    max_new_tokens: int = max_new_tokens_option(),
     gpu: Optional[str] = typer.Option(None, help="check against a catalog card instead of the detected one"),
     verify: bool = typer.Option(True, "--verify/--no-verify", help="on a GPU: load and name the kernel that runs"),
-    fmt: Format = typer.Option(Format['human'], "--format", help="human or json"),
+    fmt: Format = format_option(),
 ) -> None:
     """Check the environment and the load settings; name the attention kernel that really runs (GPU).
     Exits 1 when a finding fails."""

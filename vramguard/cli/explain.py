@@ -10,7 +10,8 @@ from typing import Optional
 import typer
 
 from vramguard.cli.common import run_guarded, say, write_json
-from vramguard.cli.options import DEFAULT_PROMPT_TOKENS, Attn, Format, Quant
+from vramguard.cli.options import (Attn, Format, Quant, attn_option, batch_option, format_option, max_new_tokens_option,
+                                   prompt_tokens_option, quant_option)
 from vramguard.render import console
 
 
@@ -18,7 +19,7 @@ def oom_log(
     since: Optional[str] = typer.Option(None, help="only kills after: 30m, 2h, 1d, boot, or 2026-11-30T17:00"),
     file: Optional[str] = typer.Option(None, "--file", help="a log file to read, or - for stdin"),
     year: Optional[int] = typer.Option(None, help="year of syslog-style timestamps that omit it (default: now)"),
-    fmt: Format = typer.Option(Format['human'], "--format", help="human or json"),
+    fmt: Format = format_option(),
 ) -> None:
     """Read the kernel OOM killer's records and explain each kill ("Killed" -> which process, how much memory, why).
     Exits 1 when no kernel log could be read."""
@@ -48,12 +49,12 @@ def read_message(message: str | None, stdin=None) -> str:
 def explain(
     message: Optional[str] = typer.Argument(None, help="the OOM message, or - to read it from stdin"),
     model: Optional[str] = typer.Option(None, help="the model that ran, to name the allocation that failed"),
-    quant: Quant = typer.Option(Quant['nf4'], help="its weight format"),
-    attn: Attn = typer.Option(Attn['sdpa'], help="its attn_implementation"),
-    batch: int = typer.Option(1, help="its batch"),
-    prompt_tokens: int = typer.Option(DEFAULT_PROMPT_TOKENS, help="its prompt length in tokens"),
-    max_new_tokens: int = typer.Option(256, help="its new tokens"),
-    fmt: Format = typer.Option(Format['human'], "--format", help="human or json"),
+    quant: Quant = quant_option("its weight format"),
+    attn: Attn = attn_option("its attn_implementation"),
+    batch: int = batch_option("its batch"),
+    prompt_tokens: int = prompt_tokens_option("its prompt length in tokens"),
+    max_new_tokens: int = max_new_tokens_option("its new tokens"),
+    fmt: Format = format_option(),
 ) -> None:
     """Classify a CUDA out-of-memory message: fragmentation, one allocation too large (algorithmic), memory held
     by other processes, or steady growth; with the evidence and the fix."""

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 from enum import Enum
 
+import typer
+
 from vramguard.settings import ATTNS, CACHES, DTYPES, KV_DTYPES, LOGITS, QUANTS, SDPA_KERNELS
 
 DEFAULT_PROMPT_TOKENS = 128  # a short chat prompt: system prompt, one user turn and the chat template
+DEFAULT_MAX_NEW_TOKENS = 256
 
 
 def _choices(name: str, values) -> type[Enum]:
@@ -27,6 +30,33 @@ Logits = _choices("Logits", LOGITS)
 SdpaKernel = _choices("SdpaKernel", SDPA_KERNELS)
 Format = _choices("Format", ("human", "json"))
 Vary = _choices("Vary", ("prompt", "new-tokens", "batch"))
+
+
+
+# the options of a run's settings that several commands take, each default defined once; ``text`` is the help
+def quant_option(text: str = "weight format"):
+    return typer.Option(Quant['nf4'], help=text)
+
+
+def attn_option(text: str = "attn_implementation"):
+    return typer.Option(Attn['sdpa'], help=text)
+
+
+def batch_option(text: str = "prompts decoded together"):
+    return typer.Option(1, help=text)
+
+
+def prompt_tokens_option(text: str = "prompt length in tokens"):
+    return typer.Option(DEFAULT_PROMPT_TOKENS, help=text)
+
+
+def max_new_tokens_option(text: str = "tokens to generate"):
+    return typer.Option(DEFAULT_MAX_NEW_TOKENS, help=text)
+
+
+def format_option(text: str = "human or json"):
+    return typer.Option(Format['human'], "--format", help=text)
+
 
 SIZE_OPTIONS = ("--vram", "--vram-budget", "--max-body-size")
 

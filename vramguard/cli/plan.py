@@ -7,14 +7,15 @@ from typing import Optional
 import typer
 
 from vramguard.cli.common import run_guarded, say, write_json
-from vramguard.cli.options import DEFAULT_PROMPT_TOKENS, Attn, Cache, Dtype, Format, KvDtype, Logits, Quant
+from vramguard.cli.options import (Attn, Cache, Dtype, Format, KvDtype, Logits, Quant, batch_option, format_option,
+                                   max_new_tokens_option, prompt_tokens_option, quant_option)
 from vramguard.render import console
 
 
 def plan(
     model: str = typer.Argument("llama-2-7b", metavar="MODEL",
                                  help="model folder, config.json, catalog name or cached model id"),
-    quant: Quant = typer.Option(Quant['nf4'], help="weight format"),
+    quant: Quant = quant_option(),
     double_quant: bool = typer.Option(True, "--double-quant/--no-double-quant", help="4-bit double quantization"),
     compute_dtype: Optional[Dtype] = typer.Option(None, help="4-bit compute dtype (default: the model dtype)"),
     dtype: Optional[Dtype] = typer.Option(None, help="model dtype (default bf16; fp16/fp32 for those quants)"),
@@ -22,11 +23,11 @@ def plan(
                                         "--gpu card below compute capability 8.0, which cannot run it)"),
     kv_dtype: Optional[KvDtype] = typer.Option(None, help="KV cache type (int8/int4: quantized cache)"),
     cache: Cache = typer.Option(Cache['dynamic'], help="KV cache kind"),
-    batch: int = typer.Option(1, help="prompts decoded together"),
+    batch: int = batch_option(),
     num_beams: int = typer.Option(1, help="beams per prompt"),
     num_return_sequences: int = typer.Option(1, help="sequences returned per prompt"),
-    prompt_tokens: int = typer.Option(DEFAULT_PROMPT_TOKENS, help="prompt length in tokens"),
-    max_new_tokens: int = typer.Option(256, help="tokens to generate"),
+    prompt_tokens: int = prompt_tokens_option(),
+    max_new_tokens: int = max_new_tokens_option(),
     prefill_chunk: Optional[int] = typer.Option(None, help="chunked prefill: tokens per forward"),
     logits: Logits = typer.Option(Logits['last'], help="last: generate(); all: a forward over every position"),
     output_attentions: bool = typer.Option(False, help="attention maps requested (forces eager)"),
@@ -35,7 +36,7 @@ def plan(
     context: Optional[int] = typer.Option(None, help="context length to allow (RoPE-scaled models beyond config)"),
     gpu: Optional[str] = typer.Option(None, help="a catalog card (see --list-gpus)"),
     vram: Optional[str] = typer.Option(None, help="card memory, e.g. 24GiB, 24GB, 24000MiB"),
-    fmt: Format = typer.Option(Format['human'], "--format", help="human or json"),
+    fmt: Format = format_option(),
     list_models: bool = typer.Option(False, "--list-models", help="list the catalog architectures and exit"),
     list_gpus: bool = typer.Option(False, "--list-gpus", help="list the catalog cards and exit"),
     exit_code: bool = typer.Option(False, "--exit-code", help="exit 1 when the run fits none of the cards"),

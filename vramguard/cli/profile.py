@@ -8,7 +8,8 @@ from typing import Optional
 import typer
 
 from vramguard.cli.common import run_guarded, write_json
-from vramguard.cli.options import DEFAULT_PROMPT_TOKENS, Attn, Format, Quant, Vary
+from vramguard.cli.options import (Attn, Format, Quant, Vary, attn_option, batch_option, format_option,
+                                   max_new_tokens_option, prompt_tokens_option, quant_option)
 from vramguard.errors import InvalidValue
 from vramguard.render import console
 
@@ -16,14 +17,14 @@ from vramguard.render import console
 def profile(
     model: str = typer.Argument(..., metavar="MODEL",
                                  help="model folder or cached model id (weights needed)"),
-    quant: Quant = typer.Option(Quant['nf4'], help="weight format"),
-    attn: Attn = typer.Option(Attn['sdpa'], help="attn_implementation"),
-    batch: int = typer.Option(1, help="prompts decoded together"),
-    prompt_tokens: int = typer.Option(DEFAULT_PROMPT_TOKENS, help="prompt length in tokens (random ids)"),
-    max_new_tokens: int = typer.Option(256, help="tokens to generate"),
+    quant: Quant = quant_option(),
+    attn: Attn = attn_option(),
+    batch: int = batch_option(),
+    prompt_tokens: int = prompt_tokens_option("prompt length in tokens (random ids)"),
+    max_new_tokens: int = max_new_tokens_option(),
     out: Optional[str] = typer.Option(None, help="folder for timeline.png, timeline.html (and the snapshot)"),
     memory_snapshot: bool = typer.Option(False, help="also dump a PyTorch memory snapshot for memory_viz"),
-    fmt: Format = typer.Option(Format['human'], "--format", help="human or json"),
+    fmt: Format = format_option(),
 ) -> None:
     """A measured run beside the plan: weights, prefill peak, KV growth per token, decode peak, reserved vs
     allocated, fragmentation, memory outside PyTorch, TTFT and decode ms/token; a memory timeline picture."""
@@ -50,14 +51,14 @@ def fit(
                                  help="model folder or cached model id (weights needed)"),
     vary: Vary = typer.Option(..., help="the value to vary"),
     vram_budget: Optional[str] = typer.Option(None, help="memory PyTorch may use, e.g. 24GiB (default: the card)"),
-    quant: Quant = typer.Option(Quant['nf4'], help="weight format"),
-    attn: Attn = typer.Option(Attn['sdpa'], help="attn_implementation"),
-    batch: int = typer.Option(1, help="prompts decoded together"),
-    prompt_tokens: int = typer.Option(DEFAULT_PROMPT_TOKENS, help="prompt length in tokens"),
-    max_new_tokens: int = typer.Option(256, help="tokens to generate"),
+    quant: Quant = quant_option(),
+    attn: Attn = attn_option(),
+    batch: int = batch_option(),
+    prompt_tokens: int = prompt_tokens_option(),
+    max_new_tokens: int = max_new_tokens_option(),
     max_runs: int = typer.Option(8, help="at most this many real runs"),
     out: Optional[str] = typer.Option(None, help="folder for the fit picture"),
-    fmt: Format = typer.Option(Format['human'], "--format", help="human or json"),
+    fmt: Format = format_option(),
 ) -> None:
     """Real runs that find the largest prompt / new tokens / batch that completes under a budget, seeded by the
     plan; emulates a smaller card with a per-process memory fraction."""

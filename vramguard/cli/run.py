@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 
 from vramguard.cli.common import err, run_guarded, say, write_json
-from vramguard.cli.options import Format, Quant
+from vramguard.cli.options import Format, Quant, format_option, max_new_tokens_option, quant_option
 from vramguard.errors import ConfigError, InvalidValue
 from vramguard.units import plural
 
@@ -18,10 +18,10 @@ def run(
                                  help="model folder or cached model id (weights and tokenizer needed)"),
     prompt: Optional[str] = typer.Option(None, help="the prompt text"),
     prompt_file: Optional[str] = typer.Option(None, help="read the prompt from this file (- for stdin)"),
-    max_new_tokens: int = typer.Option(256, help="tokens to generate"),
+    max_new_tokens: int = max_new_tokens_option(),
     vram_budget: Optional[str] = typer.Option(None, help="memory PyTorch may use, e.g. 12GiB (default: what is free)"),
     auto: bool = typer.Option(True, "--auto/--no-auto", help="pick the strategy that fits (else refuse)"),
-    quant: Quant = typer.Option(Quant['nf4'], help="weight format"),
+    quant: Quant = quant_option(),
     do_sample: bool = typer.Option(False, help="sample instead of greedy decoding"),
     temperature: Optional[float] = typer.Option(None, help="sampling temperature"),
     top_p: Optional[float] = typer.Option(None, help="nucleus sampling"),
@@ -37,7 +37,7 @@ def run(
                                                  help="wrap the prompt as a user turn in the tokenizer's chat "
                                                       "template, or send it raw (default: the template when the "
                                                       "tokenizer has one)"),
-    fmt: Format = typer.Option(Format['human'], "--format", help="human: text on stdout; json: one object"),
+    fmt: Format = format_option("human: text on stdout; json: one object"),
 ) -> None:
     """Generate text without running out of memory: plan first, pick a strategy that fits, recover from OOM.
     The text streams to stdout; a summary (strategy and why, peak memory, TTFT, tokens/s) goes to stderr."""

@@ -10,7 +10,7 @@ from typing import Optional
 import typer
 
 from vramguard.cli.common import install_fix, run_guarded, say
-from vramguard.cli.options import DtypeArg, LoadAttn, Quant, strip_options
+from vramguard.cli.options import DtypeArg, LoadAttn, Quant, quant_option, strip_options
 from vramguard.errors import InvalidValue
 
 # what serve imports, checked before anything is loaded
@@ -41,7 +41,7 @@ def serve(
     api_key: Optional[str] = typer.Option(None, envvar="VRAMGUARD_API_KEY",
                                           help="require 'Authorization: Bearer KEY' on every route but /health "
                                                "(or set VRAMGUARD_API_KEY)"),
-    quant: Quant = typer.Option(Quant['nf4'], help="weight format"),
+    quant: Quant = quant_option(),
     dtype: Optional[DtypeArg] = typer.Option(None, help="parameter/activation dtype (default: bf16 where supported)"),
     attn: LoadAttn = typer.Option(LoadAttn['auto'], help="attention implementation (auto: the best that runs here)"),
     trust_remote_code: bool = typer.Option(False, help="allow the model's own Python code (off: never run it)"),
