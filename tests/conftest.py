@@ -69,6 +69,14 @@ def save_tiny_llama(folder: Path, **cfg) -> Path:
     return folder
 
 
+def serving(server):
+    """Run ``server`` (a :func:`vramguard.serve.server.build` result) in the background for a fixture: yields
+    ``(server, url)``, stops it after."""
+    url = server.start_background()
+    yield server, url
+    server.stop()
+
+
 def concurrently(fn, n: int, timeout_s: float = 60) -> None:
     """Call ``fn(0) ... fn(n - 1)`` in ``n`` threads at once and wait for all (each join bounded by ``timeout_s``)."""
     import threading

@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 import torch
-from conftest import concurrently, save_tiny_llama
+from conftest import concurrently, save_tiny_llama, serving
 
 CFG = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
            vocab_size=300, max_position_embeddings=512, bos_token_id=1, eos_token_id=2)
@@ -33,10 +33,7 @@ def _build(folder, **kw):
 
 @pytest.fixture(scope="module")
 def server(folder):
-    s = _build(folder)
-    url = s.start_background()
-    yield s, url
-    s.stop()
+    yield from serving(_build(folder))
 
 
 @pytest.fixture

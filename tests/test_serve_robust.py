@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import save_tiny_llama
+from conftest import save_tiny_llama, serving
 from test_serve import CFG, _build, _err, _metric, _next_id, _post, _reference, _words
 
 from vramguard.serve.engine import device_fault
@@ -28,10 +28,7 @@ def folder(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(folder):
-    s = _build(folder)
-    url = s.start_background()
-    yield s, url
-    s.stop()
+    yield from serving(_build(folder))
 
 
 def _text(tokens: list[int]) -> str:

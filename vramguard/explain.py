@@ -150,14 +150,27 @@ def explain(text: str, alloc_conf: str | None = None, candidates: dict[str, int]
     m = parse_oom_message(text)
     req = m.request_bytes or 0
     usable = m.allowed_bytes or m.total_bytes
+    ev = _evidence(m, req, usable)
+    matched = _match(req, candidates)
+    kind, summary, fixes, more = _classify(m, req, usable, matched, alloc_conf)
+    ev += more
+    if matched:
+        ev.append(f"the request matches {matched}")
+    elif candidates:
+        ev.append("no single allocation of the planned run matches the request (it is a smaller tensor: an "
+                  "activation, a KV cache block or a workspace)")
+    return Explanation(kind, summary, ev, fixes, m, matched)
+
+
+def _evidence(m: OomMessage, req: int, usable: int | None) -> list[str]:
+    """The figures of the message that the classification reads: the request, what the process may use, memory
+    outside PyTorch's pool, and reserved-but-unallocated memory."""
     ev: list[str] = []
     if m.request_bytes is not None:
         ev.append(f"the failed request: {fmt_bytes(m.request_bytes)}")
     if usable:
         ev.append(f"the process may use {fmt_bytes(usable)}" + (" (per-process cap)" if m.allowed_bytes else
                                                                    " (the card's capacity)"))
-    matched = _match(req, candidates)
-    outside = None
     if m.total_bytes is not None and m.free_bytes is not None and m.reserved_bytes is not None:
         outside = max(m.total_bytes - m.free_bytes - m.reserved_bytes, 0)
         if m.allowed_bytes is None:
@@ -166,57 +179,65 @@ def explain(text: str, alloc_conf: str | None = None, candidates: dict[str, int]
     if frag is not None:
         ev.append(f"reserved by PyTorch but unallocated: {_size(frag)}"
                   + (f" = {_ratio(frag, req)} the request" if req and frag >= req else ""))
+    return ev
+
+
+def _foreign_bytes(m: OomMessage) -> int:
+    """Memory of other processes: what the card uses minus this process (its context included when the message
+    says how much the process holds; else this process's context is estimated); 0 when the message cannot tell."""
+    if m.total_bytes is None or m.free_bytes is None:
+        return 0
+    if m.process_in_use_bytes is not None:
+        return max(m.total_bytes - m.free_bytes - m.process_in_use_bytes, 0)
+    if m.reserved_bytes is not None:
+        return max(m.total_bytes - m.free_bytes - m.reserved_bytes - CUDA_CONTEXT_BYTES, 0)
+    return 0
+
+
+def _classify(m: OomMessage, req: int, usable: int | None, matched: str | None,
+              alloc_conf: str | None) -> tuple[str, str, list[str], list[str]]:
+    """(kind, summary, fixes, further evidence) by the rules of the module docstring, in their order."""
+    frag = m.reserved_unallocated_bytes
     others = sum(b for _, b in m.other_processes)
-    # memory of other processes: what the card uses minus this process (its context included when the message
-    # says how much the process holds; else this process's context is estimated)
-    foreign = 0
-    if m.total_bytes is not None and m.free_bytes is not None:
-        if m.process_in_use_bytes is not None:
-            foreign = max(m.total_bytes - m.free_bytes - m.process_in_use_bytes, 0)
-        elif m.reserved_bytes is not None:
-            foreign = max(m.total_bytes - m.free_bytes - m.reserved_bytes - CUDA_CONTEXT_BYTES, 0)
-    expandable = bool(alloc_conf and "expandable_segments:True" in alloc_conf)
+    foreign = _foreign_bytes(m)
     if usable and req > usable:
-        kind, summary = "algorithmic", (f"one allocation of {fmt_bytes(req)} is larger than all the memory the "
-                                        f"process may use ({fmt_bytes(usable)}): no allocator setting can fit it")
-        fixes = _algorithmic_fixes(matched)
-    elif frag is not None and req and frag >= req:
-        kind = "fragmentation"
+        summary = (f"one allocation of {fmt_bytes(req)} is larger than all the memory the process may use "
+                   f"({fmt_bytes(usable)}): no allocator setting can fit it")
+        return "algorithmic", summary, _algorithmic_fixes(matched), []
+    if frag is not None and req and frag >= req:
         summary = (f"{_size(frag)} are reserved but unallocated, {_ratio(frag, req)} the "
                    f"{fmt_bytes(req)} requested, but not as one block")
-        fixes = (["expandable segments are already on: free cached blocks between requests "
-                  "(torch.cuda.empty_cache()) and keep tensor sizes steady"] if expandable else
-                 ["export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (lets segments grow instead of "
-                  "stranding blocks)"])
-        fixes.append("use a static KV cache (preallocated once) instead of a dynamic cache that grows by "
-                     "concatenation")
-    elif (others and others >= req) or (foreign >= max(req, OTHER_PROCESSES_MIN_BYTES) and not m.allowed_bytes):
-        kind = "other_processes"
+        return "fragmentation", summary, _fragmentation_fixes(alloc_conf), []
+    if (others and others >= req) or (foreign >= max(req, OTHER_PROCESSES_MIN_BYTES) and not m.allowed_bytes):
         held = others or foreign
-        summary = f"{fmt_bytes(held)} of the card are held outside this process's PyTorch pool"
-        if m.other_processes:
-            ev.append("other processes: " + ", ".join(f"pid {p} {fmt_bytes(b)}" for p, b in m.other_processes))
-        fixes = ["close the other GPU processes (nvidia-smi lists them), or run on another GPU "
-                 "(CUDA_VISIBLE_DEVICES)", "plan with the memory that is left: vramguard plan ... --vram SIZE"]
-    elif usable and req * ALGORITHMIC_FRACTION_DEN >= usable:
-        kind, summary = "algorithmic", (f"one allocation of {fmt_bytes(req)} is "
-                                        f"{req / usable:.0%} of the usable memory: an algorithmic cost")
-        fixes = _algorithmic_fixes(matched)
-    elif m.allocated_bytes is not None and usable:
-        kind = "steady_growth"
+        more = (["other processes: " + ", ".join(f"pid {p} {fmt_bytes(b)}" for p, b in m.other_processes)]
+                if m.other_processes else [])
+        return "other_processes", f"{fmt_bytes(held)} of the card are held outside this process's PyTorch pool", [
+            "close the other GPU processes (nvidia-smi lists them), or run on another GPU (CUDA_VISIBLE_DEVICES)",
+            "plan with the memory that is left: vramguard plan ... --vram SIZE"], more
+    if usable and req * ALGORITHMIC_FRACTION_DEN >= usable:
+        summary = f"one allocation of {fmt_bytes(req)} is {req / usable:.0%} of the usable memory: an algorithmic cost"
+        return "algorithmic", summary, _algorithmic_fixes(matched), []
+    if m.allocated_bytes is not None and usable:
         summary = (f"a request of {fmt_bytes(req)} with {fmt_bytes(m.allocated_bytes)} already allocated of "
                    f"{fmt_bytes(usable)}: memory grew until it ran out")
-        fixes = ["plan the run (vramguard plan MODEL ...): a shorter generation, a quantized KV cache "
-                 "(--kv-dtype int8/int4), a smaller batch, or NF4 weights"]
-    else:
-        kind, summary, fixes = "unknown", "the message does not carry enough numbers to classify it", [
-            "paste the whole message, including the memory figures"]
-    if matched:
-        ev.append(f"the request matches {matched}")
-    elif candidates:
-        ev.append("no single allocation of the planned run matches the request (it is a smaller tensor: an "
-                  "activation, a KV cache block or a workspace)")
-    return Explanation(kind, summary, ev, fixes, m, matched)
+        return "steady_growth", summary, ["plan the run (vramguard plan MODEL ...): a shorter generation, a "
+                                          "quantized KV cache (--kv-dtype int8/int4), a smaller batch, or NF4 "
+                                          "weights"], []
+    return "unknown", "the message does not carry enough numbers to classify it", [
+        "paste the whole message, including the memory figures"], []
+
+
+def _fragmentation_fixes(alloc_conf: str | None) -> list[str]:
+    """Expandable segments unless ``alloc_conf`` has them on already, then a static KV cache."""
+    expandable = bool(alloc_conf and "expandable_segments:True" in alloc_conf)
+    fixes = (["expandable segments are already on: free cached blocks between requests "
+              "(torch.cuda.empty_cache()) and keep tensor sizes steady"] if expandable else
+             ["export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (lets segments grow instead of "
+              "stranding blocks)"])
+    fixes.append("use a static KV cache (preallocated once) instead of a dynamic cache that grows by "
+                 "concatenation")
+    return fixes
 
 
 _MPS_SIZE = r"(\d+(?:\.\d+)?) ?(bytes|KB|MB|GB|TB)"

@@ -74,12 +74,20 @@ _16GB_GDDR = ("no report of this card's total found; planned at 15.61 GiB, what 
               "(" + _OOM.format("15.61") + "github.com/DengKaiCQ/VGGT-Long/issues/6), as its driver reserves "
               "memory the same way")
 
+
+def _reported(name: str, label: str, gib: str, marketed_gib: int, cc: tuple[int, int], bw_gbs: int,
+              where: str) -> GpuSpec:
+    """A card whose total is the ``gib`` that PyTorch's out-of-memory message printed in the report ``where``
+    (the figure is written once: it is both the total and the cited text)."""
+    return _g(name, label, gib, marketed_gib, cc, bw_gbs, _OOM.format(gib) + where)
+
+
 GPUS: dict[str, GpuSpec] = {g.name: g for g in [
     _g("gtx-1080-ti", "NVIDIA GeForce GTX 1080 Ti", "10.76", 11, (6, 1), 484,
        "no Linux report of this card's total found; planned at 10.76 GiB, what the RTX 2080 Ti with the same 11 GiB "
        "reports (" + _OOM.format("10.76") + "github.com/JDAI-CV/image-captioning/issues/11)"),
-    _g("rtx-2080-ti", "NVIDIA GeForce RTX 2080 Ti", "10.76", 11, (7, 5), 616,
-       _OOM.format("10.76") + "github.com/JDAI-CV/image-captioning/issues/11 and github.com/ispc-lab/TMA/issues/5"),
+    _reported("rtx-2080-ti", "NVIDIA GeForce RTX 2080 Ti", "10.76", 11, (7, 5), 616,
+              "github.com/JDAI-CV/image-captioning/issues/11 and github.com/ispc-lab/TMA/issues/5"),
     _g("t4", "NVIDIA T4", 15_843_721_216, 16, (7, 5), 320,
        "torch total_memory measured on a T4 (15,109 MiB, as _CudaDeviceProperties prints it on Colab); other drivers "
        "report down to 14.75 GiB (github.com/hpcaitech/Open-Sora/issues/697)"),
@@ -87,37 +95,33 @@ GPUS: dict[str, GpuSpec] = {g.name: g for g in [
        "no report naming a V100 16GB found; planned at 15.75 GiB, the lowest total reported by 16 GB HBM2 cloud cards "
        "(15.75-15.78 GiB: github.com/googlecolab/colabtools/issues/2001, "
        "github.com/Morizeyao/GPT2-Chinese/issues/104)"),
-    _g("v100-32gb", "NVIDIA V100 32GB", "31.74", 32, (7, 0), 900,
-       _OOM.format("31.74") + "github.com/liucongg/ChatGLM-Finetuning/issues/73 and "
-       "github.com/haotian-liu/LLaVA/issues/812"),
-    _g("rtx-3060", "NVIDIA GeForce RTX 3060 12GB", "11.75", 12, (8, 6), 360,
-       _OOM.format("11.75") + "github.com/smy20011/dreambooth-gui/issues/78 (11.76 GiB in "
-       "github.com/TencentARC/PhotoMaker/issues/47)"),
-    _g("rtx-3070", "NVIDIA GeForce RTX 3070", "7.76", 8, (8, 6), 448,
-       _OOM.format("7.76") + "github.com/sshan-zhao/GASDA/issues/19 (7.78 GiB in "
-       "github.com/akshitac8/OW-DETR/issues/46)"),
-    _g("rtx-3080", "NVIDIA GeForce RTX 3080 10GB", "9.78", 10, (8, 6), 760,
-       _OOM.format("9.78") + "github.com/zai-org/CogVideo/issues/34"),
-    _g("rtx-3090", "NVIDIA GeForce RTX 3090", "23.70", 24, (8, 6), 936,
-       _OOM.format("23.70") + "github.com/GaoLii/DSP/issues/10; torch prints total_memory=24268MB "
-       "(transformers' GPU docs)"),
-    _g("rtx-4060", "NVIDIA GeForce RTX 4060", "7.75", 8, (8, 9), 272,
-       _OOM.format("7.75") + "github.com/ESRSchao/EdgeRegNet/issues/2"),
+    _reported("v100-32gb", "NVIDIA V100 32GB", "31.74", 32, (7, 0), 900,
+              "github.com/liucongg/ChatGLM-Finetuning/issues/73 and github.com/haotian-liu/LLaVA/issues/812"),
+    _reported("rtx-3060", "NVIDIA GeForce RTX 3060 12GB", "11.75", 12, (8, 6), 360,
+              "github.com/smy20011/dreambooth-gui/issues/78 (11.76 GiB in github.com/TencentARC/PhotoMaker/issues/47)"),
+    _reported("rtx-3070", "NVIDIA GeForce RTX 3070", "7.76", 8, (8, 6), 448,
+              "github.com/sshan-zhao/GASDA/issues/19 (7.78 GiB in github.com/akshitac8/OW-DETR/issues/46)"),
+    _reported("rtx-3080", "NVIDIA GeForce RTX 3080 10GB", "9.78", 10, (8, 6), 760,
+              "github.com/zai-org/CogVideo/issues/34"),
+    _reported("rtx-3090", "NVIDIA GeForce RTX 3090", "23.70", 24, (8, 6), 936,
+              "github.com/GaoLii/DSP/issues/10; torch prints total_memory=24268MB (transformers' GPU docs)"),
+    _reported("rtx-4060", "NVIDIA GeForce RTX 4060", "7.75", 8, (8, 9), 272,
+              "github.com/ESRSchao/EdgeRegNet/issues/2"),
     _g("rtx-4060-ti-16gb", "NVIDIA GeForce RTX 4060 Ti 16GB", "15.61", 16, (8, 9), 288, _16GB_GDDR),
     _g("rtx-4070", "NVIDIA GeForce RTX 4070", "11.72", 12, (8, 9), 504,
        "no CUDA total found; nvidia-smi shows 12,282 MiB (github.com/meta-llama/llama/issues/466), 6 MiB less than "
        "the RTX 3060's 12,288 MiB that CUDA reports as 11.75 GiB; planned at 11.72 GiB, that gap and 6 MiB less"),
     _g("rtx-4080", "NVIDIA GeForce RTX 4080", "15.61", 16, (8, 9), 717, _16GB_GDDR),
-    _g("rtx-4090", "NVIDIA GeForce RTX 4090", "23.64", 24, (8, 9), 1008,
-       _OOM.format("23.64") + "github.com/ali-vilab/VGen/issues/104 and github.com/TMElyralab/MuseTalk/issues/76"),
-    _g("rtx-5090", "NVIDIA GeForce RTX 5090", "31.36", 32, (12, 0), 1792,
-       _OOM.format("31.36") + "github.com/TrajectoryCrafter/TrajectoryCrafter/issues/20 (31.37 GiB in "
-       "github.com/Wan-Video/Wan2.1/issues/465)"),
+    _reported("rtx-4090", "NVIDIA GeForce RTX 4090", "23.64", 24, (8, 9), 1008,
+              "github.com/ali-vilab/VGen/issues/104 and github.com/TMElyralab/MuseTalk/issues/76"),
+    _reported("rtx-5090", "NVIDIA GeForce RTX 5090", "31.36", 32, (12, 0), 1792,
+              "github.com/TrajectoryCrafter/TrajectoryCrafter/issues/20 (31.37 GiB in "
+              "github.com/Wan-Video/Wan2.1/issues/465)"),
     _g("rtx-a6000", "NVIDIA RTX A6000", "44.43", 48, (8, 6), 768,
        "no report of this card's total found; planned at 44.43 GiB, what the 48 GB RTX 6000 Ada reports with ECC on "
        "(" + _OOM.format("44.43") + "github.com/DINGYANB/MTVCrafter/issues/21); with ECC off it has more"),
-    _g("rtx-6000-ada", "NVIDIA RTX 6000 Ada Generation", "44.43", 48, (8, 9), 960,
-       _OOM.format("44.43") + "github.com/DINGYANB/MTVCrafter/issues/21 (ECC on; nvidia-smi 46,068 MiB)"),
+    _reported("rtx-6000-ada", "NVIDIA RTX 6000 Ada Generation", "44.43", 48, (8, 9), 960,
+              "github.com/DINGYANB/MTVCrafter/issues/21 (ECC on; nvidia-smi 46,068 MiB)"),
     _g("a10", "NVIDIA A10", "22.00", 24, (8, 6), 600,
        "no report of this card's total found; planned at 22.00 GiB like its cloud twin, the A10G (about 22 GB with "
        "ECC on: github.com/huggingface/local-gemma/pull/25)"),
@@ -127,14 +131,14 @@ GPUS: dict[str, GpuSpec] = {g.name: g for g in [
     _g("l4", "NVIDIA L4", "21.94", 24, (8, 9), 300,
        "no CUDA total found; nvidia-smi shows 23,034 MiB (github.com/lmstudio-ai/lmstudio-bug-tracker/issues/1638); "
        "planned at 21.94 GiB, that less the largest nvidia-smi-to-CUDA gap above (the H100's ~560 MiB)"),
-    _g("l40s", "NVIDIA L40S", "44.53", 48, (8, 9), 864,
-       _OOM.format("44.53") + "github.com/Wan-Video/Wan2.1/issues/205"),
-    _g("a100-40gb", "NVIDIA A100 40GB", "39.50", 40, (8, 0), 1555,
-       _OOM.format("39.50") + "github.com/TianheWu/CoSeR/issues/10"),
-    _g("a100-80gb", "NVIDIA A100 80GB", "79.25", 80, (8, 0), 2039,
-       _OOM.format("79.25") + "github.com/levihsu/OOTDiffusion/issues/235 and github.com/HiDream-ai/VAREdit/issues/6"),
-    _g("h100-80gb", "NVIDIA H100 80GB", "79.11", 80, (9, 0), 3350,
-       _OOM.format("79.11") + "github.com/vllm-project/vllm/issues/27508 (an H100 80GB HBM3)"),
+    _reported("l40s", "NVIDIA L40S", "44.53", 48, (8, 9), 864,
+              "github.com/Wan-Video/Wan2.1/issues/205"),
+    _reported("a100-40gb", "NVIDIA A100 40GB", "39.50", 40, (8, 0), 1555,
+              "github.com/TianheWu/CoSeR/issues/10"),
+    _reported("a100-80gb", "NVIDIA A100 80GB", "79.25", 80, (8, 0), 2039,
+              "github.com/levihsu/OOTDiffusion/issues/235 and github.com/HiDream-ai/VAREdit/issues/6"),
+    _reported("h100-80gb", "NVIDIA H100 80GB", "79.11", 80, (9, 0), 3350,
+              "github.com/vllm-project/vllm/issues/27508 (an H100 80GB HBM3)"),
     _g("h200", "NVIDIA H200", 150_109_880_320, 141, (9, 0), 4800,
        "torch total_memory measured on an H200 (143,156 MiB; benchmarks/results/h200_matrix; nvidia-smi shows "
        "143,771 MiB)"),

@@ -183,91 +183,132 @@ def _row(m: re.Match, cols: list[str]) -> TaskRow | None:
 
 def parse_lines(lines, year: int | None = None) -> ParseResult:
     """Assemble OOM records from log lines (any iterable of str). Never raises."""
-    records: list[OomRecord] = []
-    cur: OomRecord | None = None
-    cols: list[str] = []
-    n = skipped = 0
+    st = _State()
+    n = 0
     for raw in lines:
         n += 1
         try:
             when, up, msg = split_line(str(raw), year)
         except Exception:  # defensive: a line that breaks the splitter is skipped, never fatal
-            skipped += 1
+            st.skipped += 1
             continue
-        msg = msg.strip()
-        m = _INVOKED.match(msg)
-        if m:
-            cur = OomRecord(time=when, uptime_s=up, invoked_by=m.group("name"), gfp_mask=m.group("gfp"),
-                            gfp_flags=m.group("flags"), order=int(m.group("order")),
-                            invoker_oom_score_adj=int(m.group("adj")))
-            records.append(cur)
-            cols = []
-            continue
-        m = _TABLE_HEAD.match(msg)
-        if m:
-            cols = m.group("cols").split()  # e.g. pgtables_bytes swapents oom_score_adj (4.x: nr_ptes nr_pmds ...)
-            continue
-        m = _ROW.match(msg)
-        if m and cols and cur is not None:
-            row = _row(m, cols)
-            if row is None:
-                skipped += 1
-            else:
-                cur.tasks.append(row)
-            continue
-        m = _CONSTRAINT.match(msg)
-        if m:
-            cur = cur if cur is not None and cur.killed_pid is None else _new(records, when, up)
-            kv = _kv(m.group("rest"))
-            cur.constraint = m.group("c")
-            cur.oom_memcg = kv.get("oom_memcg")
-            cur.task_memcg = kv.get("task_memcg")
-            continue
-        m = _CG_USAGE.match(msg)
-        if m:
-            cur = cur if cur is not None and cur.killed_pid is None else _new(records, when, up)
-            cur.cgroup_usage_bytes, cur.cgroup_limit_bytes = int(m.group(1)) * KB, int(m.group(2)) * KB
-            continue
-        m = _KILL_SCORE.match(msg)
-        if m:
-            cur = cur if cur is not None and cur.killed_pid is None else _new(records, when, up)
-            cur.killed_pid, cur.killed_name = int(m.group("pid")), m.group("name")
-            cur.score = int(m.group("score"))
-            cur.memcg_kill = m.group("memcg").startswith("Memory cgroup") or cur.memcg_kill
-            cur.complete = False  # the "Killed process" line with the sizes follows
-            continue
-        m = _KILLED.match(msg) or _KILLED_OLD.match(msg)
-        if m:
-            pid = int(m.group("pid"))
-            if cur is None or (cur.complete or (cur.killed_pid is not None and cur.killed_pid != pid
-                                                and cur.total_vm_bytes is not None)):
-                cur = _new(records, when, up)
-            cur.killed_pid, cur.killed_name = pid, m.group("name")
-            if "memcg" in m.groupdict() and m.group("memcg"):
-                cur.memcg_kill = True
-            if cur.time is None and cur.uptime_s is None:
-                cur.time, cur.uptime_s = when, up
-            sizes = {k: int(v) * KB for k, v in _KV_KB.findall(m.group("rest"))}
-            if not sizes:
-                skipped += 1
-            cur.total_vm_bytes = sizes.get("total-vm")
-            cur.anon_rss_bytes = sizes.get("anon-rss")
-            cur.file_rss_bytes = sizes.get("file-rss")
-            cur.shmem_rss_bytes = sizes.get("shmem-rss")
-            cur.pgtables_bytes = sizes.get("pgtables")
-            um = re.search(r"UID:(\d+)", m.group("rest"))
-            am = re.search(r"oom_score_adj:(-?\d+)", m.group("rest"))
-            cur.uid = int(um.group(1)) if um else cur.uid
-            cur.oom_score_adj = int(am.group(1)) if am else cur.oom_score_adj
-            cur.complete = True
-            continue
-        if cur is not None and not cur.complete and any(k in msg for k in _OOMISH) and "oom_reaper" not in msg \
-                and "Tasks state" not in msg and "oom_score_adj" not in msg and not _TRACE_FRAME.match(msg):
-            skipped += 1
-    return ParseResult(records, n, skipped)
+        _feed(st, msg.strip(), when, up)
+    return ParseResult(st.records, n, st.skipped)
 
 
-def _new(records: list[OomRecord], when, up) -> OomRecord:
-    rec = OomRecord(time=when, uptime_s=up)
-    records.append(rec)
-    return rec
+@dataclass
+class _State:
+    """What :func:`parse_lines` carries from line to line: the records so far, the one being assembled, the
+    columns of the last task table header, and the count of OOM-looking lines that did not parse."""
+
+    records: list[OomRecord] = field(default_factory=list)
+    cur: OomRecord | None = None
+    cols: list[str] = field(default_factory=list)
+    skipped: int = 0
+
+    def new(self, when, up) -> OomRecord:
+        self.cur = OomRecord(time=when, uptime_s=up)
+        self.records.append(self.cur)
+        return self.cur
+
+    def open_record(self, when, up) -> OomRecord:
+        """The record being assembled while its kill line has not come, else a new one."""
+        return self.cur if self.cur is not None and self.cur.killed_pid is None else self.new(when, up)
+
+
+def _feed(st: _State, msg: str, when, up) -> None:
+    """One message: the first record line format of :data:`_LINES` whose handler takes it, else counted as skipped
+    when it looks like part of an unfinished record."""
+    for pattern, handle in _LINES:
+        m = pattern.match(msg)
+        if m and handle(st, m, when, up):
+            return
+    cur = st.cur
+    if cur is not None and not cur.complete and any(k in msg for k in _OOMISH) and "oom_reaper" not in msg \
+            and "Tasks state" not in msg and "oom_score_adj" not in msg and not _TRACE_FRAME.match(msg):
+        st.skipped += 1
+
+
+def _on_invoked(st: _State, m: re.Match, when, up) -> bool:
+    st.cur = OomRecord(time=when, uptime_s=up, invoked_by=m.group("name"), gfp_mask=m.group("gfp"),
+                       gfp_flags=m.group("flags"), order=int(m.group("order")),
+                       invoker_oom_score_adj=int(m.group("adj")))
+    st.records.append(st.cur)
+    st.cols = []
+    return True
+
+
+def _on_table_head(st: _State, m: re.Match, when, up) -> bool:
+    st.cols = m.group("cols").split()  # e.g. pgtables_bytes swapents oom_score_adj (4.x: nr_ptes nr_pmds ...)
+    return True
+
+
+def _on_row(st: _State, m: re.Match, when, up) -> bool:
+    """A task table row, once a header and a record are open (else the line is tried as the other formats)."""
+    if not st.cols or st.cur is None:
+        return False
+    row = _row(m, st.cols)
+    if row is None:
+        st.skipped += 1
+    else:
+        st.cur.tasks.append(row)
+    return True
+
+
+def _on_constraint(st: _State, m: re.Match, when, up) -> bool:
+    cur = st.cur = st.open_record(when, up)
+    kv = _kv(m.group("rest"))
+    cur.constraint = m.group("c")
+    cur.oom_memcg = kv.get("oom_memcg")
+    cur.task_memcg = kv.get("task_memcg")
+    return True
+
+
+def _on_cgroup_usage(st: _State, m: re.Match, when, up) -> bool:
+    cur = st.cur = st.open_record(when, up)
+    cur.cgroup_usage_bytes, cur.cgroup_limit_bytes = int(m.group(1)) * KB, int(m.group(2)) * KB
+    return True
+
+
+def _on_kill_score(st: _State, m: re.Match, when, up) -> bool:
+    cur = st.cur = st.open_record(when, up)
+    cur.killed_pid, cur.killed_name = int(m.group("pid")), m.group("name")
+    cur.score = int(m.group("score"))
+    cur.memcg_kill = m.group("memcg").startswith("Memory cgroup") or cur.memcg_kill
+    cur.complete = False  # the "Killed process" line with the sizes follows
+    return True
+
+
+def _on_killed(st: _State, m: re.Match, when, up) -> bool:
+    """The kill line with the sizes: it completes the record (a new one when the open record is complete or names
+    another process with its sizes)."""
+    pid = int(m.group("pid"))
+    cur = st.cur
+    if cur is None or (cur.complete or (cur.killed_pid is not None and cur.killed_pid != pid
+                                        and cur.total_vm_bytes is not None)):
+        cur = st.new(when, up)
+    cur.killed_pid, cur.killed_name = pid, m.group("name")
+    if "memcg" in m.groupdict() and m.group("memcg"):
+        cur.memcg_kill = True
+    if cur.time is None and cur.uptime_s is None:
+        cur.time, cur.uptime_s = when, up
+    sizes = {k: int(v) * KB for k, v in _KV_KB.findall(m.group("rest"))}
+    if not sizes:
+        st.skipped += 1
+    cur.total_vm_bytes = sizes.get("total-vm")
+    cur.anon_rss_bytes = sizes.get("anon-rss")
+    cur.file_rss_bytes = sizes.get("file-rss")
+    cur.shmem_rss_bytes = sizes.get("shmem-rss")
+    cur.pgtables_bytes = sizes.get("pgtables")
+    um = re.search(r"UID:(\d+)", m.group("rest"))
+    am = re.search(r"oom_score_adj:(-?\d+)", m.group("rest"))
+    cur.uid = int(um.group(1)) if um else cur.uid
+    cur.oom_score_adj = int(am.group(1)) if am else cur.oom_score_adj
+    cur.complete = True
+    return True
+
+
+# the record line formats of the module docstring, in the order they are tried
+_LINES = ((_INVOKED, _on_invoked), (_TABLE_HEAD, _on_table_head), (_ROW, _on_row), (_CONSTRAINT, _on_constraint),
+          (_CG_USAGE, _on_cgroup_usage), (_KILL_SCORE, _on_kill_score), (_KILLED, _on_killed),
+          (_KILLED_OLD, _on_killed))

@@ -72,23 +72,32 @@ def pick(workers: list[Worker]) -> Worker | None:
     return max(up, key=lambda w: (w.free_tokens(), w.slots()))
 
 
-def create_router(workers: list[Worker], api_key: str | None = None, on_fatal=None) -> FastAPI:
-    """The router app over ``workers`` (already listening)."""
-    registry = CollectorRegistry()
-    routed = Counter("vramguard_router_requests", "Requests relayed, by worker", ["worker"], registry=registry)
-    up_g = Gauge("vramguard_worker_up", "1 when the worker's /health is ok", ["worker"], registry=registry)
-    free_g = Gauge("vramguard_worker_kv_free_tokens", "KV tokens not promised to requests", ["worker"],
-                   registry=registry)
-    rejected = Counter("vramguard_router_rejected", "Requests answered 429 by the router (every worker full)",
-                       registry=registry)
-    client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5),
-                               limits=httpx.Limits(max_connections=None, max_keepalive_connections=1024))
-    state = {"fatal": None, "mean_s": 1.0}
+class _Router:
+    """The router's state and its parts: the /health poll, the 429 it answers itself, and the relay. ``fatal``
+    holds the first worker failure; ``mean_s`` the running mean of a relayed request's time (for Retry-After)."""
 
-    async def poll_once():
-        for w in workers:
+    def __init__(self, workers: list[Worker], on_fatal=None):
+        self.workers = workers
+        self.on_fatal = on_fatal
+        self.registry = CollectorRegistry()
+        self.routed = Counter("vramguard_router_requests", "Requests relayed, by worker", ["worker"],
+                              registry=self.registry)
+        self.up_g = Gauge("vramguard_worker_up", "1 when the worker's /health is ok", ["worker"],
+                          registry=self.registry)
+        self.free_g = Gauge("vramguard_worker_kv_free_tokens", "KV tokens not promised to requests", ["worker"],
+                            registry=self.registry)
+        self.rejected = Counter("vramguard_router_rejected", "Requests answered 429 by the router (every worker "
+                                "full)", registry=self.registry)
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5),
+                                        limits=httpx.Limits(max_connections=None, max_keepalive_connections=1024))
+        self.fatal: str | None = None
+        self.mean_s = 1.0
+
+    async def poll_once(self) -> None:
+        """Every worker's /health; the first worker that died or reports itself unhealthy is fatal."""
+        for w in self.workers:
             try:
-                r = await client.get(w.url + "/health", timeout=2)
+                r = await self.client.get(w.url + "/health", timeout=2)
                 w.stats, w.healthy = r.json(), r.status_code == 200
             except (httpx.HTTPError, ValueError):
                 w.healthy = False
@@ -96,109 +105,123 @@ def create_router(workers: list[Worker], api_key: str | None = None, on_fatal=No
             dead = w.process is not None and w.process.poll() is not None
             if w.stopping:
                 continue
-            if (dead or w.stats.get("status") == "unhealthy") and state["fatal"] is None:
-                state["fatal"] = f"worker {w.name} " + (f"exited with code {w.process.returncode}" if dead
-                                                        else f"unhealthy: {w.stats.get('error')}")
-                if on_fatal is not None:
-                    on_fatal(state["fatal"])
-            up_g.labels(w.name).set(1 if w.healthy else 0)
-            free_g.labels(w.name).set(max(w.free_tokens(), 0))
+            if (dead or w.stats.get("status") == "unhealthy") and self.fatal is None:
+                self.fatal = f"worker {w.name} " + (f"exited with code {w.process.returncode}" if dead
+                                                    else f"unhealthy: {w.stats.get('error')}")
+                if self.on_fatal is not None:
+                    self.on_fatal(self.fatal)
+            self.up_g.labels(w.name).set(1 if w.healthy else 0)
+            self.free_g.labels(w.name).set(max(w.free_tokens(), 0))
 
-    async def poll():
+    async def poll(self) -> None:
         while True:
             await asyncio.sleep(POLL_S)
-            await poll_once()
+            await self.poll_once()
 
     @contextlib.asynccontextmanager
-    async def lifespan(_app):
-        await poll_once()  # the workers' state is known before the first request
-        task = asyncio.create_task(poll())
+    async def lifespan(self, _app):
+        await self.poll_once()  # the workers' state is known before the first request
+        task = asyncio.create_task(self.poll())
         try:
             yield
         finally:
             task.cancel()
-            await client.aclose()
+            await self.client.aclose()
 
-    app = FastAPI(title="vramguard router", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
-    app.state.workers = workers
-    if api_key:
-        app.add_middleware(_ApiKey, key=api_key, on_reject=lambda: None)
-
-    @app.get("/health")
-    async def health():
-        ok = state["fatal"] is None and all(w.healthy for w in workers)
+    async def health(self):
+        workers = self.workers
+        ok = self.fatal is None and all(w.healthy for w in workers)
         body = {"status": "ok" if ok else "unhealthy", "workers": {w.name: {"url": w.url, "healthy": w.healthy,
                                                                             **w.stats} for w in workers}}
-        if state["fatal"]:
-            body["error"] = state["fatal"]
+        if self.fatal:
+            body["error"] = self.fatal
         return JSONResponse(body, status_code=200 if ok else 503)
 
-    @app.get("/metrics")
-    async def metrics():
-        return Response(generate_latest(registry), media_type="text/plain; version=0.0.4")
+    async def metrics(self):
+        return Response(generate_latest(self.registry), media_type="text/plain; version=0.0.4")
 
-    def _headers(w: Worker, request: Request) -> dict:
-        h = {"content-type": request.headers.get("content-type", "application/json")}
-        if w.key:
-            h["authorization"] = f"Bearer {w.key}"
-        return h
-
-    @app.get("/v1/models")
-    @app.get("/v1/models/{model_id:path}")
-    async def models(request: Request):
-        w = next((x for x in workers if x.healthy), None)  # any healthy worker can answer, full or not
+    async def models(self, request: Request):
+        w = next((x for x in self.workers if x.healthy), None)  # any healthy worker can answer, full or not
         if w is None:
             return ApiError(503, "no worker is healthy", type_="server_error", code="no_worker").response()
-        r = await client.get(w.url + request.url.path, headers=_headers(w, request))
+        r = await self.client.get(w.url + request.url.path, headers=_headers(w, request))
         return Response(r.content, status_code=r.status_code, media_type="application/json")
 
-    async def relay(request: Request, path: str):
-        w = pick(workers)
+    def refuse(self):
+        """The answer when no worker can take a request: 503 when none is healthy, else 429 with a Retry-After
+        from the mean request time, decided here, before the body is read: no worker is asked."""
+        workers = self.workers
+        if not any(x.healthy for x in workers):
+            return ApiError(503, "no worker is healthy", type_="server_error", code="no_worker",
+                            headers={"Retry-After": "1"}).response()
+        self.rejected.inc()
+        cap = sum(x.capacity() for x in workers if x.healthy)
+        running = sum(x.stats.get("max_running", 0) for x in workers if x.healthy) or 1
+        retry = max(1, round(self.mean_s * cap / running))
+        return ApiError(429, f"server busy: {cap} requests in flight on {len(workers)} worker(s), every queue "
+                             f"full; retry after {retry} s", type_="rate_limit_error", code="queue_full",
+                        headers={"Retry-After": str(retry)}).response()
+
+    async def relay(self, request: Request, path: str):
+        """Send the request to the worker :func:`pick` chooses and stream its answer back unchanged."""
+        w = pick(self.workers)
         if w is None:
-            if not any(x.healthy for x in workers):
-                return ApiError(503, "no worker is healthy", type_="server_error", code="no_worker",
-                                headers={"Retry-After": "1"}).response()
-            rejected.inc()  # decided here, before the body is read: no worker is asked
-            cap = sum(x.capacity() for x in workers if x.healthy)
-            running = sum(x.stats.get("max_running", 0) for x in workers if x.healthy) or 1
-            retry = max(1, round(state["mean_s"] * cap / running))
-            return ApiError(429, f"server busy: {cap} requests in flight on {len(workers)} worker(s), every queue "
-                                 f"full; retry after {retry} s", type_="rate_limit_error", code="queue_full",
-                            headers={"Retry-After": str(retry)}).response()
+            return self.refuse()
         w.sent_since_poll += 1
         w.relaying += 1
-        routed.labels(w.name).inc()
+        self.routed.labels(w.name).inc()
         t0 = time.perf_counter()
         try:
             await asyncio.sleep(0)  # every request of a burst already here gets its decision before this one relays
             body = await request.body()
-            req = client.build_request("POST", w.url + path, content=body, headers=_headers(w, request))
-            upstream = await client.send(req, stream=True)
+            req = self.client.build_request("POST", w.url + path, content=body, headers=_headers(w, request))
+            upstream = await self.client.send(req, stream=True)
         except BaseException:
             w.relaying -= 1
             raise
         keep = {k: v for k, v in upstream.headers.items() if k.lower() in ("retry-after", "content-type")}
         keep["x-vramguard-worker"] = w.name
+        return StreamingResponse(self._stream(w, upstream, t0), status_code=upstream.status_code, headers=keep)
 
-        async def body_iter():
-            try:
-                async for chunk in upstream.aiter_raw():
-                    yield chunk
-            finally:
-                w.relaying -= 1
-                if upstream.status_code == 200:
-                    state["mean_s"] = 0.9 * state["mean_s"] + 0.1 * (time.perf_counter() - t0)
-                await upstream.aclose()  # a client that left closes the worker's stream: the worker cancels
+    async def _stream(self, w: Worker, upstream: httpx.Response, t0: float):
+        try:
+            async for chunk in upstream.aiter_raw():
+                yield chunk
+        finally:
+            w.relaying -= 1
+            if upstream.status_code == 200:
+                self.mean_s = 0.9 * self.mean_s + 0.1 * (time.perf_counter() - t0)
+            await upstream.aclose()  # a client that left closes the worker's stream: the worker cancels
 
-        return StreamingResponse(body_iter(), status_code=upstream.status_code, headers=keep)
+
+def _headers(w: Worker, request: Request) -> dict:
+    """The headers of a request relayed to ``w``: its content type and the worker's internal key."""
+    h = {"content-type": request.headers.get("content-type", "application/json")}
+    if w.key:
+        h["authorization"] = f"Bearer {w.key}"
+    return h
+
+
+def create_router(workers: list[Worker], api_key: str | None = None, on_fatal=None) -> FastAPI:
+    """The router app over ``workers`` (already listening)."""
+    router = _Router(workers, on_fatal)
+    app = FastAPI(title="vramguard router", docs_url=None, redoc_url=None, openapi_url=None,
+                  lifespan=router.lifespan)
+    app.state.workers = workers
+    if api_key:
+        app.add_middleware(_ApiKey, key=api_key, on_reject=lambda: None)
+    app.get("/health")(router.health)
+    app.get("/metrics")(router.metrics)
+    app.get("/v1/models/{model_id:path}")(router.models)
+    app.get("/v1/models")(router.models)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await relay(request, "/v1/completions")
+        return await router.relay(request, "/v1/completions")
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
-        return await relay(request, "/v1/chat/completions")
+        return await router.relay(request, "/v1/chat/completions")
 
     return app
 

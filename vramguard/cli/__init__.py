@@ -1,0 +1,106 @@
+"""The ``vramguard`` command: a thin layer that parses options, calls one library function and prints.
+
+One module per command group (:mod:`~vramguard.cli.plan`, :mod:`~vramguard.cli.check`, :mod:`~vramguard.cli.run`,
+:mod:`~vramguard.cli.serve`, :mod:`~vramguard.cli.profile` for profile and fit, :mod:`~vramguard.cli.explain` for
+explain and oom-log); errors from the library are mapped to a message on stderr and an exit code in one table
+(:data:`vramguard.cli.common.EXIT_CODES`); no traceback reaches the user (set ``VRAMGUARD_DEBUG=1`` to see one for
+an internal error).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from vramguard.cli import check as _check
+from vramguard.cli import explain as _explain
+from vramguard.cli import plan as _plan
+from vramguard.cli import profile as _profile
+from vramguard.cli import run as _run
+from vramguard.cli import serve as _serve
+from vramguard.cli.common import EXIT_CODES, EXIT_INTERNAL, install_fix, quiet_known_warnings, run_guarded, say
+from vramguard.cli.explain import read_message
+from vramguard.cli.options import split_size
+
+__all__ = ["app", "main", "EXIT_CODES", "EXIT_INTERNAL", "install_fix", "quiet_known_warnings", "read_message",
+           "run_guarded"]
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None,
+                  help="vramguard: plan, verify and guard GPU memory for Hugging Face transformers inference.")
+
+
+def _version(value: bool) -> None:
+    if value:
+        import importlib.metadata
+
+        import vramguard
+        try:
+            torch_v = importlib.metadata.version("torch")
+        except importlib.metadata.PackageNotFoundError:
+            torch_v = "not installed"
+        try:
+            tf_v = importlib.metadata.version("transformers")
+        except importlib.metadata.PackageNotFoundError:
+            tf_v = "not installed"
+        print(f"vramguard {vramguard.__version__} (torch {torch_v}, transformers {tf_v})")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                       help="print the version (and torch's, transformers') and exit")) -> None:
+    """vramguard: plan, verify and guard GPU memory for Hugging Face transformers inference."""
+
+
+# the commands in the order `vramguard --help` lists them, each with one line short enough for 80 columns (click
+# cuts longer ones with "...")
+COMMANDS = (
+    ("plan", _plan.plan, "Predict memory by component and what fits, before loading."),
+    ("check", _check.check, "Check the environment and load settings; name the kernel."),
+    ("oom-log", _explain.oom_log, "Explain kernel OOM kills ('Killed'): process, memory, why."),
+    ("explain", _explain.explain, "Classify a CUDA out-of-memory message, with the fix."),
+    ("profile", _profile.profile, "Measure a run beside the plan; memory timeline picture."),
+    ("fit", _profile.fit, "Real runs: the largest prompt/new tokens/batch that fits."),
+    ("run", _run.run, "Generate text without running out of memory."),
+    ("serve", _serve.serve, "Serve an OpenAI-compatible API with admission control."),
+)
+SHORT_HELP = {name: short for name, _, short in COMMANDS}
+for _name, _fn, _short in COMMANDS:
+    app.command(_name, short_help=_short)(_fn)
+del _name, _fn, _short
+
+
+def main() -> None:
+    """Entry point: click's own usage errors (a wrong type, an unknown choice or option) are printed in the same
+    two-line form as vramguard's errors, with exit code 2."""
+    quiet_known_warnings()
+    split = split_size(sys.argv[1:])
+    if split:
+        say("error " + split)
+        sys.exit(2)
+    try:  # typer >= 0.20 vendors click as typer._click; older typer uses the click package
+        import typer._click.exceptions as cx
+    except ImportError:
+        import click.exceptions as cx
+    no_args, usage, abort = (getattr(cx, n, ()) for n in ("NoArgsIsHelpError", "UsageError", "Abort"))
+    try:
+        rc = app(standalone_mode=False)  # click returns the code of typer.Exit instead of raising it here
+    except no_args as e:
+        print(e.ctx.get_help() if e.ctx else str(e))
+        rc = 0
+    except usage as e:
+        where = f"`vramguard {e.ctx.info_name} --help`" if e.ctx and e.ctx.info_name != "vramguard" else \
+            "`vramguard --help`"
+        msg = e.format_message().replace("Value error, ", "")
+        say(f"error {msg}\nfix: see {where} for the accepted values")
+        rc = 2
+    except typer.Exit as e:
+        rc = e.exit_code
+    except abort:
+        rc = 130
+    except BrokenPipeError:  # the reader (e.g. `| head`) went away: stop quietly
+        import os
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        rc = 1
+    sys.exit(rc if isinstance(rc, int) else 0)

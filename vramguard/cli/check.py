@@ -1,0 +1,69 @@
+"""``vramguard check``: the environment and load settings, and the kernel that runs (over
+:func:`vramguard.check.check`)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import typer
+
+from vramguard.cli.common import run_guarded, write_json
+from vramguard.cli.options import (Attn, CheckQuant, Dtype, DtypeArg, Format, SdpaKernel, attn_option, batch_option,
+                                   format_option, max_new_tokens_option, prompt_tokens_option)
+from vramguard.errors import InvalidValue
+from vramguard.render import console
+
+
+def check(
+    model: Optional[str] = typer.Argument(None, metavar="MODEL",
+                                 help="model folder, config.json, catalog name or cached model id"),
+    quant: CheckQuant = typer.Option(CheckQuant['nf4'], help="weight format; none: no quantization config, the "
+                                     "dtype then decides"),
+    double_quant: bool = typer.Option(True, "--double-quant/--no-double-quant", help="4-bit double quantization"),
+    compute_dtype: Optional[Dtype] = typer.Option(None, help="bnb_4bit_compute_dtype you pass (unset: what "
+                                                             "vramguard run/serve pass, bf16 where supported else "
+                                                             "fp16)"),
+    dtype: Optional[DtypeArg] = typer.Option(None, help="dtype you pass to from_pretrained (unset: what vramguard "
+                                                         "run/serve pass)"),
+    transformers_defaults: bool = typer.Option(False, "--transformers-defaults",
+                                               help="check plain from_pretrained's defaults for what you leave "
+                                                    "unset (bitsandbytes computes in float32) instead of "
+                                                    "vramguard's"),
+    attn: Attn = attn_option("attn_implementation you pass"),
+    sdpa_kernel: SdpaKernel = typer.Option(SdpaKernel['auto'], help="SDPA backend you pin (torch.nn.attention."
+                                                                 "sdpa_kernel)"),
+    output_attentions: bool = typer.Option(False, help="attention maps requested"),
+    device_map: Optional[str] = typer.Option(None, help="device_map you pass (auto is checked for offload)"),
+    batch: int = batch_option(),
+    prompt_tokens: int = prompt_tokens_option(),
+    max_new_tokens: int = max_new_tokens_option(),
+    gpu: Optional[str] = typer.Option(None, help="check against a catalog card instead of the detected one"),
+    verify: bool = typer.Option(True, "--verify/--no-verify", help="on a GPU: load and name the kernel that runs"),
+    fmt: Format = format_option(),
+) -> None:
+    """Check the environment and the load settings; name the attention kernel that really runs (GPU).
+    Exits 1 when a finding fails."""
+    from vramguard.check import check as check_fn
+    from vramguard.render import check_to_json, print_check
+    from vramguard.settings import Settings
+
+    def build():
+        q = "bf16" if quant == CheckQuant['none'] else quant.value
+        s = Settings(quant=q, double_quant=double_quant, attn=attn.value, sdpa_kernel=sdpa_kernel.value, batch=batch,
+                     prompt_tokens=prompt_tokens, max_new_tokens=max_new_tokens,
+                     output_attentions=output_attentions)
+        if compute_dtype is not None and not s.is_4bit:
+            raise InvalidValue("--compute-dtype", compute_dtype.value, f"unset with --quant {quant.value}",
+                               "the compute dtype applies to 4-bit weights only (--quant nf4 or fp4)")
+        return check_fn(model, s, dtype=dtype.value if dtype else None,
+                        compute_dtype=compute_dtype.value if compute_dtype else None, device_map=device_map,
+                        gpu=gpu, verify=verify, unquantized=quant == CheckQuant['none'],
+                        loader_defaults=not transformers_defaults)
+
+    r = run_guarded(build, as_json=fmt == Format['json'])
+    if fmt == Format['json']:
+        write_json(check_to_json(r))
+    else:
+        print_check(r, console())
+    if r.failed:
+        raise typer.Exit(1)

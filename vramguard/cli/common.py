@@ -1,0 +1,112 @@
+"""What every command shares: the one table from library errors to exit codes, the guard that applies it, the
+stderr console, and JSON output. Imports neither torch nor transformers.
+
+A vramguard error becomes a two-line message on stderr and its exit code (:data:`EXIT_CODES`); no traceback
+reaches the user (set ``VRAMGUARD_DEBUG=1`` to see one for an internal error).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import typer
+
+from vramguard.errors import ConfigError, Infeasible, InvalidValue, UnknownGpu, UnknownModel, VramguardError
+from vramguard.render import console  # rich only: no torch import
+
+# 1: a check failed; 2: bad option value; 3: unknown model / card or unreadable config; 4: infeasible request;
+# 70: internal error
+EXIT_CODES: dict[type, int] = {InvalidValue: 2, ConfigError: 3, UnknownModel: 3, UnknownGpu: 3, Infeasible: 4}
+EXIT_INTERNAL = 70
+# optional packages and the extra that installs each (pyproject.toml); a missing one is exit 3, not an internal error
+OPTIONAL_PACKAGES = {m: "gpu" for m in ("torch", "transformers", "accelerate", "safetensors", "bitsandbytes",
+                                        "matplotlib", "optimum", "hqq")} | {
+    m: "serve" for m in ("fastapi", "uvicorn", "sse_starlette", "prometheus_client", "httpx", "pydantic")}
+
+err = console(stderr=True)
+
+# library field name -> the CLI option that sets it
+FIELD_FLAGS = {"batch": "--batch", "num_beams": "--num-beams", "num_return_sequences": "--num-return-sequences",
+               "prompt_tokens": "--prompt-tokens", "max_new_tokens": "--max-new-tokens",
+               "prefill_chunk": "--prefill-chunk", "kv_dtype": "--kv-dtype", "compute_dtype": "--compute-dtype",
+               "dtype": "--dtype", "quant": "--quant", "attn": "--attn", "cache": "--cache", "context": "--context",
+               "max_cache_len": "--max-cache-len", "temperature": "--temperature", "top_p": "--top-p",
+               "top_k": "--top-k", "max_queue": "--max-queue", "max_running": "--max-running",
+               "max_batch_tokens": "--max-batch-tokens", "page_size": "--page-size", "n_max": "--n-max",
+               "default_max_tokens": "--default-max-tokens", "max_kv_blocks": "--max-kv-blocks", "gpus": "--gpus",
+               "vram_budget": "--vram-budget", "port": "--port", "host": "--host", "model": "MODEL"}
+
+
+def say(text: str) -> None:
+    """``text`` on stderr, as written (no rich markup or highlighting)."""
+    err.print(text, markup=False, highlight=False)
+
+
+def write_json(data) -> None:
+    """``data`` on stdout as indented JSON, one trailing newline."""
+    sys.stdout.write(json.dumps(data, indent=2) + "\n")
+
+
+def fail(e: VramguardError, as_json: bool = False) -> None:
+    """Print ``e`` naming the CLI option of its field (and as JSON on stdout), then exit with its code."""
+    code = EXIT_CODES.get(type(e), getattr(e, "exit_code", 2))
+    flag = " + ".join(FIELD_FLAGS.get(part.strip(), part.strip()) for part in e.field.split("+"))
+    say("error " + e.render(flag))
+    if as_json:
+        sys.stdout.write(json.dumps({"error": {**e.as_dict(), "field": flag}}) + "\n")
+    raise typer.Exit(code)
+
+
+TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"  # PyTorch's index of CPU-only wheels
+
+
+def install_fix(extra: str, torch_missing: bool) -> str:
+    """The install command for a missing optional package: with torch missing and no NVIDIA GPU found, the CPU
+    build of torch first (plain ``pip install torch`` resolves to the CUDA build and its CUDA packages)."""
+    cmd = f"pip install 'vramguard[{extra}]'"
+    if not torch_missing:
+        return cmd
+    from vramguard.hardware import detect_gpus
+    det = detect_gpus()
+    if det.gpus:
+        return cmd + " (installs the CUDA build of torch)"
+    return (f"pip install torch --index-url {TORCH_CPU_INDEX} (the CPU build: {det.reason}), then {cmd}")
+
+
+def run_guarded(fn, *args, as_json: bool = False, **kwargs):
+    """Call ``fn``; map vramguard errors to their exit code and anything else to an internal-error message."""
+    try:
+        return fn(*args, **kwargs)
+    except VramguardError as e:
+        fail(e, as_json)
+    except (typer.Exit, KeyboardInterrupt):
+        raise
+    except ModuleNotFoundError as e:  # an optional dependency of this command is missing: name it and the extra
+        top = (e.name or "").split(".")[0]
+        if top not in OPTIONAL_PACKAGES or os.environ.get("VRAMGUARD_DEBUG"):
+            raise
+        say(f"error {top} not installed: this command needs it.\nfix: "
+            + install_fix(OPTIONAL_PACKAGES[top], top == "torch"))
+        raise typer.Exit(3) from None
+    except Exception as e:  # an internal error: say so plainly, keep the traceback for debugging only
+        if os.environ.get("VRAMGUARD_DEBUG"):
+            raise
+        err.print(f"[red]internal error[/red] {type(e).__name__}: {e}\n"
+                  "please report it with the command line; VRAMGUARD_DEBUG=1 shows the traceback")
+        raise typer.Exit(EXIT_INTERNAL)
+
+
+# library warnings a vramguard command triggers but the user can do nothing about, matched by their start only:
+# torch.profiler's note on schedules (check's kernel probe runs one cycle) and the deprecation of
+# torch.distributed.reduce_op, read by libraries that scan torch.distributed's attributes
+QUIET_WARNINGS = ((r"Warning: Profiler clears events at the end of each cycle", UserWarning),
+                  (r"`torch\.distributed\.reduce_op` is deprecated", FutureWarning))
+
+
+def quiet_known_warnings() -> None:
+    """Ignore exactly the warnings in :data:`QUIET_WARNINGS`; every other warning still reaches stderr."""
+    import warnings
+    for message, category in QUIET_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=category)

@@ -1,0 +1,80 @@
+"""``vramguard explain`` and ``vramguard oom-log``: what a CUDA out-of-memory message and the kernel's OOM kills
+mean (over :func:`vramguard.explain.explain` and :func:`vramguard.oomlog.oom_log`)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Optional
+
+import typer
+
+from vramguard.cli.common import run_guarded, say, write_json
+from vramguard.cli.options import (Attn, Format, Quant, attn_option, batch_option, format_option, max_new_tokens_option,
+                                   prompt_tokens_option, quant_option)
+from vramguard.render import console
+
+
+def oom_log(
+    since: Optional[str] = typer.Option(None, help="only kills after: 30m, 2h, 1d, boot, or 2026-11-30T17:00"),
+    file: Optional[str] = typer.Option(None, "--file", help="a log file to read, or - for stdin"),
+    year: Optional[int] = typer.Option(None, help="year of syslog-style timestamps that omit it (default: now)"),
+    fmt: Format = format_option(),
+) -> None:
+    """Read the kernel OOM killer's records and explain each kill ("Killed" -> which process, how much memory, why).
+    Exits 1 when no kernel log could be read."""
+    from vramguard.oomlog import oom_log as oom_log_fn
+    from vramguard.render import oomlog_to_json, print_oomlog
+
+    r = run_guarded(oom_log_fn, file, since, year, as_json=fmt == Format['json'])
+    if fmt == Format['json']:
+        write_json(oomlog_to_json(r))
+    else:
+        print_oomlog(r, console(stderr=r.source is None))
+    if r.source is None:
+        raise typer.Exit(1)
+
+
+def read_message(message: str | None, stdin=None) -> str:
+    """The message argument, or stdin for none or ``-``; on a terminal, first say what is awaited (on stderr)."""
+    stdin = stdin or sys.stdin
+    if message not in (None, "-"):
+        return message
+    if stdin.isatty():
+        say("paste the out-of-memory message, then press Ctrl-D on a new line (Ctrl-Z, Enter on Windows); "
+            "or pass it as an argument, or pipe it in: ... 2>&1 | vramguard explain -")
+    return stdin.read()
+
+
+def explain(
+    message: Optional[str] = typer.Argument(None, help="the OOM message, or - to read it from stdin"),
+    model: Optional[str] = typer.Option(None, help="the model that ran, to name the allocation that failed"),
+    quant: Quant = quant_option("its weight format"),
+    attn: Attn = attn_option("its attn_implementation"),
+    batch: int = batch_option("its batch"),
+    prompt_tokens: int = prompt_tokens_option("its prompt length in tokens"),
+    max_new_tokens: int = max_new_tokens_option("its new tokens"),
+    fmt: Format = format_option(),
+) -> None:
+    """Classify a CUDA out-of-memory message: fragmentation, one allocation too large (algorithmic), memory held
+    by other processes, or steady growth; with the evidence and the fix."""
+    from vramguard.explain import explain as explain_fn
+    from vramguard.explain import plan_candidates
+    from vramguard.render import print_explanation, to_jsonable
+
+    def build():
+        text = read_message(message)
+        cands = None
+        if model:
+            from vramguard.resolve import resolve_model
+            from vramguard.settings import Settings
+            cands = plan_candidates(resolve_model(model), Settings(quant=quant.value, attn=attn.value, batch=batch,
+                                                                   prompt_tokens=prompt_tokens,
+                                                                   max_new_tokens=max_new_tokens))
+        return explain_fn(text, os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), cands)
+
+    e = run_guarded(build, as_json=fmt == Format['json'])
+    if fmt == Format['json']:
+        write_json(to_jsonable(e))
+    else:
+        print_explanation(e, console())

@@ -1,0 +1,90 @@
+"""``vramguard plan``: the prediction before loading, and the catalog listings (over :func:`vramguard.plan.plan`)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import typer
+
+from vramguard.cli.common import run_guarded, say, write_json
+from vramguard.cli.options import (Attn, Cache, Dtype, Format, KvDtype, Logits, Quant, batch_option, format_option,
+                                   max_new_tokens_option, prompt_tokens_option, quant_option)
+from vramguard.render import console
+
+
+def plan(
+    model: str = typer.Argument("llama-2-7b", metavar="MODEL",
+                                 help="model folder, config.json, catalog name or cached model id"),
+    quant: Quant = quant_option(),
+    double_quant: bool = typer.Option(True, "--double-quant/--no-double-quant", help="4-bit double quantization"),
+    compute_dtype: Optional[Dtype] = typer.Option(None, help="4-bit compute dtype (default: the model dtype)"),
+    dtype: Optional[Dtype] = typer.Option(None, help="model dtype (default bf16; fp16/fp32 for those quants)"),
+    attn: Optional[Attn] = typer.Option(None, help="attn_implementation (default: flash_attention_2; sdpa on a "
+                                        "--gpu card below compute capability 8.0, which cannot run it)"),
+    kv_dtype: Optional[KvDtype] = typer.Option(None, help="KV cache type (int8/int4: quantized cache)"),
+    cache: Cache = typer.Option(Cache['dynamic'], help="KV cache kind"),
+    batch: int = batch_option(),
+    num_beams: int = typer.Option(1, help="beams per prompt"),
+    num_return_sequences: int = typer.Option(1, help="sequences returned per prompt"),
+    prompt_tokens: int = prompt_tokens_option(),
+    max_new_tokens: int = max_new_tokens_option(),
+    prefill_chunk: Optional[int] = typer.Option(None, help="chunked prefill: tokens per forward"),
+    logits: Logits = typer.Option(Logits['last'], help="last: generate(); all: a forward over every position"),
+    output_attentions: bool = typer.Option(False, help="attention maps requested (forces eager)"),
+    padded: bool = typer.Option(False, help="prompts of different lengths in one batch"),
+    do_sample: bool = typer.Option(False, help="sampling (allows --num-return-sequences > 1 without beams)"),
+    context: Optional[int] = typer.Option(None, help="context length to allow (RoPE-scaled models beyond config)"),
+    gpu: Optional[str] = typer.Option(None, help="a catalog card (see --list-gpus)"),
+    vram: Optional[str] = typer.Option(None, help="card memory, e.g. 24GiB, 24GB, 24000MiB"),
+    fmt: Format = format_option(),
+    list_models: bool = typer.Option(False, "--list-models", help="list the catalog architectures and exit"),
+    list_gpus: bool = typer.Option(False, "--list-gpus", help="list the catalog cards and exit"),
+    exit_code: bool = typer.Option(False, "--exit-code", help="exit 1 when the run fits none of the cards"),
+) -> None:
+    """Predict memory by component, say whether it fits, solve for what fits, and rank the fixes."""
+    from vramguard.plan import plan as plan_fn
+    from vramguard.render import plan_to_json, print_plan
+    from vramguard.settings import Settings
+
+    if list_models or list_gpus:
+        _print_catalog(list_models, list_gpus)
+        return
+
+    def build():
+        from vramguard.hardware import card_defaults
+        chosen_attn, chosen_dtype, notes = card_defaults(gpu, attn.value if attn else None,
+                                                         dtype.value if dtype else None, compute_dtype is not None)
+        for note in notes:
+            say(note)
+        from vramguard.units import decimal_size_note
+        if vram and decimal_size_note(vram):
+            say("note: " + decimal_size_note(vram))
+        s = Settings(quant=quant.value, double_quant=double_quant,
+                     compute_dtype=compute_dtype.value if compute_dtype else None,
+                     dtype=chosen_dtype, attn=chosen_attn,
+                     kv_dtype=kv_dtype.value if kv_dtype else None, cache=cache.value, batch=batch,
+                     num_beams=num_beams, num_return_sequences=num_return_sequences, prompt_tokens=prompt_tokens,
+                     max_new_tokens=max_new_tokens, prefill_chunk=prefill_chunk, logits=logits.value,
+                     output_attentions=output_attentions, padded=padded, do_sample=do_sample)
+        return plan_fn(model, s, gpu=gpu, vram=vram, context=context)
+
+    p = run_guarded(build, as_json=fmt == Format['json'])
+    if fmt == Format['json']:
+        write_json(plan_to_json(p))
+    else:
+        print_plan(p, console())
+    if exit_code and not any(c.fits for c in p.cards):
+        raise typer.Exit(1)
+
+
+def _print_catalog(models: bool, gpus: bool) -> None:
+    from vramguard.catalog.gpus import GPUS
+    from vramguard.catalog.models import MODELS
+    out = console()
+    if models:
+        for name, cfg in MODELS.items():
+            out.print(f"{name:18} {cfg['source']}")
+    if gpus:
+        for g in GPUS.values():
+            cc = ".".join(map(str, g.compute_capability)) if g.compute_capability else "?"
+            out.print(f"{g.name:18} {g.label:34} {g.total_bytes / 2**30:7.2f} GiB  cc {cc}")

@@ -1,0 +1,104 @@
+"""``vramguard run``: generate text without running out of memory (over :func:`vramguard.generate.generate`)."""
+
+from __future__ import annotations
+
+import sys
+from typing import Optional
+
+import typer
+
+from vramguard.cli.common import err, run_guarded, say, write_json
+from vramguard.cli.options import Format, Quant, format_option, max_new_tokens_option, quant_option
+from vramguard.errors import ConfigError, InvalidValue
+from vramguard.units import plural
+
+
+def run(
+    model: str = typer.Argument(..., metavar="MODEL",
+                                 help="model folder or cached model id (weights and tokenizer needed)"),
+    prompt: Optional[str] = typer.Option(None, help="the prompt text"),
+    prompt_file: Optional[str] = typer.Option(None, help="read the prompt from this file (- for stdin)"),
+    max_new_tokens: int = max_new_tokens_option(),
+    vram_budget: Optional[str] = typer.Option(None, help="memory PyTorch may use, e.g. 12GiB (default: what is free)"),
+    auto: bool = typer.Option(True, "--auto/--no-auto", help="pick the strategy that fits (else refuse)"),
+    quant: Quant = quant_option(),
+    do_sample: bool = typer.Option(False, help="sample instead of greedy decoding"),
+    temperature: Optional[float] = typer.Option(None, help="sampling temperature"),
+    top_p: Optional[float] = typer.Option(None, help="nucleus sampling"),
+    top_k: Optional[int] = typer.Option(None, help="top-k sampling"),
+    seed: Optional[int] = typer.Option(None, help="random seed for sampling"),
+    context: Optional[list[str]] = typer.Option(None, help="files to answer from (repeat the option); the prompt is "
+                                                           "the question"),
+    summarize: bool = typer.Option(False, help="when the context cannot fit, summarize it chunk by chunk first"),
+    fast_decode: bool = typer.Option(False, help="decode by replaying one captured CUDA graph per token on a static "
+                                                 "cache (batch 1; falls back to eager steps and says why)"),
+    chunk_tokens: int = typer.Option(256, help="tokens per context chunk"),
+    chat_template: Optional[bool] = typer.Option(None, "--chat-template/--raw",
+                                                 help="wrap the prompt as a user turn in the tokenizer's chat "
+                                                      "template, or send it raw (default: the template when the "
+                                                      "tokenizer has one)"),
+    fmt: Format = format_option("human: text on stdout; json: one object"),
+) -> None:
+    """Generate text without running out of memory: plan first, pick a strategy that fits, recover from OOM.
+    The text streams to stdout; a summary (strategy and why, peak memory, TTFT, tokens/s) goes to stderr."""
+    from vramguard.generate import generate as generate_fn
+    from vramguard.load import load_model
+    from vramguard.render import print_generation_summary, to_jsonable
+    from vramguard.units import parse_size
+
+    def build():
+        text = _read_prompt(prompt, prompt_file)
+        budget = parse_size(vram_budget, "--vram-budget") if vram_budget else None
+        import torch
+        import transformers
+
+        from vramguard.prompt import prepare_prompt, preflight_prompt
+        transformers.utils.logging.disable_progress_bar()
+        # the tokenizer and config alone: a prompt over the context is refused before minutes of loading
+        _, prepared, _ = preflight_prompt(model, text, max_new_tokens, chat_template)
+        loaded = load_model(model, quant=quant.value, verify=torch.cuda.is_available())
+        if loaded.tokenizer is None:
+            raise ConfigError("MODEL", model, "a model folder with tokenizer files", "save the tokenizer with the "
+                              "model (tokenizer.save_pretrained(folder))")
+        stream = None if fmt == Format['json'] else (lambda t: (sys.stdout.write(t), sys.stdout.flush()))
+        if context:
+            text = _with_context(loaded, text, context, summarize, chunk_tokens, max_new_tokens, budget, auto)
+            prepared = prepare_prompt(loaded.tokenizer, text, chat_template)
+        say(f"prompt: {plural(len(prepared.ids), 'token')}, {prepared.reason}")
+        return generate_fn(loaded.model, loaded.tokenizer, prepared.ids, max_new_tokens, budget_bytes=budget,
+                           auto=auto,
+                           on_text=stream, do_sample=do_sample, temperature=temperature, top_p=top_p, top_k=top_k,
+                           seed=seed, fast_decode=fast_decode)
+
+    r = run_guarded(build, as_json=fmt == Format['json'])
+    if fmt == Format['json']:
+        write_json(to_jsonable(r))
+    else:
+        sys.stdout.write("\n")
+        print_generation_summary(r, err)
+
+
+def _read_prompt(prompt: str | None, prompt_file: str | None) -> str:
+    """The prompt: ``--prompt`` or the text of ``--prompt-file`` (stdin for ``-``), exactly one of the two."""
+    if (prompt is None) == (prompt_file is None):
+        raise InvalidValue("--prompt/--prompt-file", "both" if prompt else "neither", "exactly one of the two",
+                           "pass --prompt TEXT or --prompt-file FILE")
+    if prompt_file is None:
+        return prompt
+    try:
+        return sys.stdin.read() if prompt_file == "-" else open(prompt_file, encoding="utf-8").read()
+    except OSError as e:
+        raise InvalidValue("--prompt-file", prompt_file, "a readable text file",
+                           f"check the path ({e.strerror or e}), or pass - and pipe the prompt in") from None
+
+
+def _with_context(loaded, question, files, summarize, chunk_tokens, max_new_tokens, budget, auto) -> str:
+    """:func:`vramguard.context.context_prompt`, its summary line on stderr."""
+    from vramguard.context import context_prompt
+    packed, limit = context_prompt(loaded.model, loaded.tokenizer, question, files, chunk_tokens=chunk_tokens,
+                                   max_new_tokens=max_new_tokens, budget_bytes=budget, auto=auto,
+                                   summarize=summarize)
+    say(f"context: {len(packed.used)} of {packed.total_chunks} chunks"
+        + (" (summarized)" if packed.summarized else "") + f", prompt {packed.prompt_tokens:,} of "
+        f"{limit:,} tokens the plan allows" + ("; " + "; ".join(packed.notes) if packed.notes else ""))
+    return packed.prompt

@@ -1,0 +1,155 @@
+"""``vramguard serve``: an OpenAI-compatible server on one device, or one worker per GPU behind a router (over
+:func:`vramguard.serve.server.build` and :func:`vramguard.serve.router.run_router`)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Optional
+
+import typer
+
+from vramguard.cli.common import install_fix, run_guarded, say
+from vramguard.cli.options import DtypeArg, LoadAttn, Quant, quant_option, strip_options
+from vramguard.errors import InvalidValue
+
+# what serve imports, checked before anything is loaded
+SERVE_PACKAGES = ("torch", "transformers", "accelerate", "fastapi", "uvicorn", "sse_starlette", "prometheus_client",
+                  "httpx")
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+# options the router sets for its workers itself; the rest of the command line is passed on to each worker
+ROUTER_OPTIONS = ("--gpus", "--host", "--port", "--api-key", "--ready-file")
+
+
+def serve(
+    model: str = typer.Argument(..., metavar="MODEL",
+                                 help="model folder or cached model id (weights and tokenizer needed)"),
+    host: str = typer.Option("127.0.0.1", help="address to bind (loopback unless you choose otherwise)"),
+    port: int = typer.Option(8000, help="TCP port (0 picks a free one)"),
+    gpus: Optional[str] = typer.Option(None, help="GPU indices, e.g. 0 or 0,1: one worker process per GPU behind a "
+                                                  "front process that balances them and answers 429 itself "
+                                                  "(default: one process on the current device)"),
+    vram_budget: Optional[str] = typer.Option(None, help="memory PyTorch may use per GPU, e.g. 20GiB, enforced as a "
+                                                         "hard cap on this process (default: what is free after "
+                                                         "loading); without a GPU, host memory for the model and its "
+                                                         "KV pool (default 2GiB)"),
+    max_queue: int = typer.Option(64, help="requests that may wait beyond those running; more get 429"),
+    max_running: int = typer.Option(64, help="requests computed together in one step"),
+    max_batch_tokens: int = typer.Option(2048, help="tokens computed in one step (prefill chunks + decodes)"),
+    page_size: int = typer.Option(256, help="tokens per KV block"),
+    max_kv_blocks: Optional[int] = typer.Option(None, help="cap the KV pool below what the budget allows"),
+    api_key: Optional[str] = typer.Option(None, envvar="VRAMGUARD_API_KEY",
+                                          help="require 'Authorization: Bearer KEY' on every route but /health "
+                                               "(or set VRAMGUARD_API_KEY)"),
+    quant: Quant = quant_option(),
+    dtype: Optional[DtypeArg] = typer.Option(None, help="parameter/activation dtype (default: bf16 where supported)"),
+    attn: LoadAttn = typer.Option(LoadAttn['auto'], help="attention implementation (auto: the best that runs here)"),
+    trust_remote_code: bool = typer.Option(False, help="allow the model's own Python code (off: never run it)"),
+    allow_pickle: bool = typer.Option(False, help="allow pickle (.bin) weights (off: safetensors only)"),
+    seed: int = typer.Option(0, help="sampling seed of the engine"),
+    served_model_name: Optional[str] = typer.Option(None, help="the model name clients send (default: MODEL)"),
+    n_max: int = typer.Option(4, help="largest n (choices per request)"),
+    default_max_tokens: int = typer.Option(256, help="max_tokens of a request that gives none"),
+    max_body_size: str = typer.Option("1MiB", help="largest request body; more gets 413"),
+    greedy: bool = typer.Option(False, help="decode every request greedily (no sampling work in the step); requests "
+                                            "asking for temperature > 0 are refused"),
+    ready_file: Optional[str] = typer.Option(None, hidden=True, help="write the URL here once listening"),
+) -> None:
+    """Serve the model over an OpenAI-compatible API (/v1/chat/completions, /v1/completions, /v1/models, /health,
+    /metrics) with a KV pool sized for the budget, a bounded queue, and recovery from out-of-memory errors."""
+    from vramguard.units import parse_size
+    require_serve_packages()
+    listening = announcer(ready_file, served_model_name or model)
+
+    def start() -> int:
+        budget = parse_size(vram_budget, "--vram-budget") if vram_budget else None
+        body = parse_size(max_body_size, "--max-body-size", example="1MiB")
+        check_address(host, port, api_key)
+        if gpus is not None:
+            return serve_router(model, gpu_ids(gpus), host, port, api_key, listening)
+        return serve_one(model, host, port, listening, vram_budget=budget, max_queue=max_queue,
+                         max_running=max_running, max_batch_tokens=max_batch_tokens, page_size=page_size,
+                         max_kv_blocks=max_kv_blocks, api_key=api_key, quant=quant.value,
+                         dtype=dtype.value if dtype and dtype.value != "auto" else None, attn=attn.value,
+                         trust_remote_code=trust_remote_code, allow_pickle=allow_pickle, seed=seed,
+                         served_name=served_model_name, n_max=n_max, default_max_tokens=default_max_tokens,
+                         max_body_bytes=body, greedy=greedy, hard_cap=True)
+
+    rc = run_guarded(start)
+    if rc:
+        say(f"stopped after an unrecoverable error (exit code {rc})")
+    raise typer.Exit(rc or 0)
+
+
+def require_serve_packages() -> None:
+    """Exit 3 naming the packages of :data:`SERVE_PACKAGES` that are not installed, and the command that installs
+    them."""
+    import importlib.util
+    missing = [m for m in SERVE_PACKAGES if importlib.util.find_spec(m) is None]
+    if missing:
+        say(f"error serve: {', '.join(missing)} not installed.\nfix: " + install_fix("serve,gpu", "torch" in missing))
+        raise typer.Exit(3)
+
+
+def announcer(ready_file: str | None, name: str):
+    """The ``on_listen`` callback: writes the URL to ``ready_file`` (atomically) and says where ``name`` is
+    served."""
+    def listening(url: str) -> None:
+        if ready_file:
+            with open(ready_file + ".tmp", "w") as f:
+                f.write(url)
+            os.replace(ready_file + ".tmp", ready_file)
+        say(f"serving {name} on {url}/v1")
+    return listening
+
+
+def check_address(host: str, port: int, api_key: str | None) -> None:
+    """Before minutes of loading: a bad or busy port is known now; an open address without a key is warned of."""
+    from vramguard.serve.server import check_bind
+    check_bind(host, port)
+    if host not in LOOPBACK_HOSTS and not api_key:
+        say(f"warning: binding {host} without --api-key: anyone who can reach this address can use the model")
+
+
+def gpu_ids(gpus: str) -> list[int]:
+    """The ``--gpus`` indices: distinct GPUs this machine has.
+
+    Raises:
+        InvalidValue: not comma-separated integers, repeated, or beyond the visible CUDA devices.
+    """
+    try:
+        ids = [int(x) for x in gpus.split(",") if x.strip()]
+    except ValueError:
+        raise InvalidValue("gpus", gpus, "comma-separated GPU indices, e.g. 0,1", "pass --gpus 0,1") from None
+    import torch
+    n = torch.cuda.device_count()
+    if not ids or any(i < 0 or i >= n for i in ids) or len(set(ids)) != len(ids):
+        raise InvalidValue("gpus", gpus, f"distinct indices in 0..{n - 1}" if n else "none: no CUDA GPU "
+                           "is visible", "pass indices of GPUs this machine has (nvidia-smi -L lists them)")
+    return ids
+
+
+def serve_router(model: str, ids: list[int], host: str, port: int, api_key: str | None, listening) -> int:
+    """One worker per GPU in ``ids``, each given this command line less :data:`ROUTER_OPTIONS`, behind the
+    router; returns its exit code."""
+    from vramguard.serve.router import run_router
+    args = [a for a in sys.argv[sys.argv.index("serve") + 2:]]
+    args = strip_options(args, ROUTER_OPTIONS)
+    return run_router(model, ids, args, host, port, api_key, on_listen=listening)
+
+
+def serve_one(model: str, host: str, port: int, listening, **options) -> int:
+    """Build the server of ``model`` in this process (``options``: :func:`vramguard.serve.server.build`'s), say what
+    was loaded, and serve until stopped; returns its exit code."""
+    import transformers
+
+    from vramguard.serve.server import build
+    transformers.utils.logging.disable_progress_bar()
+    served = build(model, **options)
+    a = served.report.active if served.report is not None else {}
+    say("loaded: " + ", ".join(f"{k} {a[k]}" for k in ("quant", "compute_dtype", "dtype", "attn", "device")
+                               if a.get(k) not in (None, "None") and (k, a[k]) != ("quant", "none")))
+    say(served.pool.summary())
+    for note in served.engine.notes + served.options.notes:
+        say("note: " + note)
+    return served.run(host, port, on_listen=listening)
