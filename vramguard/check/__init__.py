@@ -96,6 +96,7 @@ def check(model: str | None = None, settings: Settings | None = None, *, dtype: 
     findings += runtime_findings(env, card, s, spec, param_dtype, why)
     findings += model_findings(spec, ckpt if folder else None, s, env, param_dtype, why, card,
                                dtype_passed=dtype not in (None, "auto"))  # auto: as stored
+    findings += _attention_support_findings(spec, s)
     if why_c:
         findings = [CheckFinding(f.name, f.status, f.value, f.reason + why_c, f.fix) if f.name == "compute_dtype"
                     else f for f in findings]
@@ -121,6 +122,27 @@ def check(model: str | None = None, settings: Settings | None = None, *, dtype: 
     if verify and folder is not None and env.cuda_available:
         findings.extend(_verify_kernel(str(folder), s, param_dtype, report))
     return report
+
+
+def _attention_support_findings(spec, s: Settings) -> list[CheckFinding]:
+    """A failing finding when the model's class refuses the requested attention implementation (its own
+    ``_supports_sdpa`` / ``_supports_flash_attn``, :func:`vramguard.introspect.build.attention_support`)."""
+    if spec is None or not spec.config_json or s.attn == "eager":
+        return []
+    try:
+        from vramguard.introspect.build import attention_support, cached_config
+    except ImportError:
+        return []
+    try:
+        supports = attention_support(cached_config(spec.config_json, spec.name))
+    except ImportError:
+        return []
+    if supports.get(s.attn, True):
+        return []
+    other = " or ".join(a for a in ("sdpa", "flash_attention_2") if a != s.attn and supports.get(a))
+    return [CheckFinding("attn_supported", "fail", f"{s.attn} refused by the model class",
+                         f"transformers' class for {spec.model_type} does not accept attn_implementation={s.attn}",
+                         "pass --attn eager" + (f" (or {other}, where it can run)" if other else ""))]
 
 
 def _placement_finding(model, spec, s, card, env) -> CheckFinding:
