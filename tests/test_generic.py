@@ -238,3 +238,55 @@ def test_check_fails_an_attention_the_model_class_refuses(arch_dir):
     assert f.status == "fail" and "gpt_oss" in f.reason and f.fix.startswith("pass --attn eager")
     ok = check(str(arch_dir("gpt_oss")), settings=S(attn="eager"))
     assert not any(f.name == "attn_supported" for f in ok.findings)
+
+
+def test_bad_values_in_a_generic_config_and_settings_are_named(tmp_path, arch_dir):
+    from vramguard.errors import ConfigError, InvalidValue
+    from vramguard.plan import plan
+    for bad, field in (({"n_layer": -2}, "n_layer"), ({"n_head": 0}, "n_head"),
+                       ({"n_layer": 99_999_999}, "num_hidden_layers")):
+        (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", **bad}))
+        with pytest.raises(ConfigError) as e:
+            resolve_model(str(tmp_path))
+        assert field in str(e.value)
+    gpt2 = str(arch_dir("gpt2"))
+    with pytest.raises(InvalidValue) as e:
+        plan(gpt2, Settings(batch=10**20), vram="24GiB")
+    assert "batch" in str(e.value)
+    with pytest.raises(InvalidValue) as e:  # learned positions: no --context can extend them
+        plan(gpt2, Settings(prompt_tokens=600, max_new_tokens=8), vram="24GiB", context=4096)
+    assert "512 learned position embeddings" in str(e.value)
+
+
+@pytest.mark.parametrize("model_type,quant", [("olmoe", "fp16"), ("deepseek_v2", "fp32"), ("falcon", "bf16")])
+def test_generic_plans_in_every_dtype_and_attention(arch_dir, model_type, quant):
+    """grouped_mm's meta kernel takes bfloat16 only (fp16/fp32 MoE replays are sized by the tracker), and Falcon
+    picks attention classes from its own table (FlashAttention-2 is replayed as SDPA's flash kernel)."""
+    from vramguard.plan import plan
+    p = plan(str(arch_dir(model_type)), Settings(quant=quant, attn="flash_attention_2" if quant == "bf16" else "sdpa"),
+             vram="24GiB")
+    assert p.estimate.peak_allocated_bytes > p.estimate.weights.total_bytes
+    if model_type == "falcon":
+        assert any(f.code == "attn_replayed" for f in p.findings)
+
+
+def test_kv_growth_per_layer_kind_matches_a_real_cache(arch_dir):
+    """Qwen3-Next (4 layers, every second one full attention): one more token grows only the full layers' K and V,
+    the same as in a real ``generate``'s cache."""
+    from transformers import AutoModelForCausalLM
+
+    from vramguard.introspect.replay import cache_tensors
+    from vramguard.memory.kv import kv_growth_per_token
+    folder = arch_dir("qwen3_next")
+    spec = resolve_model(str(folder))
+    assert spec.layer_types.count("full_attention") == 2
+    g = kv_growth_per_token(spec, Settings(quant="bf16"), 100)
+    # 2 full layers x K and V x 2 KV heads x head_dim 16 x 2 B = 256 B; linear attention adds nothing
+    assert g == {"linear_attention": 0, "full_attention": 2 * 2 * 2 * 16 * 2}
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
+    ids = torch.randint(3, 200, (1, 99))
+
+    def cached(new):
+        out = model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, return_dict_in_generate=True)
+        return sum(t.numel() * t.element_size() for _, _, t in cache_tensors(out.past_key_values))
+    assert cached(3) - cached(2) == sum(g.values())

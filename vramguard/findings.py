@@ -41,6 +41,13 @@ def plan_findings(p: "Plan") -> list["Finding"]:
         b16 = weight_bytes(spec, half).total_bytes
         out.append(Finding("fp32_params", "warn", f"parameters in float32: weights {fmt_bytes(f32)} against "
                            f"{fmt_bytes(b16)} in bfloat16", "pass dtype=torch.bfloat16", f32 - b16))
+    if spec.generic:
+        from vramguard.introspect.generic import replay_note
+        note = replay_note(spec, s)
+        if note:
+            refused = note.startswith("transformers refuses")
+            out.append(Finding("attn_replayed", "warn" if refused else "info", note,
+                               "pass --attn eager (what this model loads with)" if refused else None))
     _card_findings(p, out)
     _attention_findings(p, out)
     _memory_findings(p, out)

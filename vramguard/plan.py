@@ -202,12 +202,24 @@ def plan(model: str | ModelSpec, settings: Settings | None = None, *, gpu: str |
         from dataclasses import replace
 
         from vramguard.errors import InvalidValue
-        if isinstance(context, bool) or not isinstance(context, int) or context < 1:
-            raise InvalidValue("context", context, "a positive number of tokens")
+        from vramguard.settings import MAX_TOKENS
+        if isinstance(context, bool) or not isinstance(context, int) or not 1 <= context <= MAX_TOKENS:
+            raise InvalidValue("context", context, f"a number of tokens from 1 to {MAX_TOKENS:,}",
+                               "pass the context length the model runs at, e.g. --context 131072")
+        if spec.generic and context > spec.max_position_embeddings:
+            from vramguard.introspect.generic import learned_positions
+            learned = learned_positions(spec)
+            if learned:
+                raise InvalidValue("context", context, f"at most {learned:,}: the model has {learned:,} learned "
+                                   "position embeddings, which no scaling extends", f"pass --context {learned}")
         spec = replace(spec, max_position_embeddings=context,
                        notes=spec.notes + (f"context set to {context:,} tokens (config: "
                                            f"{spec.max_position_embeddings:,})",))
     s = settings or Settings()
+    if spec.generic and s.total_tokens > spec.max_position_embeddings:
+        from vramguard.introspect.generic import learned_positions
+        check_context(spec, s, beyond=None if learned_positions(spec) else
+                      " (a RoPE-scaled model may allow more: plan --context N)")
     check_context(spec, s)
     if gpus is None:
         gpus, why = resolve_gpus(gpu, vram)

@@ -84,6 +84,9 @@ def console(stderr: bool = False) -> Console:
 
 
 def _where(at: str) -> str:
+    """The allocation at the peak in words: a hand model's step name, or the operator a replay names as is."""
+    if at.startswith(("aten.", "vramguard.")):
+        return f"at {at}"
     return PEAK_AT.get(at, at.replace("_", " "))
 
 
@@ -163,10 +166,17 @@ def _settings_line(p: Plan) -> str:
             f"prompt {fmt_tokens(s.prompt_tokens)} + {fmt_tokens(s.max_new_tokens)} new tokens{chunk}")
 
 
+def _generic_kinds(spec) -> list[str]:
+    from vramguard.introspect.generic import layer_kinds
+    return layer_kinds(spec)
+
+
 def sliding_growth_tokens(p: Plan) -> int:
     """How many of the run's new tokens still grow the sliding-window layers (they stop at the window)."""
     from vramguard.memory.kv import kv_growth_per_token
     s, prompt = p.settings, p.settings.prompt_tokens
+    if p.model.generic:
+        return 0  # the generic growth is reported at the run's length, per layer kind
 
     def grows(n: int) -> bool:
         return kv_growth_per_token(p.model, s, n).get("sliding_attention", 0) > 0
@@ -184,6 +194,12 @@ def kv_growth_text(p: Plan) -> str:
     """The KV growth per new token a user sees in this run, per layer type: sliding layers stop at the window."""
     from vramguard.memory.kv import kv_growth_per_token
     spec, s = p.model, p.settings
+    if spec.generic:
+        from collections import Counter
+        growth = kv_growth_per_token(spec, s, s.total_tokens - 1)
+        counts = Counter(_generic_kinds(spec))
+        return "; ".join(f"{fmt_bytes(growth.get(k, 0))} in the {plural(n, k.replace('_', '-') + ' layer')}"
+                         for k, n in counts.items())
     types = spec.layer_types
     n_full = sum(1 for t in types if t != "sliding_attention" or spec.sliding_window is None)
     parts = []

@@ -28,12 +28,20 @@ def _choice(field: str, value: object, choices: tuple[str, ...]) -> None:
         raise InvalidValue(field, value, " | ".join(choices), f"use one of: {', '.join(choices)}")
 
 
-def require_count(field: str, value: object, minimum: int, fix: str | None = None) -> None:
-    """Raise InvalidValue unless ``value`` is an int (not a bool) >= ``minimum``; ``fix`` defaults to asking for
-    a whole number of at least ``minimum``."""
+MAX_TOKENS = 2**31 - 1  # positions and lengths are int32 in attention kernels and masks
+MAX_SEQUENCES = 2**20  # batch x beams beyond this is no inference run (and overflows a plan's tensor sizes)
+
+
+def require_count(field: str, value: object, minimum: int, fix: str | None = None,
+                  maximum: int | None = None) -> None:
+    """Raise InvalidValue unless ``value`` is an int (not a bool) >= ``minimum`` (and <= ``maximum`` when given);
+    ``fix`` defaults to asking for a whole number in that range."""
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise InvalidValue(field, value, f"an integer >= {minimum}",
+        raise InvalidValue(field, value, f"an integer >= {minimum}" + (f" and <= {maximum:,}" if maximum else ""),
                            fix or f"pass a whole number of at least {minimum}")
+    if maximum is not None and value > maximum:
+        raise InvalidValue(field, value, f"an integer from {minimum} to {maximum:,}",
+                           f"pass a whole number of at most {maximum:,}")
 
 
 @dataclass(frozen=True)
@@ -96,9 +104,12 @@ class Settings:
             _choice("compute_dtype", self.compute_dtype, DTYPES)
         if self.kv_dtype is not None:
             _choice("kv_dtype", self.kv_dtype, KV_DTYPES)
-        require_count("batch", self.batch, 1)
-        require_count("num_beams", self.num_beams, 1)
-        require_count("num_return_sequences", self.num_return_sequences, 1)
+        require_count("batch", self.batch, 1, maximum=MAX_SEQUENCES)
+        require_count("num_beams", self.num_beams, 1, maximum=MAX_SEQUENCES)
+        require_count("num_return_sequences", self.num_return_sequences, 1, maximum=MAX_SEQUENCES)
+        if self.sequences > MAX_SEQUENCES:
+            raise InvalidValue("batch", self.batch, f"batch x beams (or return sequences) at most {MAX_SEQUENCES:,}",
+                               "decode fewer sequences at once")
         if self.num_beams > 1 and self.num_return_sequences > self.num_beams:
             raise InvalidValue("num_return_sequences", self.num_return_sequences,
                                f"at most num_beams={self.num_beams} with beam search")
@@ -111,12 +122,12 @@ class Settings:
         if self.compute_dtype is not None and self.quant not in ("nf4", "fp4"):
             raise InvalidValue("compute_dtype", self.compute_dtype, f"unset with --quant {self.quant}",
                                "the compute dtype applies to 4-bit weights only (nf4, fp4)")
-        require_count("prompt_tokens", self.prompt_tokens, 1)
-        require_count("max_new_tokens", self.max_new_tokens, 0)
+        require_count("prompt_tokens", self.prompt_tokens, 1, maximum=MAX_TOKENS)
+        require_count("max_new_tokens", self.max_new_tokens, 0, maximum=MAX_TOKENS)
         require_count("kv_group_size", self.kv_group_size, 1)
         require_count("kv_residual_length", self.kv_residual_length, 0)
         if self.prefill_chunk is not None:
-            require_count("prefill_chunk", self.prefill_chunk, 1)
+            require_count("prefill_chunk", self.prefill_chunk, 1, maximum=MAX_TOKENS)
         if self.max_cache_len is not None:
             require_count("max_cache_len", self.max_cache_len, self.prompt_tokens + self.max_new_tokens,
                    "a static cache must hold the prompt and the new tokens")

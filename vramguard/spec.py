@@ -39,6 +39,8 @@ _FAMILIES: dict[str, dict[str, Any]] = {
 }
 SUPPORTED_MODEL_TYPES = tuple(sorted(_FAMILIES))
 
+MAX_LAYERS = 4096  # a sanity bound: building a meta model of millions of layers would not finish
+
 # config-class defaults that change memory, for reading a config.json without transformers installed
 # (transformers 5: models/<family>/configuration_<family>.py; tests/test_generic.py checks them against AutoConfig)
 CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -287,6 +289,14 @@ def _first_int(cfg: dict[str, Any], *keys: str) -> int | None:
 def _generic_spec(text: dict[str, Any], raw_json: str, name: str, source: str, outer_type: str | None) -> ModelSpec:
     """A spec whose memory comes from transformers (:mod:`vramguard.introspect`); the size fields are the text
     config's where it has them (attribute names differ by family: ``n_embd``, ``n_head``...), for display."""
+    for key in ("hidden_size", "n_embd", "num_attention_heads", "n_head", "num_hidden_layers", "n_layer",
+                "num_key_value_heads", "vocab_size", "intermediate_size", "max_position_embeddings", "n_positions"):
+        if key in text and text[key] is not None:
+            _pos_int(text[key], key, name)
+    layers_given = _first_int(text, "num_hidden_layers", "n_layer", "num_layers")
+    if layers_given and layers_given > MAX_LAYERS:
+        raise ConfigError("config.json:num_hidden_layers", layers_given, f"at most {MAX_LAYERS:,} layers",
+                          "fix the config (published models have at most a few hundred layers)")
     hidden = _first_int(text, "hidden_size", "n_embd", "d_model") or 1
     heads = _first_int(text, "num_attention_heads", "n_head", "num_heads") or 1
     kv_heads = _first_int(text, "num_key_value_heads", "num_kv_heads", "multi_query_group_num") or heads

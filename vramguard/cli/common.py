@@ -93,8 +93,12 @@ def run_guarded(fn, *args, as_json: bool = False, **kwargs):
     except Exception as e:  # an internal error: say so plainly, keep the traceback for debugging only
         if os.environ.get("VRAMGUARD_DEBUG"):
             raise
-        err.print(f"[red]internal error[/red] {type(e).__name__}: {e}\n"
+        first = (str(e).strip().splitlines() or [""])[0][:300]  # C++ errors append pages of stack frames
+        err.print(f"[red]internal error[/red] {type(e).__name__}: {first}\n"
                   "please report it with the command line; VRAMGUARD_DEBUG=1 shows the traceback")
+        if as_json:
+            sys.stdout.write(json.dumps({"error": {"type": "internal", "exception": type(e).__name__,
+                                                   "message": first}}) + "\n")
         raise typer.Exit(EXIT_INTERNAL)
 
 

@@ -207,9 +207,13 @@ def meta_model(config, dtype: str, attn: str = "eager"):
             model = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=_torch_dtype(dtype),
                                                      attn_implementation=attn)
     except ValueError as e:
+        first = str(e).splitlines()[0]
+        if "attention implementation" in first:
+            raise ConfigError("attn", attn, "an attention implementation the model class supports",
+                              first.split(". Please")[0][:200]) from None
         raise ConfigError("config.json:model_type", getattr(config, "model_type", None),
                           "a causal language model (AutoModelForCausalLM)",
-                          f"transformers has no causal-LM class for it ({str(e).splitlines()[0][:160]})") from None
+                          f"transformers has no causal-LM class for it ({first[:160]})") from None
     model.tie_weights()
     model.eval()
     return model

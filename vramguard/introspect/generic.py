@@ -86,14 +86,36 @@ def _embedding_names_cached(config_json: str, name: str) -> dict[str, frozenset[
     from vramguard.introspect.build import cached_config, meta_model
     model = meta_model(cached_config(config_json, name), "bf16")
     out_mod, in_mod = model.get_output_embeddings(), model.get_input_embeddings()
+    from torch import nn
     names = {"input": set(), "output": set()}
     for n, m in model.named_modules():
         if out_mod is not None and m is out_mod:
             names["output"] |= {f"{n}.{p}" for p, _ in m.named_parameters()}
-        if in_mod is not None and m is in_mod:
+        if (in_mod is not None and m is in_mod) or isinstance(m, nn.Embedding):  # token and position tables
             names["input"] |= {f"{n}.{p}" for p, _ in m.named_parameters()}
     names["output"] -= names["input"]  # tied: counted once, as the embedding
     return {k: frozenset(v) for k, v in names.items()}
+
+
+@lru_cache(maxsize=16)
+def _learned_positions(config_json: str, name: str) -> int | None:
+    from torch import nn
+
+    from vramguard.introspect.build import cached_config, meta_model, text_config
+    model = meta_model(cached_config(config_json, name), "bf16")
+    cfg = text_config(cached_config(config_json, name))
+    ctx = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
+    inp = model.get_input_embeddings()
+    for m in model.modules():
+        if isinstance(m, nn.Embedding) and m is not inp and ctx and m.num_embeddings == ctx:
+            return int(ctx)
+    return None
+
+
+def learned_positions(spec) -> int | None:
+    """The number of learned position embeddings (GPT-2's ``wpe``: an ``nn.Embedding`` of the context's size beside
+    the token embeddings), which no context setting can exceed; None for RoPE, ALiBi and other schemes."""
+    return _learned_positions(spec.config_json, spec.name) if spec.config_json else None
 
 
 def _embedding_names(spec) -> dict[str, frozenset[str]]:
@@ -212,14 +234,46 @@ def _layer_kinds(spec, n: int) -> tuple[str, ...]:
     return tuple(spec.layer_types) + ("full_attention",) * max(n - len(spec.layer_types), 0)
 
 
+_ELEM = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8, "int8": 1, "uint8": 1, "int64": 8, "int32": 4,
+         "bool": 1}
+
+
+def _raw_per_layer(r) -> tuple[int, ...]:
+    """Bytes of each layer's cache tensors without the allocator's rounding (growth per token is below 512 B on
+    small models)."""
+    per: dict[int, int] = {}
+    for layer, _attr, shape, dtype in r.cache_tensors:
+        n = 1
+        for d in shape:
+            n *= d
+        per[layer] = per.get(layer, 0) + n * _ELEM.get(dtype, 2)
+    return tuple(per.get(i, 0) for i in range(max(per) + 1)) if per else ()
+
+
+def layer_kinds(spec) -> list[str]:
+    """Each decoder layer's kind as the config names it (``full_attention``, ``sliding_attention``,
+    ``linear_attention``, ``mamba``...; ``full_attention`` when the config lists none)."""
+    return list(_layer_kinds(spec, spec.num_layers))[:spec.num_layers]
+
+
+def kv_growth_per_token(spec, s: Settings, n_tokens: int) -> dict[str, int]:
+    """Bytes the next token adds to each layer kind's cache once ``n_tokens`` are held, measured on the cache
+    transformers creates (the replayed caches after ``n_tokens`` and ``n_tokens + 1``): a linear-attention or
+    recurrent state adds 0, a sliding layer adds 0 once its window is full, an MLA layer its compressed latent."""
+    after = _raw_per_layer(replayed(spec, s, n_tokens, 1))
+    before = _raw_per_layer(replayed(spec, s, n_tokens - 1, 1)) if n_tokens >= 1 else (0,) * len(after)
+    out: dict[str, int] = {}
+    kinds = _layer_kinds(spec, len(after))
+    for i, (a, b) in enumerate(zip(after, before)):
+        out[kinds[i]] = out.get(kinds[i], 0) + max(a - b, 0)
+    for k in layer_kinds(spec):
+        out.setdefault(k, 0)
+    return out
+
+
 def kv_bytes_per_token(spec, s: Settings) -> int:
-    """Bytes one more token adds to the cache at the run's length (``kv(total) - kv(total - 1)``)."""
-    n = s.total_tokens
-    if n < 2:
-        return kv_cache_bytes(spec, s, 2).gpu_bytes - kv_cache_bytes(spec, s, 1).gpu_bytes
-    a = kv_cache_bytes(spec, s, n)
-    b = kv_cache_bytes(spec, s, n - 1)
-    return max((a.gpu_bytes + a.cpu_bytes) - (b.gpu_bytes + b.cpu_bytes), 0)
+    """Bytes one more token adds to the cache at the run's length, over every layer (before allocator rounding)."""
+    return sum(kv_growth_per_token(spec, s, max(s.total_tokens - 1, 1)).values())
 
 
 # ---- loading ------------------------------------------------------------------------------------------------------

@@ -295,12 +295,17 @@ def replay_model(config, s: Settings):
     attn = s.effective_attn
     if attn == "flash_attention_2":
         _register_fa2()
-        attn = FA2_REPLAY
+        try:
+            return meta_model(config, s.act_dtype, FA2_REPLAY), None
+        except (KeyError, ValueError, ConfigError):  # a model with its own table of attention classes (Falcon)
+            return meta_model(config, s.act_dtype, "sdpa"), (
+                "this architecture picks its attention class from its own table, so FlashAttention-2 was replayed "
+                "as SDPA's flash kernel (the same output and log-sum-exp; a mask SDPA builds may be counted too)")
     try:
         return meta_model(config, s.act_dtype, attn), None
     except ConfigError as e:
         if attn == "eager":
             raise
         return meta_model(config, s.act_dtype, "eager"), (
-            f"transformers refuses attn_implementation={s.effective_attn} for this architecture ({e.fix}); "
-            "replayed with eager, which it would need")
+            f"transformers refuses attn_implementation={s.effective_attn} for this architecture (from_pretrained "
+            f"would raise: {e.fix}); planned with eager, which it loads with")

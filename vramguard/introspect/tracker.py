@@ -143,7 +143,7 @@ class StorageTracker(TorchDispatchMode):
         if func is aten.nonzero.default:
             x = args[0]
             return torch.empty((self.policy.rows(tuple(x.shape)), x.dim()), dtype=torch.long, device=x.device)
-        out = func(*args, **kwargs)
+        out = _grouped_mm(args, kwargs) if func is aten._grouped_mm.default else func(*args, **kwargs)
         inputs = {id(a.untyped_storage()) for a in tree_flatten((args, kwargs))[0]
                   if isinstance(a, torch.Tensor) and a.device.type == "meta"}
         name = str(func)
@@ -167,6 +167,15 @@ class StorageTracker(TorchDispatchMode):
         if x.dtype == torch.bool:
             return False
         raise NotModelled(f"{func} on a meta tensor of dtype {x.dtype} (a value the forward branches on)")
+
+
+def _grouped_mm(args, kwargs) -> torch.Tensor:
+    """``torch._grouped_mm``'s output on meta tensors in any dtype (its meta kernel accepts bfloat16 only): ``(S, K)``
+    by ``(E, K, N)`` with group offsets gives ``(S, N)``; batched ``(E, S, K)`` by ``(E, K, N)`` gives ``(E, S, N)``."""
+    a, b = args[0], args[1]
+    dtype = kwargs.get("out_dtype") or a.dtype
+    shape = (a.shape[0], b.shape[-1]) if a.dim() == 2 else (*a.shape[:-1], b.shape[-1])
+    return torch.empty(shape, dtype=dtype, device=a.device)
 
 
 _SAME = {aten._to_copy.default, aten.clone.default, aten.slice.Tensor, aten.select.int, aten.index.Tensor,

@@ -127,7 +127,13 @@ def kv_growth_per_token(spec: ModelSpec, s: Settings, n_tokens: int) -> dict[str
 
     Example (Gemma-2-9B: 21 full + 21 sliding layers, 8 KV heads x head_dim 256, window 4,096, bf16, batch 1):
     at 384 tokens each layer type adds 21 x 2 x 8 x 256 x 2 B = 172,032 B; at 8,192 tokens the sliding layers add 0.
+    A generic
+    spec answers from transformers' cache, per the config's own layer kinds
+    (:func:`vramguard.introspect.generic.kv_growth_per_token`).
     """
+    if spec.generic:
+        from vramguard.introspect.generic import kv_growth_per_token as generic_growth
+        return generic_growth(spec, s, n_tokens)
     values = 2 * s.sequences * spec.num_kv_heads * spec.head_dim
     kv = s.resolved_kv_dtype
     per_layer = (values * DTYPE_BYTES[kv] if kv in ("bf16", "fp16", "fp32")
