@@ -290,3 +290,33 @@ def test_kv_growth_per_layer_kind_matches_a_real_cache(arch_dir):
         out = model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, return_dict_in_generate=True)
         return sum(t.numel() * t.element_size() for _, _, t in cache_tensors(out.past_key_values))
     assert cached(3) - cached(2) == sum(g.values())
+
+
+def _matrix_cases():
+    import glob
+    import os
+    rows = {}
+    here = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results", "h200_matrix")
+    for f in sorted(glob.glob(os.path.join(here, "*", "*.jsonl"))):
+        for line in open(f):
+            r = json.loads(line)
+            if r.get("kind") == "gen" and r.get("ok") and (r["quant"], r["attn"]) in (("nf4", "eager"),
+                                                                                     ("bf16", "sdpa")):
+                rows.setdefault((r["model"], r["quant"], r["attn"]), r)  # the first shape of each family and path
+    return list(rows.values())
+
+
+@pytest.mark.parametrize("case", _matrix_cases(), ids=lambda r: f"{r['model']}-{r['quant']}-{r['attn']}")
+def test_generic_replay_agrees_with_the_hand_models_on_the_measured_matrix(case):
+    """On the H200 matrix's families and shapes, the replay of transformers' forward and the hand model agree
+    within 1%, and the replay is within 1% of the measurement (every case: benchmarks/compare_generic_hand.py)."""
+    from dataclasses import replace
+
+    from vramguard.plan import estimate
+    hand = resolve_model(case["model"])
+    s = Settings(quant=case["quant"], attn=case["attn"], prompt_tokens=case["prompt"], max_new_tokens=case["new"],
+                 batch=case["batch"])
+    h = estimate(hand, s).peak_allocated_bytes
+    g = estimate(replace(hand, generic=True), s).peak_allocated_bytes
+    assert abs(g - h) / h < 0.01
+    assert abs(g - case["peak_total"]) / case["peak_total"] < 0.01
