@@ -147,10 +147,10 @@ def test_class_defaults_table_matches_transformers():
             assert getattr(cfg, key) == value, (model_type, key)
 
 
-@pytest.mark.parametrize("model_type", ["gpt2", "qwen3_next", "deepseek_v2"])
+@pytest.mark.parametrize("model_type", TYPES)
 def test_run_generates_on_architectures_outside_the_families(tmp_path, model_type):
-    """``generate`` (the library side of ``vramguard run``) loads and runs a classic (GPT-2), a hybrid
-    linear-attention MoE (Qwen3-Next) and an MLA model (DeepSeek-V2), its preflight planned by the generic path."""
+    """``generate`` (the library side of ``vramguard run``) loads and runs every architecture, its preflight
+    planned by the generic path."""
     from conftest import save_word_tokenizer
 
     from vramguard import load_model
@@ -185,7 +185,10 @@ def test_serve_answers_on_architectures_outside_the_families(tmp_path, model_typ
         assert any("attention: eager" in n for n in s.report.notes)
 
 
-@pytest.mark.parametrize("model_type,why", [("qwen3_next", "linear_attention"), ("deepseek_v2", "first request")])
+SERVE_REFUSED = {"qwen3_next": "linear_attention", "deepseek_v2": "first request"}
+
+
+@pytest.mark.parametrize("model_type,why", sorted(SERVE_REFUSED.items()))
 def test_serve_refuses_what_continuous_batching_cannot_run(tmp_path, model_type, why):
     """transformers' continuous batching has no linear-attention layer and no MLA cache: serve says so at start,
     naming the model type and the alternative, instead of failing every request."""
@@ -320,3 +323,29 @@ def test_generic_replay_agrees_with_the_hand_models_on_the_measured_matrix(case)
     g = estimate(replace(hand, generic=True), s).peak_allocated_bytes
     assert abs(g - h) / h < 0.01
     assert abs(g - case["peak_total"]) / case["peak_total"] < 0.01
+
+
+@pytest.mark.parametrize("model_type", TYPES)
+def test_serve_either_answers_or_refuses_at_start(tmp_path, model_type):
+    """Every architecture: the server answers a completion, or refuses to start naming transformers' continuous
+    batching and what failed; never a server whose requests all fail."""
+    import httpx
+    from conftest import save_word_tokenizer
+
+    from vramguard.errors import ConfigError
+    from vramguard.serve.server import build
+    save_arch(tmp_path, model_type)
+    save_word_tokenizer(tmp_path, 256)
+    try:
+        s = build(str(tmp_path), quant="fp32", page_size=16, max_batch_tokens=64, max_running=4, max_queue=4,
+                  max_kv_blocks=20, verify=False, served_name="tiny")
+    except ConfigError as e:
+        assert "continuous batching" in str(e) and model_type in str(e) and "vramguard run" in str(e)
+        return
+    try:
+        url = s.start_background()
+        r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "w1 w2", "max_tokens": 3},
+                       timeout=60)
+        assert r.status_code == 200
+    finally:
+        s.stop()

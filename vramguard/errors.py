@@ -54,3 +54,14 @@ class Infeasible(VramguardError):
     """A solve asked for a value that cannot exist (e.g. the weights alone exceed the memory)."""
 
     exit_code = 4
+
+
+class NotPlannable(ConfigError):
+    """transformers' own forward could not be replayed for these settings (the message names the operator and what
+    it raised): the architecture does not support them (e.g. a static cache with ALiBi), or the replay meets a
+    value it cannot decide."""
+
+
+class NotModelled(Exception):
+    """Internal to the replay: the forward needs a value that meta tensors do not have and the replay's policy does
+    not decide (the message says which operator); surfaced to callers as :class:`NotPlannable`."""

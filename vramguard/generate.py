@@ -138,6 +138,7 @@ def preflight(spec, s: Settings, usable: int | None, auto: bool, on_cuda: bool,
     """Strategies that may run, first the one to use, each with its planned need in bytes beyond what is already
     loaded; and the reason. With ``fast_decode`` the graph strategy is considered first (alone when not ``auto``).
     Raises Infeasible when none fits ``usable``."""
+    from vramguard.errors import NotPlannable
     from vramguard.plan import estimate
     cands: list[tuple[Strategy, int]] = []
     skipped: list[str] = []
@@ -149,9 +150,16 @@ def preflight(spec, s: Settings, usable: int | None, auto: bool, on_cuda: bool,
         if not ok:
             skipped.append(f"{st.name}: {why}")
             continue
-        est = estimate(spec, s.with_(**st.plan))
+        try:
+            est = estimate(spec, s.with_(**st.plan))
+        except NotPlannable as e:  # the architecture cannot run this strategy (a static cache with ALiBi...)
+            skipped.append(f"{st.name}: not plannable for this model ({e.fix})")
+            continue
         need = est.peak_reserved_bytes - (est.weights.total_bytes if weights_loaded else 0)
         cands.append((st, need))
+    if not cands:
+        raise NotPlannable("strategy", ", ".join(st.name for st in pool), "a strategy this model runs with",
+                           "; ".join(skipped))
     if usable is None:
         return cands, ("no CUDA device: nothing to plan against; " + (
             f"{cands[0][0].name} runs" if cands[0][0].graph else "the plain strategy runs"))

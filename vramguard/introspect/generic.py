@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+from vramguard.errors import NotModelled
 from vramguard.memory.forward import ForwardPeak
 from vramguard.memory.kv import KvBytes, SCALE_ZERO_BYTES
 from vramguard.memory.weights import LinearGroup, WeightBytes, quantized_tensor_bytes, rounded
@@ -163,7 +164,14 @@ def replayed(spec, s: Settings, past: int, chunk: int):
         canonical = s.with_(prompt_tokens=1, max_new_tokens=s.cache_len - 1, **same)
     else:
         canonical = s.with_(prompt_tokens=1, max_new_tokens=0, cache="dynamic", **same)
-    return _replayed(spec.config_json, spec.name, canonical, past, chunk)
+    try:
+        return _replayed(spec.config_json, spec.name, canonical, past, chunk)
+    except (RuntimeError, ValueError, TypeError, KeyError, IndexError, AttributeError, NotModelled) as e:
+        from vramguard.errors import NotPlannable
+        where = f"{chunk} tokens after {past}" + (f", a {s.cache} cache" if s.cache != "dynamic" else "")
+        raise NotPlannable("settings", where, "settings this architecture's forward runs with",
+                           f"transformers' forward raised {type(e).__name__}: {str(e).splitlines()[0][:200]}; "
+                           "try the default cache (dynamic) and attention (sdpa)") from None
 
 
 def replay_note(spec, s: Settings) -> str | None:

@@ -27,14 +27,12 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from vramguard.errors import NotModelled
 from vramguard.memory.weights import rounded
 
 aten = torch.ops.aten
 
 
-class NotModelled(Exception):
-    """The forward needs a value that meta tensors do not have and the policy does not decide (the message says
-    which operator)."""
 
 
 @dataclass
