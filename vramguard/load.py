@@ -239,17 +239,7 @@ def load_model(model: str, *, quant: str = "nf4", double_quant: bool = True, com
     Settings(quant=quant, double_quant=double_quant, compute_dtype=compute_dtype, dtype=dtype)  # validates
     if attn not in ("auto", "flash_attention_2", "sdpa", "eager"):
         raise InvalidValue("attn", attn, "auto | flash_attention_2 | sdpa | eager")
-    folder = model_folder(model)
-    if folder is None and str(model).startswith((".", "/", "~")):
-        raise UnknownModel("MODEL", model, "a local folder or cached model id with weights",
-                           f"no such file or folder: {Path(model).expanduser().absolute()}")
-    if folder is None or not any(Path(folder).glob("*.safetensors")) and not any(Path(folder).glob("*.bin")):
-        raise UnknownModel("model", model, "a local folder or cached model id with weights",
-                           "download the model first (a catalog name has no weights: use it with plan)")
-    ckpt = read_checkpoint(folder)
-    if ckpt.format == "pickle" and not allow_pickle:
-        raise InvalidValue("allow_pickle", False, "True to load pickle (.bin) weights",
-                           "convert the checkpoint to safetensors, or pass allow_pickle=True if you trust it")
+    folder, ckpt = _weights_folder(model, allow_pickle)
     spec = resolve_model(str(folder))
     env = probe_env()
     on_cuda = env.cuda_available and torch.cuda.is_available()
@@ -263,12 +253,8 @@ def load_model(model: str, *, quant: str = "nf4", double_quant: bool = True, com
     kwargs: dict = {"dtype": getattr(torch, _TORCH_DTYPE[param_dtype]), "attn_implementation": chosen_attn,
                     "use_safetensors": not allow_pickle, "trust_remote_code": trust_remote_code,
                     "local_files_only": True}
-    if quant in ("nf4", "fp4"):
-        kwargs["quantization_config"] = transformers.BitsAndBytesConfig(
-            load_in_4bit=True, bnb_4bit_quant_type=quant, bnb_4bit_use_double_quant=double_quant,
-            bnb_4bit_compute_dtype=getattr(torch, _TORCH_DTYPE[cd]))
-    elif quant == "int8":
-        kwargs["quantization_config"] = transformers.BitsAndBytesConfig(load_in_8bit=True)
+    if quant in ("nf4", "fp4", "int8"):
+        kwargs["quantization_config"] = _bnb_config(quant, double_quant, cd)
     kwargs["device_map"] = device_map if device_map is not None else _default_device_map(spec, quant, on_cuda,
                                                                                        report, kwargs)
     baseline = workspace = None
@@ -279,8 +265,7 @@ def load_model(model: str, *, quant: str = "nf4", double_quant: bool = True, com
         (a @ a).sum().item()  # keeps, now rather than inside loading, where it would count as weights
         del a
         workspace = torch.cuda.memory_allocated() - baseline
-    m = transformers.AutoModelForCausalLM.from_pretrained(str(folder), **kwargs)
-    m.eval()
+    m = _from_pretrained(folder, spec, kwargs)
     report.baseline_allocated_bytes = baseline
     report.weights_bytes = torch.cuda.memory_allocated() - baseline - workspace if on_cuda else None
     m._vramguard_baseline = baseline
@@ -296,6 +281,49 @@ def load_model(model: str, *, quant: str = "nf4", double_quant: bool = True, com
         report.kernel = profile_attention(m, chosen_attn, seq_len=64 if not on_cuda else 256)
     report.active = {**_active(m), **report.active}
     return LoadedModel(m, tok, report)
+
+
+def _weights_folder(model: str, allow_pickle: bool):
+    """(the folder holding ``model``'s weights, its checkpoint info); refuses what cannot be loaded as asked."""
+    folder = model_folder(model)
+    if folder is None and str(model).startswith((".", "/", "~")):
+        raise UnknownModel("MODEL", model, "a local folder or cached model id with weights",
+                           f"no such file or folder: {Path(model).expanduser().absolute()}")
+    if folder is None or not any(Path(folder).glob("*.safetensors")) and not any(Path(folder).glob("*.bin")):
+        raise UnknownModel("model", model, "a local folder or cached model id with weights",
+                           "download the model first (a catalog name has no weights: use it with plan)")
+    ckpt = read_checkpoint(folder)
+    if ckpt.format == "pickle" and not allow_pickle:
+        raise InvalidValue("allow_pickle", False, "True to load pickle (.bin) weights",
+                           "convert the checkpoint to safetensors, or pass allow_pickle=True if you trust it")
+    return folder, ckpt
+
+
+def _bnb_config(quant: str, double_quant: bool, compute_dtype: str):
+    import torch
+    import transformers
+    if quant == "int8":
+        return transformers.BitsAndBytesConfig(load_in_8bit=True)
+    return transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quant,
+                                           bnb_4bit_use_double_quant=double_quant,
+                                           bnb_4bit_compute_dtype=getattr(torch, _TORCH_DTYPE[compute_dtype]))
+
+
+def _from_pretrained(folder, spec, kwargs: dict):
+    """``AutoModelForCausalLM.from_pretrained`` in eval mode; a config with no causal-LM class is a ConfigError."""
+    import transformers
+
+    from vramguard.errors import ConfigError
+    try:
+        m = transformers.AutoModelForCausalLM.from_pretrained(str(folder), **kwargs)
+    except ValueError as e:
+        if "Unrecognized configuration class" not in str(e):
+            raise
+        raise ConfigError("MODEL", spec.model_type, "a model AutoModelForCausalLM loads",
+                          f"transformers {transformers.__version__} has no causal-LM class for {spec.model_type} "
+                          "(its model may need another Auto class or a newer transformers)") from None
+    m.eval()
+    return m
 
 
 def _attention_support(spec) -> dict[str, bool]:

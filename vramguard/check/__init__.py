@@ -60,7 +60,6 @@ def check(model: str | None = None, settings: Settings | None = None, *, dtype: 
         UnknownModel, ConfigError, UnknownGpu: the model or the card cannot be read.
     """
     from vramguard.hardware import gpu_from_catalog
-    from vramguard.plan import plan
     from vramguard.resolve import model_folder, resolve_model
 
     if device_map is not None and device_map not in ("auto", "balanced", "balanced_low_0", "sequential", "cpu",
@@ -104,24 +103,28 @@ def check(model: str | None = None, settings: Settings | None = None, *, dtype: 
     if spec is not None:
         from vramguard.plan import check_context
         check_context(spec, s, beyond=" (a RoPE-scaled model may allow more: vramguard plan --context N)")
-    if spec is not None and card is None:
-        from vramguard.plan import estimate
-        est = estimate(spec, s)
-        findings.append(CheckFinding("plan", "info", f"needs {fmt_gib(est.device_used_bytes)} on the card",
-                                     "no card to compare with", "pass --gpu NAME to check against a card"))
-    if spec is not None and card is not None:
-        p = plan(spec, s, gpus=[card], solve=False)
-        v = p.cards[0]
-        findings.append(CheckFinding("plan", "ok" if v.fits else "fail",
-                                     f"needs {fmt_gib(v.need_bytes)} of {fmt_gib(v.usable_bytes)}",
-                                     f"vramguard plan for {s.prompt_tokens:,} + {s.max_new_tokens:,} tokens, "
-                                     f"batch {s.batch}", None if v.fits else "run `vramguard plan` for the "
-                                     "changes that make it fit"))
-        if device_map == "auto" and v.fits:
-            findings.append(_placement_finding(model, spec, s, card, env))
+    if spec is not None:
+        findings += _plan_findings(model, spec, s, card, env, device_map)
     if verify and folder is not None and env.cuda_available:
         findings.extend(_verify_kernel(str(folder), s, param_dtype, report))
     return report
+
+
+def _plan_findings(model, spec, s: Settings, card, env, device_map) -> list[CheckFinding]:
+    """The plan's verdict for the card (or the need, without one), and where device_map='auto' would put modules."""
+    from vramguard.plan import estimate, plan
+    if card is None:
+        est = estimate(spec, s)
+        return [CheckFinding("plan", "info", f"needs {fmt_gib(est.device_used_bytes)} on the card",
+                             "no card to compare with", "pass --gpu NAME to check against a card")]
+    v = plan(spec, s, gpus=[card], solve=False).cards[0]
+    out = [CheckFinding("plan", "ok" if v.fits else "fail",
+                        f"needs {fmt_gib(v.need_bytes)} of {fmt_gib(v.usable_bytes)}",
+                        f"vramguard plan for {s.prompt_tokens:,} + {s.max_new_tokens:,} tokens, batch {s.batch}",
+                        None if v.fits else "run `vramguard plan` for the changes that make it fit")]
+    if device_map == "auto" and v.fits:
+        out.append(_placement_finding(model, spec, s, card, env))
+    return out
 
 
 def _attention_support_findings(spec, s: Settings) -> list[CheckFinding]:

@@ -114,3 +114,14 @@ def quiet_known_warnings() -> None:
     import warnings
     for message, category in QUIET_WARNINGS:
         warnings.filterwarnings("ignore", message=message, category=category)
+
+
+def size_option(text: str, field: str) -> int:
+    """A size option parsed into bytes; a decimal GB/TB size gets a note on stderr saying what it was read as and
+    what a card sold as that size has (:func:`vramguard.units.decimal_size_note`)."""
+    from vramguard.units import decimal_size_note, parse_size
+    value = parse_size(text, field)
+    note = decimal_size_note(text, field)
+    if note:
+        say("note: " + note)
+    return value

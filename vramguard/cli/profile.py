@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from vramguard.cli.common import run_guarded, write_json
+from vramguard.cli.common import run_guarded, size_option, write_json
 from vramguard.cli.options import (Attn, Format, Quant, Vary, attn_option, batch_option, format_option,
                                    max_new_tokens_option, prompt_tokens_option, quant_option)
 from vramguard.errors import InvalidValue
@@ -65,13 +65,12 @@ def fit(
     from vramguard.fit import fit as fit_fn
     from vramguard.render import print_fit, to_jsonable
     from vramguard.settings import Settings
-    from vramguard.units import parse_size
 
     def build():
         import torch
         s = Settings(quant=quant.value, attn=attn.value, batch=batch, prompt_tokens=prompt_tokens,
                      max_new_tokens=max_new_tokens)
-        budget = parse_size(vram_budget, "--vram-budget") if vram_budget else (
+        budget = size_option(vram_budget, "--vram-budget") if vram_budget else (
             torch.cuda.mem_get_info()[1] if torch.cuda.is_available() else 0)
         if max_runs < 1:
             raise InvalidValue("--max-runs", max_runs, "an integer >= 1", "allow at least one run")

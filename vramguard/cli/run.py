@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from vramguard.cli.common import err, run_guarded, say, write_json
+from vramguard.cli.common import err, run_guarded, say, size_option, write_json
 from vramguard.cli.options import Format, Quant, format_option, max_new_tokens_option, quant_option
 from vramguard.errors import ConfigError, InvalidValue
 from vramguard.units import plural
@@ -44,11 +44,10 @@ def run(
     from vramguard.generate import generate as generate_fn
     from vramguard.load import load_model
     from vramguard.render import print_generation_summary, to_jsonable
-    from vramguard.units import parse_size
 
     def build():
         text = _read_prompt(prompt, prompt_file)
-        budget = parse_size(vram_budget, "--vram-budget") if vram_budget else None
+        budget = size_option(vram_budget, "--vram-budget") if vram_budget else None
         import torch
         import transformers
 

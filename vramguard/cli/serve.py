@@ -9,7 +9,7 @@ from typing import Optional
 
 import typer
 
-from vramguard.cli.common import install_fix, run_guarded, say
+from vramguard.cli.common import install_fix, run_guarded, say, size_option
 from vramguard.cli.options import DtypeArg, LoadAttn, Quant, quant_option, strip_options
 from vramguard.errors import InvalidValue
 
@@ -62,7 +62,7 @@ def serve(
     listening = announcer(ready_file, served_model_name or model)
 
     def start() -> int:
-        budget = parse_size(vram_budget, "--vram-budget") if vram_budget else None
+        budget = size_option(vram_budget, "--vram-budget") if vram_budget else None
         body = parse_size(max_body_size, "--max-body-size", example="1MiB")
         check_address(host, port, api_key)
         if gpus is not None:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
-import re
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -68,7 +67,8 @@ def config_from_dict(cfg: dict[str, Any], name: str = "model"):
         import transformers
         raise ConfigError("config.json:model_type", model_type,
                           f"a model_type transformers {transformers.__version__} knows",
-                          f"upgrade transformers if the architecture is newer ({str(e).splitlines()[0][:120]})") from None
+                          "upgrade transformers if the architecture is newer "
+                          f"({str(e).splitlines()[0][:120]})") from None
     except Exception as e:  # noqa: BLE001 - transformers' config validation raises many types
         raise ConfigError("config.json", name, "a config transformers accepts",
                           f"transformers rejected it: {type(e).__name__}: {str(e)[:200]}") from None

@@ -285,7 +285,8 @@ def kv_bytes_per_token(spec, s: Settings) -> int:
 
 
 # ---- loading ------------------------------------------------------------------------------------------------------
-WARMUP_ROUND = 2 << 20  # the caching allocator rounds a large request up to 2 MiB (kRoundLarge, CUDACachingAllocator.cpp)
+# the caching allocator rounds a large request up to 2 MiB (kRoundLarge, c10/cuda/CUDACachingAllocator.cpp)
+WARMUP_ROUND = 2 << 20
 
 
 @dataclass(frozen=True)

@@ -63,8 +63,7 @@ def _register_fa2() -> None:
         # flash_attn_func: output (batch, q_len, heads, v_head_dim) and a float32 softmax_lse (batch, heads, q_len)
         b, h, q_len, _ = query.shape
         out = torch.empty((b, q_len, h, value.shape[-1]), dtype=query.dtype, device=query.device)
-        lse = torch.empty((b, h, q_len), dtype=torch.float32, device=query.device)
-        del lse
+        torch.empty((b, h, q_len), dtype=torch.float32, device=query.device)  # softmax_lse, freed on return
         return out, None
 
     AttentionInterface.register(FA2_REPLAY, fa2_replay)
@@ -79,8 +78,7 @@ class _FlashSdpa(TorchFunctionMode):
         if func is torch.nn.functional.scaled_dot_product_attention:
             q, v = args[0], args[2] if len(args) > 2 else kwargs["value"]
             out = torch.empty((*q.shape[:-1], v.shape[-1]), dtype=q.dtype, device=q.device)
-            lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
-            del lse
+            torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)  # the log-sum-exp, freed on return
             return out
         return func(*args, **kwargs)
 

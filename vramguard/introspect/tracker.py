@@ -185,7 +185,8 @@ _CMP = {aten.eq.Scalar: lambda a, b: a == b, aten.eq.Tensor: lambda a, b: a == b
         aten.ge.Scalar: lambda a, b: a >= b, aten.le.Scalar: lambda a, b: a <= b,
         aten.mul.Tensor: lambda a, b: a * b, aten.mul.Scalar: lambda a, b: a * b,
         aten.add.Tensor: lambda a, b: a + b, aten.sub.Tensor: lambda a, b: a - b,
-        aten.bitwise_and.Tensor: lambda a, b: bool(a) and bool(b), aten.logical_and.default: lambda a, b: bool(a) and bool(b)}
+        aten.bitwise_and.Tensor: lambda a, b: bool(a) and bool(b),
+        aten.logical_and.default: lambda a, b: bool(a) and bool(b)}
 
 
 def _value(x, fills):

@@ -282,6 +282,22 @@ def _started_engine(model, tokenizer, pool, **kw) -> Engine:
     return engine
 
 
+def _serving_notes(tok, unpinned: str | None) -> list[str]:
+    """What /health and the start line say about the tokenizer and the attention backend."""
+    notes = []
+    if tok is None:
+        notes.append("no tokenizer in the model folder: prompts must be token ids, /v1/chat/completions is "
+                     "refused, and completions carry no text (usage.completion_tokens counts what was "
+                     "generated); add the tokenizer files to the folder to get text")
+    if tok is not None and not getattr(tok, "chat_template", None):
+        notes.append("the tokenizer has no chat template: chat prompts use 'role: content' lines ending with "
+                     "'assistant:'")
+    if unpinned:
+        notes.append(f"SDPA was pinned to the {unpinned} backend at load; unpinned for serving: paged attention "
+                     "passes a block mask, which that backend cannot take")
+    return notes
+
+
 def _check_load_fits(model: str, quant: str, dtype: str | None, budget: int) -> None:
     """Refuse, before loading, a hard cap that the load itself cannot fit under: transformers' warm-up block and
     the load's transients (:func:`vramguard.introspect.generic.load_plan`) must fit in ``budget`` bytes.
@@ -383,16 +399,7 @@ def build(model: str, *, vram_budget: int | None = None, max_queue: int = 64, ma
                            context_length=spec.max_position_embeddings,
                            api_key=api_key, max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s, n_max=n_max,
                            default_max_tokens=default_max_tokens)
-    if tok is None:
-        options.notes.append("no tokenizer in the model folder: prompts must be token ids, /v1/chat/completions is "
-                             "refused, and completions carry no text (usage.completion_tokens counts what was "
-                             "generated); add the tokenizer files to the folder to get text")
-    if tok is not None and not getattr(tok, "chat_template", None):
-        options.notes.append("the tokenizer has no chat template: chat prompts use 'role: content' lines "
-                             "ending with 'assistant:'")
-    if unpinned:
-        options.notes.append(f"SDPA was pinned to the {unpinned} backend at load; unpinned for serving: paged "
-                             "attention passes a block mask, which that backend cannot take")
+    options.notes += _serving_notes(tok, unpinned)
     served = Served(app=None, engine=engine, pool=pool, options=options, report=report, cap_before=cap_before)
     served.app = create_app(engine, tok, options, metrics, on_fatal=served.on_fatal)
     return served
