@@ -65,3 +65,12 @@ def test_a_size_split_in_two_words_is_a_clear_error():
     r = subprocess.run([sys.executable, "-m", "vramguard", "plan", "--vram", "24gb"], capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 0 and "22.35 GiB" in r.stderr
+
+
+def test_a_decimal_budget_says_what_it_was_read_as(capsys):
+    """--vram-budget 24gb (run, profile, serve) is 24 x 10**9 B, and says so beside what a "24 GB" card has."""
+    from vramguard.cli.common import size_option
+    assert size_option("24gb", "--vram-budget") == 24 * 10**9
+    err = capsys.readouterr().err
+    assert "--vram-budget 24gb read as 24 GB = 24,000,000,000 B (22.35 GiB)" in " ".join(err.split())
+    assert size_option("24GiB", "--vram-budget") == 24 * 2**30 and capsys.readouterr().err == ""
