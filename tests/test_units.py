@@ -74,3 +74,27 @@ def test_a_decimal_budget_says_what_it_was_read_as(capsys):
     err = capsys.readouterr().err
     assert "--vram-budget 24gb read as 24 GB = 24,000,000,000 B (22.35 GiB)" in " ".join(err.split())
     assert size_option("24GiB", "--vram-budget") == 24 * 2**30 and capsys.readouterr().err == ""
+
+
+def test_zero_and_empty_sizes_are_refused_with_a_fix_that_works():
+    import pytest as _pytest
+
+    from vramguard.errors import InvalidValue
+    from vramguard.hardware import resolve_gpus
+    from vramguard.units import parse_size
+    with _pytest.raises(InvalidValue) as e:
+        parse_size("0", "--vram")
+    assert "positive size such as 24GiB" in e.value.fix
+    with _pytest.raises(InvalidValue):  # --vram "" is a bad size, not the default cards
+        resolve_gpus(None, "")
+
+
+def test_serve_counts_have_an_upper_bound_named_by_their_option():
+    import pytest as _pytest
+
+    from vramguard.errors import InvalidValue
+    from vramguard.serve.server import MAX_COUNT, _check_limits
+    with _pytest.raises(InvalidValue) as e:
+        _check_limits(10.0, page_size=(10**14, 4))
+    assert e.value.field == "page_size" and f"{MAX_COUNT:,}" in e.value.fix
+    _check_limits(10.0, page_size=(256, 4))

@@ -147,13 +147,13 @@ def resolve_gpus(gpu: str | None = None, vram: str | None = None) -> tuple[list[
         InvalidValue: both ``gpu`` and ``vram`` given, or a malformed size.
         UnknownGpu: an unknown card name.
     """
-    if gpu and vram:
+    if gpu and vram is not None:
         raise InvalidValue("--gpu/--vram", f"--gpu {gpu} --vram {vram}", "one of the two", "drop one of them")
     if gpu:
         card = gpu_from_catalog(gpu)
         named = "" if gpu.strip().lower() == card.name else f": {gpu.strip()!r} is the catalog card {card.name}"
         return [card], f"named with --gpu{named} ({card.label}, {card.total_bytes:,} B as its driver reports)"
-    if vram:
+    if vram is not None:  # an empty --vram "" is a size to refuse, not "no size given"
         return [gpu_from_vram(vram)], "given with --vram"
     det = detect_gpus()
     if det.gpus:

@@ -51,6 +51,8 @@ def parse_size(text: str, field: str = "size", example: str = "24GiB") -> int:
         if float(t) >= MiB:  # a count of bytes, e.g. torch's total_memory: say so in GiB
             n = int(float(t))
             raise InvalidValue(field, text, ACCEPTED_SIZE_FORMS, f"for {n:,} bytes write {n}B (= {n / GiB:g}GiB)")
+        if float(t) == 0:
+            raise InvalidValue(field, text, "a size larger than 0 B", f"give a positive size such as {example}")
         raise InvalidValue(field, text, ACCEPTED_SIZE_FORMS, f"add a unit: {t}{unit} or {t}{unit.replace('i', '')}")
     m = _SIZE_RE.match(t)
     if not m or m.group(2).lower() not in _UNITS:

@@ -321,13 +321,19 @@ def _check_load_fits(model: str, quant: str, dtype: str | None, budget: int) -> 
                          "quantize the weights")
 
 
+MAX_COUNT = 1 << 20  # requests, tokens per step or per block beyond this are no serving setting
+
+
 def _check_limits(body_timeout_s: float, **counts: tuple[int, int]) -> None:
-    """Raise :class:`InvalidValue` for a body timeout <= 0 or a count below its minimum (``name=(value, lo)``)."""
+    """Raise :class:`InvalidValue` for a body timeout <= 0 or a count outside ``[lo, MAX_COUNT]``
+    (``name=(value, lo)``)."""
     if not body_timeout_s > 0:
         raise InvalidValue("body_timeout_s", body_timeout_s, "a number of seconds > 0", "pass e.g. 10")
     for name, (value, lo) in counts.items():
         if value < lo:
             raise InvalidValue(name, value, f"an integer >= {lo}", f"pass {lo} or more")
+        if value > MAX_COUNT:
+            raise InvalidValue(name, value, f"an integer from {lo} to {MAX_COUNT:,}", f"pass at most {MAX_COUNT:,}")
 
 
 def build(model: str, *, vram_budget: int | None = None, max_queue: int = 64, max_running: int = 64,
@@ -376,8 +382,8 @@ def build(model: str, *, vram_budget: int | None = None, max_queue: int = 64, ma
         from vramguard.errors import Infeasible
         held = -usable + (vram_budget or 0)
         raise Infeasible("vram_budget", fmt_bytes(vram_budget or 0), f"more than the {fmt_bytes(held)} already "
-                         "taken by the weights and runtime", "raise --vram-budget, or quantize the weights "
-                         "(--quant nf4)")
+                         "taken by the weights and runtime", "raise --vram-budget"
+                         + (", or quantize the weights (--quant nf4)" if quant not in ("nf4", "fp4") else ""))
     act_bytes = torch.finfo(m.dtype).bits // 8 if m.dtype.is_floating_point else 2
     flash = "flash" in (m.config._attn_implementation or "")
     pool = plan_pool(spec, usable, act_bytes=act_bytes, flash=flash, page_size=page_size,
