@@ -134,3 +134,13 @@ def test_explain_on_a_terminal_says_what_it_waits_for(capsys):
     assert "paste the out-of-memory message, then press Ctrl-D" in capsys.readouterr().err
     assert read_message(None, io.StringIO("piped")) == "piped"  # a pipe: no prompt
     assert capsys.readouterr().err == ""
+
+
+def test_binary_input_is_named_not_echoed():
+    import pytest as _pytest
+
+    from vramguard.errors import InvalidValue
+    from vramguard.explain import parse_oom_message
+    with _pytest.raises(InvalidValue) as e:
+        parse_oom_message("\x00\x1b\udce3" * 50)
+    assert e.value.value == "150 characters of binary data"

@@ -110,7 +110,10 @@ def parse_oom_message(text: str) -> OomMessage:
         InvalidValue: the text is not a CUDA out-of-memory message.
     """
     if "out of memory" not in text.lower() or "Tried to allocate" not in text:
-        raise InvalidValue("MESSAGE", text[:80] + ("..." if len(text) > 80 else ""),
+        printable = sum(ch.isprintable() or ch in "\n\t" for ch in text[:4096]) >= 0.9 * len(text[:4096])
+        shown = ((text[:80] + ("..." if len(text) > 80 else "")) if printable
+                 else f"{len(text):,} characters of binary data")
+        raise InvalidValue("MESSAGE", shown,
                            "a CUDA out-of-memory message (with 'out of memory' and 'Tried to allocate'), "
                            "CUBLAS_STATUS_ALLOC_FAILED, an MPS out-of-memory message, or accelerate's 'Some "
                            "modules are dispatched on the CPU or the disk'",
