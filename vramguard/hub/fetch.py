@@ -146,11 +146,11 @@ def _store_headers(repo_id: str, ck: CheckpointHeaders) -> None:
         pass
 
 
-def _download(repo_id: str, filename: str, commit: str, fetched: list[Fetched]) -> str:
+def _download(repo_id: str, filename: str, revision: str, fetched: list[Fetched]) -> str:
     """hf_hub_download of one small file, recording whether the cache had it."""
     from huggingface_hub import hf_hub_download, try_to_load_from_cache
-    hit = try_to_load_from_cache(repo_id, filename, revision=commit)
-    path = hf_hub_download(repo_id, filename, revision=commit, endpoint=endpoint())
+    hit = try_to_load_from_cache(repo_id, filename, revision=revision)
+    path = hf_hub_download(repo_id, filename, revision=revision, endpoint=endpoint())
     fetched.append(Fetched(filename, os.path.getsize(path), "cache" if isinstance(hit, str) else "network"))
     return path
 
@@ -208,17 +208,18 @@ def _siblings(info) -> tuple[list[str], dict[str, int]]:
     return names, sizes
 
 
-def _configs(repo_id: str, commit: str, names: list[str], fetched: list[Fetched]) -> tuple[dict, dict | None,
-                                                                                            list[str]]:
+def _configs(repo_id: str, revision: str, names: list[str], fetched: list[Fetched]) -> tuple[dict, dict | None,
+                                                                                              list[str]]:
     """(config.json with a separate quantization config merged in, generation_config.json or None, notes)."""
-    config = _read_json_file(_download(repo_id, "config.json", commit, fetched), "config.json")
+    config = _read_json_file(_download(repo_id, "config.json", revision, fetched), "config.json")
     gen = None
     if "generation_config.json" in names:
-        gen = _read_json_file(_download(repo_id, "generation_config.json", commit, fetched), "generation_config.json")
+        gen = _read_json_file(_download(repo_id, "generation_config.json", revision, fetched),
+                              "generation_config.json")
     notes = []
     for fname, method in _QUANT_FILES.items():
         if fname in names:
-            q = _read_json_file(_download(repo_id, fname, commit, fetched), fname)
+            q = _read_json_file(_download(repo_id, fname, revision, fetched), fname)
             if not config.get("quantization_config"):
                 config["quantization_config"] = {"quant_method": method, **q}
                 notes.append(f"{fname} read as the quantization config ({method}); config.json has none, so "
@@ -245,7 +246,7 @@ def _from_hub(repo_id: str, revision: str) -> HubModel:
         raise HubError("MODEL", repo_id, f"the repository has no config.json at {revision} (files: "
                        f"{', '.join(names[:6]) or 'none'})", "pass the id of a transformers model repository")
     fetched: list[Fetched] = []
-    config, gen, notes = _configs(repo_id, commit, names, fetched)
+    config, gen, notes = _configs(repo_id, revision, names, fetched)  # by revision: the cache records its ref
     st, bins = _checkpoint_files(names)
     ck = _cached_headers(repo_id, commit) if st else None
     if ck is None and st:
