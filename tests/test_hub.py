@@ -259,3 +259,32 @@ def test_no_network_falls_back_to_the_cache_and_says_so(online, monkeypatch):
     with pytest.raises(HubError) as e:
         resolve_model("acme/tiny-llama-gptq")
     assert "HF_HUB_OFFLINE" in e.value.accepted
+
+
+def test_cli_plans_a_hub_id_and_shows_what_it_read(online):
+    """plan, check and their errors as the CLI prints them: JSON on stdout, what was read on stderr."""
+    from typer.testing import CliRunner
+
+    from vramguard.cli import app
+
+    def run(*args):
+        r = CliRunner().invoke(app, list(args))
+        return r.exit_code, r.stdout, r.stderr
+
+    code, out, err = run("plan", "acme/tiny-llama-gptq", "--revision", "main", "--quant", "fp16", "--vram", "8GiB",
+                         "--format", "json")
+    assert code == 0, err
+    data = json.loads(out)
+    ck = data["model"]["checkpoint"]
+    stored = _stored(online.repos["acme/tiny-llama-gptq"].folder)
+    assert ck["stored_bytes"] == sum(b for *_, b in stored) and ck["tensor_count"] == len(stored)
+    assert data["weights"]["total_bytes"] == sum(rounded(b) for *_, b in stored)
+    assert ck["fetched_network_bytes"] == sum(f["bytes"] for f in ck["fetched"]) < MAX_SENT
+    assert "read for acme/tiny-llama-gptq: config.json" in err and "no weights" in err
+    code, out, err = run("plan", "acme/gated-llama", "--revision", "main")
+    assert code == 3 and "Traceback" not in err
+    assert "gated" in err and "hf auth login" in err
+    code, out, err = run("check", "acme/tiny-llama", "--revision", "main", "--gpu", "rtx-4090", "--format", "json")
+    assert code in (0, 1) and "Traceback" not in err, err
+    names = {f["name"]: f for f in json.loads(out)["findings"]}
+    assert names["checkpoint_read"]["status"] == "info" and names["ram_vs_shard"]["status"] == "ok"

@@ -87,8 +87,8 @@ def _catalog_spec(key: str, given: str | None = None) -> ModelSpec:
     if given is None:
         return spec
     from dataclasses import replace
-    return replace(spec, notes=spec.notes + (f"the catalog's copy of {given}'s config.json (no network): pass "
-                                             "--revision main to read the Hub's, with its safetensors headers",))
+    return replace(spec, notes=spec.notes + (f"the catalog's copy of {given}'s config.json (no network); with a "
+                                             "revision (main) the Hub's is read, with its safetensors headers",))
 
 
 def resolve_model(model: str, revision: str | None = None) -> ModelSpec:

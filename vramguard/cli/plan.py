@@ -8,13 +8,15 @@ import typer
 
 from vramguard.cli.common import run_guarded, say, write_json
 from vramguard.cli.options import (Attn, Cache, Dtype, Format, KvDtype, Logits, Quant, batch_option, format_option,
-                                   max_new_tokens_option, prompt_tokens_option, quant_option)
+                                   max_new_tokens_option, prompt_tokens_option, quant_option, revision_option,
+                                   say_fetched)
 from vramguard.render import console
 
 
 def plan(
     model: str = typer.Argument("llama-2-7b", metavar="MODEL",
-                                 help="model folder, config.json, catalog name or cached model id"),
+                                 help="model folder, config.json, catalog name or Hub id (owner/name)"),
+    revision: Optional[str] = revision_option(),
     quant: Quant = quant_option(),
     double_quant: bool = typer.Option(True, "--double-quant/--no-double-quant", help="4-bit double quantization"),
     compute_dtype: Optional[Dtype] = typer.Option(None, help="4-bit compute dtype (default: the model dtype)"),
@@ -66,7 +68,10 @@ def plan(
                      num_beams=num_beams, num_return_sequences=num_return_sequences, prompt_tokens=prompt_tokens,
                      max_new_tokens=max_new_tokens, prefill_chunk=prefill_chunk, logits=logits.value,
                      output_attentions=output_attentions, padded=padded, do_sample=do_sample)
-        return plan_fn(model, s, gpu=gpu, vram=vram, context=context)
+        from vramguard.resolve import resolve_model
+        spec = resolve_model(model, revision)
+        say_fetched(spec)
+        return plan_fn(spec, s, gpu=gpu, vram=vram, context=context)
 
     p = run_guarded(build, as_json=fmt == Format['json'])
     if fmt == Format['json']:

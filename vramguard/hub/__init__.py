@@ -68,3 +68,34 @@ def for_cards(spec, gpus):
         return spec
     caps = [g.compute_capability for g in gpus if g.compute_capability]
     return replace(spec, checkpoint=replace(ck, card_capability=min(caps) if caps else None))
+
+
+def checkpoint_info(spec):
+    """A :class:`vramguard.check.checkpoint.CheckpointInfo` of a Hub model from its headers (shard sizes: each
+    file's header plus its tensors, which is the file's size), or None when the spec has no checkpoint record."""
+    import json
+
+    from vramguard.check.checkpoint import CheckpointInfo
+    ck = getattr(spec, "checkpoint", None)
+    if ck is None or ck.format not in ("safetensors", "pytorch"):
+        return None
+    cfg = json.loads(spec.config_json) if spec.config_json else {}
+    if ck.format == "pytorch":
+        return CheckpointInfo(ck.source, (), "pickle", None, spec.checkpoint_dtype, bool(cfg.get("auto_map")))
+    sizes = dict.fromkeys(ck.files, 0)
+    for t in ck.tensors:
+        sizes[t.file] = sizes.get(t.file, 0) + t.nbytes
+    per_header = ck.header_bytes // max(len(ck.files), 1)  # headers of similar length: only for the shard sizes
+    return CheckpointInfo(ck.source, tuple((f, b + per_header) for f, b in sizes.items()), "safetensors",
+                          ck.stored_float_dtype, spec.checkpoint_dtype, bool(cfg.get("auto_map")))
+
+
+def fetched_line(spec) -> str | None:
+    """``read from the Hub: config.json 1,234 B, model.safetensors header 100,001 B; 101,235 B over the network,
+    no weights`` for a Hub model, None for any other."""
+    ck = getattr(spec, "checkpoint", None)
+    if ck is None or not ck.fetched or not spec.source.startswith(("hub:", "hf-cache:")):
+        return None
+    net = sum(f.nbytes for f in ck.fetched if f.origin == "network")
+    parts = ", ".join(f"{f.what} {f.nbytes:,} B" + (" (cache)" if f.origin == "cache" else "") for f in ck.fetched)
+    return f"read for {spec.name}: {parts}; {net:,} B over the network, no weights"
