@@ -7,15 +7,15 @@ import json
 from pathlib import Path
 
 import pytest
-
 from hubserver import TOKEN, Repo, serve
+
 from vramguard.errors import HubError
 from vramguard.memory.weights import rounded
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
-from safetensors import safe_open  # noqa: E402
-from safetensors.torch import save_file  # noqa: E402
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 LLAMA = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, vocab_size=512, max_position_embeddings=1024)

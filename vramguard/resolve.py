@@ -87,8 +87,9 @@ def _catalog_spec(key: str, given: str | None = None) -> ModelSpec:
     if given is None:
         return spec
     from dataclasses import replace
-    return replace(spec, notes=spec.notes + (f"the catalog's copy of {given}'s config.json (no network); with a "
-                                             "revision (main) the Hub's is read, with its safetensors headers",))
+    note = (f"the catalog's copy of {given}'s config.json (no network); with a revision (main) the Hub's is "
+            "read, with its safetensors headers")
+    return replace(spec, notes=spec.notes + (note,))
 
 
 def resolve_model(model: str, revision: str | None = None) -> ModelSpec:

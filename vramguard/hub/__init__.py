@@ -23,16 +23,16 @@ def checkpoint_notes(ck: CheckpointHeaders | None, prequantized: str | None) -> 
     if ck is None:
         return ()
     if ck.format == "pytorch":
-        return (f"the checkpoint has only PyTorch .bin weights ({len(ck.files)} file(s)), which have no header to "
-                "read without downloading them: weights planned from config.json alone (safetensors checkpoints "
-                "give exact stored bytes)",)
+        return ((f"the checkpoint has only PyTorch .bin weights ({len(ck.files)} file(s)), which have no header "
+                 "to read without downloading them: weights planned from config.json alone (safetensors "
+                 "checkpoints give exact stored bytes)"),)
     if ck.format in ("none", "unknown"):
         why = ("no weight files in the repository" if ck.format == "none" else
                "its safetensors headers are not in the cache")
         return (f"{why}: weights planned from config.json alone",)
     if prequantized:
-        return (f"weights from the safetensors headers of {len(ck.files)} file(s): {len(ck.tensors):,} tensors "
-                f"stored pre-quantized ({prequantized})",)
+        return ((f"weights from the safetensors headers of {len(ck.files)} file(s): {len(ck.tensors):,} tensors "
+                 f"stored pre-quantized ({prequantized})"),)
     return ()
 
 

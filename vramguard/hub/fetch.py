@@ -22,8 +22,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from vramguard.errors import HubError
-from vramguard.hub.headers import (CheckpointHeaders, Fetched, TensorHeader, from_cache_json, tensors_from_header,
-                                   to_cache_json)
+from vramguard.hub.headers import (
+    CheckpointHeaders,
+    Fetched,
+    TensorHeader,
+    from_cache_json,
+    tensors_from_header,
+    to_cache_json,
+)
 
 HEADER_RANGE_BYTES = 100_001  # huggingface_hub's first range request per file: bytes=0-100000
 _QUANT_FILES = {"quantize_config.json": "gptq", "quant_config.json": "awq"}

@@ -23,8 +23,8 @@ biases) take the model dtype; each tensor is rounded to 512 B as the CUDA cachin
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Callable
 
 from vramguard.hub.headers import FLOAT_DTYPES, CheckpointHeaders, TensorHeader
 from vramguard.memory.weights import WeightBytes, rounded
@@ -58,7 +58,13 @@ def tensor_kind(t: TensorHeader) -> str:
     return "norm" if len(t.shape) <= 1 else "dense"
 
 
+INSTALLED_OVERRIDE: Callable[[str], str | None] | None = None  # tests: force which packages are installed
+
+
 def _installed(dist: str) -> str | None:
+    """The installed version of distribution ``dist``, or None (:data:`INSTALLED_OVERRIDE` when set)."""
+    if INSTALLED_OVERRIDE is not None:
+        return INSTALLED_OVERRIDE(dist)
     from importlib import metadata
     try:
         return metadata.version(dist)
