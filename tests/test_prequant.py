@@ -133,3 +133,13 @@ def test_bitsandbytes_prequantized_weights_are_its_stored_bytes():
     ck = CheckpointHeaders("x", "safetensors", ("f",), tuple(layer))
     w = header_weight_bytes(ck, "bitsandbytes", {}, "bf16", LoadRule("bitsandbytes", False, None, "as stored"))
     assert (w.quantized_linear_bytes, w.quant_state_bytes, w.total_bytes) == (2048, 1536, 3584)
+
+
+def test_an_unreadable_local_header_is_a_note_not_an_error(tmp_path):
+    from vramguard.catalog.models import MODELS
+    from vramguard.resolve import resolve_model
+    (tmp_path / "config.json").write_text(json.dumps({k: v for k, v in MODELS["llama-2-7b"].items()
+                                                      if k != "source"}))
+    (tmp_path / "model.safetensors").write_bytes(b"\x00" * 64)  # a header length of 0: no JSON
+    spec = resolve_model(str(tmp_path))
+    assert spec.checkpoint is None and any("headers could not be read" in n for n in spec.notes)

@@ -26,7 +26,7 @@ def checkpoint_notes(ck: CheckpointHeaders | None, prequantized: str | None) -> 
         return ((f"the checkpoint has only PyTorch .bin weights ({len(ck.files)} file(s)), which have no header "
                  "to read without downloading them: weights planned from config.json alone (safetensors "
                  "checkpoints give exact stored bytes)"),)
-    if ck.format in ("none", "unknown"):
+    if ck.format in ("none", "unknown") and prequantized:  # a 16-bit checkpoint's config gives its weights
         why = ("no weight files in the repository" if ck.format == "none" else
                "its safetensors headers are not in the cache")
         return (f"{why}: weights planned from config.json alone",)
@@ -55,8 +55,15 @@ def hub_spec(repo_id: str, revision: str | None = None, cached=None):
 
 
 def with_local_checkpoint(spec, folder):
-    """``spec`` with the headers of the safetensors files in ``folder`` (a local model folder)."""
-    ck = read_local_checkpoint(folder)
+    """``spec`` with the headers of the safetensors files in ``folder`` (a local model folder); a header that
+    cannot be read leaves the spec without them and a note saying why."""
+    from vramguard.errors import ConfigError
+    try:
+        ck = read_local_checkpoint(folder)
+    except (ConfigError, OSError) as e:  # a damaged or placeholder file: plan from config.json, and say why
+        why = e.render() if isinstance(e, ConfigError) else f"{type(e).__name__}: {e}"
+        return replace(spec, notes=spec.notes + (f"the safetensors headers could not be read ({why.splitlines()[0]}): "
+                                                 "weights planned from config.json alone",))
     return replace(spec, checkpoint=ck, notes=spec.notes + checkpoint_notes(ck, spec.prequantized)) if ck else spec
 
 
