@@ -138,7 +138,14 @@ def _assert_headers_only(hub, repo: str, folder: Path) -> None:
 
 
 def test_public_repo_is_planned_from_its_headers_over_http(online):
+    """huggingface_hub 1.33 and 2.4 both read HF_ENDPOINT once, at import (``constants.ENDPOINT``): vramguard reads
+    it at each call and passes ``endpoint=`` to huggingface_hub, so the loopback Hub set after import is the one
+    asked."""
+    import huggingface_hub.constants as c
+
+    from vramguard.hub.fetch import endpoint
     from vramguard.resolve import resolve_model
+    assert c.ENDPOINT != online.url and endpoint() == online.url
     folder = online.repos["acme/tiny-llama"].folder
     spec = resolve_model("acme/tiny-llama", revision="main")
     ck = spec.checkpoint

@@ -17,7 +17,7 @@ from vramguard.units import fmt_bytes, fmt_tokens, plural
 
 LABELS = {
     "weights": "weights (quantized linears, 16-bit embeddings, lm_head, norms)",
-    "quant_state": "quantization state (absmax, codes)",
+    "quant_state": "quantization state (absmax, codes; scales, zero points)",
     "kv_cache": "KV cache",
     "attention": "attention workspace (scores, softmax, masks, repeat_kv)",
     "activations": "activations (hidden states, MLP, norms, rotary)",

@@ -30,10 +30,7 @@ def checkpoint_notes(ck: CheckpointHeaders | None, prequantized: str | None) -> 
         why = ("no weight files in the repository" if ck.format == "none" else
                "its safetensors headers are not in the cache")
         return (f"{why}: weights planned from config.json alone",)
-    if prequantized:
-        return ((f"weights from the safetensors headers of {len(ck.files)} file(s): {len(ck.tensors):,} tensors "
-                 f"stored pre-quantized ({prequantized})"),)
-    return ()
+    return ()  # headers read: the plan's findings say what the weights rest on
 
 
 def hub_spec(repo_id: str, revision: str | None = None, cached=None):

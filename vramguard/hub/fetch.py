@@ -91,9 +91,15 @@ def hub_error(e: BaseException, repo_id: str, revision: str) -> HubError:
     if isinstance(e, hf.RevisionNotFoundError):
         return HubError("revision", revision, f"no such branch, tag or commit in {repo_id}",
                         "pass an existing revision: main, a tag or a commit id from the repo's page")
+    status = getattr(getattr(e, "response", None), "status_code", None)
+    if isinstance(e, hf.HfHubHTTPError) and status in (401, 403):
+        return HubError("MODEL", repo_id, f"the Hub refused access ({first})", _fix_login(repo_id))
     if isinstance(e, hf.HfHubHTTPError):
         return HubError("MODEL", repo_id, f"the Hub answered an error ({first})",
                         "retry later; check HF_ENDPOINT if you set it")
+    if isinstance(e, hf.SafetensorsParsingError):
+        return HubError("MODEL", repo_id, f"a safetensors header on the Hub could not be parsed ({first})",
+                        "plan a local folder of the model, or another revision")
     return HubError("MODEL", repo_id, f"the Hub cannot be reached ({type(e).__name__}: {first}) and the local "
                     "cache does not hold this model's config.json",
                     f"connect and retry, or on a connected machine: hf download {repo_id} config.json (then copy "
@@ -316,7 +322,7 @@ def fetch_model(repo_id: str, revision: str | None = None) -> HubModel:
         return replace(hit, notes=hit.notes + ("HF_HUB_OFFLINE is set: read from the local cache",))
     try:
         return _from_hub(repo_id, rev)
-    except hf.HfHubHTTPError as e:
+    except (hf.HfHubHTTPError, hf.SafetensorsParsingError) as e:
         raise hub_error(e, repo_id, rev) from None
     except _network_errors() as e:
         hit = from_cache(repo_id, rev)
