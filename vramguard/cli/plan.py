@@ -9,7 +9,7 @@ import typer
 from vramguard.cli.common import run_guarded, say, write_json
 from vramguard.cli.options import (Attn, Cache, Dtype, Format, KvDtype, Logits, Quant, batch_option, format_option,
                                    max_new_tokens_option, prompt_tokens_option, quant_option)
-from vramguard.render import console
+from vramguard.cli.render import console
 
 
 def plan(
@@ -43,7 +43,7 @@ def plan(
 ) -> None:
     """Predict memory by component, say whether it fits, solve for what fits, and rank the fixes."""
     from vramguard.plan import plan as plan_fn
-    from vramguard.render import plan_to_json, print_plan
+    from vramguard.cli.render import plan_to_json, print_plan
     from vramguard.settings import Settings
 
     if list_models or list_gpus:
