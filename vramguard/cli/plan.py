@@ -87,4 +87,8 @@ def _print_catalog(models: bool, gpus: bool) -> None:
     if gpus:
         for g in GPUS.values():
             cc = ".".join(map(str, g.compute_capability)) if g.compute_capability else "?"
-            out.print(f"{g.name:18} {g.label:34} {g.total_bytes / 2**30:7.2f} GiB  cc {cc}")
+            total = ("~" if g.total_estimated else "") + f"{g.total_bytes / 2**30:.2f}"
+            out.print(f"{g.name:18} {g.label:34} {total:>7} GiB  cc {cc}")
+        if any(g.total_estimated for g in GPUS.values()):
+            out.print("~ estimated: no driver report of this card's total was found (the catalog says from which "
+                      "card it is derived); --vram with the card's own total plans exactly")
