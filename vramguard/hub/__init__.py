@@ -75,11 +75,11 @@ def for_cards(spec, gpus):
 
 
 def checkpoint_info(spec):
-    """A :class:`vramguard.check.checkpoint.CheckpointInfo` of a Hub model from its headers (shard sizes: each
+    """A :class:`vramguard.probe.checkpoint.CheckpointInfo` of a Hub model from its headers (shard sizes: each
     file's header plus its tensors, which is the file's size), or None when the spec has no checkpoint record."""
     import json
 
-    from vramguard.check.checkpoint import CheckpointInfo
+    from vramguard.probe.checkpoint import CheckpointInfo
     ck = getattr(spec, "checkpoint", None)
     if ck is None or ck.format not in ("safetensors", "pytorch"):
         return None
