@@ -186,6 +186,7 @@ def test_sharded_repo_reads_the_index_and_every_shard_header(online):
     assert ck.files == tuple(shards)
     assert ck.total_bytes == sum(b for *_, b in _stored(folder))
     assert ck.header_bytes == sum(_header_end(folder / s) for s in shards)
+    assert ck.file_bytes == tuple((folder / s).stat().st_size for s in shards)
     assert "model.safetensors.index.json" in {f.what for f in ck.fetched}
     _assert_headers_only(online, "acme/tiny-llama-sharded", folder)
 

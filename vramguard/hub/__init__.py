@@ -76,7 +76,7 @@ def for_cards(spec, gpus):
 
 def checkpoint_info(spec):
     """A :class:`vramguard.probe.checkpoint.CheckpointInfo` of a Hub model from its headers (shard sizes: each
-    file's header plus its tensors, which is the file's size), or None when the spec has no checkpoint record."""
+    file's header plus its tensors, the file's size), or None when the spec has no checkpoint record."""
     import json
 
     from vramguard.probe.checkpoint import CheckpointInfo
@@ -86,12 +86,8 @@ def checkpoint_info(spec):
     cfg = json.loads(spec.config_json) if spec.config_json else {}
     if ck.format == "pytorch":
         return CheckpointInfo(ck.source, (), "pickle", None, spec.checkpoint_dtype, bool(cfg.get("auto_map")))
-    sizes = dict.fromkeys(ck.files, 0)
-    for t in ck.tensors:
-        sizes[t.file] = sizes.get(t.file, 0) + t.nbytes
-    per_header = ck.header_bytes // max(len(ck.files), 1)  # headers of similar length: only for the shard sizes
-    return CheckpointInfo(ck.source, tuple((f, b + per_header) for f, b in sizes.items()), "safetensors",
-                          ck.stored_float_dtype, spec.checkpoint_dtype, bool(cfg.get("auto_map")))
+    return CheckpointInfo(ck.source, tuple(zip(ck.files, ck.file_bytes)), "safetensors", ck.stored_float_dtype,
+                          spec.checkpoint_dtype, bool(cfg.get("auto_map")))
 
 
 def fetched_line(spec) -> str | None:

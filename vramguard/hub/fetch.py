@@ -140,9 +140,9 @@ def _cached_headers(repo_id: str, commit: str | None) -> CheckpointHeaders | Non
         ck = from_cache_json(p.read_text(encoding="utf-8"))
     except (OSError, ValueError, KeyError, TypeError):  # absent or damaged: read the headers again
         return None
-    return CheckpointHeaders(ck.source, ck.format, ck.files, ck.tensors, ck.header_bytes,
-                             (Fetched(f"headers of {len(ck.files)} file(s) ({p.name})", p.stat().st_size, "cache"),),
-                             ck.commit)
+    from dataclasses import replace
+    return replace(ck, fetched=(Fetched(f"headers of {len(ck.files)} file(s) ({p.name})", p.stat().st_size,
+                                        "cache"),))
 
 
 def _store_headers(repo_id: str, ck: CheckpointHeaders) -> None:
@@ -182,6 +182,7 @@ def _remote_headers(api, repo_id: str, commit: str, st_files: list[str], sizes: 
         files_meta = {f: api.parse_safetensors_file_metadata(repo_id, f, revision=commit) for f in st_files}
     tensors: list[TensorHeader] = []
     header_total = 0
+    file_bytes = []
     for name in sorted(files_meta):
         fm = files_meta[name]
         header = {k: {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": list(t.data_offsets)}
@@ -189,9 +190,10 @@ def _remote_headers(api, repo_id: str, commit: str, st_files: list[str], sizes: 
         tensors += tensors_from_header(header, name)
         n = _header_length(header, fm.metadata, sizes.get(name))
         header_total += n
+        file_bytes.append(n + max((v["data_offsets"][1] for v in header.values()), default=0))
         fetched.append(Fetched(f"{name} header", range_bytes(n, sizes.get(name)), "network"))
     return CheckpointHeaders(f"hub:{repo_id}", "safetensors", tuple(sorted(files_meta)), tuple(tensors),
-                             header_total, commit=commit)
+                             header_total, commit=commit, file_bytes=tuple(file_bytes))
 
 
 def range_bytes(header_bytes: int, file_bytes: int | None) -> int:

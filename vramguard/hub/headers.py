@@ -71,6 +71,7 @@ class CheckpointHeaders:
     fetched: tuple[Fetched, ...] = ()
     commit: str | None = None
     card_capability: tuple[int, int] | None = None  # the compute capability the load is planned for
+    file_bytes: tuple[int, ...] = ()  # size of each file in ``files`` (header + tensors), when known
 
     @property
     def total_bytes(self) -> int:
@@ -98,7 +99,8 @@ class CheckpointHeaders:
                 "tensor_count": len(self.tensors), "stored_bytes": self.total_bytes,
                 "stored_bytes_by_dtype": self.bytes_by_dtype(), "header_bytes": self.header_bytes,
                 "fetched": [{"what": f.what, "bytes": f.nbytes, "origin": f.origin} for f in self.fetched],
-                "fetched_network_bytes": sum(f.nbytes for f in self.fetched if f.origin == "network")}
+                "fetched_network_bytes": sum(f.nbytes for f in self.fetched if f.origin == "network"),
+                "planned_for_compute_capability": list(self.card_capability) if self.card_capability else None}
 
 
 def tensors_from_header(header: dict, file: str) -> list[TensorHeader]:
@@ -159,13 +161,13 @@ def read_local_checkpoint(folder: Path) -> CheckpointHeaders | None:
         header_total += nbytes
         fetched.append(Fetched(f"{path.name} header", nbytes, "local"))
     return CheckpointHeaders(str(folder), "safetensors", tuple(p.name for p in files), tuple(tensors),
-                             header_total, tuple(fetched))
+                             header_total, tuple(fetched), file_bytes=tuple(p.stat().st_size for p in files))
 
 
 def to_cache_json(ck: CheckpointHeaders) -> str:
     """Canonical JSON of ``ck`` with every tensor, for vramguard's header cache (:func:`from_cache_json`)."""
     return json.dumps({"source": ck.source, "format": ck.format, "files": list(ck.files), "commit": ck.commit,
-                       "header_bytes": ck.header_bytes,
+                       "header_bytes": ck.header_bytes, "file_bytes": list(ck.file_bytes),
                        "tensors": [[t.name, t.dtype, list(t.shape), t.nbytes, t.file] for t in ck.tensors]})
 
 
@@ -174,4 +176,4 @@ def from_cache_json(text: str) -> CheckpointHeaders:
     d = json.loads(text)
     tensors = tuple(TensorHeader(n, dt, tuple(shape), int(b), f) for n, dt, shape, b, f in d["tensors"])
     return CheckpointHeaders(d["source"], d["format"], tuple(d["files"]), tensors, int(d["header_bytes"]),
-                             commit=d.get("commit"))
+                             commit=d.get("commit"), file_bytes=tuple(int(b) for b in d.get("file_bytes", ())))
