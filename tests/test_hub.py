@@ -61,12 +61,13 @@ def _fp8(prefix: str, fin: int, fout: int) -> dict:
             f"{prefix}.weight_scale_inv": torch.ones(fout // 32, fin // 32, dtype=torch.float32)}
 
 
-def _write(folder: Path, config: dict, tensors: dict | None = None, **files: bytes) -> Path:
+def _write(folder: Path, config: dict, tensors: dict | None = None, weights: str = "model.safetensors",
+           **files: bytes) -> Path:
     folder.mkdir(parents=True)
     (folder / "config.json").write_text(json.dumps(config))
     (folder / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
     if tensors is not None:
-        save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        save_file(tensors, str(folder / weights), metadata={"format": "pt"})
     for name, data in files.items():
         (folder / name.replace("__", ".")).write_bytes(data)
     return folder
@@ -86,8 +87,9 @@ def hub(tmp_path_factory):
     fp8_q = {"quant_method": "fp8", "weight_block_size": [32, 32], "activation_scheme": "dynamic"}
     repos = {"acme/tiny-llama": Repo(root / "public"), "acme/gated-llama": Repo(root / "public", gated=True),
              "acme/tiny-llama-sharded": Repo(root / "sharded"),
+             # named as AutoGPTQ names it: not model.safetensors, no index (parse_safetensors_file_metadata)
              "acme/tiny-llama-gptq": Repo(_write(root / "gptq", _llama_config(quantization_config=gptq_q),
-                                                 _unquantized(_gptq))),
+                                                 _unquantized(_gptq), "gptq_model-4bit-32g.safetensors")),
              "acme/tiny-llama-fp8": Repo(_write(root / "fp8", _llama_config(quantization_config=fp8_q),
                                                 _unquantized(_fp8))),
              "acme/tiny-llama-bin": Repo(_write(root / "bin", _llama_config(), None,
@@ -210,6 +212,7 @@ def test_gptq_weights_are_the_sum_of_their_header_bytes(online):
     assert p.estimate.weights.quantized_linear_bytes == sum(rounded(b) for n, *_, b in stored if n.endswith("qweight"))
     codes = {f.code: f for f in p.findings}
     assert "prequantized_weights" in codes and p.estimate.load is None
+    assert spec.checkpoint.files == ("gptq_model-4bit-32g.safetensors",)
     _assert_headers_only(online, "acme/tiny-llama-gptq", folder)
 
 
@@ -277,7 +280,7 @@ def test_cli_plans_a_hub_id_and_shows_what_it_read(online):
 
     def run(*args):
         r = CliRunner().invoke(app, list(args))
-        return r.exit_code, r.stdout, r.stderr
+        return r.exit_code, r.stdout, " ".join(r.stderr.split())  # stderr as one line: rich wraps it
 
     code, out, err = run("plan", "acme/tiny-llama-gptq", "--revision", "main", "--quant", "fp16", "--vram", "8GiB",
                          "--format", "json")
@@ -296,3 +299,6 @@ def test_cli_plans_a_hub_id_and_shows_what_it_read(online):
     assert code in (0, 1) and "Traceback" not in err, err
     names = {f["name"]: f for f in json.loads(out)["findings"]}
     assert names["checkpoint_read"]["status"] == "info" and names["ram_vs_shard"]["status"] == "ok"
+    code, out, err = run("explain", "CUDA out of memory. Tried to allocate 2.00 GiB", "--model", "acme/tiny-llama",
+                         "--revision", "main")
+    assert code == 0 and "read for acme/tiny-llama: config.json" in err, err
