@@ -143,3 +143,24 @@ def test_an_unreadable_local_header_is_a_note_not_an_error(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"\x00" * 64)  # a header length of 0: no JSON
     spec = resolve_model(str(tmp_path))
     assert spec.checkpoint is None and any("headers could not be read" in n for n in spec.notes)
+
+
+def test_compressed_tensors_packed_int4_kept_or_dequantized_to_the_model_dtype():
+    """compressed-tensors pack-quantized, 4 bits, group 32, one 64 x 64 layer: weight_packed int32 (64, 8) =
+    2,048 B standing for 2,048 x 8 / 4 = 4,096 values; weight_scale bf16 (64, 2) = 256 B; weight_shape int64 (2,)
+    = 16 B. Kept: 2,048 + 512 + 512 = 3,072 B (each rounded to 512 B). With dequantize: true, 4,096 values in
+    the model dtype (bf16: 8,192 B) and the state freed."""
+    from vramguard.hub.headers import CheckpointHeaders
+    qcfg = {"quant_method": "compressed-tensors", "format": "pack-quantized",
+            "config_groups": {"group_0": {"weights": {"num_bits": 4, "group_size": 32}, "targets": ["Linear"]}}}
+    layer = (TensorHeader("l.q.weight_packed", "I32", (64, 8), 2048, "f"),
+             TensorHeader("l.q.weight_scale", "BF16", (64, 2), 256, "f"),
+             TensorHeader("l.q.weight_shape", "I64", (2,), 16, "f"))
+    ck = CheckpointHeaders("x", "safetensors", ("f",), layer)
+    have = {"compressed-tensors": "0.15"}.get
+    kept = header_weight_bytes(ck, "compressed-tensors", qcfg, "bf16", load_rule("compressed-tensors", qcfg, None,
+                                                                                  have))
+    assert (kept.quantized_linear_bytes, kept.quant_state_bytes, kept.total_bytes) == (2048, 1024, 3072)
+    rule = load_rule("compressed-tensors", {**qcfg, "dequantize": True}, None, have)
+    dq = header_weight_bytes(ck, "compressed-tensors", qcfg, "bf16", rule)
+    assert (dq.dense_linear_bytes, dq.quant_state_bytes, dq.total_bytes) == (8192, 0, 8192)
