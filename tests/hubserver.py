@@ -47,8 +47,7 @@ class Hub:
 
 def _handler(hub: Hub):
     class Handler(BaseHTTPRequestHandler):
-        def log_message(self, *args):  # quiet
-            pass
+        log_message = staticmethod(lambda *args: None)  # quiet
 
         def _send(self, status: int, body: bytes = b"", headers: dict | None = None, repo: str | None = None):
             self.send_response(status)
