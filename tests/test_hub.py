@@ -166,6 +166,13 @@ def test_public_repo_is_planned_from_its_headers_over_http(online):
     again = resolve_model("acme/tiny-llama", revision="main").checkpoint
     assert len(online.ranges[("acme/tiny-llama", "model.safetensors")]) == n_ranges
     assert {f.origin for f in again.fetched} == {"cache"} and again.tensors == ck.tensors
+    from vramguard.plan import plan
+    from vramguard.settings import Settings
+    p = plan(spec, Settings(quant="bf16"), vram="8GiB", solve=False)
+    f = {x.code: x for x in p.findings}
+    n_stored = sum(t.numel for t in ck.tensors)
+    assert n_stored == p.estimate.weights.parameter_count and "checkpoint_mismatch" not in f
+    assert f"stores {n_stored:,} parameters" in f["checkpoint_stored"].message
 
 
 def test_gated_repo_without_a_token_says_how_to_log_in(online, monkeypatch):

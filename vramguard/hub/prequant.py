@@ -231,7 +231,7 @@ def prequant_findings(p) -> list:
     from vramguard.units import fmt_bytes
     spec, s = p.model, p.settings
     if not spec.prequantized:
-        return []
+        return stored_findings(p)
     name = METHOD_NAMES.get(spec.prequantized, spec.prequantized)
     if not uses_headers(spec):
         return [Finding("prequantized_config_only", "warn", f"the checkpoint is pre-quantized ({name}) but its "
@@ -260,4 +260,26 @@ def prequant_findings(p) -> list:
         out.append(Finding("prequantized_backend", "warn", f"loading {name} weights needs "
                            f"{' and '.join(rule.missing)} (not installed here): from_pretrained raises ImportError",
                            _PIP[spec.prequantized]))
+    return out
+
+
+def stored_findings(p) -> list:
+    """For a 16-bit checkpoint whose headers were read: what it stores (bytes by dtype, parameters), and a
+    warning when its parameter count and the planned model's differ by more than 1% (a config that does not
+    describe these weights)."""
+    from vramguard.plan import Finding
+    from vramguard.units import fmt_bytes
+    ck = getattr(p.model, "checkpoint", None)
+    if ck is None or ck.format != "safetensors" or not ck.tensors:
+        return []
+    stored = sum(t.numel for t in ck.tensors)
+    planned = p.estimate.weights.parameter_count
+    dtypes = ", ".join(f"{fmt_bytes(b)} {dt}" for dt, b in ck.bytes_by_dtype().items())
+    out = [Finding("checkpoint_stored", "info", f"the checkpoint stores {stored:,} parameters in "
+                   f"{len(ck.tensors):,} tensors ({dtypes}); the plan loads {planned:,}", None, ck.total_bytes)]
+    if planned and abs(stored - planned) * 100 > planned:
+        out.append(Finding("checkpoint_mismatch", "warn", f"the checkpoint's {stored:,} stored parameters and "
+                           f"the {planned:,} of the model its config.json describes differ by more than 1%",
+                           "check that config.json belongs to these weights (another revision or a merged "
+                           "adapter can change them)"))
     return out
