@@ -13,7 +13,15 @@ import yaml
 
 from vramguard.engines.vllm import VllmSettings, plan_vllm
 from vramguard.errors import InvalidValue
-from vramguard.export import export, gpus_per_replica, kubernetes, kserve, ray_serve, resource_name, serve_args
+from vramguard.export import (
+    export,
+    gpus_per_replica,
+    kserve,
+    kubernetes,
+    ray_serve,
+    resource_name,
+    serve_args,
+)
 from vramguard.hardware import gpu_from_catalog
 from vramguard.resolve import resolve_model
 from vramguard.units import GiB

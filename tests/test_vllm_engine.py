@@ -180,8 +180,9 @@ def test_bad_settings_name_the_field(field, value):
 
 
 def test_cli_plan_engine_vllm(capsys):
-    from vramguard.cli import main
     import sys
+
+    from vramguard.cli import main
     argv = sys.argv
     sys.argv = ["vramguard", "plan", "llama-3.1-8b", "--engine", "vllm", "--gpu", "h100", "--max-model-len",
                 "32768", "--tp", "2", "--format", "json"]
@@ -199,8 +200,9 @@ def test_cli_plan_engine_vllm(capsys):
 
 
 def test_cli_plan_engine_vllm_bad_tp(capsys):
-    from vramguard.cli import main
     import sys
+
+    from vramguard.cli import main
     argv = sys.argv
     sys.argv = ["vramguard", "plan", "llama-3.1-8b", "--engine", "vllm", "--gpu", "h100", "--tp", "3"]
     try:

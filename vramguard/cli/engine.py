@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
-from typing import Optional
 
 import typer
 
@@ -64,12 +63,12 @@ class EngineArgs:
     tp: int = 1
     pp: int = 1
     gpu_memory_utilization: float = 0.9
-    max_model_len: Optional[int] = None
+    max_model_len: int | None = None
     kv_cache_dtype: str = "auto"
-    max_num_seqs: Optional[int] = None
-    max_num_batched_tokens: Optional[int] = None
-    dtype: Optional[str] = None
-    kv_offload: Optional[str] = None
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    dtype: str | None = None
+    kv_offload: str | None = None
 
 
 def model_ref(model: str) -> str:
@@ -80,7 +79,7 @@ def model_ref(model: str) -> str:
     return str(MODELS[key]["source"]) if key else model
 
 
-def build_plans(model: str, gpu: Optional[str], vram: Optional[str], a: EngineArgs):
+def build_plans(model: str, gpu: str | None, vram: str | None, a: EngineArgs):
     """One vLLM plan per card (``--gpu``, ``--vram``, the detected GPU, or the default sizes)."""
     from vramguard.engines.vllm import VllmSettings, plan_vllm
     from vramguard.hardware import resolve_gpus

@@ -53,14 +53,14 @@ def plan_lines(p: VllmPlan, model_ref: str) -> list[str]:
     tp, pp = s.tensor_parallel_size, s.pipeline_parallel_size
     graphs = "in the budget (vLLM >= 0.21)" if s.cudagraph_in_budget else "outside the budget"
     lines = [
-        f"vLLM plan for {p.model} on {p.gpu.label} x {tp * pp} (tensor parallel {tp}, pipeline parallel {pp}), "
-        f"{p.dtype}, one GPU's share:",
-        f"  budget        {_g(p.requested_bytes)} = {_g(p.total_bytes)} total x gpu_memory_utilization "
-        f"{s.gpu_memory_utilization}",
+        (f"vLLM plan for {p.model} on {p.gpu.label} x {tp * pp} (tensor parallel {tp}, pipeline parallel {pp}), "
+         f"{p.dtype}, one GPU's share:"),
+        (f"  budget        {_g(p.requested_bytes)} = {_g(p.total_bytes)} total x gpu_memory_utilization "
+         f"{s.gpu_memory_utilization}"),
         f"  - weights     {_g(p.weights_bytes)}  (sharded per rank, vocabulary padded to 64; 'Model loading took')",
-        f"  - activation  {_g(p.activation_bytes)}  (profile run: forward of {p.max_num_batched_tokens:,} tokens "
-        f"{_g(p.forward_peak_bytes)}, sampler on {min(p.max_num_seqs, p.max_num_batched_tokens):,} requests "
-        f"{_g(p.sampler_peak_bytes)}; the larger)",
+        (f"  - activation  {_g(p.activation_bytes)}  (profile run: forward of {p.max_num_batched_tokens:,} tokens "
+         f"{_g(p.forward_peak_bytes)}, sampler on {min(p.max_num_seqs, p.max_num_batched_tokens):,} requests "
+         f"{_g(p.sampler_peak_bytes)}; the larger)"),
         f"  - non-torch   {_g(p.non_torch_bytes)}  (kernels loaded during the profile run)",
     ]
     if p.nccl_bytes:
@@ -76,7 +76,8 @@ def plan_lines(p: VllmPlan, model_ref: str) -> list[str]:
         lines.append(f"  padding       {p.padding_layers} layers added to even the groups")
     lines += [
         f"vLLM will log:  GPU KV cache size: {p.kv_tokens:,} tokens",
-        f"                Maximum concurrency for {p.max_model_len:,} tokens per request: {p.max_concurrency:.2f}x",
+        (f"                Maximum concurrency for {p.max_model_len:,} tokens per request: "
+         f"{p.max_concurrency:.2f}x"),
     ]
     if p.refusal:
         lines.append(f"vLLM will refuse to start: {p.refusal}")
