@@ -90,6 +90,27 @@ def test_kv_page_and_groups():
     assert [(g.kind, g.num_layers) for g in kv.kv_groups(gemma2, kinds, 1, hybrid=False)] == [("full_attention", 62)]
 
 
+def test_mla_page_is_one_latent_per_token():
+    import dataclasses
+    # DeepSeek-V3's kv_lora_rank 512 + qk_rope_head_dim 64 = 576 values per token, one tensor, every TP rank:
+    # 16 x 576 x 2 = 18,432 B per block and layer
+    mla = dataclasses.replace(LLAMA31, config_json=json.dumps({"kv_lora_rank": 512, "qk_rope_head_dim": 64}))
+    assert kv.page_bytes(mla, 8, 2, 16) == 18_432
+    assert [g.kind for g in kv.kv_groups(mla, ["full_attention"] * 61, 18_432)] == ["mla"]
+
+
+def test_families_without_a_vllm_model_are_refused():
+    import dataclasses
+
+    from vramguard.errors import ConfigError
+    with pytest.raises(ConfigError) as e:
+        plan_vllm(dataclasses.replace(LLAMA31, generic=True, model_type="olmoe"), card(80 * GiB))
+    assert e.value.field == "config.json:model_type"
+    with pytest.raises(ConfigError) as e:
+        plan_vllm(dataclasses.replace(LLAMA31, prequantized="awq"), card(80 * GiB))
+    assert "quantization_config" in e.value.field
+
+
 def test_blocks_tokens_and_concurrency_match_vllm_logs():
     # github.com/vllm-project/vllm/pull/13596: 127,626 blocks, 2,048 tokens per request -> 2,042,016 tokens, 997.08x
     g = [kv.KvGroup("full_attention", 32, 65_536)]

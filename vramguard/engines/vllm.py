@@ -219,7 +219,7 @@ def _check_spec(spec: ModelSpec) -> None:
         raise ConfigError("config.json:quantization_config", spec.prequantized, "an unquantized checkpoint "
                           "(bf16, fp16 or fp32)", "vLLM's quantized layouts (AWQ, GPTQ, FP8) are not modelled; "
                           "plan the unquantized model")
-    if spec.generic and not kv.mla_head_size(spec):
+    if spec.generic:  # the per-rank shards are modelled for the hand-written families only (MLA's are not)
         raise ConfigError("config.json:model_type", spec.model_type, "a family with a hand-written vLLM model "
                           "(llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe, gemma, gemma2, "
                           "gemma3_text, phi3)", "plan one of those families")
