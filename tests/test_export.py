@@ -174,6 +174,10 @@ def test_names_and_counts():
     with pytest.raises(InvalidValue) as e:
         kubernetes(_plan(), REF, replicas=0)
     assert e.value.field == "replicas"
+    # 4 x 4 = 16 GPUs in one pod: more than a node has
+    with pytest.raises(InvalidValue) as e:
+        kserve(_plan(tensor_parallel_size=4, pipeline_parallel_size=4), REF)
+    assert e.value.field == "tensor_parallel_size" and "ray-serve" in e.value.fix
 
 
 def test_cli_export_yaml_has_no_aliases(capsys):

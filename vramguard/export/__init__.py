@@ -110,14 +110,29 @@ def _pod_spec(p: VllmPlan, model_ref: str, name: str, port: int) -> dict:
     return spec
 
 
+MAX_GPUS_PER_POD = 8  # one node: a Deployment's pod cannot span hosts
+
+
 def _check_replicas(replicas: int) -> None:
     if isinstance(replicas, bool) or not isinstance(replicas, int) or not 1 <= replicas <= 10_000:
         raise InvalidValue("replicas", replicas, "an integer from 1 to 10,000", "set replicas to 1 or more")
 
 
+def _check_one_node(p: VllmPlan) -> None:
+    if gpus_per_replica(p) > MAX_GPUS_PER_POD:
+        raise InvalidValue("tensor_parallel_size", gpus_per_replica(p), f"at most {MAX_GPUS_PER_POD} GPUs (tensor x "
+                           "pipeline parallel) in one pod", "export to ray-serve, which places the workers across "
+                           "nodes, or use fewer GPUs per replica")
+
+
 def kubernetes(p: VllmPlan, model_ref: str, replicas: int = 1, port: int = PORT) -> list[dict]:
-    """A ``apps/v1`` Deployment of ``replicas`` vLLM pods and a ``v1`` Service in front of them."""
+    """A ``apps/v1`` Deployment of ``replicas`` vLLM pods (each on one node) and a ``v1`` Service in front of them.
+
+    Raises:
+        InvalidValue: ``replicas`` below 1, or more GPUs per replica than one node has.
+    """
     _check_replicas(replicas)
+    _check_one_node(p)
     name = resource_name(model_ref)
     labels = {"app.kubernetes.io/name": name, "app.kubernetes.io/component": "vllm"}
     deployment = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": name, "labels": labels},
@@ -131,8 +146,10 @@ def kubernetes(p: VllmPlan, model_ref: str, replicas: int = 1, port: int = PORT)
 
 
 def kserve(p: VllmPlan, model_ref: str, replicas: int = 1, port: int = PORT) -> dict:
-    """A KServe ``v1beta1`` InferenceService whose predictor is the vLLM OpenAI server (a custom container)."""
+    """A KServe ``v1beta1`` InferenceService whose predictor is the vLLM OpenAI server (a custom container, one
+    node per replica; raises as :func:`kubernetes`)."""
     _check_replicas(replicas)
+    _check_one_node(p)
     name = resource_name(model_ref)
     predictor = {"minReplicas": replicas, "maxReplicas": replicas,
                  **_pod_spec(p, model_ref, "kserve-container", port)}
