@@ -2,7 +2,7 @@
 
 Knows nothing about serving: a pure function of a :class:`~vramguard.spec.ModelSpec`, the engine settings and a
 card; no torch, no vLLM. The version read is vLLM 0.33.0 (the source in its PyPI wheel); the same terms stand in
-vllm-project/vllm main at commit 35d5cda1 (v0.13 era) except where noted. Each term, with the file and function:
+vllm-project/vllm main at commit 35d5cda1 (an earlier V1) except where noted. Each term, with the file and function:
 
 * budget: ``requested_memory = total x gpu_memory_utilization``; vLLM refuses to start when the free memory it
   measures after the CUDA context and the distributed init is below it ("Free memory on device ... on startup is
