@@ -1,4 +1,24 @@
-"""Prometheus metrics of one server process (its own registry, so several apps can live in one process)."""
+"""Prometheus metrics of one server process (its own registry, so several apps can live in one process).
+
+Besides its own ``vramguard_*`` names, /metrics carries the metrics an inference gateway scrapes to pick a model
+server: the Gateway API Inference Extension's "Model Server Protocol"
+(kubernetes-sigs/gateway-api-inference-extension, ``docs/proposals/003-model-server-protocol/README.md``) names,
+for each required metric, the type and the vLLM name its endpoint picker (EPP) reads by default:
+
+==========================  =====  ===================================  ============================================
+protocol metric             type   name here (vLLM's)                   value
+==========================  =====  ===================================  ============================================
+TotalQueuedRequests         Gauge  ``vllm:num_requests_waiting``        admitted requests without a token yet
+TotalRunningRequests        Gauge  ``vllm:num_requests_running``        admitted requests generating tokens
+KVCacheUtilization          Gauge  ``vllm:kv_cache_usage_perc``         KV blocks held / blocks in the pool, 0 to 1
+(the same, older EPP/vLLM)  Gauge  ``vllm:gpu_cache_usage_perc``        the same value
+BlockSize, NumGPUBlocks     Gauge  ``vllm:cache_config_info``           1, labels ``block_size`` and ``num_gpu_blocks``
+==========================  =====  ===================================  ============================================
+
+The protocol calls KV-cache utilization a percentage; vLLM, whose names the EPP reads, reports it as a fraction
+("1 means 100 percent usage"), and so does this server. The LoRA metric (``vllm:lora_requests_info``) is for servers
+that load adapters named in the request's ``model``; this server serves one model and exposes none.
+"""
 
 from __future__ import annotations
 
@@ -12,8 +32,9 @@ OUTCOMES = ("completed", "cancelled", "rejected_overload", "rejected_invalid", "
 class Metrics:
     """Counters, gauges and histograms exposed on /metrics (names prefixed ``vramguard_``; bytes, seconds)."""
 
-    def __init__(self, engine_stats=None):
+    def __init__(self, engine_stats=None, model_name: str | None = None):
         r = self.registry = CollectorRegistry()
+        self.model_name = model_name
         self.requests = Counter("vramguard_requests", "Requests by outcome", ["outcome"], registry=r)
         for o in OUTCOMES:
             self.requests.labels(o)
@@ -43,6 +64,35 @@ class Metrics:
                                  registry=r)
         self.running = Gauge("vramguard_requests_in_flight", "Admitted requests not finished", registry=r)
         self._engine_stats = engine_stats
+        self._gateway_gauges(r)
+
+    def _gateway_gauges(self, r: CollectorRegistry) -> None:
+        """The Model Server Protocol's metrics under vLLM's names (see the module docstring)."""
+        label = ["model_name"]
+        self.gw_waiting = Gauge("vllm:num_requests_waiting", "Requests in the queue: admitted, no token yet "
+                                "(Model Server Protocol: TotalQueuedRequests)", label, registry=r)
+        self.gw_running = Gauge("vllm:num_requests_running", "Requests being served: admitted, generating "
+                                "(Model Server Protocol: TotalRunningRequests)", label, registry=r)
+        self.gw_kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage, 1 means 100 percent: blocks held / "
+                                 "blocks in the pool (Model Server Protocol: KVCacheUtilization)", label, registry=r)
+        self.gw_kv_usage_old = Gauge("vllm:gpu_cache_usage_perc", "The same as vllm:kv_cache_usage_perc (the name "
+                                     "of earlier vLLM and endpoint-picker releases)", label, registry=r)
+        self.gw_cache_info = Gauge("vllm:cache_config_info", "The KV pool: tokens per block and blocks (Model "
+                                   "Server Protocol: BlockSize, NumGPUBlocks)", ["block_size", "num_gpu_blocks"],
+                                   registry=r)
+
+    def _set_gateway(self, s: dict) -> None:
+        """The protocol's gauges from :meth:`vramguard.serve.engine.Engine.stats`."""
+        name = self.model_name or "vramguard"
+        waiting = s["waiting"]
+        self.gw_waiting.labels(name).set(waiting)
+        self.gw_running.labels(name).set(max(s["in_flight"] - waiting, 0))
+        total = s["kv_blocks_total"]
+        usage = min(s["kv_blocks_used"] / total, 1.0) if total else 0.0
+        self.gw_kv_usage.labels(name).set(usage)
+        self.gw_kv_usage_old.labels(name).set(usage)
+        self.gw_cache_info.clear()  # the engine may make fewer blocks than planned: one series, the current one
+        self.gw_cache_info.labels(str(s.get("kv_page_size", 0)), str(total)).set(1)
 
     def render(self, device=None) -> bytes:
         """Refresh the gauges and return the text exposition format."""
@@ -60,4 +110,5 @@ class Metrics:
             self.kv_blocks_total.set(s["kv_blocks_total"])
             self.queue_depth.set(s["waiting"])
             self.running.set(s["in_flight"])
+            self._set_gateway(s)
         return generate_latest(self.registry)
