@@ -35,7 +35,12 @@ def plan(
     do_sample: bool = typer.Option(False, help="sampling (allows --num-return-sequences > 1 without beams)"),
     context: Optional[int] = typer.Option(None, help="context length to allow (RoPE-scaled models beyond config)"),
     gpu: Optional[str] = typer.Option(None, help="a catalog card (see --list-gpus)"),
-    vram: Optional[str] = typer.Option(None, help="card memory, e.g. 24GiB, 24GB, 24000MiB"),
+    vram: Optional[str] = typer.Option(None, help="card memory, e.g. 24GiB, 24GB, 24000MiB; several cards used "
+                                       "together: 24GiB,16GiB"),
+    gpus: Optional[int] = typer.Option(None, "--gpus", help="cards used together by one process: "
+                                       "device_map='auto' across them (--gpu/--vram: one card or one per card)"),
+    tp: Optional[int] = typer.Option(None, "--tp", help="tensor parallelism: transformers' tp_plan='auto' over "
+                                     "this many cards, one rank each"),
     fmt: Format = format_option(),
     list_models: bool = typer.Option(False, "--list-models", help="list the catalog architectures and exit"),
     list_gpus: bool = typer.Option(False, "--list-gpus", help="list the catalog cards and exit"),
@@ -50,15 +55,20 @@ def plan(
         _print_catalog(list_models, list_gpus)
         return
 
+    from vramguard.cli.multigpu import wants_cards
+    several = wants_cards(gpus, tp, gpu, vram)
+
     def build():
         from vramguard.hardware import card_defaults
-        chosen_attn, chosen_dtype, notes = card_defaults(gpu, attn.value if attn else None,
+        first_gpu = gpu.split(",")[0].strip() if gpu else gpu  # the defaults of the first card named
+        chosen_attn, chosen_dtype, notes = card_defaults(first_gpu or None, attn.value if attn else None,
                                                          dtype.value if dtype else None, compute_dtype is not None)
         for note in notes:
             say(note)
         from vramguard.units import decimal_size_note
-        if vram and decimal_size_note(vram):
-            say("note: " + decimal_size_note(vram))
+        for size in (vram or "").split(",") if several else [vram]:
+            if size and decimal_size_note(size.strip()):
+                say("note: " + decimal_size_note(size.strip()))
         s = Settings(quant=quant.value, double_quant=double_quant,
                      compute_dtype=compute_dtype.value if compute_dtype else None,
                      dtype=chosen_dtype, attn=chosen_attn,
@@ -66,9 +76,23 @@ def plan(
                      num_beams=num_beams, num_return_sequences=num_return_sequences, prompt_tokens=prompt_tokens,
                      max_new_tokens=max_new_tokens, prefill_chunk=prefill_chunk, logits=logits.value,
                      output_attentions=output_attentions, padded=padded, do_sample=do_sample)
+        if several:
+            from vramguard.cli.multigpu import resolve_cards
+            from vramguard.multigpu import plan_gpus
+            spec = plan_fn(model, s, gpus=[], solve=False, context=context).model if context else model
+            return plan_gpus(spec, s, gpus=resolve_cards(gpus, tp, gpu, vram), tp=tp)
         return plan_fn(model, s, gpu=gpu, vram=vram, context=context)
 
     p = run_guarded(build, as_json=fmt == Format['json'])
+    if several:
+        from vramguard.cli import multigpu
+        if fmt == Format['json']:
+            write_json(multigpu.plan_to_json(p))
+        else:
+            multigpu.print_plan(p, console())
+        if exit_code and not p.fits:
+            raise typer.Exit(1)
+        return
     if fmt == Format['json']:
         write_json(plan_to_json(p))
     else:

@@ -1,0 +1,120 @@
+"""``vramguard plan --gpus N`` / ``--tp N``: the cards used together, the plan over them, and its printing (over
+:func:`vramguard.multigpu.plan_gpus`)."""
+
+from __future__ import annotations
+
+from vramguard.catalog.gpus import GpuSpec
+from vramguard.errors import InvalidValue
+from vramguard.units import fmt_gib
+
+
+def wants_cards(gpus: int | None, tp: int | None, gpu: str | None, vram: str | None) -> bool:
+    """Whether the options ask for several cards used together (``--gpus``, ``--tp`` or a comma list)."""
+    return gpus is not None or tp is not None or "," in (gpu or "") or "," in (vram or "")
+
+
+def _items(text: str, flag: str) -> list[str]:
+    parts = [p.strip() for p in text.split(",")]
+    if any(not p for p in parts):
+        raise InvalidValue(flag, text, "one value per card, separated by commas",
+                           f"write e.g. {flag} 24GiB,24GiB (no empty entries)")
+    return parts
+
+
+def resolve_cards(gpus: int | None, tp: int | None, gpu: str | None, vram: str | None) -> list[GpuSpec]:
+    """The cards: ``--gpu`` / ``--vram`` as one value (repeated ``--gpus`` or ``--tp`` times) or one per card;
+    without either, the first N detected GPUs.
+
+    Raises:
+        InvalidValue: both ``--gpu`` and ``--vram``, a count that disagrees with the list, a count below 2, or
+            neither a card nor enough detected GPUs.
+        UnknownGpu: an unknown card name.
+    """
+    from vramguard.hardware import detect_gpus, gpu_from_catalog, gpu_from_vram
+    for flag, n in (("--gpus", gpus), ("--tp", tp)):
+        if n is not None and n < 2:
+            raise InvalidValue(flag, n, "2 or more cards", f"pass {flag} 2 or more (one card: leave {flag} out)")
+    if gpus is not None and tp is not None and gpus != tp:
+        raise InvalidValue("--tp", tp, f"--gpus ({gpus}): one tensor-parallel rank per card", f"pass --tp {gpus}")
+    count = gpus or tp
+    if gpu and vram is not None:
+        raise InvalidValue("--gpu/--vram", f"--gpu {gpu} --vram {vram}", "one of the two", "drop one of them")
+    if gpu or vram is not None:
+        flag, text = ("--gpu", gpu) if gpu else ("--vram", vram)
+        make = gpu_from_catalog if gpu else (lambda v: gpu_from_vram(v))
+        cards = [make(p) for p in _items(text, flag)]
+        if count is None:
+            count = len(cards)
+        if len(cards) == 1:
+            cards = cards * count
+        if len(cards) != count:
+            raise InvalidValue(flag, text, f"one card, or {count} cards (--gpus/--tp {count})",
+                               f"name {count} cards or one for all of them")
+        return cards
+    det = detect_gpus()
+    if count is None or len(det.gpus) < count:
+        raise InvalidValue("--gpu/--vram", None, f"the {count or 2} cards to plan over",
+                           f"name them, e.g. --gpus {count or 2} --gpu h100-80gb or --vram 24GiB,24GiB "
+                           f"({len(det.gpus)} GPU(s) detected: {det.reason})")
+    return list(det.gpus[:count])
+
+
+def plan_to_json(p) -> dict:
+    """The multi-card plan as a JSON object: every size an int of bytes."""
+    from vramguard.render import to_jsonable
+    split = p.split
+    out = {"model": p.model.name, "settings": p.settings.as_dict(), "layout": p.layout, "fits": p.fits,
+           "limit_card": p.limit_card, "max_prompt_tokens": p.max_prompt_tokens,
+           "cards": [{**to_jsonable(c), "gpu": to_jsonable(c.gpu)} for c in p.cards], "notes": p.notes}
+    if p.layout == "tp":
+        out["tp"] = {"ranks": split.tp, "kv_heads_per_rank": split.kv_heads_per_rank, "plan": split.plan,
+                     "replicated": list(split.replicated), "weight_bytes": list(split.weight_bytes)}
+    else:
+        out["device_map"] = {k: v for k, v in split.device_map.items()}
+        out["max_memory"] = list(split.max_memory)
+        out["offloaded"] = dict(split.offloaded)
+    return out
+
+
+def _where(c) -> str:
+    if not c.layers:
+        return ", ".join(c.holds) or "nothing"
+    span = f"layers {c.layers[0]}-{c.layers[-1]}" if len(c.layers) > 1 else f"layer {c.layers[0]}"
+    return ", ".join((span,) + tuple(h for h in c.holds if "sharded" not in h))
+
+
+def print_plan(p, out) -> None:
+    """The per-card table (GiB, one line per card in 80 columns), the limiting card and the largest prompt."""
+    from rich import box
+    from rich.table import Table
+
+    from vramguard.render import short_label
+    s = p.settings
+    how = (f"tp_plan='auto' over {len(p.cards)} ranks, {p.split.kv_heads_per_rank} KV heads per rank"
+           if p.layout == "tp" else f"device_map='auto' over {len(p.cards)} cards")
+    out.print(f"[bold]vramguard plan[/bold] - {p.model.name}: {s.quant}, prompt {s.prompt_tokens:,} + "
+              f"{s.max_new_tokens:,} new tokens, batch {s.batch}; {how}")
+    t = Table(title="Per card (GiB): weights, KV cache of its layers, activations, allocator reserve, CUDA context "
+              "+ cuBLAS workspace", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    for col in ("card", "weights", "KV", "act.", "resv.", "ctx.", "need", "memory", "fits"):
+        t.add_column(col, justify="left" if col == "card" else "right", no_wrap=True)
+    for c in p.cards:
+        t.add_row(f"{c.card} {short_label(c.gpu.label)[:11]}", *(f"{v / 2**30:.2f}" for v in (
+            c.weights_bytes, c.kv_cache_bytes, c.activation_bytes, c.reserve_bytes,
+            c.cuda_context_bytes + c.cublas_workspace_bytes, c.need_bytes, c.usable_bytes)),
+            "[green]yes[/green]" if c.fits else "[red]no[/red]")
+    out.print(t)
+    for c in p.cards:
+        out.print(f"card {c.card}: {_where(c)}")
+    lim = p.cards[p.limit_card]
+    state = (f"{fmt_gib(lim.headroom_bytes)} left" if lim.fits else f"short by {fmt_gib(-lim.headroom_bytes)}")
+    out.print(f"limit: card {lim.card} ({lim.gpu.label}) needs {fmt_gib(lim.need_bytes)} of "
+              f"{fmt_gib(lim.usable_bytes)} at its {lim.phase} peak ({state}); each card's need is checked against "
+              "that card, not summed")
+    if p.max_prompt_tokens is not None:
+        out.print(f"largest prompt that fits every card with {s.max_new_tokens:,} new tokens: "
+                  f"{p.max_prompt_tokens:,} tokens")
+    else:
+        out.print("no prompt fits every card with these settings")
+    for note in p.notes:
+        out.print(f"note: {note}")

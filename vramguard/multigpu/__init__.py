@@ -1,0 +1,99 @@
+"""Planning one process over several GPUs: ``device_map="auto"`` across cards and ``tp_plan="auto"`` per rank.
+
+The split comes from transformers itself on the meta model (:mod:`vramguard.multigpu.devicemap`,
+:mod:`vramguard.multigpu.tensorparallel`); each card's need and the verdict from :mod:`vramguard.multigpu.cards`.
+Needs torch, transformers and accelerate; pure otherwise (no CUDA call).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from vramguard.catalog.gpus import GpuSpec
+from vramguard.errors import InvalidValue
+from vramguard.memory.runtime import CUDA_CONTEXT_BYTES
+from vramguard.multigpu.cards import (CardNeed, MultiGpuPlan, check_cards, device_map_needs, tp_needs)
+from vramguard.settings import Settings
+from vramguard.spec import ModelSpec
+
+__all__ = ["CardNeed", "MultiGpuPlan", "plan_gpus", "default_max_memory"]
+
+NCCL_NOTE = ("not counted: NCCL's communicator buffers on each rank (allocated outside PyTorch's allocator, "
+             "typically a few hundred MiB)")
+LOAD_NOTE = "not counted: the load's transients (a weight in 16-bit while bitsandbytes quantizes it)"
+
+
+def default_max_memory(gpus: list[GpuSpec]) -> tuple[int, ...]:
+    """What ``from_pretrained`` takes as each card's ``max_memory`` when none is given: the free memory once the
+    CUDA context exists (accelerate's ``get_max_memory`` reads ``torch.cuda.mem_get_info`` after creating it):
+    ``total - used by other processes - CUDA context`` bytes."""
+    return tuple(max(g.total_bytes - g.used_by_others_bytes - CUDA_CONTEXT_BYTES, 0) for g in gpus)
+
+
+def _needs(spec: ModelSpec, s: Settings, split, gpus: list[GpuSpec], layout: str) -> tuple[CardNeed, ...]:
+    return tp_needs(spec, s, split, gpus) if layout == "tp" else device_map_needs(spec, s, split, gpus)
+
+
+def _largest_prompt(spec: ModelSpec, s: Settings, split, gpus: list[GpuSpec], layout: str) -> int | None:
+    """The largest prompt with which every card fits (``s.max_new_tokens`` new tokens), or None."""
+    from vramguard.solve import _largest
+
+    def worst(p: int) -> int:
+        return max(c.need_bytes - c.usable_bytes for c in _needs(spec, replace(s, prompt_tokens=p), split, gpus,
+                                                                  layout))
+    return _largest(1, spec.max_position_embeddings - s.max_new_tokens, worst, 0)
+
+
+def plan_gpus(model: str | ModelSpec, settings: Settings | None = None, *, gpus: list[GpuSpec], tp: int | None = None,
+              max_memory: list[int] | tuple[int, ...] | None = None, solve: bool = True) -> MultiGpuPlan:
+    """Plan ``model`` run by one process over ``gpus`` together.
+
+    Args:
+        model: a ModelSpec, or anything :func:`vramguard.resolve.resolve_model` accepts.
+        settings: the run's settings (default :class:`Settings`).
+        gpus: the cards, in device order (2 or more; they may differ).
+        tp: tensor parallelism over the cards (``tp_plan="auto"``, one rank per card); None: ``device_map="auto"``.
+        max_memory: bytes per card handed to ``from_pretrained(max_memory=...)``; default
+            :func:`default_max_memory`.
+        solve: also find the largest prompt every card fits.
+
+    Returns:
+        A :class:`MultiGpuPlan`: per card weights, KV cache, activations, reserve, workspace, CUDA context, need and
+        headroom; the limiting card; the largest prompt.
+
+    Raises:
+        InvalidValue: fewer than 2 cards, ``tp`` not the number of cards or not dividing the KV heads,
+            ``max_memory`` not one positive size per card.
+        NotPlannable: no tensor-parallel plan for the architecture, or quantized weights with ``tp``.
+        UnknownModel, ConfigError: the model cannot be read.
+    """
+    from vramguard.plan import check_context
+    from vramguard.resolve import resolve_model
+    spec = model if isinstance(model, ModelSpec) else resolve_model(model)
+    s = settings or Settings()
+    check_context(spec, s)
+    check_cards(gpus, tp)
+    notes = []
+    if tp is not None:
+        from vramguard.multigpu.tensorparallel import tp_shards
+        split, layout = tp_shards(spec, s, tp), "tp"
+        notes.append(NCCL_NOTE)
+        if spec.generic:
+            notes.append("activations of this architecture are kept whole on every rank (an upper bound); its KV "
+                         "cache is divided by tp")
+    else:
+        from vramguard.multigpu.devicemap import split_weights
+        mm = tuple(max_memory) if max_memory is not None else default_max_memory(gpus)
+        if len(mm) != len(gpus) or any(isinstance(b, bool) or not isinstance(b, int) or b <= 0 for b in mm):
+            raise InvalidValue("max_memory", list(mm), f"one positive size in bytes per card ({len(gpus)})",
+                               "give as many sizes as cards")
+        split, layout = split_weights(spec, s, mm), "device_map"
+        if split.offloaded:
+            notes.append(f"{len(split.offloaded)} module(s) do not fit the cards' max_memory and go to CPU RAM "
+                         f"({sum(split.offloaded.values()):,} B): device_map='auto' runs them from the CPU, slowly")
+        if s.is_bnb:
+            notes.append(LOAD_NOTE)
+    cards = _needs(spec, s, split, gpus, layout)
+    limit = min(cards, key=lambda c: c.headroom_bytes).card
+    best = _largest_prompt(spec, s, split, gpus, layout) if solve else None
+    return MultiGpuPlan(spec, s, layout, cards, limit, best, split, notes)
