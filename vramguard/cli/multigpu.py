@@ -59,6 +59,29 @@ def resolve_cards(gpus: int | None, tp: int | None, gpu: str | None, vram: str |
     return list(det.gpus[:count])
 
 
+def plan_cards(model: str, s, gpus: int | None, tp: int | None, gpu: str | None, vram: str | None,
+               context: int | None):
+    """The :class:`~vramguard.multigpu.MultiGpuPlan` of the command's options (``context`` as ``plan`` applies it)."""
+    from vramguard.multigpu import plan_gpus
+    from vramguard.plan import plan as plan_one
+    spec = plan_one(model, s, gpus=[], solve=False, context=context).model if context else model
+    return plan_gpus(spec, s, gpus=resolve_cards(gpus, tp, gpu, vram), tp=tp)
+
+
+def emit(p, as_json: bool, exit_code: bool) -> None:
+    """Print the plan (JSON or the table) on stdout; with ``exit_code``, exit 1 when a card does not fit."""
+    import typer
+
+    from vramguard.cli.common import write_json
+    from vramguard.render import console
+    if as_json:
+        write_json(plan_to_json(p))
+    else:
+        print_plan(p, console())
+    if exit_code and not p.fits:
+        raise typer.Exit(1)
+
+
 def plan_to_json(p) -> dict:
     """The multi-card plan as a JSON object: every size an int of bytes."""
     from vramguard.render import to_jsonable

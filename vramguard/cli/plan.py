@@ -77,22 +77,14 @@ def plan(
                      max_new_tokens=max_new_tokens, prefill_chunk=prefill_chunk, logits=logits.value,
                      output_attentions=output_attentions, padded=padded, do_sample=do_sample)
         if several:
-            from vramguard.cli.multigpu import resolve_cards
-            from vramguard.multigpu import plan_gpus
-            spec = plan_fn(model, s, gpus=[], solve=False, context=context).model if context else model
-            return plan_gpus(spec, s, gpus=resolve_cards(gpus, tp, gpu, vram), tp=tp)
+            from vramguard.cli.multigpu import plan_cards
+            return plan_cards(model, s, gpus, tp, gpu, vram, context)
         return plan_fn(model, s, gpu=gpu, vram=vram, context=context)
 
     p = run_guarded(build, as_json=fmt == Format['json'])
     if several:
-        from vramguard.cli import multigpu
-        if fmt == Format['json']:
-            write_json(multigpu.plan_to_json(p))
-        else:
-            multigpu.print_plan(p, console())
-        if exit_code and not p.fits:
-            raise typer.Exit(1)
-        return
+        from vramguard.cli.multigpu import emit
+        return emit(p, fmt == Format['json'], exit_code)
     if fmt == Format['json']:
         write_json(plan_to_json(p))
     else:

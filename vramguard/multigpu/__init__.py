@@ -30,6 +30,18 @@ def default_max_memory(gpus: list[GpuSpec]) -> tuple[int, ...]:
     return tuple(max(g.total_bytes - g.used_by_others_bytes - CUDA_CONTEXT_BYTES, 0) for g in gpus)
 
 
+def _require_libraries() -> None:
+    """Raise NotPlannable naming the missing package: the split is transformers' and accelerate's own."""
+    from vramguard.errors import NotPlannable
+    for package in ("torch", "transformers", "accelerate"):
+        try:
+            __import__(package)
+        except ImportError as e:
+            raise NotPlannable("gpus", package, "torch, transformers and accelerate installed (the split over "
+                               "several cards is theirs, computed on the meta device)",
+                               f"pip install 'vramguard[gpu]' ({str(e).splitlines()[0][:120]})") from None
+
+
 def _needs(spec: ModelSpec, s: Settings, split, gpus: list[GpuSpec], layout: str) -> tuple[CardNeed, ...]:
     return tp_needs(spec, s, split, gpus) if layout == "tp" else device_map_needs(spec, s, split, gpus)
 
@@ -69,6 +81,7 @@ def plan_gpus(model: str | ModelSpec, settings: Settings | None = None, *, gpus:
     """
     from vramguard.plan import check_context
     from vramguard.resolve import resolve_model
+    _require_libraries()
     spec = model if isinstance(model, ModelSpec) else resolve_model(model)
     s = settings or Settings()
     check_context(spec, s)
@@ -90,10 +103,12 @@ def plan_gpus(model: str | ModelSpec, settings: Settings | None = None, *, gpus:
         split, layout = split_weights(spec, s, mm), "device_map"
         if split.offloaded:
             notes.append(f"{len(split.offloaded)} module(s) do not fit the cards' max_memory and go to CPU RAM "
-                         f"({sum(split.offloaded.values()):,} B): device_map='auto' runs them from the CPU, slowly")
+                         f"({sum(split.offloaded.values()):,} B): device_map='auto' runs them from the CPU, slowly"
+                         + ("; transformers refuses to load bitsandbytes weights so" if s.is_bnb else ""))
         if s.is_bnb:
             notes.append(LOAD_NOTE)
     cards = _needs(spec, s, split, gpus, layout)
     limit = min(cards, key=lambda c: c.headroom_bytes).card
     best = _largest_prompt(spec, s, split, gpus, layout) if solve else None
-    return MultiGpuPlan(spec, s, layout, cards, limit, best, split, notes)
+    offloaded = sum(split.offloaded.values()) if layout == "device_map" else 0
+    return MultiGpuPlan(spec, s, layout, cards, limit, best, split, notes, offloaded)

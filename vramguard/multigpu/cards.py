@@ -76,10 +76,12 @@ class MultiGpuPlan:
     max_prompt_tokens: int | None
     split: object
     notes: list[str] = field(default_factory=list)
+    offloaded_bytes: int = 0
 
     @property
     def fits(self) -> bool:
-        return all(c.fits for c in self.cards)
+        """Every card fits its need, and no module is left to the CPU."""
+        return all(c.fits for c in self.cards) and not self.offloaded_bytes
 
 
 def kv_per_layer(spec: ModelSpec, s: Settings, n_tokens: int, in_prefill_chunk: int = 0) -> tuple[int, ...]:

@@ -110,13 +110,16 @@ def meta_model_as_loaded(spec, s: Settings):
 
 
 def transformers_device_map(model, quantizer, max_memory: dict) -> dict[str, int | str]:
-    """``device_map="auto"`` as ``from_pretrained`` computes it for ``max_memory`` (``_get_device_map``)."""
+    """``device_map="auto"`` as ``from_pretrained`` computes it for ``max_memory`` (``_get_device_map``:
+    ``get_balanced_memory``, the quantizer's ``adjust_max_memory``, ``infer_auto_device_map``)."""
     from transformers.integrations import accelerate as hf_accelerate
 
     from vramguard.introspect.build import _quiet
     with _quiet(), _quiet_accelerate():
-        if hasattr(hf_accelerate, "_get_device_map"):
-            return dict(hf_accelerate._get_device_map(model, "auto", dict(max_memory), quantizer))
+        if quantizer is None and hasattr(hf_accelerate, "_get_device_map"):
+            return dict(hf_accelerate._get_device_map(model, "auto", dict(max_memory), None))
+        # the same steps without the quantizer's validate_environment, which refuses a split that offloads: the
+        # plan reports the offload instead
         balanced = hf_accelerate.get_balanced_memory(model, max_memory=dict(max_memory),
                                                      no_split_module_classes=model._no_split_modules,
                                                      hf_quantizer=quantizer)
