@@ -260,3 +260,13 @@ def test_cli_plans_different_cards_and_tp():
     assert "tp_plan='auto' over 2 ranks, 4 KV heads per rank" in out and "largest prompt" in out
     code, out = _cli("llama-3.1-8b", "--gpus", "3", "--vram", "24GiB,24GiB")
     assert code != 0 and "--vram" in out and "3 cards" in out
+
+
+def test_a_card_given_nothing_needs_nothing():
+    """A model small enough for the first card: transformers' balanced split leaves the second untouched, so it
+    gets no CUDA context either."""
+    from vramguard.multigpu import plan_gpus
+    p = plan_gpus(_spec("llama"), Settings(quant="bf16", prompt_tokens=64, max_new_tokens=8),
+                  gpus=[gpu_from_vram("8GiB")] * 2, solve=False)
+    c0, c1 = p.cards
+    assert c0.layers == (0, 1, 2, 3) and c1.need_bytes == 0 and c1.phase == "unused" and p.fits

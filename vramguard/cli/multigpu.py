@@ -101,9 +101,12 @@ def plan_to_json(p) -> dict:
 
 def _where(c) -> str:
     if not c.layers:
-        return ", ".join(c.holds) or "nothing"
+        return ", ".join(c.holds) or ("nothing: device_map='auto' leaves it unused" if not c.need_bytes
+                                      else "no decoder layer")
     span = f"layers {c.layers[0]}-{c.layers[-1]}" if len(c.layers) > 1 else f"layer {c.layers[0]}"
-    return ", ".join((span,) + tuple(h for h in c.holds if "sharded" not in h))
+    if any("sharded" in h for h in c.holds):
+        return f"{span}, each layer's heads and MLP sharded"
+    return ", ".join((span,) + c.holds)
 
 
 def print_plan(p, out) -> None:

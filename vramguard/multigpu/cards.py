@@ -168,10 +168,11 @@ def _card(i: int, gpu: GpuSpec, weights: int, runs: bool, per_phase: list[tuple[
             best = (total, phase, kv, act, reserve)
     total, phase, kv, act, reserve = best
     cublas = CUBLAS_WORKSPACE_BYTES if runs else 0
-    need = weights + cublas + total + CUDA_CONTEXT_BYTES
+    context = CUDA_CONTEXT_BYTES if runs or weights else 0  # a card given nothing is never touched
+    need = weights + cublas + total + context
     usable = gpu.total_bytes - gpu.used_by_others_bytes
-    return CardNeed(i, gpu, weights, kv, act, reserve, cublas, CUDA_CONTEXT_BYTES, need, usable, usable - need,
-                    need <= usable, layers, holds, phase)
+    return CardNeed(i, gpu, weights, kv, act, reserve, cublas, context, need, usable, usable - need,
+                    need <= usable, layers, holds, phase if need else "unused")
 
 
 def device_map_needs(spec: ModelSpec, s: Settings, split, gpus: list[GpuSpec]) -> tuple[CardNeed, ...]:
@@ -230,7 +231,7 @@ def tp_needs(spec: ModelSpec, s: Settings, shards, gpus: list[GpuSpec]) -> tuple
         at_logits = f.hidden + local_logits + f.logits + f.softcap + f.logits_fp32
         per_phase.append((phase, kv, max(f.layer + f.cat, at_logits), max(f.largest, f.logits_fp32)))
     layers = tuple(range(spec.num_layers))
-    return tuple(_card(r, gpu, shards.weight_bytes[r], True, per_phase, layers, ("all layers, sharded",),
+    return tuple(_card(r, gpu, shards.weight_bytes[r], True, per_phase, layers, ("every layer, sharded",),
                        s.cache == "static") for r, gpu in enumerate(gpus))
 
 
