@@ -63,7 +63,7 @@ def test_split_and_per_card_bytes_agree_with_accelerate(name):
     from transformers.integrations.accelerate import compute_module_sizes as hf_sizes
     from transformers.integrations.accelerate import get_balanced_memory
 
-    from vramguard.multigpu.devicemap import split_weights
+    from vramguard.plan.multigpu.devicemap import split_weights
     from vramguard.resolve import resolve_model
     spec = _spec(name) if name in HAND or name in GENERIC else resolve_model(name)  # catalog: real sizes, on meta
     mm = _split_memory(spec)
@@ -92,7 +92,7 @@ def test_nf4_split_counts_what_the_quantizer_counts(name):
     pytest.importorskip("bitsandbytes")
     from transformers.integrations.accelerate import compute_module_sizes
 
-    from vramguard.multigpu.devicemap import meta_model_as_loaded, split_weights
+    from vramguard.plan.multigpu.devicemap import meta_model_as_loaded, split_weights
     from vramguard.resolve import resolve_model
     spec = _spec(name) if name in HAND else resolve_model(name)
     s = Settings(quant="nf4")
@@ -112,7 +112,7 @@ def test_per_card_need_is_its_layers_kv_and_the_logits_on_the_last_card():
     prefill peak; with every position's logits (--logits all), the lm_head card holds 8,192 x 128,256 x 2 B =
     2,101,346,304 B of logits, and the input's card the copy returned to it plus its float32 copy (x 3)."""
     from vramguard.memory.runtime import CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES
-    from vramguard.multigpu import plan_gpus
+    from vramguard.plan.multigpu import plan_gpus
     s = Settings(quant="bf16", prompt_tokens=8192, max_new_tokens=256, logits="all")
     p = plan_gpus("llama-3.1-8b", s, gpus=[gpu_from_vram("24GiB")] * 2, solve=False)
     c0, c1 = p.cards
@@ -132,7 +132,7 @@ def test_verdict_is_each_card_against_itself_and_names_the_limit():
     """40 GiB + 12 GiB for Llama-3.1-8B bf16 with a 16,384-token prompt: together they have room (the needs sum to
     less than the 52 GiB), but the 12 GiB card cannot hold its half of the layers with their KV: it is the limit,
     and the largest prompt is the one that card allows."""
-    from vramguard.multigpu import plan_gpus
+    from vramguard.plan.multigpu import plan_gpus
     s = Settings(quant="bf16", prompt_tokens=16384, max_new_tokens=256)
     cards = [gpu_from_vram("40GiB"), gpu_from_vram("12GiB")]
     p = plan_gpus("llama-3.1-8b", s, gpus=cards)
@@ -146,7 +146,7 @@ def test_verdict_is_each_card_against_itself_and_names_the_limit():
 
 
 def test_weights_that_fit_no_card_go_to_the_cpu_and_do_not_fit():
-    from vramguard.multigpu import plan_gpus
+    from vramguard.plan.multigpu import plan_gpus
     p = plan_gpus("llama-3.1-8b", Settings(quant="bf16"), gpus=[gpu_from_vram("6GiB")] * 2, solve=False)
     assert p.split.offloaded and not p.fits and "CPU RAM" in p.notes[0]
 
@@ -186,7 +186,7 @@ def _transformers_shards(spec, tp: int) -> list[dict[str, tuple[int, ...]]]:
 def test_tp_shards_equal_transformers_dtensors(name, tp):
     """Gemma-2 is planned untied here: transformers 5.24's ``apply_tensor_parallelism`` looks up ``lm_head.weight``
     among the deduplicated parameters of a tied model and raises KeyError (its own limit, not vramguard's)."""
-    from vramguard.multigpu.tensorparallel import tp_shards
+    from vramguard.plan.multigpu.tensorparallel import tp_shards
     spec = _spec(name)
     if name == "gemma2":
         spec = spec_from_config({**HAND[name], "tie_word_embeddings": False}, name=name)
@@ -209,7 +209,7 @@ def test_tp_rank_holds_its_heads_and_the_replicated_rest():
     """Llama-3.1-8B over 2 ranks: 8 KV heads -> 4 per rank; each rank's KV at 8,192 + 256 tokens is half the
     single-card cache; norms are whole on every rank, projections and embeddings split."""
     from vramguard.memory.kv import kv_cache_bytes
-    from vramguard.multigpu import plan_gpus
+    from vramguard.plan.multigpu import plan_gpus
     from vramguard.resolve import resolve_model
     s = Settings(quant="bf16", prompt_tokens=8192, max_new_tokens=256)
     p = plan_gpus("llama-3.1-8b", s, gpus=[gpu_from_vram("24GiB")] * 2, tp=2, solve=False)
@@ -223,7 +223,7 @@ def test_tp_rank_holds_its_heads_and_the_replicated_rest():
 
 
 def test_tp_refusals_name_the_limit():
-    from vramguard.multigpu import plan_gpus
+    from vramguard.plan.multigpu import plan_gpus
     cards3 = [gpu_from_vram("24GiB")] * 3
     with pytest.raises(InvalidValue, match="num_key_value_heads=8"):  # 8 KV heads over 3 ranks
         plan_gpus("llama-3.1-8b", Settings(quant="bf16"), gpus=cards3, tp=3, solve=False)
@@ -266,7 +266,7 @@ def test_a_card_given_nothing_needs_nothing():
     """Tiny OLMoE (2 layers, each larger than half the model): transformers' balanced cap for the first card (half
     the model + 1.25 x the largest layer) exceeds the whole model, so the second card is never touched and gets no
     CUDA context either."""
-    from vramguard.multigpu import plan_gpus
+    from vramguard.plan.multigpu import plan_gpus
     p = plan_gpus(_spec("olmoe"), Settings(quant="bf16", prompt_tokens=64, max_new_tokens=8),
                   gpus=[gpu_from_vram("8GiB")] * 2, solve=False)
     c0, c1 = p.cards

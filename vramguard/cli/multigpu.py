@@ -1,5 +1,5 @@
 """``vramguard plan --gpus N`` / ``--tp N``: the cards used together, the plan over them, and its printing (over
-:func:`vramguard.multigpu.plan_gpus`)."""
+:func:`vramguard.plan.multigpu.plan_gpus`)."""
 
 from __future__ import annotations
 
@@ -61,9 +61,9 @@ def resolve_cards(gpus: int | None, tp: int | None, gpu: str | None, vram: str |
 
 def plan_cards(model: str, s, gpus: int | None, tp: int | None, gpu: str | None, vram: str | None,
                context: int | None):
-    """The :class:`~vramguard.multigpu.MultiGpuPlan` of the command's options (``context`` as ``plan`` applies it)."""
-    from vramguard.multigpu import plan_gpus
-    from vramguard.plan import plan as plan_one
+    """The :class:`~vramguard.plan.multigpu.MultiGpuPlan` of the command's options (``context`` as ``plan`` applies it)."""
+    from vramguard.plan.multigpu import plan_gpus
+    from vramguard.plan.planner import plan as plan_one
     spec = plan_one(model, s, gpus=[], solve=False, context=context).model if context else model
     return plan_gpus(spec, s, gpus=resolve_cards(gpus, tp, gpu, vram), tp=tp)
 
@@ -73,7 +73,7 @@ def emit(p, as_json: bool, exit_code: bool) -> None:
     import typer
 
     from vramguard.cli.common import write_json
-    from vramguard.render import console
+    from vramguard.cli.render import console
     if as_json:
         write_json(plan_to_json(p))
     else:
@@ -84,7 +84,7 @@ def emit(p, as_json: bool, exit_code: bool) -> None:
 
 def plan_to_json(p) -> dict:
     """The multi-card plan as a JSON object: every size an int of bytes."""
-    from vramguard.render import to_jsonable
+    from vramguard.cli.render import to_jsonable
     split = p.split
     out = {"model": p.model.name, "settings": p.settings.as_dict(), "layout": p.layout, "fits": p.fits,
            "limit_card": p.limit_card, "max_prompt_tokens": p.max_prompt_tokens,
@@ -114,7 +114,7 @@ def print_plan(p, out) -> None:
     from rich import box
     from rich.table import Table
 
-    from vramguard.render import short_label
+    from vramguard.cli.render import short_label
     s = p.settings
     how = (f"tp_plan='auto' over {len(p.cards)} ranks, {p.split.kv_heads_per_rank} KV heads per rank"
            if p.layout == "tp" else f"device_map='auto' over {len(p.cards)} cards")

@@ -1,7 +1,7 @@
 """Planning one process over several GPUs: ``device_map="auto"`` across cards and ``tp_plan="auto"`` per rank.
 
-The split comes from transformers itself on the meta model (:mod:`vramguard.multigpu.devicemap`,
-:mod:`vramguard.multigpu.tensorparallel`); each card's need and the verdict from :mod:`vramguard.multigpu.cards`.
+The split comes from transformers itself on the meta model (:mod:`vramguard.plan.multigpu.devicemap`,
+:mod:`vramguard.plan.multigpu.tensorparallel`); each card's need and the verdict from :mod:`vramguard.plan.multigpu.cards`.
 Needs torch, transformers and accelerate; pure otherwise (no CUDA call).
 """
 
@@ -12,7 +12,7 @@ from dataclasses import replace
 from vramguard.catalog.gpus import GpuSpec
 from vramguard.errors import InvalidValue
 from vramguard.memory.runtime import CUDA_CONTEXT_BYTES
-from vramguard.multigpu.cards import (CardNeed, MultiGpuPlan, check_cards, device_map_needs, tp_needs)
+from vramguard.plan.multigpu.cards import (CardNeed, MultiGpuPlan, check_cards, device_map_needs, tp_needs)
 from vramguard.settings import Settings
 from vramguard.spec import ModelSpec
 
@@ -48,7 +48,7 @@ def _needs(spec: ModelSpec, s: Settings, split, gpus: list[GpuSpec], layout: str
 
 def _largest_prompt(spec: ModelSpec, s: Settings, split, gpus: list[GpuSpec], layout: str) -> int | None:
     """The largest prompt with which every card fits (``s.max_new_tokens`` new tokens), or None."""
-    from vramguard.solve import _largest
+    from vramguard.plan.solve import _largest
 
     def worst(p: int) -> int:
         return max(c.need_bytes - c.usable_bytes for c in _needs(spec, replace(s, prompt_tokens=p), split, gpus,
@@ -79,7 +79,7 @@ def plan_gpus(model: str | ModelSpec, settings: Settings | None = None, *, gpus:
         NotPlannable: no tensor-parallel plan for the architecture, or quantized weights with ``tp``.
         UnknownModel, ConfigError: the model cannot be read.
     """
-    from vramguard.plan import check_context
+    from vramguard.plan.planner import check_context
     from vramguard.resolve import resolve_model
     _require_libraries()
     spec = model if isinstance(model, ModelSpec) else resolve_model(model)
@@ -88,14 +88,14 @@ def plan_gpus(model: str | ModelSpec, settings: Settings | None = None, *, gpus:
     check_cards(gpus, tp)
     notes = []
     if tp is not None:
-        from vramguard.multigpu.tensorparallel import tp_shards
+        from vramguard.plan.multigpu.tensorparallel import tp_shards
         split, layout = tp_shards(spec, s, tp), "tp"
         notes.append(NCCL_NOTE)
         if spec.generic:
             notes.append("activations of this architecture are kept whole on every rank (an upper bound); its KV "
                          "cache is divided by tp")
     else:
-        from vramguard.multigpu.devicemap import split_weights
+        from vramguard.plan.multigpu.devicemap import split_weights
         mm = tuple(max_memory) if max_memory is not None else default_max_memory(gpus)
         if len(mm) != len(gpus) or any(isinstance(b, bool) or not isinstance(b, int) or b <= 0 for b in mm):
             raise InvalidValue("max_memory", list(mm), f"one positive size in bytes per card ({len(gpus)})",

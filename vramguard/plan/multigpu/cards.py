@@ -3,13 +3,13 @@ every card's need fits that card (the largest need against its own card, never a
 
 Two layouts, as transformers loads them:
 
-* ``device_map="auto"`` (:mod:`vramguard.multigpu.devicemap`): whole decoder layers on each card, run one card
+* ``device_map="auto"`` (:mod:`vramguard.plan.multigpu.devicemap`): whole decoder layers on each card, run one card
   after the other. A card holds its weights, the KV cache of its own layers (``DynamicCache`` keeps each layer's
   keys and values on that layer's device), and at its moment of the forward the activations of one decoder layer
   (every card with layers runs the same layer program; the last layer, with the longest cache, is the largest).
   The card of ``lm_head`` computes the logits; accelerate's hook on the whole model (``io_same_device``) returns
   them to the input's card, where ``generate`` takes its float32 copy.
-* ``tp_plan="auto"`` (:mod:`vramguard.multigpu.tensorparallel`): every rank runs every layer on its shard: its
+* ``tp_plan="auto"`` (:mod:`vramguard.plan.multigpu.tensorparallel`): every rank runs every layer on its shard: its
   weights, ``num_key_value_heads / tp`` KV heads per layer, query heads and MLP intermediate divided by ``tp``,
   the residual stream and the norms whole, and the logits gathered whole (``colwise_gather_output``).
 
@@ -65,8 +65,8 @@ class CardNeed:
 class MultiGpuPlan:
     """The plan over several cards: ``layout`` is ``device_map`` or ``tp``; ``limit_card`` the card with the least
     headroom; ``max_prompt_tokens`` the largest prompt every card fits with the same new tokens (None: none does,
-    or not solved); ``split`` the :class:`~vramguard.multigpu.devicemap.DeviceSplit` or
-    :class:`~vramguard.multigpu.tensorparallel.TpShards`."""
+    or not solved); ``split`` the :class:`~vramguard.plan.multigpu.devicemap.DeviceSplit` or
+    :class:`~vramguard.plan.multigpu.tensorparallel.TpShards`."""
 
     model: ModelSpec
     settings: Settings
@@ -176,7 +176,7 @@ def _card(i: int, gpu: GpuSpec, weights: int, runs: bool, per_phase: list[tuple[
 
 
 def device_map_needs(spec: ModelSpec, s: Settings, split, gpus: list[GpuSpec]) -> tuple[CardNeed, ...]:
-    """Each card's need under the :class:`~vramguard.multigpu.devicemap.DeviceSplit` ``split``."""
+    """Each card's need under the :class:`~vramguard.plan.multigpu.devicemap.DeviceSplit` ``split``."""
     per_phase: list[list[tuple[str, int, int, int]]] = [[] for _ in gpus]
     for phase, past, chunk in phases(s):
         kv_layers = kv_per_layer(spec, s, past + chunk, in_prefill_chunk=chunk if phase == "prefill" else 0)
@@ -204,7 +204,7 @@ def device_map_needs(spec: ModelSpec, s: Settings, split, gpus: list[GpuSpec]) -
 def rank_spec(spec: ModelSpec, shards) -> ModelSpec:
     """The model as one tensor-parallel rank computes it: query and KV heads, and the MLP intermediate (dense,
     experts, shared expert), divided as rank 0 holds them (the largest shard, ``ceil(n / tp)``)."""
-    from vramguard.multigpu.tensorparallel import chunk_size
+    from vramguard.plan.multigpu.tensorparallel import chunk_size
     tp = shards.tp
     changes: dict = {}
     if shards.heads_sharded:
@@ -217,7 +217,7 @@ def rank_spec(spec: ModelSpec, shards) -> ModelSpec:
 
 
 def tp_needs(spec: ModelSpec, s: Settings, shards, gpus: list[GpuSpec]) -> tuple[CardNeed, ...]:
-    """Each rank's need under tensor parallelism (:class:`~vramguard.multigpu.tensorparallel.TpShards`): rank ``r``
+    """Each rank's need under tensor parallelism (:class:`~vramguard.plan.multigpu.tensorparallel.TpShards`): rank ``r``
     on card ``r``. A generic architecture's KV is divided by ``tp`` (its cache tensors keep heads on one dim) and its
     activations are kept whole (an upper bound)."""
     rs = spec if spec.generic else rank_spec(spec, shards)
