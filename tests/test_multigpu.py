@@ -29,12 +29,22 @@ HAND = {
     "mixtral": dict(model_type="mixtral", num_local_experts=4, num_experts_per_tok=2, **SMALL),
     "phi3": dict(model_type="phi3", pad_token_id=0, **SMALL),
 }
+MORE_HAND = {  # the other hand-written families, for the torch-free split
+    "mistral": dict(model_type="mistral", sliding_window=None, **SMALL),
+    "gemma": dict(model_type="gemma", head_dim=16, **SMALL),
+    "gemma3_text": dict(model_type="gemma3_text", head_dim=16, sliding_window=32,
+                        **{**SMALL, "num_hidden_layers": 6}),  # 5 sliding layers, then a full one
+    "qwen2_moe": dict(model_type="qwen2_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=48, **SMALL),
+    "qwen3_moe": dict(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                      head_dim=16, **SMALL),
+}
 GENERIC = ("gpt2", "olmoe", "falcon", "deepseek_v2")
 
 
 def _spec(name: str):
-    if name in HAND:
-        return spec_from_config(HAND[name], name=name)
+    if name in HAND or name in MORE_HAND:
+        return spec_from_config({**HAND, **MORE_HAND}[name], name=name)
     return spec_from_config({"model_type": name, **ARCHS[name]}, name=name)
 
 
@@ -271,3 +281,25 @@ def test_a_card_given_nothing_needs_nothing():
                   gpus=[gpu_from_vram("8GiB")] * 2, solve=False)
     c0, c1 = p.cards
     assert c0.layers == (0, 1) and c1.need_bytes == 0 and c1.phase == "unused" and p.fits
+
+
+@pytest.mark.parametrize("quant", ["bf16", "nf4"])
+@pytest.mark.parametrize("name", [*HAND, *MORE_HAND, "llama-3.1-8b", "gemma-2-9b", "mixtral-8x7b", "qwen2.5-7b",
+                                  "phi-3-mini-4k"])
+def test_torch_free_split_equals_transformers(name, quant):
+    """The layer-wise split a hand family gets without torch (its module tree sized from the spec, transformers'
+    placement rule ported) is transformers' own on the meta model: the device map, the bytes per card (raw and as
+    held), the layers per card, for cards of 90%/80%, 60%/60% and 55%/30% of the model (splits, offloads)."""
+    from vramguard.plan.multigpu.devicemap import _split
+    from vramguard.plan.multigpu.layerwise import layerwise_split
+    from vramguard.resolve import resolve_model
+    spec = _spec(name) if name in HAND or name in MORE_HAND else resolve_model(name)
+    s = Settings(quant=quant)
+    whole = _split(spec, s, (2**60, 2**60))
+    total = sum(whole.raw_bytes)
+    for a, b in ((0.9, 0.8), (0.6, 0.6), (0.55, 0.3)):
+        mm = (int(total * a), int(total * b))
+        ref, mine = _split(spec, s, mm), layerwise_split(spec, s, mm)
+        assert mine.device_map == ref.device_map, (a, b)
+        assert (mine.raw_bytes, mine.weight_bytes, mine.layers) == (ref.raw_bytes, ref.weight_bytes, ref.layers)
+        assert (mine.input_card, mine.output_card, mine.offloaded) == (ref.input_card, ref.output_card, ref.offloaded)

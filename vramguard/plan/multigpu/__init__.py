@@ -81,8 +81,9 @@ def plan_gpus(model: str | ModelSpec, settings: Settings | None = None, *, gpus:
     """
     from vramguard.plan.planner import check_context
     from vramguard.resolve import resolve_model
-    _require_libraries()
     spec = model if isinstance(model, ModelSpec) else resolve_model(model)
+    if tp is not None or spec.generic:  # a hand family's device_map split also runs without them
+        _require_libraries()
     s = settings or Settings()
     check_context(spec, s)
     check_cards(gpus, tp)

@@ -41,7 +41,8 @@ class DeviceSplit:
             transformers' ``compute_module_sizes`` counts them).
         layers: per card, the indices of the decoder layers it holds (a layer's KV cache lives with it).
         input_card, output_card: the cards of the input embeddings and of the output embeddings (``lm_head``).
-        offloaded: modules placed on the CPU or disk (they did not fit the cards), with their unrounded bytes.
+        offloaded: entries of the device map placed on the CPU or disk (they did not fit the cards), with their
+            unrounded bytes.
         max_memory: the ``max_memory`` handed to transformers (bytes per card).
         no_split: the model's ``_no_split_modules``.
     """
@@ -57,16 +58,21 @@ class DeviceSplit:
     no_split: tuple[str, ...]
 
 
-def device_of(name: str, device_map: dict[str, int | str]) -> int | str:
-    """The device of tensor or module ``name`` in ``device_map``: that of its longest prefix (accelerate's rule)."""
-    best, where = -1, None
-    for key, dev in device_map.items():
-        if key == "" or name == key or name.startswith(key + "."):
-            if len(key) > best:
-                best, where = len(key), dev
-    if where is None:
+def map_key(name: str, device_map: dict[str, int | str]) -> str:
+    """The entry of ``device_map`` that places tensor or module ``name``: its longest prefix (accelerate's rule;
+    ``""`` is the whole model). Raises KeyError when none does."""
+    best = None
+    for key in device_map:
+        if (key == "" or name == key or name.startswith(key + ".")) and (best is None or len(key) > len(best)):
+            best = key
+    if best is None:
         raise KeyError(name)
-    return where
+    return best
+
+
+def device_of(name: str, device_map: dict[str, int | str]) -> int | str:
+    """The device of tensor or module ``name`` in ``device_map`` (see :func:`map_key`)."""
+    return device_map[map_key(name, device_map)]
 
 
 @contextlib.contextmanager
@@ -136,24 +142,39 @@ def _decoder_layers(model) -> list[str]:
     return [n for n, m in model.named_modules() if type(m).__name__ in no_split and n.rsplit(".", 1)[-1].isdigit()]
 
 
-def _tensor_bytes(t, s: Settings) -> tuple[int, int]:
-    """(allocator-rounded bytes, unrounded bytes as transformers counts them) of one TensorInfo."""
+def _tensor_bytes(t, s: Settings, converted: frozenset[str]) -> tuple[int, int]:
+    """(allocator-rounded bytes, unrounded bytes as transformers counts them when it splits) of one TensorInfo: a
+    converted weight at half a byte (4-bit) or one byte (8-bit) per value, a converted layer's bias in float32 (as
+    bitsandbytes creates it on the meta model; it is loaded in the model dtype)."""
     if t.kind == "quantized":
         w, state = quantized_tensor_bytes(t.numel, t.dtype, s.double_quant, t.out_features)
         return w + state, t.numel // 2 if t.dtype != "int8" else t.numel
+    if t.name.endswith(".bias") and t.name.rsplit(".", 1)[0] in converted:
+        return rounded(t.nbytes), t.numel * 4
     return rounded(t.nbytes), t.nbytes
 
 
 def split_weights(spec, s: Settings, max_memory_bytes: tuple[int, ...]) -> DeviceSplit:
     """The device map of ``spec`` loaded with ``s`` over cards with ``max_memory_bytes`` each, and the bytes each
     card holds (see :class:`DeviceSplit`). Host memory is unbounded: modules that fit no card go to ``"cpu"``.
+    Without torch, a hand-written family is split by :mod:`vramguard.plan.multigpu.layerwise` (the same rule).
 
     Raises:
         NotPlannable: see :func:`meta_model_as_loaded`.
     """
     weights_only = Settings(quant=s.quant, double_quant=s.double_quant, compute_dtype=s.compute_dtype,
                             dtype=s.dtype)
-    return _split(spec, weights_only, tuple(int(b) for b in max_memory_bytes))
+    mm = tuple(int(b) for b in max_memory_bytes)
+    if not spec.generic and not libraries_present():
+        from vramguard.plan.multigpu.layerwise import layerwise_split
+        return layerwise_split(spec, weights_only, mm)
+    return _split(spec, weights_only, mm)
+
+
+def libraries_present() -> bool:
+    """torch, transformers and accelerate are importable (the split is then taken from them)."""
+    import importlib.util
+    return all(importlib.util.find_spec(p) is not None for p in ("torch", "transformers", "accelerate"))
 
 
 @lru_cache(maxsize=16)
@@ -166,12 +187,14 @@ def _split(spec, s: Settings, max_memory: tuple[int, ...]) -> DeviceSplit:
     n = len(max_memory)
     weights, raw = [0] * n, [0] * n
     offloaded: dict[str, int] = {}
-    for t in structure_of(spec, s).tensors:
+    st = structure_of(spec, s)
+    converted = frozenset(st.quantized_modules)
+    for t in st.tensors:
         dev = device_of(t.name, dmap)
-        rb, ub = _tensor_bytes(t, s)
+        rb, ub = _tensor_bytes(t, s, converted)
         if dev in OFF_GPU:
-            mod = next((k for k in dmap if t.name == k or t.name.startswith(k + ".")), t.name)
-            offloaded[mod] = offloaded.get(mod, 0) + ub
+            key = map_key(t.name, dmap)
+            offloaded[key] = offloaded.get(key, 0) + ub
             continue
         weights[int(dev)] += rb
         raw[int(dev)] += ub
