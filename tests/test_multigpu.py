@@ -303,3 +303,25 @@ def test_torch_free_split_equals_transformers(name, quant):
         assert mine.device_map == ref.device_map, (a, b)
         assert (mine.raw_bytes, mine.weight_bytes, mine.layers) == (ref.raw_bytes, ref.weight_bytes, ref.layers)
         assert (mine.input_card, mine.output_card, mine.offloaded) == (ref.input_card, ref.output_card, ref.offloaded)
+
+
+def test_without_torch_a_hand_family_is_split_and_planned_the_same():
+    """The same plan in a process where torch, transformers and accelerate cannot be imported."""
+    import subprocess
+    import sys
+    from vramguard.plan.multigpu import plan_gpus
+    code = ("import sys, json\n"
+            "for m in ('torch', 'transformers', 'accelerate'): sys.modules[m] = None\n"
+            "from vramguard.hardware import gpu_from_vram\n"
+            "from vramguard.plan.multigpu import plan_gpus\n"
+            "from vramguard.settings import Settings\n"
+            "p = plan_gpus('llama-3.1-8b', Settings(quant='bf16', prompt_tokens=4096), "
+            "gpus=[gpu_from_vram('40GiB'), gpu_from_vram('12GiB')])\n"
+            "print(json.dumps([[c.weights_bytes, c.kv_cache_bytes, c.need_bytes] for c in p.cards] "
+            "+ [p.limit_card, p.max_prompt_tokens]))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    p = plan_gpus("llama-3.1-8b", Settings(quant="bf16", prompt_tokens=4096),
+                  gpus=[gpu_from_vram("40GiB"), gpu_from_vram("12GiB")])
+    assert json.loads(r.stdout) == [[c.weights_bytes, c.kv_cache_bytes, c.need_bytes] for c in p.cards] + [
+        p.limit_card, p.max_prompt_tokens]

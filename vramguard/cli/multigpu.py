@@ -13,6 +13,22 @@ def wants_cards(gpus: int | None, tp: int | None, gpu: str | None, vram: str | N
     return gpus is not None or tp is not None or "," in (gpu or "") or "," in (vram or "")
 
 
+def defaults_card(gpu: str | None) -> str | None:
+    """The card whose defaults (attention, dtype) the run takes: of several named, the one of the lowest compute
+    capability (the whole model runs on each card's kernels). None when no card is named; an unknown name is
+    returned as given (its error comes with the cards)."""
+    if not gpu or "," not in gpu:
+        return gpu
+    from vramguard.errors import UnknownGpu
+    from vramguard.hardware import gpu_from_catalog
+    names = [p.strip() for p in gpu.split(",") if p.strip()]
+    try:
+        cards = [gpu_from_catalog(n) for n in names]
+    except UnknownGpu:
+        return names[0] if names else None
+    return min(zip(cards, names), key=lambda cn: tuple(cn[0].compute_capability or (99, 0)))[1]
+
+
 def _items(text: str, flag: str) -> list[str]:
     parts = [p.strip() for p in text.split(",")]
     if any(not p for p in parts):

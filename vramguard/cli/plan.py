@@ -55,13 +55,12 @@ def plan(
         _print_catalog(list_models, list_gpus)
         return
 
-    from vramguard.cli.multigpu import wants_cards
+    from vramguard.cli.multigpu import defaults_card, wants_cards
     several = wants_cards(gpus, tp, gpu, vram)
 
     def build():
         from vramguard.hardware import card_defaults
-        first_gpu = gpu.split(",")[0].strip() if gpu else gpu  # the defaults of the first card named
-        chosen_attn, chosen_dtype, notes = card_defaults(first_gpu or None, attn.value if attn else None,
+        chosen_attn, chosen_dtype, notes = card_defaults(defaults_card(gpu), attn.value if attn else None,
                                                          dtype.value if dtype else None, compute_dtype is not None)
         for note in notes:
             say(note)

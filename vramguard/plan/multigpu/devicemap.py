@@ -173,8 +173,13 @@ def split_weights(spec, s: Settings, max_memory_bytes: tuple[int, ...]) -> Devic
 
 def libraries_present() -> bool:
     """torch, transformers and accelerate are importable (the split is then taken from them)."""
-    import importlib.util
-    return all(importlib.util.find_spec(p) is not None for p in ("torch", "transformers", "accelerate"))
+    try:
+        import accelerate  # noqa: F401
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 @lru_cache(maxsize=16)
