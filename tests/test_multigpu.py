@@ -325,3 +325,17 @@ def test_without_torch_a_hand_family_is_split_and_planned_the_same():
                   gpus=[gpu_from_vram("40GiB"), gpu_from_vram("12GiB")])
     assert json.loads(r.stdout) == [[c.weights_bytes, c.kv_cache_bytes, c.need_bytes] for c in p.cards] + [
         p.limit_card, p.max_prompt_tokens]
+
+
+@pytest.mark.parametrize("args", [("--vram", "40GiB,12GiB"), ("--gpus", "2", "--gpu", "rtx-4090", "--tp", "2"),
+                                  ("--gpu", "t4,a100-80gb")])
+def test_the_card_table_fits_80_columns(args):
+    from typer.testing import CliRunner
+
+    from vramguard.cli import app
+    r = CliRunner().invoke(app, ["plan", "llama-3.1-8b", "--quant", "bf16", *args], env={"COLUMNS": "80"})
+    assert r.exit_code == 0, r.output
+    lines = r.output.splitlines()
+    assert all(len(line) <= 80 and line == line.rstrip() for line in lines), max(lines, key=len)
+    rows = [line for line in lines if line.split()[:1] in (["0"], ["1"])]
+    assert len(rows) == 2 and all(len(row.split()) >= 9 for row in rows), rows  # each card on one line
