@@ -86,3 +86,28 @@ def test_gateway_metrics_follow_the_queue_and_the_kv_pool(folder):
     finally:
         e.before_step = None
         s.stop()
+
+
+def test_a_pod_of_several_workers_reports_them_as_one_server():
+    """``serve --gpus 0,1``: the front process's /metrics sums its healthy workers' queues and KV blocks (from their
+    /health), so the gateway sees one model server: 3 + 1 waiting, (5 - 3) + (2 - 1) running, (6 + 2) / (20 + 20)
+    of the blocks held; a worker that is down is left out."""
+    import asyncio
+
+    from vramguard.serve.router import Worker, _Router
+    stats = [dict(model="m", waiting=3, in_flight=5, kv_blocks_used=6, kv_blocks_total=20, kv_page_size=16),
+             dict(model="m", waiting=1, in_flight=2, kv_blocks_used=2, kv_blocks_total=20, kv_page_size=16),
+             dict(model="m", waiting=9, in_flight=9, kv_blocks_used=9, kv_blocks_total=9, kv_page_size=16)]
+    workers = [Worker(n, f"http://127.0.0.1:{9 + i}", stats=st, healthy=i < 2) for i, (n, st) in
+               enumerate(zip("abc", stats))]
+    router = _Router(workers)
+    try:
+        body = asyncio.run(router.metrics()).body.decode()
+    finally:
+        asyncio.run(router.client.aclose())
+    m = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in body.splitlines()
+         if line and not line.startswith("#")}
+    assert m['vllm:num_requests_waiting{model_name="m"}'] == 4
+    assert m['vllm:num_requests_running{model_name="m"}'] == 3
+    assert m['vllm:kv_cache_usage_perc{model_name="m"}'] == 8 / 40
+    assert m['vllm:cache_config_info{block_size="16",num_gpu_blocks="40"}'] == 1

@@ -64,35 +64,7 @@ class Metrics:
                                  registry=r)
         self.running = Gauge("vramguard_requests_in_flight", "Admitted requests not finished", registry=r)
         self._engine_stats = engine_stats
-        self._gateway_gauges(r)
-
-    def _gateway_gauges(self, r: CollectorRegistry) -> None:
-        """The Model Server Protocol's metrics under vLLM's names (see the module docstring)."""
-        label = ["model_name"]
-        self.gw_waiting = Gauge("vllm:num_requests_waiting", "Requests in the queue: admitted, no token yet "
-                                "(Model Server Protocol: TotalQueuedRequests)", label, registry=r)
-        self.gw_running = Gauge("vllm:num_requests_running", "Requests being served: admitted, generating "
-                                "(Model Server Protocol: TotalRunningRequests)", label, registry=r)
-        self.gw_kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage, 1 means 100 percent: blocks held / "
-                                 "blocks in the pool (Model Server Protocol: KVCacheUtilization)", label, registry=r)
-        self.gw_kv_usage_old = Gauge("vllm:gpu_cache_usage_perc", "The same as vllm:kv_cache_usage_perc (the name "
-                                     "of earlier vLLM and endpoint-picker releases)", label, registry=r)
-        self.gw_cache_info = Gauge("vllm:cache_config_info", "The KV pool: tokens per block and blocks (Model "
-                                   "Server Protocol: BlockSize, NumGPUBlocks)", ["block_size", "num_gpu_blocks"],
-                                   registry=r)
-
-    def _set_gateway(self, s: dict) -> None:
-        """The protocol's gauges from :meth:`vramguard.serve.engine.Engine.stats`."""
-        name = self.model_name or "vramguard"
-        waiting = s["waiting"]
-        self.gw_waiting.labels(name).set(waiting)
-        self.gw_running.labels(name).set(max(s["in_flight"] - waiting, 0))
-        total = s["kv_blocks_total"]
-        usage = min(s["kv_blocks_used"] / total, 1.0) if total else 0.0
-        self.gw_kv_usage.labels(name).set(usage)
-        self.gw_kv_usage_old.labels(name).set(usage)
-        self.gw_cache_info.clear()  # the engine may make fewer blocks than planned: one series, the current one
-        self.gw_cache_info.labels(str(s.get("kv_page_size", 0)), str(total)).set(1)
+        self.gateway = GatewayGauges(r)
 
     def render(self, device=None) -> bytes:
         """Refresh the gauges and return the text exposition format."""
@@ -110,5 +82,45 @@ class Metrics:
             self.kv_blocks_total.set(s["kv_blocks_total"])
             self.queue_depth.set(s["waiting"])
             self.running.set(s["in_flight"])
-            self._set_gateway(s)
+            self.gateway.set(s, self.model_name or "vramguard")
         return generate_latest(self.registry)
+
+
+class GatewayGauges:
+    """The Model Server Protocol's gauges under vLLM's names (see the module docstring), in ``registry``."""
+
+    def __init__(self, registry: CollectorRegistry):
+        label = ["model_name"]
+        self.waiting = Gauge("vllm:num_requests_waiting", "Requests in the queue: admitted, no token yet "
+                             "(Model Server Protocol: TotalQueuedRequests)", label, registry=registry)
+        self.running = Gauge("vllm:num_requests_running", "Requests being served: admitted, generating "
+                             "(Model Server Protocol: TotalRunningRequests)", label, registry=registry)
+        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage, 1 means 100 percent: blocks held / "
+                              "blocks in the pool (Model Server Protocol: KVCacheUtilization)", label,
+                              registry=registry)
+        self.kv_usage_old = Gauge("vllm:gpu_cache_usage_perc", "The same as vllm:kv_cache_usage_perc (the name of "
+                                  "earlier vLLM and endpoint-picker releases)", label, registry=registry)
+        self.cache_info = Gauge("vllm:cache_config_info", "The KV pool: tokens per block and blocks (Model Server "
+                                "Protocol: BlockSize, NumGPUBlocks)", ["block_size", "num_gpu_blocks"],
+                                registry=registry)
+
+    def set(self, s: dict, model_name: str) -> None:
+        """The gauges from :meth:`vramguard.serve.engine.Engine.stats` (or :func:`combined_stats` of several)."""
+        waiting = s.get("waiting", 0)
+        self.waiting.labels(model_name).set(waiting)
+        self.running.labels(model_name).set(max(s.get("in_flight", 0) - waiting, 0))
+        total = s.get("kv_blocks_total", 0)
+        usage = min(s.get("kv_blocks_used", 0) / total, 1.0) if total else 0.0
+        self.kv_usage.labels(model_name).set(usage)
+        self.kv_usage_old.labels(model_name).set(usage)
+        self.cache_info.clear()  # the engine may make fewer blocks than planned: one series, the current one
+        self.cache_info.labels(str(s.get("kv_page_size", 0)), str(total)).set(1)
+
+
+def combined_stats(stats: list[dict]) -> dict:
+    """The counts of several engines as one server's (a pod of ``serve --gpus 0,1``): requests and KV blocks
+    summed, so the KV usage is all blocks held over all blocks; the block size of the first."""
+    keys = ("waiting", "in_flight", "kv_blocks_used", "kv_blocks_total")
+    out = {k: sum(int(s.get(k, 0)) for s in stats) for k in keys}
+    out["kv_page_size"] = next((s["kv_page_size"] for s in stats if s.get("kv_page_size")), 0)
+    return out
