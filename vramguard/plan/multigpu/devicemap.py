@@ -44,7 +44,8 @@ class DeviceSplit:
         offloaded: entries of the device map placed on the CPU or disk (they did not fit the cards), with their
             unrounded bytes.
         max_memory: the ``max_memory`` handed to transformers (bytes per card).
-        no_split: the model's ``_no_split_modules``.
+        no_split: the model's ``_no_split_modules`` (empty from the torch-free split, whose only unsplit modules
+            are the decoder layers).
     """
 
     device_map: dict[str, int | str]

@@ -234,4 +234,4 @@ def layerwise_split(spec, s: Settings, max_memory_bytes: tuple[int, ...]):
             layers[dev].append(int(u.name.rsplit(".", 1)[1]))
     return DeviceSplit(dmap, tuple(weights), tuple(raw), tuple(tuple(x) for x in layers),
                        device_of("model.embed_tokens", dmap), device_of("lm_head", dmap), offloaded,
-                       tuple(int(b) for b in max_memory_bytes), (f"{type(spec).__name__}: decoder layer",))
+                       tuple(int(b) for b in max_memory_bytes), ())
