@@ -339,3 +339,34 @@ def test_the_card_table_fits_80_columns(args):
     assert all(len(line) <= 80 and line == line.rstrip() for line in lines), max(lines, key=len)
     rows = [line for line in lines if line.split()[:1] in (["0"], ["1"])]
     assert len(rows) == 2 and all(len(row.split()) >= 9 for row in rows), rows  # each card on one line
+
+
+@pytest.mark.parametrize("name,s", [
+    ("llama-3.1-8b", Settings(quant="bf16", prompt_tokens=8192)),
+    ("llama-3.1-8b", Settings(quant="nf4", prompt_tokens=4096, logits="all")),
+    ("gemma-2-9b", Settings(quant="bf16", prompt_tokens=4096, attn="sdpa")),
+    ("qwen2.5-7b", Settings(quant="nf4", prompt_tokens=1000, max_new_tokens=500, batch=4))])
+def test_every_layer_on_one_card_needs_what_the_single_card_plan_says(name, s):
+    """``sequential`` with room on the first card only: it holds every layer, the second nothing, and its need is the
+    single-card plan's ``generate`` need, up to the rotary (and Gemma's embed_scale) buffers that the split counts
+    from transformers' own tensors (2 x 512 B rounded, 3 x for Gemma) and the hand weight model leaves out."""
+    from vramguard.plan import estimate
+    from vramguard.plan.multigpu import plan_gpus
+    from vramguard.resolve import resolve_model
+    spec = resolve_model(name)
+    p = plan_gpus(spec, s, gpus=[gpu_from_vram("400GiB"), gpu_from_vram("10GiB")],
+                  max_memory=(300 * 2**30, 2**30), device_map="sequential", solve=False)
+    assert p.cards[0].layers == tuple(range(spec.num_layers)) and p.cards[1].need_bytes == 0
+    assert 0 <= p.cards[0].need_bytes - estimate(spec, s).generate_device_bytes <= 3 * 512
+
+
+def test_when_a_card_is_short_and_another_has_room_the_fix_is_a_max_memory_that_fits():
+    from vramguard.plan.multigpu import plan_gpus
+    s = Settings(quant="nf4", prompt_tokens=8192)
+    cards = [gpu_from_vram("48GiB"), gpu_from_vram("24GiB")]
+    p = plan_gpus("llama-3.1-70b", s, gpus=cards)
+    assert not p.fits and p.limit_card == 1 and p.fix is not None and p.fix.device_map == "sequential"
+    again = plan_gpus("llama-3.1-70b", s, gpus=cards, max_memory=p.fix.max_memory_bytes, device_map="sequential",
+                      solve=False)
+    assert again.fits and [c.need_bytes for c in again.cards] == [c.need_bytes for c in p.fix.cards]
+    assert all(b % 2**20 == 0 for b in p.fix.max_memory_bytes)  # whole MiB, as printed

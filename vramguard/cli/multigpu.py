@@ -3,9 +3,31 @@
 
 from __future__ import annotations
 
+import typer
+
 from vramguard.catalog.gpus import GpuSpec
 from vramguard.errors import InvalidValue
 from vramguard.units import fmt_gib
+
+
+def gpus_option():
+    return typer.Option(None, "--gpus", help="cards used together by one process: device_map='auto' across them "
+                        "(--gpu/--vram: one card, or one per card)")
+
+
+def tp_option():
+    return typer.Option(None, "--tp", help="tensor parallelism: transformers' tp_plan='auto' over this many cards, "
+                        "one rank each")
+
+
+def device_map_option():
+    return typer.Option("auto", "--device-map", help="with several cards: auto (balanced, transformers' default) or "
+                        "sequential")
+
+
+def max_memory_option():
+    return typer.Option(None, "--max-memory", help="with several cards: from_pretrained's max_memory per card, e.g. "
+                        "30GiB,10GiB (default: each card's free memory)")
 
 
 def wants_cards(gpus: int | None, tp: int | None, gpu: str | None, vram: str | None) -> bool:
@@ -75,13 +97,29 @@ def resolve_cards(gpus: int | None, tp: int | None, gpu: str | None, vram: str |
     return list(det.gpus[:count])
 
 
-def plan_cards(model: str, s, gpus: int | None, tp: int | None, gpu: str | None, vram: str | None,
-               context: int | None):
-    """The :class:`~vramguard.plan.multigpu.MultiGpuPlan` of the command's options (``context`` as ``plan`` applies it)."""
+def plan_cards(model: str, s, cards: tuple, context: int | None, device_map: str, max_memory: str | None):
+    """The :class:`~vramguard.plan.multigpu.MultiGpuPlan` of the command's options: ``cards`` is
+    ``(--gpus, --tp, --gpu, --vram)``; ``context`` as ``plan`` applies it.
+
+    Raises:
+        InvalidValue: see :func:`resolve_cards`; ``--max-memory`` not one size or one per card.
+    """
     from vramguard.plan.multigpu import plan_gpus
     from vramguard.plan.planner import plan as plan_one
+    from vramguard.units import parse_size
+    gpus, tp, gpu, vram = cards
+    if gpus is None and tp is None and max_memory and "," in max_memory and "," not in (gpu or "") + (vram or ""):
+        gpus = len(max_memory.split(","))  # as many cards as sizes given
+    found = resolve_cards(gpus, tp, gpu, vram)
+    mm = None
+    if max_memory is not None:
+        mm = [parse_size(x, "--max-memory", "30GiB") for x in _items(max_memory, "--max-memory")]
+        mm = mm * len(found) if len(mm) == 1 else mm
+        if len(mm) != len(found):
+            raise InvalidValue("--max-memory", max_memory, f"one size, or {len(found)} (one per card)",
+                               f"name {len(found)} sizes, e.g. --max-memory " + ",".join(["20GiB"] * len(found)))
     spec = plan_one(model, s, gpus=[], solve=False, context=context).model if context else model
-    return plan_gpus(spec, s, gpus=resolve_cards(gpus, tp, gpu, vram), tp=tp)
+    return plan_gpus(spec, s, gpus=found, tp=tp, max_memory=mm, device_map=device_map)
 
 
 def emit(p, as_json: bool, exit_code: bool) -> None:
@@ -105,6 +143,9 @@ def plan_to_json(p) -> dict:
     out = {"model": p.model.name, "settings": p.settings.as_dict(), "layout": p.layout, "fits": p.fits,
            "limit_card": p.limit_card, "max_prompt_tokens": p.max_prompt_tokens,
            "cards": [{**to_jsonable(c), "gpu": to_jsonable(c.gpu)} for c in p.cards], "notes": p.notes}
+    out["fix"] = None if p.fix is None else {
+        "device_map": p.fix.device_map, "max_memory_bytes": list(p.fix.max_memory_bytes),
+        "layers": [list(x) for x in p.fix.layers], "need_bytes": [c.need_bytes for c in p.fix.cards]}
     if p.layout == "tp":
         out["tp"] = {"ranks": split.tp, "kv_heads_per_rank": split.kv_heads_per_rank, "plan": split.plan,
                      "replicated": list(split.replicated), "weight_bytes": list(split.weight_bytes)}
@@ -158,5 +199,19 @@ def print_plan(p, out) -> None:
                   f"{p.max_prompt_tokens:,} tokens")
     else:
         out.print("no prompt fits every card with these settings")
+    if p.fix is not None:
+        out.print(fix_text(p.fix))
     for note in p.notes:
         out.print(f"note: {note}")
+
+
+def fix_text(fix) -> str:
+    """The fix as the arguments to pass, and where the layers then go."""
+    from vramguard.units import MiB
+    mm = ", ".join(f"{i}: '{b // MiB}MiB'" for i, b in enumerate(fix.max_memory_bytes))
+    where = "; ".join(f"card {i}: " + (f"layers {ls[0]}-{ls[-1]}" if ls else "no layer")
+                      + f", needs {fmt_gib(c.need_bytes)} of {fmt_gib(c.usable_bytes)}"
+                      for i, (ls, c) in enumerate(zip(fix.layers, fix.cards)))
+    return (f"fix: from_pretrained(..., device_map='{fix.device_map}', max_memory={{{mm}}}) fits every card "
+            f"({where}); check it with --device-map {fix.device_map} --max-memory "
+            + ",".join(f"{b // MiB}MiB" for b in fix.max_memory_bytes))

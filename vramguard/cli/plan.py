@@ -9,6 +9,7 @@ import typer
 from vramguard.cli.common import run_guarded, say, write_json
 from vramguard.cli.options import (Attn, Cache, Dtype, Format, KvDtype, Logits, Quant, batch_option, format_option,
                                    max_new_tokens_option, prompt_tokens_option, quant_option)
+from vramguard.cli.multigpu import device_map_option, gpus_option, max_memory_option, tp_option
 from vramguard.cli.render import console
 
 
@@ -35,12 +36,12 @@ def plan(
     do_sample: bool = typer.Option(False, help="sampling (allows --num-return-sequences > 1 without beams)"),
     context: Optional[int] = typer.Option(None, help="context length to allow (RoPE-scaled models beyond config)"),
     gpu: Optional[str] = typer.Option(None, help="a catalog card (see --list-gpus)"),
-    vram: Optional[str] = typer.Option(None, help="card memory, e.g. 24GiB, 24GB, 24000MiB; several cards used "
-                                       "together: 24GiB,16GiB"),
-    gpus: Optional[int] = typer.Option(None, "--gpus", help="cards used together by one process: "
-                                       "device_map='auto' across them (--gpu/--vram: one card or one per card)"),
-    tp: Optional[int] = typer.Option(None, "--tp", help="tensor parallelism: transformers' tp_plan='auto' over "
-                                     "this many cards, one rank each"),
+    vram: Optional[str] = typer.Option(None, help="card memory, e.g. 24GiB, 24GB, 24000MiB (cards used together: "
+                                       "24GiB,16GiB)"),
+    gpus: Optional[int] = gpus_option(),
+    tp: Optional[int] = tp_option(),
+    device_map: str = device_map_option(),
+    max_memory: Optional[str] = max_memory_option(),
     fmt: Format = format_option(),
     list_models: bool = typer.Option(False, "--list-models", help="list the catalog architectures and exit"),
     list_gpus: bool = typer.Option(False, "--list-gpus", help="list the catalog cards and exit"),
@@ -56,7 +57,7 @@ def plan(
         return
 
     from vramguard.cli.multigpu import defaults_card, wants_cards
-    several = wants_cards(gpus, tp, gpu, vram)
+    several = wants_cards(gpus, tp, gpu, vram) or max_memory is not None or device_map != "auto"
 
     def build():
         from vramguard.hardware import card_defaults
@@ -77,7 +78,7 @@ def plan(
                      output_attentions=output_attentions, padded=padded, do_sample=do_sample)
         if several:
             from vramguard.cli.multigpu import plan_cards
-            return plan_cards(model, s, gpus, tp, gpu, vram, context)
+            return plan_cards(model, s, (gpus, tp, gpu, vram), context, device_map, max_memory)
         return plan_fn(model, s, gpu=gpu, vram=vram, context=context)
 
     p = run_guarded(build, as_json=fmt == Format['json'])

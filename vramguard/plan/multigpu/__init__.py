@@ -12,11 +12,12 @@ from dataclasses import replace
 from vramguard.catalog.gpus import GpuSpec
 from vramguard.errors import InvalidValue
 from vramguard.memory.runtime import CUDA_CONTEXT_BYTES
-from vramguard.plan.multigpu.cards import (CardNeed, MultiGpuPlan, check_cards, device_map_needs, tp_needs)
+from vramguard.plan.multigpu.cards import (CardNeed, MaxMemoryFix, MultiGpuPlan, check_cards, device_map_needs,
+                                           tp_needs)
 from vramguard.settings import Settings
 from vramguard.spec import ModelSpec
 
-__all__ = ["CardNeed", "MultiGpuPlan", "plan_gpus", "default_max_memory"]
+__all__ = ["CardNeed", "MaxMemoryFix", "MultiGpuPlan", "default_max_memory", "fix_max_memory", "plan_gpus"]
 
 NCCL_NOTE = ("not counted: NCCL's communicator buffers on each rank (allocated outside PyTorch's allocator, "
              "typically a few hundred MiB)")
@@ -57,7 +58,8 @@ def _largest_prompt(spec: ModelSpec, s: Settings, split, gpus: list[GpuSpec], la
 
 
 def plan_gpus(model: str | ModelSpec, settings: Settings | None = None, *, gpus: list[GpuSpec], tp: int | None = None,
-              max_memory: list[int] | tuple[int, ...] | None = None, solve: bool = True) -> MultiGpuPlan:
+              max_memory: list[int] | tuple[int, ...] | None = None, device_map: str = "auto",
+              solve: bool = True) -> MultiGpuPlan:
     """Plan ``model`` run by one process over ``gpus`` together.
 
     Args:
@@ -67,7 +69,10 @@ def plan_gpus(model: str | ModelSpec, settings: Settings | None = None, *, gpus:
         tp: tensor parallelism over the cards (``tp_plan="auto"``, one rank per card); None: ``device_map="auto"``.
         max_memory: bytes per card handed to ``from_pretrained(max_memory=...)``; default
             :func:`default_max_memory`.
-        solve: also find the largest prompt every card fits.
+        device_map: ``auto`` (balanced over the cards, transformers' default) or ``sequential`` (each card filled
+            in turn).
+        solve: also find the largest prompt every card fits, and, when a card does not fit while others have room,
+            a ``max_memory`` under which every card fits (:func:`fix_max_memory`).
 
     Returns:
         A :class:`MultiGpuPlan`: per card weights, KV cache, activations, reserve, workspace, CUDA context, need and
@@ -101,7 +106,10 @@ def plan_gpus(model: str | ModelSpec, settings: Settings | None = None, *, gpus:
         if len(mm) != len(gpus) or any(isinstance(b, bool) or not isinstance(b, int) or b <= 0 for b in mm):
             raise InvalidValue("max_memory", list(mm), f"one positive size in bytes per card ({len(gpus)})",
                                "give as many sizes as cards")
-        split, layout = split_weights(spec, s, mm), "device_map"
+        if device_map not in ("auto", "sequential"):
+            raise InvalidValue("device_map", device_map, "auto or sequential",
+                               "pass device_map='auto' (balanced) or 'sequential'")
+        split, layout = split_weights(spec, s, mm, device_map), "device_map"
         if split.offloaded:
             notes.append(f"{len(split.offloaded)} module(s) do not fit the cards' max_memory and go to CPU RAM "
                          f"({sum(split.offloaded.values()):,} B): device_map='auto' runs them from the CPU, slowly"
@@ -109,7 +117,37 @@ def plan_gpus(model: str | ModelSpec, settings: Settings | None = None, *, gpus:
         if s.is_bnb:
             notes.append(LOAD_NOTE)
     cards = _needs(spec, s, split, gpus, layout)
-    limit = min(cards, key=lambda c: c.headroom_bytes).card
+    used = [c for c in cards if c.need_bytes] or list(cards)
+    limit = min(used, key=lambda c: c.headroom_bytes).card  # of the cards in use: the least headroom
     best = _largest_prompt(spec, s, split, gpus, layout) if solve else None
     offloaded = sum(split.offloaded.values()) if layout == "device_map" else 0
-    return MultiGpuPlan(spec, s, layout, cards, limit, best, split, notes, offloaded)
+    fits = all(c.fits for c in cards) and not offloaded
+    fix = fix_max_memory(spec, s, gpus, cards) if solve and layout == "device_map" and not fits else None
+    return MultiGpuPlan(spec, s, layout, cards, limit, best, split, notes, offloaded, device_map, fix)
+
+
+FIX_ROUNDS = 8
+
+
+def fix_max_memory(spec: ModelSpec, s: Settings, gpus: list[GpuSpec], cards) -> MaxMemoryFix | None:
+    """A ``device_map="sequential"`` ``max_memory`` under which every card fits, or None.
+
+    Each card starts with room for weights of ``usable - (need - weights)`` (what its runtime leaves), whole MiB;
+    transformers' split is taken with it, and a card still short loses that much room, up to :data:`FIX_ROUNDS`
+    times (the layers it gives up move to the next card, with their KV cache). ``auto`` cannot do this: it caps
+    every card but the last at half the model, whatever their sizes.
+    """
+    from vramguard.plan.multigpu.devicemap import split_weights
+    from vramguard.units import MiB
+    if sum(c.usable_bytes for c in cards) < sum(c.need_bytes for c in cards):
+        return None
+    room = [max(c.usable_bytes - (c.need_bytes - c.weights_bytes), 0) // MiB * MiB for c in cards]
+    for _ in range(FIX_ROUNDS):
+        if not all(room):
+            return None
+        split = split_weights(spec, s, tuple(room), "sequential")
+        needs = device_map_needs(spec, s, split, gpus)
+        if all(c.fits for c in needs) and not split.offloaded:
+            return MaxMemoryFix("sequential", tuple(room), split.layers, needs)
+        room = [r - (-(-(-c.headroom_bytes) // MiB) * MiB if not c.fits else 0) for r, c in zip(room, needs)]
+    return None

@@ -62,9 +62,20 @@ class CardNeed:
 
 
 @dataclass(frozen=True)
+class MaxMemoryFix:
+    """A ``from_pretrained(device_map=..., max_memory=...)`` under which every card fits: ``max_memory_bytes`` per
+    card (whole MiB), the layers each card then holds, and each card's need."""
+
+    device_map: str
+    max_memory_bytes: tuple[int, ...]
+    layers: tuple[tuple[int, ...], ...]
+    cards: tuple[CardNeed, ...]
+
+
+@dataclass(frozen=True)
 class MultiGpuPlan:
-    """The plan over several cards: ``layout`` is ``device_map`` or ``tp``; ``limit_card`` the card with the least
-    headroom; ``max_prompt_tokens`` the largest prompt every card fits with the same new tokens (None: none does,
+    """The plan over several cards: ``layout`` is ``device_map`` or ``tp``; ``limit_card`` the card in use with the
+    least headroom; ``max_prompt_tokens`` the largest prompt every card fits with the same new tokens (None: none does,
     or not solved); ``split`` the :class:`~vramguard.plan.multigpu.devicemap.DeviceSplit` or
     :class:`~vramguard.plan.multigpu.tensorparallel.TpShards`."""
 
@@ -77,6 +88,8 @@ class MultiGpuPlan:
     split: object
     notes: list[str] = field(default_factory=list)
     offloaded_bytes: int = 0
+    device_map: str = "auto"
+    fix: "MaxMemoryFix | None" = None
 
     @property
     def fits(self) -> bool:
@@ -135,6 +148,7 @@ class _Forward:
     logits_fp32: int
     softcap: int
     cat: int
+    inputs: int = 0  # what the input's card keeps for the whole forward: embeddings output, rotary cos/sin, masks
 
 
 def forward_parts(spec: ModelSpec, s: Settings, past: int, chunk: int) -> _Forward:
@@ -151,7 +165,19 @@ def forward_parts(spec: ModelSpec, s: Settings, past: int, chunk: int) -> _Forwa
     hidden = s.sequences * chunk * spec.hidden_size * DTYPE_BYTES[s.act_dtype]
     cat = kv_tensor_bytes(spec, s, past) if past and s.cache == "dynamic" and not spec.generic else 0
     return _Forward(layer, fp.largest_alloc, hidden, native, fp32,
-                    2 * native if spec.final_logit_softcapping else 0, cat)
+                    2 * native if spec.final_logit_softcapping else 0, cat,
+                    0 if spec.generic else _inputs_bytes(spec, s, past, chunk, hidden))
+
+
+def _inputs_bytes(spec: ModelSpec, s: Settings, past: int, chunk: int, hidden: int) -> int:
+    """The tensors of the forward's start that stay alive to its end, as the hand model's replay has them
+    (:mod:`vramguard.memory.forward`): the embeddings' output (and its scaled copy), the rotary cos/sin and the
+    attention masks."""
+    from vramguard.memory.forward import _Forward as Replay
+    r = Replay(spec, s, past, chunk, "prefill")
+    r.masks()
+    embeds = hidden * (2 if spec.scaled_embeddings else 1)
+    return embeds + 2 * s.sequences * chunk * spec.head_dim * DTYPE_BYTES[s.act_dtype] + r.t.live_bytes
 
 
 def _card(i: int, gpu: GpuSpec, weights: int, runs: bool, per_phase: list[tuple[str, int, int, int]],
@@ -186,10 +212,11 @@ def device_map_needs(spec: ModelSpec, s: Settings, split, gpus: list[GpuSpec]) -
             act = f.layer + f.cat if layers else 0
             largest = f.largest if layers else 0
             if c == split.output_card:  # lm_head's output (and, on the input's card, the float32 copy)
-                at_logits = f.hidden + f.logits + f.softcap + (f.logits_fp32 if c == split.input_card else 0)
-                act, largest = max(act, at_logits), max(largest, f.logits)
+                both = c == split.input_card
+                at_logits = f.hidden + f.logits + f.softcap + (f.logits_fp32 + f.inputs if both else 0)
+                act, largest = max(act, at_logits), max(largest, f.logits_fp32 if both else f.logits)
             elif c == split.input_card:  # the logits returned to the input's card, and generate's float32 copy
-                act, largest = max(act, f.logits + f.logits_fp32), max(largest, f.logits_fp32)
+                act, largest = max(act, f.inputs + f.logits + f.logits_fp32), max(largest, f.logits_fp32)
             kv = sum(kv_layers[i] for i in layers if i < len(kv_layers))
             per_phase[c].append((phase, kv, act, largest))
     out = []

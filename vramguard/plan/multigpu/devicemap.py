@@ -116,20 +116,21 @@ def meta_model_as_loaded(spec, s: Settings):
     return model, quantizer
 
 
-def transformers_device_map(model, quantizer, max_memory: dict) -> dict[str, int | str]:
-    """``device_map="auto"`` as ``from_pretrained`` computes it for ``max_memory`` (``_get_device_map``:
-    ``get_balanced_memory``, the quantizer's ``adjust_max_memory``, ``infer_auto_device_map``)."""
+def transformers_device_map(model, quantizer, max_memory: dict, mode: str = "auto") -> dict[str, int | str]:
+    """``device_map=mode`` (``auto`` or ``sequential``) as ``from_pretrained`` computes it for ``max_memory``
+    (``_get_device_map``: ``get_balanced_memory`` for ``auto``, the quantizer's ``adjust_max_memory``,
+    ``infer_auto_device_map``)."""
     from transformers.integrations import accelerate as hf_accelerate
 
     from vramguard.introspect.build import _quiet
     with _quiet(), _quiet_accelerate():
         if quantizer is None and hasattr(hf_accelerate, "_get_device_map"):
-            return dict(hf_accelerate._get_device_map(model, "auto", dict(max_memory), None))
+            return dict(hf_accelerate._get_device_map(model, mode, dict(max_memory), None))
         # the same steps without the quantizer's validate_environment, which refuses a split that offloads: the
         # plan reports the offload instead
-        balanced = hf_accelerate.get_balanced_memory(model, max_memory=dict(max_memory),
-                                                     no_split_module_classes=model._no_split_modules,
-                                                     hf_quantizer=quantizer)
+        balanced = dict(max_memory) if mode == "sequential" else hf_accelerate.get_balanced_memory(
+            model, max_memory=dict(max_memory), no_split_module_classes=model._no_split_modules,
+            hf_quantizer=quantizer)
         if quantizer is not None:
             balanced = quantizer.adjust_max_memory(balanced)
         return dict(hf_accelerate.infer_auto_device_map(model, max_memory=balanced,
@@ -155,9 +156,11 @@ def _tensor_bytes(t, s: Settings, converted: frozenset[str]) -> tuple[int, int]:
     return rounded(t.nbytes), t.nbytes
 
 
-def split_weights(spec, s: Settings, max_memory_bytes: tuple[int, ...]) -> DeviceSplit:
+def split_weights(spec, s: Settings, max_memory_bytes: tuple[int, ...], mode: str = "auto") -> DeviceSplit:
     """The device map of ``spec`` loaded with ``s`` over cards with ``max_memory_bytes`` each, and the bytes each
-    card holds (see :class:`DeviceSplit`). Host memory is unbounded: modules that fit no card go to ``"cpu"``.
+    card holds (see :class:`DeviceSplit`); ``mode`` is the ``device_map`` string (``auto``: balanced over the
+    cards, ``sequential``: each card filled in turn). Host memory is unbounded: modules that fit no card go to
+    ``"cpu"``.
     Without torch, a hand-written family is split by :mod:`vramguard.plan.multigpu.layerwise` (the same rule).
 
     Raises:
@@ -168,8 +171,8 @@ def split_weights(spec, s: Settings, max_memory_bytes: tuple[int, ...]) -> Devic
     mm = tuple(int(b) for b in max_memory_bytes)
     if not spec.generic and not libraries_present():
         from vramguard.plan.multigpu.layerwise import layerwise_split
-        return layerwise_split(spec, weights_only, mm)
-    return _split(spec, weights_only, mm)
+        return layerwise_split(spec, weights_only, mm, mode)
+    return _split(spec, weights_only, mm, mode)
 
 
 def libraries_present() -> bool:
@@ -184,12 +187,12 @@ def libraries_present() -> bool:
 
 
 @lru_cache(maxsize=16)
-def _split(spec, s: Settings, max_memory: tuple[int, ...]) -> DeviceSplit:
+def _split(spec, s: Settings, max_memory: tuple[int, ...], mode: str = "auto") -> DeviceSplit:
     from vramguard.introspect.generic import structure_of
     model, quantizer = meta_model_as_loaded(spec, s)
     mm: dict = {i: int(b) for i, b in enumerate(max_memory)}
     mm["cpu"] = CPU_UNBOUNDED_BYTES
-    dmap = transformers_device_map(model, quantizer, mm)
+    dmap = transformers_device_map(model, quantizer, mm, mode)
     n = len(max_memory)
     weights, raw = [0] * n, [0] * n
     offloaded: dict[str, int] = {}

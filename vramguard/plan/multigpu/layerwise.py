@@ -205,7 +205,7 @@ def _clean(dmap: dict, module: str = "") -> dict:
     return dmap
 
 
-def layerwise_split(spec, s: Settings, max_memory_bytes: tuple[int, ...]):
+def layerwise_split(spec, s: Settings, max_memory_bytes: tuple[int, ...], mode: str = "auto"):
     """The :class:`~vramguard.plan.multigpu.devicemap.DeviceSplit` of a hand-written family without torch (the
     rule of the module docstring); host memory unbounded, as :func:`~vramguard.plan.multigpu.devicemap.split_weights`
     gives it."""
@@ -213,7 +213,8 @@ def layerwise_split(spec, s: Settings, max_memory_bytes: tuple[int, ...]):
     root = model_tree(spec, s)
     mm: dict = {i: int(b) for i, b in enumerate(max_memory_bytes)}
     mm["cpu"] = CPU_UNBOUNDED_BYTES
-    mm = balanced_memory(root, mm)
+    if mode != "sequential":
+        mm = balanced_memory(root, mm)
     if s.is_bnb:
         mm = {k: v * QUANT_MAX_MEMORY for k, v in mm.items()}
     dmap = place(root, mm, spec.tie_word_embeddings)
