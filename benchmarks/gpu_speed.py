@@ -72,7 +72,8 @@ def hf_generate(model, ids, new, **kw) -> dict:
     sync(ids.device)
     total = time.perf_counter() - t0
     return {"tokens": out.sequences[0, ids.shape[1]:].tolist(), "logits": [x[0] for x in out.logits],
-            "total_s": total, "decode_ms_per_token": (c.t_last - c.t_first) * 1000 / (new - 1)}
+            "total_s": total, "decode_ms_per_token": (c.t_last - c.t_first) * 1000 / (new - 1),
+            "ttft_s": c.t_first - t0}
 
 
 def decoder_run(dec, prompt, new, keep_logits=False, **kw) -> dict:

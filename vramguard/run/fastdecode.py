@@ -73,6 +73,7 @@ class DecodeResult:
     replay_ms_per_token: float | None = None
     capture_s: float | None = None
     sdpa_note: str | None = None
+    kernels: str | None = None  # which Triton kernels ran in the decode steps (None: none), or why none did
 
 
 def graph_support(model) -> tuple[bool, str]:
@@ -100,6 +101,34 @@ def graph_support(model) -> tuple[bool, str]:
     if len(devices) > 1:
         return False, f"the model spans {', '.join(devices)}: one graph captures one device"
     return True, f"CUDA device {device}"
+
+
+def kernel_support(model) -> tuple[bool, bool, str]:
+    """Whether the decode steps can use vramguard's Triton kernels: (4-bit matmul, decode attention, reason).
+
+    The 4-bit matmul (:mod:`vramguard.kernels.nf4`) needs bitsandbytes ``Linear4bit`` layers and bitsandbytes'
+    ``gemm_4bit`` op; the decode attention (:mod:`vramguard.kernels.decode_attention`) a head_dim that is a power
+    of two of at least 16. Both need Triton on the model's device (:func:`vramguard.kernels.triton_status`).
+    """
+    import torch
+
+    from vramguard.kernels import triton_status
+    ok, why = triton_status(next(model.parameters()).device)
+    if not ok:
+        return False, False, why
+    nf4 = any(type(m).__name__ in ("Linear4bit", "LinearNF4", "LinearFP4") for m in model.modules())
+    if nf4:
+        try:
+            import bitsandbytes  # noqa: F401 -- registers its ops
+            torch.ops.bitsandbytes.gemm_4bit.default  # noqa: B018 -- present from bitsandbytes 0.50
+        except (ImportError, AttributeError, RuntimeError):
+            nf4 = False
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    attn = head_dim >= 16 and head_dim & (head_dim - 1) == 0
+    parts = [("4-bit matmul" if nf4 else "no bitsandbytes 4-bit layers to route"),
+             ("decode attention" if attn else f"head_dim {head_dim} is not a power of two >= 16")]
+    return nf4, attn, "; ".join(parts)
 
 
 def _cache_keyword(model) -> str:
@@ -190,6 +219,9 @@ class GraphDecoder:
         use_graph: False runs every step eagerly (and says so).
         warmup_steps: eager decode steps on a side stream before the capture (PyTorch's CUDA-graph notes ask for a
             warm-up on a side stream; these are real tokens, nothing is recomputed).
+        kernels: vramguard's Triton kernels in the decode steps (:func:`kernel_support`): None (default) uses them
+            when the step is captured in a CUDA graph and they apply; True in every decode step, graph or not
+            (the CPU tests, through Triton's interpreter); False never. The result's ``kernels`` says what ran.
 
     Raises:
         InvalidValue: a bad argument, an attention implementation other than sdpa/eager, or sliding-window /
@@ -197,7 +229,7 @@ class GraphDecoder:
     """
 
     def __init__(self, model, max_cache_len: int, *, prefill_chunk_tokens: int | None = None,
-                 use_graph: bool = True, warmup_steps: int = 2):
+                 use_graph: bool = True, warmup_steps: int = 2, kernels: bool | None = None):
         import torch
         from transformers import StaticCache
         for name, v, lo in (("max_cache_len", max_cache_len, 1), ("warmup_steps", warmup_steps, 0),
@@ -217,10 +249,82 @@ class GraphDecoder:
         self._pos = torch.zeros((1, 1), dtype=torch.long, device=self.device)
         self._kv_idx = torch.arange(max_cache_len, device=self.device).view(1, 1, 1, max_cache_len)
         self._graph_ok, self._why = graph_support(model) if use_graph else (False, "use_graph=False was passed")
+        self._nf4, self._attn_kernel, self._kernel_why = self._kernel_choice(kernels)
+        self._route = None  # the 4-bit dispatch mode of the last kernel step (its counts go to the report)
+        self._selftested = False
         self._replay: Callable[[], None] | None = None
         self._logits = None
         self._label = "eager"
         self._warmed = 0
+
+    def _kernel_choice(self, kernels: bool | None) -> tuple[bool, bool, str]:
+        if kernels is False:
+            return False, False, "kernels=False was passed"
+        if kernels is None and not self._graph_ok:
+            return False, False, "no CUDA graph, so no kernels (they are used with the graph)"
+        nf4, attn, why = kernel_support(self.model)
+        if kernels and not (nf4 or attn):
+            raise InvalidValue("kernels", True, f"kernels that apply to this model ({why})", "pass kernels=None")
+        return nf4, attn, why
+
+    @contextlib.contextmanager
+    def _kernels(self):
+        """The decode step's kernels: bitsandbytes' ``gemm_4bit`` routed to :mod:`vramguard.kernels.nf4`, and
+        the model switched to :mod:`vramguard.kernels.decode_attention` (``set_attn_implementation``, undone
+        after). Only the Python of a step runs in here; a graph replay needs neither."""
+        with contextlib.ExitStack() as stack:
+            if self._attn_kernel:
+                from vramguard.kernels.decode_attention import register
+                before = self.model.config._attn_implementation
+                self.model.set_attn_implementation(register())
+                stack.callback(self.model.set_attn_implementation, before)
+            if self._nf4:
+                from vramguard.kernels.nf4 import gemm_4bit_route
+                self._route = stack.enter_context(gemm_4bit_route())
+            yield
+
+    def _kernel_selftest(self, filled: int) -> None:
+        """Before the first kernel step: run each kernel once on this model's real weights and cache and compare it
+        with bitsandbytes' op / a torch reference (relative error under 2e-2: bfloat16 rounding is 4e-3). A kernel
+        that fails to compile or disagrees is turned off, with the reason, before it touches the cache."""
+        import torch
+
+        from vramguard.kernels.selftest import check_4bit_layers, check_decode_attention
+        if self._selftested or not (self._nf4 or self._attn_kernel):
+            return
+        self._selftested = True
+        try:
+            if self._nf4:
+                check_4bit_layers(self.model, self._kernels, self._mask_dtype)
+        except Exception as e:  # noqa: BLE001 -- compile or launch failure: bitsandbytes' own kernels run instead
+            if isinstance(e, torch.OutOfMemoryError):
+                raise
+            self._nf4 = False
+            self._kernel_why = f"4-bit matmul kernel off: {type(e).__name__}: {str(e).strip()[:300]}"
+        try:
+            if self._attn_kernel:
+                check_decode_attention(self.cache.layers[0].keys, self.cache.layers[0].values,
+                                       self.model.config.num_attention_heads, filled)
+        except Exception as e:  # noqa: BLE001 -- as above: transformers' attention runs instead
+            if isinstance(e, torch.OutOfMemoryError):
+                raise
+            self._attn_kernel = False
+            self._kernel_why = f"decode attention kernel off: {type(e).__name__}: {str(e).strip()[:300]}"
+
+    def _kernel_note(self) -> str | None:
+        if not (self._nf4 or self._attn_kernel):
+            return None if self._kernel_why.startswith("no CUDA graph") else f"none: {self._kernel_why}"
+        done = []
+        if self._nf4:
+            c = self._route.counts if self._route is not None else {}
+            done.append(f"4-bit matmul (Triton) for {c.get('routed', 0)} bitsandbytes gemm_4bit call(s) per step"
+                        + (f", {c['declined']} left to bitsandbytes ({c['declined_why']})" if c.get("declined")
+                           else ""))
+        if self._attn_kernel:
+            done.append("decode attention (Triton, split-K, GQA without copies, the filled length only)")
+        if " off: " in self._kernel_why:
+            done.append(self._kernel_why)
+        return "; ".join(done)
 
     # -- the forward calls ------------------------------------------------------------------------------------
     def _mask(self, positions):
@@ -239,8 +343,13 @@ class GraphDecoder:
         return out.logits[:, -1, :].float()
 
     def _step(self):
-        """One decode step from the static buffers: float32 logits ``[1, vocab]``. Captured as the graph."""
-        return self._forward(self._ids, self._pos, self._mask(self._pos.view(1, 1, 1, 1)))
+        """One decode step from the static buffers: float32 logits ``[1, vocab]``. Captured as the graph. With the
+        decode-attention kernel no mask is built (the kernel reads the filled length from the position)."""
+        if not (self._nf4 or self._attn_kernel):
+            return self._forward(self._ids, self._pos, self._mask(self._pos.view(1, 1, 1, 1)))
+        with self._kernels():
+            mask = None if self._attn_kernel else self._mask(self._pos.view(1, 1, 1, 1))
+            return self._forward(self._ids, self._pos, mask)
 
     def _prefill(self, ids):
         """Forward ``ids`` (``[1, P]``) into the empty cache; float32 logits ``[1, vocab]`` of the last position.
@@ -375,6 +484,8 @@ class GraphDecoder:
         if on_token is not None:
             on_token(out[0])
         stop = "eos" if out[0] in eos else None
+        if stop is None and max_new > 1:
+            self._kernel_selftest(len(ids))
         pending: list = []
         steps = warm = replays = 0
         capture_s = t_replay0 = None
@@ -443,7 +554,8 @@ class GraphDecoder:
             why = "the graph captured by an earlier call was replayed"
         return DecodeResult(out, mode, why, stop, n_prompt, self.max_cache_len, t_first - t0, decode_s,
                             decode_s * 1000 / (len(out) - 1) if len(out) > 1 else None, warm, replays,
-                            (t_end - t_replay0) * 1000 / replays if replays else None, capture_s)
+                            (t_end - t_replay0) * 1000 / replays if replays else None, capture_s,
+                            kernels=self._kernel_note() if warm or replays else None)
 
     def close(self) -> None:
         """Drop the graph and the cache (their memory returns to PyTorch's allocator)."""
@@ -452,7 +564,8 @@ class GraphDecoder:
 
 
 def graph_decode(model, prompt_ids, max_new_tokens: int, *, prefill_chunk_tokens: int | None = None,
-                 use_graph: bool = True, warmup_steps: int = 2, **kwargs) -> DecodeResult:
+                 use_graph: bool = True, warmup_steps: int = 2, kernels: bool | None = None,
+                 **kwargs) -> DecodeResult:
     """One request through a :class:`GraphDecoder` whose cache is sized ``len(prompt_ids) + max_new_tokens - 1``
     (what transformers' ``generate`` allocates), freed afterwards. ``kwargs`` go to :meth:`GraphDecoder.generate`.
 
@@ -462,7 +575,7 @@ def graph_decode(model, prompt_ids, max_new_tokens: int, *, prefill_chunk_tokens
     n = len(prompt_ids)
     require_count("max_new_tokens", max_new_tokens, 1)
     dec = GraphDecoder(model, max(n + max_new_tokens - 1, 1), prefill_chunk_tokens=prefill_chunk_tokens,
-                       use_graph=use_graph, warmup_steps=warmup_steps)
+                       use_graph=use_graph, warmup_steps=warmup_steps, kernels=kernels)
     try:
         return dec.generate(prompt_ids, max_new_tokens, **kwargs)
     finally:

@@ -1,0 +1,30 @@
+"""``kernels``: Triton kernels for batch-1 and small-batch decoding, each beside a pure-torch reference of its math.
+
+* :mod:`vramguard.kernels.nf4`: bitsandbytes 4-bit weights (NF4 / FP4, double quant included) times a few rows of
+  activations, read from the packed bytes as bitsandbytes stores them; and a dispatch mode that routes
+  bitsandbytes' ``gemm_4bit`` op to it.
+* :mod:`vramguard.kernels.decode_attention`: one query token against a static KV cache, GQA without copying the
+  cache, over the filled length only (read on the device, so one CUDA graph serves every length).
+
+Triton is optional: :func:`triton_status` says whether the kernels can run and why not.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+
+def triton_status(device) -> tuple[bool, str]:
+    """(True, reason) when the Triton kernels can run on ``device`` (a ``torch.device``), else (False, why not).
+
+    On a CUDA device they need the ``triton`` package; on the CPU only Triton's interpreter runs them
+    (``TRITON_INTERPRET=1``, set before triton is imported), which the tests use.
+    """
+    import os
+    if importlib.util.find_spec("triton") is None:
+        return False, "the triton package is not installed"
+    if device.type == "cuda":
+        return True, "triton on CUDA"
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return True, "triton's interpreter on the CPU (TRITON_INTERPRET=1)"
+    return False, f"triton kernels need a CUDA device (the model is on {device})"

@@ -1,0 +1,248 @@
+"""``kernels.nf4``: ``x @ W.T`` for a few rows of ``x`` with ``W`` in bitsandbytes' 4-bit format, read as stored.
+
+bitsandbytes' layout (``bitsandbytes.functional.quantize_4bit``; checked against ``dequantize_4bit`` in the tests):
+
+* ``W`` (``[N, K]``, out_features x in_features) is flattened row-major and cut into blocks of ``blocksize``
+  (64 for transformers' default) consecutive elements; element ``i`` is ``code[q_i] * absmax[i // blocksize]``.
+* ``q_i`` is 4 bits; byte ``i // 2`` of the packed uint8 tensor holds element ``2j`` in its high nibble and ``2j + 1``
+  in its low nibble. ``code`` is the 16-value NF4 (or FP4) table, ``bitsandbytes.functional.get_4bit_type``.
+* Double quant (``bnb_4bit_use_double_quant``): ``absmax`` is stored as uint8 ``a8`` with a second level,
+  ``absmax[b] = code2[a8[b]] * absmax2[b // 256] + offset`` (``code2``: the 256-value dynamic map, ``absmax2``:
+  float32 per 256 blocks, ``offset``: the float32 mean subtracted before the second quantization). bitsandbytes'
+  own ``gemm_4bit`` op takes the same arguments (``absmax_8bit``, ``absmax_code``, ``absmax_offset``).
+
+:func:`matmul_4bit` reads each packed byte once and never writes a dequantized weight: one program per
+output feature reads its row of ``W`` in one pass (a 16-byte load per thread) and computes that output for every
+row of ``x`` (up to :data:`MAX_ROWS`), with the block scale applied after each block's partial sum (one multiply
+per 32 elements, not per element) and float32 accumulation. :func:`reference_matmul` is the same math in torch (float64 on request) for the tests and the GPU check.
+
+:class:`Gemm4bitRoute` is a ``TorchDispatchMode`` that sends bitsandbytes' ``gemm_4bit`` calls with at most
+:data:`MAX_ROWS` rows to :func:`matmul_4bit` and leaves every other call to bitsandbytes, counting both.
+"""
+
+from __future__ import annotations
+
+import functools
+
+MAX_ROWS = 8  # rows of x one launch takes; more go back to bitsandbytes (its kernels are built for larger batches)
+SECOND_LEVEL_BLOCK = 256  # double quant: absmax blocks per absmax2 value (bitsandbytes' gemm_4bit requires 256)
+
+try:  # optional: without triton only the torch reference runs
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised where triton is missing
+    triton = tl = None
+
+
+def reference_absmax(absmax, absmax2=None, code2=None, offset=None):
+    """Float32 per-block scales ``[blocks]``: ``absmax`` itself, or with double quant
+    ``code2[absmax] * absmax2[b // 256] + offset`` (``absmax`` uint8 then)."""
+    import torch
+    if absmax2 is None:
+        return absmax.float()
+    second = absmax2.float().repeat_interleave(SECOND_LEVEL_BLOCK)[: absmax.numel()]
+    return code2.float()[absmax.long()] * second + offset.float()
+
+
+def reference_dequantize(packed, shape, blocksize: int, code, absmax, absmax2=None, code2=None, offset=None,
+                         dtype=None):
+    """``W`` ``[N, K]`` from bitsandbytes' packed bytes, in ``dtype`` (default float32; float64 for references).
+
+    Args:
+        packed: uint8, ``N * K / 2`` bytes (any shape; bitsandbytes keeps ``[N*K/2, 1]``).
+        shape: ``(N, K)``. blocksize: elements per absmax. code: the 16 4-bit values.
+        absmax, absmax2, code2, offset: see the module docstring (the last three only with double quant).
+    """
+    import torch
+    dtype = dtype or torch.float32
+    b = packed.reshape(-1).view(torch.uint8)
+    idx = torch.stack([b >> 4, b & 15], dim=-1).reshape(-1).long()
+    scale = reference_absmax(absmax, absmax2, code2, offset).to(dtype)
+    w = code.to(dtype)[idx].view(-1, blocksize) * scale.view(-1, 1)
+    return w.view(shape[0], shape[1])
+
+
+def reference_matmul(x, packed, shape, blocksize: int, code, absmax, absmax2=None, code2=None, offset=None,
+                     bias=None, dtype=None):
+    """``x @ W.T (+ bias)`` through :func:`reference_dequantize`, computed in ``dtype`` (float32 by default)."""
+    import torch
+    dtype = dtype or torch.float32
+    w = reference_dequantize(packed, shape, blocksize, code, absmax, absmax2, code2, offset, dtype)
+    out = x.to(dtype) @ w.T
+    return out + bias.to(dtype) if bias is not None else out
+
+
+if tl is not None:
+    @triton.jit
+    def _matmul_4bit_kernel(x_ptr, w_ptr, am_ptr, am2_ptr, code2_ptr, off_ptr, code_ptr, bias_ptr, out_ptr,
+                            M, stride_xm, stride_om, K: tl.constexpr, NH: tl.constexpr, BS: tl.constexpr,
+                            NESTED: tl.constexpr, HAS_BIAS: tl.constexpr, X_PAIRS: tl.constexpr,
+                            X_BF16: tl.constexpr, M_PAD: tl.constexpr):
+        """Program n computes out[:, n] for every row of x from row n of W, read in one pass: the row's packed
+        bytes as [NH, 16] (one 16-byte load per thread; NH = K/32 rounded up to a power of two), each nibble's
+        value gathered from ``code`` (64 bytes, cached), per-piece sums over each thread's 32 elements scaled by
+        their block's absmax, then one reduction. No loop: every load is issued at once.
+        X_PAIRS: x is 16-bit and read as int32 pairs (element 2p in the low half), in 16-byte loads too."""
+        PB: tl.constexpr = BS // 32  # 16-byte pieces per quantization block
+        n = tl.program_id(0)
+        rh = tl.arange(0, NH)
+        rj = tl.arange(0, 16)
+        h_ok = rh < K // 32
+        pair = rh[None, :, None] * 16 + rj[None, None, :]  # [1, NH, 16]: byte p of the row = elements 2p, 2p+1
+        q = tl.load(w_ptr + n.to(tl.int64) * (K // 2) + pair, mask=h_ok[None, :, None], other=0).to(tl.int32)
+        w_hi = tl.load(code_ptr + (q >> 4))  # element 2p: the high nibble
+        w_lo = tl.load(code_ptr + (q & 15))
+        blk = n.to(tl.int64) * (K // BS) + rh // PB  # [NH]
+        if NESTED:
+            a8 = tl.load(am_ptr + blk, mask=h_ok, other=0).to(tl.int32)
+            scale = tl.load(code2_ptr + a8) * tl.load(am2_ptr + blk // 256, mask=h_ok, other=0.0) + tl.load(off_ptr)
+        else:
+            scale = tl.load(am_ptr + blk, mask=h_ok, other=0.0)
+        one = tl.arange(0, 1)
+        for m in tl.static_range(M_PAD):
+            x_ok = h_ok[None, :, None] & (m < M)
+            if X_PAIRS:
+                xp = tl.load(x_ptr + m * stride_xm + pair, mask=x_ok, other=0)
+                if X_BF16:
+                    x_even = (xp << 16).to(tl.float32, bitcast=True)
+                    x_odd = (xp & -65536).to(tl.float32, bitcast=True)
+                else:
+                    x_even = (xp & 65535).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+                    x_odd = ((xp >> 16) & 65535).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+            else:
+                x_even = tl.load(x_ptr + m * stride_xm + 2 * pair, mask=x_ok, other=0.0).to(tl.float32)
+                x_odd = tl.load(x_ptr + m * stride_xm + 2 * pair + 1, mask=x_ok, other=0.0).to(tl.float32)
+            piece = tl.sum(w_hi * x_even + w_lo * x_odd, axis=2)  # [1, NH]: 32 elements of one block each
+            total = tl.sum(piece * scale[None, :], axis=1)  # [1]
+            if HAS_BIAS:
+                total += tl.load(bias_ptr + n + one).to(tl.float32)
+            tl.store(out_ptr + m * stride_om + n + one, total.to(out_ptr.dtype.element_ty), mask=(one + m) < M)
+
+
+@functools.lru_cache(maxsize=None)
+def _code_table(quant_type: str, device_str: str):
+    import torch
+    from bitsandbytes.functional import get_4bit_type
+    return get_4bit_type(quant_type, device=torch.device(device_str)).float().contiguous()
+
+
+def code_table(quant_type: str, device):
+    """bitsandbytes' 16 values for ``quant_type`` ("nf4" or "fp4") as float32 on ``device`` (cached)."""
+    return _code_table(quant_type, str(device))
+
+
+def matmul_4bit(x, packed, shape, blocksize: int, code, absmax, absmax2=None, code2=None, offset=None, bias=None,
+                num_warps: int | None = None):
+    """``x @ W.T (+ bias)`` with ``W`` ``[N, K]`` in bitsandbytes' 4-bit layout (module docstring), by Triton.
+
+    Args:
+        x: ``[..., K]`` float16 / bfloat16 / float32 with at most :data:`MAX_ROWS` rows; the output has its dtype.
+        packed: the packed bytes (``N * K / 2``, uint8 or a same-size view of another storage dtype).
+        shape: ``(N, K)``; ``K`` must be a multiple of ``blocksize``, itself a multiple of 32.
+        code: float32 ``[16]``. absmax: float32 ``[N*K/blocksize]``, or uint8 with ``absmax2`` (float32
+            ``[ceil(blocks/256)]``), ``code2`` (float32 ``[256]``) and ``offset`` (float32 scalar tensor).
+        num_warps: Triton warps per program (default: one thread per 16 bytes of a row, at most 32 warps).
+
+    Returns:
+        ``[..., N]`` in ``x.dtype``.
+
+    Raises:
+        ValueError: more rows than :data:`MAX_ROWS`, a ``K`` or ``blocksize`` this layout cannot take, or a size
+            mismatch.
+    """
+    import torch
+    n, k = int(shape[0]), int(shape[1])
+    if (x.shape[-1] != k or blocksize % 32 or k % blocksize
+            or packed.numel() * packed.element_size() != n * k // 2):
+        raise ValueError(f"4-bit matmul: x {tuple(x.shape)}, W {n}x{k} with blocksize {blocksize}, packed "
+                         f"{packed.numel() * packed.element_size()} bytes: need x[..., {k}], blocksize a multiple "
+                         "of 32, K % blocksize == 0 and N*K/2 bytes")
+    x2 = x.reshape(-1, k)
+    rows = x2.shape[0]
+    if rows > MAX_ROWS:
+        raise ValueError(f"4-bit matmul: {rows} rows, at most {MAX_ROWS} per launch")
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    pairs = x2.dtype in (torch.bfloat16, torch.float16) and x2.data_ptr() % 4 == 0 and x2.stride(0) % 2 == 0
+    xs = x2.view(torch.int32) if pairs else x2
+    out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    pieces = triton.next_power_of_2(k // 32)
+    nested = absmax2 is not None
+    dummy = code
+    _matmul_4bit_kernel[(n,)](
+        xs, packed.reshape(-1).view(torch.uint8), absmax.reshape(-1), absmax2.reshape(-1) if nested else dummy,
+        code2 if nested else dummy, offset if nested else dummy, code, bias if bias is not None else dummy, out,
+        rows, xs.stride(0), out.stride(0), K=k, NH=pieces, BS=blocksize, NESTED=nested,
+        HAS_BIAS=bias is not None, X_PAIRS=pairs, X_BF16=x2.dtype == torch.bfloat16,
+        M_PAD=triton.next_power_of_2(rows), num_warps=num_warps or max(1, min(32, pieces // 32)))
+    return out.view(*x.shape[:-1], n)
+
+
+def _route_reason(a, shape, blocksize: int, quant_type: str, absmax, absmax_8bit) -> str | None:
+    """Why a ``gemm_4bit`` call stays with bitsandbytes (None: :func:`matmul_4bit` takes it)."""
+    k = int(shape[1])
+    rows = a.numel() // max(k, 1)
+    if rows > MAX_ROWS:
+        return f"{rows} rows (more than {MAX_ROWS})"
+    if quant_type not in ("nf4", "fp4"):
+        return f"quant_type {quant_type!r}"
+    if k % blocksize or blocksize % 2:
+        return f"K {k} not a multiple of blocksize {blocksize}"
+    if absmax_8bit is not None and absmax.numel() * SECOND_LEVEL_BLOCK < absmax_8bit.numel():
+        return "second-level absmax shorter than 256 blocks each"
+    return None
+
+
+def _route_gemm_4bit(args, kwargs, counts: dict):
+    """Run one ``bitsandbytes::gemm_4bit`` call's arguments through :func:`matmul_4bit`, or return None."""
+    names = ("A", "B", "shapeB", "absmax", "blocksize", "quant_type", "bias", "absmax_8bit", "absmax_code",
+             "absmax_offset")
+    v = dict(zip(names, args))
+    v.update(kwargs)
+    a, absmax, a8 = v["A"], v["absmax"], v.get("absmax_8bit")
+    why = _route_reason(a, v["shapeB"], v["blocksize"], v["quant_type"], absmax, a8)
+    if why is not None:
+        counts["declined"] = counts.get("declined", 0) + 1
+        counts.setdefault("declined_why", why)
+        return None
+    code = code_table(v["quant_type"], a.device)
+    if a8 is not None:
+        out = matmul_4bit(a, v["B"], v["shapeB"], v["blocksize"], code, a8, absmax, v["absmax_code"],
+                          v["absmax_offset"], bias=v.get("bias"))
+    else:
+        out = matmul_4bit(a, v["B"], v["shapeB"], v["blocksize"], code, absmax, bias=v.get("bias"))
+    counts["routed"] = counts.get("routed", 0) + 1
+    return out
+
+
+def gemm_4bit_route():
+    """A ``TorchDispatchMode`` (a context manager) that sends bitsandbytes' ``gemm_4bit`` calls of at most
+    :data:`MAX_ROWS` rows to :func:`matmul_4bit`; every other op, and larger calls, run unchanged. Its ``counts``
+    dict says how many calls were routed and declined (with the first reason). bitsandbytes' ``Linear4bit``
+    reaches ``gemm_4bit`` from ``bitsandbytes.matmul_4bit`` in inference (bitsandbytes >= 0.50).
+
+    Raises:
+        RuntimeError: bitsandbytes has no ``gemm_4bit`` op (an older version), so nothing could be routed.
+    """
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    try:
+        import bitsandbytes  # noqa: F401 -- registers the bitsandbytes ops
+        target = torch.ops.bitsandbytes.gemm_4bit.default
+    except (ImportError, AttributeError, RuntimeError) as e:
+        raise RuntimeError(f"bitsandbytes has no gemm_4bit op to route ({type(e).__name__}: {e})") from e
+
+    class Gemm4bitRoute(TorchDispatchMode):
+        counts: dict = {}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is target:
+                out = _route_gemm_4bit(args, kwargs, self.counts)
+                if out is not None:
+                    return out
+            return func(*args, **kwargs)
+
+    mode = Gemm4bitRoute()
+    mode.counts = {}
+    return mode

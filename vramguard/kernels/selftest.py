@@ -1,0 +1,57 @@
+"""``kernels.selftest``: each kernel once on a model's real weights and cache, against the library it replaces.
+
+Run by :class:`vramguard.fastdecode.GraphDecoder` before its first kernel step: a kernel that fails to compile or
+disagrees raises here, before it has written anything, and the decoder turns it off with the reason.
+"""
+
+from __future__ import annotations
+
+TOLERANCE = 2e-2  # relative (Frobenius); bfloat16 rounding of the outputs alone is about 4e-3
+
+
+def _rel(got, want) -> float:
+    return float((got.float() - want.float()).norm() / want.float().norm().clamp_min(1e-30))
+
+
+def check_4bit_layers(model, kernels, dtype) -> None:
+    """One bitsandbytes 4-bit layer per distinct (in_features, double quant): its output for a random row with
+    ``kernels()`` active (the routed Triton matmul) against bitsandbytes' own.
+
+    Raises:
+        RuntimeError: a relative difference of :data:`TOLERANCE` or more (or NaN).
+    """
+    import torch
+    seen = set()
+    for m in model.modules():
+        qs = getattr(getattr(m, "weight", None), "quant_state", None)
+        if qs is None or (qs.shape[1], qs.nested) in seen:
+            continue
+        seen.add((qs.shape[1], qs.nested))
+        x = torch.randn((1, 1, qs.shape[1]), dtype=dtype, device=m.weight.device)
+        with kernels():
+            got = m(x)
+        err = _rel(got, m(x))
+        if not err < TOLERANCE:
+            raise RuntimeError(f"it differs from bitsandbytes by {err:.3g} (relative) on {list(qs.shape)}")
+
+
+def check_decode_attention(keys, values, num_heads: int, filled: int) -> None:
+    """:func:`~vramguard.kernels.decode_attention.decode_attention` on one layer's cache (``[1, Hkv, L, D]``,
+    ``filled`` slots written) for a random query, against a float32 softmax over those slots.
+
+    Raises:
+        RuntimeError: a relative difference of :data:`TOLERANCE` or more (or NaN).
+    """
+    import torch
+
+    from vramguard.kernels.decode_attention import decode_attention
+    d = keys.shape[-1]
+    q = torch.randn((1, num_heads, 1, d), dtype=keys.dtype, device=keys.device)
+    got = decode_attention(q, keys, values, torch.tensor([filled - 1], device=keys.device), d ** -0.5)
+    g = num_heads // keys.shape[1]
+    kk = keys[:, :, :filled].float().repeat_interleave(g, 1)
+    w = torch.softmax(q.float() @ kk.transpose(-1, -2) * d ** -0.5, dim=-1)
+    want = (w @ values[:, :, :filled].float().repeat_interleave(g, 1)).transpose(1, 2)
+    err = _rel(got, want)
+    if not err < TOLERANCE:
+        raise RuntimeError(f"it differs from a float32 softmax by {err:.3g} (relative)")
