@@ -14,7 +14,8 @@ Llama-3.1-8B architecture, random weights, NF4 with double quant (transformers' 
    and token agreement (the gpu_speed.py record: first divergence, logit difference, margin there).
 3. ``profile``: the per-kernel CUDA time of one decode step at 512 and 8192 (eager ``_step`` calls of each
    decoder under torch.profiler, 4 steps), before (no kernels) and after.
-4. ``ttft``: ``vramguard.generate`` with and without ``fast_decode`` against transformers' default, same prompt.
+4. ``generate_default``: ``vramguard.generate`` with its defaults (fast decode where it can run) against
+   transformers' default ``generate``, 2048 + 32 tokens, twice each: time to first token and decode ms/token.
 5. ``fp32_identity``: the same checkpoint with float32 compute, 64 greedy tokens after 512: the graph decoder
    with the kernels against transformers' default ``generate`` (token identity, logit difference).
 6. ``compile``: transformers' ``generate`` with a static cache and torch.compile, if it runs within the budget.
@@ -34,8 +35,9 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from benchmarks.common import emit  # noqa: E402
-from benchmarks.gpu_speed import BANDWIDTH, Bench, agreement, decoder_run, env_record, hf_generate, load  # noqa: E402
+from benchmarks.gpu_speed import BANDWIDTH, Bench, decoder_run, env_record, hf_generate, load  # noqa: E402
 
+ROWS = (1, 4, 8)  # rows of x timed per shape (--rows)
 LAYERS_TIMED = 32  # one launch per layer inside a captured graph: 32 different weights, far more than the L2
 
 
@@ -113,31 +115,35 @@ def kernel_records(log, m, smoke: bool) -> None:
         w64 = BF.dequantize_4bit(a["packed"], a["st"]).double()
         pieces = 1 << max(0, (k // 32 - 1).bit_length())
         warps = sorted({max(1, min(32, pieces // d)) for d in (32, 64, 128)})
-        for rows in (1, 4, 8):
+        for rows in ROWS:
             x = torch.randn(rows, k, dtype=torch.bfloat16, device=dev)
             ref = x.double() @ w64.T
             ours = nf4.matmul_4bit(x, a["packed"], a["shape"], a["bs"], a["code"], *a["scales"])
             theirs = bnb.matmul_4bit(x, a["packed"].t(), quant_state=a["st"])
-            rel = lambda y: float((y.double() - ref).norm() / ref.norm())  # noqa: E731
+            rel = lambda y, ref=ref: float((y.double() - ref).norm() / ref.norm())  # noqa: E731
             rec = {"kind": "kernel", "proj": name, "rows": rows, "N": n, "K": k, "bytes": read_bytes(a),
                    "rel_err_triton_vs_f64": rel(ours), "rel_err_bnb_vs_f64": rel(theirs),
                    "rel_triton_vs_bnb": float((ours.double() - theirs.double()).norm() / theirs.double().norm())}
+            lut = nf4.matmul_4bit(x, a["packed"], a["shape"], a["bs"], a["code"], *a["scales"], lut=True)
+            rec.update(rel_err_lut_vs_f64=rel(lut), lut_used=nf4.LUT and not smoke)
             sweep = {}
             for w in (warps if rows == 1 else [None]):
-                fns = [lambda a=a, w=w: nf4.matmul_4bit(x, a["packed"], a["shape"], a["bs"], a["code"], *a["scales"],
-                                                        num_warps=w) for a in layers]
-                sweep[str(w)] = graph_us(fns, smoke)
+                for use in ((True, False) if not smoke else (False,)):
+                    fns = [lambda a=a, w=w, use=use, x=x: nf4.matmul_4bit(x, a["packed"], a["shape"], a["bs"],
+                                                                          a["code"], *a["scales"], num_warps=w, lut=use)
+                           for a in layers]
+                    sweep[f"{w}{'_lut' if use else '_gather'}"] = graph_us(fns, smoke)
             best = min(sweep, key=sweep.get)
-            t_bnb = graph_us([lambda a=a: bnb.matmul_4bit(x, a["packed"].t(), quant_state=a["st"]) for a in layers],
-                             smoke)
-            rec.update(triton_us=sweep[best], best_warps=best, warps_us=sweep, bnb_us=t_bnb,
+            t_bnb = graph_us([lambda a=a, x=x: bnb.matmul_4bit(x, a["packed"].t(), quant_state=a["st"])
+                              for a in layers], smoke)
+            rec.update(triton_us=sweep[best], best=best, variants_us=sweep, bnb_us=t_bnb,
                        triton_GBps=read_bytes(a) / sweep[best] / 1e3, bnb_GBps=read_bytes(a) / t_bnb / 1e3,
                        speedup_vs_bnb=t_bnb / sweep[best])
             emit(log, rec)
 
 
 def decode_records(B: Bench, m, ctx: int, new: int, bound_ms: float, default: bool) -> None:
-    from vramguard.fastdecode import GraphDecoder
+    from vramguard.run.fastdecode import GraphDecoder
     g = torch.Generator().manual_seed(ctx)
     ids = torch.randint(100, m.config.vocab_size - 100, (1, ctx), generator=g).to(next(m.parameters()).device)
     prompt = ids[0].tolist()
@@ -182,7 +188,7 @@ def decode_records(B: Bench, m, ctx: int, new: int, bound_ms: float, default: bo
 def profile_records(log, m, ctx: int, smoke: bool) -> None:
     from torch.profiler import ProfilerActivity, profile
 
-    from vramguard.fastdecode import GraphDecoder
+    from vramguard.run.fastdecode import GraphDecoder
     prompt = list(range(100, 100 + ctx))
     for kernels in (False, True):
         dec = GraphDecoder(m, ctx + 40, use_graph=False, kernels=kernels if kernels else False)
@@ -207,21 +213,24 @@ def profile_records(log, m, ctx: int, smoke: bool) -> None:
 
 
 def ttft_records(B: Bench, m, ctx: int, new: int) -> None:
-    from vramguard import generate as G
+    """``vramguard.generate`` with its defaults (fast decode where it can run) against transformers' default
+    ``generate``, twice each, alternating: time to first token, decode ms/token, the strategy and the reason."""
+    from vramguard.run import generate as G
     g = torch.Generator().manual_seed(7)
     prompt = torch.randint(100, m.config.vocab_size - 100, (ctx,), generator=g).tolist()
     ids = torch.tensor([prompt], device=next(m.parameters()).device)
 
-    def one(fast):
-        def run():
-            r = G.generate(m, None, prompt, new, fast_decode=fast)
+    def run():
+        out: dict = {"ctx": ctx, "new": new}
+        for i in range(2):
             hf = hf_generate(m, ids, new)
-            return {"ctx": ctx, "fast_decode": fast, "strategy": r.strategy, "ttft_s": r.ttft_s,
-                    "hf_default_ttft_s": hf["ttft_s"],
-                    "tokens_per_s": r.tokens_per_s, "decode_mode": r.decode_mode, "decode_reason": r.decode_reason}
-        return run
-    B.variant("ttft_fast", one(True), 20)
-    B.variant("ttft_plain", one(False), 20)
+            r = G.generate(m, None, prompt, new)
+            out[f"run{i}"] = {"hf_ttft_s": hf["ttft_s"], "hf_decode_ms_per_token": hf["decode_ms_per_token"],
+                              "ttft_s": r.ttft_s, "decode_ms_per_token": r.decode_ms_per_token,
+                              "strategy": r.strategy, "decode_mode": r.decode_mode}
+        out["reason"] = r.reason
+        return out
+    B.variant("generate_default", run, 30)
 
 
 def compile_record(B: Bench, m, new: int) -> None:
@@ -242,13 +251,13 @@ def fp32_records(B: Bench, log, smoke: bool, m_smoke) -> None:
     """Float32 compute (``dtype`` and ``bnb_4bit_compute_dtype`` float32, NF4 weights): greedy tokens of the graph
     decoder with the kernels against transformers' default ``generate``, 64 tokens after 512."""
     from benchmarks.gpu_speed import CKPT
-    from vramguard.fastdecode import GraphDecoder
+    from vramguard.run.fastdecode import GraphDecoder
 
     def run():
         if smoke:
             m = m_smoke
         else:
-            from vramguard.load import load_model
+            from vramguard.runtime.load import load_model
             m = load_model(CKPT, quant="nf4", dtype="fp32", compute_dtype="fp32", attn="sdpa", verify=False).model
         ids = torch.randint(100, m.config.vocab_size - 100, (1, 40 if smoke else 512),
                             generator=torch.Generator().manual_seed(3)).to(next(m.parameters()).device)
@@ -272,6 +281,11 @@ def main():
     ap.add_argument("--new", type=int, default=None)
     ap.add_argument("--budget-s", type=float, default=420.0)
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--contexts", default=None, help="comma-separated context lengths (512,8192,2048)")
+    ap.add_argument("--skip", default="", help="comma-separated sections to leave out: fp32, compile, ttft")
+    ap.add_argument("--rows", default="1,4,8", help="rows of x for the kernel timings")
+    ap.add_argument("--default-at", default=None, help="contexts at which transformers' default generate runs "
+                                                        "(default: the first two)")
     args = ap.parse_args()
     new = args.new or (8 if args.smoke else 128)
     os.makedirs(args.out, exist_ok=True)
@@ -280,15 +294,21 @@ def main():
     emit(log, {**env_record(), "new": new, "smoke": args.smoke})
     m, weights = load(args, log)
     bound_ms = weights / BANDWIDTH * 1000
+    global ROWS
+    ROWS = tuple(int(r) for r in args.rows.split(","))
     B.variant("kernels", lambda: kernel_records(log, m, args.smoke) or {"done": True}, 60)
-    ctxs = (40, 100) if args.smoke else (512, 8192, 2048)
+    ctxs = (40, 100) if args.smoke else tuple(int(c) for c in (args.contexts or "512,8192,2048").split(","))
+    skip = set(args.skip.split(","))
+    with_default = {int(c) for c in args.default_at.split(",")} if args.default_at else set(ctxs[:2])
     for i, ctx in enumerate(ctxs):
-        decode_records(B, m, ctx, new, bound_ms, default=i < 2)
+        decode_records(B, m, ctx, new, bound_ms, default=ctx in with_default)
         if i < 2:
             B.variant("profile", lambda c=ctx: profile_records(log, m, c, args.smoke) or {"done": True}, 20)
-    ttft_records(B, m, ctxs[0] * 4 if not args.smoke else 40, 32 if not args.smoke else 4)
-    fp32_records(B, log, args.smoke, m)
-    if not args.smoke:
+    if "ttft" not in skip:
+        ttft_records(B, m, 2048 if not args.smoke else 40, 32 if not args.smoke else 4)
+    if "fp32" not in skip:
+        fp32_records(B, log, args.smoke, m)
+    if not args.smoke and "compile" not in skip:
         compile_record(B, m, new)
     emit(log, {"kind": "end", "elapsed_s": time.perf_counter() - B.t0, "bound_ms": bound_ms})
 

@@ -302,13 +302,32 @@ def test_generate_fast_decode_gives_the_static_strategy_tokens_and_reports_the_m
     assert g.token_ids == base.token_ids and g.decode_mode == "emulated_graph"
 
 
+def test_fast_decode_is_the_default_where_the_graph_can_run(model):
+    ok, why = G.fast_decode_choice(model, None)
+    assert (ok, why) == (False, "no CUDA device (the model is on cpu)")
+    r = G.generate(model, None, PROMPT, 4)
+    assert r.strategy == "dynamic" and "fast decode off by default: no CUDA device (the model is on cpu)" in r.reason
+    F.GRAPH_OVERRIDE = lambda m: (True, "CUDA device cuda:0 (test)")
+    assert G.fast_decode_choice(model, None) == (True, "batch 1 on CUDA device cuda:0 (test)")
+    assert G.fast_decode_choice(model, False) == (False, "fast_decode=False was passed")
+    eager = _model(attn="eager")
+    eager.config._attn_implementation = "flex_attention"  # an attention the decoder does not build masks for
+    ok, why = G.fast_decode_choice(eager, None)
+    assert not ok and why.startswith("attn is 'flex_attention'; accepted: sdpa or eager for the graph decoder")
+
+
 def test_generate_fast_decode_recovers_from_oom_with_identical_tokens(model):
     base = G.generate(model, None, PROMPT, 16).token_ids
     G.OOM_INJECTOR = oom_when(lambda phase, attempt, step: attempt == 0 and phase == "decode" and step == 5)
     r = G.generate(model, None, PROMPT, 16, fast_decode=True)
     assert r.token_ids == base
+    # the next graph strategy (chunked prefill: planned smaller) continues from the 5 tokens
     assert [(a.strategy, a.phase, a.step) for a in r.attempts] == [(G.GRAPH_STRATEGY.name, "decode", 5),
-                                                                    ("dynamic", None, None)]
+                                                                    (G.GRAPH_CHUNKED.name, None, None)]
+    assert r.decode_mode == "eager" and r.attempts[1].new_tokens == 16 - 5
+    G.OOM_INJECTOR = oom_when(lambda phase, attempt, step: attempt < 2 and phase == "decode" and step == 3)
+    r = G.generate(model, None, PROMPT, 16, fast_decode=True)
+    assert r.token_ids == base and [a.strategy for a in r.attempts][2] == "dynamic"
     assert r.decode_mode is None  # the dynamic strategy finished
 
 
@@ -316,10 +335,15 @@ def test_preflight_puts_the_graph_first_and_says_when_it_does_not_fit():
     spec = resolve_model("llama-3.1-8b")
     s = Settings(quant="nf4", attn="sdpa", prompt_tokens=4096, max_new_tokens=512)
     order, why = G.preflight(spec, s, 18 * GiB, auto=True, on_cuda=True, weights_loaded=True, fast_decode=True)
-    assert order[0][0] is G.GRAPH_STRATEGY and "fast decode" not in why
+    assert [st for st, _ in order[:2]] == [G.GRAPH_STRATEGY, G.GRAPH_CHUNKED] and "fast decode" not in why
+    one = estimate(spec, s.with_(cache="static"))  # one prefill forward into the static cache
+    assert order[0][1] == one.peak_reserved_bytes - one.weights.total_bytes
     static = next(st for st in G.STRATEGIES if st.name.startswith("static cache"))
     est = estimate(spec, s.with_(**static.plan))
-    assert order[0][1] == est.peak_reserved_bytes - est.weights.total_bytes  # the static strategy's plan exactly
+    assert order[1][1] == est.peak_reserved_bytes - est.weights.total_bytes  # the static strategy's plan exactly
+    # then the order without fast decode, unchanged
+    plain, _ = G.preflight(spec, s, 18 * GiB, auto=True, on_cuda=True, weights_loaded=True)
+    assert order[2:] == plain
     only, _ = G.preflight(spec, s, 18 * GiB, auto=False, on_cuda=True, weights_loaded=True, fast_decode=True)
     assert [st.name for st, _ in only] == [G.GRAPH_STRATEGY.name]
     long = s.with_(prompt_tokens=120_000)
@@ -336,10 +360,22 @@ def test_cuda_graph_decode_matches_the_static_cache_on_a_gpu(tiny, quant):
     folder, _ = tiny("LlamaConfig", **CFG)
     m = load_model(str(folder), quant=quant).model  # default verify: SDPA may be pinned (the pin is lifted)
     eager = F.graph_decode(m, PROMPT, NEW, min_new_tokens=NEW, use_graph=False)
-    r = F.graph_decode(m, PROMPT, NEW, min_new_tokens=NEW)
+    r = F.graph_decode(m, PROMPT, NEW, min_new_tokens=NEW, kernels=False)  # the same kernels as the eager steps
     assert r.mode == "cuda_graph", r.reason
     assert r.token_ids == eager.token_ids and r.replay_steps == NEW - 3
     with F.GraphDecoder(m, 8)._sdpa_unpinned():  # transformers' static cache needs a mask too
         assert r.token_ids == hf(m, min_new_tokens=NEW, cache_implementation="static")
-    again = F.graph_decode(m, PROMPT, NEW, min_new_tokens=NEW)
+    again = F.graph_decode(m, PROMPT, NEW, min_new_tokens=NEW, kernels=False)
     assert again.token_ids == r.token_ids
+
+
+@pytest.mark.gpu
+def test_the_triton_kernels_give_transformers_tokens_with_float32_compute(tiny):
+    """NF4 weights, float32 compute: the graph decoder with its kernels (4-bit matmul, decode attention) picks
+    transformers' greedy tokens (float32 throughout, so no rounding tie can split them)."""
+    from vramguard.runtime.load import load_model
+    folder, _ = tiny("LlamaConfig", **CFG)
+    m = load_model(str(folder), quant="nf4", dtype="fp32", compute_dtype="fp32", attn="sdpa", verify=False).model
+    r = F.graph_decode(m, PROMPT, NEW, min_new_tokens=NEW)
+    assert r.mode == "cuda_graph" and "4-bit matmul (Triton)" in r.kernels and "decode attention" in r.kernels
+    assert r.token_ids == hf(m, new=NEW, min_new_tokens=NEW)

@@ -94,15 +94,21 @@ def test_c8_every_cpu_strategy_of_guarded_generate_keeps_one_logit_row(model, k)
 
 
 def test_c8_fast_decode_prefill_keeps_one_logit_row(model):
-    """C8 on the graph strategy (eager on the CPU): its chunked prefill asks logits_to_keep=1 for each chunk."""
+    """C8 on the graph strategies (eager on the CPU): the prefill, in one forward or in chunks, asks
+    logits_to_keep=1."""
+    from vramguard.run.fastdecode import graph_decode
     tap = _LmHeadRows(model)
     try:
         r = G.generate(model, None, LONG_PROMPT, 6, fast_decode=True)
+        one = list(tap.rows)
+        chunked = graph_decode(model, LONG_PROMPT, 6, prefill_chunk_tokens=512, eos_token_id=None)
     finally:
         tap.close()
     assert r.strategy == G.GRAPH_STRATEGY.name and r.decode_mode == "eager" and len(r.token_ids) == 6
+    # one prefill forward of 600 tokens, then 5 decode steps, each one row
+    assert one == [1] * (1 + 5)
     # 600 prompt tokens in 512-token chunks: 2 prefill forwards, then 5 decode steps, each one row
-    assert tap.rows and max(tap.rows) == 1 and len(tap.rows) >= 2 + 5
+    assert len(chunked.token_ids) == 6 and tap.rows[len(one):] == [1] * (2 + 5)
 
 
 # ---------------------------------------------------------------------------------------------- serving

@@ -135,7 +135,7 @@ def test_graph_decoder_with_the_attention_kernel_gives_transformers_tokens():
     _kernels()
     import transformers
 
-    from vramguard import fastdecode as F
+    from vramguard.run import fastdecode as F
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                                    num_key_value_heads=2, vocab_size=300, max_position_embeddings=512,

@@ -30,8 +30,10 @@ def run(
     context: Optional[list[str]] = typer.Option(None, help="files to answer from (repeat the option); the prompt is "
                                                            "the question"),
     summarize: bool = typer.Option(False, help="when the context cannot fit, summarize it chunk by chunk first"),
-    fast_decode: bool = typer.Option(False, help="decode by replaying one captured CUDA graph per token on a static "
-                                                 "cache (batch 1; falls back to eager steps and says why)"),
+    fast_decode: Optional[bool] = typer.Option(None, "--fast-decode/--no-fast-decode",
+                                               help="decode by replaying one captured CUDA graph per token on a "
+                                                    "static cache (default: on where the model can run it on one "
+                                                    "CUDA device; falls back to eager steps and says why)"),
     chunk_tokens: int = typer.Option(256, help="tokens per context chunk"),
     chat_template: Optional[bool] = typer.Option(None, "--chat-template/--raw",
                                                  help="wrap the prompt as a user turn in the tokenizer's chat "

@@ -26,6 +26,8 @@ import functools
 
 MAX_ROWS = 8  # rows of x one launch takes; more go back to bitsandbytes (its kernels are built for larger batches)
 SECOND_LEVEL_BLOCK = 256  # double quant: absmax blocks per absmax2 value (bitsandbytes' gemm_4bit requires 256)
+LUT = True  # on CUDA, look the 4-bit values up in registers (lut_asm); False: gather them from the table
+_LUT_CACHE: dict = {}
 
 try:  # optional: without triton only the torch reference runs
     import triton
@@ -37,7 +39,6 @@ except ImportError:  # pragma: no cover - exercised where triton is missing
 def reference_absmax(absmax, absmax2=None, code2=None, offset=None):
     """Float32 per-block scales ``[blocks]``: ``absmax`` itself, or with double quant
     ``code2[absmax] * absmax2[b // 256] + offset`` (``absmax`` uint8 then)."""
-    import torch
     if absmax2 is None:
         return absmax.float()
     second = absmax2.float().repeat_interleave(SECOND_LEVEL_BLOCK)[: absmax.numel()]
@@ -77,21 +78,29 @@ if tl is not None:
     def _matmul_4bit_kernel(x_ptr, w_ptr, am_ptr, am2_ptr, code2_ptr, off_ptr, code_ptr, bias_ptr, out_ptr,
                             M, stride_xm, stride_om, K: tl.constexpr, NH: tl.constexpr, BS: tl.constexpr,
                             NESTED: tl.constexpr, HAS_BIAS: tl.constexpr, X_PAIRS: tl.constexpr,
-                            X_BF16: tl.constexpr, M_PAD: tl.constexpr):
+                            X_BF16: tl.constexpr, M_PAD: tl.constexpr, LUT_ASM: tl.constexpr):
         """Program n computes out[:, n] for every row of x from row n of W, read in one pass: the row's packed
         bytes as [NH, 16] (one 16-byte load per thread; NH = K/32 rounded up to a power of two), each nibble's
         value gathered from ``code`` (64 bytes, cached), per-piece sums over each thread's 32 elements scaled by
         their block's absmax, then one reduction. No loop: every load is issued at once.
-        X_PAIRS: x is 16-bit and read as int32 pairs (element 2p in the low half), in 16-byte loads too."""
+        X_PAIRS: x is 16-bit and read as int32 pairs (element 2p in the low half), in 16-byte loads too.
+        LUT_ASM: "" gathers each value from ``code``; else the PTX of :func:`lut_asm` looks the 16 values (rounded
+        to bfloat16) up in registers with byte permutes, no memory access per element."""
         PB: tl.constexpr = BS // 32  # 16-byte pieces per quantization block
         n = tl.program_id(0)
         rh = tl.arange(0, NH)
         rj = tl.arange(0, 16)
         h_ok = rh < K // 32
         pair = rh[None, :, None] * 16 + rj[None, None, :]  # [1, NH, 16]: byte p of the row = elements 2p, 2p+1
-        q = tl.load(w_ptr + n.to(tl.int64) * (K // 2) + pair, mask=h_ok[None, :, None], other=0).to(tl.int32)
-        w_hi = tl.load(code_ptr + (q >> 4))  # element 2p: the high nibble
-        w_lo = tl.load(code_ptr + (q & 15))
+        q8 = tl.load(w_ptr + n.to(tl.int64) * (K // 2) + pair, mask=h_ok[None, :, None], other=0)
+        if LUT_ASM == "":
+            q = q8.to(tl.int32)
+            w_hi = tl.load(code_ptr + (q >> 4))  # element 2p: the high nibble
+            w_lo = tl.load(code_ptr + (q & 15))
+        else:  # the table in registers (byte permutes): one bfloat16 pair per byte, high half = element 2p
+            wp = tl.inline_asm_elementwise(LUT_ASM, "=r,=r,=r,=r,r", [q8], dtype=tl.int32, is_pure=True, pack=4)
+            w_hi = (wp & -65536).to(tl.float32, bitcast=True)
+            w_lo = (wp << 16).to(tl.float32, bitcast=True)
         blk = n.to(tl.int64) * (K // BS) + rh // PB  # [NH]
         if NESTED:
             a8 = tl.load(am_ptr + blk, mask=h_ok, other=0).to(tl.int32)
@@ -119,6 +128,13 @@ if tl is not None:
             tl.store(out_ptr + m * stride_om + n + one, total.to(out_ptr.dtype.element_ty), mask=(one + m) < M)
 
 
+def _lut_string(code) -> str:
+    key = (code.data_ptr(), str(code.device))
+    if key not in _LUT_CACHE:
+        _LUT_CACHE[key] = lut_asm(code)
+    return _LUT_CACHE[key]
+
+
 @functools.lru_cache(maxsize=None)
 def _code_table(quant_type: str, device_str: str):
     import torch
@@ -131,8 +147,31 @@ def code_table(quant_type: str, device):
     return _code_table(quant_type, str(device))
 
 
+def lut_asm(code) -> str:
+    """PTX for ``inline_asm_elementwise`` (pack 4): 4 packed bytes in, per byte one int32 holding the bfloat16
+    values of its two nibbles (low nibble in the low half, high nibble in the high half), looked up in ``code``
+    (16 values, rounded to bfloat16) held as byte tables in 8 registers: for each nibble ``prmt`` picks its low
+    and high byte from entries 0-7 and 8-15 and a third ``prmt`` chooses by the nibble's top bit (the byte-permute
+    lookup of llama.cpp's ``get_int_from_table_16``), two more interleave the bytes into bfloat16 values.
+    PTX ISA, ``prmt``: https://docs.nvidia.com/cuda/parallel-thread-execution/#data-movement-and-conversion-instructions-prmt
+    """
+    import torch
+    bits = code.detach().float().cpu().to(torch.bfloat16).view(torch.int16).int() & 0xFFFF
+    lo, hi = (bits & 0xFF).tolist(), (bits >> 8).tolist()
+    words = [sum(t[4 * w + i] << (8 * i) for i in range(4)) for t in (lo, hi) for w in range(4)]
+    regs = "".join(f"mov.b32 t{i}, {v:#010x}; " for i, v in enumerate(words))
+    half = ("prmt.b32 a, t0, t1, {q}; prmt.b32 b, t2, t3, {q}; prmt.b32 l, a, b, {s}; "
+            "prmt.b32 c, t4, t5, {q}; prmt.b32 d, t6, t7, {q}; prmt.b32 h, c, d, {s}; "
+            "prmt.b32 {o0}, l, h, 0x5140; prmt.b32 {o1}, l, h, 0x7362; ")
+    return ("{ .reg .b32 t0, t1, t2, t3, t4, t5, t6, t7, qm, s, qh, sh, a, b, c, d, l, h; " + regs
+            + "and.b32 qm, $4, 0x77777777; and.b32 s, $4, 0x88888888; shr.u32 s, s, 1; or.b32 s, s, 0x32103210; "
+            + half.format(q="qm", s="s", o0="$0", o1="$1")
+            + "shr.u32 qh, qm, 16; shr.u32 sh, s, 16; "
+            + half.format(q="qh", s="sh", o0="$2", o1="$3") + "}")
+
+
 def matmul_4bit(x, packed, shape, blocksize: int, code, absmax, absmax2=None, code2=None, offset=None, bias=None,
-                num_warps: int | None = None):
+                num_warps: int | None = None, lut: bool | None = None):
     """``x @ W.T (+ bias)`` with ``W`` ``[N, K]`` in bitsandbytes' 4-bit layout (module docstring), by Triton.
 
     Args:
@@ -142,6 +181,9 @@ def matmul_4bit(x, packed, shape, blocksize: int, code, absmax, absmax2=None, co
         code: float32 ``[16]``. absmax: float32 ``[N*K/blocksize]``, or uint8 with ``absmax2`` (float32
             ``[ceil(blocks/256)]``), ``code2`` (float32 ``[256]``) and ``offset`` (float32 scalar tensor).
         num_warps: Triton warps per program (default: one thread per 16 bytes of a row, at most 32 warps).
+        lut: look the 4-bit values up in registers (:func:`lut_asm`, values rounded to bfloat16; CUDA and 16-bit
+            ``x`` only) rather than gather them from ``code``; None: :data:`LUT`. float32 ``x`` always gathers the
+            float32 values (float32 compute stays exact).
 
     Returns:
         ``[..., N]`` in ``x.dtype``.
@@ -174,7 +216,8 @@ def matmul_4bit(x, packed, shape, blocksize: int, code, absmax, absmax2=None, co
         code2 if nested else dummy, offset if nested else dummy, code, bias if bias is not None else dummy, out,
         rows, xs.stride(0), out.stride(0), K=k, NH=pieces, BS=blocksize, NESTED=nested,
         HAS_BIAS=bias is not None, X_PAIRS=pairs, X_BF16=x2.dtype == torch.bfloat16,
-        M_PAD=triton.next_power_of_2(rows), num_warps=num_warps or max(1, min(32, pieces // 32)))
+        M_PAD=triton.next_power_of_2(rows), num_warps=num_warps or max(1, min(32, pieces // 32)),
+        LUT_ASM=_lut_string(code) if (LUT if lut is None else lut) and pairs and x.device.type == "cuda" else "")
     return out.view(*x.shape[:-1], n)
 
 
@@ -233,7 +276,9 @@ def gemm_4bit_route():
         raise RuntimeError(f"bitsandbytes has no gemm_4bit op to route ({type(e).__name__}: {e})") from e
 
     class Gemm4bitRoute(TorchDispatchMode):
-        counts: dict = {}
+        def __init__(self):
+            super().__init__()
+            self.counts: dict = {}
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
@@ -243,6 +288,4 @@ def gemm_4bit_route():
                     return out
             return func(*args, **kwargs)
 
-    mode = Gemm4bitRoute()
-    mode.counts = {}
-    return mode
+    return Gemm4bitRoute()

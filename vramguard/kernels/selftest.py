@@ -1,6 +1,6 @@
 """``kernels.selftest``: each kernel once on a model's real weights and cache, against the library it replaces.
 
-Run by :class:`vramguard.fastdecode.GraphDecoder` before its first kernel step: a kernel that fails to compile or
+Run by :class:`vramguard.run.fastdecode.GraphDecoder` before its first kernel step: a kernel that fails to compile or
 disagrees raises here, before it has written anything, and the decoder turns it off with the reason.
 """
 
@@ -55,3 +55,28 @@ def check_decode_attention(keys, values, num_heads: int, filled: int) -> None:
     err = _rel(got, want)
     if not err < TOLERANCE:
         raise RuntimeError(f"it differs from a float32 softmax by {err:.3g} (relative)")
+
+
+def check_4bit_layers_or_gather(model, kernels, dtype) -> str | None:
+    """:func:`check_4bit_layers` with the register lookup (:data:`vramguard.kernels.nf4.LUT`); if that fails, with
+    the gather from the table instead (``LUT`` is then switched off for this process). Returns a note when the
+    lookup was switched off, None otherwise.
+
+    Raises:
+        RuntimeError (or the compile error): the gather version fails too.
+    """
+    import torch
+
+    from vramguard.kernels import nf4
+    if not nf4.LUT:
+        check_4bit_layers(model, kernels, dtype)
+        return None
+    try:
+        check_4bit_layers(model, kernels, dtype)
+        return None
+    except Exception as e:  # noqa: BLE001 -- a PTX or compile failure of the lookup: the gather version is tried
+        if isinstance(e, torch.OutOfMemoryError):
+            raise
+        nf4.LUT = False
+        check_4bit_layers(model, kernels, dtype)
+        return f"register lookup off ({type(e).__name__}: {str(e).strip()[:200]}), values gathered from the table"

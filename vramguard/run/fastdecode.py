@@ -289,13 +289,15 @@ class GraphDecoder:
         that fails to compile or disagrees is turned off, with the reason, before it touches the cache."""
         import torch
 
-        from vramguard.kernels.selftest import check_4bit_layers, check_decode_attention
+        from vramguard.kernels.selftest import check_4bit_layers_or_gather, check_decode_attention
         if self._selftested or not (self._nf4 or self._attn_kernel):
             return
         self._selftested = True
         try:
             if self._nf4:
-                check_4bit_layers(self.model, self._kernels, self._mask_dtype)
+                note = check_4bit_layers_or_gather(self.model, self._kernels, self._mask_dtype)
+                if note:
+                    self._kernel_why = f"4-bit matmul: {note}"
         except Exception as e:  # noqa: BLE001 -- compile or launch failure: bitsandbytes' own kernels run instead
             if isinstance(e, torch.OutOfMemoryError):
                 raise
@@ -322,7 +324,7 @@ class GraphDecoder:
                            else ""))
         if self._attn_kernel:
             done.append("decode attention (Triton, split-K, GQA without copies, the filled length only)")
-        if " off: " in self._kernel_why:
+        if " off" in self._kernel_why:
             done.append(self._kernel_why)
         return "; ".join(done)
 

@@ -12,10 +12,11 @@
 Continuing re-encodes the tokens produced so far in one prefill; with a 16-bit KV cache and greedy decoding the
 result equals an uninterrupted run up to floating-point reassociation (exactly equal in the CPU tests).
 
-``fast_decode=True`` puts :data:`GRAPH_STRATEGY` first: the static cache of the planner's static-cache strategy,
-decoded by :class:`vramguard.run.fastdecode.GraphDecoder` (one CUDA graph replayed per token; eager, and reported as
-such, without CUDA or when capture fails). Its greedy tokens equal the static-cache strategy's; the other strategies
-remain the fallbacks after an out-of-memory error.
+Fast decode (on by default where it can run, :func:`fast_decode_choice`) puts :data:`GRAPH_STRATEGIES` first: a
+static cache decoded by :class:`vramguard.run.fastdecode.GraphDecoder` (one CUDA graph replayed per token, with
+vramguard's Triton kernels where they apply; eager, and reported as such, when capture fails), prefilled in one
+forward or, where that does not fit, in 512-token chunks. Its greedy tokens equal the static-cache strategy's; the
+strategies that would run without it follow, in the same order, as the fallbacks after an out-of-memory error.
 """
 
 from __future__ import annotations
@@ -76,8 +77,13 @@ STRATEGIES: tuple[Strategy, ...] = (
 )
 
 
-GRAPH_STRATEGY = Strategy("static cache + CUDA-graph decode", {"prefill_chunk_size": 512},
-                          {"cache": "static", "prefill_chunk": 512}, graph=True)
+# The graph strategies: one prefill forward (the time to first token of transformers' own generate), then, where
+# that does not fit, 512-token chunks (each new chunk length is a new attention shape: slower to the first token).
+GRAPH_STRATEGY = Strategy("static cache + CUDA-graph decode", {"prefill_chunk_size": None}, {"cache": "static"},
+                          graph=True)
+GRAPH_CHUNKED = Strategy("static cache + chunked prefill 512 + CUDA-graph decode", {"prefill_chunk_size": 512},
+                         {"cache": "static", "prefill_chunk": 512}, graph=True)
+GRAPH_STRATEGIES = (GRAPH_STRATEGY, GRAPH_CHUNKED)
 
 
 @dataclass
@@ -133,18 +139,13 @@ def usable_bytes(budget_bytes: int | None) -> tuple[int | None, int]:
     return free + torch.cuda.memory_reserved() - allocated, allocated
 
 
-def preflight(spec, s: Settings, usable: int | None, auto: bool, on_cuda: bool,
-              weights_loaded: bool, fast_decode: bool = False) -> tuple[list[tuple[Strategy, int]], str]:
-    """Strategies that may run, first the one to use, each with its planned need in bytes beyond what is already
-    loaded; and the reason. With ``fast_decode`` the graph strategy is considered first (alone when not ``auto``).
-    Raises Infeasible when none fits ``usable``."""
+def _candidates(spec, s: Settings, pool, on_cuda: bool, weights_loaded: bool) -> tuple[list, list[str]]:
+    """(strategy, planned bytes beyond the loaded weights) for each strategy of ``pool`` that can run, and why the
+    others cannot."""
     from vramguard.errors import NotPlannable
     from vramguard.plan import estimate
     cands: list[tuple[Strategy, int]] = []
     skipped: list[str] = []
-    pool = STRATEGIES if auto else STRATEGIES[:1]
-    if fast_decode:
-        pool = (GRAPH_STRATEGY,) + (pool if auto else ())
     for st in pool:
         ok, why = st.available(on_cuda)
         if not ok:
@@ -155,27 +156,43 @@ def preflight(spec, s: Settings, usable: int | None, auto: bool, on_cuda: bool,
         except NotPlannable as e:  # the architecture cannot run this strategy (a static cache with ALiBi...)
             skipped.append(f"{st.name}: not plannable for this model ({e.fix})")
             continue
-        need = est.peak_reserved_bytes - (est.weights.total_bytes if weights_loaded else 0)
-        cands.append((st, need))
+        cands.append((st, est.peak_reserved_bytes - (est.weights.total_bytes if weights_loaded else 0)))
+    return cands, skipped
+
+
+def preflight(spec, s: Settings, usable: int | None, auto: bool, on_cuda: bool,
+              weights_loaded: bool, fast_decode: bool = False) -> tuple[list[tuple[Strategy, int]], str]:
+    """Strategies that may run, first the one to use, each with its planned need in bytes beyond what is already
+    loaded; and the reason. Without ``fast_decode``: the first strategy that fits, then those planned to need less.
+    With it, the graph strategies that fit come first (:data:`GRAPH_STRATEGY` alone when not ``auto``), followed
+    by that same order. Raises Infeasible when none fits ``usable``."""
+    from vramguard.errors import NotPlannable
+    plain = (STRATEGIES if auto else STRATEGIES[:1]) if (auto or not fast_decode) else ()
+    graph = (GRAPH_STRATEGIES if auto else GRAPH_STRATEGIES[:1]) if fast_decode else ()
+    cands, skipped = _candidates(spec, s, graph + plain, on_cuda, weights_loaded)
     if not cands:
-        raise NotPlannable("strategy", ", ".join(st.name for st in pool), "a strategy this model runs with",
+        raise NotPlannable("strategy", ", ".join(st.name for st in graph + plain), "a strategy this model runs with",
                            "; ".join(skipped))
     if usable is None:
         return cands, ("no CUDA device: nothing to plan against; " + (
             f"{cands[0][0].name} runs" if cands[0][0].graph else "the plain strategy runs"))
-    fitting = [(st, n) for st, n in cands if n <= usable]
-    if not fitting:
+    order = [c for c in cands if c[0].graph and c[1] <= usable]
+    plain_fit = [c for c in cands if not c[0].graph and c[1] <= usable]
+    if plain_fit:
+        first_plain = plain_fit[0]
+        order += [first_plain] + [c for c in cands if not c[0].graph and c[0] is not first_plain[0]
+                                  and c[1] < first_plain[1]]
+    if not order:
         best = min(cands, key=lambda c: c[1])
         raise Infeasible("request", f"{s.prompt_tokens:,} prompt + {s.max_new_tokens:,} new tokens",
                          f"at most {fmt_bytes(usable)} of memory left; the smallest strategy ({best[0].name}) "
                          f"needs {fmt_bytes(best[1])}",
                          "shorten the prompt or the generation, use a smaller batch, or run `vramguard plan` for "
                          "what fits" + ("" if auto else "; or let vramguard pick a strategy (--auto)"))
-    first = fitting[0]
-    order = [first] + [c for c in cands if c[0] is not first[0] and c[1] < first[1]]
+    first = order[0]
     why = (f"{first[0].name}: planned {fmt_bytes(first[1])} of {fmt_bytes(usable)} usable"
            + (f" (skipped: {'; '.join(skipped)})" if skipped else ""))
-    if fast_decode and not first[0].graph:
+    if fast_decode and not first[0].graph and cands[0][0].graph:
         why += (f"; fast decode not used: its static cache needs {fmt_bytes(cands[0][1])}, more than the "
                 f"{fmt_bytes(usable)} usable")
     return order, why
@@ -349,7 +366,7 @@ def generate(model, tokenizer, prompt: str | list[int], max_new_tokens: int = 25
              auto: bool = True, on_text: Callable[[str], None] | None = None, do_sample: bool = False,
              temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
              seed: int | None = None, settings: Settings | None = None,
-             fast_decode: bool = False) -> GenerationResult:
+             fast_decode: bool | None = None) -> GenerationResult:
     """Generate ``max_new_tokens`` after ``prompt`` without running out of memory (see the module docstring).
 
     Args:
@@ -358,8 +375,9 @@ def generate(model, tokenizer, prompt: str | list[int], max_new_tokens: int = 25
         budget_bytes: memory PyTorch may use in total (default: what the card has free).
         auto: choose the strategy from the plan (else only the plain dynamic cache, refused if it cannot fit).
         on_text: called with each new piece of text as it is generated.
-        fast_decode: try :data:`GRAPH_STRATEGY` first (CUDA-graph decode on a static cache); the result's
-            ``decode_mode`` / ``decode_reason`` say whether the graph ran.
+        fast_decode: try the graph strategies first (CUDA-graph decode on a static cache, :data:`GRAPH_STRATEGIES`);
+            None (default): when the model can run it on one CUDA device (:func:`fast_decode_choice`, its reason in
+            the result's ``reason``); the result's ``decode_mode`` / ``decode_reason`` say whether the graph ran.
 
     Raises:
         Infeasible: no strategy fits, before any GPU work; or every strategy ran out of memory.
@@ -381,11 +399,11 @@ def generate(model, tokenizer, prompt: str | list[int], max_new_tokens: int = 25
                            f"add --do-sample (library: do_sample=True) to sample with {', '.join(given)}, or leave "
                            "them out for greedy decoding")
     prompt_ids = _prompt_ids(tokenizer, prompt)
-    if fast_decode:
-        from vramguard.run.fastdecode import check_model
-        check_model(model)
+    fast, fast_why = fast_decode_choice(model, fast_decode)
     order, why = strategy_order(model, len(prompt_ids), max_new_tokens, budget_bytes=budget_bytes, auto=auto,
-                                fast_decode=fast_decode, settings=settings)
+                                fast_decode=fast, settings=settings)
+    if fast_decode is None:
+        why += f"; fast decode {'on' if fast else 'off'} by default: {fast_why}"
     on_cuda = next(model.parameters()).device.type == "cuda"
     usable, _ = usable_bytes(budget_bytes) if on_cuda else (None, 0)
     if on_cuda:
@@ -413,6 +431,27 @@ def generate(model, tokenizer, prompt: str | list[int], max_new_tokens: int = 25
                             last.peak_allocated_bytes, ttft,
                             len(generated) / elapsed if elapsed > 0 else None, order[0][1], usable,
                             last.decode_mode, last.decode_reason, last.decode_ms_per_token)
+
+
+def fast_decode_choice(model, fast_decode: bool | None) -> tuple[bool, str]:
+    """Whether :func:`generate` tries the graph strategies first, and why. ``True``: yes, after
+    :func:`vramguard.run.fastdecode.check_model` (which raises for a model the decoder cannot run); ``False``: no;
+    ``None`` (the default): yes when the model is on one CUDA device and the decoder can run it exactly (a
+    ``GraphDecoder`` still falls back to eager steps, and says so, when the capture fails)."""
+    from vramguard.errors import InvalidValue
+    from vramguard.run.fastdecode import check_model, graph_support
+    if fast_decode is not None:
+        if fast_decode:
+            check_model(model)
+        return bool(fast_decode), f"fast_decode={fast_decode} was passed"
+    ok, why = graph_support(model)
+    if not ok:
+        return False, why
+    try:
+        check_model(model)
+    except InvalidValue as e:
+        return False, f"{e.field} is {e.value!r}; accepted: {e.accepted}"
+    return True, f"batch 1 on {why}"
 
 
 def resolve_sampling(model, do_sample: bool, temperature, top_p, top_k) -> tuple[dict, str | None]:
