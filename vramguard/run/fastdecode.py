@@ -260,7 +260,7 @@ class GraphDecoder:
     def _kernel_choice(self, kernels: bool | None) -> tuple[bool, bool, str]:
         if kernels is False:
             return False, False, "kernels=False was passed"
-        if kernels is None and not self._graph_ok:
+        if kernels is None and not (self._graph_ok and self.device.type == "cuda"):
             return False, False, "no CUDA graph, so no kernels (they are used with the graph)"
         nf4, attn, why = kernel_support(self.model)
         if kernels and not (nf4 or attn):
