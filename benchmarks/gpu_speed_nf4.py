@@ -3,7 +3,7 @@
 Llama-3.1-8B architecture, random weights, NF4 with double quant (transformers' bitsandbytes defaults), bf16:
 
 1. ``kernel``: each projection shape (q/o 4096x4096, k/v 1024x4096, gate/up 14336x4096, down 4096x14336) at 1, 4
-   and 8 rows: relative error of :func:`vramguard.kernels.nf4.matmul_4bit` against float64 ``x @ W.T`` from
+   and 8 rows: relative error of :func:`vramguard.run.kernels.nf4.matmul_4bit` against float64 ``x @ W.T`` from
    bitsandbytes' own ``dequantize_4bit`` (and of bitsandbytes' ``matmul_4bit`` against the same), and the device
    time per call of both (a CUDA graph of one call per layer, 32 different weights, replayed 20 times: no launch
    overhead, no L2 reuse) with GB/s over the bytes read (packed weights, uint8 absmax, absmax2); at 1 row for a
@@ -72,7 +72,7 @@ def graph_us(fns, smoke: bool, reps: int = 20) -> float:
 
 def projections(m, smoke: bool) -> dict:
     """name -> one argument dict per layer (packed bytes, shape, blocksize, code, scales, quant_state)."""
-    from vramguard.kernels.nf4 import code_table
+    from vramguard.run.kernels.nf4 import code_table
     if smoke:  # a tiny float model on the CPU: quantize synthetic weights with bitsandbytes
         import bitsandbytes.functional as BF
         out = {}
@@ -107,7 +107,7 @@ def kernel_records(log, m, smoke: bool) -> None:
     import bitsandbytes as bnb
     import bitsandbytes.functional as BF
 
-    from vramguard.kernels import nf4
+    from vramguard.run.kernels import nf4
     dev = torch.device("cpu") if smoke else next(m.parameters()).device
     for name, layers in projections(m, smoke).items():
         a = layers[0]
@@ -152,7 +152,8 @@ def decode_records(B: Bench, m, ctx: int, new: int, bound_ms: float, default: bo
     def hf():
         hf_generate(m, ids, 8)  # warm-up
         a = B.runs[f"{tag}_default"] = hf_generate(m, ids, new)
-        return {"ctx": ctx, "total_s": a["total_s"], "decode_ms_per_token": a["decode_ms_per_token"], "ttft_s": a["ttft_s"],
+        return {"ctx": ctx, "total_s": a["total_s"], "decode_ms_per_token": a["decode_ms_per_token"],
+                "ttft_s": a["ttft_s"],
                 "fraction_of_bound": bound_ms / a["decode_ms_per_token"]}
 
     def graph(kernels):

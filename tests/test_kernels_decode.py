@@ -16,7 +16,7 @@ BF = pytest.importorskip("bitsandbytes.functional")
 def _kernels():
     """The kernel modules with interpreted kernels (reloaded if another test imported them without the variable)."""
     pytest.importorskip("triton")
-    from vramguard.kernels import decode_attention, nf4
+    from vramguard.run.kernels import decode_attention, nf4
     for mod in (nf4, decode_attention):
         if type(getattr(mod, "_matmul_4bit_kernel", getattr(mod, "_split_kernel", None))).__name__ != \
                 "InterpretedFunction":
@@ -40,7 +40,7 @@ def _rel(a, b):
 
 @pytest.mark.parametrize("quant_type,nested", [("nf4", True), ("nf4", False), ("fp4", True)])
 def test_reference_dequantize_is_bitsandbytes_dequantize(quant_type, nested):
-    from vramguard.kernels.nf4 import code_table, reference_dequantize
+    from vramguard.run.kernels.nf4 import code_table, reference_dequantize
     q, st = _quantized(48, 320, quant_type, nested)  # 48*320/64 = 240 blocks: one partial absmax2 group of 256
     assert q.dtype == torch.uint8 and q.numel() == 48 * 320 // 2
     ours = reference_dequantize(q, (48, 320), 64, code_table(quant_type, "cpu"), *_scales(st))
@@ -50,7 +50,7 @@ def test_reference_dequantize_is_bitsandbytes_dequantize(quant_type, nested):
 
 def test_nf4_code_table_and_nibble_order():
     """bitsandbytes' NF4 table, and the packing: byte i holds element 2i in its high nibble."""
-    from vramguard.kernels.nf4 import code_table, reference_dequantize
+    from vramguard.run.kernels.nf4 import code_table, reference_dequantize
     code = code_table("nf4", "cpu")
     assert code.shape == (16,) and code[0] == -1.0 and code[7] == 0.0 and code[15] == 1.0
     packed = torch.tensor([0x0F, 0x7F] + [0x77] * 30, dtype=torch.uint8)  # 64 elements, one block, absmax 2
@@ -125,7 +125,7 @@ def test_decode_attention_matches_a_float64_softmax_over_the_filled_slots(heads,
 
 
 def test_split_plan_covers_the_cache():
-    from vramguard.kernels.decode_attention import BLOCK_L, split_plan
+    from vramguard.run.kernels.decode_attention import BLOCK_L, split_plan
     splits, iters = split_plan(8319, 8)  # 256 programs / 8 KV heads = 32 chunks wanted: 8319 / (32 * 64) -> 5 steps
     assert (splits, iters) == (26, 5) and splits * iters * BLOCK_L >= 8319 > (splits - 1) * iters * BLOCK_L
     assert split_plan(1, 8) == (1, 1)

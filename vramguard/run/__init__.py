@@ -2,6 +2,7 @@
 
 Parts: :mod:`~vramguard.run.generate` (the guarded ``generate`` and its strategies),
 :mod:`~vramguard.run.fastdecode` (batch-1 decode replaying one CUDA graph per token),
-:mod:`~vramguard.run.prompt` (the user's prompt as token ids, the context check) and
-:mod:`~vramguard.run.context` (long prompts: retrieval or summaries within the token budget).
+:mod:`~vramguard.run.prompt` (the user's prompt as token ids, the context check),
+:mod:`~vramguard.run.context` (long prompts: retrieval or summaries within the token budget) and
+:mod:`~vramguard.run.kernels` (the Triton kernels of fast decode's steps).
 """

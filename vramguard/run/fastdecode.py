@@ -106,13 +106,13 @@ def graph_support(model) -> tuple[bool, str]:
 def kernel_support(model) -> tuple[bool, bool, str]:
     """Whether the decode steps can use vramguard's Triton kernels: (4-bit matmul, decode attention, reason).
 
-    The 4-bit matmul (:mod:`vramguard.kernels.nf4`) needs bitsandbytes ``Linear4bit`` layers and bitsandbytes'
-    ``gemm_4bit`` op; the decode attention (:mod:`vramguard.kernels.decode_attention`) a head_dim that is a power
-    of two of at least 16. Both need Triton on the model's device (:func:`vramguard.kernels.triton_status`).
+    The 4-bit matmul (:mod:`vramguard.run.kernels.nf4`) needs bitsandbytes ``Linear4bit`` layers and bitsandbytes'
+    ``gemm_4bit`` op; the decode attention (:mod:`vramguard.run.kernels.decode_attention`) a head_dim that is a power
+    of two of at least 16. Both need Triton on the model's device (:func:`vramguard.run.kernels.triton_status`).
     """
     import torch
 
-    from vramguard.kernels import triton_status
+    from vramguard.run.kernels import triton_status
     ok, why = triton_status(next(model.parameters()).device)
     if not ok:
         return False, False, why
@@ -269,17 +269,17 @@ class GraphDecoder:
 
     @contextlib.contextmanager
     def _kernels(self):
-        """The decode step's kernels: bitsandbytes' ``gemm_4bit`` routed to :mod:`vramguard.kernels.nf4`, and
-        the model switched to :mod:`vramguard.kernels.decode_attention` (``set_attn_implementation``, undone
+        """The decode step's kernels: bitsandbytes' ``gemm_4bit`` routed to :mod:`vramguard.run.kernels.nf4`, and
+        the model switched to :mod:`vramguard.run.kernels.decode_attention` (``set_attn_implementation``, undone
         after). Only the Python of a step runs in here; a graph replay needs neither."""
         with contextlib.ExitStack() as stack:
             if self._attn_kernel:
-                from vramguard.kernels.decode_attention import register
+                from vramguard.run.kernels.decode_attention import register
                 before = self.model.config._attn_implementation
                 self.model.set_attn_implementation(register())
                 stack.callback(self.model.set_attn_implementation, before)
             if self._nf4:
-                from vramguard.kernels.nf4 import gemm_4bit_route
+                from vramguard.run.kernels.nf4 import gemm_4bit_route
                 self._route = stack.enter_context(gemm_4bit_route())
             yield
 
@@ -289,7 +289,7 @@ class GraphDecoder:
         that fails to compile or disagrees is turned off, with the reason, before it touches the cache."""
         import torch
 
-        from vramguard.kernels.selftest import check_4bit_layers_or_gather, check_decode_attention
+        from vramguard.run.kernels.selftest import check_4bit_layers_or_gather, check_decode_attention
         if self._selftested or not (self._nf4 or self._attn_kernel):
             return
         self._selftested = True

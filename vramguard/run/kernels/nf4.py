@@ -14,9 +14,12 @@ bitsandbytes' layout (``bitsandbytes.functional.quantize_4bit``; checked against
 :func:`matmul_4bit` reads each packed byte once and never writes a dequantized weight: one program per
 output feature reads its row of ``W`` in one pass (a 16-byte load per thread) and computes that output for every
 row of ``x`` (up to :data:`MAX_ROWS`), with the block scale applied after each block's partial sum (one multiply
-per 32 elements, not per element) and float32 accumulation. :func:`reference_matmul` is the same math in torch (float64 on request) for the tests and the GPU check.
+per 32 elements, not per element) and float32 accumulation. Each nibble's value is looked up in registers with
+byte permutes (:func:`lut_asm`, the table rounded to bfloat16, for 16-bit ``x`` on CUDA) or gathered from the
+float32 table (float32 ``x``, Triton's interpreter, or :data:`LUT` off). :func:`reference_matmul` is the same math
+in torch (float64 on request) for the tests and the GPU check.
 
-:class:`Gemm4bitRoute` is a ``TorchDispatchMode`` that sends bitsandbytes' ``gemm_4bit`` calls with at most
+:func:`gemm_4bit_route` gives a ``TorchDispatchMode`` that sends bitsandbytes' ``gemm_4bit`` calls with at most
 :data:`MAX_ROWS` rows to :func:`matmul_4bit` and leaves every other call to bitsandbytes, counting both.
 """
 
@@ -153,7 +156,8 @@ def lut_asm(code) -> str:
     (16 values, rounded to bfloat16) held as byte tables in 8 registers: for each nibble ``prmt`` picks its low
     and high byte from entries 0-7 and 8-15 and a third ``prmt`` chooses by the nibble's top bit (the byte-permute
     lookup of llama.cpp's ``get_int_from_table_16``), two more interleave the bytes into bfloat16 values.
-    PTX ISA, ``prmt``: https://docs.nvidia.com/cuda/parallel-thread-execution/#data-movement-and-conversion-instructions-prmt
+    PTX ISA, ``prmt``:
+    https://docs.nvidia.com/cuda/parallel-thread-execution/#data-movement-and-conversion-instructions-prmt
     """
     import torch
     bits = code.detach().float().cpu().to(torch.bfloat16).view(torch.int16).int() & 0xFFFF

@@ -36,7 +36,7 @@ def check_4bit_layers(model, kernels, dtype) -> None:
 
 
 def check_decode_attention(keys, values, num_heads: int, filled: int) -> None:
-    """:func:`~vramguard.kernels.decode_attention.decode_attention` on one layer's cache (``[1, Hkv, L, D]``,
+    """:func:`~vramguard.run.kernels.decode_attention.decode_attention` on one layer's cache (``[1, Hkv, L, D]``,
     ``filled`` slots written) for a random query, against a float32 softmax over those slots.
 
     Raises:
@@ -44,7 +44,7 @@ def check_decode_attention(keys, values, num_heads: int, filled: int) -> None:
     """
     import torch
 
-    from vramguard.kernels.decode_attention import decode_attention
+    from vramguard.run.kernels.decode_attention import decode_attention
     d = keys.shape[-1]
     q = torch.randn((1, num_heads, 1, d), dtype=keys.dtype, device=keys.device)
     got = decode_attention(q, keys, values, torch.tensor([filled - 1], device=keys.device), d ** -0.5)
@@ -58,7 +58,7 @@ def check_decode_attention(keys, values, num_heads: int, filled: int) -> None:
 
 
 def check_4bit_layers_or_gather(model, kernels, dtype) -> str | None:
-    """:func:`check_4bit_layers` with the register lookup (:data:`vramguard.kernels.nf4.LUT`); if that fails, with
+    """:func:`check_4bit_layers` with the register lookup (:data:`vramguard.run.kernels.nf4.LUT`); if that fails, with
     the gather from the table instead (``LUT`` is then switched off for this process). Returns a note when the
     lookup was switched off, None otherwise.
 
@@ -67,7 +67,7 @@ def check_4bit_layers_or_gather(model, kernels, dtype) -> str | None:
     """
     import torch
 
-    from vramguard.kernels import nf4
+    from vramguard.run.kernels import nf4
     if not nf4.LUT:
         check_4bit_layers(model, kernels, dtype)
         return None

@@ -1,9 +1,9 @@
 """``kernels``: Triton kernels for batch-1 and small-batch decoding, each beside a pure-torch reference of its math.
 
-* :mod:`vramguard.kernels.nf4`: bitsandbytes 4-bit weights (NF4 / FP4, double quant included) times a few rows of
+* :mod:`vramguard.run.kernels.nf4`: bitsandbytes 4-bit weights (NF4 / FP4, double quant included) times a few rows of
   activations, read from the packed bytes as bitsandbytes stores them; and a dispatch mode that routes
   bitsandbytes' ``gemm_4bit`` op to it.
-* :mod:`vramguard.kernels.decode_attention`: one query token against a static KV cache, GQA without copying the
+* :mod:`vramguard.run.kernels.decode_attention`: one query token against a static KV cache, GQA without copying the
   cache, over the filled length only (read on the device, so one CUDA graph serves every length).
 
 Triton is optional: :func:`triton_status` says whether the kernels can run and why not.
