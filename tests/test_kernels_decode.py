@@ -148,6 +148,12 @@ def test_graph_decoder_with_the_attention_kernel_gives_transformers_tokens():
     r = F.graph_decode(m, prompt, 8, kernels=True, eos_token_id=None)
     assert r.token_ids == want
     assert r.kernels.startswith("decode attention") and m.config._attn_implementation == "sdpa"  # switched back
+    # seeded sampling: the kernel's self-test draws from its own generator, so the global RNG sees the same draws
+    sampled = []
+    for kernels in (True, False):
+        torch.manual_seed(7)
+        sampled.append(F.graph_decode(m, prompt, 6, kernels=kernels, do_sample=True, eos_token_id=None).token_ids)
+    assert sampled[0] == sampled[1]
     with pytest.raises(F.InvalidValue, match="kernels that apply"):
         F.GraphDecoder(transformers.AutoModelForCausalLM.from_config(
             transformers.LlamaConfig(**{**cfg.to_dict(), "head_dim": 24})), 60, kernels=True)

@@ -335,7 +335,7 @@ def _graph_attempt(model, ids, remaining: int, tap: _Tap, sample: dict, chunk: i
 def _decode_fields(dec) -> dict:
     if dec is None:
         return {}
-    note = f"; {dec.sdpa_note}" if dec.sdpa_note else ""
+    note = (f"; kernels: {dec.kernels}" if dec.kernels else "") + (f"; {dec.sdpa_note}" if dec.sdpa_note else "")
     return {"decode_mode": dec.mode, "decode_reason": dec.reason + note,
             "decode_ms_per_token": dec.decode_ms_per_token}
 

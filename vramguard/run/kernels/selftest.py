@@ -9,6 +9,12 @@ from __future__ import annotations
 TOLERANCE = 2e-2  # relative (Frobenius); bfloat16 rounding of the outputs alone is about 4e-3
 
 
+def _generator(device):
+    """A seeded generator of its own: the checks must not move the global RNG that seeded sampling uses."""
+    import torch
+    return torch.Generator(device=device).manual_seed(0)
+
+
 def _rel(got, want) -> float:
     return float((got.float() - want.float()).norm() / want.float().norm().clamp_min(1e-30))
 
@@ -27,7 +33,7 @@ def check_4bit_layers(model, kernels, dtype) -> None:
         if qs is None or (qs.shape[1], qs.nested) in seen:
             continue
         seen.add((qs.shape[1], qs.nested))
-        x = torch.randn((1, 1, qs.shape[1]), dtype=dtype, device=m.weight.device)
+        x = torch.randn((1, 1, qs.shape[1]), generator=_generator(m.weight.device), device=m.weight.device).to(dtype)
         with kernels():
             got = m(x)
         err = _rel(got, m(x))
@@ -46,7 +52,7 @@ def check_decode_attention(keys, values, num_heads: int, filled: int) -> None:
 
     from vramguard.run.kernels.decode_attention import decode_attention
     d = keys.shape[-1]
-    q = torch.randn((1, num_heads, 1, d), dtype=keys.dtype, device=keys.device)
+    q = torch.randn((1, num_heads, 1, d), generator=_generator(keys.device), device=keys.device).to(keys.dtype)
     got = decode_attention(q, keys, values, torch.tensor([filled - 1], device=keys.device), d ** -0.5)
     g = num_heads // keys.shape[1]
     kk = keys[:, :, :filled].float().repeat_interleave(g, 1)
