@@ -1,4 +1,4 @@
-"""``fastdecode``: batch-1 decoding that replays one CUDA graph per generated token (issue #4).
+"""``fastdecode``: batch-1 decoding that replays one CUDA graph per generated token.
 
 At batch 1 a quantized 8B model spends most of each decode step launching kernels from Python: transformers'
 ``generate`` ran at 26.8 ms/token on an H200 against a 1.19 ms/token bandwidth bound. :class:`GraphDecoder`
@@ -25,6 +25,14 @@ What a replay would not update, and how it is handled:
 * the cache's write position: ``StaticLayer.update`` writes at its on-device ``cumulative_length`` and increments it
   in place, which a replay repeats; it advances once per step like the position buffer, and the two are compared
   at the end of every call (a mismatch raises instead of returning wrong tokens).
+
+Inside the captured step (``kernels=None``, the default) two of :mod:`vramguard.run.kernels`' Triton kernels replace
+library calls where they apply: bitsandbytes' ``gemm_4bit`` for one to 8 rows (a ``TorchDispatchMode`` routes it,
+the weights are read as bitsandbytes stores them) and transformers' attention for the decode step (registered in
+transformers' ``AttentionInterface`` and switched on with ``set_attn_implementation`` for the step only: GQA without
+``repeat_kv`` copies, no mask, the filled length read from the position buffer on the device). Before the first
+kernel step each kernel is run once on the model's own weights and cache against the library it replaces and turned
+off, with the reason, if it fails or disagrees; :attr:`DecodeResult.kernels` says what ran.
 
 Without CUDA, when the model cannot be captured, or when capture fails for any reason, the same static-input step
 runs eagerly for every token; :attr:`DecodeResult.mode` and :attr:`DecodeResult.reason` say which ran and why.
