@@ -36,6 +36,10 @@ def plan(
     context: Optional[int] = typer.Option(None, help="context length to allow (RoPE-scaled models beyond config)"),
     gpu: Optional[str] = typer.Option(None, help="a catalog card (see --list-gpus)"),
     vram: Optional[str] = typer.Option(None, help="card memory, e.g. 24GiB, 24GB, 24000MiB"),
+    alloc_conf: Optional[str] = typer.Option(
+        None, help="plan reserved memory, fit and the largest prompt with a model of PyTorch's caching allocator "
+        "under this PYTORCH_CUDA_ALLOC_CONF ('default', or e.g. expandable_segments:True; default: the variable "
+        "when it is set, else the reserve formula)"),
     fmt: Format = format_option(),
     list_models: bool = typer.Option(False, "--list-models", help="list the catalog architectures and exit"),
     list_gpus: bool = typer.Option(False, "--list-gpus", help="list the catalog cards and exit"),
@@ -66,7 +70,7 @@ def plan(
                      num_beams=num_beams, num_return_sequences=num_return_sequences, prompt_tokens=prompt_tokens,
                      max_new_tokens=max_new_tokens, prefill_chunk=prefill_chunk, logits=logits.value,
                      output_attentions=output_attentions, padded=padded, do_sample=do_sample)
-        return plan_fn(model, s, gpu=gpu, vram=vram, context=context)
+        return plan_fn(model, s, gpu=gpu, vram=vram, context=context, alloc_conf=_alloc_conf(alloc_conf))
 
     p = run_guarded(build, as_json=fmt == Format['json'])
     if fmt == Format['json']:
@@ -75,6 +79,15 @@ def plan(
         print_plan(p, console())
     if exit_code and not any(c.fits for c in p.cards):
         raise typer.Exit(1)
+
+
+def _alloc_conf(given: str | None) -> str | None:
+    """The allocator setting to plan with: the option ('default' is the default allocator), else the
+    environment's PYTORCH_CUDA_ALLOC_CONF when set, else None (the reserve formula)."""
+    import os
+    if given is not None:
+        return "" if given.strip().lower() == "default" else given
+    return os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
 
 
 def _print_catalog(models: bool, gpus: bool) -> None:

@@ -124,8 +124,9 @@ def generate_events(spec, s: Settings) -> list[tuple[int, int]]:
 
 
 @lru_cache(maxsize=64)
-def _cached_events(config_json: str, name: str, key: Settings, prompt: int, new: int) -> tuple:
-    """(prefill events, decode step 1 events, decode step 2 events), replayed on the meta device."""
+def _cached_events(config_json: str, name: str, key: Settings, prompt: int, new: int, steps: int = 3) -> tuple:
+    """The events of the first ``min(new, steps)`` forwards (the prefill, decode step 1, 2...) replayed on the meta
+    device, one tuple per forward (empty tuples up to three)."""
     import torch
 
     from vramguard.introspect.build import _quiet, cached_config, text_config
@@ -149,7 +150,7 @@ def _cached_events(config_json: str, name: str, key: Settings, prompt: int, new:
         ids = torch.zeros((seqs, prompt), dtype=torch.long, device=meta)
         mask = torch.ones((seqs, prompt), dtype=torch.long, device=meta)
         step_ids = ids
-        for step in range(min(new, 3)):
+        for step in range(min(new, steps)):
             past = prompt + step - 1 if step else 0
             if not s.padded:
                 tracker.fill(mask, 1)
@@ -166,7 +167,7 @@ def _cached_events(config_json: str, name: str, key: Settings, prompt: int, new:
             marks.append(len(events))
         del cache, ids, mask, step_ids
     marks += [len(events)] * (3 - len(marks))
-    return tuple(events[:marks[0]]), tuple(events[marks[0]:marks[1]]), tuple(events[marks[1]:marks[2]])
+    return tuple(tuple(events[a:b]) for a, b in zip([0] + marks, marks))
 
 
 @contextlib.contextmanager
@@ -250,7 +251,7 @@ def _extrapolate(step1: tuple, step2: tuple, n_more: int) -> list[tuple[int, int
 def largest_prompt(spec, s: Settings, config: AllocatorConfig, lo: int, hi: int,
                    margin_bytes: int = 0) -> int | None:
     """The largest prompt in ``[lo, hi]`` whose ``generate`` the allocator model places under
-    ``config.allowed_bytes - margin_bytes``, by bisection (``lo`` is checked; None when even ``lo`` fails).
+    ``config.allowed_bytes - margin_bytes``, by bisection to 0.25% (``lo`` is checked; None when even ``lo`` fails).
 
     Fragmentation makes the answer only nearly monotone in the prompt; the bisection keeps the bracket
     ``fits(a) and not fits(b)`` and returns its lower end."""
@@ -266,7 +267,7 @@ def largest_prompt(spec, s: Settings, config: AllocatorConfig, lo: int, hi: int,
     if fits(hi):
         return hi
     a, b = lo, hi
-    while b - a > max(1, a // 1000):
+    while b - a > max(1, a // 400):
         mid = (a + b) // 2
         if fits(mid):
             a = mid
@@ -275,15 +276,15 @@ def largest_prompt(spec, s: Settings, config: AllocatorConfig, lo: int, hi: int,
     return a
 
 
-EDGE_MARGIN_NUM, EDGE_MARGIN_DEN = 1, 100  # of the memory PyTorch may reserve: the edge keeps this much free
+EDGE_MARGIN_NUM, EDGE_MARGIN_DEN = 1, 100  # of the memory above the loaded model: what the edge keeps free
 
 
-def card_allowed_bytes(usable_bytes: int) -> int:
-    """What PyTorch may reserve on a card with ``usable_bytes`` free: less the CUDA context and the edge margin
-    (1/100: the largest shortfall of the modelled reserved memory at a measured edge, benchmarks/README.md)."""
-    from vramguard.memory.runtime import CUDA_CONTEXT_BYTES
-    allowed = usable_bytes - CUDA_CONTEXT_BYTES
-    return allowed - allowed * EDGE_MARGIN_NUM // EDGE_MARGIN_DEN
+def allowed_bytes(cap_bytes: int, base_reserved_bytes: int) -> int:
+    """What the plan lets the allocator model reserve under a cap of ``cap_bytes`` on PyTorch's reserved memory:
+    the cap less 1/100 of the room above the loaded model (``base_reserved_bytes``), the largest shortfall of the
+    modelled reserved memory at a measured edge (benchmarks/README.md). Example: a 24 GiB cap (25,769,803,776 B)
+    above 5,754,585,088 B of weights keeps (25,769,803,776 - 5,754,585,088) // 100 = 200,152,186 B free."""
+    return cap_bytes - max(0, cap_bytes - base_reserved_bytes) * EDGE_MARGIN_NUM // EDGE_MARGIN_DEN
 
 
 def with_allocator(spec, s: Settings, est, cards: list, alloc_conf: str, solve: bool):
@@ -303,7 +304,8 @@ def with_allocator(spec, s: Settings, est, cards: list, alloc_conf: str, solve: 
                   alloc_conf=alloc_conf)
     out = []
     for c in cards:
-        capped = replace(conf, allowed_bytes=card_allowed_bytes(c.usable_bytes))
+        cap = c.usable_bytes - est.cuda_context_bytes
+        capped = replace(conf, allowed_bytes=allowed_bytes(cap, r.base_reserved_bytes))
         rc = replay_generate(spec, s, capped)
         fits = rc.fits and load_need <= c.usable_bytes
         c = replace(c, need_bytes=est.device_used_bytes, fits=fits, headroom_bytes=c.usable_bytes - est.device_used_bytes)
@@ -314,15 +316,36 @@ def with_allocator(spec, s: Settings, est, cards: list, alloc_conf: str, solve: 
 
 
 def edge_prompt_tokens(spec, s: Settings, config: AllocatorConfig, formula_tokens: int | None) -> int | None:
-    """The largest prompt the allocator model places under ``config.allowed_bytes``, searched up from the
-    formula's answer (which holds more in reserve) to the model's context; None when a 1-token prompt fails."""
+    """The largest prompt the allocator model places under ``config.allowed_bytes`` (None when a 1-token prompt
+    does not fit), found from the formula's answer ``formula_tokens`` (which holds more in reserve): a first guess
+    where its modelled reserved peak plus the allocated bytes per token (:func:`vramguard.plan.need_bytes`'s
+    slope) reach the cap, a bracket of 2% steps around it, then bisection to 0.25%."""
+    from vramguard.plan import need_bytes
     ctx = spec.max_position_embeddings - s.max_new_tokens
-    lo = max(1, formula_tokens or 1)
-    hi = min(ctx, lo + lo // 2 + 64)
-    while True:
-        edge = largest_prompt(spec, s, config, lo, hi)
-        if edge is None:
-            return largest_prompt(spec, s, config, 1, lo) if lo > 1 else None
-        if edge < hi or hi >= ctx:
-            return edge
-        lo, hi = hi, min(ctx, hi * 2)
+    lo = max(1, min(formula_tokens or 1, ctx))
+
+    def run(p: int):
+        return replay_generate(spec, s.with_(prompt_tokens=p), config)
+
+    first = run(lo)
+    if not first.fits:
+        return largest_prompt(spec, s, config, 1, lo) if lo > 1 else None
+    dp = max(1, lo // 100)
+    slope = max(1, (need_bytes(spec, s.with_(prompt_tokens=min(ctx, lo + dp))) - need_bytes(
+        spec, s.with_(prompt_tokens=lo))) // dp)
+    guess = min(ctx, lo + max(0, config.allowed_bytes - first.peak_reserved_bytes) // slope)
+    step = max(64, guess // 50)
+    a, b = lo, None
+    p = guess
+    while p > a and (b is None or p < b):
+        if run(p).fits:
+            a = p
+            if p >= ctx:
+                return ctx
+            p = min(ctx, p + step)
+        else:
+            b = p
+            p = max(a, p - step)
+    if b is None:
+        return a
+    return largest_prompt(spec, s, config, a, b) if b - a > max(1, a // 400) else a
