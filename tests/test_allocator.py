@@ -151,3 +151,33 @@ def test_plan_with_the_allocator_model(tmp_path):
     assert formula.estimate.allocator is None
     with pytest.raises(Exception, match="alloc_conf"):
         plan(path, s, vram="1GiB", alloc_conf="expandable_segments:maybe")
+
+
+def test_expandable_segments_only_when_the_user_set_nothing():
+    from vramguard.allocconf import prefer_expandable_segments
+    env: dict[str, str] = {}
+    assert "expandable_segments:True" in prefer_expandable_segments(env, cuda_available=True)
+    assert env == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    mine = {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"}
+    assert prefer_expandable_segments(mine, cuda_available=True) is None
+    assert mine == {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"}  # the user's setting is kept
+    assert prefer_expandable_segments(newer := {"PYTORCH_ALLOC_CONF": ""}, cuda_available=True) is None
+    assert newer == {"PYTORCH_ALLOC_CONF": ""}
+    none: dict[str, str] = {}
+    assert prefer_expandable_segments(none, cuda_available=False) is None and none == {}
+
+
+def test_fit_seeds_from_the_allocator_model_close_the_edge_in_three_runs(tmp_path):
+    from tests.conftest import save_tiny_llama
+    from vramguard.fit import FitRun, search, seeds
+    from vramguard.resolve import resolve_model
+    from vramguard.settings import Settings
+    spec = resolve_model(str(save_tiny_llama(tmp_path, **TINY)))
+    s = Settings(quant="bf16", attn="sdpa", max_new_tokens=8)
+    budget = 16 * MiB  # above the tiny model's few MiB: the edge is a few hundred tokens
+    cons, opt = seeds(spec, s, "prompt", budget, use_allocator=True)
+    assert cons is not None and cons <= opt <= spec.max_position_embeddings - 8
+    true = opt  # a run completes up to the allocator model's own edge
+    best, fail, runs = search(spec, s, "prompt", budget, lambda v: FitRun(v, v <= true, None, None, 1.0),
+                              use_allocator=True)
+    assert len(runs) <= 3 and best <= true < fail, [(r.value, r.ok) for r in runs]
