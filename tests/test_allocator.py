@@ -169,7 +169,7 @@ def test_expandable_segments_only_when_the_user_set_nothing():
 
 def test_fit_seeds_from_the_allocator_model_close_the_edge_in_three_runs(tmp_path):
     from tests.conftest import save_tiny_llama
-    from vramguard.fit import FitRun, search, seeds
+    from vramguard.profile.fit import FitRun, search, seeds
     from vramguard.resolve import resolve_model
     from vramguard.settings import Settings
     spec = resolve_model(str(save_tiny_llama(tmp_path, **TINY)))

@@ -318,9 +318,9 @@ def with_allocator(spec, s: Settings, est, cards: list, alloc_conf: str, solve: 
 def edge_prompt_tokens(spec, s: Settings, config: AllocatorConfig, formula_tokens: int | None) -> int | None:
     """The largest prompt the allocator model places under ``config.allowed_bytes`` (None when a 1-token prompt
     does not fit), found from the formula's answer ``formula_tokens`` (which holds more in reserve): a first guess
-    where its modelled reserved peak plus the allocated bytes per token (:func:`vramguard.plan.need_bytes`'s
+    where its modelled reserved peak plus the allocated bytes per token (:func:`vramguard.plan.estimator.need_bytes`'s
     slope) reach the cap, a bracket of 2% steps around it, then bisection to 0.25%."""
-    from vramguard.plan import need_bytes
+    from vramguard.plan.estimator import need_bytes
     ctx = spec.max_position_embeddings - s.max_new_tokens
     lo = max(1, min(formula_tokens or 1, ctx))
 
