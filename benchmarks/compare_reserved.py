@@ -102,16 +102,62 @@ def modelled(c: dict):
     return replay_generate(resolve_model(c["model"]), settings(c), cfg)
 
 
+def planned_fits(c: dict, base_reserved: int) -> bool | None:
+    """The plan's verdict under the case's cap: the replay under the cap less the plan's margin."""
+    from vramguard.introspect.alloc_replay import allowed_bytes
+    if c["cap"] is None:
+        return None
+    cfg = AllocatorConfig.parse(c["conf"], allowed_bytes(c["cap"], base_reserved))
+    return replay_generate(resolve_model(c["model"]), settings(c), cfg).fits
+
+
+# the measured edges: (arch, quant, PYTORCH_CUDA_ALLOC_CONF) -> (largest completed prompt, smallest failed prompt);
+# Llama-3.1-8B with the default allocator from results/h200_profile_fit (fit and the linear search)
+MEASURED_EDGES = {("llama-3.1-8b", "nf4", ""): (65280, 65536), ("llama-3.1-8b", "nf4", EXP): (78509, 79260),
+                  ("qwen2.5-7b", "bf16", ""): (26294, 28651), ("qwen2.5-7b", "bf16", EXP): (28651, 29829),
+                  ("gemma-2-9b", "bf16", ""): (None, 4960), ("gemma-2-9b", "bf16", EXP): (5252, 5398)}
+FORMULA_EDGES = {"llama-3.1-8b": 57428, "qwen2.5-7b": 21581, "gemma-2-9b": 4376}  # the reserve formula's answers
+
+
+def edges() -> list[dict]:
+    """The planned edge (:func:`edge_prompt_tokens` under the measured cap, with the plan's margin) per measured
+    architecture and allocator setting, beside the measured bracket."""
+    from vramguard.introspect.alloc_replay import allowed_bytes, edge_prompt_tokens
+    out = []
+    for (arch, quant, conf), (ok, fail) in MEASURED_EDGES.items():
+        spec = resolve_model(arch)
+        s = Settings(quant=quant, attn=EDGE_ATTN[arch], max_new_tokens=64)
+        cfg = AllocatorConfig.parse(conf)
+        base = replay_generate(spec, s.with_(prompt_tokens=1), cfg).base_reserved_bytes
+        cfg = AllocatorConfig.parse(conf, allowed_bytes(EDGE_CAP[arch], base))
+        planned = edge_prompt_tokens(spec, s, cfg, FORMULA_EDGES[arch])
+        out.append(dict(model=arch, quant=quant, conf=conf, cap=EDGE_CAP[arch], measured_ok=ok, measured_fail=fail,
+                        planned=planned, formula=FORMULA_EDGES[arch]))
+    return out
+
+
+def print_edges(rows: list[dict]) -> None:
+    print(f"\n{'model':14} {'quant':5} {'allocator':10} {'cap GiB':>7} {'measured ok':>11} {'measured OOM':>12} "
+          f"{'planned':>8} {'vs ok':>7} {'formula':>8}")
+    for r in rows:
+        vs = f"{(r['planned'] - r['measured_ok']) / r['measured_ok'] * 100:+.2f}%" if r["measured_ok"] else ""
+        ok = f"{r['measured_ok']:,}" if r["measured_ok"] else "-"
+        print(f"{r['model']:14} {r['quant']:5} {'expandable' if r['conf'] else 'default':10} {r['cap'] / GiB:7.0f} "
+              f"{ok:>11} {r['measured_fail']:>12,} {r['planned']:>8,} {vs:>7} {r['formula']:>8,}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None)
+    ap.add_argument("--no-edges", action="store_true")
     args = ap.parse_args()
     rows = []
     print(f"{'source':22} {'model':14} {'quant':5} {'attn':5} {'b':>2} {'prompt':>6} {'alloc conf':10} "
           f"{'measured':>15} {'modelled':>15} {'err':>7}  fits: measured / modelled")
     for c in cases():
         r = modelled(c)
-        row = dict(c, modelled=r.peak_reserved_bytes, modelled_fits=r.fits)
+        row = dict(c, modelled=r.peak_reserved_bytes, modelled_fits=r.fits,
+                   planned_fits=r.fits if not r.fits else planned_fits(c, r.base_reserved_bytes))
         if c["ok"] and c["reserved"]:
             row["rel_err"] = (r.peak_reserved_bytes - c["reserved"]) / c["reserved"]
         rows.append(row)
@@ -123,14 +169,26 @@ def main() -> None:
     errs = [abs(r["rel_err"]) for r in rows if "rel_err" in r]
     signed = [r["rel_err"] for r in rows if "rel_err" in r]
     disagree = [r for r in rows if r["ok"] != r["modelled_fits"]]
+    capped = [r for r in rows if r["planned_fits"] is not None]
+    over = [r for r in capped if r["planned_fits"] and not r["ok"]]
+    under = [r for r in capped if r["ok"] and not r["planned_fits"]]
+    print(f"plan verdicts (the cap less the plan's margin), {len(capped)} capped runs: "
+          f"{len(capped) - len(over) - len(under)} agree; predicted to fit but ran out: "
+          + (", ".join(f"{r['model']} {r['quant']} {r['attn']} b{r['batch']} {r['prompt']}" for r in over) or "none")
+          + "; ran but predicted not to fit: "
+          + (", ".join(f"{r['model']} {r['quant']} {r['attn']} b{r['batch']} {r['prompt']} "
+                       f"{'exp' if r['conf'] else 'default'}" for r in under) or "none"))
     print(f"\npeak reserved, {len(errs)} completed runs: median |error| {statistics.median(errs) * 100:.2f}%, "
           f"max {max(errs) * 100:.2f}% (signed: min {min(signed) * 100:+.2f}%, max {max(signed) * 100:+.2f}%)")
     print(f"fit verdicts: {len(rows) - len(disagree)} of {len(rows)} agree; disagreeing: "
           + ", ".join(f"{r['model']} {r['quant']} {r['prompt']} {'exp' if r['conf'] else 'default'} "
                       f"(measured {'ok' if r['ok'] else 'OOM'})" for r in disagree))
+    edge_rows = [] if args.no_edges else edges()
+    if edge_rows:
+        print_edges(edge_rows)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+            json.dump({"runs": rows, "edges": edge_rows}, f, indent=1)
 
 
 if __name__ == "__main__":

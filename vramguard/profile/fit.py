@@ -162,7 +162,7 @@ def search(spec: ModelSpec, s: Settings, vary: str, budget: int, run: Callable[[
     start = cons or opt or lo_lim
     while len(runs) < max_runs and not go(start) and start > lo_lim:  # 1. a run that completes
         start = max(lo_lim, int(start * 0.8))
-    close_seeds = cons and opt and opt - cons <= 2 * tolerance * cons  # the allocator model's seeds
+    close_seeds = use_allocator and cons and opt and opt - cons <= 2 * tolerance * cons
     if close_seeds and ok_runs and len(runs) < max_runs:  # the edge is near: the unmargined seed, then just past
         go(opt if opt > max(ok_runs) else int(max(ok_runs) * (1 + tolerance)))
         if first_fail is None and not closed() and len(runs) < max_runs:
