@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import MutableMapping
+from collections.abc import MutableMapping
 
 EXPANDABLE = "expandable_segments:True"
 ENV_NAMES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")

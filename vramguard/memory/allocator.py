@@ -73,7 +73,7 @@ class AllocatorConfig:
     allowed_bytes: int | None = None
 
     @classmethod
-    def parse(cls, conf: str | None, allowed_bytes: int | None = None) -> "AllocatorConfig":
+    def parse(cls, conf: str | None, allowed_bytes: int | None = None) -> AllocatorConfig:
         """Read ``PYTORCH_CUDA_ALLOC_CONF`` text (``expandable_segments:True,max_split_size_mb:512``).
 
         Raises ValueError naming the option for a value that is not a boolean or a number; options the model
@@ -98,9 +98,9 @@ class AllocatorConfig:
 class Block:
     """A range of one segment: ``addr`` and ``size`` in bytes; ``state``: "used", "free" or "unmapped"."""
 
-    __slots__ = ("seg", "addr", "size", "state", "prev", "next")
+    __slots__ = ("addr", "next", "prev", "seg", "size", "state")
 
-    def __init__(self, seg: "Segment", addr: int, size: int, state: str = "free"):
+    def __init__(self, seg: Segment, addr: int, size: int, state: str = "free"):
         self.seg, self.addr, self.size, self.state = seg, addr, size, state
         self.prev: Block | None = None
         self.next: Block | None = None
