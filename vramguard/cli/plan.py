@@ -38,8 +38,8 @@ def plan(
     vram: Optional[str] = typer.Option(None, help="card memory, e.g. 24GiB, 24GB, 24000MiB"),
     alloc_conf: Optional[str] = typer.Option(
         None, help="plan reserved memory, fit and the largest prompt with a model of PyTorch's caching allocator "
-        "under this PYTORCH_CUDA_ALLOC_CONF ('default', or e.g. expandable_segments:True; default: the variable "
-        "when it is set, else the reserve formula)"),
+        "under this PYTORCH_CUDA_ALLOC_CONF ('default', or e.g. expandable_segments:True; without it: the "
+        "reserve formula)"),
     fmt: Format = format_option(),
     list_models: bool = typer.Option(False, "--list-models", help="list the catalog architectures and exit"),
     list_gpus: bool = typer.Option(False, "--list-gpus", help="list the catalog cards and exit"),
@@ -82,12 +82,11 @@ def plan(
 
 
 def _alloc_conf(given: str | None) -> str | None:
-    """The allocator setting to plan with: the option ('default' is the default allocator), else the
-    environment's PYTORCH_CUDA_ALLOC_CONF when set, else None (the reserve formula)."""
-    import os
-    if given is not None:
-        return "" if given.strip().lower() == "default" else given
-    return os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
+    """The allocator setting to plan with: the option ('default' is the default allocator), or None (the
+    reserve formula)."""
+    if given is None:
+        return None
+    return "" if given.strip().lower() == "default" else given
 
 
 def _print_catalog(models: bool, gpus: bool) -> None:
