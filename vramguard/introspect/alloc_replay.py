@@ -298,10 +298,12 @@ def with_allocator(spec, s: Settings, est, cards: list, alloc_conf: str, solve: 
         return est, cards
     reserved = max(r.peak_reserved_bytes, est.peak_allocated_bytes)
     run_need = reserved + est.cuda_context_bytes
-    load_need = est.device_used_bytes if est.peak_phase == "load" else 0
+    load_need = est.load.peak_reserved_bytes + est.cuda_context_bytes if est.load is not None else 0
+    gen_phase = ("prefill" if est.decode is None or est.prefill.peak_bytes >= est.decode.peak_bytes
+                 else est.decode.phase)
     est = replace(est, allocator_reserve_bytes=reserved - est.peak_allocated_bytes, peak_reserved_bytes=reserved,
                   generate_device_bytes=run_need, device_used_bytes=max(run_need, load_need), allocator=r,
-                  alloc_conf=alloc_conf)
+                  alloc_conf=alloc_conf, peak_phase="load" if load_need > run_need else gen_phase)
     out = []
     for c in cards:
         cap = c.usable_bytes - est.cuda_context_bytes
