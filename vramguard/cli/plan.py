@@ -45,6 +45,10 @@ def plan(
     tp: Optional[int] = tp_option(),
     device_map: str = device_map_option(),
     max_memory: Optional[str] = max_memory_option(),
+    alloc_conf: Optional[str] = typer.Option(
+        None, help="plan reserved memory, fit and the largest prompt with a model of PyTorch's caching allocator "
+        "under this PYTORCH_CUDA_ALLOC_CONF ('default', or e.g. expandable_segments:True; without it: the "
+        "reserve formula)"),
     fmt: Format = format_option(),
     list_models: bool = typer.Option(False, "--list-models", help="list the catalog architectures and exit"),
     list_gpus: bool = typer.Option(False, "--list-gpus", help="list the catalog cards and exit"),
@@ -97,8 +101,10 @@ def plan(
         say_fetched(spec)
         if several:
             from vramguard.cli.multigpu import plan_cards
+            if alloc_conf is not None:
+                say("note: --alloc-conf plans one card; cards used together are planned with the reserve formula")
             return plan_cards(spec, s, (gpus, tp, gpu, vram), context, device_map, max_memory)
-        return plan_fn(spec, s, gpu=gpu, vram=vram, context=context)
+        return plan_fn(spec, s, gpu=gpu, vram=vram, context=context, alloc_conf=_alloc_conf(alloc_conf))
 
     p = run_guarded(build, as_json=fmt == Format['json'])
     if several:
@@ -110,6 +116,14 @@ def plan(
         print_plan(p, console())
     if exit_code and not any(c.fits for c in p.cards):
         raise typer.Exit(1)
+
+
+def _alloc_conf(given: str | None) -> str | None:
+    """The allocator setting to plan with: the option ('default' is the default allocator), or None (the
+    reserve formula)."""
+    if given is None:
+        return None
+    return "" if given.strip().lower() == "default" else given
 
 
 def _print_catalog(models: bool, gpus: bool) -> None:

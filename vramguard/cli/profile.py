@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from vramguard.cli.common import run_guarded, size_option, write_json
+from vramguard.cli.common import run_guarded, say, size_option, write_json
 from vramguard.cli.options import (Attn, Format, Quant, Vary, attn_option, batch_option, format_option,
                                    max_new_tokens_option, prompt_tokens_option, quant_option)
 from vramguard.errors import InvalidValue
@@ -33,6 +33,7 @@ def profile(
     from vramguard.settings import Settings
 
     def build():
+        _allocator_note()
         s = Settings(quant=quant.value, attn=attn.value, batch=batch, prompt_tokens=prompt_tokens,
                      max_new_tokens=max_new_tokens)
         return profile_fn(model, s, out_dir=out, memory_snapshot=memory_snapshot)
@@ -67,6 +68,7 @@ def fit(
     from vramguard.settings import Settings
 
     def build():
+        _allocator_note()
         import torch
         s = Settings(quant=quant.value, attn=attn.value, batch=batch, prompt_tokens=prompt_tokens,
                      max_new_tokens=max_new_tokens)
@@ -81,3 +83,11 @@ def fit(
         write_json(to_jsonable(r))
     else:
         print_fit(r, console())
+
+
+def _allocator_note() -> None:
+    """Expandable segments for this process unless the user set the allocator (see :mod:`vramguard.allocconf`)."""
+    from vramguard.allocconf import prefer_expandable_segments
+    note = prefer_expandable_segments()
+    if note:
+        say(note)

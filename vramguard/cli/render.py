@@ -139,6 +139,7 @@ def plan_to_json(p: Plan) -> dict:
         "device_used_bytes": est.device_used_bytes,
         "generate_device_bytes": est.generate_device_bytes,
         "load": to_jsonable(est.load),
+        "allocator": None if est.allocator is None else dict(to_jsonable(est.allocator), alloc_conf=est.alloc_conf),
         "weights": to_jsonable(est.weights),
         "kv_cache": {"full_length_tokens": est.kv_full.tokens, "gpu_bytes": est.kv_full.gpu_bytes,
                      "cpu_bytes": est.kv_full.cpu_bytes, "bytes_per_token": est.kv_bytes_per_token,
@@ -238,6 +239,16 @@ def load_text(est) -> str:
             f"block {fmt_bytes(ld.warmup_bytes)} (one allocation before any weight); {first}")
 
 
+def allocator_line(est) -> str:
+    """One line on where reserved memory came from: the caching-allocator model and its setting."""
+    a = est.allocator
+    how = "expandable segments" if a.expandable_segments else "default segments"
+    return (f"reserved memory: PyTorch's caching allocator replayed tensor by tensor ({how}, PYTORCH_CUDA_ALLOC_CONF="
+            f"{est.alloc_conf or '(unset)'}): {a.segments_at_peak} segments at the peak, "
+            f"{fmt_bytes(a.base_reserved_bytes)} reserved by the loaded model; each card's fit and largest prompt keep "
+            "1/100 of the room above it free")
+
+
 def print_plan(p: Plan, console: Console | None = None) -> None:
     """Human-readable plan on stdout: components, cards, findings and ranked changes."""
     c = console or Console()
@@ -265,6 +276,8 @@ def print_plan(p: Plan, console: Console | None = None) -> None:
                      ("[bold]card memory in use[/bold]", est.generate_device_bytes or est.device_used_bytes)):
         t.add_row(label, f"{v:,}", f"{v / 2**30:.2f}")
     c.print(t)
+    if est.allocator is not None:
+        c.print(allocator_line(est))
     w = est.weights
     parts = [f"{fmt_bytes(w.quantized_linear_bytes)} quantized linears ({w.quantized_parameter_count:,} params)"
              if w.quantized_linear_bytes else "",

@@ -48,6 +48,7 @@ def run(
     from vramguard.cli.render import print_generation_summary, to_jsonable
 
     def build():
+        _allocator_note()
         text = _read_prompt(prompt, prompt_file)
         budget = size_option(vram_budget, "--vram-budget") if vram_budget else None
         import torch
@@ -103,3 +104,11 @@ def _with_context(loaded, question, files, summarize, chunk_tokens, max_new_toke
         + (" (summarized)" if packed.summarized else "") + f", prompt {packed.prompt_tokens:,} of "
         f"{limit:,} tokens the plan allows" + ("; " + "; ".join(packed.notes) if packed.notes else ""))
     return packed.prompt
+
+
+def _allocator_note() -> None:
+    """Expandable segments for this process unless the user set the allocator (see :mod:`vramguard.allocconf`)."""
+    from vramguard.allocconf import prefer_expandable_segments
+    note = prefer_expandable_segments()
+    if note:
+        say(note)

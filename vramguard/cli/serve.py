@@ -62,6 +62,7 @@ def serve(
     listening = announcer(ready_file, served_model_name or model)
 
     def start() -> int:
+        _allocator_note()
         budget = size_option(vram_budget, "--vram-budget") if vram_budget else None
         body = parse_size(max_body_size, "--max-body-size", example="1MiB")
         check_address(host, port, api_key)
@@ -153,3 +154,11 @@ def serve_one(model: str, host: str, port: int, listening, **options) -> int:
     for note in served.engine.notes + served.options.notes:
         say("note: " + note)
     return served.run(host, port, on_listen=listening)
+
+
+def _allocator_note() -> None:
+    """Expandable segments for this process unless the user set the allocator (see :mod:`vramguard.allocconf`)."""
+    from vramguard.allocconf import prefer_expandable_segments
+    note = prefer_expandable_segments()
+    if note:
+        say(note)

@@ -70,8 +70,10 @@ class StorageTracker(TorchDispatchMode):
     fact (the cache's tensors are known only when the forward returns).
     """
 
-    def __init__(self, label: Callable[[], str] = lambda: "activations", policy: DataPolicy | None = None):
+    def __init__(self, label: Callable[[], str] = lambda: "activations", policy: DataPolicy | None = None,
+                 events: list | None = None):
         super().__init__()
+        self.events = events  # when a list: (serial, raw bytes) per allocation and (serial, -1) per free, in order
         self.label = label
         self.policy = policy or DataPolicy()
         self.live: dict[int, tuple[int, str]] = {}  # serial -> (bytes, label)
@@ -106,11 +108,15 @@ class StorageTracker(TorchDispatchMode):
         self._refs[serial] = weakref.ref(st, lambda _r, s=serial, k=key: self._free(s, k))
         self.live_bytes += nbytes
         self.by_label[label] += nbytes
+        if self.events is not None:
+            self.events.append((serial, st.nbytes()))
         self.largest_alloc = max(self.largest_alloc, nbytes)
         if self.live_bytes > self.peak.bytes:
             self.peak = Peak(self.live_bytes, {k: v for k, v in self.by_label.items() if v}, at, dict(self.live))
 
     def _free(self, serial: int, key: int) -> None:
+        if self.events is not None and serial in self.live:
+            self.events.append((serial, -1))
         nbytes, label = self.live.pop(serial, (0, ""))
         self.live_bytes -= nbytes
         if label:

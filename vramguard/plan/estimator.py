@@ -75,6 +75,9 @@ class MemoryEstimate:
     load: object | None = None  # vramguard.introspect.generic.LoadPlan, None without transformers
     generate_device_bytes: int = 0  # device_used_bytes of generate alone (device_used_bytes is the larger of the
     # load and generate needs)
+    allocator: object | None = None  # vramguard.introspect.alloc_replay.AllocatorReplay when reserved memory is
+    # the caching-allocator model's, None where it is the formula of vramguard.memory.runtime
+    alloc_conf: str | None = None  # the PYTORCH_CUDA_ALLOC_CONF the allocator model followed
 
 
 def load_plan_or_none(spec: ModelSpec, s: Settings):

@@ -7,7 +7,7 @@ Pure computation: no torch, no CUDA. The memory model is :mod:`vramguard.plan.es
 from __future__ import annotations
 
 from vramguard.catalog.gpus import GpuSpec
-from vramguard.plan.estimator import Plan, estimate, verdict
+from vramguard.plan.estimator import CardVerdict, MemoryEstimate, Plan, estimate, verdict
 from vramguard.plan.findings import plan_findings
 from vramguard.plan.solve import ranked_changes, solve_card
 from vramguard.settings import Settings
@@ -16,7 +16,7 @@ from vramguard.spec import ModelSpec
 
 def plan(model: str | ModelSpec, settings: Settings | None = None, *, gpu: str | None = None,
          vram: str | None = None, gpus: list[GpuSpec] | None = None, solve: bool = True,
-         context: int | None = None) -> Plan:
+         context: int | None = None, alloc_conf: str | None = None) -> Plan:
     """Plan the memory of running ``model`` with ``settings`` on a GPU.
 
     Args:
@@ -27,10 +27,15 @@ def plan(model: str | ModelSpec, settings: Settings | None = None, *, gpu: str |
         solve: also find the largest prompt, new tokens and batch per card, and rank the changes.
         context: the context length to allow, replacing ``max_position_embeddings`` (a RoPE-scaled model run
             beyond its config, e.g. Qwen2-7B with YaRN at 131,072 tokens).
+        alloc_conf: ``PYTORCH_CUDA_ALLOC_CONF`` text (``""``: the default allocator,
+            ``"expandable_segments:True"``): reserved memory, the fit and the largest prompt of each card come from
+            the caching-allocator model (:mod:`vramguard.introspect.alloc_replay`, needs transformers) instead of
+            the reserve formula of :mod:`vramguard.memory.runtime`. None: the formula.
 
     Raises:
         UnknownModel, ConfigError: the model cannot be read. UnknownGpu, InvalidValue: bad card or size.
-        InvalidValue: ``prompt + new tokens`` beyond the model's context.
+        InvalidValue: ``prompt + new tokens`` beyond the model's context; an ``alloc_conf`` value that is not a
+            boolean or a number.
     """
     from vramguard.hardware import resolve_gpus
     from vramguard.resolve import resolve_model
@@ -69,6 +74,8 @@ def plan(model: str | ModelSpec, settings: Settings | None = None, *, gpu: str |
     cards = [verdict(est, g) for g in gpus]
     if solve:
         cards = [solve_card(spec, s, c) for c in cards]
+    if alloc_conf is not None:
+        est, cards = _with_allocator(spec, s, est, cards, alloc_conf, solve)
     logits_case = ("all positions: a forward over the whole prompt (scoring, output_logits), with a float32 copy"
                    if s.logits == "all" else
                    "last position only: generate() passes logits_to_keep=1 and copies that row to float32")
@@ -79,6 +86,26 @@ def plan(model: str | ModelSpec, settings: Settings | None = None, *, gpu: str |
     if solve:
         p.changes.extend(ranked_changes(spec, s, gpus))
     return p
+
+
+def _with_allocator(spec: ModelSpec, s: Settings, est: MemoryEstimate, cards: list[CardVerdict], alloc_conf: str,
+                    solve: bool) -> tuple[MemoryEstimate, list[CardVerdict]]:
+    """(est, cards) with the caching-allocator model's figures, unchanged without transformers or a config."""
+    from vramguard.errors import InvalidValue
+    from vramguard.memory.allocator import AllocatorConfig
+    try:
+        AllocatorConfig.parse(alloc_conf)
+    except ValueError as e:
+        raise InvalidValue("alloc_conf", alloc_conf, "PYTORCH_CUDA_ALLOC_CONF options, e.g. expandable_segments:True",
+                           str(e)) from None
+    if not spec.config_json:
+        return est, cards
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return est, cards
+    from vramguard.introspect.alloc_replay import with_allocator
+    return with_allocator(spec, s, est, cards, alloc_conf, solve)
 
 
 def check_context(spec: ModelSpec, s: Settings,

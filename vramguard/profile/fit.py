@@ -17,6 +17,7 @@ value whose *planned reserved* peak fits (conservative) and the one whose *plann
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Callable
 
 from vramguard.errors import InvalidValue
@@ -67,13 +68,46 @@ def limits(spec: ModelSpec, s: Settings, vary: str) -> tuple[int, int]:
     return 1, 4096
 
 
-def seeds(spec: ModelSpec, s: Settings, vary: str, budget: int) -> tuple[int | None, int | None]:
-    """(largest value whose planned reserved peak fits the budget, largest whose planned allocated peak fits)."""
+def seeds(spec: ModelSpec, s: Settings, vary: str, budget: int,
+          use_allocator: bool = False) -> tuple[int | None, int | None]:
+    """(largest value whose planned reserved peak fits the budget, largest whose planned allocated peak fits).
+
+    ``use_allocator``: for the prompt, where the caching-allocator model covers the settings
+    (:func:`allocator_seeds`), its edge with the plan's margin and without it instead."""
     lo, hi = limits(spec, s, vary)
     key = VARY[vary]
+    if vary == "prompt" and use_allocator:
+        import os
+        found = allocator_seeds(spec, s, budget, os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
+        if found is not None:
+            return found
     cons = _largest(lo, hi, lambda v: estimate(spec, s.with_(**{key: v})).peak_reserved_bytes, budget)
     opt = _largest(lo, hi, lambda v: estimate(spec, s.with_(**{key: v})).peak_allocated_bytes, budget)
     return cons, opt
+
+
+@lru_cache(maxsize=16)
+def allocator_seeds(spec: ModelSpec, s: Settings, budget: int, alloc_conf: str | None) -> tuple[int, int] | None:
+    """(the allocator model's largest prompt under ``budget`` less the plan's margin, the same without the margin)
+    under ``alloc_conf`` (``PYTORCH_CUDA_ALLOC_CONF`` text); None without transformers, a config, or for settings
+    the tape does not cover."""
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return None
+    from vramguard.introspect.alloc_replay import allowed_bytes, edge_prompt_tokens, replay_generate, supported
+    from vramguard.memory.allocator import AllocatorConfig
+    if not spec.config_json or not supported(s):
+        return None
+    try:
+        conf = AllocatorConfig.parse(alloc_conf)
+    except ValueError:
+        return None
+    base = replay_generate(spec, s.with_(prompt_tokens=1), conf).base_reserved_bytes
+    from dataclasses import replace
+    cons = edge_prompt_tokens(spec, s, replace(conf, allowed_bytes=allowed_bytes(budget, base)), None)
+    opt = edge_prompt_tokens(spec, s, replace(conf, allowed_bytes=budget), cons)
+    return (cons, opt) if cons and opt else None
 
 
 def _round(v: int, vary: str) -> int:
@@ -91,13 +125,16 @@ def _reserved_slope(spec: ModelSpec, s: Settings, vary: str, v: int) -> float:
 
 def search(spec: ModelSpec, s: Settings, vary: str, budget: int, run: Callable[[int], FitRun],
            max_runs: int = 8, tolerance: float = 0.015,
-           on_run: Callable[[FitRun], None] | None = None) -> tuple[int | None, int | None, list[FitRun]]:
-    """The boundary search of the module docstring. ``run(value)`` performs one real run.
+           on_run: Callable[[FitRun], None] | None = None,
+           use_allocator: bool = False) -> tuple[int | None, int | None, list[FitRun]]:
+    """The boundary search of the module docstring. ``run(value)`` performs one real run; ``use_allocator``: seed
+    from the caching-allocator model (:func:`seeds`), whose two seeds are close, so the search runs the margined
+    seed, the unmargined one and one just past the edge before anything else.
 
     Returns (largest completed value, smallest failed value, the runs in order).
     """
     lo_lim, hi_lim = limits(spec, s, vary)
-    cons, opt = seeds(spec, s, vary, budget)
+    cons, opt = seeds(spec, s, vary, budget, use_allocator)
     runs: list[FitRun] = []
     ok_runs: dict[int, FitRun] = {}
     first_fail: int | None = None
@@ -125,6 +162,11 @@ def search(spec: ModelSpec, s: Settings, vary: str, budget: int, run: Callable[[
     start = cons or opt or lo_lim
     while len(runs) < max_runs and not go(start) and start > lo_lim:  # 1. a run that completes
         start = max(lo_lim, int(start * 0.8))
+    close_seeds = use_allocator and cons and opt and opt - cons <= 2 * tolerance * cons
+    if close_seeds and ok_runs and len(runs) < max_runs:  # the edge is near: the unmargined seed, then just past
+        go(opt if opt > max(ok_runs) else int(max(ok_runs) * (1 + tolerance)))
+        if first_fail is None and not closed() and len(runs) < max_runs:
+            go(int(max(ok_runs) * (1 + tolerance)))
     while len(runs) < max_runs and ok_runs and not closed():
         best = max(ok_runs)
         r = ok_runs[best]
@@ -214,8 +256,9 @@ def fit(model, s: Settings, vary: str, budget_bytes: int, out_dir: str | None = 
             best, fail, runs = search(spec, s, vary, budget_bytes, one, max_runs, tolerance,
                                       on_run=lambda r: bar.update(task, advance=1,
                                                                   description=f"{vary}={r.value:,} "
-                                                                              f"{'ok' if r.ok else 'OOM'}"))
-    cons, opt = seeds(spec, s, vary, budget_bytes)
+                                                                              f"{'ok' if r.ok else 'OOM'}"),
+                                      use_allocator=True)
+    cons, opt = seeds(spec, s, vary, budget_bytes, use_allocator=True)
     frag = max(((r.peak_reserved or 0) - (r.peak_allocated or 0) for r in runs if r.ok), default=None)
     binding, comps = binding_component(spec, s, vary, best, frag)
     rep = FitReport(vary, budget_bytes, best, fail, runs, cons, opt, binding, comps)

@@ -1,0 +1,195 @@
+"""Compare the caching-allocator model (:mod:`vramguard.memory.allocator` over the tape of
+:mod:`vramguard.introspect.alloc_replay`) with every recorded H200 measurement of peak reserved memory, and its
+edge (the largest prompt that fits) with the measured edges.
+
+Sources: ``results/h200_matrix`` (plain transformers, 24 GiB cap), ``results/h200_profile_fit`` (``profile`` and
+``fit``, and the linear search beside it), ``results/h200_edge`` (``gpu_edge.py``: both allocator settings).
+
+    python benchmarks/compare_reserved.py [--json OUT] [--no-edges]
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import statistics
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from vramguard.introspect.alloc_replay import replay_generate  # noqa: E402
+from vramguard.memory.allocator import AllocatorConfig  # noqa: E402
+from vramguard.resolve import resolve_model  # noqa: E402
+from vramguard.settings import Settings  # noqa: E402
+
+GiB = 2**30
+HERE = os.path.join(os.path.dirname(__file__), "results")
+EXP = "expandable_segments:True"
+
+
+def _jsonl(path: str) -> list[dict]:
+    return [json.loads(line) for line in open(path)] if os.path.exists(path) else []
+
+
+def cases() -> list[dict]:
+    """Every recorded generate: model, settings, cap, allocator setting, ok, measured peak reserved (or None)."""
+    out = []
+    for path in sorted(glob.glob(os.path.join(HERE, "h200_matrix", "*", "matrix.jsonl"))):
+        for r in _jsonl(path):
+            if r["kind"] == "gen":
+                out.append(dict(src="matrix", model=r["model"], quant=r["quant"], attn=r["attn"], batch=r["batch"],
+                                prompt=r["prompt"], new=r["new"], cap=24 * GiB, conf="", ok=r["ok"],
+                                reserved=max(r["prefill_reserved_peak"], r["decode_reserved_peak"])
+                                if r["ok"] else None))
+    pf = os.path.join(HERE, "h200_profile_fit")
+    for r in _jsonl(os.path.join(pf, "results.jsonl")) + _jsonl(os.path.join(pf, "fit_v2", "results.jsonl")):
+        base = dict(model="llama-3.1-8b", quant="nf4", attn="sdpa", batch=1, new=64, cap=24 * GiB, conf="")
+        if r["kind"] == "profile":
+            row = {x["name"]: x["measured"] for x in r["rows"]}
+            out.append(base | dict(src="profile", model="llama-2-7b", prompt=3968, new=128, cap=None, ok=True,
+                                   reserved=row["peak reserved"]))
+        elif r["kind"] == "fit":
+            out += [base | dict(src="fit", prompt=x["value"], ok=x["ok"], reserved=x["peak_reserved"])
+                    for x in r["runs"]]
+        elif r["kind"] == "fine":
+            out.append(base | dict(src="fit (linear)", prompt=r["prompt"], ok=r["ok"], reserved=r["peak_reserved"]))
+    out += edge_cases()
+    seen, unique = set(), []
+    for c in out:  # the same run recorded twice (fit's own record and the linear search) counts once
+        k = (c["model"], c["quant"], c["attn"], c["batch"], c["prompt"], c["new"], c["conf"], c["reserved"])
+        if k not in seen:
+            seen.add(k)
+            unique.append(c)
+    return unique
+
+
+def edge_cases() -> list[dict]:
+    """The runs of ``gpu_edge.py``. A process that stopped with ``KeyError: 'addr'`` in ``trace()`` had just
+    recorded an out-of-memory error (the allocator's ``oom`` trace entry has no address): that run is taken as
+    failed at the next bisection point (benchmarks/README.md says which)."""
+    out, meta = [], {}
+    for r in _jsonl(os.path.join(HERE, "h200_edge", "edge.jsonl")):
+        if r["kind"] == "versions":
+            meta[r["tag"]] = r
+        elif r["kind"] == "run":
+            m = meta[r["tag"]]
+            arch, quant, _ = r["tag"].rsplit("_", 2)
+            out.append(dict(src="edge", model=arch, quant=quant, attn=EDGE_ATTN[arch], batch=1, prompt=r["prompt"],
+                            new=r["new"], cap=m["allowed"], conf=m["alloc_conf"], ok=r["ok"],
+                            reserved=r["peak_reserved"] if r["ok"] else None))
+    for arch, quant, conf, prompt in EDGE_INFERRED_OOM:
+        out.append(dict(src="edge (OOM, inferred)", model=arch, quant=quant, attn=EDGE_ATTN[arch], batch=1,
+                        prompt=prompt, new=64, cap=EDGE_CAP[arch], conf=conf, ok=False, reserved=None))
+    return out
+
+
+EDGE_ATTN = {"gemma-2-9b": "eager", "qwen2.5-7b": "sdpa", "llama-3.1-8b": "sdpa"}
+EDGE_CAP = {"gemma-2-9b": 24 * GiB, "qwen2.5-7b": 20 * GiB, "llama-3.1-8b": 24 * GiB}
+# (arch, quant, PYTORCH_CUDA_ALLOC_CONF, prompt): the bisection point each process stopped at (see edge_cases)
+EDGE_INFERRED_OOM = [("gemma-2-9b", "bf16", "", 4960), ("gemma-2-9b", "bf16", EXP, 5398),
+                     ("qwen2.5-7b", "bf16", "", 28651), ("qwen2.5-7b", "bf16", EXP, 29829),
+                     ("llama-3.1-8b", "nf4", EXP, 79260)]
+
+
+def settings(c: dict) -> Settings:
+    return Settings(quant=c["quant"], attn=c["attn"], batch=c["batch"], prompt_tokens=c["prompt"],
+                    max_new_tokens=c["new"])
+
+
+def modelled(c: dict):
+    cfg = AllocatorConfig.parse(c["conf"], c["cap"])
+    return replay_generate(resolve_model(c["model"]), settings(c), cfg)
+
+
+def planned_fits(c: dict, base_reserved: int) -> bool | None:
+    """The plan's verdict under the case's cap: the replay under the cap less the plan's margin."""
+    from vramguard.introspect.alloc_replay import allowed_bytes
+    if c["cap"] is None:
+        return None
+    cfg = AllocatorConfig.parse(c["conf"], allowed_bytes(c["cap"], base_reserved))
+    return replay_generate(resolve_model(c["model"]), settings(c), cfg).fits
+
+
+# the measured edges: (arch, quant, PYTORCH_CUDA_ALLOC_CONF) -> (largest completed prompt, smallest failed prompt);
+# Llama-3.1-8B with the default allocator from results/h200_profile_fit (fit and the linear search)
+MEASURED_EDGES = {("llama-3.1-8b", "nf4", ""): (65280, 65536), ("llama-3.1-8b", "nf4", EXP): (78509, 79260),
+                  ("qwen2.5-7b", "bf16", ""): (26294, 28651), ("qwen2.5-7b", "bf16", EXP): (28651, 29829),
+                  ("gemma-2-9b", "bf16", ""): (None, 4960), ("gemma-2-9b", "bf16", EXP): (5252, 5398)}
+FORMULA_EDGES = {"llama-3.1-8b": 57428, "qwen2.5-7b": 21581, "gemma-2-9b": 4376}  # the reserve formula's answers
+
+
+def edges() -> list[dict]:
+    """The planned edge (:func:`edge_prompt_tokens` under the measured cap, with the plan's margin) per measured
+    architecture and allocator setting, beside the measured bracket."""
+    from vramguard.introspect.alloc_replay import allowed_bytes, edge_prompt_tokens
+    out = []
+    for (arch, quant, conf), (ok, fail) in MEASURED_EDGES.items():
+        spec = resolve_model(arch)
+        s = Settings(quant=quant, attn=EDGE_ATTN[arch], max_new_tokens=64)
+        cfg = AllocatorConfig.parse(conf)
+        base = replay_generate(spec, s.with_(prompt_tokens=1), cfg).base_reserved_bytes
+        cfg = AllocatorConfig.parse(conf, allowed_bytes(EDGE_CAP[arch], base))
+        planned = edge_prompt_tokens(spec, s, cfg, FORMULA_EDGES[arch])
+        out.append(dict(model=arch, quant=quant, conf=conf, cap=EDGE_CAP[arch], measured_ok=ok, measured_fail=fail,
+                        planned=planned, formula=FORMULA_EDGES[arch]))
+    return out
+
+
+def print_edges(rows: list[dict]) -> None:
+    print(f"\n{'model':14} {'quant':5} {'allocator':10} {'cap GiB':>7} {'measured ok':>11} {'measured OOM':>12} "
+          f"{'planned':>8} {'vs ok':>7} {'formula':>8}")
+    for r in rows:
+        vs = f"{(r['planned'] - r['measured_ok']) / r['measured_ok'] * 100:+.2f}%" if r["measured_ok"] else ""
+        ok = f"{r['measured_ok']:,}" if r["measured_ok"] else "-"
+        print(f"{r['model']:14} {r['quant']:5} {'expandable' if r['conf'] else 'default':10} {r['cap'] / GiB:7.0f} "
+              f"{ok:>11} {r['measured_fail']:>12,} {r['planned']:>8,} {vs:>7} {r['formula']:>8,}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--no-edges", action="store_true")
+    args = ap.parse_args()
+    rows = []
+    print(f"{'source':22} {'model':14} {'quant':5} {'attn':5} {'b':>2} {'prompt':>6} {'alloc conf':10} "
+          f"{'measured':>15} {'modelled':>15} {'err':>7}  fits: measured / modelled")
+    for c in cases():
+        r = modelled(c)
+        row = dict(c, modelled=r.peak_reserved_bytes, modelled_fits=r.fits,
+                   planned_fits=r.fits if not r.fits else planned_fits(c, r.base_reserved_bytes))
+        if c["ok"] and c["reserved"]:
+            row["rel_err"] = (r.peak_reserved_bytes - c["reserved"]) / c["reserved"]
+        rows.append(row)
+        meas = f"{c['reserved']:,}" if c["reserved"] else ("OOM" if not c["ok"] else "ok")
+        err = f"{row['rel_err'] * 100:+.2f}%" if "rel_err" in row else ""
+        print(f"{c['src']:22} {c['model']:14} {c['quant']:5} {c['attn']:5} {c['batch']:>2} {c['prompt']:>6} "
+              f"{'expandable' if c['conf'] else 'default':10} {meas:>15} {r.peak_reserved_bytes:>15,} {err:>7}  "
+              f"{'ok' if c['ok'] else 'OOM'} / {'ok' if r.fits else 'OOM'}")
+    errs = [abs(r["rel_err"]) for r in rows if "rel_err" in r]
+    signed = [r["rel_err"] for r in rows if "rel_err" in r]
+    disagree = [r for r in rows if r["ok"] != r["modelled_fits"]]
+    capped = [r for r in rows if r["planned_fits"] is not None]
+    over = [r for r in capped if r["planned_fits"] and not r["ok"]]
+    under = [r for r in capped if r["ok"] and not r["planned_fits"]]
+    print(f"plan verdicts (the cap less the plan's margin), {len(capped)} capped runs: "
+          f"{len(capped) - len(over) - len(under)} agree; predicted to fit but ran out: "
+          + (", ".join(f"{r['model']} {r['quant']} {r['attn']} b{r['batch']} {r['prompt']}" for r in over) or "none")
+          + "; ran but predicted not to fit: "
+          + (", ".join(f"{r['model']} {r['quant']} {r['attn']} b{r['batch']} {r['prompt']} "
+                       f"{'exp' if r['conf'] else 'default'}" for r in under) or "none"))
+    print(f"\npeak reserved, {len(errs)} completed runs: median |error| {statistics.median(errs) * 100:.2f}%, "
+          f"max {max(errs) * 100:.2f}% (signed: min {min(signed) * 100:+.2f}%, max {max(signed) * 100:+.2f}%)")
+    print(f"fit verdicts: {len(rows) - len(disagree)} of {len(rows)} agree; disagreeing: "
+          + ", ".join(f"{r['model']} {r['quant']} {r['prompt']} {'exp' if r['conf'] else 'default'} "
+                      f"(measured {'ok' if r['ok'] else 'OOM'})" for r in disagree))
+    edge_rows = [] if args.no_edges else edges()
+    if edge_rows:
+        print_edges(edge_rows)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"runs": rows, "edges": edge_rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,206 @@
+"""The caching-allocator model against hand-worked sequences (rules of c10/cuda/CUDACachingAllocator.cpp), the
+tape's extrapolated decode steps against a replay, and the replay against recorded H200 runs."""
+
+from pathlib import Path
+
+import pytest
+
+from vramguard.memory.allocator import AllocatorConfig, CachingAllocator, allocation_size, round_size
+
+MiB = 1 << 20
+GiB = 1 << 30
+RESULTS = Path(__file__).parent.parent / "benchmarks" / "results"
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            vocab_size=300, max_position_embeddings=512)
+
+
+def test_round_and_allocation_sizes():
+    assert [round_size(n) for n in (0, 1, 512, 513, 1000)] == [512, 512, 512, 1024, 1024]
+    # small (<= 1 MiB): a 2 MiB segment; under 10 MiB: 20 MiB; above: rounded up to 2 MiB
+    assert allocation_size(MiB) == 2 * MiB
+    assert allocation_size(MiB + 512) == 20 * MiB
+    assert allocation_size(10 * MiB) == 10 * MiB
+    assert allocation_size(10 * MiB + 512) == 12 * MiB
+
+
+def test_mid_size_requests_share_20_mib_segments():
+    a = CachingAllocator()
+    x, y, _ = a.malloc(8 * MiB), a.malloc(8 * MiB), a.malloc(8 * MiB)
+    # first 8 MiB opens a 20 MiB segment; the second splits its 12 MiB rest (4 MiB left > 1 MiB, so split);
+    # the third does not fit in 4 MiB: a second 20 MiB segment
+    assert a.segment_sizes() == [20 * MiB, 20 * MiB] and a.reserved_bytes == 40 * MiB
+    assert a.allocated_bytes == 24 * MiB
+    a.free(x)
+    a.free(y)  # merges with x and the 4 MiB rest: segment 1 is one free block again
+    a.empty_cache()
+    assert a.segment_sizes() == [20 * MiB] and a.reserved_bytes == 20 * MiB
+
+
+def test_small_pool_packs_2_mib_segments():
+    a = CachingAllocator()
+    for _ in range(2048):  # 2,048 x 1,024 B = 2 MiB: one segment exactly
+        a.malloc(1000)
+    assert a.segment_sizes() == [2 * MiB]
+    a.malloc(1)  # 512 B more: a second small segment
+    assert a.segment_sizes() == [2 * MiB, 2 * MiB] and a.allocated_bytes == 2 * MiB + 512
+
+
+def test_large_remainder_of_at_most_1_mib_is_not_split():
+    a = CachingAllocator()
+    a.free(a.malloc(12 * MiB))
+    b = a.malloc(11 * MiB + 512 * 1024)  # 12 MiB block, 0.5 MiB left (not > 1 MiB): handed out whole
+    assert b.size == 12 * MiB and a.allocated_bytes == 12 * MiB and a.reserved_bytes == 12 * MiB
+    a.free(b)
+    c = a.malloc(10 * MiB + 512)  # 2 MiB - 512 left (> 1 MiB): split off
+    d = a.malloc(3 * MiB // 2)  # fits the 2 MiB - 512 rest, which keeps 0.5 MiB - 512 (not > 1 MiB): taken whole
+    assert (c.size, d.size, a.reserved_bytes) == (10 * MiB + 512, 2 * MiB - 512, 12 * MiB)
+
+
+def test_best_fit_takes_the_smallest_free_block():
+    a = CachingAllocator()
+    big, small = a.malloc(40 * MiB), a.malloc(30 * MiB)
+    a.free(big)
+    a.free(small)
+    c = a.malloc(25 * MiB)  # 30 MiB is the smallest free block >= 25 MiB
+    assert c.seg is small.seg and a.reserved_bytes == 70 * MiB
+
+
+def test_cap_releases_free_segments_then_fails():
+    a = CachingAllocator(AllocatorConfig(allowed_bytes=50 * MiB))
+    a.free(a.malloc(40 * MiB))
+    a.malloc(44 * MiB)  # 40 + 44 > 50: the free 40 MiB segment is released, then 44 MiB fits
+    assert a.reserved_bytes == 44 * MiB and a.oom is None
+    assert a.malloc(20 * MiB) is None  # 44 + 20 > 50 and nothing free to release
+    assert (a.oom.request_bytes, a.oom.allocation_bytes, a.oom.reserved_bytes) == (20 * MiB, 20 * MiB, 44 * MiB)
+
+
+def test_max_split_size_keeps_oversize_blocks_whole():
+    a = CachingAllocator(AllocatorConfig.parse("max_split_size_mb:20"))
+    a.free(a.malloc(30 * MiB))
+    a.malloc(12 * MiB)  # 12 < 20 <= 30: the oversize block is not used; a new 12 MiB segment
+    assert a.segment_sizes() == [30 * MiB, 12 * MiB]
+
+
+def test_expandable_segment_grows_in_20_mib_pages():
+    a = CachingAllocator(AllocatorConfig(expandable_segments=True))
+    _, y, _ = a.malloc(8 * MiB), a.malloc(8 * MiB), a.malloc(8 * MiB)
+    assert a.segment_sizes() == [40 * MiB]  # 24 MiB in one segment of two 20 MiB pages
+    a.free(y)
+    a.empty_cache()  # the 8 MiB hole (8-16 MiB) holds no whole page: nothing unmapped
+    assert a.reserved_bytes == 40 * MiB
+    a.malloc(30 * MiB)  # 16 MiB free at the end + one more page (20 MiB) = 36 MiB >= 30 MiB
+    assert a.reserved_bytes == 60 * MiB and a.allocated_bytes == 46 * MiB  # 8 + 8 + 30
+    b = CachingAllocator(AllocatorConfig(expandable_segments=True))
+    b.free(b.malloc(50 * MiB))
+    b.empty_cache()  # three whole free pages unmapped
+    assert b.reserved_bytes == 0
+
+
+def test_alloc_conf_parse_errors():
+    assert AllocatorConfig.parse("expandable_segments:True,garbage_collection_threshold:0.6").expandable_segments
+    with pytest.raises(ValueError, match="expandable_segments"):
+        AllocatorConfig.parse("expandable_segments:yes")
+    with pytest.raises(ValueError, match="max_split_size_mb"):
+        AllocatorConfig.parse("max_split_size_mb:big")
+
+
+def test_extrapolated_decode_step_equals_its_replay(tmp_path):
+    from tests.conftest import save_tiny_llama
+    from vramguard.introspect.alloc_replay import _cached_events, _extrapolate
+    from vramguard.resolve import resolve_model
+    from vramguard.settings import Settings
+    spec = resolve_model(str(save_tiny_llama(tmp_path, **TINY)))
+    key = Settings(quant="bf16", attn="sdpa", prompt_tokens=1, max_new_tokens=1)
+    _, step1, step2, step3 = _cached_events(spec.config_json, spec.name, key, 40, 8, steps=4)
+    sizes = [n for _, n in step3 if n >= 0]
+    assert [n for _, n in _extrapolate(step1, step2, 1) if n >= 0] == sizes
+    assert len(_extrapolate(step1, step2, 1)) == len(step3)
+
+
+def _recorded(src: str, model: str, prompt: int, conf: str) -> dict:
+    from benchmarks.compare_reserved import cases
+    return next(c for c in cases() if c["src"] == src and c["model"] == model and c["prompt"] == prompt
+                and c["conf"] == conf and c["ok"])
+
+
+@pytest.mark.parametrize("src,model,prompt,conf", [
+    ("matrix", "llama-2-7b", 512, ""),  # bf16 sdpa batch 1: 13,918,797,824 B measured
+    ("edge", "qwen2.5-7b", 26294, ""),  # bf16 sdpa at the default edge: 21,030,240,256 B
+    ("edge", "qwen2.5-7b", 28651, "expandable_segments:True"),  # 21,397,241,856 B
+])
+def test_reserved_matches_the_h200_within_3_percent(src, model, prompt, conf):
+    from benchmarks.compare_reserved import modelled
+    c = _recorded(src, model, prompt, conf)
+    r = modelled(c)
+    assert r.fits
+    assert abs(r.peak_reserved_bytes - c["reserved"]) <= 0.03 * c["reserved"]
+
+
+def test_plan_with_the_allocator_model(tmp_path):
+    from tests.conftest import save_tiny_llama
+    from vramguard.plan import plan
+    from vramguard.settings import Settings
+    path = str(save_tiny_llama(tmp_path, **TINY))
+    s = Settings(quant="bf16", attn="sdpa", prompt_tokens=64, max_new_tokens=8)
+    p = plan(path, s, vram="1GiB", alloc_conf="expandable_segments:True")
+    est = p.estimate
+    assert est.allocator is not None and est.allocator.expandable_segments
+    assert est.peak_reserved_bytes == max(est.allocator.peak_reserved_bytes, est.peak_allocated_bytes)
+    assert est.device_used_bytes >= est.peak_reserved_bytes + est.cuda_context_bytes
+    formula = plan(path, s, vram="1GiB")
+    assert formula.estimate.allocator is None
+    with pytest.raises(Exception, match="alloc_conf"):
+        plan(path, s, vram="1GiB", alloc_conf="expandable_segments:maybe")
+
+
+def test_expandable_segments_only_when_the_user_set_nothing():
+    from vramguard.allocconf import prefer_expandable_segments
+    env: dict[str, str] = {}
+    assert "expandable_segments:True" in prefer_expandable_segments(env, cuda_available=True)
+    assert env == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    mine = {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"}
+    assert prefer_expandable_segments(mine, cuda_available=True) is None
+    assert mine == {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"}  # the user's setting is kept
+    assert prefer_expandable_segments(newer := {"PYTORCH_ALLOC_CONF": ""}, cuda_available=True) is None
+    assert newer == {"PYTORCH_ALLOC_CONF": ""}
+    none: dict[str, str] = {}
+    assert prefer_expandable_segments(none, cuda_available=False) is None and none == {}
+
+
+def test_fit_seeds_from_the_allocator_model_close_the_edge_in_three_runs(tmp_path):
+    from tests.conftest import save_tiny_llama
+    from vramguard.profile.fit import FitRun, search, seeds
+    from vramguard.resolve import resolve_model
+    from vramguard.settings import Settings
+    spec = resolve_model(str(save_tiny_llama(tmp_path, **TINY)))
+    s = Settings(quant="bf16", attn="sdpa", max_new_tokens=8)
+    budget = 16 * MiB  # above the tiny model's few MiB: the edge is a few hundred tokens
+    cons, opt = seeds(spec, s, "prompt", budget, use_allocator=True)
+    assert cons is not None and cons <= opt <= spec.max_position_embeddings - 8
+    true = opt  # a run completes up to the allocator model's own edge
+    best, fail, runs = search(spec, s, "prompt", budget, lambda v: FitRun(v, v <= true, None, None, 1.0),
+                              use_allocator=True)
+    assert len(runs) <= 3 and best <= true < fail, [(r.value, r.ok) for r in runs]
+
+
+def test_cli_plan_alloc_conf(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import save_tiny_llama
+    path = str(save_tiny_llama(tmp_path, **TINY))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "COLUMNS": "160"}
+
+    def plan(*args):
+        return subprocess.run([sys.executable, "-m", "vramguard", "plan", path, "--quant", "bf16", "--attn", "sdpa",
+                               "--prompt-tokens", "64", "--max-new-tokens", "8", "--vram", "1GiB", *args],
+                              capture_output=True, text=True, env=env, timeout=300)
+    r = plan("--alloc-conf", "expandable_segments:True", "--format", "json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["allocator"]["expandable_segments"] is True and out["allocator"]["alloc_conf"] == "expandable_segments:True"
+    assert out["peak_reserved_bytes"] == max(out["allocator"]["peak_reserved_bytes"], out["peak_allocated_bytes"])
+    bad = plan("--alloc-conf", "expandable_segments:maybe")
+    assert bad.returncode != 0 and "alloc_conf" in bad.stderr and "Traceback" not in bad.stderr

@@ -1,0 +1,353 @@
+"""The allocation tape of a whole ``generate`` call, replayed through the caching-allocator model: reserved memory
+at the peak, and the first allocation that cannot be placed under a cap. Needs torch and transformers.
+
+The tape, in program order:
+
+1. The load (``from_pretrained`` with a device map): transformers' ``caching_allocator_warmup`` requests one block
+   of the weights' size and frees it, then every parameter, buffer and bitsandbytes quantization-state tensor is
+   allocated in the order the meta model lists them (:func:`vramguard.introspect.build.structure`); tensors of at
+   most 1 MiB go to the small pool, the others split the warm-up block.
+2. A warm-up ``generate``: the cuBLAS workspace (32 MiB, :data:`vramguard.memory.runtime.CUBLAS_WORKSPACE_BYTES`)
+   and 512 B beside it stay allocated; then ``torch.cuda.empty_cache()``.
+3. ``generate`` itself: the input ids and mask, the prefill forward and every decode forward, as transformers' own
+   forward allocates and frees them on the meta device (:class:`~vramguard.introspect.tracker.StorageTracker`,
+   the replay rules of :mod:`vramguard.introspect.replay`), each decode step's new ids and mask, and the float32
+   copy of the last logits. Decode steps differ only in tensor lengths, which grow by one token a step: steps 1
+   and 2 are replayed and each later step's sizes are extrapolated from them (every size is linear in the
+   position); a step whose structure differs from the one before is replayed instead.
+
+Settings the tape does not cover (a quantized or offloaded KV cache, chunked prefill, all-position logits,
+attention maps in the output) answer None, and the plan keeps its formula for them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from functools import lru_cache
+
+from vramguard.memory.allocator import AllocatorConfig, CachingAllocator, OutOfMemory
+from vramguard.memory.runtime import CUBLAS_WORKSPACE_BYTES
+from vramguard.settings import DTYPE_BYTES, Settings
+
+K_SMALL = 1 << 20
+
+
+@dataclass(frozen=True)
+class AllocatorReplay:
+    """What the allocator model gives for one ``generate`` (bytes): peaks over the call (weights included), the
+    reserved memory it starts from, and the first request that could not be placed under the cap (None: all)."""
+
+    peak_allocated_bytes: int
+    peak_reserved_bytes: int
+    base_reserved_bytes: int
+    segments_at_peak: int
+    oom: OutOfMemory | None
+    expandable_segments: bool
+
+    @property
+    def fits(self) -> bool:
+        return self.oom is None
+
+
+def supported(s: Settings) -> bool:
+    """Whether the tape covers ``s`` (see the module docstring)."""
+    return (s.cache in ("dynamic", "static") and s.resolved_kv_dtype not in ("int8", "int4")
+            and s.prefill_chunk is None and s.logits == "last" and not s.output_attentions)
+
+
+def weight_allocations(spec, s: Settings) -> list[int]:
+    """Bytes of every tensor the load allocates, in the order the model lists them: each parameter and buffer, a
+    quantized weight as its packed data then its quantization state (:func:`quantized_tensor_bytes`)."""
+    from vramguard.introspect.generic import structure_of
+    from vramguard.memory.weights import quantized_tensor_bytes
+    out = []
+    for t in structure_of(spec, s).tensors:
+        if t.kind == "quantized":
+            w, state = quantized_tensor_bytes(t.numel, t.dtype, s.double_quant, t.out_features)
+            out += [w, state]
+        elif t.nbytes:
+            out.append(t.nbytes)
+    return out
+
+
+def _load(alloc: CachingAllocator, sizes: list[int]) -> None:
+    large = sum(-(-n // 512) * 512 for n in sizes if n > K_SMALL)
+    if large:
+        alloc.free(alloc.malloc(large))  # caching_allocator_warmup
+    for n in sizes:
+        alloc.malloc(n)
+    alloc.malloc(CUBLAS_WORKSPACE_BYTES)
+    alloc.malloc(512)
+    alloc.empty_cache()
+
+
+def replay_generate(spec, s: Settings, config: AllocatorConfig) -> AllocatorReplay | None:
+    """Replay load, warm-up and ``generate`` for ``spec`` with ``s`` through the allocator model under ``config``
+    (its ``allowed_bytes`` is the cap on reserved memory). None where :func:`supported` is false.
+
+    Raises NotPlannable where transformers' forward cannot run for these settings (as the planner's replay)."""
+    if not supported(s) or not spec.config_json:
+        return None
+    alloc = CachingAllocator(AllocatorConfig(config.expandable_segments, config.max_split_size, None))
+    _load(alloc, weight_allocations(spec, s))
+    base = alloc.reserved_bytes
+    alloc.config = config
+    alloc.peak_reserved_bytes, alloc.peak_allocated_bytes = alloc.reserved_bytes, alloc.allocated_bytes
+    events = generate_events(spec, s)
+    live: dict[int, object] = {}
+    peak_segments = len(alloc.segments)
+    for key, nbytes in events:
+        if nbytes < 0:
+            alloc.free(live.pop(key, None))
+            continue
+        before = alloc.peak_reserved_bytes
+        live[key] = alloc.malloc(nbytes)
+        if alloc.oom is not None:
+            break
+        if alloc.peak_reserved_bytes > before:
+            peak_segments = len(alloc.segments)
+    return AllocatorReplay(alloc.peak_allocated_bytes, alloc.peak_reserved_bytes, base, peak_segments, alloc.oom,
+                           config.expandable_segments)
+
+
+def generate_events(spec, s: Settings) -> list[tuple[int, int]]:
+    """The allocation tape of ``generate`` above the loaded model: ``(key, bytes)`` per allocation and
+    ``(key, -1)`` per free, in program order (see the module docstring)."""
+    new = s.max_new_tokens if s.cache == "static" else min(s.max_new_tokens, 3)
+    head, step1, step2 = _cached_events(spec.config_json, spec.name, s.with_(prompt_tokens=1, max_new_tokens=1),
+                                        s.prompt_tokens, new)
+    events = list(head) + list(step1) + list(step2)
+    if s.max_new_tokens > 3:
+        events += _extrapolate(step1, step2, s.max_new_tokens - 3)
+    return events
+
+
+@lru_cache(maxsize=64)
+def _cached_events(config_json: str, name: str, key: Settings, prompt: int, new: int, steps: int = 3) -> tuple:
+    """The events of the first ``min(new, steps)`` forwards (the prefill, decode step 1, 2...) replayed on the meta
+    device, one tuple per forward (empty tuples up to three)."""
+    import torch
+
+    from vramguard.introspect.build import _quiet, cached_config, text_config
+    from vramguard.introspect.generic import _replay_model, _structure
+    from vramguard.introspect.replay import _FlashSdpa, _new_cache
+    from vramguard.introspect.tracker import DataPolicy, StorageTracker
+    from vramguard.memory.forward import sdpa_runs_math
+    s = key.with_(prompt_tokens=prompt, max_new_tokens=new)
+    model, _note = _replay_model(config_json, name, s.act_dtype, s.effective_attn, s.sdpa_kernel)
+    quantized = set(_structure(config_json, name, s.act_dtype, s.quant, s.double_quant,
+                               s.resolved_compute_dtype).quantized_modules) if s.is_bnb else set()
+    cfg = text_config(cached_config(config_json, name))
+    events: list[tuple[int, int]] = []
+    marks: list[int] = []
+    tracker = StorageTracker(policy=DataPolicy(), events=events)
+    flash = model.config._attn_implementation == "sdpa" and not sdpa_runs_math(s)
+    seqs, meta = s.sequences, torch.device("meta")
+    with _quiet(), torch.no_grad(), tracker, _bnb_kernels(model, quantized, s), \
+            (_FlashSdpa() if flash else contextlib.nullcontext()):
+        cache = _new_cache(model, cfg, s)
+        ids = torch.zeros((seqs, prompt), dtype=torch.long, device=meta)
+        mask = torch.ones((seqs, prompt), dtype=torch.long, device=meta)
+        step_ids = ids
+        for step in range(min(new, steps)):
+            past = prompt + step - 1 if step else 0
+            if not s.padded:
+                tracker.fill(mask, 1)
+            pos = torch.arange(past, past + step_ids.shape[1], device=meta).unsqueeze(0).expand(seqs, -1)
+            out = model(input_ids=step_ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
+                        use_cache=True, logits_to_keep=1)
+            last = out.logits[:, -1, :].to(copy=True, dtype=torch.float32)  # generate's next-token logits
+            cache = out.past_key_values
+            del out, pos
+            step_ids = last.argmax(-1)[:, None]
+            del last
+            ids = torch.cat([ids, step_ids], dim=-1)  # generate: input_ids grows by the chosen token
+            mask = torch.cat([mask, mask.new_ones((seqs, 1))], dim=-1)
+            marks.append(len(events))
+        del cache, ids, mask, step_ids
+    marks += [len(events)] * (3 - len(marks))
+    return tuple(tuple(events[a:b]) for a, b in zip([0] + marks, marks))
+
+
+@contextlib.contextmanager
+def _bnb_kernels(model, quantized: set[str], s: Settings):
+    """While a converted layer runs, the tensors its bitsandbytes kernel allocates, in their order
+    (bitsandbytes 0.4x-0.50, ``functional.py``): with double quant, ``dequantize_blockwise`` first restores the
+    absmax to float32 (``ceil(numel / 64) x 4`` B) for the 4-bit kernels of every row count (``dequantize_4bit``
+    and ``gemv_4bit``), freed when the kernel has its weight; for more than one row ``dequantize_4bit`` then holds
+    the weight in the compute dtype until the matmul returns (``MatMul4Bit.forward``); int8 holds its int8 input
+    and int32 product (as :func:`vramguard.memory.forward._Forward.linear`)."""
+    import torch
+
+    from vramguard.introspect.replay import _features
+    if not quantized or not s.is_bnb:
+        yield
+        return
+    act, comp = DTYPE_BYTES[s.act_dtype], DTYPE_BYTES[s.resolved_compute_dtype]
+    held: dict[int, object] = {}
+    handles = []
+
+    def pre(module, args):
+        x = args[0]
+        rows = x.numel() // x.shape[-1]
+        fin, fout = _features(module)
+        if s.quant == "int8":
+            held[id(module)] = torch.empty(rows * fin + rows * fout * 4, dtype=torch.uint8, device="meta")
+            return
+        cast = [torch.empty(rows * fin * comp, dtype=torch.uint8, device="meta")] if comp != act else []
+        absmax = torch.empty(-(-fin * fout // 64) * 4, dtype=torch.uint8, device="meta") if s.double_quant else None
+        weight = torch.empty(fin * fout * comp, dtype=torch.uint8, device="meta") if rows > 1 else None
+        del absmax
+        held[id(module)] = (cast, weight)
+
+    def post(module, _args, _out):
+        held.pop(id(module), None)
+
+    for name, module in model.named_modules():
+        if name in quantized:
+            handles += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+        held.clear()
+
+
+def _extrapolate(step1: tuple, step2: tuple, n_more: int) -> list[tuple[int, int]]:
+    """Steps 3 .. 2 + ``n_more`` from steps 1 and 2: every allocation of step 2 grows by its growth from step 1,
+    and a free of a tensor the previous step allocated frees the matching tensor of the step before."""
+    a1 = [k for k, n in step1 if n >= 0]
+    a2 = [k for k, n in step2 if n >= 0]
+    if len(a1) != len(a2):
+        raise ValueError("decode steps 1 and 2 differ in structure")
+    idx1 = {k: i for i, k in enumerate(a1)}
+    idx2 = {k: i for i, k in enumerate(a2)}
+    size1 = [n for _, n in step1 if n >= 0]
+    size2 = [n for _, n in step2 if n >= 0]
+    out: list[tuple[int, int]] = []
+    prev_keys = list(a2)
+    next_key = max(max(a2, default=0), max(a1, default=0)) + 1
+    for j in range(n_more):
+        keys = list(range(next_key, next_key + len(a2)))
+        next_key += len(a2)
+        grow = j + 1
+        for k, n in step2:
+            if n >= 0:
+                i = idx2[k]
+                out.append((keys[i], size2[i] + (size2[i] - size1[i]) * grow))
+            elif k in idx2:
+                out.append((keys[idx2[k]], -1))
+            elif k in idx1:
+                out.append((prev_keys[idx1[k]], -1))
+            else:
+                out.append((k, -1))
+        prev_keys = keys
+    return out
+
+
+
+def largest_prompt(spec, s: Settings, config: AllocatorConfig, lo: int, hi: int,
+                   margin_bytes: int = 0) -> int | None:
+    """The largest prompt in ``[lo, hi]`` whose ``generate`` the allocator model places under
+    ``config.allowed_bytes - margin_bytes``, by bisection to 0.25% (``lo`` is checked; None when even ``lo`` fails).
+
+    Fragmentation makes the answer only nearly monotone in the prompt; the bisection keeps the bracket
+    ``fits(a) and not fits(b)`` and returns its lower end."""
+    from dataclasses import replace
+    cfg = replace(config, allowed_bytes=config.allowed_bytes - margin_bytes)
+
+    def fits(p: int) -> bool:
+        r = replay_generate(spec, s.with_(prompt_tokens=p), cfg)
+        return r is not None and r.fits
+
+    if not fits(lo):
+        return None
+    if fits(hi):
+        return hi
+    a, b = lo, hi
+    while b - a > max(1, a // 400):
+        mid = (a + b) // 2
+        if fits(mid):
+            a = mid
+        else:
+            b = mid
+    return a
+
+
+EDGE_MARGIN_NUM, EDGE_MARGIN_DEN = 1, 100  # of the memory above the loaded model: what the edge keeps free
+
+
+def allowed_bytes(cap_bytes: int, base_reserved_bytes: int) -> int:
+    """What the plan lets the allocator model reserve under a cap of ``cap_bytes`` on PyTorch's reserved memory:
+    the cap less 1/100 of the room above the loaded model (``base_reserved_bytes``), the largest shortfall of the
+    modelled reserved memory at a measured edge (benchmarks/README.md). Example: a 24 GiB cap (25,769,803,776 B)
+    above 5,754,585,088 B of weights keeps (25,769,803,776 - 5,754,585,088) // 100 = 200,152,186 B free."""
+    return cap_bytes - max(0, cap_bytes - base_reserved_bytes) * EDGE_MARGIN_NUM // EDGE_MARGIN_DEN
+
+
+def with_allocator(spec, s: Settings, est, cards: list, alloc_conf: str, solve: bool):
+    """The estimate and card verdicts with reserved memory, fit and the largest prompt from the allocator model
+    under ``alloc_conf`` (``PYTORCH_CUDA_ALLOC_CONF`` text); (est, cards) unchanged where the tape does not cover
+    ``s``. Raises ValueError for an ``alloc_conf`` value that is not a boolean or a number."""
+    from dataclasses import replace
+    conf = AllocatorConfig.parse(alloc_conf)
+    r = replay_generate(spec, s, conf)
+    if r is None:
+        return est, cards
+    reserved = max(r.peak_reserved_bytes, est.peak_allocated_bytes)
+    run_need = reserved + est.cuda_context_bytes
+    load_need = est.load.peak_reserved_bytes + est.cuda_context_bytes if est.load is not None else 0
+    gen_phase = ("prefill" if est.decode is None or est.prefill.peak_bytes >= est.decode.peak_bytes
+                 else est.decode.phase)
+    est = replace(est, allocator_reserve_bytes=reserved - est.peak_allocated_bytes, peak_reserved_bytes=reserved,
+                  generate_device_bytes=run_need, device_used_bytes=max(run_need, load_need), allocator=r,
+                  alloc_conf=alloc_conf, peak_phase="load" if load_need > run_need else gen_phase)
+    out = []
+    for c in cards:
+        cap = c.usable_bytes - est.cuda_context_bytes
+        capped = replace(conf, allowed_bytes=allowed_bytes(cap, r.base_reserved_bytes))
+        rc = replay_generate(spec, s, capped)
+        fits = rc.fits and load_need <= c.usable_bytes
+        c = replace(c, need_bytes=est.device_used_bytes, fits=fits, headroom_bytes=c.usable_bytes - est.device_used_bytes)
+        if solve:
+            c = replace(c, max_prompt_tokens=edge_prompt_tokens(spec, s, capped, c.max_prompt_tokens))
+        out.append(c)
+    return est, out
+
+
+def edge_prompt_tokens(spec, s: Settings, config: AllocatorConfig, formula_tokens: int | None) -> int | None:
+    """The largest prompt the allocator model places under ``config.allowed_bytes`` (None when a 1-token prompt
+    does not fit), found from the formula's answer ``formula_tokens`` (which holds more in reserve): a first guess
+    where its modelled reserved peak plus the allocated bytes per token (:func:`vramguard.plan.estimator.need_bytes`'s
+    slope) reach the cap, a bracket of 2% steps around it, then bisection to 0.25%."""
+    from vramguard.plan.estimator import need_bytes
+    ctx = spec.max_position_embeddings - s.max_new_tokens
+    lo = max(1, min(formula_tokens or 1, ctx))
+
+    def run(p: int):
+        return replay_generate(spec, s.with_(prompt_tokens=p), config)
+
+    first = run(lo)
+    if not first.fits:
+        return largest_prompt(spec, s, config, 1, lo) if lo > 1 else None
+    dp = max(1, lo // 100)
+    slope = max(1, (need_bytes(spec, s.with_(prompt_tokens=min(ctx, lo + dp))) - need_bytes(
+        spec, s.with_(prompt_tokens=lo))) // dp)
+    guess = min(ctx, lo + max(0, config.allowed_bytes - first.peak_reserved_bytes) // slope)
+    step = max(64, guess // 50)
+    a, b = lo, None
+    p = guess
+    while p > a and (b is None or p < b):
+        if run(p).fits:
+            a = p
+            if p >= ctx:
+                return ctx
+            p = min(ctx, p + step)
+        else:
+            b = p
+            p = max(a, p - step)
+    if b is None:
+        return a
+    return largest_prompt(spec, s, config, a, b) if b - a > max(1, a // 400) else a

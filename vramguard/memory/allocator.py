@@ -1,0 +1,368 @@
+"""A model of PyTorch's CUDA caching allocator: where each tensor of a tape lands, the reserved bytes it leaves,
+and the first allocation that cannot be placed under a cap. Pure Python, no torch.
+
+Rules, from ``c10/cuda/CUDACachingAllocator.cpp`` (``DeviceCachingAllocator``; read at the pytorch/pytorch commit
+001074d25084fdb87a799823e395a50f5ec044d3, checked against the behaviour of torch 2.11 on an H200 and 2.13 on CPU,
+whose constants and ``malloc`` path are the same):
+
+* ``round_size``: every request is rounded up to a multiple of ``kMinBlockSize`` = 512 B (no
+  ``roundup_power2_divisions`` by default).
+* ``get_pool``: requests of at most ``kSmallSize`` = 1 MiB go to the small pool, larger ones to the large pool;
+  the pools never share memory.
+* ``get_allocation_size``: a new segment (``cudaMalloc``) is ``kSmallBuffer`` = 2 MiB for a small request,
+  ``kLargeBuffer`` = 20 MiB for a request under ``kMinLargeAlloc`` = 10 MiB, else the request rounded up to
+  ``kRoundLarge`` = 2 MiB.
+* ``get_free_block``: best fit: the smallest free block of the pool at least as large as the request (ties: the
+  lowest address, ``BlockComparatorSize``). With ``max_split_size`` set, a request below it never takes a block of
+  at least that size, and a request above it takes only a block less than ``kLargeBuffer`` larger.
+* ``should_split``: the remainder of a found block becomes a free block if it is at least 512 B (small pool, or
+  expandable segments), or more than ``kSmallSize`` = 1 MiB (large pool, request under ``max_split_size``);
+  otherwise the whole block is handed out.
+* ``free_block`` / ``try_merge_blocks``: a freed block merges with its free neighbours in the same segment.
+* ``alloc_block``: under ``set_per_process_memory_fraction`` a new segment is refused when
+  ``reserved + allocation size > allowed``; ``malloc`` then calls ``release_cached_blocks`` (every segment that
+  is entirely free goes back to CUDA; ``release_available_cached_blocks`` does nothing unless ``max_split_size``
+  is set) and tries once more before raising the out-of-memory error.
+* ``emptyCache`` (``torch.cuda.empty_cache``) is ``release_cached_blocks``.
+* Expandable segments (``expandable_segments:True``, Note [Expandable Segments]): one segment per pool that grows
+  at its end in pages of 20 MiB (large pool) or 2 MiB (small pool); ``try_allocate_expandable_block`` maps the
+  pages a request needs beyond the free block at the segment's end, at the lowest unmapped address that fits.
+  ``should_split`` keeps any remainder of at least 512 B, ``release_cached_blocks`` unmaps the whole pages of
+  free blocks, and the cap check of ``alloc_block`` still uses ``get_allocation_size`` of the request.
+
+Garbage collection (``garbage_collection_threshold``) and the per-stream split of pools are not modelled: the
+tapes have one stream and the threshold is off by default.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+K_MIN_BLOCK = 512
+K_SMALL_SIZE = 1 << 20
+K_SMALL_BUFFER = 2 << 20
+K_MIN_LARGE_ALLOC = 10 << 20
+K_ROUND_LARGE = 2 << 20
+K_LARGE_BUFFER = 20 << 20
+NO_LIMIT = 1 << 62
+
+
+def round_size(nbytes: int) -> int:
+    """``round_size``: ``nbytes`` up to a multiple of 512 (512 for 0): 1 -> 512, 1,000 -> 1,024."""
+    return max(K_MIN_BLOCK, -(-nbytes // K_MIN_BLOCK) * K_MIN_BLOCK)
+
+
+def allocation_size(size: int) -> int:
+    """``get_allocation_size``: the segment a rounded request of ``size`` bytes opens:
+    512 -> 2 MiB; 1 MiB + 512 -> 20 MiB; 10 MiB -> 10 MiB; 10 MiB + 512 -> 12 MiB."""
+    if size <= K_SMALL_SIZE:
+        return K_SMALL_BUFFER
+    if size < K_MIN_LARGE_ALLOC:
+        return K_LARGE_BUFFER
+    return -(-size // K_ROUND_LARGE) * K_ROUND_LARGE
+
+
+@dataclass(frozen=True)
+class AllocatorConfig:
+    """The ``PYTORCH_CUDA_ALLOC_CONF`` settings the model follows; ``allowed_bytes``: the cap of
+    ``set_per_process_memory_fraction`` (or the card's free memory), None for none."""
+
+    expandable_segments: bool = False
+    max_split_size: int = NO_LIMIT
+    allowed_bytes: int | None = None
+
+    @classmethod
+    def parse(cls, conf: str | None, allowed_bytes: int | None = None) -> AllocatorConfig:
+        """Read ``PYTORCH_CUDA_ALLOC_CONF`` text (``expandable_segments:True,max_split_size_mb:512``).
+
+        Raises ValueError naming the option for a value that is not a boolean or a number; options the model
+        does not follow (``garbage_collection_threshold``, ``roundup_power2_divisions``...) are ignored."""
+        expandable, split = False, NO_LIMIT
+        for part in (conf or "").replace(";", ",").split(","):
+            if not part.strip():
+                continue
+            key, _, value = part.partition(":")
+            key, value = key.strip(), value.strip()
+            if key == "expandable_segments":
+                if value not in ("True", "False", "true", "false", "1", "0"):
+                    raise ValueError(f"expandable_segments must be True or False, not {value!r}")
+                expandable = value in ("True", "true", "1")
+            elif key == "max_split_size_mb":
+                if not value.isdigit():
+                    raise ValueError(f"max_split_size_mb must be a whole number of MiB, not {value!r}")
+                split = int(value) << 20
+        return cls(expandable, split, allowed_bytes)
+
+
+class Block:
+    """A range of one segment: ``addr`` and ``size`` in bytes; ``state``: "used", "free" or "unmapped"."""
+
+    __slots__ = ("addr", "next", "prev", "seg", "size", "state")
+
+    def __init__(self, seg: Segment, addr: int, size: int, state: str = "free"):
+        self.seg, self.addr, self.size, self.state = seg, addr, size, state
+        self.prev: Block | None = None
+        self.next: Block | None = None
+
+    def key(self) -> tuple[int, int]:
+        return (self.size, self.addr)
+
+
+@dataclass(eq=False)
+class Segment:
+    """One ``cudaMalloc`` (or one expandable segment); ``small``: in the small pool."""
+
+    addr: int
+    small: bool
+    expandable: bool = False
+    head: Block | None = None
+
+    def blocks(self):
+        b = self.head
+        while b is not None:
+            yield b
+            b = b.next
+
+
+@dataclass(frozen=True)
+class OutOfMemory:
+    """The first request that could not be placed: ``request_bytes`` (rounded), ``allocation_bytes`` (the segment
+    it asked for, as the error message prints it), and the allocated and reserved bytes at that moment."""
+
+    index: int
+    request_bytes: int
+    allocation_bytes: int
+    allocated_bytes: int
+    reserved_bytes: int
+
+
+@dataclass
+class CachingAllocator:
+    """The allocator state. ``malloc(nbytes) -> handle``, ``free(handle)``, ``empty_cache()``; raises nothing:
+    a request that cannot be placed returns None and is recorded in ``oom``."""
+
+    config: AllocatorConfig = field(default_factory=AllocatorConfig)
+    allocated_bytes: int = 0
+    reserved_bytes: int = 0
+    peak_allocated_bytes: int = 0
+    peak_reserved_bytes: int = 0
+    segments: list[Segment] = field(default_factory=list)
+    oom: OutOfMemory | None = None
+    requests: int = 0
+    _free: dict[bool, list] = field(default_factory=lambda: {True: [], False: []})
+    _next_addr: int = 1 << 40
+    _expandable: dict[bool, Segment] = field(default_factory=dict)
+
+    # ---- public ------------------------------------------------------------------------------------------------
+    def malloc(self, nbytes: int) -> Block | None:
+        """Place a request of ``nbytes`` (``DeviceCachingAllocator::malloc``); None when it cannot be placed."""
+        self.requests += 1
+        size = round_size(nbytes)
+        small = size <= K_SMALL_SIZE
+        block = self._get_free_block(size, small)
+        if block is None:
+            block = self._alloc_block(size, small)
+            if block is None and self._release_cached_blocks():
+                block = self._alloc_block(size, small)
+            if block is None:
+                if self.oom is None:
+                    self.oom = OutOfMemory(self.requests - 1, size, allocation_size(size), self.allocated_bytes,
+                                           self.reserved_bytes)
+                return None
+        return self._take(block, size, small)
+
+    def free(self, block: Block | None) -> None:
+        """Return ``block`` to its pool, merged with its free neighbours (``free_block``)."""
+        if block is None or block.state != "used":
+            return
+        self.allocated_bytes -= block.size
+        block.state = "free"
+        for other in (block.prev, block.next):
+            if other is not None and other.state == "free":
+                self._unlist(other)
+                self._merge(block, other)
+        self._list(block)
+
+    def empty_cache(self) -> None:
+        """``torch.cuda.empty_cache()``: release every free segment (unmap free pages of expandable ones)."""
+        self._release_cached_blocks()
+
+    def free_bytes_in_segments(self) -> int:
+        """Reserved bytes not handed out (``memory_reserved - memory_allocated``)."""
+        return self.reserved_bytes - self.allocated_bytes
+
+    def segment_sizes(self) -> list[int]:
+        """The mapped size of every segment, in bytes (as ``torch.cuda.memory_snapshot()`` lists them)."""
+        return [sum(b.size for b in s.blocks() if b.state != "unmapped") for s in self.segments]
+
+    # ---- the free lists -----------------------------------------------------------------------------------------
+    def _list(self, b: Block) -> None:
+        bisect.insort(self._free[b.seg.small], (b.size, b.addr, id(b), b))
+
+    def _unlist(self, b: Block) -> None:
+        lst = self._free[b.seg.small]
+        i = bisect.bisect_left(lst, (b.size, b.addr, id(b)))
+        if i < len(lst) and lst[i][3] is b:
+            lst.pop(i)
+
+    @staticmethod
+    def _merge(dst: Block, src: Block) -> None:
+        if src is dst.prev:
+            dst.addr, dst.prev = src.addr, src.prev
+            if dst.prev is not None:
+                dst.prev.next = dst
+            else:
+                dst.seg.head = dst
+        else:
+            dst.next = src.next
+            if dst.next is not None:
+                dst.next.prev = dst
+        dst.size += src.size
+
+    def _get_free_block(self, size: int, small: bool) -> Block | None:
+        lst = self._free[small]
+        i = bisect.bisect_left(lst, (size,))
+        if i == len(lst):
+            return None
+        block = lst[i][3]
+        if block.next is not None and block.next.state == "unmapped" and i + 1 < len(lst):
+            i += 1  # get_free_block: the block that can grow counts as larger than any other that fits
+            block = lst[i][3]
+        split_limit = self.config.max_split_size
+        if size < split_limit <= block.size:
+            return None
+        if size >= split_limit and block.size >= size + K_LARGE_BUFFER:
+            return None
+        lst.pop(i)
+        return block
+
+    def _should_split(self, block: Block, size: int) -> bool:
+        remaining = block.size - size
+        if block.seg.small or self.config.expandable_segments:
+            return remaining >= K_MIN_BLOCK
+        return size < self.config.max_split_size and remaining > K_SMALL_SIZE
+
+    def _take(self, block: Block, size: int, small: bool) -> Block:
+        if self._should_split(block, size):
+            rest = Block(block.seg, block.addr + size, block.size - size)
+            rest.prev, rest.next = block, block.next
+            if block.next is not None:
+                block.next.prev = rest
+            block.next = rest
+            block.size = size
+            self._list(rest)
+        block.state = "used"
+        self.allocated_bytes += block.size
+        self.peak_allocated_bytes = max(self.peak_allocated_bytes, self.allocated_bytes)
+        return block
+
+    # ---- new memory ---------------------------------------------------------------------------------------------
+    def _alloc_block(self, size: int, small: bool) -> Block | None:
+        alloc = allocation_size(size)
+        allowed = self.config.allowed_bytes
+        if allowed is not None and self.reserved_bytes + alloc > allowed:
+            return None
+        if self.config.expandable_segments:
+            return self._expand(size, small)
+        seg = Segment(self._next_addr, small)
+        self._next_addr += alloc + (1 << 30)
+        seg.head = Block(seg, seg.addr, alloc)
+        self.segments.append(seg)
+        self._grow(alloc)
+        return seg.head
+
+    def _grow(self, nbytes: int) -> None:
+        self.reserved_bytes += nbytes
+        self.peak_reserved_bytes = max(self.peak_reserved_bytes, self.reserved_bytes)
+
+    def _expand(self, size: int, small: bool) -> Block | None:
+        """``try_allocate_expandable_block``: map pages at the lowest unmapped range that, with the free block
+        before it, holds ``size``; the segment's end is an unmapped range without limit."""
+        page = K_SMALL_BUFFER if small else K_LARGE_BUFFER
+        seg = self._expandable.get(small)
+        if seg is None:
+            seg = Segment(self._next_addr, small, expandable=True)
+            self._next_addr += 1 << 50
+            seg.head = Block(seg, seg.addr, 1 << 48, "unmapped")
+            self._expandable[small] = seg
+            self.segments.append(seg)
+        for b in seg.blocks():
+            if b.state != "unmapped":
+                continue
+            before = b.prev.size if b.prev is not None and b.prev.state == "free" else 0
+            if before + b.size < size:
+                continue
+            need = -(-(size - before) // page) * page
+            mapped = self._map(b, min(need, b.size))
+            if before:
+                prev = mapped.prev
+                self._unlist(prev)
+                self._merge(mapped, prev)
+            return mapped
+        return None
+
+    def _map(self, b: Block, nbytes: int) -> Block:
+        """Map the first ``nbytes`` of unmapped block ``b``; returns the new free (unlisted) block."""
+        if nbytes < b.size:
+            rest = Block(b.seg, b.addr + nbytes, b.size - nbytes, "unmapped")
+            rest.prev, rest.next = b, b.next
+            if b.next is not None:
+                b.next.prev = rest
+            b.next = rest
+            b.size = nbytes
+        b.state = "free"
+        self._grow(nbytes)
+        nxt = b.next
+        if nxt is not None and nxt.state == "free":
+            self._unlist(nxt)
+            self._merge(b, nxt)
+        return b
+
+    def _release_cached_blocks(self) -> bool:
+        """``release_cached_blocks``: give back every entirely free segment (expandable: every whole free page)."""
+        released = False
+        for seg in list(self.segments):
+            if seg.expandable:
+                released |= self._unmap_free_pages(seg)
+            elif seg.head.state == "free" and seg.head.next is None:
+                self._unlist(seg.head)
+                self.segments.remove(seg)
+                self.reserved_bytes -= seg.head.size
+                released = True
+        return released
+
+    def _unmap_free_pages(self, seg: Segment) -> bool:
+        page = K_SMALL_BUFFER if seg.small else K_LARGE_BUFFER
+        released = False
+        for b in list(seg.blocks()):
+            if b.state != "free":
+                continue
+            lo = -(-(b.addr - seg.addr) // page) * page + seg.addr
+            hi = (b.addr + b.size - seg.addr) // page * page + seg.addr
+            if hi <= lo:
+                continue
+            self._unlist(b)
+            parts = [(b.addr, lo - b.addr, "free"), (lo, hi - lo, "unmapped"), (hi, b.addr + b.size - hi, "free")]
+            prev, nxt = b.prev, b.next
+            new = [Block(seg, a, n, st) for a, n, st in parts if n > 0]
+            for x, y in zip(new, new[1:]):
+                x.next, y.prev = y, x
+            new[0].prev, new[-1].next = prev, nxt
+            if prev is not None:
+                prev.next = new[0]
+            else:
+                seg.head = new[0]
+            if nxt is not None:
+                nxt.prev = new[-1]
+            for x in new:
+                if x.state == "free":
+                    self._list(x)
+            self.reserved_bytes -= hi - lo
+            for x in new:  # adjacent unmapped ranges become one
+                if x.state == "unmapped":
+                    for other in (x.prev, x.next):
+                        if other is not None and other.state == "unmapped":
+                            self._merge(x, other)
+            released = True
+        return released
