@@ -31,7 +31,7 @@ MODELS = {
 def main():
     import transformers
 
-    from vramguard.generate import STRATEGIES
+    from vramguard.run.generate import STRATEGIES
     out = os.path.join(sys.argv[1] if len(sys.argv) > 1 else "/tmp/kv_agreement", "results.jsonl")
     os.makedirs(os.path.dirname(out), exist_ok=True)
     caches = {st.plan["kv_dtype"]: st.kwargs for st in STRATEGIES if st.plan.get("kv_dtype")}

@@ -69,7 +69,7 @@ def main():
             emit(log, {"kind": "check", "case": name, "exit": r.returncode, "parse_error": repr(e),
                        "stderr": r.stderr[-1500:]})
 
-    from vramguard.load import load_model, unload
+    from vramguard.runtime.load import load_model, unload
     gc.collect()
     torch.cuda.empty_cache()
     baseline = torch.cuda.memory_allocated()

@@ -1,10 +1,10 @@
 """Greedy token identity and quantized-KV agreement on a GPU (issue #4): Llama-3.1-8B architecture in NF4, prompt
-512, 128 new tokens, greedy, EOS suppressed (``min_new_tokens``), as ``vramguard.generate`` runs them.
+512, 128 new tokens, greedy, EOS suppressed (``min_new_tokens``), as ``vramguard.run.generate`` runs them.
 
 1. Determinism of the reference itself. The same prefill forward twice (bitwise equal? if not, the first module
    whose output differs), the same single-token decode step twice from copies of one cache, and transformers'
    ``generate`` twice (the first step whose logits differ).
-2. Identity. ``vramguard.generate`` on its default (dynamic cache) against transformers' ``generate``; every other
+2. Identity. ``vramguard.run.generate`` on its default (dynamic cache) against transformers' ``generate``; every other
    strategy (reached by injecting an out-of-memory error at the prefill of the ones before it) against
    transformers' ``generate`` with the same cache settings; an OOM injected at decode step 40 (the request
    continues on the next strategy from prompt + 40 tokens); ``fast_decode`` (CUDA graph) against transformers'
@@ -124,7 +124,7 @@ def teacher_forced(m, ids, ref: list[int], kwargs: dict) -> dict:
 
 def identity(m, ids, new, log, t_end) -> None:
     """Parts 2 and 3."""
-    from vramguard import generate as G
+    from vramguard.run import generate as G
     prompt = ids[0].tolist()
     on_cuda = ids.device.type == "cuda"
     order = [st for st, _ in G.strategy_order(m, len(prompt), new)[0]]  # generate's own fallback order
@@ -239,7 +239,7 @@ def main():
     if args.smoke:
         m = smoke_model()
     else:
-        from vramguard.load import load_model
+        from vramguard.runtime.load import load_model
         if not os.path.exists(os.path.join(CKPT, "config.json")):
             build_checkpoint("llama-3.1-8b", CKPT)
         loaded = load_model(CKPT, quant="nf4", attn="sdpa", compute_dtype=args.compute_dtype,

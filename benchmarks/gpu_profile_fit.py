@@ -38,10 +38,10 @@ def main():
     log = os.path.join(args.out, "results.jsonl")
     import transformers
 
-    from vramguard.fit import fit
-    from vramguard.load import load_model, unload
-    from vramguard.profile import profile
-    from vramguard.runner import run_generate
+    from vramguard.profile.fit import fit
+    from vramguard.runtime.load import load_model, unload
+    from vramguard.profile.profiler import profile
+    from vramguard.profile.measured_run import run_generate
     from vramguard.settings import Settings
     emit(log, {"kind": "versions", "torch": torch.__version__, "transformers": transformers.__version__,
                "gpu": torch.cuda.get_device_name()})

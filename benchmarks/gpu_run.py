@@ -31,7 +31,7 @@ def ids_of(n, vocab, seed=0):
 
 
 def guarded(model, log, case, prompt_len, new, budget, **kw):
-    from vramguard import generate as G
+    from vramguard.run import generate as G
     t0 = time.perf_counter()
     try:
         r = G.generate(model, None, ids_of(prompt_len, model.config.vocab_size), new, budget_bytes=budget, **kw)
@@ -57,9 +57,9 @@ def main():
     log = os.path.join(args.out, "run.jsonl")
     import transformers
 
-    from vramguard import generate as G
-    from vramguard.fit import fit
-    from vramguard.load import load_model
+    from vramguard.run import generate as G
+    from vramguard.profile.fit import fit
+    from vramguard.runtime.load import load_model
     from vramguard.settings import Settings
     emit(log, {"kind": "versions", "torch": torch.__version__, "transformers": transformers.__version__,
                "gpu": torch.cuda.get_device_name()})

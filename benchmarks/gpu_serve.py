@@ -149,7 +149,7 @@ def main():
     import transformers
     from transformers import GenerationConfig
 
-    from vramguard.load import load_model
+    from vramguard.runtime.load import load_model
     from vramguard.resolve import resolve_model
     from vramguard.serve._compat import cb_config
     from vramguard.serve.pool import plan_pool
@@ -200,7 +200,7 @@ def main():
                    "tokens_per_s": round(args.seq * args.new / dt, 1)})
 
     # the plan for the budget (what vramguard serve will use; given to generate_batch too)
-    from vramguard.load import _unpin_sdpa
+    from vramguard.runtime.load import _unpin_sdpa
     _unpin_sdpa(m)
     spec = resolve_model(args.ckpt)
     usable = budget - torch.cuda.memory_allocated()

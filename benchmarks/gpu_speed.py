@@ -4,9 +4,9 @@ every path timed after a warm-up:
 * transformers' default ``generate`` (dynamic cache), twice: its ms/token, and whether two GPU runs agree;
 * vramguard's ``generate`` with its defaults: the guard's overhead and token identity;
 * transformers' ``generate`` with a static cache (eager);
-* vramguard.fastdecode's graph decoder: the first call (warm-up and capture), a second call replaying the graph
+* vramguard.run.fastdecode's graph decoder: the first call (warm-up and capture), a second call replaying the graph
   (``sync_every=1``: a host sync per token, as streaming does; and ``sync_every=16``), the same decoder without a
-  graph, and ``vramguard.generate(fast_decode=True)``; its mode and reason, ms/token, and the fraction of the
+  graph, and ``vramguard.run.generate(fast_decode=True)``; its mode and reason, ms/token, and the fraction of the
   bandwidth bound (weight bytes / 4.8e12 B/s, the H200 datasheet's HBM bandwidth: one read of the weights per token).
 
 Token agreement: random weights give nearly flat logits, where two correct paths can pick different tokens once
@@ -161,7 +161,7 @@ def load(args, log):
         weights = sum(p.numel() * p.element_size() for p in m.parameters())
         emit(log, {"kind": "model", "smoke": True, "weights_bytes": weights})
         return m, weights
-    from vramguard.load import load_model
+    from vramguard.runtime.load import load_model
     t0 = time.perf_counter()
     reused = os.path.exists(os.path.join(CKPT, "config.json"))
     if not reused:
@@ -193,8 +193,8 @@ def _decoder_record(r) -> dict:
 
 
 def run_variants(B: Bench, m, ids, new, bound_ms):
-    from vramguard import generate as G
-    from vramguard.fastdecode import GraphDecoder
+    from vramguard.run import generate as G
+    from vramguard.run.fastdecode import GraphDecoder
     prompt, n_prompt, dev = ids[0].tolist(), ids.shape[1], ids.device
     ref: dict = {}
 

@@ -88,7 +88,7 @@ def concurrently(fn, n: int, timeout_s: float = 60) -> None:
 
 
 def oom_when(when):
-    """An ``vramguard.generate.OOM_INJECTOR`` raising CUDA's out-of-memory error wherever
+    """An ``vramguard.run.generate.OOM_INJECTOR`` raising CUDA's out-of-memory error wherever
     ``when(phase, attempt, step)`` is true (the autouse fixture below removes it after each test)."""
     def inject(phase, attempt, step):
         if when(phase, attempt, step):
@@ -101,7 +101,7 @@ def oom_when(when):
 def _no_oom_injection():
     """No test leaves an out-of-memory injector behind for the next one."""
     yield
-    from vramguard import generate
+    from vramguard.run import generate
     generate.OOM_INJECTOR = None
 
 

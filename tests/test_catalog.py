@@ -66,3 +66,27 @@ def test_a_detected_card_takes_the_catalog_bandwidth_by_its_driver_name():
     g = _match_catalog("NVIDIA A100-SXM4-80GB", 85_000_000_000, (8, 0), 0)
     assert g.name == "a100-80gb" and g.bandwidth_bytes_per_s == GPUS["a100-80gb"].bandwidth_bytes_per_s
     assert g.total_bytes == 85_000_000_000 and g.source == "detected"
+
+
+def test_cards_without_a_driver_report_are_marked_estimated_in_plan_and_list():
+    from typer.testing import CliRunner
+    from vramguard.cli import app
+    from vramguard.hardware import resolve_gpus
+    estimated = sorted(n for n, g in GPUS.items() if g.total_estimated)
+    # the cards whose total is derived from a like card, not reported by their own driver
+    assert estimated == ["a10", "gtx-1080-ti", "rtx-4060-ti-16gb", "rtx-4070", "rtx-4080", "rtx-a6000", "v100-16gb"]
+    assert all(GPUS[n].total_source.startswith("no ") for n in estimated)
+    _, why = resolve_gpus("rtx-4080")
+    assert "an estimate" in why and "mem_get_info" in why
+    _, why = resolve_gpus("rtx-4090")
+    assert "as its driver reports" in why and "estimate" not in why
+    out = CliRunner().invoke(app, ["plan", "--list-gpus"]).output
+    rows = {line.split()[0]: line for line in out.splitlines() if line and line.split()[0] in GPUS}
+    assert "~15.60 GiB" in rows["rtx-4080"] and "~" not in rows["rtx-4090"]
+    assert all(len(line) <= 80 for line in out.splitlines())
+
+
+def test_l4_total_is_its_reported_capacity():
+    # "GPU 0 has a total capacity of 22.03 GiB" on an L4 (github.com/ArcInstitute/evo2/issues/190):
+    # (2 x 2203 - 1) x 2**30 / 200 = 23,649,383,301 B -> floored to 22,553 MiB = 23,648,534,528 B
+    assert GPUS["l4"].total_bytes == 22_553 * MiB == 23_648_534_528 and not GPUS["l4"].total_estimated

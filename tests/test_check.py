@@ -4,8 +4,8 @@ import pytest
 
 from vramguard.catalog.gpus import GPUS, GpuSpec
 from vramguard.check import check
-from vramguard.check.checkpoint import read_checkpoint, resolve_param_dtype
-from vramguard.check.env import Env, probe_env
+from vramguard.probe.checkpoint import read_checkpoint, resolve_param_dtype
+from vramguard.probe.env import Env, probe_env
 from vramguard.settings import Settings
 from vramguard.units import GiB
 
@@ -46,7 +46,7 @@ def test_c1_fa2_and_bf16_on_turing():
 
 
 def test_c1_loader_never_picks_fa2_or_bf16_on_turing():
-    from vramguard.load import LoadReport, choose_attn, choose_dtypes
+    from vramguard.runtime.load import LoadReport, choose_attn, choose_dtypes
     t4 = GPUS["t4"]
     rep = LoadReport("m", {})
     assert choose_dtypes(t4, "nf4", None, None, rep, False) == ("fp16", "fp16")
@@ -60,8 +60,8 @@ def test_c1_loader_never_picks_fa2_or_bf16_on_turing():
     assert "compute_dtype" in str(e.value)
     # the second report: bf16 weights (quant="bf16") on the T4 load as fp16, reported; the dtype load_model
     # passes to from_pretrained follows (resolve_param_dtype takes a 16/32-bit quant as the parameters' dtype)
-    from vramguard.check.checkpoint import resolve_param_dtype
-    from vramguard.load import older_card_quant
+    from vramguard.probe.checkpoint import resolve_param_dtype
+    from vramguard.runtime.load import older_card_quant
     rep2 = LoadReport("m", {})
     with pytest.warns(UserWarning, match="compute capability 7.5"):
         q = older_card_quant(t4, "bf16", rep2, False)

@@ -1,14 +1,14 @@
 """The graph decoder on the CPU: greedy tokens equal transformers' ``generate`` (static and dynamic cache, SDPA and
 eager attention, float32 and bfloat16, chunked prefill), EOS and length stops, seeded sampling, the reported mode
-and reason, the wiring into ``vramguard.generate``; and the capture logic itself through a CPU emulation of a CUDA
+and reason, the wiring into ``vramguard.run.generate``; and the capture logic itself through a CPU emulation of a CUDA
 graph (the step's Python code runs once, its aten ops are replayed on the same tensors), which fails when the step
 keeps Python-side state that a replay would not update. The real capture runs in the ``gpu`` tests."""
 
 import pytest
 from conftest import oom_when
 
-from vramguard import fastdecode as F
-from vramguard import generate as G
+from vramguard.run import fastdecode as F
+from vramguard.run import generate as G
 from vramguard.errors import InvalidValue
 from vramguard.plan import estimate
 from vramguard.resolve import resolve_model
@@ -288,7 +288,7 @@ def test_graph_support_names_what_prevents_a_graph(model):
     assert not ok and "'dynamic' recomputes its frequencies on the host" in why
 
 
-# -- vramguard.generate(fast_decode=True) --------------------------------------------------------------------------
+# -- vramguard.run.generate(fast_decode=True) --------------------------------------------------------------------------
 
 def test_generate_fast_decode_gives_the_static_strategy_tokens_and_reports_the_mode(model):
     base = G.generate(model, None, PROMPT, 16)
@@ -332,7 +332,7 @@ def test_preflight_puts_the_graph_first_and_says_when_it_does_not_fit():
 @pytest.mark.gpu
 @pytest.mark.parametrize("quant", ["bf16", "nf4"])
 def test_cuda_graph_decode_matches_the_static_cache_on_a_gpu(tiny, quant):
-    from vramguard.load import load_model
+    from vramguard.runtime.load import load_model
     folder, _ = tiny("LlamaConfig", **CFG)
     m = load_model(str(folder), quant=quant).model  # default verify: SDPA may be pinned (the pin is lifted)
     eager = F.graph_decode(m, PROMPT, NEW, min_new_tokens=NEW, use_graph=False)

@@ -17,7 +17,7 @@ import pytest
 import torch
 from conftest import concurrently, save_tiny_llama
 
-from vramguard import generate as G
+from vramguard.run import generate as G
 from vramguard.memory.forward import logits_bytes
 from vramguard.plan import estimate, plan
 from vramguard.resolve import resolve_model
@@ -77,7 +77,7 @@ def test_c8_the_plan_counts_last_position_logits_for_generate():
 
 @pytest.mark.parametrize("k", range(len([s for s in G.STRATEGIES if s.available(False)[0]])))
 def test_c8_every_cpu_strategy_of_guarded_generate_keeps_one_logit_row(model, k):
-    """C8 on vramguard.generate: whichever strategy finishes (dynamic, chunked prefill 2048, static cache + chunked
+    """C8 on vramguard.run.generate: whichever strategy finishes (dynamic, chunked prefill 2048, static cache + chunked
     prefill 512, ...), lm_head computes one row per forward, never one per prompt position (600 here)."""
     names = [s.name for s in G.STRATEGIES if s.available(False)[0]]
     G.OOM_INJECTOR = _oom_before(k)

@@ -8,7 +8,7 @@ import sys
 import pytest
 from conftest import oom_when, save_word_tokenizer
 
-from vramguard import generate as G
+from vramguard.run import generate as G
 from vramguard.errors import Infeasible
 from vramguard.resolve import resolve_model
 from vramguard.settings import Settings
@@ -78,7 +78,7 @@ def test_a_pinned_flash_sdpa_is_lifted_for_strategies_that_pass_a_mask(model):
     """load_model pins SDPA to the flash kernel on a GPU; that kernel takes no attention mask, which chunked prefill
     and the static/quantized/offloaded caches pass. The fallback strategies run unpinned, say so, and the pin is
     back afterwards; the plain dynamic attempt keeps it."""
-    from vramguard.load import _pin_sdpa, _unpin_sdpa
+    from vramguard.runtime.load import _pin_sdpa, _unpin_sdpa
     _pin_sdpa(model, "flash")
     seen = []
 
@@ -149,7 +149,7 @@ def test_cli_run_streams_text_and_summarizes(tiny):
 def test_context_chunks_rank_and_pack_within_the_budget(tiny):
     from transformers import AutoTokenizer
 
-    from vramguard.context import bm25_scores, build_prompt, pack, split_chunks
+    from vramguard.run.context import bm25_scores, build_prompt, pack, split_chunks
     folder, _ = tiny("LlamaConfig", **CFG)
     _tokenizer(folder)
     tok = AutoTokenizer.from_pretrained(folder)
@@ -168,7 +168,7 @@ def test_context_chunks_rank_and_pack_within_the_budget(tiny):
 def test_summarize_then_ask_fits_context_that_never_could(tiny):
     from transformers import AutoTokenizer
 
-    from vramguard.context import split_chunks, summarize_then_ask
+    from vramguard.run.context import split_chunks, summarize_then_ask
     folder, _ = tiny("LlamaConfig", **CFG)
     _tokenizer(folder)
     tok = AutoTokenizer.from_pretrained(folder)

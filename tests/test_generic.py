@@ -154,7 +154,7 @@ def test_run_generates_on_architectures_outside_the_families(tmp_path, model_typ
     from conftest import save_word_tokenizer
 
     from vramguard import load_model
-    from vramguard.generate import generate
+    from vramguard.run.generate import generate
     save_arch(tmp_path, model_type)
     save_word_tokenizer(tmp_path, 256)
     model, tok, report = load_model(str(tmp_path), quant="bf16")

@@ -14,8 +14,8 @@ SMALL = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=4, num_
 def test_kernels_and_loader_on_gpu(tiny):
     import torch
 
-    from vramguard.check.kernels import profile_attention
-    from vramguard.load import _pin_sdpa, load_model, unload
+    from vramguard.probe.kernels import profile_attention
+    from vramguard.runtime.load import _pin_sdpa, load_model, unload
     folder, _ = tiny("LlamaConfig", **SMALL)
     loaded = load_model(str(folder))
     k = loaded.report.kernel
@@ -35,7 +35,7 @@ def test_kernels_and_loader_on_gpu(tiny):
 def test_load_unload_loop_returns_to_baseline(tiny):
     import torch
 
-    from vramguard.load import clear_cublas_workspaces, load_model, unload
+    from vramguard.runtime.load import clear_cublas_workspaces, load_model, unload
     folder, _ = tiny("LlamaConfig", **SMALL)
     gc.collect()
     clear_cublas_workspaces()  # load and unload leave them out of the baseline and the residual
@@ -63,8 +63,8 @@ def test_check_reports_whether_unloading_returned_the_memory(tiny):
 def test_every_strategy_recovers_on_gpu_including_offloaded_kv(tiny):
     """Issue #4 on the GPU: an OOM injected in each strategy in turn (prefill, then decode) until the last one,
     the offloaded KV cache (CUDA only), completes with the greedy tokens of an uninterrupted run (float32)."""
-    from vramguard import generate as G
-    from vramguard.load import load_model, unload
+    from vramguard.run import generate as G
+    from vramguard.runtime.load import load_model, unload
     folder, _ = tiny("LlamaConfig", **SMALL)
     loaded = load_model(str(folder), quant="fp32", verify=False)
     m = loaded.model
@@ -134,8 +134,8 @@ def test_a_real_oom_under_a_cap_recovers_with_the_tokens_of_an_uninterrupted_run
     uninterrupted run (float32). The caller's own memory cap is put back afterwards."""
     import torch
 
-    from vramguard import generate as G
-    from vramguard.load import load_model, unload
+    from vramguard.run import generate as G
+    from vramguard.runtime.load import load_model, unload
     folder, _ = tiny("LlamaConfig", **SMALL)
     gc.collect()
     torch.cuda.empty_cache()
@@ -174,8 +174,8 @@ def test_every_strategy_runs_under_the_flash_pin_of_a_default_load(tiny):
     """load_model's default (verify) pins SDPA to the flash kernel, which takes no mask; chunked prefill (a prompt
     of several chunks) and the static, quantized and offloaded caches pass one. Each strategy, reached by injected
     OOMs, must complete in bf16 and say that the pin was lifted."""
-    from vramguard import generate as G
-    from vramguard.load import load_model, unload
+    from vramguard.run import generate as G
+    from vramguard.runtime.load import load_model, unload
     folder, _ = tiny("LlamaConfig", **SMALL)
     loaded = load_model(str(folder), quant="bf16")
     m = loaded.model

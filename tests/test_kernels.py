@@ -2,7 +2,7 @@
 
 import pytest
 
-from vramguard.check.kernels import classify, profile_attention
+from vramguard.probe.kernels import classify, profile_attention
 
 CUDNN = "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7_64x128x128_4x1x1_cga1x1x1_kernel0_0"
 EAGER = "void (anonymous namespace)::softmax_warp_forward<float, float, float, 10, false, false>(float*, float const*"
@@ -64,7 +64,7 @@ def test_the_profilers_own_stderr_lines_are_filtered_and_the_rest_kept(capfd):
 
     import torch
 
-    from vramguard.check.kernels import kineto_lines_filtered
+    from vramguard.probe.kernels import kineto_lines_filtered
     from torch.profiler import ProfilerActivity, profile
     with kineto_lines_filtered():
         os.write(2, b"before\n")

@@ -116,7 +116,7 @@ def test_plan_shows_the_growth_a_sliding_window_model_really_has():
     from rich.console import Console
 
     from vramguard.plan import plan
-    from vramguard.render import plan_to_json, print_plan
+    from vramguard.cli.render import plan_to_json, print_plan
     p = plan("mistral-7b-v0.1", Settings(prompt_tokens=4000, max_new_tokens=200), gpu="rtx-4090")
     d = plan_to_json(p)["kv_cache"]
     assert d["growth_per_token_by_layer_type"] == {"sliding_attention": 131_072}

@@ -6,7 +6,7 @@ import weakref
 import pytest
 
 from vramguard.errors import InvalidValue, UnknownModel
-from vramguard.load import load_model, unload
+from vramguard.runtime.load import load_model, unload
 
 TINY = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=1000, max_position_embeddings=256)
@@ -79,7 +79,7 @@ def test_c17_unload_frees_every_tensor(tiny):
 def test_c17_the_unload_report_names_a_residual_and_its_holders():
     """C17: what check and profile print after unloading: memory back within 1% of the weights, or the residual
     with the tensors that still hold it."""
-    from vramguard.load import UnloadReport
+    from vramguard.runtime.load import UnloadReport
     weights = 5_707_474_944
     back = UnloadReport(weights, 33_555_456, ("(917504,) torch.uint8 917,504 B",))
     assert back.returned(weights) is True
@@ -97,7 +97,7 @@ def test_c17_the_unload_report_names_a_residual_and_its_holders():
 
 def test_compute_dtype_follows_an_explicit_dtype_c3():
     """Field case C3: a 4-bit model given only a dtype computes in that dtype, never a silent bf16 mismatch."""
-    from vramguard.load import LoadReport, choose_dtypes
+    from vramguard.runtime.load import LoadReport, choose_dtypes
     r = LoadReport("m", {})
     assert choose_dtypes(None, "nf4", None, "fp16", r, False) == ("fp16", "fp16")
     assert choose_dtypes(None, "nf4", None, "fp32", r, False) == ("fp32", "fp32")

@@ -3,12 +3,12 @@ timeline files, and the plan-seeded search."""
 
 import pytest
 
-from vramguard import measure
-from vramguard.fit import FitRun, binding_component, search, seeds
-from vramguard.measure import MemorySnapshot, StepSample
-from vramguard.profile import build_rows, kv_growth_per_token
+from vramguard.runtime import device as measure
+from vramguard.profile.fit import FitRun, binding_component, search, seeds
+from vramguard.runtime.device import MemorySnapshot, StepSample
+from vramguard.profile.profiler import build_rows, kv_growth_per_token
 from vramguard.resolve import resolve_model
-from vramguard.runner import RunResult, run_generate
+from vramguard.profile.measured_run import RunResult, run_generate
 from vramguard.settings import Settings
 from vramguard.units import GiB
 
@@ -75,7 +75,7 @@ def test_profile_rows_put_measurements_beside_the_plan():
 
 
 def test_timeline_png_and_self_contained_html(tmp_path):
-    from vramguard.timeline import write_fit_plot, write_timeline
+    from vramguard.profile.timeline import write_fit_plot, write_timeline
     samples = [StepSample(i, 0.2 + i * 0.05, GiB + i * 2**20, 2 * GiB, GiB + i * 2**20 + 10, 2 * GiB, 0)
                for i in range(20)]
     png, page = write_timeline(samples, tmp_path, "test run", "<table><tr><td>x</td></tr></table>", int(1.1 * GiB))
@@ -128,8 +128,8 @@ def test_binding_component_at_the_boundary():
 
 def test_profile_and_fit_need_a_model_and_a_gpu(tiny):
     from vramguard.errors import InvalidValue, UnknownModel
-    from vramguard.fit import fit
-    from vramguard.profile import profile
+    from vramguard.profile.fit import fit
+    from vramguard.profile.profiler import profile
     torch = pytest.importorskip("torch")
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")

@@ -10,7 +10,7 @@ import pytest
 
 from conftest import save_tiny_llama, save_word_tokenizer
 from vramguard.errors import InvalidValue, UnknownModel
-from vramguard.prompt import preflight_prompt, prepare_prompt
+from vramguard.run.prompt import preflight_prompt, prepare_prompt
 
 TEMPLATE = ("{% for m in messages %}[BOS] w1 {{ m['content'] }} [EOS] {% endfor %}"
             "{% if add_generation_prompt %}w2 w3{% endif %}")

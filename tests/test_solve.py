@@ -3,7 +3,7 @@
 from vramguard.plan import estimate, plan
 from vramguard.resolve import resolve_model
 from vramguard.settings import Settings
-from vramguard.solve import max_batch, max_new_tokens, max_prompt_tokens, ranked_changes
+from vramguard.plan.solve import max_batch, max_new_tokens, max_prompt_tokens, ranked_changes
 from vramguard.catalog.gpus import GPUS
 from vramguard.units import GiB
 
@@ -52,7 +52,7 @@ def test_c6_ranks_kv_quantization_and_shorter_context():
     assert any("int8 quantized cache" in d for d in descs)
     assert any("int4 quantized cache" in d for d in descs)
     assert any(d.startswith("shorter prompt") for d in descs)
-    from vramguard.solve import HARDWARE_KEYS
+    from vramguard.plan.solve import HARDWARE_KEYS
     settings = [c for c in p.changes if not set(HARDWARE_KEYS) & set(c.settings)]
     keep = [c.saved_bytes for c in settings if not c.reduces_request]
     cut = [c.saved_bytes for c in settings if c.reduces_request]
@@ -115,7 +115,7 @@ def test_the_bracketed_search_finds_the_exact_boundary_of_any_monotone_need():
     for steps, plateaus, quadratics and jumps alike."""
     from hypothesis import given, settings, strategies as st
 
-    from vramguard.solve import _largest
+    from vramguard.plan.solve import _largest
 
     @settings(max_examples=300, deadline=None)
     @given(st.lists(st.integers(0, 1000), min_size=1, max_size=300), st.integers(-10, 160_000),

@@ -4,11 +4,12 @@ Library entry points return dataclasses; sizes are ints of bytes (:mod:`vramguar
 """
 
 from vramguard.check import CheckReport, check
-from vramguard.load import LoadedModel, LoadReport, load_model, unload
 from vramguard.plan import Plan, estimate, plan
 from vramguard.resolve import resolve_model
+from vramguard.run.generate import GenerationResult, generate
+from vramguard.runtime.load import LoadedModel, LoadReport, load_model, unload
 from vramguard.settings import Settings
 
-__all__ = ["CheckReport", "LoadReport", "LoadedModel", "Plan", "Settings", "check", "estimate", "load_model", "plan",
-           "resolve_model", "unload"]
+__all__ = ["CheckReport", "GenerationResult", "LoadReport", "LoadedModel", "Plan", "Settings", "check", "estimate",
+           "generate", "load_model", "plan", "resolve_model", "unload"]
 __version__ = "0.1.0"

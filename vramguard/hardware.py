@@ -152,6 +152,10 @@ def resolve_gpus(gpu: str | None = None, vram: str | None = None) -> tuple[list[
     if gpu:
         card = gpu_from_catalog(gpu)
         named = "" if gpu.strip().lower() == card.name else f": {gpu.strip()!r} is the catalog card {card.name}"
+        if card.total_estimated:
+            return [card], (f"named with --gpu{named} ({card.label}, {card.total_bytes:,} B: an estimate, as no driver "
+                            "report of this card was found; for an exact plan pass --vram with what "
+                            "`python -c 'import torch; print(torch.cuda.mem_get_info()[1])'` prints on the card)")
         return [card], f"named with --gpu{named} ({card.label}, {card.total_bytes:,} B as its driver reports)"
     if vram is not None:  # an empty --vram "" is a size to refuse, not "no size given"
         return [gpu_from_vram(vram)], "given with --vram"

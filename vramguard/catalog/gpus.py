@@ -30,6 +30,9 @@ class GpuSpec:
         source: ``catalog``, ``detected`` or ``--vram``.
         total_source: where ``total_bytes`` comes from (catalog cards: a public report or a measurement).
         marketed_bytes: the memory the card is sold with (catalog cards; 0 when not known).
+        total_estimated: True for a catalog card whose total is not a report of its own driver but derived from a
+            like card (``total_source`` says which): a plan against it is approximate; a ``--vram`` of the card's
+            own ``torch.cuda.mem_get_info()[1]`` is exact.
     """
 
     name: str
@@ -41,6 +44,7 @@ class GpuSpec:
     source: str = "catalog"
     total_source: str = ""
     marketed_bytes: int = 0
+    total_estimated: bool = False
 
     @property
     def supports_bf16(self) -> bool | None:
@@ -66,7 +70,8 @@ def reported_gib(text: str) -> int:
 def _g(name: str, label: str, total: int | str, marketed_gib: int, cc: tuple[int, int], bw_gbs: int,
        source: str) -> GpuSpec:
     total_bytes = reported_gib(total) if isinstance(total, str) else total
-    return GpuSpec(name, label, total_bytes, cc, bw_gbs * GB, total_source=source, marketed_bytes=marketed_gib * GiB)
+    return GpuSpec(name, label, total_bytes, cc, bw_gbs * GB, total_source=source, marketed_bytes=marketed_gib * GiB,
+                   total_estimated=source.startswith("no "))
 
 
 _OOM = "PyTorch's out-of-memory message ('{} GiB total capacity') in "
@@ -128,9 +133,9 @@ GPUS: dict[str, GpuSpec] = {g.name: g for g in [
     _g("a10g", "NVIDIA A10G", "22.00", 24, (8, 6), 600,
        "about 22 GB with ECC on by default (github.com/huggingface/local-gemma/pull/25); 22.49 GiB with ECC off "
        "(github.com/AUTOMATIC1111/stable-diffusion-webui/issues/1259); planned at 22.00 GiB, the low end"),
-    _g("l4", "NVIDIA L4", "21.94", 24, (8, 9), 300,
-       "no CUDA total found; nvidia-smi shows 23,034 MiB (github.com/lmstudio-ai/lmstudio-bug-tracker/issues/1638); "
-       "planned at 21.94 GiB, that less the largest nvidia-smi-to-CUDA gap above (the H100's ~560 MiB)"),
+    _reported("l4", "NVIDIA L4", "22.03", 24, (8, 9), 300,
+              "github.com/ArcInstitute/evo2/issues/190 (an L4; nvidia-smi shows 23,034 MiB: "
+              "github.com/modal-labs/modal-client/pull/2797)"),
     _reported("l40s", "NVIDIA L40S", "44.53", 48, (8, 9), 864,
               "github.com/Wan-Video/Wan2.1/issues/205"),
     _reported("a100-40gb", "NVIDIA A100 40GB", "39.50", 40, (8, 0), 1555,

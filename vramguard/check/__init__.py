@@ -2,7 +2,7 @@
 
 Library entry point :func:`check` returns a :class:`CheckReport`; the CLI prints it and exits non-zero when a
 finding fails. On a machine with a CUDA GPU and a local model, the attention kernel that really runs is named by
-profiling one short forward (:mod:`vramguard.check.kernels`).
+profiling one short forward (:mod:`vramguard.probe.kernels`).
 """
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from vramguard.catalog.gpus import GpuSpec
-from vramguard.check.checkpoint import CheckpointInfo, read_checkpoint, resolve_param_dtype
-from vramguard.check.env import Env, probe_env
-from vramguard.check.kernels import AttentionKernel
+from vramguard.probe.checkpoint import CheckpointInfo, read_checkpoint, resolve_param_dtype
+from vramguard.probe.env import Env, probe_env
+from vramguard.probe.kernels import AttentionKernel
 from vramguard.check.rules import CheckFinding, environment_findings, model_findings, runtime_findings
 from vramguard.settings import Settings
 from vramguard.units import fmt_gib
@@ -52,7 +52,7 @@ def check(model: str | None = None, settings: Settings | None = None, *, dtype: 
         verify: on a CUDA GPU with a local model, load it and name the attention kernel that runs.
         unquantized: no quantization config at all: the weights take whatever dtype ``dtype`` (or its absence)
             resolves to, which is what ``settings.quant`` is then set to.
-        loader_defaults: ``dtype`` and ``compute_dtype`` left unset take what :func:`vramguard.load.load_model`
+        loader_defaults: ``dtype`` and ``compute_dtype`` left unset take what :func:`vramguard.runtime.load.load_model`
             (and so ``run`` and ``serve``) passes: bf16 where the card supports it, else fp16; False checks
             plain transformers' and bitsandbytes' defaults instead.
 
@@ -76,7 +76,7 @@ def check(model: str | None = None, settings: Settings | None = None, *, dtype: 
     ckpt = read_checkpoint(folder) if folder else (
         CheckpointInfo("", (), None, None, spec.checkpoint_dtype, False) if spec else None)
     if loader_defaults and not unquantized and (dtype is None or compute_dtype is None):
-        from vramguard.load import choose_dtypes
+        from vramguard.runtime.load import choose_dtypes
         cd, dt = choose_dtypes(card, s.quant, compute_dtype, dtype, None, False)
         compute_dtype = compute_dtype or (cd if s.is_4bit else None)
         dtype = dtype or dt
@@ -177,7 +177,7 @@ def _placement_finding(model, spec, s, card, env) -> CheckFinding:
 def _verify_kernel(folder: str, s: Settings, param_dtype: str, report: CheckReport) -> list[CheckFinding]:
     """Load with the requested settings (no automatic choice), profile one forward, unload: the attention kernel
     finding, and the unload finding (memory back to the pre-load baseline, or what still holds it: field case C17)."""
-    from vramguard.load import load_model, unload
+    from vramguard.runtime.load import load_model, unload
     attn = s.attn
     try:
         loaded = load_model(folder, quant=s.quant, double_quant=s.double_quant,
@@ -187,8 +187,8 @@ def _verify_kernel(folder: str, s: Settings, param_dtype: str, report: CheckRepo
         return [CheckFinding("attention_kernel", "fail", f"{attn}: the model did not load",
                              f"{type(e).__name__}: {str(e).splitlines()[0][:300]}",
                              "use attn_implementation='sdpa'" if attn == "flash_attention_2" else None)]
-    from vramguard.check.kernels import profile_attention
-    from vramguard.load import _pin_sdpa
+    from vramguard.probe.kernels import profile_attention
+    from vramguard.runtime.load import _pin_sdpa
     pinned = s.sdpa_kernel if attn == "sdpa" and s.sdpa_kernel != "auto" else None
     weights = loaded.report.weights_bytes
     try:
@@ -213,5 +213,5 @@ def _unload_finding(rep, weights_bytes: int | None) -> CheckFinding:
                         "memory returned" if ok else ("not measured" if ok is None else "memory not returned"),
                         rep.describe(weights_bytes),
                         None if ok or ok is None else "in a long-lived process, free models with "
-                        "vramguard.load.unload (it breaks the reference cycles gc.collect() would) and drop your own "
+                        "vramguard.runtime.load.unload (it breaks the reference cycles gc.collect() would) and drop your own "
                         "references to the tensors named")

@@ -1,7 +1,7 @@
 """The findings of ``check``: pure functions of the probed environment, the checkpoint and the load settings.
 
 Each finding has a status (ok / warn / fail), the value found, the reason and the fix. No probing happens here,
-so tests build an :class:`~vramguard.check.env.Env` by hand to reach every branch.
+so tests build an :class:`~vramguard.probe.env.Env` by hand to reach every branch.
 """
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from vramguard.catalog.gpus import GpuSpec
-from vramguard.check.checkpoint import CheckpointInfo
-from vramguard.check.env import Env
+from vramguard.probe.checkpoint import CheckpointInfo
+from vramguard.probe.env import Env
 from vramguard.memory.weights import linear_groups
 from vramguard.settings import DTYPE_BYTES, Settings
 from vramguard.spec import ModelSpec

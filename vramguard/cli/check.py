@@ -11,7 +11,7 @@ from vramguard.cli.common import run_guarded, write_json
 from vramguard.cli.options import (Attn, CheckQuant, Dtype, DtypeArg, Format, SdpaKernel, attn_option, batch_option,
                                    format_option, max_new_tokens_option, prompt_tokens_option)
 from vramguard.errors import InvalidValue
-from vramguard.render import console
+from vramguard.cli.render import console
 
 
 def check(
@@ -44,7 +44,7 @@ def check(
     """Check the environment and the load settings; name the attention kernel that really runs (GPU).
     Exits 1 when a finding fails."""
     from vramguard.check import check as check_fn
-    from vramguard.render import check_to_json, print_check
+    from vramguard.cli.render import check_to_json, print_check
     from vramguard.settings import Settings
 
     def build():

@@ -14,7 +14,7 @@ import sys
 import typer
 
 from vramguard.errors import ConfigError, Infeasible, InvalidValue, UnknownGpu, UnknownModel, VramguardError
-from vramguard.render import console  # rich only: no torch import
+from vramguard.cli.render import console  # rich only: no torch import
 
 # 1: a check failed; 2: bad option value; 3: unknown model / card or unreadable config; 4: infeasible request;
 # 70: internal error

@@ -12,7 +12,7 @@ import typer
 from vramguard.cli.common import run_guarded, say, write_json
 from vramguard.cli.options import (Attn, Format, Quant, attn_option, batch_option, format_option, max_new_tokens_option,
                                    prompt_tokens_option, quant_option)
-from vramguard.render import console
+from vramguard.cli.render import console
 
 
 def oom_log(
@@ -24,7 +24,7 @@ def oom_log(
     """Read the kernel OOM killer's records and explain each kill ("Killed" -> which process, how much memory, why).
     Exits 1 when no kernel log could be read."""
     from vramguard.oomlog import oom_log as oom_log_fn
-    from vramguard.render import oomlog_to_json, print_oomlog
+    from vramguard.cli.render import oomlog_to_json, print_oomlog
 
     r = run_guarded(oom_log_fn, file, since, year, as_json=fmt == Format['json'])
     if fmt == Format['json']:
@@ -60,7 +60,7 @@ def explain(
     by other processes, or steady growth; with the evidence and the fix."""
     from vramguard.explain import explain as explain_fn
     from vramguard.explain import plan_candidates
-    from vramguard.render import print_explanation, to_jsonable
+    from vramguard.cli.render import print_explanation, to_jsonable
 
     def build():
         text = read_message(message)

@@ -9,7 +9,7 @@ import typer
 from vramguard.cli.common import run_guarded, say, write_json
 from vramguard.cli.options import (Attn, Cache, Dtype, Format, KvDtype, Logits, Quant, batch_option, format_option,
                                    max_new_tokens_option, prompt_tokens_option, quant_option)
-from vramguard.render import console
+from vramguard.cli.render import console
 
 
 def plan(
@@ -43,7 +43,7 @@ def plan(
 ) -> None:
     """Predict memory by component, say whether it fits, solve for what fits, and rank the fixes."""
     from vramguard.plan import plan as plan_fn
-    from vramguard.render import plan_to_json, print_plan
+    from vramguard.cli.render import plan_to_json, print_plan
     from vramguard.settings import Settings
 
     if list_models or list_gpus:
@@ -87,4 +87,8 @@ def _print_catalog(models: bool, gpus: bool) -> None:
     if gpus:
         for g in GPUS.values():
             cc = ".".join(map(str, g.compute_capability)) if g.compute_capability else "?"
-            out.print(f"{g.name:18} {g.label:34} {g.total_bytes / 2**30:7.2f} GiB  cc {cc}")
+            total = ("~" if g.total_estimated else "") + f"{g.total_bytes / 2**30:.2f}"
+            out.print(f"{g.name:18} {g.label:34} {total:>7} GiB  cc {cc}")
+        if any(g.total_estimated for g in GPUS.values()):
+            out.print("~ estimated: no driver report of this card's total was found (the catalog says from which "
+                      "card it is derived); --vram with the card's own total plans exactly")

@@ -1,5 +1,5 @@
 """``vramguard profile`` and ``vramguard fit``: real runs measured beside the plan (over
-:func:`vramguard.profile.profile` and :func:`vramguard.fit.fit`)."""
+:func:`vramguard.profile.profile` and :func:`vramguard.profile.fit.fit`)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from vramguard.cli.common import run_guarded, size_option, write_json
 from vramguard.cli.options import (Attn, Format, Quant, Vary, attn_option, batch_option, format_option,
                                    max_new_tokens_option, prompt_tokens_option, quant_option)
 from vramguard.errors import InvalidValue
-from vramguard.render import console
+from vramguard.cli.render import console
 
 
 def profile(
@@ -28,8 +28,8 @@ def profile(
 ) -> None:
     """A measured run beside the plan: weights, prefill peak, KV growth per token, decode peak, reserved vs
     allocated, fragmentation, memory outside PyTorch, TTFT and decode ms/token; a memory timeline picture."""
-    from vramguard.profile import profile as profile_fn
-    from vramguard.render import print_profile, to_jsonable
+    from vramguard.profile.profiler import profile as profile_fn
+    from vramguard.cli.render import print_profile, to_jsonable
     from vramguard.settings import Settings
 
     def build():
@@ -62,8 +62,8 @@ def fit(
 ) -> None:
     """Real runs that find the largest prompt / new tokens / batch that completes under a budget, seeded by the
     plan; emulates a smaller card with a per-process memory fraction."""
-    from vramguard.fit import fit as fit_fn
-    from vramguard.render import print_fit, to_jsonable
+    from vramguard.profile.fit import fit as fit_fn
+    from vramguard.cli.render import print_fit, to_jsonable
     from vramguard.settings import Settings
 
     def build():

@@ -1,4 +1,4 @@
-"""``vramguard run``: generate text without running out of memory (over :func:`vramguard.generate.generate`)."""
+"""``vramguard run``: generate text without running out of memory (over :func:`vramguard.run.generate.generate`)."""
 
 from __future__ import annotations
 
@@ -41,9 +41,9 @@ def run(
 ) -> None:
     """Generate text without running out of memory: plan first, pick a strategy that fits, recover from OOM.
     The text streams to stdout; a summary (strategy and why, peak memory, TTFT, tokens/s) goes to stderr."""
-    from vramguard.generate import generate as generate_fn
-    from vramguard.load import load_model
-    from vramguard.render import print_generation_summary, to_jsonable
+    from vramguard.run.generate import generate as generate_fn
+    from vramguard.runtime.load import load_model
+    from vramguard.cli.render import print_generation_summary, to_jsonable
 
     def build():
         text = _read_prompt(prompt, prompt_file)
@@ -51,7 +51,7 @@ def run(
         import torch
         import transformers
 
-        from vramguard.prompt import prepare_prompt, preflight_prompt
+        from vramguard.run.prompt import prepare_prompt, preflight_prompt
         transformers.utils.logging.disable_progress_bar()
         # the tokenizer and config alone: a prompt over the context is refused before minutes of loading
         _, prepared, _ = preflight_prompt(model, text, max_new_tokens, chat_template)
@@ -92,8 +92,8 @@ def _read_prompt(prompt: str | None, prompt_file: str | None) -> str:
 
 
 def _with_context(loaded, question, files, summarize, chunk_tokens, max_new_tokens, budget, auto) -> str:
-    """:func:`vramguard.context.context_prompt`, its summary line on stderr."""
-    from vramguard.context import context_prompt
+    """:func:`vramguard.run.context.context_prompt`, its summary line on stderr."""
+    from vramguard.run.context import context_prompt
     packed, limit = context_prompt(loaded.model, loaded.tokenizer, question, files, chunk_tokens=chunk_tokens,
                                    max_new_tokens=max_new_tokens, budget_bytes=budget, auto=auto,
                                    summarize=summarize)

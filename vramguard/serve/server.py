@@ -31,7 +31,7 @@ SWITCH_INTERVAL_S = 0.001
 def _usable(budget: int | None, model) -> tuple[int, str]:
     import torch
 
-    from vramguard.generate import usable_bytes
+    from vramguard.run.generate import usable_bytes
     if torch.cuda.is_available() and next(model.parameters()).is_cuda:
         usable, allocated = usable_bytes(budget)  # the same rule as guarded generation
         return usable, (f"--vram-budget minus {allocated:,} B allocated after loading" if budget is not None
@@ -135,17 +135,17 @@ class Served:
 
     def close(self, unload_model: bool = True):
         """Stop the server (as :meth:`stop`) and give its GPU memory back: the engine's KV pool, paged cache and
-        CUDA graphs, and, with ``unload_model``, the model (:func:`vramguard.load.unload`, which also runs the
+        CUDA graphs, and, with ``unload_model``, the model (:func:`vramguard.runtime.load.unload`, which also runs the
         garbage collector and empties PyTorch's cache); the memory fraction a ``hard_cap`` build set is put
         back. For a server started in-process (a notebook, a test) that should not keep its memory after it
-        stops. Returns the :class:`vramguard.load.UnloadReport` (``freed_bytes``, ``residual_bytes`` above the
+        stops. Returns the :class:`vramguard.runtime.load.UnloadReport` (``freed_bytes``, ``residual_bytes`` above the
         memory allocated before loading, the largest holders; both None on the CPU, where nothing is measured),
         or None without ``unload_model``. The object cannot serve afterwards; closing twice does nothing more."""
         import gc
 
         import torch
 
-        from vramguard.load import UnloadReport, unload
+        from vramguard.runtime.load import UnloadReport, unload
         on_cuda = torch.cuda.is_available()
         before = torch.cuda.memory_allocated() if on_cuda else None
         self.stop()
@@ -435,7 +435,7 @@ def build(model: str, *, vram_budget: int | None = None, max_queue: int = 64, ma
 
     Raises:
         InvalidValue: a limit out of range. Infeasible: the budget leaves no room for the pool.
-        UnknownModel / ConfigError: from :func:`vramguard.load.load_model`.
+        UnknownModel / ConfigError: from :func:`vramguard.runtime.load.load_model`.
     """
     cap_before = None
     from vramguard.serve.generate_engine import ENGINES
@@ -444,7 +444,7 @@ def build(model: str, *, vram_budget: int | None = None, max_queue: int = 64, ma
     _check_limits(body_timeout_s, max_queue=(max_queue, 0), max_running=(max_running, 1),
                   max_batch_tokens=(max_batch_tokens, 16), page_size=(page_size, 4), n_max=(n_max, 1),
                   default_max_tokens=(default_max_tokens, 1))
-    from vramguard.load import load_model
+    from vramguard.runtime.load import load_model
     from vramguard.resolve import resolve_model
     import torch
     if hard_cap and vram_budget is not None and torch.cuda.is_available():
@@ -462,7 +462,7 @@ def build(model: str, *, vram_budget: int | None = None, max_queue: int = 64, ma
     m, tok, report = loaded
     unpinned = None
     if getattr(m, "_vramguard_pin", None):
-        from vramguard.load import _unpin_sdpa
+        from vramguard.runtime.load import _unpin_sdpa
         unpinned = m._vramguard_pin[0]
         _unpin_sdpa(m)
     spec = resolve_model(str(model)) if not hasattr(m, "_vramguard_spec") else m._vramguard_spec

@@ -7,12 +7,12 @@ import html
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from vramguard.load import LoadedModel, load_model, unload
-from vramguard.measure import StepSample
+from vramguard.runtime.load import LoadedModel, load_model, unload
+from vramguard.runtime.device import StepSample
 from vramguard.memory.runtime import CUBLAS_WORKSPACE_BYTES
 from vramguard.plan import estimate
 from vramguard.resolve import resolve_model
-from vramguard.runner import RunResult, run_generate
+from vramguard.profile.measured_run import RunResult, run_generate
 from vramguard.settings import Settings
 
 
@@ -148,6 +148,6 @@ def profile(model: str | LoadedModel, s: Settings, out_dir: str | None = None, m
 
 def write_outputs(report: ProfileReport, out: Path, title: str) -> tuple[Path, Path]:
     """The timeline PNG and HTML page (with the table) for ``report``."""
-    from vramguard.timeline import write_timeline
+    from vramguard.profile.timeline import write_timeline
     planned_peak = next((r.planned for r in report.rows if r.name == "peak allocated"), None)
     return write_timeline(report.samples, out, title, _table_html(report.rows), planned_peak)

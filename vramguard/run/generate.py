@@ -13,7 +13,7 @@ Continuing re-encodes the tokens produced so far in one prefill; with a 16-bit K
 result equals an uninterrupted run up to floating-point reassociation (exactly equal in the CPU tests).
 
 ``fast_decode=True`` puts :data:`GRAPH_STRATEGY` first: the static cache of the planner's static-cache strategy,
-decoded by :class:`vramguard.fastdecode.GraphDecoder` (one CUDA graph replayed per token; eager, and reported as
+decoded by :class:`vramguard.run.fastdecode.GraphDecoder` (one CUDA graph replayed per token; eager, and reported as
 such, without CUDA or when capture fails). Its greedy tokens equal the static-cache strategy's; the other strategies
 remain the fallbacks after an out-of-memory error.
 """
@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from vramguard.errors import Infeasible
-from vramguard.measure import memory_cap
+from vramguard.runtime.device import memory_cap
 from vramguard.settings import Settings, require_count
 from vramguard.units import fmt_bytes
 
@@ -45,7 +45,7 @@ class Strategy:
     plan: dict
     needs_cuda: bool = False
     needs_module: str | None = None
-    graph: bool = False  # decoded by vramguard.fastdecode.GraphDecoder instead of model.generate
+    graph: bool = False  # decoded by vramguard.run.fastdecode.GraphDecoder instead of model.generate
 
     def available(self, on_cuda: bool) -> tuple[bool, str]:
         if self.needs_cuda and not on_cuda:
@@ -251,7 +251,7 @@ def _attempts(model, tokenizer, prompt_ids: list[int], max_new_tokens: int, orde
     """Run the strategies in ``order`` until one completes; each continues from the tokens produced so far."""
     import torch
 
-    from vramguard.load import sdpa_unpinned
+    from vramguard.runtime.load import sdpa_unpinned
     on_cuda = next(model.parameters()).device.type == "cuda"
     generated: list[int] = []
     attempts: list[Attempt] = []
@@ -303,11 +303,11 @@ def _attempts(model, tokenizer, prompt_ids: list[int], max_new_tokens: int, orde
 
 
 def _graph_attempt(model, ids, remaining: int, tap: _Tap, sample: dict, chunk: int):
-    """The graph strategy's run: :func:`vramguard.fastdecode.graph_decode` with ``generate``'s semantics (EOS
+    """The graph strategy's run: :func:`vramguard.run.fastdecode.graph_decode` with ``generate``'s semantics (EOS
     suppressed until ``remaining`` tokens, as ``min_new_tokens`` does there), streaming through ``tap``."""
     import torch
 
-    from vramguard.fastdecode import graph_decode
+    from vramguard.run.fastdecode import graph_decode
     tap.put(ids)  # the prompt, as transformers' streamers receive it first
     res = graph_decode(model, ids[0].tolist(), remaining, prefill_chunk_tokens=chunk, min_new_tokens=remaining,
                        on_token=lambda t: tap.put(torch.tensor([t])), **sample)
@@ -353,7 +353,7 @@ def generate(model, tokenizer, prompt: str | list[int], max_new_tokens: int = 25
     """Generate ``max_new_tokens`` after ``prompt`` without running out of memory (see the module docstring).
 
     Args:
-        model, tokenizer: as returned by :func:`vramguard.load.load_model` (tokenizer may be None with token ids).
+        model, tokenizer: as returned by :func:`vramguard.runtime.load.load_model` (tokenizer may be None with token ids).
         prompt: text, or a list of token ids.
         budget_bytes: memory PyTorch may use in total (default: what the card has free).
         auto: choose the strategy from the plan (else only the plain dynamic cache, refused if it cannot fit).
@@ -382,7 +382,7 @@ def generate(model, tokenizer, prompt: str | list[int], max_new_tokens: int = 25
                            "them out for greedy decoding")
     prompt_ids = _prompt_ids(tokenizer, prompt)
     if fast_decode:
-        from vramguard.fastdecode import check_model
+        from vramguard.run.fastdecode import check_model
         check_model(model)
     order, why = strategy_order(model, len(prompt_ids), max_new_tokens, budget_bytes=budget_bytes, auto=auto,
                                 fast_decode=fast_decode, settings=settings)
@@ -448,10 +448,10 @@ def _attn_of(model) -> str:
 
 def prompt_budget(model, max_new_tokens: int, budget_bytes: int | None = None, auto: bool = True) -> int:
     """The longest prompt (tokens) that some strategy can run with ``max_new_tokens`` in the memory left: the
-    plan's :func:`~vramguard.solve.max_prompt_tokens` per strategy, the largest of them; the model's context when
+    plan's :func:`~vramguard.plan.solve.max_prompt_tokens` per strategy, the largest of them; the model's context when
     there is no CUDA device to plan against."""
     from vramguard.plan import estimate
-    from vramguard.solve import _largest
+    from vramguard.plan.solve import _largest
     from vramguard.spec import spec_from_config
     spec = spec_from_config(model.config.to_dict(), name=getattr(model.config, "_name_or_path", "model"))
     ctx = spec.max_position_embeddings - max_new_tokens

@@ -1,6 +1,6 @@
 """One measured ``generate`` call with random prompt tokens: the shared core of ``profile`` and ``fit``.
 
-Memory is read through :mod:`vramguard.measure` (per-step samples, peaks reset between steps). An out-of-memory
+Memory is read through :mod:`vramguard.runtime.device` (per-step samples, peaks reset between steps). An out-of-memory
 error is caught, its message kept, and everything the failed attempt held is freed before returning.
 """
 
@@ -10,7 +10,7 @@ import gc
 import time
 from dataclasses import dataclass, field
 
-from vramguard.measure import StepRecorder, StepSample, probe
+from vramguard.runtime.device import StepRecorder, StepSample, probe
 from vramguard.settings import Settings
 
 

@@ -7,7 +7,7 @@ reported in ``LoadReport.overrides``; ``strict=True`` raises instead):
   the model dtype equal to the compute dtype.
 * attention: flash_attention_2 when the flash_attn package is installed and the card, dtype and head_dim allow it,
   else SDPA pinned to a flash-class backend (PyTorch's flash kernel, then cuDNN, then memory-efficient), verified
-  by profiling one short forward (:func:`vramguard.check.kernels.profile_attention`).
+  by profiling one short forward (:func:`vramguard.probe.kernels.profile_attention`).
 * one GPU (``device_map={"": 0}``) unless the weights do not fit it, then an explicit ``max_memory`` split over
   the visible GPUs; safetensors only and no remote code unless the caller opts in.
 """
@@ -20,9 +20,9 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from vramguard.check.checkpoint import read_checkpoint
-from vramguard.check.env import probe_env
-from vramguard.check.kernels import AttentionKernel, profile_attention
+from vramguard.probe.checkpoint import read_checkpoint
+from vramguard.probe.env import probe_env
+from vramguard.probe.kernels import AttentionKernel, profile_attention
 from vramguard.errors import InvalidValue, UnknownModel
 from vramguard.resolve import model_folder, resolve_model
 
@@ -233,7 +233,7 @@ def load_model(model: str, *, quant: str = "nf4", double_quant: bool = True, com
     import torch
     import transformers
 
-    from vramguard.check.checkpoint import resolve_param_dtype
+    from vramguard.probe.checkpoint import resolve_param_dtype
     from vramguard.settings import Settings
 
     Settings(quant=quant, double_quant=double_quant, compute_dtype=compute_dtype, dtype=dtype)  # validates

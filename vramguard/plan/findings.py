@@ -3,20 +3,15 @@ stake and the fix. Each finding is computed from the plan's own numbers (never a
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from vramguard.memory.forward import eager_bytes_per_score, logits_bytes
 from vramguard.memory.weights import linear_groups, weight_bytes
+from vramguard.plan.estimator import Finding, Plan
 from vramguard.settings import DTYPE_BYTES
 from vramguard.units import fmt_bytes, fmt_gib
 
-if TYPE_CHECKING:
-    from vramguard.plan import Finding, Plan
 
-
-def plan_findings(p: "Plan") -> list["Finding"]:
+def plan_findings(p: Plan) -> list[Finding]:
     """All findings for plan ``p`` (see the module docstring)."""
-    from vramguard.plan import Finding
     spec, s, est = p.model, p.settings, p.estimate
     out: list[Finding] = [Finding("model_note", "info", n) for n in spec.notes]
     if spec.checkpoint_dtype == "fp32" and s.dtype is None and s.act_dtype != "fp32":
@@ -54,11 +49,10 @@ def plan_findings(p: "Plan") -> list["Finding"]:
     return out
 
 
-def _card_findings(p: "Plan", out: list) -> None:
+def _card_findings(p: Plan, out: list) -> None:
     """Weights larger than a card; settings the cards cannot run (FA2, bf16 below compute capability 8.0) and
     the compute dtype."""
     from vramguard.memory.runtime import CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES
-    from vramguard.plan import Finding
     spec, s, est = p.model, p.settings, p.estimate
     floor = est.weights.total_bytes + CUBLAS_WORKSPACE_BYTES + CUDA_CONTEXT_BYTES
     for card in p.cards:
@@ -96,9 +90,8 @@ def _card_findings(p: "Plan", out: list) -> None:
                            f"{fmt_bytes(narrow)}", f"set bnb_4bit_compute_dtype to {s.act_dtype}", wide - narrow))
 
 
-def _attention_findings(p: "Plan", out: list) -> None:
+def _attention_findings(p: Plan, out: list) -> None:
     """Attention paths that materialize scores or cannot run."""
-    from vramguard.plan import Finding
     spec, s, est = p.model, p.settings, p.estimate
     if s.output_attentions:
         per_layer = s.sequences * spec.num_heads * s.prompt_tokens * s.prompt_tokens * DTYPE_BYTES[s.act_dtype]
@@ -121,9 +114,8 @@ def _attention_findings(p: "Plan", out: list) -> None:
                            "does not implement", "use attn_implementation='eager' or 'flash_attention_2'"))
 
 
-def _memory_findings(p: "Plan", out: list) -> None:
+def _memory_findings(p: Plan, out: list) -> None:
     """Large KV caches and logits, MoE, pre-quantized checkpoints and sliding windows."""
-    from vramguard.plan import Finding
     spec, s, est = p.model, p.settings, p.estimate
     if est.kv_full.gpu_bytes + est.kv_full.cpu_bytes >= est.weights.total_bytes:
         kv = est.kv_full.gpu_bytes + est.kv_full.cpu_bytes

@@ -22,7 +22,7 @@ from typing import Callable
 from vramguard.errors import InvalidValue
 from vramguard.plan import estimate
 from vramguard.settings import Settings
-from vramguard.solve import _largest
+from vramguard.plan.solve import _largest
 from vramguard.spec import ModelSpec
 
 VARY = {"prompt": "prompt_tokens", "new-tokens": "max_new_tokens", "batch": "batch"}
@@ -170,7 +170,7 @@ def fit(model, s: Settings, vary: str, budget_bytes: int, out_dir: str | None = 
     """Find the largest ``vary`` value (prompt / new-tokens / batch) that completes under ``budget_bytes``.
 
     Args:
-        model: a local model folder / cached id, or a :class:`~vramguard.load.LoadedModel`.
+        model: a local model folder / cached id, or a :class:`~vramguard.runtime.load.LoadedModel`.
         budget_bytes: the memory PyTorch may reserve (the emulated card, context excluded).
 
     Raises:
@@ -179,10 +179,10 @@ def fit(model, s: Settings, vary: str, budget_bytes: int, out_dir: str | None = 
     import torch
 
     from vramguard.explain import explain
-    from vramguard.load import LoadedModel, load_model
+    from vramguard.runtime.load import LoadedModel, load_model
     from vramguard.resolve import resolve_model
-    from vramguard.measure import memory_cap
-    from vramguard.runner import free_memory, run_generate
+    from vramguard.runtime.device import memory_cap
+    from vramguard.profile.measured_run import free_memory, run_generate
     from vramguard.errors import UnknownModel
     from vramguard.resolve import model_folder
     if vary not in VARY:
@@ -222,7 +222,7 @@ def fit(model, s: Settings, vary: str, budget_bytes: int, out_dir: str | None = 
     if out_dir:
         from pathlib import Path
 
-        from vramguard.timeline import write_fit_plot
+        from vramguard.profile.timeline import write_fit_plot
         Path(out_dir).mkdir(parents=True, exist_ok=True)
         rep.plot = str(write_fit_plot([r.value for r in runs], [r.peak_allocated for r in runs],
                                       [r.ok for r in runs], budget_bytes, vary, best,

@@ -6,7 +6,7 @@ import html
 import io
 from pathlib import Path
 
-from vramguard.measure import StepSample
+from vramguard.runtime.device import StepSample
 
 
 def _figure_timeline(samples: list[StepSample], base_t: float, title: str, plan_peak: int | None):

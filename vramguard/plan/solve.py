@@ -14,7 +14,7 @@ from typing import Callable
 
 from vramguard.catalog.gpus import GpuSpec
 from vramguard.errors import VramguardError
-from vramguard.plan import CardVerdict, Change, estimate, need_bytes
+from vramguard.plan.estimator import CardVerdict, Change, estimate, need_bytes
 from vramguard.settings import Settings
 from vramguard.spec import ModelSpec
 

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# A new user's first hour on a GPU: every verb of the CLI on a random-weight Llama-3.1-8B folder (bf16 weights,
+# a word-level tokenizer with a chat template), as the README shows them. Each command's exit code, wall time and
+# stderr are recorded; stderr is searched for library noise (warnings that are not vramguard's).
+# Usage (GPU machine, repository root): bash benchmarks/gpu_first_hour.sh OUTDIR
+set -u
+out=$1; m=/tmp/vg_first_hour; mkdir -p "$out"
+python3 - <<'PY'
+import sys; sys.path.insert(0, ".")
+from benchmarks.common import build_checkpoint
+from tests.conftest import save_word_tokenizer
+from pathlib import Path
+from transformers import AutoTokenizer
+build_checkpoint("llama-3.1-8b", "/tmp/vg_first_hour")
+save_word_tokenizer(Path("/tmp/vg_first_hour"), 128_256)
+tok = AutoTokenizer.from_pretrained("/tmp/vg_first_hour")
+tok.chat_template = ("{% for m in messages %}[BOS] {{ m['role'] }} {{ m['content'] }} [EOS] {% endfor %}"
+                     "{% if add_generation_prompt %}[BOS] assistant {% endif %}")
+tok.save_pretrained("/tmp/vg_first_hour")
+PY
+step() {  # step NAME CMD...: run a verb, keep stdout/stderr, exit code and seconds
+  local name=$1; shift
+  local t0=$(date +%s%N)
+  "$@" > "$out/$name.out" 2> "$out/$name.err"; local rc=$?
+  local ms=$(( ($(date +%s%N) - t0) / 1000000 ))
+  printf '%-10s rc=%-3s %7d ms  %s\n' "$name" "$rc" "$ms" "$*" >> "$out/summary.txt"
+}
+vg="python3 -m vramguard"
+step plan    $vg plan $m --prompt-tokens 32768
+step check   $vg check $m
+step run     $vg run $m --prompt "Hello" --max-new-tokens 16 --vram-budget 24GiB
+python3 -c "print(' '.join(f'w{i % 5000}' for i in range(30000)))" > /tmp/vg_long_prompt.txt
+step runlong $vg run $m --prompt-file /tmp/vg_long_prompt.txt --raw --max-new-tokens 16 --vram-budget 24GiB
+step profile $vg profile $m --prompt-tokens 4096 --max-new-tokens 16 --out "$out/prof"
+step fit     $vg fit $m --vary prompt --vram-budget 24GiB --max-new-tokens 16 --max-runs 3
+step explain $vg explain "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 23.64 GiB of which 1.2 GiB is free."
+( $vg serve $m --port 8765 --vram-budget 24GiB > "$out/serve.out" 2> "$out/serve.err" & echo $! > "$out/serve.pid" )
+for i in $(seq 1 180); do curl -sf localhost:8765/health > /dev/null && break; sleep 1; done
+curl -s localhost:8765/v1/chat/completions -H 'content-type: application/json' \
+  -d '{"model":"m","messages":[{"role":"user","content":"Hello"}],"max_tokens":16}' > "$out/serve_chat.json"
+echo "serve chat: $(head -c 300 "$out/serve_chat.json")" >> "$out/summary.txt"
+kill -INT "$(cat "$out/serve.pid")"; sleep 5
+grep -HniE "warning|deprecat|traceback" "$out"/*.err > "$out/noise.txt" || echo "no warning, deprecation or traceback on stderr" > "$out/noise.txt"
+cat "$out/summary.txt" "$out/noise.txt"
+rm -rf "$m"

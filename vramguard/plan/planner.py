@@ -1,0 +1,98 @@
+"""``plan``: the estimate of a run, a verdict per card, the findings and the ranked changes.
+
+Pure computation: no torch, no CUDA. The memory model is :mod:`vramguard.plan.estimator`, the solvers
+:mod:`vramguard.plan.solve`, the findings :mod:`vramguard.plan.findings`.
+"""
+
+from __future__ import annotations
+
+from vramguard.catalog.gpus import GpuSpec
+from vramguard.plan.estimator import Plan, estimate, verdict
+from vramguard.plan.findings import plan_findings
+from vramguard.plan.solve import ranked_changes, solve_card
+from vramguard.settings import Settings
+from vramguard.spec import ModelSpec
+
+
+def plan(model: str | ModelSpec, settings: Settings | None = None, *, gpu: str | None = None,
+         vram: str | None = None, gpus: list[GpuSpec] | None = None, solve: bool = True,
+         context: int | None = None) -> Plan:
+    """Plan the memory of running ``model`` with ``settings`` on a GPU.
+
+    Args:
+        model: a ModelSpec, or anything :func:`vramguard.resolve.resolve_model` accepts.
+        settings: the run's settings (default: :class:`Settings` defaults).
+        gpu / vram / gpus: the card(s): a catalog name, a size such as ``"24GiB"``, or explicit GpuSpecs;
+            none of them: the detected GPU, else 8, 12, 16 and 24 GiB cards.
+        solve: also find the largest prompt, new tokens and batch per card, and rank the changes.
+        context: the context length to allow, replacing ``max_position_embeddings`` (a RoPE-scaled model run
+            beyond its config, e.g. Qwen2-7B with YaRN at 131,072 tokens).
+
+    Raises:
+        UnknownModel, ConfigError: the model cannot be read. UnknownGpu, InvalidValue: bad card or size.
+        InvalidValue: ``prompt + new tokens`` beyond the model's context.
+    """
+    from vramguard.hardware import resolve_gpus
+    from vramguard.resolve import resolve_model
+
+    spec = model if isinstance(model, ModelSpec) else resolve_model(model)
+    if context is not None:
+        from dataclasses import replace
+
+        from vramguard.errors import InvalidValue
+        from vramguard.settings import MAX_TOKENS
+        if isinstance(context, bool) or not isinstance(context, int) or not 1 <= context <= MAX_TOKENS:
+            raise InvalidValue("context", context, f"a number of tokens from 1 to {MAX_TOKENS:,}",
+                               "pass the context length the model runs at, e.g. --context 131072")
+        if spec.generic and context > spec.max_position_embeddings:
+            from vramguard.introspect.generic import learned_positions
+            learned = learned_positions(spec)
+            if learned:
+                raise InvalidValue("context", context, f"at most {learned:,}: the model has {learned:,} learned "
+                                   "position embeddings, which no scaling extends", f"pass --context {learned}")
+        spec = replace(spec, max_position_embeddings=context,
+                       notes=spec.notes + (f"context set to {context:,} tokens (config: "
+                                           f"{spec.max_position_embeddings:,})",))
+    s = settings or Settings()
+    if spec.generic and s.total_tokens > spec.max_position_embeddings:
+        from vramguard.introspect.generic import learned_positions
+        check_context(spec, s, beyond=None if learned_positions(spec) else
+                      " (a RoPE-scaled model may allow more: plan --context N)")
+    check_context(spec, s)
+    if gpus is None:
+        gpus, why = resolve_gpus(gpu, vram)
+    else:
+        why = "given"
+    est = estimate(spec, s)
+    cards = [verdict(est, g) for g in gpus]
+    if solve:
+        cards = [solve_card(spec, s, c) for c in cards]
+    logits_case = ("all positions: a forward over the whole prompt (scoring, output_logits), with a float32 copy"
+                   if s.logits == "all" else
+                   "last position only: generate() passes logits_to_keep=1 and copies that row to float32")
+    p = Plan(spec, s, est, cards, why, logits_case)
+    p.findings.extend(plan_findings(p))
+    if solve:
+        p.changes.extend(ranked_changes(spec, s, gpus))
+    return p
+
+
+def check_context(spec: ModelSpec, s: Settings,
+                  beyond: str | None = " (a RoPE-scaled model may allow more: plan --context N)") -> None:
+    """Raise InvalidValue when ``prompt + new tokens`` exceeds the model's ``max_position_embeddings``; ``beyond``
+    ends the fix (how to plan past the config's context; None where that is not possible, e.g. a loaded model)."""
+    from vramguard.errors import InvalidValue
+    ctx, prompt, new = spec.max_position_embeddings, s.prompt_tokens, s.max_new_tokens
+    if s.total_tokens > ctx:
+        def tokens(n: int, kind: str = "") -> str:
+            return f"{n:,} {kind}token" + ("" if n == 1 else "s")
+        ways = []
+        if prompt < ctx:
+            ways.append(f"at most {tokens(ctx - prompt, 'new ')} with this prompt")
+        if new < ctx:
+            ways.append(f"a prompt of at most {tokens(ctx - new)} with {tokens(new, 'new ')}")
+        if not ways:
+            ways.append(f"prompt and new tokens together at most {ctx:,} (e.g. {ctx - ctx // 2:,} + {ctx // 2:,})")
+        raise InvalidValue("prompt + new tokens", f"{prompt:,} + {new:,} = {s.total_tokens:,}",
+                           f"at most the model's context, max_position_embeddings={ctx}",
+                           " or ".join(ways) + (beyond or ""))
