@@ -184,7 +184,7 @@ def test_a_request_that_fails_fails_alone(served):
 def test_a_request_beyond_the_budget_is_refused_with_the_numbers(tmp_path_factory):
     """The budget leaves room for a 64-token request of DeepSeek-V2 (MLA) and not for 5 + 400 tokens: 400
     kv_budget_exceeded naming the field and what always fits; the requests that fit are served."""
-    from vramguard.load import load_model
+    from vramguard.runtime.load import load_model
     from vramguard.serve.generate_engine import _bound
     from vramguard.serve.server import build
     from vramguard.settings import Settings

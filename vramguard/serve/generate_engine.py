@@ -13,7 +13,7 @@ phase's need grows with its length, so ``need(p, n) <= max(need(T - 1, 1), need(
 the prefill of ``p <= T - 1`` tokens is at most that of ``T - 1``, and each decode step at most the last one of a
 ``T``-token run. At start the engine finds the largest ``T`` (:attr:`GeneratePlan.pool_tokens`) whose bound fits the
 usable memory, so that such requests are admitted without planning; a longer one is planned on its own
-(:func:`vramguard.generate.preflight`: the plain dynamic cache, else chunked prefill, a static, quantized or
+(:func:`vramguard.run.generate.preflight`: the plain dynamic cache, else chunked prefill, a static, quantized or
 offloaded cache) and refused when no strategy fits. One request runs at a time, so the planned need is all the
 memory it gets and nothing else competes for it.
 
@@ -124,7 +124,7 @@ def plan_requests(spec, s, usable_bytes: int, context_length: int, source: str) 
         Infeasible: not even a request of two tokens (one prompt, one new) fits; the message has both numbers.
     """
     from vramguard.errors import Infeasible
-    from vramguard.solve import _largest
+    from vramguard.plan.solve import _largest
     top = max(context_length, 2)
     tokens = _largest(2, top, lambda t: _bound(spec, s, t), usable_bytes)
     if tokens is None:
@@ -268,10 +268,10 @@ class GenerateEngine(Engine):
         return self._orders[key]
 
     def _preflight(self, prompt_tokens: int, max_new_tokens: int, below: int | None = None) -> list | str:
-        """:func:`vramguard.generate.preflight` for one request: the strategies that fit (``below``: only those
+        """:func:`vramguard.run.generate.preflight` for one request: the strategies that fit (``below``: only those
         planned to need less than that), or the reason none does."""
         from vramguard.errors import Infeasible, NotPlannable
-        from vramguard.generate import preflight
+        from vramguard.run.generate import preflight
         s = self.settings.with_(prompt_tokens=prompt_tokens, max_new_tokens=max_new_tokens, batch=1)
         on_cuda = next(self.model.parameters()).is_cuda
         try:
@@ -378,7 +378,7 @@ class GenerateEngine(Engine):
         Raises:
             the error itself when it is a device fault, or after ``MAX_FAILURES_IN_A_ROW`` failed requests.
         """
-        from vramguard.generate import STRATEGIES
+        from vramguard.run.generate import STRATEGIES
         h = job.handle
         order = list(job.order) if job.order else [(STRATEGIES[0], None)]
         while True:
@@ -462,7 +462,7 @@ class GenerateEngine(Engine):
 
         import torch
 
-        from vramguard.load import sdpa_unpinned
+        from vramguard.runtime.load import sdpa_unpinned
         device = next(self.model.parameters()).device
         ids = torch.tensor([job.prompt + job.generated], device=device)
         remaining = job.handle.max_new_tokens - len(job.generated)

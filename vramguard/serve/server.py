@@ -310,7 +310,7 @@ def _generate_engine(model, tokenizer, spec, vram_budget: int | None, **kw):
     Raises:
         Infeasible: not even a two-token request fits. ConfigError: the model's generate failed on that request.
     """
-    from vramguard.generate import _attn_of, _quant_of
+    from vramguard.run.generate import _attn_of, _quant_of
     from vramguard.serve.generate_engine import GenerateEngine, plan_requests
     from vramguard.settings import Settings
     usable, source = _usable(vram_budget, model)
