@@ -30,7 +30,10 @@ def _largest(lo: int, hi: int, need: Callable[[int], int], usable: int) -> int |
     """Largest ``v`` in ``[lo, hi]`` with ``need(v) <= usable``, for a non-decreasing ``need``; None if none.
 
     Keeps a bracket ``need(a) <= usable < need(b)`` and tries the point where the straight line between its ends
-    crosses ``usable``; a step that leaves more than half of the bracket is followed by a bisection.
+    crosses ``usable`` (regula falsi). When the same end moves twice in a row, the other end's distance to
+    ``usable`` is halved for the next line (the Illinois rule), so a convex need (attention scores grow with the
+    square of the tokens) does not creep up from one side; two steps that each leave more than half of the bracket
+    are followed by a bisection, so plateaus and jumps cost at most about twice a bisection.
     """
     if hi < lo:
         return None
@@ -40,22 +43,33 @@ def _largest(lo: int, hi: int, need: Callable[[int], int], usable: int) -> int |
     f_hi = need(hi)
     if f_hi <= usable:
         return hi
-    a, b, fa, fb = lo, hi, f_lo, f_hi
-    bisect = False
+    a, b, ga, gb = lo, hi, float(f_lo - usable), float(f_hi - usable)  # ga <= 0 < gb
+    moved, slow = "", 0
     while b - a > 1:
-        if bisect or fb <= fa:
-            mid = (a + b) // 2
-        else:
-            mid = a + int((usable - fa) * (b - a) / (fb - fa))
-            mid = min(max(mid, a + 1), b - 1)
         width = b - a
-        f = need(mid)
-        if f <= usable:
-            a, fa = mid, f
+        if slow >= 2 or gb <= ga:
+            mid, slow = (a + b) // 2, 0
         else:
-            b, fb = mid, f
-        bisect = (b - a) * 2 > width and not bisect
+            mid = min(max(a + int(-ga * (b - a) / (gb - ga)), a + 1), b - 1)
+        g = need(mid) - usable
+        if g <= 0:
+            a, ga = mid, float(g)
+            gb = gb / 2 if moved == "a" else gb
+            moved = "a"
+        else:
+            b, gb = mid, float(g)
+            ga = ga / 2 if moved == "b" else ga
+            moved = "b"
+        slow = slow + 1 if (b - a) * 2 > width else 0
     return a
+
+
+def _linear_guess(x0: int, f0: int, x1: int, f1: int, usable: int, hi: int) -> int:
+    """Where the line through ``(x0, f0)`` and ``(x1, f1)`` crosses ``usable``, plus one, within ``[x1, hi]``
+    (``hi`` for a line that does not rise)."""
+    if f1 <= f0:
+        return hi
+    return min(max(x1 + (usable - f1) * (x1 - x0) // (f1 - f0) + 1, x1), hi)
 
 
 def max_prompt_tokens(spec: ModelSpec, s: Settings, usable_bytes: int) -> int | None:
@@ -71,15 +85,21 @@ def max_new_tokens(spec: ModelSpec, s: Settings, usable_bytes: int) -> int | Non
 
 
 def max_batch(spec: ModelSpec, s: Settings, usable_bytes: int) -> int | None:
-    """Largest batch that fits (doubling, then the bracketed search up to 65,536), or None when 1 does not."""
+    """Largest batch that fits (up to 65,536), or None when 1 does not. The need is nearly linear in the batch:
+    the line through batch 1 and 2 gives the first upper end of the bracket (doubled while it still fits), then
+    :func:`_largest` finds the exact boundary inside it."""
     def need(b: int) -> int:
         return _need(spec, _with(s, batch=b))
-    if need(1) > usable_bytes:
+    f1 = need(1)
+    if f1 > usable_bytes:
         return None
-    hi = 1
-    while hi < MAX_BATCH_SEARCH and need(hi * 2) <= usable_bytes:
-        hi *= 2
-    return _largest(hi, min(hi * 2 - 1, MAX_BATCH_SEARCH), need, usable_bytes)
+    f2 = need(2)
+    if f2 > usable_bytes:
+        return 1
+    lo, hi = 2, _linear_guess(1, f1, 2, f2, usable_bytes, MAX_BATCH_SEARCH)
+    while hi < MAX_BATCH_SEARCH and need(hi) <= usable_bytes:
+        lo, hi = hi, min(hi * 2, MAX_BATCH_SEARCH)
+    return _largest(lo, hi, need, usable_bytes)
 
 
 def _with(s: Settings, **changes) -> Settings:
