@@ -30,10 +30,7 @@ def _largest(lo: int, hi: int, need: Callable[[int], int], usable: int) -> int |
     """Largest ``v`` in ``[lo, hi]`` with ``need(v) <= usable``, for a non-decreasing ``need``; None if none.
 
     Keeps a bracket ``need(a) <= usable < need(b)`` and tries the point where the straight line between its ends
-    crosses ``usable`` (regula falsi). When the same end moves twice in a row, the other end's distance to
-    ``usable`` is halved for the next line (the Illinois rule), so a convex need (attention scores grow with the
-    square of the tokens) does not creep up from one side; two steps that each leave more than half of the bracket
-    are followed by a bisection, so plateaus and jumps cost at most about twice a bisection.
+    crosses ``usable``; a step that leaves more than half of the bracket is followed by a bisection.
     """
     if hi < lo:
         return None
@@ -43,24 +40,21 @@ def _largest(lo: int, hi: int, need: Callable[[int], int], usable: int) -> int |
     f_hi = need(hi)
     if f_hi <= usable:
         return hi
-    a, b, ga, gb = lo, hi, float(f_lo - usable), float(f_hi - usable)  # ga <= 0 < gb
-    moved, slow = "", 0
+    a, b, fa, fb = lo, hi, f_lo, f_hi
+    bisect = False
     while b - a > 1:
+        if bisect or fb <= fa:
+            mid = (a + b) // 2
+        else:
+            mid = a + int((usable - fa) * (b - a) / (fb - fa))
+            mid = min(max(mid, a + 1), b - 1)
         width = b - a
-        if slow >= 2 or gb <= ga:
-            mid, slow = (a + b) // 2, 0
+        f = need(mid)
+        if f <= usable:
+            a, fa = mid, f
         else:
-            mid = min(max(a + int(-ga * (b - a) / (gb - ga)), a + 1), b - 1)
-        g = need(mid) - usable
-        if g <= 0:
-            a, ga = mid, float(g)
-            gb = gb / 2 if moved == "a" else gb
-            moved = "a"
-        else:
-            b, gb = mid, float(g)
-            ga = ga / 2 if moved == "b" else ga
-            moved = "b"
-        slow = slow + 1 if (b - a) * 2 > width else 0
+            b, fb = mid, f
+        bisect = (b - a) * 2 > width and not bisect
     return a
 
 
