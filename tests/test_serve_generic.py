@@ -184,6 +184,7 @@ def test_a_request_that_fails_fails_alone(served):
 def test_a_request_beyond_the_budget_is_refused_with_the_numbers(tmp_path_factory):
     """The budget leaves room for a 64-token request of DeepSeek-V2 (MLA) and not for 5 + 400 tokens: 400
     kv_budget_exceeded naming the field and what always fits; the requests that fit are served."""
+    from vramguard.resolve import resolve_model
     from vramguard.runtime.load import load_model
     from vramguard.serve.generate_engine import _bound
     from vramguard.serve.server import build
@@ -191,9 +192,8 @@ def test_a_request_beyond_the_budget_is_refused_with_the_numbers(tmp_path_factor
     folder = _folder(tmp_path_factory, "deepseek_v2")
     loaded = load_model(str(folder), quant="fp32", verify=False)
     held = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
-    from vramguard.resolve import resolve_model
     usable = _bound(resolve_model(str(folder)), Settings(quant="fp32", attn="sdpa"), 64)
-    s = build(str(folder), loaded=loaded, vram_budget=held + usable, **BUILD)
+    s = build(str(folder), loaded=loaded, vram_budget=held + usable, engine_choice="generate", **BUILD)
     url = s.start_background()
     try:
         limit = s.pool.pool_tokens
@@ -202,7 +202,7 @@ def test_a_request_beyond_the_budget_is_refused_with_the_numbers(tmp_path_factor
         assert r.status_code == 400
         err = r.json()["error"]
         assert err["code"] == "kv_budget_exceeded" and err["param"] == "max_tokens"
-        assert f"3 prompt + 400 new tokens" in err["message"] and f"<= {limit:,}" in err["message"]
+        assert "3 prompt + 400 new tokens" in err["message"] and f"<= {limit:,}" in err["message"]
         assert _complete(url, max_tokens=limit - 3).status_code == 200
     finally:
         s.stop()
