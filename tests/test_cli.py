@@ -209,7 +209,7 @@ def test_80_columns_no_wrapped_card_rows_and_no_trailing_spaces(args):
 def test_top_level_help_is_not_cut_and_version_is_printed():
     lines = _lines("--help")
     commands = lines[lines.index("Commands:") + 1:]
-    assert len([c for c in commands if c.strip()]) == 8
+    assert len([c for c in commands if c.strip()]) == 9  # plan check oom-log explain profile fit run serve export
     assert not any(line.rstrip().endswith("...") for line in commands)
     import vramguard
     assert _lines("--version")[0].startswith(f"vramguard {vramguard.__version__} (torch ")

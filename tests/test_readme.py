@@ -11,7 +11,20 @@ README = (ROOT / "README.md").read_text()
 
 def test_the_two_setup_commands_come_first():
     first = re.search(r"```bash\n(.*?)```", README, re.S).group(1).splitlines()
-    assert first == ['pip install . && vramguard plan', 'pip install torch==2.13.0 -e ".[test]" && python -m pytest -q']
+    assert first == ['pip install . && vramguard plan meta-llama/Llama-3.1-8B-Instruct',
+                     'pip install torch==2.13.0 -e ".[test]" && python -m pytest -q']
+
+
+def test_the_first_command_plans_a_hub_id_with_no_network(tmp_path):
+    """The id is in the catalog: planned offline, with no Hugging Face cache and HF_HUB_OFFLINE unset (an
+    unreachable HF_ENDPOINT, so that any request would fail)."""
+    import os
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    env.update(HF_HOME=str(tmp_path), HF_ENDPOINT="http://127.0.0.1:9")
+    r = subprocess.run([sys.executable, "-m", "vramguard", "plan", "meta-llama/Llama-3.1-8B-Instruct"],
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stderr
+    assert "meta-llama/Llama-3.1-8B-Instruct" in r.stdout and "catalog" in r.stdout and "NF4" in r.stdout
 
 
 def test_one_example_per_command_and_the_sections_a_user_needs():

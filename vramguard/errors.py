@@ -38,6 +38,15 @@ class UnknownModel(VramguardError):
     exit_code = 3
 
 
+class HubError(UnknownModel):
+    """The Hugging Face Hub (or its local cache) could not give the model's metadata: ``accepted`` says what
+    happened (gated, not found, no network), ``fix`` what to do."""
+
+    def render(self, field: str | None = None) -> str:
+        msg = f"{field or self.field}: {self.value!r}: {self.accepted}."
+        return msg + (f"\nfix: {self.fix}" if self.fix else "")
+
+
 class UnknownGpu(VramguardError):
     """The GPU name is not in the catalog."""
 

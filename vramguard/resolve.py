@@ -1,9 +1,10 @@
-"""Turning the MODEL argument into a :class:`~vramguard.spec.ModelSpec`, offline.
+"""Turning the MODEL argument into a :class:`~vramguard.spec.ModelSpec`.
 
-Accepted, in this order: a local model folder (with config.json), a path to a config.json, a catalog name
-(``llama-2-7b``; :data:`vramguard.catalog.models.MODELS`), or a model id already in the local Hugging Face cache
-(``meta-llama/Llama-2-7b-chat-hf``), looked up with ``huggingface_hub.try_to_load_from_cache`` which never
-touches the network.
+Accepted, in this order: a local model folder (with config.json; its safetensors headers are read), a path to a
+config.json, a catalog name (``llama-2-7b``; :data:`vramguard.catalog.models.MODELS`), then a Hub model id
+(``meta-llama/Llama-3.1-8B-Instruct``): without a revision, the local Hugging Face cache
+(``huggingface_hub.try_to_load_from_cache``, no network), else the catalog entry copied from that repository
+(offline), else the Hub itself (:mod:`vramguard.hub`: config files and safetensors headers, no weights).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from vramguard.errors import ConfigError, UnknownModel
 from vramguard.spec import ModelSpec, spec_from_config
 
 ACCEPTED_MODEL_FORMS = ("a local model folder, a config.json path, a catalog name (vramguard plan --list-models), "
-                        "or a model id in the local Hugging Face cache")
+                        "or a Hugging Face Hub model id")
 
 
 def _read_json(path: Path, field: str) -> dict:
@@ -39,6 +40,12 @@ def catalog_name(name: str) -> str | None:
     key = name.strip().lower()
     key = ALIASES.get(key, key)
     return key if key in MODELS else None
+
+
+def catalog_for_repo_id(model: str) -> str | None:
+    """The catalog key whose entry was copied from Hub repository ``model`` (case-insensitive), or None."""
+    want = model.strip().lower()
+    return next((k for k, v in MODELS.items() if str(v.get("source", "")).lower() == want), None)
 
 
 def _bare_name(model: str) -> str:
@@ -74,39 +81,64 @@ def _from_hf_cache(model_id: str) -> Path | None:
     return Path(hit) if isinstance(hit, str) and os.path.isfile(hit) else None
 
 
-def resolve_model(model: str) -> ModelSpec:
-    """A ModelSpec for ``model`` (see the module docstring for the accepted forms).
+def _catalog_spec(key: str, given: str | None = None) -> ModelSpec:
+    cfg = {k: v for k, v in MODELS[key].items() if k != "source"}
+    spec = spec_from_config(cfg, name=given or key, source=f"catalog ({MODELS[key]['source']})")
+    if given is None:
+        return spec
+    from dataclasses import replace
+    note = (f"the catalog's copy of {given}'s config.json (no network); with a revision (main) the Hub's is "
+            "read, with its safetensors headers")
+    return replace(spec, notes=spec.notes + (note,))
+
+
+def resolve_model(model: str, revision: str | None = None) -> ModelSpec:
+    """A ModelSpec for ``model`` (see the module docstring for the accepted forms); ``revision`` (a branch, tag
+    or commit) reads a Hub id from the Hub at that revision.
 
     Raises:
         UnknownModel: none of the accepted forms matches.
+        HubError: a Hub id the Hub or the cache cannot give (gated, not found, no network).
         ConfigError: the config exists but cannot be planned (missing fields, unsupported family).
     """
+    from vramguard.hub import hub_spec, looks_like_repo_id, with_local_checkpoint
     p = Path(model).expanduser()
     if p.is_dir():
         cfg_path = p / "config.json"
         if not cfg_path.is_file():
             raise UnknownModel("MODEL", model, "a folder holding config.json", f"{p} has no config.json")
-        return spec_from_config(_read_json(cfg_path, "MODEL"), name=str(p), source=str(p))
+        return with_local_checkpoint(spec_from_config(_read_json(cfg_path, "MODEL"), name=str(p), source=str(p)), p)
     if p.is_file():
-        return spec_from_config(_read_json(p, "MODEL"), name=str(p), source=str(p))
+        return with_local_checkpoint(spec_from_config(_read_json(p, "MODEL"), name=str(p), source=str(p)), p.parent)
     key = catalog_name(model)
-    if key:
-        cfg = {k: v for k, v in MODELS[key].items() if k != "source"}
-        return spec_from_config(cfg, name=key, source=f"catalog ({MODELS[key]['source']})")
-    if "/" in model and not model.startswith((".", "/")):
-        hit = _from_hf_cache(model)
-        if hit:
-            return spec_from_config(_read_json(hit, "MODEL"), name=model, source=f"hf-cache:{hit.parent}")
+    if key and revision is None:
+        return _catalog_spec(key)
+    if looks_like_repo_id(model) and not model.startswith((".", "/", "~")):
+        from vramguard.hub.fetch import from_cache
+        cached = from_cache(model, "main") if revision is None else None
+        if cached is None and revision is None and catalog_for_repo_id(model):
+            return _catalog_spec(catalog_for_repo_id(model), model)
+        from vramguard.errors import HubError
+        try:
+            return hub_spec(model, revision, cached)
+        except HubError as e:
+            hint = _catalog_hint(model)
+            if hint and e.field == "MODEL":
+                raise HubError(e.field, e.value, e.accepted, f"{e.fix}; or plan a catalog name: {hint}") from None
+            raise
     if model.startswith((".", "/", "~")) or model.endswith(".json"):
         raise UnknownModel("MODEL", model, ACCEPTED_MODEL_FORMS, f"no such file or folder: {p}")
+    raise UnknownModel("MODEL", model, ACCEPTED_MODEL_FORMS, "pass a Hub id (owner/name), a model folder, or a "
+                       "catalog name: " + (_catalog_hint(model) or "vramguard plan --list-models"))
+
+
+def _catalog_hint(model: str) -> str | None:
+    """``llama-3.1-8b is this architecture`` / ``... is the closest (...)`` for a name near a catalog entry."""
     near = closest_catalog_name(model)
-    same = near is not None and _bare_name(model) in (near, *[a for a, k in ALIASES.items() if k == near])
-    raise UnknownModel("MODEL", model, ACCEPTED_MODEL_FORMS,
-                       "download its config.json (all that plan needs; e.g. huggingface-cli download "
-                       f"{model} config.json), pass its folder, or use a catalog name: "
-                       + (f"{near} is this architecture" if same else
-                          f"{near} is the closest (check that its shapes are your model's)" if near
-                          else "vramguard plan --list-models"))
+    if near is None:
+        return None
+    same = _bare_name(model) in (near, *[a for a, k in ALIASES.items() if k == near])
+    return f"{near} is this architecture" if same else f"{near} is the closest (check that its shapes are your model's)"
 
 
 def model_folder(model: str) -> Path | None:

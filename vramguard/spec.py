@@ -78,6 +78,9 @@ class ModelSpec:
         generic: memory comes from transformers itself (:mod:`vramguard.introspect`), not a hand-written model;
             the size fields above are then the text config's, for display and the serving pool.
         config_json: the config.json as given (canonical JSON text), for the generic path and agreement tests.
+        checkpoint: what the checkpoint stores, from its safetensors headers
+            (:class:`vramguard.hub.headers.CheckpointHeaders`), None when not read; a pre-quantized checkpoint's
+            weights are planned from it (:mod:`vramguard.hub.prequant`).
     """
 
     name: str
@@ -113,6 +116,7 @@ class ModelSpec:
     notes: tuple[str, ...] = field(default=())
     generic: bool = False
     config_json: str | None = field(default=None, repr=False, compare=False)
+    checkpoint: Any = field(default=None, repr=False, compare=False)  # vramguard.hub.headers.CheckpointHeaders
 
     @property
     def gqa_groups(self) -> int:

@@ -39,7 +39,7 @@ class CheckReport:
 def check(model: str | None = None, settings: Settings | None = None, *, dtype: str | None = None,
           compute_dtype: str | None = None, device_map: str | None = None, gpu: str | None = None,
           verify: bool = True, env: Env | None = None, unquantized: bool = False,
-          loader_defaults: bool = False) -> CheckReport:
+          loader_defaults: bool = False, revision: str | None = None) -> CheckReport:
     """Check the environment and the settings a model will be loaded with.
 
     Args:
@@ -55,6 +55,7 @@ def check(model: str | None = None, settings: Settings | None = None, *, dtype: 
         loader_defaults: ``dtype`` and ``compute_dtype`` left unset take what :func:`vramguard.runtime.load.load_model`
             (and so ``run`` and ``serve``) passes: bf16 where the card supports it, else fp16; False checks
             plain transformers' and bitsandbytes' defaults instead.
+        revision: the Hub revision of a Hub id (read from the Hub: config and safetensors headers, no weights).
 
     Raises:
         UnknownModel, ConfigError, UnknownGpu: the model or the card cannot be read.
@@ -71,9 +72,11 @@ def check(model: str | None = None, settings: Settings | None = None, *, dtype: 
     s = settings or Settings(attn="sdpa")
     card = gpu_from_catalog(gpu) if gpu else (env.gpus[0] if env.gpus else None)
     source = "named with --gpu (catalog)" if gpu else ("detected by NVML" if card else "")
-    spec = resolve_model(model) if model else None
-    folder = model_folder(model) if model else None
-    ckpt = read_checkpoint(folder) if folder else (
+    spec = resolve_model(model, revision) if model else None
+    folder = model_folder(model) if model and revision is None else None
+    from vramguard.hub import checkpoint_info
+    hub_ckpt = checkpoint_info(spec) if spec is not None and folder is None else None
+    ckpt = read_checkpoint(folder) if folder else hub_ckpt or (
         CheckpointInfo("", (), None, None, spec.checkpoint_dtype, False) if spec else None)
     if loader_defaults and not unquantized and (dtype is None or compute_dtype is None):
         from vramguard.runtime.load import choose_dtypes
@@ -93,9 +96,13 @@ def check(model: str | None = None, settings: Settings | None = None, *, dtype: 
                 compute_dtype=compute if s.is_4bit else None)
     findings = environment_findings(env, card, source)
     findings += runtime_findings(env, card, s, spec, param_dtype, why)
-    findings += model_findings(spec, ckpt if folder else None, s, env, param_dtype, why, card,
+    findings += model_findings(spec, ckpt if folder or hub_ckpt else None, s, env, param_dtype, why, card,
                                dtype_passed=dtype not in (None, "auto"))  # auto: as stored
     findings += _attention_support_findings(spec, s)
+    if hub_ckpt is not None:
+        from vramguard.hub import fetched_line
+        findings.append(CheckFinding("checkpoint_read", "info", f"{spec.checkpoint.format}, "
+                                     f"{len(spec.checkpoint.files)} file(s)", fetched_line(spec) or spec.source))
     if why_c:
         findings = [CheckFinding(f.name, f.status, f.value, f.reason + why_c, f.fix) if f.name == "compute_dtype"
                     else f for f in findings]
@@ -158,7 +165,8 @@ def _placement_finding(model, spec, s, card, env) -> CheckFinding:
         cfg = dict(MODELS[key])
     else:
         folder = model_folder(model)
-        cfg = json.loads((folder / "config.json").read_text()) if folder else {}
+        cfg = json.loads((folder / "config.json").read_text()) if folder else (
+            json.loads(spec.config_json) if spec.config_json else {})
     try:
         pl = auto_placement(cfg, s, card.total_bytes - card.used_by_others_bytes, env.ram_available_bytes or 0)
     except Exception as e:  # accelerate cannot build this config: say so instead of guessing

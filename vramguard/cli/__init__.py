@@ -15,6 +15,7 @@ import typer
 
 from vramguard.cli import check as _check
 from vramguard.cli import explain as _explain
+from vramguard.cli import export as _export
 from vramguard.cli import plan as _plan
 from vramguard.cli import profile as _profile
 from vramguard.cli import run as _run
@@ -64,6 +65,7 @@ COMMANDS = (
     ("fit", _profile.fit, "Real runs: the largest prompt/new tokens/batch that fits."),
     ("run", _run.run, "Generate text without running out of memory."),
     ("serve", _serve.serve, "Serve an OpenAI-compatible API with admission control."),
+    ("export", _export.export, "Write a vLLM deployment: command, Ray Serve, KServe, k8s."),
 )
 SHORT_HELP = {name: short for name, _, short in COMMANDS}
 for _name, _fn, _short in COMMANDS:

@@ -9,14 +9,15 @@ import typer
 
 from vramguard.cli.common import run_guarded, write_json
 from vramguard.cli.options import (Attn, CheckQuant, Dtype, DtypeArg, Format, SdpaKernel, attn_option, batch_option,
-                                   format_option, max_new_tokens_option, prompt_tokens_option)
+                                   format_option, max_new_tokens_option, prompt_tokens_option, revision_option)
 from vramguard.errors import InvalidValue
 from vramguard.cli.render import console
 
 
 def check(
     model: Optional[str] = typer.Argument(None, metavar="MODEL",
-                                 help="model folder, config.json, catalog name or cached model id"),
+                                 help="model folder, config.json, catalog name or Hub id (owner/name)"),
+    revision: Optional[str] = revision_option(),
     quant: CheckQuant = typer.Option(CheckQuant['nf4'], help="weight format; none: no quantization config, the "
                                      "dtype then decides"),
     double_quant: bool = typer.Option(True, "--double-quant/--no-double-quant", help="4-bit double quantization"),
@@ -58,7 +59,7 @@ def check(
         return check_fn(model, s, dtype=dtype.value if dtype else None,
                         compute_dtype=compute_dtype.value if compute_dtype else None, device_map=device_map,
                         gpu=gpu, verify=verify, unquantized=quant == CheckQuant['none'],
-                        loader_defaults=not transformers_defaults)
+                        loader_defaults=not transformers_defaults, revision=revision)
 
     r = run_guarded(build, as_json=fmt == Format['json'])
     if fmt == Format['json']:

@@ -36,7 +36,8 @@ FIELD_FLAGS = {"batch": "--batch", "num_beams": "--num-beams", "num_return_seque
                "top_k": "--top-k", "max_queue": "--max-queue", "max_running": "--max-running",
                "max_batch_tokens": "--max-batch-tokens", "page_size": "--page-size", "n_max": "--n-max",
                "default_max_tokens": "--default-max-tokens", "max_kv_blocks": "--max-kv-blocks", "gpus": "--gpus",
-               "vram_budget": "--vram-budget", "port": "--port", "host": "--host", "model": "MODEL"}
+               "vram_budget": "--vram-budget", "port": "--port", "host": "--host", "model": "MODEL",
+               "revision": "--revision"}
 
 
 def say(text: str) -> None:

@@ -11,7 +11,7 @@ import typer
 
 from vramguard.cli.common import run_guarded, say, write_json
 from vramguard.cli.options import (Attn, Format, Quant, attn_option, batch_option, format_option, max_new_tokens_option,
-                                   prompt_tokens_option, quant_option)
+                                   prompt_tokens_option, quant_option, revision_option, say_fetched)
 from vramguard.cli.render import console
 
 
@@ -49,6 +49,7 @@ def read_message(message: str | None, stdin=None) -> str:
 def explain(
     message: Optional[str] = typer.Argument(None, help="the OOM message, or - to read it from stdin"),
     model: Optional[str] = typer.Option(None, help="the model that ran, to name the allocation that failed"),
+    revision: Optional[str] = revision_option(),
     quant: Quant = quant_option("its weight format"),
     attn: Attn = attn_option("its attn_implementation"),
     batch: int = batch_option("its batch"),
@@ -68,7 +69,9 @@ def explain(
         if model:
             from vramguard.resolve import resolve_model
             from vramguard.settings import Settings
-            cands = plan_candidates(resolve_model(model), Settings(quant=quant.value, attn=attn.value, batch=batch,
+            spec = resolve_model(model, revision)
+            say_fetched(spec)
+            cands = plan_candidates(spec, Settings(quant=quant.value, attn=attn.value, batch=batch,
                                                                    prompt_tokens=prompt_tokens,
                                                                    max_new_tokens=max_new_tokens))
         return explain_fn(text, os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), cands)

@@ -54,6 +54,20 @@ def max_new_tokens_option(text: str = "tokens to generate"):
     return typer.Option(DEFAULT_MAX_NEW_TOKENS, help=text)
 
 
+def revision_option():
+    return typer.Option(None, help="Hub revision (branch, tag or commit) of a Hub id: read it from the Hub "
+                                   "(config and safetensors headers, no weights)")
+
+
+def say_fetched(spec) -> None:
+    """On stderr, what was read to plan a Hub model and how many bytes (nothing for other models)."""
+    from vramguard.cli.common import say
+    from vramguard.hub import fetched_line
+    line = fetched_line(spec)
+    if line:
+        say(line)
+
+
 def format_option(text: str = "human or json"):
     return typer.Option(Format['human'], "--format", help=text)
 

@@ -6,15 +6,18 @@ from typing import Optional
 
 import typer
 
+from vramguard.cli import engine as eng
 from vramguard.cli.common import run_guarded, say, write_json
 from vramguard.cli.options import (Attn, Cache, Dtype, Format, KvDtype, Logits, Quant, batch_option, format_option,
-                                   max_new_tokens_option, prompt_tokens_option, quant_option)
+                                   max_new_tokens_option, prompt_tokens_option, quant_option, revision_option,
+                                   say_fetched)
 from vramguard.cli.render import console
 
 
 def plan(
     model: str = typer.Argument("llama-2-7b", metavar="MODEL",
-                                 help="model folder, config.json, catalog name or cached model id"),
+                                 help="model folder, config.json, catalog name or Hub id (owner/name)"),
+    revision: Optional[str] = revision_option(),
     quant: Quant = quant_option(),
     double_quant: bool = typer.Option(True, "--double-quant/--no-double-quant", help="4-bit double quantization"),
     compute_dtype: Optional[Dtype] = typer.Option(None, help="4-bit compute dtype (default: the model dtype)"),
@@ -40,8 +43,21 @@ def plan(
     list_models: bool = typer.Option(False, "--list-models", help="list the catalog architectures and exit"),
     list_gpus: bool = typer.Option(False, "--list-gpus", help="list the catalog cards and exit"),
     exit_code: bool = typer.Option(False, "--exit-code", help="exit 1 when the run fits none of the cards"),
+    engine: eng.Engine = eng.engine_option(), tp: int = eng.tp_option(), pp: int = eng.pp_option(),
+    gpu_memory_utilization: float = eng.util_option(), max_model_len: Optional[int] = eng.max_model_len_option(),
+    kv_cache_dtype: eng.KvCacheDtype = eng.kv_cache_dtype_option(),
+    max_num_seqs: Optional[int] = eng.max_num_seqs_option(),
+    max_num_batched_tokens: Optional[int] = eng.max_num_batched_tokens_option(),
 ) -> None:
     """Predict memory by component, say whether it fits, solve for what fits, and rank the fixes."""
+    if engine == eng.Engine['vllm'] and not (list_models or list_gpus):
+        a = eng.EngineArgs(tp, pp, gpu_memory_utilization, max_model_len, kv_cache_dtype.value, max_num_seqs,
+                           max_num_batched_tokens, dtype.value if dtype else None)
+        plans = run_guarded(eng.build_plans, model, gpu, vram, a, as_json=fmt == Format['json'])
+        eng.print_plans(plans, model, fmt == Format['json'])
+        if exit_code and not any(p.starts for p in plans):
+            raise typer.Exit(1)
+        return
     from vramguard.plan import plan as plan_fn
     from vramguard.cli.render import plan_to_json, print_plan
     from vramguard.settings import Settings
@@ -66,7 +82,10 @@ def plan(
                      num_beams=num_beams, num_return_sequences=num_return_sequences, prompt_tokens=prompt_tokens,
                      max_new_tokens=max_new_tokens, prefill_chunk=prefill_chunk, logits=logits.value,
                      output_attentions=output_attentions, padded=padded, do_sample=do_sample)
-        return plan_fn(model, s, gpu=gpu, vram=vram, context=context)
+        from vramguard.resolve import resolve_model
+        spec = resolve_model(model, revision)
+        say_fetched(spec)
+        return plan_fn(spec, s, gpu=gpu, vram=vram, context=context)
 
     p = run_guarded(build, as_json=fmt == Format['json'])
     if fmt == Format['json']:

@@ -17,7 +17,7 @@ from vramguard.units import fmt_bytes, fmt_tokens, plural
 
 LABELS = {
     "weights": "weights (quantized linears, 16-bit embeddings, lm_head, norms)",
-    "quant_state": "quantization state (absmax, codes)",
+    "quant_state": "quantization state (absmax, codes; scales, zero points)",
     "kv_cache": "KV cache",
     "attention": "attention workspace (scores, softmax, masks, repeat_kv)",
     "activations": "activations (hidden states, MLP, norms, rotary)",
@@ -107,6 +107,8 @@ def _n(v: int | None) -> str:
 def to_jsonable(obj: Any) -> Any:
     """Dataclasses, tuples and dicts to JSON-ready values; ints stay ints, None stays null."""
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        if callable(getattr(obj, "to_json", None)):  # a summary in place of every field (checkpoint headers)
+            return obj.to_json()
         out = {f.name: to_jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
         for prop in ("total_bytes",):
             if hasattr(obj, prop) and prop not in out:

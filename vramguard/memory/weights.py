@@ -159,8 +159,14 @@ def weight_bytes(spec: ModelSpec, s: Settings) -> WeightBytes:
 
     transformers 5 stores MoE experts as fused 3-D parameters, which bitsandbytes does not convert: they stay in
     ``s.act_dtype`` (``integrations/bitsandbytes.py::replace_with_bnb_linear`` swaps ``nn.Linear`` only). A
-    generic spec answers from transformers itself (:func:`vramguard.introspect.generic.weight_bytes`).
+    generic spec answers from transformers itself (:func:`vramguard.introspect.generic.weight_bytes`); a
+    pre-quantized checkpoint whose headers were read, from what it stores
+    (:func:`vramguard.hub.prequant.prequantized_weight_bytes`).
     """
+    if getattr(spec, "checkpoint", None) is not None and spec.prequantized:
+        from vramguard.hub.prequant import prequantized_weight_bytes, uses_headers
+        if uses_headers(spec):  # a pre-quantized checkpoint: what it stores is the truth
+            return prequantized_weight_bytes(spec, s)
     if spec.generic:
         from vramguard.introspect.generic import weight_bytes as generic_weights
         return generic_weights(spec, s)

@@ -82,6 +82,9 @@ def load_plan_or_none(spec: ModelSpec, s: Settings):
     transformers (not installed, or a spec without its config.json)."""
     if not spec.config_json:
         return None
+    from vramguard.hub.prequant import uses_headers
+    if uses_headers(spec):  # a pre-quantized checkpoint: transformers' meta model is not what it loads
+        return None
     try:
         import transformers  # noqa: F401
     except ImportError:

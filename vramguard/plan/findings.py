@@ -151,8 +151,12 @@ def _memory_findings(p: Plan, out: list) -> None:
                            "plan with the weights in 16-bit in mind (a larger card, several GPUs), or use a "
                            "checkpoint quantized with a method that converts 3-D expert weights", dense))
     if spec.prequantized and s.is_bnb and spec.prequantized != "bitsandbytes":
-        out.append(Finding("prequantized", "warn", f"the checkpoint is already quantized ({spec.prequantized}); "
-                           f"--quant {s.quant} does not apply to it", "plan with the checkpoint's own format"))
+        from vramguard.hub.prequant import uses_headers
+        own = uses_headers(spec)  # the weights are then the checkpoint's own tensors already
+        out.append(Finding("prequantized", "info" if own else "warn", f"the checkpoint is already quantized "
+                           f"({spec.prequantized}); --quant {s.quant} does not apply to it"
+                           + ("; its weights are planned from its headers" if own else ""),
+                           None if own else "plan with the checkpoint's own format"))
     if spec.sliding_window and spec.num_sliding_layers:
         out.append(Finding("sliding_window", "info", f"{spec.num_sliding_layers} of {spec.num_layers} layers attend "
                            f"to a window of {spec.sliding_window:,} tokens; their KV cache stops growing there"))

@@ -63,6 +63,8 @@ def plan(model: str | ModelSpec, settings: Settings | None = None, *, gpu: str |
         gpus, why = resolve_gpus(gpu, vram)
     else:
         why = "given"
+    from vramguard.hub import for_cards
+    spec = for_cards(spec, gpus)  # the card decides how a pre-quantized checkpoint loads
     est = estimate(spec, s)
     cards = [verdict(est, g) for g in gpus]
     if solve:
@@ -72,6 +74,8 @@ def plan(model: str | ModelSpec, settings: Settings | None = None, *, gpu: str |
                    "last position only: generate() passes logits_to_keep=1 and copies that row to float32")
     p = Plan(spec, s, est, cards, why, logits_case)
     p.findings.extend(plan_findings(p))
+    from vramguard.hub.prequant import prequant_findings
+    p.findings.extend(prequant_findings(p))
     if solve:
         p.changes.extend(ranked_changes(spec, s, gpus))
     return p

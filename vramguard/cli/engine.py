@@ -1,0 +1,111 @@
+"""``vramguard plan --engine vllm`` and ``vramguard export``: the options of vLLM's engine arguments (defined once,
+shared by both commands) and the step from them to a :class:`~vramguard.engines.vllm.VllmPlan`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+import typer
+
+from vramguard.cli.common import FIELD_FLAGS, say
+
+Engine = Enum("Engine", {"transformers": "transformers", "vllm": "vllm"}, type=str)
+KvCacheDtype = Enum("KvCacheDtype", {v: v for v in ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")}, type=str)
+
+FIELD_FLAGS.update({"tensor_parallel_size": "--tp", "pipeline_parallel_size": "--pp",
+                    "gpu_memory_utilization": "--gpu-memory-utilization", "max_model_len": "--max-model-len",
+                    "max_num_seqs": "--max-num-seqs", "max_num_batched_tokens": "--max-num-batched-tokens",
+                    "kv_cache_dtype": "--kv-cache-dtype", "replicas": "--replicas",
+                    "kv_offloading_size_bytes": "--kv-offload"})
+
+_DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+def engine_option():
+    return typer.Option(Engine['transformers'], help="transformers: this process; vllm: vLLM's own memory model "
+                        "(flags, KV cache tokens and concurrency it logs at start)")
+
+
+def tp_option():
+    return typer.Option(1, "--tp", help="vLLM tensor_parallel_size (GPUs per pipeline stage)")
+
+
+def pp_option():
+    return typer.Option(1, "--pp", help="vLLM pipeline_parallel_size (stages)")
+
+
+def util_option():
+    return typer.Option(0.9, "--gpu-memory-utilization", help="vLLM: the fraction of each GPU vLLM may use")
+
+
+def max_model_len_option():
+    return typer.Option(None, "--max-model-len", help="vLLM: tokens per request (default: the model's context)")
+
+
+def kv_cache_dtype_option():
+    return typer.Option(KvCacheDtype['auto'], "--kv-cache-dtype", help="vLLM KV cache type (fp8: one byte)")
+
+
+def max_num_seqs_option():
+    return typer.Option(None, "--max-num-seqs", help="vLLM: requests per step (default: vLLM's for the card)")
+
+
+def max_num_batched_tokens_option():
+    return typer.Option(None, "--max-num-batched-tokens", help="vLLM: tokens per step (default: vLLM's for the "
+                        "card)")
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """The vLLM options as the CLI got them."""
+
+    tp: int = 1
+    pp: int = 1
+    gpu_memory_utilization: float = 0.9
+    max_model_len: int | None = None
+    kv_cache_dtype: str = "auto"
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    dtype: str | None = None
+    kv_offload: str | None = None
+
+
+def model_ref(model: str) -> str:
+    """What ``vllm serve`` should load: the Hugging Face id of a catalog name, else MODEL as given."""
+    from vramguard.catalog.models import MODELS
+    from vramguard.resolve import catalog_name
+    key = catalog_name(model)
+    return str(MODELS[key]["source"]) if key else model
+
+
+def build_plans(model: str, gpu: str | None, vram: str | None, a: EngineArgs):
+    """One vLLM plan per card (``--gpu``, ``--vram``, the detected GPU, or the default sizes)."""
+    from vramguard.engines.vllm import VllmSettings, plan_vllm
+    from vramguard.hardware import resolve_gpus
+    from vramguard.resolve import resolve_model
+    from vramguard.units import parse_size
+    spec = resolve_model(model)
+    cards, why = resolve_gpus(gpu, vram)
+    say(f"cards: {why}")
+    offload = parse_size(a.kv_offload, "kv_offloading_size_bytes", "16GiB") if a.kv_offload else 0
+    s = VllmSettings(tensor_parallel_size=a.tp, pipeline_parallel_size=a.pp,
+                     gpu_memory_utilization=a.gpu_memory_utilization, max_model_len=a.max_model_len,
+                     kv_cache_dtype=a.kv_cache_dtype, max_num_seqs=a.max_num_seqs,
+                     max_num_batched_tokens=a.max_num_batched_tokens,
+                     dtype=_DTYPE_NAMES.get(a.dtype, "auto") if a.dtype else "auto", kv_offloading_size_bytes=offload)
+    return [plan_vllm(spec, card, s) for card in cards]
+
+
+def print_plans(plans, model: str, as_json: bool) -> None:
+    from vramguard.cli.common import write_json
+    from vramguard.engines.vllm_text import plan_lines, plan_to_json
+    ref = model_ref(model)
+    if as_json:
+        data = [plan_to_json(p, ref) for p in plans]
+        write_json(data[0] if len(data) == 1 else data)
+        return
+    for i, p in enumerate(plans):
+        if i:
+            print()
+        print("\n".join(plan_lines(p, ref)))

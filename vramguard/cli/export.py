@@ -1,0 +1,78 @@
+"""``vramguard export``: the deployment of a model on vLLM, from the same plan as ``plan --engine vllm``
+(over :func:`vramguard.export.export`)."""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Optional
+
+import typer
+
+from vramguard.cli import engine as eng
+from vramguard.cli.common import run_guarded, say
+from vramguard.cli.options import Dtype
+
+Target = Enum("Target", {t: t for t in ("vllm", "ray-serve", "kserve", "kubernetes")}, type=str)
+OutFormat = Enum("OutFormat", {"yaml": "yaml", "json": "json"}, type=str)
+
+
+def export(
+    model: str = typer.Argument(..., metavar="MODEL", help="model folder, config.json, catalog name or cached model id"),
+    to: Target = typer.Option(..., "--to", help="vllm (a command line), ray-serve, kserve or kubernetes"),
+    replicas: int = typer.Option(1, "--replicas", help="copies of the server (each with tp x pp GPUs)"),
+    gpu: Optional[str] = typer.Option(None, help="a catalog card (see vramguard plan --list-gpus)"),
+    vram: Optional[str] = typer.Option(None, help="card memory, e.g. 80GiB"),
+    tp: int = eng.tp_option(), pp: int = eng.pp_option(), gpu_memory_utilization: float = eng.util_option(),
+    max_model_len: Optional[int] = eng.max_model_len_option(),
+    kv_cache_dtype: eng.KvCacheDtype = eng.kv_cache_dtype_option(),
+    max_num_seqs: Optional[int] = eng.max_num_seqs_option(),
+    max_num_batched_tokens: Optional[int] = eng.max_num_batched_tokens_option(),
+    dtype: Optional[Dtype] = typer.Option(None, help="model dtype (default: the checkpoint's, as vLLM's auto)"),
+    kv_offload: Optional[str] = typer.Option(None, "--kv-offload", help="host memory for KV offloaded to the CPU, "
+                                             "e.g. 16GiB (vLLM --kv-offloading-size; added to the pod's memory)"),
+    fmt: OutFormat = typer.Option(OutFormat['yaml'], "--format", help="yaml or json (ray-serve, kserve, kubernetes)"),
+) -> None:
+    """Write a vLLM deployment (command, Ray Serve LLM, KServe or Kubernetes) with the planned flags."""
+    a = eng.EngineArgs(tp, pp, gpu_memory_utilization, max_model_len, kv_cache_dtype.value, max_num_seqs,
+                       max_num_batched_tokens, dtype.value if dtype else None, kv_offload)
+    out = run_guarded(_build, model, gpu, vram, a, to.value, replicas, as_json=fmt == OutFormat['json'])
+    if isinstance(out, str):
+        print(out)
+        return
+    import json
+    if fmt == OutFormat['json']:
+        print(json.dumps(out, indent=2))
+    else:
+        print(to_yaml(out))
+
+
+def to_yaml(data) -> str:
+    """YAML text of one document or a list of documents (``---`` between them), without anchors or aliases."""
+    import yaml
+
+    class _NoAliases(yaml.SafeDumper):
+        def ignore_aliases(self, data):  # labels shared by selector and template are written out twice
+            return True
+
+    docs = data if isinstance(data, list) else [data]
+    return yaml.dump_all(docs, Dumper=_NoAliases, sort_keys=False, width=120).rstrip()
+
+
+def _build(model, gpu, vram, a, to, replicas):
+    from vramguard.errors import Infeasible, InvalidValue
+    from vramguard.export import export as export_fn
+    plans = eng.build_plans(model, gpu, vram, a)
+    if len(plans) != 1:
+        raise InvalidValue("--gpu/--vram", "none", "one card", "name the card the deployment runs on, e.g. --gpu "
+                           "h100 or --vram 80GiB")
+    p = plans[0]
+    if p.refusal:
+        field, value, ok = ("gpu_memory_utilization", p.settings.gpu_memory_utilization,
+                            f"at most {p.free_at_start_bytes / p.total_bytes:.2f} (the free memory at start)") \
+            if p.free_at_start_bytes < p.requested_bytes else \
+            ("max_model_len", p.max_model_len, f"at most {p.largest_model_len:,} (one request must fit the KV cache)")
+        raise Infeasible(field, value, ok, f"vLLM would stop at start ({p.refusal}); see `vramguard plan {model} "
+                         "--engine vllm` for the fixes")
+    say(f"planned: GPU KV cache size {p.kv_tokens:,} tokens, maximum concurrency {p.max_concurrency:.2f}x for "
+        f"{p.max_model_len:,} tokens per request")
+    return export_fn(p, eng.model_ref(model), to, replicas)

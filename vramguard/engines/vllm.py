@@ -1,0 +1,323 @@
+"""vLLM's own memory model (V1 engine): the flags to set, and the KV cache tokens and concurrency vLLM will log.
+
+Knows nothing about serving: a pure function of a :class:`~vramguard.spec.ModelSpec`, the engine settings and a
+card; no torch, no vLLM. The version read is vLLM 0.33.0 (the source in its PyPI wheel); the same terms stand in
+vllm-project/vllm main at commit 35d5cda1 (an earlier V1) except where noted. Each term, with the file and function:
+
+* budget: ``requested_memory = total x gpu_memory_utilization``; vLLM refuses to start when the free memory it
+  measures after the CUDA context and the distributed init is below it ("Free memory on device ... on startup is
+  less than desired GPU memory utilization": ``vllm/v1/worker/utils.py``, called from ``gpu_worker.py::Worker.
+  init_device``).
+* KV bytes: ``requested_memory - non_kv_cache_memory - cudagraph_estimate`` (``gpu_worker.py::Worker.
+  determine_available_memory``); ``non_kv_cache_memory`` (``vllm/utils/mem_utils.py::memory_profiling``) is the
+  free memory consumed since the start snapshot (the weights as loaded, memory outside torch that appeared: kernels,
+  NCCL's buffers at TP >= 2) plus the transient peak of ``torch`` allocated bytes during
+  ``GPUModelRunner.profile_run``: a forward of ``max_num_batched_tokens`` tokens split over
+  ``min(max_num_seqs, max_num_batched_tokens)`` requests, then ``_dummy_sampler_run`` on their logits with
+  ``top_k`` and ``top_p`` set.
+* CUDA graphs: ``GPUModelRunner.profile_cudagraph_memory`` captures the largest graph and one more per mode and
+  estimates ``first capture + (n - 1) x max(second capture, 1 MiB)``; subtracted from the budget while
+  ``VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS`` is 1 (the default since v0.21). At 35d5cda1 graphs were captured
+  after the KV cache, outside the budget: :attr:`VllmSettings.cudagraph_in_budget` False.
+* blocks, tokens and concurrency: :mod:`vramguard.engines.vllm_kv`; weights and activations:
+  :mod:`vramguard.engines.vllm_weights`.
+* defaults of ``max_num_batched_tokens`` / ``max_num_seqs`` for ``vllm serve``
+  (``vllm/engine/arg_utils.py::EngineArgs.get_batch_defaults``): 16,384 / 1,024 on cards of at least 160 GiB;
+  8,192 / 1,024 from 70 GiB except A100s; else 2,048 / 256.
+
+Hand-modelled terms, not read from a trace (their error against published logs is in benchmarks/README.md): the
+activation peak, the non-torch increase (:data:`NON_TORCH_BYTES`, :data:`NCCL_BYTES`) and the CUDA graph pool.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vramguard.catalog.gpus import GpuSpec
+from vramguard.engines import vllm_kv as kv
+from vramguard.engines import vllm_weights as w
+from vramguard.errors import ConfigError, InvalidValue
+from vramguard.memory.runtime import CUDA_CONTEXT_BYTES
+from vramguard.spec import ModelSpec
+from vramguard.units import GiB, MiB
+
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2")
+_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+_SPEC_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+# memory outside torch that appears during the profile run at TP=1 (kernel images loaded on first use: cuBLASLt,
+# FlashAttention, Inductor's Triton kernels); the CUDA context itself is in the start snapshot and not counted
+NON_TORCH_BYTES = 256 * MiB
+# NCCL's channel buffers, allocated at the first all-reduce of the profile run at TP >= 2 (NCCL connects lazily)
+NCCL_BYTES = 640 * MiB
+# CUDA graph estimate: the first (largest) capture, modelled as the forward peak at the largest capture size, plus
+# at least 1 MiB per further graph (profile_cudagraph_memory's floor), for each of the two modes of the default
+# FULL_AND_PIECEWISE cudagraph mode
+CUDAGRAPH_BYTES_PER_GRAPH = 1 * MiB
+CUDAGRAPH_MODES = 2
+MAX_CAPTURE_SIZE = 512  # vllm/config/vllm.py: max_cudagraph_capture_size = min(max_num_seqs x 2, 512)
+
+
+@dataclass(frozen=True)
+class VllmSettings:
+    """vLLM engine arguments that change memory (the names of ``vllm/engine/arg_utils.py::EngineArgs``).
+
+    Attributes:
+        tensor_parallel_size, pipeline_parallel_size: GPUs per stage and stages.
+        gpu_memory_utilization: the fraction of each GPU's total vLLM may use (0 < u <= 1).
+        max_model_len: tokens per request (prompt + output); ``None``: the model's ``max_position_embeddings``.
+        kv_cache_dtype: ``auto`` (the model dtype) or an fp8 kind (1 byte).
+        max_num_seqs, max_num_batched_tokens: ``None``: vLLM's defaults for the card.
+        block_size: tokens per KV block (16).
+        dtype: ``auto`` (the checkpoint's; float32 checkpoints run in bfloat16, float16 below compute 8.0).
+        enforce_eager: no CUDA graphs.
+        cudagraph_in_budget: the CUDA graph estimate is subtracted from the budget (vLLM >= 0.21's default;
+            False for older versions, or with ``VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=0``).
+        hybrid_kv_cache_manager: False is ``disable_hybrid_kv_cache_manager`` (sliding layers kept whole).
+        kv_offloading_size_bytes: host memory for KV offloaded to the CPU (``kv_offloading_size``), 0 = none.
+    """
+
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    gpu_memory_utilization: float = 0.9
+    max_model_len: int | None = None
+    kv_cache_dtype: str = "auto"
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    block_size: int = 16
+    dtype: str = "auto"
+    enforce_eager: bool = False
+    cudagraph_in_budget: bool = True
+    hybrid_kv_cache_manager: bool = True
+    kv_offloading_size_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "block_size"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 1024:
+                raise InvalidValue(name, v, "an integer from 1 to 1,024", f"set {name} to a positive integer")
+        u = self.gpu_memory_utilization
+        if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0 < u <= 1:
+            raise InvalidValue("gpu_memory_utilization", u, "a fraction above 0 and at most 1", "e.g. 0.9")
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 2**31):
+                raise InvalidValue(name, v, "a positive integer of at most 2**31", f"set {name} or leave it unset")
+        if self.dtype not in DTYPES:
+            raise InvalidValue("dtype", self.dtype, ", ".join(DTYPES), "pick one of them")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise InvalidValue("kv_cache_dtype", self.kv_cache_dtype, ", ".join(KV_CACHE_DTYPES), "pick one of them")
+        if self.kv_offloading_size_bytes < 0:
+            raise InvalidValue("kv_offloading_size_bytes", self.kv_offloading_size_bytes, "0 or more", "set 0")
+
+
+@dataclass(frozen=True)
+class VllmPlan:
+    """What vLLM will do on ``gpu`` with ``settings`` (sizes in bytes, per worker: one GPU).
+
+    ``available_kv_bytes = requested_bytes - weights_bytes - activation_bytes - non_torch_bytes - nccl_bytes
+    - (cudagraph_bytes if settings.cudagraph_in_budget)``, for the pipeline stage with the fewest blocks (its
+    weights are ``weights_bytes``; every stage's in ``weights_by_stage``); ``kv_tokens`` and ``max_concurrency`` are
+    the two startup log lines (``kv_tokens_by_blocks``: the tokens line of V1 releases before 0.33). ``refusal`` is the error vLLM would stop with (None when it starts).
+    """
+
+    model: str
+    gpu: GpuSpec
+    settings: VllmSettings
+    dtype: str
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    total_bytes: int
+    requested_bytes: int
+    free_at_start_bytes: int
+    weights_bytes: int
+    weights_by_stage: tuple[int, ...]
+    activation_bytes: int
+    forward_peak_bytes: int
+    sampler_peak_bytes: int
+    non_torch_bytes: int
+    nccl_bytes: int
+    cudagraph_bytes: int
+    available_kv_bytes: int
+    kv_groups: tuple[kv.KvGroup, ...]
+    padding_layers: int
+    num_blocks: int
+    kv_tokens: int
+    kv_tokens_by_blocks: int
+    max_concurrency: float
+    request_kv_bytes: int
+    largest_model_len: int
+    refusal: str | None
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def starts(self) -> bool:
+        return self.refusal is None
+
+    def flags(self) -> dict[str, object]:
+        """The engine arguments to pass (``vllm serve`` names without ``--``), every one that sets memory."""
+        s = self.settings
+        out: dict[str, object] = {"tensor-parallel-size": s.tensor_parallel_size}
+        if s.pipeline_parallel_size > 1:
+            out["pipeline-parallel-size"] = s.pipeline_parallel_size
+        out.update({"dtype": self.dtype, "max-model-len": self.max_model_len,
+                    "gpu-memory-utilization": s.gpu_memory_utilization, "max-num-seqs": self.max_num_seqs,
+                    "max-num-batched-tokens": self.max_num_batched_tokens})
+        if s.kv_cache_dtype != "auto":
+            out["kv-cache-dtype"] = s.kv_cache_dtype
+        if s.block_size != 16:
+            out["block-size"] = s.block_size
+        if s.enforce_eager:
+            out["enforce-eager"] = True
+        if not s.hybrid_kv_cache_manager:
+            out["disable-hybrid-kv-cache-manager"] = True
+        if s.kv_offloading_size_bytes:
+            out["kv-offloading-size"] = round(s.kv_offloading_size_bytes / GiB, 2)
+        return out
+
+
+def batch_defaults(gpu: GpuSpec) -> tuple[int, int]:
+    """``(max_num_batched_tokens, max_num_seqs)`` that ``vllm serve`` picks for ``gpu``
+    (``EngineArgs.get_batch_defaults``: at least 160 GiB -> 16,384 and 1,024; at least 70 GiB and not an A100 ->
+    8,192 and 1,024; else 2,048 and 256)."""
+    if gpu.total_bytes >= 160 * GiB:
+        return 16384, 1024
+    if gpu.total_bytes >= 70 * GiB and "a100" not in gpu.label.lower():
+        return 8192, 1024
+    return 2048, 256
+
+
+def model_dtype(spec: ModelSpec, s: VllmSettings, gpu: GpuSpec) -> tuple[str, list[str]]:
+    """The dtype vLLM runs: ``s.dtype``, or for ``auto`` the checkpoint's (float32 -> bfloat16; bfloat16 ->
+    float16 on cards below compute capability 8.0), with a note for each change."""
+    notes: list[str] = []
+    if s.dtype != "auto":
+        return s.dtype, notes
+    name = _SPEC_DTYPES.get(spec.checkpoint_dtype or "bf16", "bfloat16")
+    if name == "float32":
+        name = "bfloat16"
+        notes.append("dtype auto: the float32 checkpoint runs in bfloat16, as vLLM's auto dtype does")
+    if name == "bfloat16" and gpu.supports_bf16 is False:
+        name = "float16"
+        notes.append(f"dtype auto: {gpu.label} has no bfloat16 (compute capability below 8.0): float16")
+    return name, notes
+
+
+def _stage_layer_kinds(spec: ModelSpec, pp: int) -> list[list[str]]:
+    kinds = list(spec.layer_types) or ["full_attention"] * spec.num_layers
+    out, start = [], 0
+    for n in w.pp_layer_counts(spec.num_layers, pp):
+        out.append(kinds[start:start + n])
+        start += n
+    return out
+
+
+def _check_spec(spec: ModelSpec) -> None:
+    if spec.prequantized:
+        raise ConfigError("config.json:quantization_config", spec.prequantized, "an unquantized checkpoint "
+                          "(bf16, fp16 or fp32)", "vLLM's quantized layouts (AWQ, GPTQ, FP8) are not modelled; "
+                          "plan the unquantized model")
+    if spec.generic:  # the per-rank shards are modelled for the hand-written families only (MLA's are not)
+        raise ConfigError("config.json:model_type", spec.model_type, "a family with a hand-written vLLM model "
+                          "(llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe, gemma, gemma2, "
+                          "gemma3_text, phi3)", "plan one of those families")
+
+
+@dataclass(frozen=True)
+class _Budget:
+    weights: list[w.RankWeights]
+    forward: int
+    sampler: int
+    non_torch: int
+    nccl: int
+    graphs: int
+
+
+def _budget_terms(spec: ModelSpec, s: VllmSettings, dt: int, tokens: int, seqs: int) -> _Budget:
+    tp = s.tensor_parallel_size
+    weights = w.rank_weights(spec, tp, s.pipeline_parallel_size, dt)
+    forward = w.forward_peak_bytes(spec, tp, tokens, dt)
+    sampler = w.sampler_peak_bytes(spec, tokens, min(seqs, tokens), dt)
+    graphs = 0
+    if not s.enforce_eager:
+        capture = min(seqs * 2, MAX_CAPTURE_SIZE)
+        # CompilationConfig's default capture sizes: 1, 2, 4, then every 8 below 256, then every 16 up to the max
+        sizes = len([n for n in [1, 2, 4, *range(8, 256, 8), *range(256, capture + 1, 16)] if n <= capture])
+        graphs = (w.forward_peak_bytes(spec, tp, capture, dt)
+                  + CUDAGRAPH_MODES * (sizes - 1) * CUDAGRAPH_BYTES_PER_GRAPH)
+    nccl = NCCL_BYTES if tp * s.pipeline_parallel_size > 1 else 0
+    return _Budget(weights, forward, sampler, NON_TORCH_BYTES, nccl, graphs)
+
+
+def plan_vllm(spec: ModelSpec, gpu: GpuSpec, settings: VllmSettings | None = None) -> VllmPlan:
+    """Plan ``spec`` served by vLLM on GPUs like ``gpu`` (one per worker).
+
+    Raises:
+        InvalidValue: a parallel size vLLM refuses for this model (heads or vocabulary not divisible).
+        ConfigError: a quantized checkpoint, or a family without a hand-written model.
+    """
+    s = settings or VllmSettings()
+    _check_spec(spec)
+    dtype, notes = model_dtype(spec, s, gpu)
+    dt = _DTYPE_BYTES[dtype]
+    kv_dt = dt if s.kv_cache_dtype in ("auto", "bfloat16", "float16") else 1
+    if s.kv_cache_dtype in ("bfloat16", "float16"):
+        kv_dt = 2
+    default_tokens, default_seqs = batch_defaults(gpu)
+    tokens = s.max_num_batched_tokens or default_tokens
+    seqs = s.max_num_seqs or default_seqs
+    max_len = s.max_model_len or spec.max_position_embeddings
+    if max_len > spec.max_position_embeddings:
+        notes.append(f"max_model_len {max_len:,} is above the model's {spec.max_position_embeddings:,}: vLLM "
+                     "refuses it unless VLLM_ALLOW_LONG_MAX_MODEL_LEN=1")
+    b = _budget_terms(spec, s, dt, tokens, seqs)
+    requested = int(gpu.total_bytes * s.gpu_memory_utilization)
+    weights = max(r.total_bytes for r in b.weights)
+    activation = max(b.forward, b.sampler)
+    non_kv = weights + activation + b.non_torch + b.nccl + (b.graphs if s.cudagraph_in_budget else 0)
+    available = requested - non_kv
+    page = kv.page_bytes(spec, s.tensor_parallel_size, kv_dt, s.block_size)
+    stages = _stage_layer_kinds(spec, s.pipeline_parallel_size)
+    stage_groups = [kv.kv_groups(spec, kinds, page, s.hybrid_kv_cache_manager) for kinds in stages]
+    # every worker gets the same number of blocks: the smallest over the stages (get_kv_cache_configs)
+    stage_available = [requested - (r.total_bytes + non_kv - weights) for r in b.weights]
+    per_stage = [kv.num_blocks(g, a) for g, a in zip(stage_groups, stage_available)]
+    worst = per_stage.index(min(per_stage))
+    groups, blocks, available = stage_groups[worst], per_stage[worst], stage_available[worst]
+    weights = b.weights[worst].total_bytes
+    free = gpu.total_bytes - gpu.used_by_others_bytes - CUDA_CONTEXT_BYTES
+    need = kv.request_kv_bytes(groups, max_len, tokens, s.block_size)
+    largest = kv.largest_model_len(groups, max(available, 0), max_len, tokens, s.block_size)
+    refusal = _refusal(gpu, s, free, requested, available, need, max_len, largest)
+    return VllmPlan(
+        model=spec.name, gpu=gpu, settings=s, dtype=dtype, max_model_len=max_len, max_num_seqs=seqs,
+        max_num_batched_tokens=tokens, total_bytes=gpu.total_bytes, requested_bytes=requested,
+        free_at_start_bytes=free, weights_bytes=weights, weights_by_stage=tuple(r.total_bytes for r in b.weights),
+        activation_bytes=activation, forward_peak_bytes=b.forward, sampler_peak_bytes=b.sampler,
+        non_torch_bytes=b.non_torch, nccl_bytes=b.nccl, cudagraph_bytes=b.graphs, available_kv_bytes=available,
+        kv_groups=tuple(groups), padding_layers=kv.padding_layers(stages[worst], groups), num_blocks=blocks,
+        kv_tokens=kv.kv_tokens(groups, blocks, max_len, tokens, s.block_size),
+        kv_tokens_by_blocks=kv.kv_tokens_by_blocks(groups, blocks, s.block_size),
+        max_concurrency=kv.max_concurrency(groups, blocks, max_len, tokens, s.block_size),
+        request_kv_bytes=need, largest_model_len=largest, refusal=refusal, notes=tuple(notes))
+
+
+def _gib(n: int) -> str:
+    return f"{n / GiB:.2f}"
+
+
+def _refusal(gpu: GpuSpec, s: VllmSettings, free: int, requested: int, available: int, need: int,
+             max_len: int, largest: int) -> str | None:
+    """The error vLLM stops with at start, in its words (None when it starts)."""
+    if free < requested:
+        return (f"Free memory on device ({_gib(free)}/{_gib(gpu.total_bytes)} GiB) on startup is less than desired "
+                f"GPU memory utilization ({s.gpu_memory_utilization}, {_gib(requested)} GiB)")
+    if available <= 0:
+        return "No available memory for the cache blocks"
+    if need > available:
+        return (f"To serve at least one request with the model's max seq len ({max_len}), ({_gib(need)} GiB KV "
+                f"cache is needed, which is larger than the available KV cache memory ({_gib(available)} GiB). "
+                f"Based on the available memory, the estimated maximum model length is {largest}")
+    return None

@@ -1,0 +1,101 @@
+"""A :class:`~vramguard.engines.vllm.VllmPlan` as text and as JSON (printing apart from computing)."""
+
+from __future__ import annotations
+
+import shlex
+
+from vramguard.engines.vllm import VllmPlan
+from vramguard.units import GiB
+
+
+def _g(n: int) -> str:
+    return f"{n / GiB:.2f} GiB"
+
+
+def serve_command(p: VllmPlan, model_ref: str) -> str:
+    """``vllm serve MODEL --flag value ...`` with every flag of :meth:`VllmPlan.flags` (shell-quoted)."""
+    parts = ["vllm", "serve", model_ref]
+    for flag, value in p.flags().items():
+        if value is True:
+            parts.append(f"--{flag}")
+        else:
+            parts += [f"--{flag}", str(value)]
+    return " ".join(shlex.quote(x) for x in parts)
+
+
+def plan_to_json(p: VllmPlan, model_ref: str) -> dict:
+    """Raw ints (bytes, tokens) and the flags; ``refusal`` is vLLM's start-up error or null."""
+    s = p.settings
+    return {
+        "engine": "vllm", "model": p.model, "gpu": p.gpu.label, "total_bytes": p.total_bytes,
+        "flags": p.flags(), "command": serve_command(p, model_ref),
+        "budget": {"gpu_memory_utilization": s.gpu_memory_utilization, "requested_bytes": p.requested_bytes,
+                   "free_at_start_bytes": p.free_at_start_bytes},
+        "per_gpu": {"weights_bytes": p.weights_bytes, "weights_by_stage_bytes": list(p.weights_by_stage),
+                    "activation_bytes": p.activation_bytes, "forward_peak_bytes": p.forward_peak_bytes,
+                    "sampler_peak_bytes": p.sampler_peak_bytes, "non_torch_bytes": p.non_torch_bytes,
+                    "nccl_bytes": p.nccl_bytes, "cudagraph_bytes": p.cudagraph_bytes,
+                    "cudagraph_in_budget": s.cudagraph_in_budget, "available_kv_bytes": p.available_kv_bytes},
+        "kv_cache": {"groups": [{"kind": g.kind, "num_layers": g.num_layers, "page_bytes": g.page_bytes,
+                                 "sliding_window": g.sliding_window} for g in p.kv_groups],
+                     "padding_layers": p.padding_layers, "block_size": s.block_size, "num_blocks": p.num_blocks,
+                     "kv_tokens": p.kv_tokens, "kv_tokens_by_blocks": p.kv_tokens_by_blocks, "max_model_len": p.max_model_len,
+                     "max_concurrency": round(p.max_concurrency, 4), "request_kv_bytes": p.request_kv_bytes,
+                     "largest_max_model_len": p.largest_model_len},
+        "max_num_seqs": p.max_num_seqs, "max_num_batched_tokens": p.max_num_batched_tokens,
+        "starts": p.starts, "refusal": p.refusal, "notes": list(p.notes),
+    }
+
+
+def plan_lines(p: VllmPlan, model_ref: str) -> list[str]:
+    """The plan as text: each term of vLLM's budget with where it comes from, then the two log lines."""
+    s = p.settings
+    tp, pp = s.tensor_parallel_size, s.pipeline_parallel_size
+    graphs = "in the budget (vLLM >= 0.21)" if s.cudagraph_in_budget else "outside the budget"
+    lines = [
+        (f"vLLM plan for {p.model} on {p.gpu.label} x {tp * pp} (tensor parallel {tp}, pipeline parallel {pp}), "
+         f"{p.dtype}, one GPU's share:"),
+        (f"  budget        {_g(p.requested_bytes)} = {_g(p.total_bytes)} total x gpu_memory_utilization "
+         f"{s.gpu_memory_utilization}"),
+        f"  - weights     {_g(p.weights_bytes)}  (sharded per rank, vocabulary padded to 64; 'Model loading took')",
+        (f"  - activation  {_g(p.activation_bytes)}  (profile run: forward of {p.max_num_batched_tokens:,} tokens "
+         f"{_g(p.forward_peak_bytes)}, sampler on {min(p.max_num_seqs, p.max_num_batched_tokens):,} requests "
+         f"{_g(p.sampler_peak_bytes)}; the larger)"),
+        f"  - non-torch   {_g(p.non_torch_bytes)}  (kernels loaded during the profile run)",
+    ]
+    if p.nccl_bytes:
+        lines.append(f"  - NCCL        {_g(p.nccl_bytes)}  (buffers of the first all-reduce, TP/PP >= 2)")
+    sign = "-" if s.cudagraph_in_budget else " "
+    lines.append(f"  {sign} CUDA graphs {_g(p.cudagraph_bytes)}  ({graphs})")
+    lines.append(f"  = KV cache    {_g(p.available_kv_bytes)}  ('Available KV cache memory')")
+    groups = ", ".join(f"{g.num_layers} x {g.kind}" + (f" (window {g.sliding_window:,})" if g.sliding_window else "")
+                       for g in p.kv_groups)
+    lines.append(f"  KV groups     {len(p.kv_groups)}: {groups}; page {p.kv_groups[0].page_bytes:,} B per layer "
+                 f"per block of {s.block_size}; {p.num_blocks:,} blocks" if p.kv_groups else "  no KV cache")
+    if p.padding_layers:
+        lines.append(f"  padding       {p.padding_layers} layers added to even the groups")
+    lines += [
+        f"vLLM will log:  GPU KV cache size: {p.kv_tokens:,} tokens",
+        (f"                Maximum concurrency for {p.max_model_len:,} tokens per request: "
+         f"{p.max_concurrency:.2f}x"),
+    ]
+    if p.refusal:
+        lines.append(f"vLLM will refuse to start: {p.refusal}")
+        lines += _fixes(p)
+    lines += [f"note: {n}" for n in p.notes]
+    lines.append("command: " + serve_command(p, model_ref))
+    return lines
+
+
+def _fixes(p: VllmPlan) -> list[str]:
+    out = []
+    if p.free_at_start_bytes < p.requested_bytes:
+        top = p.free_at_start_bytes / p.total_bytes
+        out.append(f"fix: gpu_memory_utilization at most {int(top * 100) / 100:.2f} (free at start "
+                   f"{_g(p.free_at_start_bytes)} after the CUDA context)")
+    elif p.largest_model_len:
+        out.append(f"fix: max_model_len {p.largest_model_len:,} (the longest one request that fits), a larger "
+                   "tensor_parallel_size, or kv_cache_dtype fp8")
+    else:
+        out.append("fix: a larger tensor_parallel_size, a larger card, or a smaller max_num_batched_tokens")
+    return out

@@ -1,0 +1,255 @@
+"""Weights and activations of one vLLM worker (one tensor-parallel rank of one pipeline stage), in bytes.
+
+Pure functions of a :class:`~vramguard.spec.ModelSpec`; no torch. Every tensor is rounded to the caching
+allocator's 512 B block (:func:`vramguard.memory.weights.rounded`), as vLLM allocates each parameter with
+``torch.empty`` and reports "Model loading took X GiB" from ``torch.cuda`` allocated bytes
+(``vllm/v1/worker/gpu_model_runner.py::GPUModelRunner.load_model`` with ``DeviceMemoryProfiler``,
+``vllm/utils/mem_utils.py``).
+
+How vLLM shards a decoder for tensor parallelism (``vllm/model_executor/layers/linear.py``, as the model files use
+it, e.g. ``vllm/model_executor/models/llama.py``):
+
+* ``QKVParallelLinear`` (column parallel): ``num_heads / tp`` query heads per rank; KV heads split when
+  ``num_kv_heads >= tp`` and replicated (``num_kv_head_replicas = tp / num_kv_heads``) when fewer, so each rank
+  holds ``max(1, num_kv_heads / tp)`` KV heads. Its bias is split the same way.
+* ``RowParallelLinear`` (``o_proj``, ``down_proj``): the input dimension split by ``tp``; the bias is whole on
+  every rank.
+* ``MergedColumnParallelLinear`` (``gate_up_proj``): ``2 x intermediate / tp`` output rows.
+* ``FusedMoE`` without expert parallelism: every expert on every rank, each expert's intermediate split by
+  ``tp``; the router (``ReplicatedLinear``) whole on every rank.
+* ``VocabParallelEmbedding`` / ``ParallelLMHead``: the vocabulary padded to a multiple of 64
+  (``DEFAULT_VOCAB_PADDING_SIZE``, ``pad_vocab_size``), then ``padded / tp`` rows per rank
+  (``vllm/model_executor/layers/vocab_parallel_embedding.py`` at commit 00db0119); tied embeddings share one tensor
+  unless pipeline parallelism puts the LM head on another stage.
+* Norms are whole on every rank. The rotary ``cos_sin_cache`` buffer (``vllm/model_executor/layers/
+  rotary_embedding``: ``[max_positions, rotary_dim]`` in the model dtype, one per distinct rope, shared by all
+  layers through ``get_rope``'s cache) is counted: for Llama-3.1-8B it is 131,072 x 128 x 2 = 33,554,432 B, which
+  is why vLLM reports 14.9888 GiB (16,094,076,928 B) and not the 14.957 GiB of the parameters alone.
+* Pipeline parallelism: ``vllm/distributed/utils.py::get_pp_indices`` gives each stage ``num_layers // pp``
+  layers and the remainder one each to the stages before the last; the first stage holds the embeddings, the last
+  the final norm and the LM head.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from vramguard.errors import InvalidValue
+from vramguard.memory.weights import rounded
+from vramguard.spec import ModelSpec
+
+VOCAB_PADDING = 64  # DEFAULT_VOCAB_PADDING_SIZE in vocab_parallel_embedding.py
+
+
+def pad_vocab(vocab_size: int) -> int:
+    """``pad_vocab_size``: the vocabulary rounded up to a multiple of 64 (128,256 -> 128,256; 32,064 -> 32,064;
+    151,665 -> 151,680)."""
+    return -(-vocab_size // VOCAB_PADDING) * VOCAB_PADDING
+
+
+def config_dict(spec: ModelSpec) -> dict:
+    """The config.json the spec was read from (an empty dict when the spec was built by hand)."""
+    try:
+        return json.loads(spec.config_json) if spec.config_json else {}
+    except json.JSONDecodeError:
+        return {}
+
+
+def check_tensor_parallel(spec: ModelSpec, tp: int) -> None:
+    """Raise :class:`InvalidValue` for a ``tp`` vLLM refuses: heads, KV heads, intermediate sizes and the padded
+    vocabulary must divide (``vllm/model_executor/models/llama.py`` asserts ``num_heads % tp == 0`` and
+    ``num_kv_heads % tp == 0`` or ``tp % num_kv_heads == 0``; ``divide`` asserts the rest)."""
+    def bad(what: str, n: int) -> InvalidValue:
+        ok = [d for d in (1, 2, 4, 8, 16) if n % d == 0]
+        return InvalidValue("tensor_parallel_size", tp, f"a divisor of {what} ({n:,})",
+                            f"use one of {', '.join(map(str, ok))}")
+    if spec.num_heads % tp:
+        raise bad("num_attention_heads", spec.num_heads)
+    if spec.num_kv_heads >= tp and spec.num_kv_heads % tp:
+        raise bad("num_key_value_heads", spec.num_kv_heads)
+    if spec.num_kv_heads < tp and tp % spec.num_kv_heads:
+        raise InvalidValue("tensor_parallel_size", tp, f"a multiple of num_key_value_heads ({spec.num_kv_heads}) "
+                           "when larger than it", f"use {spec.num_kv_heads} or a multiple of it")
+    inter = spec.moe_intermediate_size if spec.is_moe else spec.intermediate_size
+    if inter % tp:
+        raise bad("the MLP intermediate size", inter)
+    if pad_vocab(spec.vocab_size) % tp:
+        raise bad("the vocabulary padded to 64", pad_vocab(spec.vocab_size))
+
+
+def kv_heads_per_rank(spec: ModelSpec, tp: int) -> int:
+    """KV heads each rank stores: ``max(1, num_kv_heads // tp)`` (replicated when fewer heads than ranks)."""
+    return max(1, spec.num_kv_heads // tp)
+
+
+def _t(numel: int, dtype_bytes: int) -> int:
+    return rounded(numel * dtype_bytes)
+
+
+def layer_weight_bytes(spec: ModelSpec, tp: int, dtype_bytes: int) -> int:
+    """Bytes of one decoder layer on one rank (see the module docstring for the sharding).
+
+    Example (Llama-3.1-8B, tp=1, bf16): qkv 6,144 x 4,096 + o 4,096 x 4,096 + gate_up 28,672 x 4,096 + down
+    4,096 x 14,336 = 218,103,808 weights x 2 B = 436,207,616 B, plus two norms of 4,096 x 2 B -> 436,224,000 B.
+    """
+    h, d, dt = spec.hidden_size, spec.head_dim, dtype_bytes
+    q_out = spec.num_heads // tp * d
+    kv_out = kv_heads_per_rank(spec, tp) * d
+    qkv_out = q_out + 2 * kv_out
+    total = _t(qkv_out * h, dt) + _t(h * q_out, dt)
+    if spec.qkv_bias:
+        total += _t(qkv_out, dt)
+    if spec.o_bias:
+        total += _t(h, dt)
+    if spec.is_moe:
+        e, i = spec.num_experts, spec.moe_intermediate_size // tp
+        total += _t(e * 2 * i * h, dt) + _t(e * h * i, dt) + _t(e * h, dt)
+        if spec.shared_expert_intermediate_size:
+            si = spec.shared_expert_intermediate_size // tp
+            total += _t(2 * si * h, dt) + _t(h * si, dt) + _t(h, dt)
+    else:
+        i = spec.intermediate_size // tp
+        total += _t(2 * i * h, dt) + _t(h * i, dt)
+        if spec.mlp_bias:
+            total += _t(2 * i, dt) + _t(h, dt)
+    total += spec.norms_per_layer * _t(h, dt)
+    if spec.qk_norm:
+        total += 2 * _t(d, dt)
+    return total
+
+
+def rope_cache_bytes(spec: ModelSpec, dtype_bytes: int) -> int:
+    """The rotary ``cos_sin_cache`` buffers, ``positions x rotary_dim x dtype`` each.
+
+    positions (``vllm/model_executor/layers/rotary_embedding/__init__.py::get_rope`` and its classes):
+    ``max_position_embeddings`` for the default and ``llama3`` ropes; x ``factor`` for ``linear`` and ``dynamic``;
+    ``original_max_position_embeddings x factor`` for ``yarn``; ``original + max`` (short and long caches) for
+    ``longrope`` (Phi-3 128k). ``rotary_dim = head_dim x partial_rotary_factor``. Gemma-3 has a local and a global
+    rope (two caches).
+    """
+    cfg = config_dict(spec)
+    rotary_dim = int(spec.head_dim * float(cfg.get("partial_rotary_factor") or 1.0))
+    scaling = cfg.get("rope_scaling") or {}
+    kind = str(scaling.get("rope_type") or scaling.get("type") or "default")
+    factor = float(scaling.get("factor") or 1.0)
+    max_pos = spec.max_position_embeddings
+    orig = int(scaling.get("original_max_position_embeddings") or max_pos)
+    if kind in ("linear", "dynamic"):
+        positions = int(max_pos * factor)
+    elif kind == "yarn":
+        positions = int(orig * factor)
+    elif kind in ("longrope", "su"):
+        positions = orig + max_pos
+    else:
+        positions = max_pos
+    one = _t(positions * rotary_dim, dtype_bytes)
+    if spec.model_type == "gemma3_text":
+        return one + _t(max_pos * rotary_dim, dtype_bytes)
+    return one
+
+
+def pp_layer_counts(num_layers: int, pp: int) -> list[int]:
+    """Layers per pipeline stage (``get_pp_indices``): ``num_layers // pp`` each, the remainder added one each to
+    the stages before the last, counted back from the second-to-last (32 layers, pp=3 -> [11, 11, 10])."""
+    base, rem = divmod(num_layers, pp)
+    counts = [base] * pp
+    for i in range(2, rem + 2):
+        counts[-i] += 1
+    return counts
+
+
+@dataclass(frozen=True)
+class RankWeights:
+    """Weights of one rank of one pipeline stage (bytes).
+
+    ``total_bytes = layers_bytes + embedding_bytes + lm_head_bytes + final_norm_bytes + rope_cache_bytes``.
+    """
+
+    stage: int
+    num_layers: int
+    layers_bytes: int
+    embedding_bytes: int
+    lm_head_bytes: int
+    final_norm_bytes: int
+    rope_cache_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return (self.layers_bytes + self.embedding_bytes + self.lm_head_bytes + self.final_norm_bytes
+                + self.rope_cache_bytes)
+
+
+def rank_weights(spec: ModelSpec, tp: int, pp: int, dtype_bytes: int) -> list[RankWeights]:
+    """One :class:`RankWeights` per pipeline stage (every TP rank of a stage holds the same bytes).
+
+    Example (Llama-3.1-8B, tp=1, pp=1, bf16): 32 layers x 436,224,000 B + embeddings and LM head
+    2 x 128,256 x 4,096 x 2 B + final norm 8,192 B + rope cache 33,554,432 B = 16,094,076,928 B (14.9888 GiB,
+    what vLLM logs).
+    """
+    check_tensor_parallel(spec, tp)
+    if pp > spec.num_layers:
+        raise InvalidValue("pipeline_parallel_size", pp, f"at most num_hidden_layers ({spec.num_layers})",
+                           "use fewer pipeline stages")
+    vocab_rows = pad_vocab(spec.vocab_size) // tp
+    table = _t(vocab_rows * spec.hidden_size, dtype_bytes)
+    per_layer = layer_weight_bytes(spec, tp, dtype_bytes)
+    rope = rope_cache_bytes(spec, dtype_bytes)
+    out = []
+    for stage, n in enumerate(pp_layer_counts(spec.num_layers, pp)):
+        first, last = stage == 0, stage == pp - 1
+        shares_head = spec.tie_word_embeddings and first
+        out.append(RankWeights(
+            stage=stage, num_layers=n, layers_bytes=n * per_layer, embedding_bytes=table if first else 0,
+            lm_head_bytes=table if last and not shares_head else 0,
+            final_norm_bytes=_t(spec.hidden_size, dtype_bytes) if last else 0, rope_cache_bytes=rope))
+    return out
+
+
+# bytes per (request x vocabulary entry) while the dummy sampler runs top-k/top-p on the logits
+# (vllm/v1/sample/ops/topk_topp_sampler.py::apply_top_k_top_p, as GPUModelRunner._dummy_sampler_run calls it with
+# top_k and top_p set): fp32 logits 4 + sorted values 4 + int64 sort indices 8 + two bool masks 2 + softmax of the
+# sorted values (cumsum in place) 4 + the scattered result 4 = 26, beside the model-dtype logits.
+SAMPLER_BYTES_PER_LOGIT = 26
+
+
+def forward_peak_bytes(spec: ModelSpec, tp: int, num_tokens: int, dtype_bytes: int) -> int:
+    """Peak of the tensors alive inside one decoder layer for a forward over ``num_tokens`` tokens (bytes).
+
+    Three ``N x hidden`` tensors stay alive through a layer: the previous layer's output (the model's loop,
+    ``for layer in layers: hidden_states, residual = layer(positions, hidden_states, residual)`` in
+    ``vllm/model_executor/models/llama.py``, holds it until the layer returns), the residual and the normed hidden
+    states; beside them, in the MLP, the ``gate_up`` output (``N x 2I/tp``) while ``SiluAndMul`` writes
+    ``N x I/tp``, or in attention the fused QKV output and the attention output. MoE (``fused_moe``): the expanded
+    ``N x top_k`` rows of ``2I/tp`` and ``I/tp`` and the ``N x top_k x hidden`` expert outputs, plus the fp32
+    router logits. A hand model of the live tensors, not a trace (torch.compile may fuse some away); against the
+    torch peaks vLLM logged for Llama-3.1-8B at 20,000 and 29,000 tokens it is within 0.5% (benchmarks/README.md).
+
+    Example (Llama-3.1-8B, tp=1, 8,192 tokens, bf16): 8,192 x 2 x (3 x 4,096 + 3 x 14,336) = 905,969,664 B.
+    """
+    n, h, dt = num_tokens, spec.hidden_size, dtype_bytes
+    q_out = spec.num_heads // tp * spec.head_dim
+    qkv_out = q_out + 2 * kv_heads_per_rank(spec, tp) * spec.head_dim
+    attention = n * dt * (3 * h + qkv_out + q_out)
+    if spec.is_moe:
+        i, k = spec.moe_intermediate_size // tp, max(spec.num_experts_per_tok, 1)
+        mlp = n * dt * (3 * h + k * (3 * i + h)) + n * spec.num_experts * 4
+        if spec.shared_expert_intermediate_size:
+            mlp += n * dt * 3 * spec.shared_expert_intermediate_size // tp
+    else:
+        mlp = n * dt * (3 * h + 3 * (spec.intermediate_size // tp))
+    return max(attention, mlp)
+
+
+def sampler_peak_bytes(spec: ModelSpec, num_tokens: int, num_reqs: int, dtype_bytes: int) -> int:
+    """Peak of the dummy sampler run that follows the profile forward (bytes): the forward's hidden states
+    (``num_tokens x hidden``) and the last positions (``num_reqs x hidden``) stay alive while the logits of
+    ``num_reqs`` rows over the padded vocabulary are computed in the model dtype and sampled with top-k/top-p
+    (:data:`SAMPLER_BYTES_PER_LOGIT`). Logits are gathered whole on every TP rank.
+
+    Example (Llama-3.1-8B, 8,192 tokens, 256 requests, bf16): hidden 67,108,864 + last 2,097,152 + logits
+    256 x 128,256 x (2 + 26) = 919,339,008 -> 988,545,024 B.
+    """
+    h, dt = spec.hidden_size, dtype_bytes
+    logits = num_reqs * pad_vocab(spec.vocab_size) * (dt + SAMPLER_BYTES_PER_LOGIT)
+    return num_tokens * h * dt + num_reqs * h * dt + logits

@@ -1,0 +1,179 @@
+"""What a checkpoint stores, read from its safetensors headers alone: every tensor's name, dtype, shape and bytes.
+
+A safetensors file starts with an 8-byte little-endian header length ``N`` and ``N`` bytes of JSON mapping each
+tensor name to ``{"dtype", "shape", "data_offsets": [begin, end]}`` (https://huggingface.co/docs/safetensors,
+"Format"); ``end - begin`` is the tensor's stored size in bytes. Remote headers come from huggingface_hub's
+``get_safetensors_metadata`` (range requests); local files are read here the same way (the first ``8 + N`` bytes,
+no tensor data). Knows nothing about quantization methods (:mod:`vramguard.hub.prequant`) or the network
+(:mod:`vramguard.hub.fetch`).
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+from vramguard.errors import ConfigError
+
+# bytes per element of each safetensors dtype (safetensors' ``Dtype`` enum); sub-byte types count per element
+DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8,
+               "U32": 4, "U16": 2, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1}
+FLOAT_DTYPES = {"F64": "fp64", "F32": "fp32", "F16": "fp16", "BF16": "bf16"}
+MAX_HEADER_BYTES = 100_000_000  # safetensors refuses larger headers (``MAX_HEADER_SIZE`` in safetensors' lib.rs)
+
+
+@dataclass(frozen=True)
+class TensorHeader:
+    """One stored tensor: ``nbytes`` is ``data_offsets[1] - data_offsets[0]`` as the header states it."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    file: str
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass(frozen=True)
+class Fetched:
+    """One thing read to plan a model: ``what`` (a file name, or ``<file> header``), ``nbytes`` its size in bytes,
+    ``origin`` ``network`` (sent by the Hub now), ``cache`` (the local Hugging Face cache or vramguard's header
+    cache) or ``local`` (a model folder)."""
+
+    what: str
+    nbytes: int
+    origin: str
+
+
+@dataclass(frozen=True)
+class CheckpointHeaders:
+    """The tensors a checkpoint stores, from its safetensors headers (``format="safetensors"``), or only the names
+    of its files when it has none (``format="pytorch"``: ``.bin`` files, whose sizes need the pickles read).
+
+    ``header_bytes``: bytes of the headers themselves (``8 + N`` per file); ``fetched``: what was read, where from
+    and how many bytes; ``commit``: the Hub commit the headers belong to (None for a local folder);
+    ``card_capability``: the compute capability of the card the load is planned for (None: not known).
+    """
+
+    source: str
+    format: str
+    files: tuple[str, ...]
+    tensors: tuple[TensorHeader, ...] = ()
+    header_bytes: int = 0
+    fetched: tuple[Fetched, ...] = ()
+    commit: str | None = None
+    card_capability: tuple[int, int] | None = None  # the compute capability the load is planned for
+    file_bytes: tuple[int, ...] = ()  # size of each file in ``files`` (header + tensors), when known
+
+    @property
+    def total_bytes(self) -> int:
+        """Sum of the stored tensor bytes (0 without headers)."""
+        return sum(t.nbytes for t in self.tensors)
+
+    def bytes_by_dtype(self) -> dict[str, int]:
+        """Stored bytes per safetensors dtype, largest first."""
+        out: dict[str, int] = {}
+        for t in self.tensors:
+            out[t.dtype] = out.get(t.dtype, 0) + t.nbytes
+        return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+    @property
+    def stored_float_dtype(self) -> str | None:
+        """``bf16``/``fp16``/``fp32`` of the floating tensors holding the most bytes, or None."""
+        for dt in self.bytes_by_dtype():
+            if dt in FLOAT_DTYPES:
+                return FLOAT_DTYPES[dt]
+        return None
+
+    def to_json(self) -> dict:
+        """A summary for ``--format json`` (not the tensors one by one): sizes are ints of bytes."""
+        return {"source": self.source, "format": self.format, "commit": self.commit, "files": list(self.files),
+                "tensor_count": len(self.tensors), "stored_bytes": self.total_bytes,
+                "stored_bytes_by_dtype": self.bytes_by_dtype(), "header_bytes": self.header_bytes,
+                "fetched": [{"what": f.what, "bytes": f.nbytes, "origin": f.origin} for f in self.fetched],
+                "fetched_network_bytes": sum(f.nbytes for f in self.fetched if f.origin == "network"),
+                "planned_for_compute_capability": list(self.card_capability) if self.card_capability else None}
+
+
+def tensors_from_header(header: dict, file: str) -> list[TensorHeader]:
+    """The tensors of one parsed header dict (``__metadata__`` skipped).
+
+    Raises:
+        ConfigError: an entry without ``dtype``/``shape``/``data_offsets`` or with an unknown dtype.
+    """
+    out = []
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            begin, end = info["data_offsets"]
+            dtype, shape = str(info["dtype"]), tuple(int(d) for d in info["shape"])
+        except (KeyError, TypeError, ValueError):
+            raise ConfigError(f"{file}:{name}", info, "a safetensors entry with dtype, shape and data_offsets",
+                              "re-download the file; its header is damaged") from None
+        out.append(TensorHeader(name, dtype, shape, int(end) - int(begin), file))
+    return out
+
+
+def read_local_header(path: Path) -> tuple[dict, int]:
+    """(the header dict, header bytes ``8 + N``) of one local safetensors file, reading no tensor data.
+
+    Raises:
+        ConfigError: the file is shorter than its header says, or the header is not JSON.
+    """
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ConfigError("MODEL", str(path), "a safetensors file", "the file is shorter than 8 bytes")
+        (n,) = struct.unpack("<Q", head)
+        if n > MAX_HEADER_BYTES:
+            raise ConfigError("MODEL", str(path), f"a header of at most {MAX_HEADER_BYTES:,} bytes",
+                              f"its first 8 bytes say {n:,}: the file is not safetensors")
+        raw = f.read(n)
+    try:
+        header = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise ConfigError("MODEL", str(path), "a safetensors header (JSON)", "re-download the file") from None
+    return header, 8 + n
+
+
+def read_local_checkpoint(folder: Path) -> CheckpointHeaders | None:
+    """The headers of every ``*.safetensors`` file in ``folder``; a ``pytorch`` record naming the ``.bin`` files
+    when there are none; None when the folder holds neither (a config.json alone)."""
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        bins = sorted(p.name for p in folder.glob("*.bin") if p.name != "training_args.bin")
+        return CheckpointHeaders(str(folder), "pytorch", tuple(bins)) if bins else None
+    tensors: list[TensorHeader] = []
+    header_total = 0
+    fetched = []
+    for path in files:
+        header, nbytes = read_local_header(path)
+        tensors += tensors_from_header(header, path.name)
+        header_total += nbytes
+        fetched.append(Fetched(f"{path.name} header", nbytes, "local"))
+    return CheckpointHeaders(str(folder), "safetensors", tuple(p.name for p in files), tuple(tensors),
+                             header_total, tuple(fetched), file_bytes=tuple(p.stat().st_size for p in files))
+
+
+def to_cache_json(ck: CheckpointHeaders) -> str:
+    """Canonical JSON of ``ck`` with every tensor, for vramguard's header cache (:func:`from_cache_json`)."""
+    return json.dumps({"source": ck.source, "format": ck.format, "files": list(ck.files), "commit": ck.commit,
+                       "header_bytes": ck.header_bytes, "file_bytes": list(ck.file_bytes),
+                       "tensors": [[t.name, t.dtype, list(t.shape), t.nbytes, t.file] for t in ck.tensors]})
+
+
+def from_cache_json(text: str) -> CheckpointHeaders:
+    """Inverse of :func:`to_cache_json`. Raises ValueError/KeyError/TypeError on a damaged cache entry."""
+    d = json.loads(text)
+    tensors = tuple(TensorHeader(n, dt, tuple(shape), int(b), f) for n, dt, shape, b, f in d["tensors"])
+    return CheckpointHeaders(d["source"], d["format"], tuple(d["files"]), tensors, int(d["header_bytes"]),
+                             commit=d.get("commit"), file_bytes=tuple(int(b) for b in d.get("file_bytes", ())))
