@@ -8,7 +8,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from archs import ARCHS, CB_REFUSED, save_arch  # noqa: E402
+from archs import ARCHS, CB_REFUSED, CB_REFUSED_524, save_arch  # noqa: E402
 
 from vramguard.memory.weights import rounded, weight_bytes  # noqa: E402
 from vramguard.memory.kv import kv_cache_bytes  # noqa: E402
@@ -325,7 +325,7 @@ def test_generic_replay_agrees_with_the_hand_models_on_the_measured_matrix(case)
     assert abs(g - case["peak_total"]) / case["peak_total"] < 0.01
 
 
-@pytest.mark.parametrize("model_type", [t for t in TYPES if t not in CB_REFUSED])
+@pytest.mark.parametrize("model_type", [t for t in TYPES if t not in CB_REFUSED + CB_REFUSED_524])
 def test_serve_answers_with_continuous_batching(tmp_path, model_type):
     """Every architecture continuous batching runs is served by it (the others by the generate engine:
     tests/test_serve_generic.py); never a server whose requests all fail."""

@@ -291,7 +291,10 @@ def _started_engine(model, tokenizer, pool, **kw) -> Engine:
         err = _first_request_error(engine)
         if err is not None and "out of memory" not in err.lower():
             raise ContinuousBatchingRefused(model_type, f"its first request failed: {err}")
-    except (ContinuousBatchingRefused, ValueError, NotImplementedError, TypeError, KeyError, AttributeError) as e:
+    except (ContinuousBatchingRefused, ValueError, NotImplementedError, TypeError, KeyError, AttributeError,
+            RuntimeError) as e:  # RuntimeError: transformers 5.17 reports a layer type it lacks as "did not start"
+        if isinstance(e, RuntimeError) and "out of memory" in str(e).lower():
+            raise
         if engine is not None:
             _discard(engine)
         if model.config._attn_implementation != before:
