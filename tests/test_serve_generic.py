@@ -46,8 +46,12 @@ def served(request, servers):
 
 
 def _reference(s, prompt: str, max_new_tokens: int) -> tuple[str, int]:
-    """The text and token count of the model's own greedy ``generate`` for ``prompt`` (the server is idle)."""
+    """The text and token count of the model's own greedy ``generate`` for ``prompt`` (the server is idle; a model
+    continuous batching serves runs paged attention, so the folder is loaded again for it)."""
     tok, model = s.app.state.api.tokenizer, s.engine.model
+    if s.engine.name != "generate":
+        from transformers import AutoModelForCausalLM
+        model = AutoModelForCausalLM.from_pretrained(model.config._name_or_path, dtype=torch.float32)
     ids = torch.tensor([tok(prompt)["input_ids"]])
     with torch.inference_mode():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
