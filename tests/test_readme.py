@@ -33,7 +33,7 @@ def test_one_example_per_command_and_the_sections_a_user_needs():
     names = set(typer.main.get_command(app).commands)
     examples = re.search(r"## One example per command\n\n```bash\n(.*?)```", README, re.S).group(1)
     verbs = [re.search(r"vramguard ([a-z-]+)", line).group(1) for line in examples.splitlines()]
-    assert sorted(verbs) == sorted(names)
+    assert sorted(set(verbs)) == sorted(names)  # every command has an example (plan has two: transformers, vLLM)
     assert "## Supported models" in README and "## How accurate it is" in README
     assert len(README.splitlines()) < 120
 

@@ -37,7 +37,7 @@ FIELD_FLAGS = {"batch": "--batch", "num_beams": "--num-beams", "num_return_seque
                "max_batch_tokens": "--max-batch-tokens", "page_size": "--page-size", "n_max": "--n-max",
                "default_max_tokens": "--default-max-tokens", "max_kv_blocks": "--max-kv-blocks", "gpus": "--gpus",
                "vram_budget": "--vram-budget", "port": "--port", "host": "--host", "model": "MODEL",
-               "revision": "--revision"}
+               "revision": "--revision", "tp": "--tp", "device_map": "--device-map", "max_memory": "--max-memory"}
 
 
 def say(text: str) -> None:

@@ -72,7 +72,7 @@ def format_option(text: str = "human or json"):
     return typer.Option(Format['human'], "--format", help=text)
 
 
-SIZE_OPTIONS = ("--vram", "--vram-budget", "--max-body-size")
+SIZE_OPTIONS = ("--vram", "--vram-budget", "--max-body-size", "--max-memory")
 
 
 def split_size(args: list[str]) -> str | None:

@@ -11,6 +11,7 @@ from vramguard.cli.common import run_guarded, say, write_json
 from vramguard.cli.options import (Attn, Cache, Dtype, Format, KvDtype, Logits, Quant, batch_option, format_option,
                                    max_new_tokens_option, prompt_tokens_option, quant_option, revision_option,
                                    say_fetched)
+from vramguard.cli.multigpu import device_map_option, gpus_option, max_memory_option, tp_option
 from vramguard.cli.render import console
 
 
@@ -38,12 +39,17 @@ def plan(
     do_sample: bool = typer.Option(False, help="sampling (allows --num-return-sequences > 1 without beams)"),
     context: Optional[int] = typer.Option(None, help="context length to allow (RoPE-scaled models beyond config)"),
     gpu: Optional[str] = typer.Option(None, help="a catalog card (see --list-gpus)"),
-    vram: Optional[str] = typer.Option(None, help="card memory, e.g. 24GiB, 24GB, 24000MiB"),
+    vram: Optional[str] = typer.Option(None, help="card memory, e.g. 24GiB, 24GB, 24000MiB (cards used together: "
+                                       "24GiB,16GiB)"),
+    gpus: Optional[int] = gpus_option(),
+    tp: Optional[int] = tp_option(),
+    device_map: str = device_map_option(),
+    max_memory: Optional[str] = max_memory_option(),
     fmt: Format = format_option(),
     list_models: bool = typer.Option(False, "--list-models", help="list the catalog architectures and exit"),
     list_gpus: bool = typer.Option(False, "--list-gpus", help="list the catalog cards and exit"),
     exit_code: bool = typer.Option(False, "--exit-code", help="exit 1 when the run fits none of the cards"),
-    engine: eng.Engine = eng.engine_option(), tp: int = eng.tp_option(), pp: int = eng.pp_option(),
+    engine: eng.Engine = eng.engine_option(), pp: int = eng.pp_option(),
     gpu_memory_utilization: float = eng.util_option(), max_model_len: Optional[int] = eng.max_model_len_option(),
     kv_cache_dtype: eng.KvCacheDtype = eng.kv_cache_dtype_option(),
     max_num_seqs: Optional[int] = eng.max_num_seqs_option(),
@@ -51,7 +57,7 @@ def plan(
 ) -> None:
     """Predict memory by component, say whether it fits, solve for what fits, and rank the fixes."""
     if engine == eng.Engine['vllm'] and not (list_models or list_gpus):
-        a = eng.EngineArgs(tp, pp, gpu_memory_utilization, max_model_len, kv_cache_dtype.value, max_num_seqs,
+        a = eng.EngineArgs(tp or 1, pp, gpu_memory_utilization, max_model_len, kv_cache_dtype.value, max_num_seqs,
                            max_num_batched_tokens, dtype.value if dtype else None)
         plans = run_guarded(eng.build_plans, model, gpu, vram, a, as_json=fmt == Format['json'])
         eng.print_plans(plans, model, fmt == Format['json'])
@@ -66,15 +72,19 @@ def plan(
         _print_catalog(list_models, list_gpus)
         return
 
+    from vramguard.cli.multigpu import defaults_card, wants_cards
+    several = wants_cards(gpus, tp, gpu, vram) or max_memory is not None or device_map != "auto"
+
     def build():
         from vramguard.hardware import card_defaults
-        chosen_attn, chosen_dtype, notes = card_defaults(gpu, attn.value if attn else None,
+        chosen_attn, chosen_dtype, notes = card_defaults(defaults_card(gpu), attn.value if attn else None,
                                                          dtype.value if dtype else None, compute_dtype is not None)
         for note in notes:
             say(note)
         from vramguard.units import decimal_size_note
-        if vram and decimal_size_note(vram):
-            say("note: " + decimal_size_note(vram))
+        for size in (vram or "").split(",") if several else [vram]:
+            if size and decimal_size_note(size.strip()):
+                say("note: " + decimal_size_note(size.strip()))
         s = Settings(quant=quant.value, double_quant=double_quant,
                      compute_dtype=compute_dtype.value if compute_dtype else None,
                      dtype=chosen_dtype, attn=chosen_attn,
@@ -85,9 +95,15 @@ def plan(
         from vramguard.resolve import resolve_model
         spec = resolve_model(model, revision)
         say_fetched(spec)
+        if several:
+            from vramguard.cli.multigpu import plan_cards
+            return plan_cards(spec, s, (gpus, tp, gpu, vram), context, device_map, max_memory)
         return plan_fn(spec, s, gpu=gpu, vram=vram, context=context)
 
     p = run_guarded(build, as_json=fmt == Format['json'])
+    if several:
+        from vramguard.cli.multigpu import emit
+        return emit(p, fmt == Format['json'], exit_code)
     if fmt == Format['json']:
         write_json(plan_to_json(p))
     else:

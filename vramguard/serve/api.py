@@ -300,6 +300,7 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions, metrics: Metric
                on_fatal=None) -> FastAPI:
     """The FastAPI app. ``on_fatal(error)`` is called once when the engine dies (the runner then exits non-zero)."""
     metrics = metrics or Metrics(engine.stats)
+    metrics.model_name = metrics.model_name or options.model_id  # the label vLLM's gauges carry: the served name
     engine.metrics = metrics
     api = _Api(engine, tokenizer, options, metrics, on_fatal)
     app = FastAPI(title="vramguard", docs_url=None, redoc_url=None, openapi_url=None, lifespan=api.lifespan)

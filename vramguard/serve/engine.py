@@ -356,6 +356,7 @@ class Engine:
         return {"engine": self.name, "running": self.running, "in_flight": self.in_flight(), "waiting": self.waiting(),
                 "max_running": self.max_running, "max_queue": self.max_queue,
                 "kv_blocks_total": self.pool.num_blocks, "kv_blocks_used": self.kv_blocks_used(),
+                "kv_page_size": self.pool.page_size,
                 "kv_tokens_total": self.pool.pool_tokens, "kv_tokens_reserved": self.kv_tokens_reserved(),
                 "oom_recoveries": self.oom_recoveries, "step_failures": len(self.step_failure_events),
                 "isolating": len(self._suspects), "steps": self.steps[-1].index + 1 if self.steps else 0,

@@ -88,6 +88,8 @@ class _Router:
                             registry=self.registry)
         self.rejected = Counter("vramguard_router_rejected", "Requests answered 429 by the router (every worker "
                                 "full)", registry=self.registry)
+        from vramguard.serve.metrics import GatewayGauges
+        self.gateway = GatewayGauges(self.registry)  # the pod as one model server, for an inference gateway
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5),
                                         limits=httpx.Limits(max_connections=None, max_keepalive_connections=1024))
         self.fatal: str | None = None
@@ -138,6 +140,12 @@ class _Router:
         return JSONResponse(body, status_code=200 if ok else 503)
 
     async def metrics(self):
+        """The router's counters, and the Model Server Protocol's gauges of all healthy workers together (as of
+        the last /health poll)."""
+        from vramguard.serve.metrics import combined_stats
+        up = [w for w in self.workers if w.healthy]
+        name = next((str(w.stats.get("model")) for w in up if w.stats.get("model")), "vramguard")
+        self.gateway.set(combined_stats([w.stats for w in up]), name)
         return Response(generate_latest(self.registry), media_type="text/plain; version=0.0.4")
 
     async def models(self, request: Request):

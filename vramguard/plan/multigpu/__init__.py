@@ -1,0 +1,153 @@
+"""Planning one process over several GPUs: ``device_map="auto"`` across cards and ``tp_plan="auto"`` per rank.
+
+The split comes from transformers itself on the meta model (:mod:`vramguard.plan.multigpu.devicemap`,
+:mod:`vramguard.plan.multigpu.tensorparallel`); each card's need and the verdict from :mod:`vramguard.plan.multigpu.cards`.
+Needs torch, transformers and accelerate; pure otherwise (no CUDA call).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from vramguard.catalog.gpus import GpuSpec
+from vramguard.errors import InvalidValue
+from vramguard.memory.runtime import CUDA_CONTEXT_BYTES
+from vramguard.plan.multigpu.cards import (CardNeed, MaxMemoryFix, MultiGpuPlan, check_cards, device_map_needs,
+                                           tp_needs)
+from vramguard.settings import Settings
+from vramguard.spec import ModelSpec
+
+__all__ = ["CardNeed", "MaxMemoryFix", "MultiGpuPlan", "default_max_memory", "fix_max_memory", "plan_gpus"]
+
+NCCL_NOTE = ("not counted: NCCL's communicator buffers on each rank (allocated outside PyTorch's allocator, "
+             "typically a few hundred MiB)")
+LOAD_NOTE = "not counted: the load's transients (a weight in 16-bit while bitsandbytes quantizes it)"
+
+
+def default_max_memory(gpus: list[GpuSpec]) -> tuple[int, ...]:
+    """What ``from_pretrained`` takes as each card's ``max_memory`` when none is given: the free memory once the
+    CUDA context exists (accelerate's ``get_max_memory`` reads ``torch.cuda.mem_get_info`` after creating it):
+    ``total - used by other processes - CUDA context`` bytes."""
+    return tuple(max(g.total_bytes - g.used_by_others_bytes - CUDA_CONTEXT_BYTES, 0) for g in gpus)
+
+
+def _require_libraries() -> None:
+    """Raise NotPlannable naming the missing package: the split is transformers' and accelerate's own."""
+    from vramguard.errors import NotPlannable
+    for package in ("torch", "transformers", "accelerate"):
+        try:
+            __import__(package)
+        except ImportError as e:
+            raise NotPlannable("gpus", package, "torch, transformers and accelerate installed (the split over "
+                               "several cards is theirs, computed on the meta device)",
+                               f"pip install 'vramguard[gpu]' ({str(e).splitlines()[0][:120]})") from None
+
+
+def _needs(spec: ModelSpec, s: Settings, split, gpus: list[GpuSpec], layout: str) -> tuple[CardNeed, ...]:
+    return tp_needs(spec, s, split, gpus) if layout == "tp" else device_map_needs(spec, s, split, gpus)
+
+
+def _largest_prompt(spec: ModelSpec, s: Settings, split, gpus: list[GpuSpec], layout: str) -> int | None:
+    """The largest prompt with which every card fits (``s.max_new_tokens`` new tokens), or None."""
+    from vramguard.plan.solve import _largest
+
+    def worst(p: int) -> int:
+        return max(c.need_bytes - c.usable_bytes for c in _needs(spec, replace(s, prompt_tokens=p), split, gpus,
+                                                                  layout))
+    return _largest(1, spec.max_position_embeddings - s.max_new_tokens, worst, 0)
+
+
+def plan_gpus(model: str | ModelSpec, settings: Settings | None = None, *, gpus: list[GpuSpec], tp: int | None = None,
+              max_memory: list[int] | tuple[int, ...] | None = None, device_map: str = "auto",
+              solve: bool = True) -> MultiGpuPlan:
+    """Plan ``model`` run by one process over ``gpus`` together.
+
+    Args:
+        model: a ModelSpec, or anything :func:`vramguard.resolve.resolve_model` accepts.
+        settings: the run's settings (default :class:`Settings`).
+        gpus: the cards, in device order (2 or more; they may differ).
+        tp: tensor parallelism over the cards (``tp_plan="auto"``, one rank per card); None: ``device_map="auto"``.
+        max_memory: bytes per card handed to ``from_pretrained(max_memory=...)``; default
+            :func:`default_max_memory`.
+        device_map: ``auto`` (balanced over the cards, transformers' default) or ``sequential`` (each card filled
+            in turn).
+        solve: also find the largest prompt every card fits, and, when a card does not fit while others have room,
+            a ``max_memory`` under which every card fits (:func:`fix_max_memory`).
+
+    Returns:
+        A :class:`MultiGpuPlan`: per card weights, KV cache, activations, reserve, workspace, CUDA context, need and
+        headroom; the limiting card; the largest prompt.
+
+    Raises:
+        InvalidValue: fewer than 2 cards, ``tp`` not the number of cards or not dividing the KV heads,
+            ``max_memory`` not one positive size per card.
+        NotPlannable: no tensor-parallel plan for the architecture, or quantized weights with ``tp``.
+        UnknownModel, ConfigError: the model cannot be read.
+    """
+    from vramguard.plan.planner import check_context
+    from vramguard.resolve import resolve_model
+    spec = model if isinstance(model, ModelSpec) else resolve_model(model)
+    if tp is not None or spec.generic:  # a hand family's device_map split also runs without them
+        _require_libraries()
+    s = settings or Settings()
+    check_context(spec, s)
+    check_cards(gpus, tp)
+    notes = []
+    if tp is not None:
+        from vramguard.plan.multigpu.tensorparallel import tp_shards
+        split, layout = tp_shards(spec, s, tp), "tp"
+        notes.append(NCCL_NOTE)
+        if spec.generic:
+            notes.append("activations of this architecture are kept whole on every rank (an upper bound); its KV "
+                         "cache is divided by tp")
+    else:
+        from vramguard.plan.multigpu.devicemap import split_weights
+        mm = tuple(max_memory) if max_memory is not None else default_max_memory(gpus)
+        if len(mm) != len(gpus) or any(isinstance(b, bool) or not isinstance(b, int) or b <= 0 for b in mm):
+            raise InvalidValue("max_memory", list(mm), f"one positive size in bytes per card ({len(gpus)})",
+                               "give as many sizes as cards")
+        if device_map not in ("auto", "sequential"):
+            raise InvalidValue("device_map", device_map, "auto or sequential",
+                               "pass device_map='auto' (balanced) or 'sequential'")
+        split, layout = split_weights(spec, s, mm, device_map), "device_map"
+        if split.offloaded:
+            notes.append(f"{len(split.offloaded)} module(s) do not fit the cards' max_memory and go to CPU RAM "
+                         f"({sum(split.offloaded.values()):,} B): device_map='auto' runs them from the CPU, slowly"
+                         + ("; transformers refuses to load bitsandbytes weights so" if s.is_bnb else ""))
+        if s.is_bnb:
+            notes.append(LOAD_NOTE)
+    cards = _needs(spec, s, split, gpus, layout)
+    used = [c for c in cards if c.need_bytes] or list(cards)
+    limit = min(used, key=lambda c: c.headroom_bytes).card  # of the cards in use: the least headroom
+    best = _largest_prompt(spec, s, split, gpus, layout) if solve else None
+    offloaded = sum(split.offloaded.values()) if layout == "device_map" else 0
+    fits = all(c.fits for c in cards) and not offloaded
+    fix = fix_max_memory(spec, s, gpus, cards) if solve and layout == "device_map" and not fits else None
+    return MultiGpuPlan(spec, s, layout, cards, limit, best, split, notes, offloaded, device_map, fix)
+
+
+FIX_ROUNDS = 8
+
+
+def fix_max_memory(spec: ModelSpec, s: Settings, gpus: list[GpuSpec], cards) -> MaxMemoryFix | None:
+    """A ``device_map="sequential"`` ``max_memory`` under which every card fits, or None.
+
+    Each card starts with room for weights of ``usable - (need - weights)`` (what its runtime leaves), whole MiB;
+    transformers' split is taken with it, and a card still short loses that much room, up to :data:`FIX_ROUNDS`
+    times (the layers it gives up move to the next card, with their KV cache). ``auto`` cannot do this: it caps
+    every card but the last at half the model, whatever their sizes.
+    """
+    from vramguard.plan.multigpu.devicemap import split_weights
+    from vramguard.units import MiB
+    if sum(c.usable_bytes for c in cards) < sum(c.need_bytes for c in cards):
+        return None
+    room = [max(c.usable_bytes - (c.need_bytes - c.weights_bytes), 0) // MiB * MiB for c in cards]
+    for _ in range(FIX_ROUNDS):
+        if not all(room):
+            return None
+        split = split_weights(spec, s, tuple(room), "sequential")
+        needs = device_map_needs(spec, s, split, gpus)
+        if all(c.fits for c in needs) and not split.offloaded:
+            return MaxMemoryFix("sequential", tuple(room), split.layers, needs)
+        room = [r - (-(-(-c.headroom_bytes) // MiB) * MiB if not c.fits else 0) for r, c in zip(room, needs)]
+    return None
