@@ -36,6 +36,11 @@ ARCHS: dict[str, dict] = {
                      first_k_dense_replace=1, head_dim=16, n_group=1, topk_group=1),
 }
 
+# what transformers' continuous batching cannot run, where serve's default engine (auto) takes the generate engine:
+# MLA, linear attention, Mamba and chunked attention on 5.17 and 5.24; on 5.24 also the models whose attention calls
+# the cache's own methods (Bloom, Falcon and GPT-NeoX: get_seq_length, update's kwargs), which 5.17 runs
+CB_REFUSED = ("deepseek_v2", "deepseek_v3", "granitemoehybrid", "llama4_text", "qwen3_next")
+CB_REFUSED_524 = ("bloom", "falcon", "gpt_neox")
 
 def save_arch(folder, model_type: str, dtype: str = "bfloat16"):
     """Build the tiny random model of ``model_type`` (seed 0), save it in ``folder`` and return the model."""

@@ -8,7 +8,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from archs import ARCHS, save_arch  # noqa: E402
+from archs import ARCHS, CB_REFUSED, CB_REFUSED_524, save_arch  # noqa: E402
 
 from vramguard.memory.weights import rounded, weight_bytes  # noqa: E402
 from vramguard.memory.kv import kv_cache_bytes  # noqa: E402
@@ -189,19 +189,19 @@ SERVE_REFUSED = {"qwen3_next": "linear_attention", "deepseek_v2": "first request
 
 
 @pytest.mark.parametrize("model_type,why", sorted(SERVE_REFUSED.items()))
-def test_serve_refuses_what_continuous_batching_cannot_run(tmp_path, model_type, why):
-    """transformers' continuous batching has no linear-attention layer and no MLA cache: serve says so at start,
-    naming the model type and the alternative, instead of failing every request."""
+def test_the_continuous_engine_refuses_what_it_cannot_run(tmp_path, model_type, why):
+    """transformers' continuous batching has no linear-attention layer and no MLA cache: chosen explicitly, the
+    continuous engine says so at start, naming the model type and the generate engine, instead of failing every
+    request (the default engine, auto, serves such a model with generate: tests/test_serve_generic.py)."""
     from conftest import save_word_tokenizer
 
-    from vramguard.errors import ConfigError
-    from vramguard.serve.server import build
+    from vramguard.serve.server import ContinuousBatchingRefused, build
     save_arch(tmp_path, model_type)
     save_word_tokenizer(tmp_path, 256)
-    with pytest.raises(ConfigError) as e:
+    with pytest.raises(ContinuousBatchingRefused) as e:
         build(str(tmp_path), quant="fp32", page_size=16, max_batch_tokens=64, max_running=4, max_queue=4,
-              max_kv_blocks=20, verify=False, served_name="tiny")
-    assert model_type in str(e.value) and why in str(e.value) and "vramguard run" in str(e.value)
+              max_kv_blocks=20, verify=False, served_name="tiny", engine_choice="continuous")
+    assert model_type in str(e.value) and why in str(e.value) and "'generate'" in str(e.value)
 
 
 def test_the_load_plan_counts_the_fused_expert_conversion(arch_dir):
@@ -325,23 +325,19 @@ def test_generic_replay_agrees_with_the_hand_models_on_the_measured_matrix(case)
     assert abs(g - case["peak_total"]) / case["peak_total"] < 0.01
 
 
-@pytest.mark.parametrize("model_type", TYPES)
-def test_serve_either_answers_or_refuses_at_start(tmp_path, model_type):
-    """Every architecture: the server answers a completion, or refuses to start naming transformers' continuous
-    batching and what failed; never a server whose requests all fail."""
+@pytest.mark.parametrize("model_type", [t for t in TYPES if t not in CB_REFUSED + CB_REFUSED_524])
+def test_serve_answers_with_continuous_batching(tmp_path, model_type):
+    """Every architecture continuous batching runs is served by it (the others by the generate engine:
+    tests/test_serve_generic.py); never a server whose requests all fail."""
     import httpx
     from conftest import save_word_tokenizer
 
-    from vramguard.errors import ConfigError
     from vramguard.serve.server import build
     save_arch(tmp_path, model_type)
     save_word_tokenizer(tmp_path, 256)
-    try:
-        s = build(str(tmp_path), quant="fp32", page_size=16, max_batch_tokens=64, max_running=4, max_queue=4,
-                  max_kv_blocks=20, verify=False, served_name="tiny")
-    except ConfigError as e:
-        assert "continuous batching" in str(e) and model_type in str(e) and "vramguard run" in str(e)
-        return
+    s = build(str(tmp_path), quant="fp32", page_size=16, max_batch_tokens=64, max_running=4, max_queue=4,
+              max_kv_blocks=20, verify=False, served_name="tiny")
+    assert s.engine.name == "continuous"
     try:
         url = s.start_background()
         r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "w1 w2", "max_tokens": 3},

@@ -137,3 +137,45 @@ def test_the_bracketed_search_finds_the_exact_boundary_of_any_monotone_need():
         want = max((v for v in range(lo, hi + 1) if values[v] <= usable), default=None)
         assert _largest(lo, hi, need, usable) == want
     check()
+
+
+def test_max_batch_is_the_exact_boundary_in_few_evaluations(monkeypatch):
+    """``max_batch`` starts from the line through batch 1 and 2: against the definition (largest b <= 65,536 with
+    need(b) <= usable) for needs that are linear, convex or stepped, and in at most 6 evaluations for a linear need
+    (doubling from 1 took 17 to reach 65,536)."""
+    from hypothesis import given, settings, strategies as st
+
+    from vramguard.plan import solve
+
+    def run(base, slope, curve, step, usable):
+        """(max_batch's answer, the definition's, max_batch's evaluations) for this need."""
+        calls = []
+
+        def need(_spec, s):
+            calls.append(s.batch)
+            b = s.batch
+            return base + slope * b + curve * b * b + ((b // step) * step * 3 if step < 4096 else 0)
+        monkeypatch.setattr(solve, "_need", need)
+        want = None
+        lo, hi = 1, solve.MAX_BATCH_SEARCH  # need is increasing in b: the boundary by bisection is the definition
+        if need(None, Settings(batch=1)) <= usable:
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                lo, hi = (mid, hi) if need(None, Settings(batch=mid)) <= usable else (lo, mid - 1)
+            want = lo
+        calls.clear()
+        return solve.max_batch(None, Settings(), usable), want, len(calls)
+
+    @settings(max_examples=200, deadline=None)
+    @given(st.integers(1, 10**6), st.integers(0, 10**4), st.integers(0, 50), st.integers(1, 4096),
+           st.integers(0, 10**11))
+    def check(base, slope, curve, step, usable):
+        got, want, _ = run(base, slope, curve, step, usable)
+        assert got == want
+    check()
+    # linear needs: 10**6 + 7 b under 10**9 -> (10**9 - 10**6) // 7 = 142,714, beyond the search: 65,536;
+    # 3 + b under 40,000 -> 39,997; 5e9 + 123,456,789 b under 24 GiB -> (25,769,803,776 - 5e9) // 123,456,789 = 168
+    for args, boundary in (((10**6, 7, 0, 4096, 10**9), 65_536), ((3, 1, 0, 4096, 40_000), 39_997),
+                           ((5 * 10**9, 123_456_789, 0, 4096, 24 * 2**30), 168)):
+        got, want, calls = run(*args)
+        assert got == want == boundary and calls <= 6, (args, got, calls)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import sys
+from enum import Enum
 from typing import Optional
 
 import typer
@@ -12,11 +13,13 @@ import typer
 from vramguard.cli.common import install_fix, run_guarded, say, size_option
 from vramguard.cli.options import DtypeArg, LoadAttn, Quant, quant_option, strip_options
 from vramguard.errors import InvalidValue
+from vramguard.serve.generate_engine import ENGINES
 
 # what serve imports, checked before anything is loaded
 SERVE_PACKAGES = ("torch", "transformers", "accelerate", "fastapi", "uvicorn", "sse_starlette", "prometheus_client",
                   "httpx")
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+ServeEngine = Enum("ServeEngine", {v: v for v in ENGINES}, type=str)
 # options the router sets for its workers itself; the rest of the command line is passed on to each worker
 ROUTER_OPTIONS = ("--gpus", "--host", "--port", "--api-key", "--ready-file")
 
@@ -51,6 +54,10 @@ def serve(
     n_max: int = typer.Option(4, help="largest n (choices per request)"),
     default_max_tokens: int = typer.Option(256, help="max_tokens of a request that gives none"),
     max_body_size: str = typer.Option("1MiB", help="largest request body; more gets 413"),
+    engine: ServeEngine = typer.Option(ServeEngine["auto"], help="continuous: transformers' continuous batching "
+                                       "(paged KV pool, many requests per step); generate: the model's own generate, "
+                                       "one request at a time, for any architecture; auto: continuous where it runs "
+                                       "the model, else generate (the start log says which and why)"),
     greedy: bool = typer.Option(False, help="decode every request greedily (no sampling work in the step); requests "
                                             "asking for temperature > 0 are refused"),
     ready_file: Optional[str] = typer.Option(None, hidden=True, help="write the URL here once listening"),
@@ -74,7 +81,7 @@ def serve(
                          dtype=dtype.value if dtype and dtype.value != "auto" else None, attn=attn.value,
                          trust_remote_code=trust_remote_code, allow_pickle=allow_pickle, seed=seed,
                          served_name=served_model_name, n_max=n_max, default_max_tokens=default_max_tokens,
-                         max_body_bytes=body, greedy=greedy, hard_cap=True)
+                         max_body_bytes=body, greedy=greedy, hard_cap=True, engine_choice=engine.value)
 
     rc = run_guarded(start)
     if rc:

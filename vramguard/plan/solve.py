@@ -58,6 +58,14 @@ def _largest(lo: int, hi: int, need: Callable[[int], int], usable: int) -> int |
     return a
 
 
+def _linear_guess(x0: int, f0: int, x1: int, f1: int, usable: int, hi: int) -> int:
+    """Where the line through ``(x0, f0)`` and ``(x1, f1)`` crosses ``usable``, plus one, within ``[x1, hi]``
+    (``hi`` for a line that does not rise)."""
+    if f1 <= f0:
+        return hi
+    return min(max(x1 + (usable - f1) * (x1 - x0) // (f1 - f0) + 1, x1), hi)
+
+
 def max_prompt_tokens(spec: ModelSpec, s: Settings, usable_bytes: int) -> int | None:
     """Largest prompt (tokens) that fits ``usable_bytes`` with ``s.max_new_tokens`` new tokens, or None."""
     hi = spec.max_position_embeddings - s.max_new_tokens
@@ -71,15 +79,21 @@ def max_new_tokens(spec: ModelSpec, s: Settings, usable_bytes: int) -> int | Non
 
 
 def max_batch(spec: ModelSpec, s: Settings, usable_bytes: int) -> int | None:
-    """Largest batch that fits (doubling, then the bracketed search up to 65,536), or None when 1 does not."""
+    """Largest batch that fits (up to 65,536), or None when 1 does not. The need is nearly linear in the batch:
+    the line through batch 1 and 2 gives the first upper end of the bracket (doubled while it still fits), then
+    :func:`_largest` finds the exact boundary inside it."""
     def need(b: int) -> int:
         return _need(spec, _with(s, batch=b))
-    if need(1) > usable_bytes:
+    f1 = need(1)
+    if f1 > usable_bytes:
         return None
-    hi = 1
-    while hi < MAX_BATCH_SEARCH and need(hi * 2) <= usable_bytes:
-        hi *= 2
-    return _largest(hi, min(hi * 2 - 1, MAX_BATCH_SEARCH), need, usable_bytes)
+    f2 = need(2)
+    if f2 > usable_bytes:
+        return 1
+    lo, hi = 2, _linear_guess(1, f1, 2, f2, usable_bytes, MAX_BATCH_SEARCH)
+    while hi < MAX_BATCH_SEARCH and need(hi) <= usable_bytes:
+        lo, hi = hi, min(hi * 2, MAX_BATCH_SEARCH)
+    return _largest(lo, hi, need, usable_bytes)
 
 
 def _with(s: Settings, **changes) -> Settings:

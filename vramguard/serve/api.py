@@ -137,7 +137,7 @@ class _Api:
         self.limits = Limits(context_length=options.context_length, vocab_size=engine.vocab_size,
                              n_max=options.n_max, default_max_tokens=options.default_max_tokens,
                              model_names=(options.model_id, *options.model_aliases), greedy_only=engine.greedy_only,
-                             pool_tokens=engine.pool.pool_tokens, fits_pool=engine.fits_pool)
+                             pool_tokens=engine.pool.pool_tokens, budget_refusal=engine.budget_refusal)
         self.refusals = RefusalLog(metrics)
         self.admission = Admission(engine, metrics, self.refusals)
         eos = tokenizer.eos_token_id if tokenizer is not None else None
@@ -184,7 +184,8 @@ class _Api:
     def model_card(self) -> dict:
         return {"id": self.options.model_id, "object": "model", "created": self.options.created,
                 "owned_by": "vramguard",
-                "context_length": self.options.context_length, "kv_pool_tokens": self.engine.pool.pool_tokens}
+                "context_length": self.options.context_length, "kv_pool_tokens": self.engine.pool.pool_tokens,
+                "engine": self.engine.name}
 
     def _decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=True) if self.tokenizer is not None else ""

@@ -145,6 +145,8 @@ class Engine:
     raising ``torch.OutOfMemoryError`` there exercises recovery exactly as a real OOM in the forward would.
     """
 
+    name = "continuous"  # the value of serve's engine choice that selects this engine
+
     def __init__(self, model, tokenizer, pool: PoolPlan, *, max_queue: int = 64, seed: int | None = 0,
                  metrics=None, greedy_only: bool = False):
         self.model, self.tokenizer, self.pool = model, tokenizer, pool
@@ -270,13 +272,16 @@ class Engine:
         return Infeasible("vram_budget", f"a KV pool of {p.num_blocks} blocks ({fmt_bytes(p.pool_bytes)})",
                           f"a pool the engine accepts ({seen})", fix)
 
-    def stop(self) -> None:
-        """Stop the engine thread (idempotent; waits up to 10 s)."""
+    def stop(self, hard: bool = False) -> None:
+        """Stop the engine thread (idempotent; waits up to 10 s). ``hard``: without finishing the requests it holds
+        (transformers' ``hard_stop``, where the installed version has it), for an engine being discarded."""
+        import inspect
         self.accepting = False
         if self._manager is not None and not self._stopped:
             self._stopped = True
+            kw = {"hard_stop": True} if hard and "hard_stop" in inspect.signature(self._manager.stop).parameters else {}
             try:
-                self._manager.stop(block=True, timeout=10)
+                self._manager.stop(block=True, timeout=10, **kw)
             except Exception as e:  # noqa: BLE001 - shutting down: report, never raise
                 log.warning("engine stop: %s", e)
 
@@ -348,7 +353,7 @@ class Engine:
 
     def stats(self) -> dict:
         """Counts for /health, the metrics and the router (requests, KV blocks and tokens, recoveries, steps)."""
-        return {"running": self.running, "in_flight": self.in_flight(), "waiting": self.waiting(),
+        return {"engine": self.name, "running": self.running, "in_flight": self.in_flight(), "waiting": self.waiting(),
                 "max_running": self.max_running, "max_queue": self.max_queue,
                 "kv_blocks_total": self.pool.num_blocks, "kv_blocks_used": self.kv_blocks_used(),
                 "kv_page_size": self.pool.page_size,
@@ -398,6 +403,15 @@ class Engine:
     def fits_pool(self, tokens: int) -> bool:
         """Whether one request of ``tokens`` (prompt + max new) can ever be held by the pool."""
         return blocks_needed(tokens, self.pool.page_size) <= self.pool.num_blocks
+
+    def budget_refusal(self, prompt_tokens: int, max_new_tokens: int, limit_field: str) -> str | None:
+        """Why one request of this shape can never run here (it needs more KV blocks than the whole pool), or
+        None when it can."""
+        if self.fits_pool(prompt_tokens + max_new_tokens):
+            return None
+        return (f"{limit_field}: {prompt_tokens:,} prompt + {max_new_tokens:,} new tokens needs more KV cache than "
+                f"this server's whole pool ({self.pool.pool_tokens:,} tokens, sized for its --vram-budget); it can "
+                f"never run here: keep prompt + {limit_field} <= {self.pool.pool_tokens:,}")
 
     def submit(self, input_ids: list[int], max_new_tokens: int, sampling: Sampling,
                eos_token_id: int | list[int] | None = None) -> Handle:

@@ -12,7 +12,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from vramguard.errors import InvalidValue
+from vramguard.errors import ConfigError, InvalidValue
 from vramguard.serve.api import BODY_TIMEOUT_S, SHUTDOWN_GRACE_S, ServeOptions, create_app
 from vramguard.serve.engine import Engine
 from vramguard.serve.metrics import Metrics
@@ -234,30 +234,19 @@ def make_server(app, host: str, port: int, on_listen=None, on_shutdown=None):
 SMOKE_TIMEOUT_S = 300.0  # seconds the two-token request before serving may take (a large model's first step)
 
 
-def _cannot_serve(model, why: str):
-    from vramguard.errors import ConfigError
-    return ConfigError("MODEL", getattr(model.config, "model_type", "?"),
-                       "an architecture transformers' continuous batching (the serve engine) can run",
-                       f"{why[:300]}; `vramguard run` generates with this model, or serve it with another engine")
+class ContinuousBatchingRefused(ConfigError):
+    """transformers' continuous batching cannot run this model (``why``: what failed); the generate engine can."""
+
+    def __init__(self, model_type: str, why: str):
+        self.why = why[:300]
+        super().__init__("MODEL", model_type, "an architecture transformers' continuous batching (the engine "
+                         "'continuous') can run", f"{self.why}; serve it with the engine 'generate' (the model's own "
+                         "generate, one request at a time), which the engine 'auto' picks for such a model")
 
 
-def _started_engine(model, tokenizer, pool, **kw) -> Engine:
-    """The engine, started, after one two-token greedy request went through it: transformers' continuous batching
-    does not run every architecture (its paged cache holds attention layers of one K/V shape), and a model it
-    cannot run is refused here rather than failing every request.
-
-    Raises:
-        ConfigError: the engine cannot be built for this model or its first request fails (not out of memory).
-    """
-    import torch
-
+def _first_request_error(engine) -> str | None:
+    """Run one two-token greedy request through a started engine; the error text it ended with, or None."""
     from vramguard.serve.engine import Sampling
-    try:
-        engine = Engine(model, tokenizer, pool, **kw)
-        kw["metrics"]._engine_stats = engine.stats
-        engine.start()
-    except (ValueError, NotImplementedError, TypeError, KeyError) as e:
-        raise _cannot_serve(model, f"{type(e).__name__}: {e}") from None
 
     async def one_request():
         h = engine.submit([min(1, engine.vocab_size - 1)] * 2, 2, Sampling(temperature=0))
@@ -271,14 +260,96 @@ def _started_engine(model, tokenizer, pool, **kw) -> Engine:
                 engine.finish(h.request_id)
                 return None
 
-    err = asyncio.run(one_request())
-    if err is not None and "out of memory" not in err.lower():
-        engine.stop()
-        engine.release()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-        raise _cannot_serve(model, f"its first request failed: {err}")
+    return asyncio.run(one_request())
+
+
+def _discard(engine) -> None:
+    import torch
+    engine.stop(hard=True)
+    engine.release()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _started_engine(model, tokenizer, pool, **kw) -> Engine:
+    """The continuous-batching engine, started, after one two-token greedy request went through it: transformers'
+    continuous batching does not run every architecture (its paged cache holds attention layers of one K/V shape),
+    and a model it cannot run is refused here rather than failing every request. The model's attention
+    implementation is put back when the engine is refused.
+
+    Raises:
+        ContinuousBatchingRefused: the engine cannot be built for this model or its first request fails (not out
+            of memory).
+    """
+    model_type = getattr(model.config, "model_type", "?")
+    before = model.config._attn_implementation
+    engine = None
+    try:
+        engine = Engine(model, tokenizer, pool, **kw)
+        kw["metrics"]._engine_stats = engine.stats
+        engine.start()
+        err = _first_request_error(engine)
+        if err is not None and "out of memory" not in err.lower():
+            raise ContinuousBatchingRefused(model_type, f"its first request failed: {err}")
+    except (ContinuousBatchingRefused, ValueError, NotImplementedError, TypeError, KeyError, AttributeError,
+            RuntimeError) as e:  # RuntimeError: transformers 5.17 reports a layer type it lacks as "did not start"
+        if isinstance(e, RuntimeError) and "out of memory" in str(e).lower():
+            raise
+        if engine is not None:
+            _discard(engine)
+        if model.config._attn_implementation != before:
+            model.set_attn_implementation(before)
+        if isinstance(e, ContinuousBatchingRefused):
+            raise
+        raise ContinuousBatchingRefused(model_type, f"{type(e).__name__}: {e}") from None
     engine.clear_history()
+    return engine
+
+
+def _generate_engine(model, tokenizer, spec, vram_budget: int | None, **kw):
+    """The generate engine (:mod:`vramguard.serve.generate_engine`), its plan made for the memory usable now,
+    started after one two-token greedy request went through it.
+
+    Raises:
+        Infeasible: not even a two-token request fits. ConfigError: the model's generate failed on that request.
+    """
+    from vramguard.run.generate import _attn_of, _quant_of
+    from vramguard.serve.generate_engine import GenerateEngine, plan_requests
+    from vramguard.settings import Settings
+    usable, source = _usable(vram_budget, model)
+    settings = Settings(quant=_quant_of(model), attn=_attn_of(model))
+    plan = plan_requests(spec, settings, usable, spec.max_position_embeddings, source)
+    engine = GenerateEngine(model, tokenizer, plan, spec, settings, **kw)
+    kw["metrics"]._engine_stats = engine.stats
+    engine.start()
+    err = _first_request_error(engine)
+    if err is not None and "out of memory" not in err.lower():
+        _discard(engine)
+        raise ConfigError("MODEL", getattr(model.config, "model_type", "?"), "a model whose generate runs",
+                          f"its generate failed on a two-token request: {err[:300]}")
+    engine.clear_history()
+    return engine
+
+
+def _chosen_engine(choice: str, model, tokenizer, spec, vram_budget: int | None, paged_pool, **kw):
+    """The engine ``choice`` names ("continuous", "generate", or "auto": continuous batching where it runs the
+    model, else generate, with a note saying why); ``paged_pool()`` plans the continuous engine's pool.
+
+    Raises:
+        ContinuousBatchingRefused: "continuous" for a model continuous batching cannot run.
+    """
+    why = None
+    if choice != "generate":
+        try:
+            return _started_engine(model, tokenizer, paged_pool(), **kw)
+        except ContinuousBatchingRefused as e:
+            if choice == "continuous":
+                raise
+            why = e.why
+    engine = _generate_engine(model, tokenizer, spec, vram_budget, **kw)
+    engine.notes.append("engine: the model's own generate, one request at a time ("
+                        + (f"transformers' continuous batching cannot run {model.config.model_type}: {why}"
+                           if why else "engine 'generate' chosen") + ")")
     return engine
 
 
@@ -336,21 +407,43 @@ def _check_limits(body_timeout_s: float, **counts: tuple[int, int]) -> None:
             raise InvalidValue(name, value, f"an integer from {lo} to {MAX_COUNT:,}", f"pass at most {MAX_COUNT:,}")
 
 
+def _paged_pool(spec, m, usable: int, source: str, *, page_size: int, max_batch_tokens: int, max_requests: int,
+                max_kv_blocks: int | None) -> PoolPlan:
+    """The continuous engine's KV pool for ``usable`` bytes (:func:`~vramguard.serve.pool.plan_pool`), capped at
+    ``max_kv_blocks``."""
+    import torch
+    act_bytes = torch.finfo(m.dtype).bits // 8 if m.dtype.is_floating_point else 2
+    flash = "flash" in (m.config._attn_implementation or "")
+    pool = plan_pool(spec, usable, act_bytes=act_bytes, flash=flash, page_size=page_size,
+                     max_batch_tokens=max_batch_tokens, max_requests=max_requests,
+                     on_cuda=next(m.parameters()).is_cuda, source=source)
+    if max_kv_blocks is not None and max_kv_blocks < pool.num_blocks:
+        pool.num_blocks, pool.pool_tokens = max_kv_blocks, max_kv_blocks * page_size
+        pool.pool_bytes = pool.pool_tokens * pool.kv_bytes_per_token
+        pool.source += f"; capped at {max_kv_blocks} blocks by --max-kv-blocks"
+    return pool
+
+
 def build(model: str, *, vram_budget: int | None = None, max_queue: int = 64, max_running: int = 64,
           max_batch_tokens: int = 2048, page_size: int = 256, api_key: str | None = None, quant: str = "nf4",
           dtype: str | None = None, attn: str = "auto", trust_remote_code: bool = False, allow_pickle: bool = False,
           seed: int = 0, served_name: str | None = None, n_max: int = 4, default_max_tokens: int = 256,
           max_body_bytes: int = 1 << 20, max_kv_blocks: int | None = None, greedy: bool = False,
           hard_cap: bool = False, verify: bool = True, loaded=None,
-          body_timeout_s: float = BODY_TIMEOUT_S) -> Served:
+          body_timeout_s: float = BODY_TIMEOUT_S, engine_choice: str = "auto") -> Served:
     """Load ``model`` and prepare the server (no socket yet). ``body_timeout_s``: a request body must arrive
-    within this many seconds of its headers (408 otherwise).
+    within this many seconds of its headers (408 otherwise). ``engine_choice``: "continuous" (transformers'
+    continuous batching with a paged KV pool), "generate" (the model's own generate, one request at a time,
+    admitted by the plan: :mod:`vramguard.serve.generate_engine`) or "auto" (continuous where it runs the model).
 
     Raises:
         InvalidValue: a limit out of range. Infeasible: the budget leaves no room for the pool.
         UnknownModel / ConfigError: from :func:`vramguard.runtime.load.load_model`.
     """
     cap_before = None
+    from vramguard.serve.generate_engine import ENGINES
+    if engine_choice not in ENGINES:
+        raise InvalidValue("engine", engine_choice, " | ".join(ENGINES), "pass one of: " + ", ".join(ENGINES))
     _check_limits(body_timeout_s, max_queue=(max_queue, 0), max_running=(max_running, 1),
                   max_batch_tokens=(max_batch_tokens, 16), page_size=(page_size, 4), n_max=(n_max, 1),
                   default_max_tokens=(default_max_tokens, 1))
@@ -384,20 +477,17 @@ def build(model: str, *, vram_budget: int | None = None, max_queue: int = 64, ma
         raise Infeasible("vram_budget", fmt_bytes(vram_budget or 0), f"more than the {fmt_bytes(held)} already "
                          "taken by the weights and runtime", "raise --vram-budget"
                          + (", or quantize the weights (--quant nf4)" if quant not in ("nf4", "fp4") else ""))
-    act_bytes = torch.finfo(m.dtype).bits // 8 if m.dtype.is_floating_point else 2
-    flash = "flash" in (m.config._attn_implementation or "")
-    pool = plan_pool(spec, usable, act_bytes=act_bytes, flash=flash, page_size=page_size,
-                     max_batch_tokens=max_batch_tokens, max_requests=max_running,
-                     on_cuda=next(m.parameters()).is_cuda, source=source)
-    if max_kv_blocks is not None:
-        if max_kv_blocks < 1:
-            raise InvalidValue("max_kv_blocks", max_kv_blocks, "an integer >= 1", "pass --max-kv-blocks 1 or more")
-        if max_kv_blocks < pool.num_blocks:
-            pool.num_blocks, pool.pool_tokens = max_kv_blocks, max_kv_blocks * page_size
-            pool.pool_bytes = pool.pool_tokens * pool.kv_bytes_per_token
-            pool.source += f"; capped at {max_kv_blocks} blocks by --max-kv-blocks"
+    if max_kv_blocks is not None and max_kv_blocks < 1:
+        raise InvalidValue("max_kv_blocks", max_kv_blocks, "an integer >= 1", "pass --max-kv-blocks 1 or more")
     metrics = Metrics()
-    engine = _started_engine(m, tok, pool, max_queue=max_queue, seed=seed, metrics=metrics, greedy_only=greedy)
+
+    def paged_pool():
+        return _paged_pool(spec, m, usable, source, page_size=page_size, max_batch_tokens=max_batch_tokens,
+                           max_requests=max_running, max_kv_blocks=max_kv_blocks)
+
+    engine = _chosen_engine(engine_choice, m, tok, spec, vram_budget, paged_pool, max_queue=max_queue, seed=seed,
+                            metrics=metrics, greedy_only=greedy)
+    pool = engine.pool
     import os
     aliases = tuple(sorted({str(model), os.path.abspath(str(model)), os.path.basename(os.path.normpath(str(model))),
                             str(getattr(m.config, "_name_or_path", "") or model)} - {served_name or str(model)}))

@@ -27,7 +27,8 @@ INT32_MAX = 2**31 - 1
 
 @dataclass
 class Limits:
-    """What one server accepts. ``fits_pool(tokens)``: whether one request of that many tokens fits the KV pool."""
+    """What one server accepts. ``budget_refusal(prompt_tokens, max_new_tokens, limit_field)``: why one request of
+    that shape can never run in the server's memory (the engine's text, naming ``limit_field``), or None."""
 
     context_length: int
     vocab_size: int
@@ -36,7 +37,7 @@ class Limits:
     model_names: tuple[str, ...]
     greedy_only: bool = False
     pool_tokens: int = 0
-    fits_pool: Callable[[int], bool] = lambda tokens: True
+    budget_refusal: Callable[[int, int, str], str | None] = lambda prompt_tokens, max_new_tokens, limit_field: None
 
 
 def parse_json(raw: bytes) -> dict:
@@ -185,12 +186,9 @@ def check_tokens(ids: list[int], limit: int | None, limit_field: str, prompt_fie
                                                      f"tokens is over this model's maximum context length of "
                                                      f"{ctx:,} tokens; set {limit_field} <= {ctx - len(ids):,}",
                           param=limit_field)
-    if not limits.fits_pool(len(ids) + max_new):
-        raise ApiError.of("kv_budget_exceeded", f"{limit_field}: {len(ids):,} prompt + {max_new:,} new tokens needs "
-                                                "more KV cache than this server's whole pool "
-                                                f"({limits.pool_tokens:,} tokens, sized for its --vram-budget); it "
-                                                f"can never run here: keep prompt + {limit_field} <= "
-                                                f"{limits.pool_tokens:,}", param=limit_field)
+    refusal = limits.budget_refusal(len(ids), max_new, limit_field)
+    if refusal is not None:
+        raise ApiError.of("kv_budget_exceeded", refusal, param=limit_field)
     return max_new
 
 
