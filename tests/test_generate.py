@@ -78,20 +78,20 @@ def test_a_pinned_flash_sdpa_is_lifted_for_strategies_that_pass_a_mask(model):
     """load_model pins SDPA to the flash kernel on a GPU; that kernel takes no attention mask, which chunked prefill
     and the static/quantized/offloaded caches pass. The fallback strategies run unpinned, say so, and the pin is
     back afterwards; the plain dynamic attempt keeps it."""
-    from vramguard.runtime.load import _pin_sdpa, _unpin_sdpa
-    _pin_sdpa(model, "flash")
+    from vramguard.runtime.handle import pin_of, pin_sdpa, unpin_sdpa
+    pin_sdpa(model, "flash")
     seen = []
 
     def first_prefill(phase, attempt, step):
-        seen.append((attempt, getattr(model, "_vramguard_pin", None) is not None))
+        seen.append((attempt, pin_of(model) is not None))
         return attempt == 0 and phase == "prefill"
     G.OOM_INJECTOR = oom_when(first_prefill)
     try:
         r = G.generate(model, None, PROMPT, 4)
     finally:
         G.OOM_INJECTOR = None
-        pinned_after = getattr(model, "_vramguard_pin", None) is not None
-        _unpin_sdpa(model)
+        pinned_after = pin_of(model) is not None
+        unpin_sdpa(model)
     assert (0, True) in seen and (1, False) in seen and (1, True) not in seen
     assert pinned_after
     assert r.attempts[0].sdpa_note is None and "pin to flash was lifted" in r.attempts[1].sdpa_note

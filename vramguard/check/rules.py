@@ -12,7 +12,7 @@ from vramguard.catalog.gpus import GpuSpec
 from vramguard.probe.checkpoint import CheckpointInfo
 from vramguard.probe.env import Env
 from vramguard.memory.weights import linear_groups
-from vramguard.settings import DTYPE_BYTES, Settings
+from vramguard.settings import DTYPE_BYTES, TORCH_DTYPE_NAMES, Settings
 from vramguard.spec import ModelSpec
 from vramguard.units import fmt_bytes, fmt_gib
 
@@ -180,7 +180,7 @@ def model_findings(spec: ModelSpec | None, ckpt: CheckpointInfo | None, s: Setti
                    dtype_passed: bool = False) -> list[CheckFinding]:
     """RAM against the largest shard, parameter and compute dtypes, options that force eager attention.
     Parameters in float32 are a warning (twice the memory, with the cost in bytes) unless the user passed that
-    dtype for a float32 checkpoint (field case C2)."""
+    dtype for a float32 checkpoint."""
     f: list[CheckFinding] = checkpoint_findings(ckpt, env)
     stored = (ckpt.config_dtype or ckpt.stored_dtype) if ckpt else (spec.checkpoint_dtype if spec else None)
     if spec is None and ckpt is None:
@@ -220,8 +220,7 @@ def model_findings(spec: ModelSpec | None, ckpt: CheckpointInfo | None, s: Setti
                                   "each 4-bit linear casts its input and dequantizes to the compute dtype: a slow "
                                   f"path and more memory ({cost})",
                                   f"set bnb_4bit_compute_dtype=torch.{half_name}"
-                                  + (f" and dtype=torch.{half_name}" if half_name != {"bf16": "bfloat16",
-                                                                                     "fp16": "float16"}.get(param_dtype)
+                                  + (f" and dtype=torch.{half_name}" if half_name != TORCH_DTYPE_NAMES.get(param_dtype)
                                      else "")))
         elif pre_ampere and compute == "bf16":  # the bf16 finding above says it is not native here
             f.append(CheckFinding("compute_dtype", "warn", compute, "matches the activation dtype, but bfloat16 is "

@@ -13,13 +13,13 @@ import sys
 
 import typer
 
-from vramguard.errors import ConfigError, Infeasible, InvalidValue, UnknownGpu, UnknownModel, VramguardError
+from vramguard.errors import (EXIT_INTERNAL, ConfigError, Infeasible, InvalidValue, UnknownGpu, UnknownModel,
+                              VramguardError)
 from vramguard.cli.render import console  # rich only: no torch import
 
-# 1: a check failed; 2: bad option value; 3: unknown model / card or unreadable config; 4: infeasible request;
-# 70: internal error
-EXIT_CODES: dict[type, int] = {InvalidValue: 2, ConfigError: 3, UnknownModel: 3, UnknownGpu: 3, Infeasible: 4}
-EXIT_INTERNAL = 70
+# each error's exit code, as its class defines it (vramguard.errors says what each code means)
+EXIT_CODES: dict[type, int] = {c: c.exit_code for c in (InvalidValue, ConfigError, UnknownModel, UnknownGpu,
+                                                        Infeasible)}
 # optional packages and the extra that installs each (pyproject.toml); a missing one is exit 3, not an internal error
 OPTIONAL_PACKAGES = {m: "gpu" for m in ("torch", "transformers", "accelerate", "safetensors", "bitsandbytes",
                                         "matplotlib", "optimum", "hqq")} | {
@@ -52,7 +52,7 @@ def write_json(data) -> None:
 
 def fail(e: VramguardError, as_json: bool = False) -> None:
     """Print ``e`` naming the CLI option of its field (and as JSON on stdout), then exit with its code."""
-    code = EXIT_CODES.get(type(e), getattr(e, "exit_code", 2))
+    code = e.exit_code
     flag = " + ".join(FIELD_FLAGS.get(part.strip(), part.strip()) for part in e.field.split("+"))
     say("error " + e.render(flag))
     if as_json:

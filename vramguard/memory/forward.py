@@ -12,7 +12,7 @@ Per-element costs that decide long prompts (``sc = seqs x heads x q_len x k_len`
   ``softmax(dtype=float32).to(dtype)``. PyTorch's ``softmax`` converts a bfloat16 input to float32 first (only
   float16 on CUDA takes the fused half-to-float path; aten/src/ATen/native/SoftMax.cpp), so bf16 peaks at
   2 + 4 + 4 = 10 B per score, fp16 at 2 + 4 + 2 = 8 B, fp32 at 4 + 4 = 8 B. The reference eager kernel is
-  ``softmax_warp_forward<float, float, float>`` (shared/reference), which confirms the float32 input.
+  ``softmax_warp_forward<float, float, float>`` (profiled on an H200), which confirms the float32 input.
 * SDPA flash-class kernels (flash, cuDNN, memory-efficient) and flash_attn FA2: the output plus a float32
   log-sum-exp of ``seqs x heads x q_len`` (no score matrix).
 * SDPA math: q, k, v upcast to float32 and float32 scores and probabilities, 8 B per score.
@@ -52,7 +52,7 @@ def logits_bytes(spec: ModelSpec, sequences: int, positions: int, act_dtype: str
 
     ``sequences x positions x vocab_size x dtype bytes`` and ``... x 4``. generate() keeps one position
     (``logits_to_keep=1``) and copies it to float32; a forward over the prompt (scoring, ``output_logits``)
-    keeps every position. Example (C8, Llama-3-8B, 8,192 positions, bf16): 8,192 x 128,256 x 2 =
+    keeps every position. Example (Llama-3-8B, 8,192 positions, bf16): 8,192 x 128,256 x 2 =
     2,101,346,304 B (1.957 GiB) plus 4,202,692,608 B (3.914 GiB) in float32.
     """
     n = sequences * positions * spec.vocab_size

@@ -81,7 +81,7 @@ class KvBytes:
 def kv_cache_bytes(spec: ModelSpec, s: Settings, n_tokens: int, in_prefill_chunk: int = 0) -> KvBytes:
     """KV cache of all layers after ``n_tokens`` tokens (keys and values, all sequences).
 
-    Example (C6: Llama-3.1-70B, 131,072 tokens, bf16): 80 layers x 2 x 8 heads x 131,072 x 128 x 2 B
+    Example (Llama-3.1-70B, 131,072 tokens, bf16): 80 layers x 2 x 8 heads x 131,072 x 128 x 2 B
     = 42,949,672,960 B = 40.00 GiB. A generic spec (any architecture) is answered by the tensors of the cache
     transformers creates (:func:`vramguard.introspect.generic.kv_cache_bytes`).
     """

@@ -1,4 +1,4 @@
-"""``fastdecode``: batch-1 decoding that replays one CUDA graph per generated token (issue #4).
+"""``fastdecode``: batch-1 decoding that replays one CUDA graph per generated token.
 
 At batch 1 a quantized 8B model spends most of each decode step launching kernels from Python: transformers'
 ``generate`` ran at 26.8 ms/token on an H200 against a 1.19 ms/token bandwidth bound. :class:`GraphDecoder`
@@ -298,8 +298,9 @@ class GraphDecoder:
         return time.perf_counter() - t0
 
     def _sdpa_unpinned(self):
-        """:func:`vramguard.runtime.load.sdpa_unpinned` for this call: a static cache needs a mask at every decode step."""
-        from vramguard.runtime.load import sdpa_unpinned
+        """:func:`vramguard.runtime.handle.sdpa_unpinned` for this call: a static cache needs a mask at every decode
+        step."""
+        from vramguard.runtime.handle import sdpa_unpinned
         return sdpa_unpinned(self.model, "a static cache passes a mask at every step")
 
     # -- generation -------------------------------------------------------------------------------------------
