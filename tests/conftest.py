@@ -130,9 +130,9 @@ class CliResult:
         self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
 
 
-def run_cli(*args: str, columns: str = "160") -> CliResult:
+def run_cli(*args: str, columns: str = "160", input: str | None = None) -> CliResult:
     """``python -m vramguard ARGS`` inside this process: the same ``vramguard.cli.main``, its exit code, stdout and
-    stderr, without starting an interpreter and importing torch again. A test of what only a fresh process shows
+    stderr, without starting an interpreter and importing torch again; ``input`` is its stdin. A test of what only a fresh process shows
     (a closed pipe, the warnings filters, a missing package) starts a subprocess instead."""
     import contextlib
     import io
@@ -141,9 +141,10 @@ def run_cli(*args: str, columns: str = "160") -> CliResult:
     from vramguard.cli import common, render
     from vramguard.cli import run as run_cmd
     out, err = io.StringIO(), io.StringIO()
-    saved = sys.argv, os.environ.get("COLUMNS"), common.err
+    saved = sys.argv, os.environ.get("COLUMNS"), common.err, sys.stdin
     os.environ["COLUMNS"] = columns
     sys.argv = ["vramguard", *args]
+    sys.stdin = io.StringIO(input or "")
     code = 0
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -160,4 +161,5 @@ def run_cli(*args: str, columns: str = "160") -> CliResult:
         else:
             os.environ["COLUMNS"] = saved[1]
         common.err = run_cmd.err = saved[2]
+        sys.stdin = saved[3]
     return CliResult(code, out.getvalue(), err.getvalue())

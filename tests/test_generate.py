@@ -2,11 +2,9 @@
 refusal, and the CLI streaming text from a tiny model with a real (locally built) tokenizer."""
 
 import copy
-import subprocess
-import sys
 
 import pytest
-from conftest import oom_when, save_word_tokenizer
+from conftest import oom_when, run_cli, save_word_tokenizer
 
 from vramguard.run import generate as G
 from vramguard.errors import Infeasible
@@ -136,13 +134,11 @@ def _tokenizer(folder):
 def test_cli_run_streams_text_and_summarizes(tiny):
     folder, _ = tiny("LlamaConfig", **CFG)
     _tokenizer(folder)
-    r = subprocess.run([sys.executable, "-m", "vramguard", "run", str(folder), "--prompt", "w1 w2 w3 w4",
-                        "--max-new-tokens", "6", "--quant", "bf16"], capture_output=True, text=True, timeout=120)
+    r = run_cli("run", str(folder), "--prompt", "w1 w2 w3 w4", "--max-new-tokens", "6", "--quant", "bf16")
     assert r.returncode == 0, r.stderr
     assert len(r.stdout.split()) == 6 and all(w.startswith("w") or w.startswith("[") for w in r.stdout.split())
     assert "strategy: dynamic" in r.stderr and "6 tokens" in r.stderr
-    bad = subprocess.run([sys.executable, "-m", "vramguard", "run", str(folder)], capture_output=True, text=True,
-                         timeout=60)
+    bad = run_cli("run", str(folder))
     assert bad.returncode == 2 and "--prompt" in bad.stderr and "Traceback" not in bad.stderr
 
 
@@ -199,9 +195,8 @@ def test_cli_run_with_context_files(tiny, tmp_path):
     _tokenizer(folder)
     doc = tmp_path / "doc.txt"
     doc.write_text("\n\n".join(" ".join(f"w{(i * 5 + j) % 290 + 3}" for j in range(50)) for i in range(30)))
-    r = subprocess.run([sys.executable, "-m", "vramguard", "run", str(folder), "--prompt", "w7 w8",
-                        "--context", str(doc), "--max-new-tokens", "4", "--quant", "bf16"], capture_output=True,
-                       text=True, timeout=120)
+    r = run_cli("run", str(folder), "--prompt", "w7 w8", "--context", str(doc), "--max-new-tokens", "4", "--quant",
+                "bf16")
     assert r.returncode == 0, r.stderr
     assert "context:" in r.stderr and "chunks" in r.stderr and len(r.stdout.split()) == 4
 
@@ -226,9 +221,8 @@ def test_sampling_values_without_do_sample_are_refused_not_ignored(model):
 def test_cli_run_fast_decode_reports_the_decode_mode(tiny):
     folder, _ = tiny("LlamaConfig", **CFG)
     _tokenizer(folder)
-    r = subprocess.run([sys.executable, "-m", "vramguard", "run", str(folder), "--prompt", "w1 w2 w3",
-                        "--max-new-tokens", "5", "--quant", "bf16", "--fast-decode"],
-                       capture_output=True, text=True, timeout=120)
+    r = run_cli("run", str(folder), "--prompt", "w1 w2 w3", "--max-new-tokens", "5", "--quant", "bf16",
+                "--fast-decode")
     assert r.returncode == 0, r.stderr
     assert len(r.stdout.split()) == 5
     assert "static cache + CUDA-graph decode" in r.stderr and "eager" in r.stderr and "ms/token" in r.stderr

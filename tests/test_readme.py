@@ -1,8 +1,6 @@
 """The README: the two setup commands first, one example per command, nothing cited outside the repository."""
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -48,6 +46,6 @@ def test_no_file_outside_the_repository_is_cited():
 def test_the_plan_example_runs():
     line = next(x for x in README.splitlines() if x.startswith("vramguard plan "))
     args = re.findall(r'"[^"]*"|\S+', line.split("#")[0])[1:]
-    r = subprocess.run([sys.executable, "-m", "vramguard", *[a.strip('"') for a in args]], capture_output=True,
-                       text=True, timeout=120)
+    from conftest import run_cli
+    r = run_cli(*[a.strip('"') for a in args])
     assert r.returncode == 0 and "RTX 4090" in r.stdout, r.stderr
