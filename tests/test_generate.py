@@ -183,7 +183,7 @@ def test_summarize_then_ask_fits_context_that_never_could(tiny):
     calls.clear()
     with pytest.raises(InvalidValue) as e:
         summarize_then_ask("w5", chunks, tok, 120, summ, context_tokens=40, chunk_tokens=48)
-    assert e.value.field == "--chunk-tokens" and "fits the model's context of 40 tokens" in str(e.value)
+    assert e.value.field == "chunk_tokens" and "fits the model's context of 40 tokens" in str(e.value)
     fits = int(e.value.fix.split()[-1])
     assert e.value.fix.startswith("pass --chunk-tokens") and 16 <= fits < 48 and calls == []
     small = split_chunks("\n\n".join(" ".join(f"w{j}" for j in range(i, i + 40)) for i in range(10)), "d", tok, fits)
@@ -215,7 +215,7 @@ def test_sampling_values_without_do_sample_are_refused_not_ignored(model):
     from vramguard.errors import InvalidValue
     with pytest.raises(InvalidValue) as e:
         G.generate(model, None, PROMPT, 4, temperature=0.7, top_p=0.9)
-    assert e.value.field == "temperature" and "--do-sample" in e.value.fix and "temperature, top_p" in e.value.fix
+    assert e.value.field == "temperature" and "do_sample=True" in e.value.fix and "temperature, top_p" in e.value.fix
 
 
 def test_cli_run_fast_decode_reports_the_decode_mode(tiny):

@@ -137,7 +137,7 @@ def test_since_filters_and_rejects_bad_forms():
     assert r.kills == [] and "since" in r.message
     with pytest.raises(InvalidValue) as e:
         parse_since("yesterday")
-    assert "--since" in str(e.value) and "30m" in str(e.value)
+    assert "since" in str(e.value) and "30m" in str(e.value)
     assert parse_since("2h") is not None
 
 

@@ -30,7 +30,7 @@ def test_the_chat_template_is_applied_when_the_tokenizer_has_one(tmp_path):
                                                                                       for w in ("w7", "w8")]
     with pytest.raises(InvalidValue) as e:
         prepare_prompt(plain, "w7 w8", chat=True)
-    assert "--raw" in str(e.value)
+    assert "chat=False" in str(e.value)
     tok = _with_template(tmp_path)
     chat = prepare_prompt(tok, "w7 w8")
     # [BOS] w1 w7 w8 [EOS] w2 w3: the user turn and the generation prompt

@@ -294,3 +294,28 @@ def test_no_source_line_cites_what_is_not_in_the_repository():
     found = [f"{mod}:{i}" for mod, path in _sources().items()
              for i, line in enumerate(path.read_text().splitlines(), 1) if cite.search(line)]
     assert found == []
+
+
+def test_library_errors_name_library_fields_and_the_cli_says_its_options():
+    from vramguard.cli.common import as_flags
+    from vramguard.errors import InvalidValue
+    from vramguard.run.context import context_prompt
+    with pytest.raises(InvalidValue) as e:
+        context_prompt(None, None, "q", [], chunk_tokens=8)
+    assert e.value.field == "chunk_tokens" and "--" not in str(e.value)
+    assert as_flags("pass chunk_tokens=200, or file='-'; chat=False") == "pass --chunk-tokens 200, or --file -; --raw"
+    assert as_flags("max_position_embeddings=64 and do_sample=True") == "max_position_embeddings=64 and --do-sample"
+
+
+def test_library_raises_name_no_option():
+    """No error raised in the library (outside the CLI) has a field spelled as a command-line option."""
+    found = []
+    for mod, path in _sources().items():
+        if mod.startswith(("vramguard.cli", "vramguard.serve")):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call) and node.exc.args:
+                first = node.exc.args[0]
+                if isinstance(first, ast.Constant) and str(first.value).startswith("--"):
+                    found.append(f"{mod}:{node.lineno}")
+    assert found == []

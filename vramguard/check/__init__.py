@@ -66,7 +66,7 @@ def check(model: str | None = None, settings: Settings | None = None, *, dtype: 
     if device_map is not None and device_map not in ("auto", "balanced", "balanced_low_0", "sequential", "cpu",
                                                      "cuda", "disk") and not device_map.isdigit():
         from vramguard.errors import InvalidValue
-        raise InvalidValue("--device-map", device_map, "auto | balanced | balanced_low_0 | sequential | cpu | cuda "
+        raise InvalidValue("device_map", device_map, "auto | balanced | balanced_low_0 | sequential | cpu | cuda "
                            "| a GPU index", "pass what you give from_pretrained as device_map")
     env = env or probe_env()
     s = settings or Settings(attn="sdpa")

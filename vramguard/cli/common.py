@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 
 import typer
@@ -37,7 +38,26 @@ FIELD_FLAGS = {"batch": "--batch", "num_beams": "--num-beams", "num_return_seque
                "max_batch_tokens": "--max-batch-tokens", "page_size": "--page-size", "n_max": "--n-max",
                "default_max_tokens": "--default-max-tokens", "max_kv_blocks": "--max-kv-blocks", "gpus": "--gpus",
                "vram_budget": "--vram-budget", "port": "--port", "host": "--host", "model": "MODEL",
-               "revision": "--revision", "tp": "--tp", "device_map": "--device-map", "max_memory": "--max-memory"}
+               "revision": "--revision", "tp": "--tp", "device_map": "--device-map", "max_memory": "--max-memory",
+               "budget_bytes": "--vram-budget", "vary": "--vary", "since": "--since", "year": "--year",
+               "file": "--file", "chat": "--chat-template", "prompt": "--prompt", "chunk_tokens": "--chunk-tokens",
+               "files": "--context", "gpu": "--gpu", "vram": "--vram", "gpu/vram": "--gpu/--vram",
+               "do_sample": "--do-sample"}
+# a library fix's keyword arguments with no flag of the same name and value
+KWARG_FLAGS = {"chat=None": "no --chat-template", "chat=False": "--raw", "do_sample=True": "--do-sample"}
+_KWARG = re.compile(r"\b([a-z_]+)=('[^']*'|[\w.\-/]+)")
+
+
+def as_flags(text: str | None) -> str | None:
+    """A library message in the CLI's words: each ``field=value`` of a known field becomes its option,
+    ``chunk_tokens=200`` -> ``--chunk-tokens 200``, ``file='-'`` -> ``--file -``, ``chat=False`` -> ``--raw``."""
+    def flag(m: re.Match) -> str:
+        name, value = m.group(1), m.group(2).strip("'")
+        if f"{name}={value}" in KWARG_FLAGS:
+            return KWARG_FLAGS[f"{name}={value}"]
+        opt = FIELD_FLAGS.get(name)
+        return m.group(0) if opt is None or not opt.startswith("--") else f"{opt} {value}"
+    return None if text is None else _KWARG.sub(flag, text)
 
 
 def say(text: str) -> None:
@@ -54,9 +74,9 @@ def fail(e: VramguardError, as_json: bool = False) -> None:
     """Print ``e`` naming the CLI option of its field (and as JSON on stdout), then exit with its code."""
     code = e.exit_code
     flag = " + ".join(FIELD_FLAGS.get(part.strip(), part.strip()) for part in e.field.split("+"))
-    say("error " + e.render(flag))
+    say("error " + as_flags(e.render(flag)))
     if as_json:
-        sys.stdout.write(json.dumps({"error": {**e.as_dict(), "field": flag}}) + "\n")
+        sys.stdout.write(json.dumps({"error": {**e.as_dict(), "field": flag, "fix": as_flags(e.fix)}}) + "\n")
     raise typer.Exit(code)
 
 

@@ -355,15 +355,15 @@ def generate(model, tokenizer, prompt: str | list[int], max_new_tokens: int = 25
     from vramguard.errors import InvalidValue
     require_count("max_new_tokens", max_new_tokens, 1)
     if temperature is not None and not temperature > 0:
-        raise InvalidValue("temperature", temperature, "a number > 0", "use --temperature 0.7, or greedy decoding")
+        raise InvalidValue("temperature", temperature, "a number > 0", "use temperature=0.7, or greedy decoding")
     if top_p is not None and not 0 < top_p <= 1:
-        raise InvalidValue("top_p", top_p, "a number in (0, 1]", "use e.g. --top-p 0.9")
+        raise InvalidValue("top_p", top_p, "a number in (0, 1]", "use e.g. top_p=0.9")
     if top_k is not None and top_k < 1:
-        raise InvalidValue("top_k", top_k, "an integer >= 1", "use e.g. --top-k 50")
+        raise InvalidValue("top_k", top_k, "an integer >= 1", "use e.g. top_k=50")
     given = [n for n, v in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k)) if v is not None]
     if given and not do_sample:  # greedy decoding would ignore them: refuse rather than drop the user's setting
         raise InvalidValue(given[0], locals()[given[0]], "only with do_sample (greedy decoding ignores it)",
-                           f"add --do-sample (library: do_sample=True) to sample with {', '.join(given)}, or leave "
+                           f"pass do_sample=True to sample with {', '.join(given)}, or leave "
                            "them out for greedy decoding")
     if isinstance(model, LoadedModel) and tokenizer is None:
         tokenizer = model.tokenizer
