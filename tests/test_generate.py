@@ -184,8 +184,8 @@ def test_summarize_then_ask_fits_context_that_never_could(tiny):
     with pytest.raises(InvalidValue) as e:
         summarize_then_ask("w5", chunks, tok, 120, summ, context_tokens=40, chunk_tokens=48)
     assert e.value.field == "chunk_tokens" and "fits the model's context of 40 tokens" in str(e.value)
-    fits = int(e.value.fix.split()[-1])
-    assert e.value.fix.startswith("pass --chunk-tokens") and 16 <= fits < 48 and calls == []
+    fits = int(e.value.fix.split("=")[-1])
+    assert e.value.fix.startswith("pass chunk_tokens=") and 16 <= fits < 48 and calls == []
     small = split_chunks("\n\n".join(" ".join(f"w{j}" for j in range(i, i + 40)) for i in range(10)), "d", tok, fits)
     summarize_then_ask("w5", small, tok, 120, summ, context_tokens=40, chunk_tokens=fits)  # following the fix
 
