@@ -319,3 +319,28 @@ def test_library_raises_name_no_option():
                 if isinstance(first, ast.Constant) and str(first.value).startswith("--"):
                     found.append(f"{mod}:{node.lineno}")
     assert found == []
+
+
+def test_plan_and_check_apply_the_same_rules():
+    """The compute-dtype cost and the attention maps a plan finding and a check finding name are one computation:
+    for Llama-3.1-8B NF4 with fp16 compute under bf16 activations, the largest dequantized weight is the
+    14,336 x 4,096 MLP projection, 14,336 x 4,096 x 2 B = 117,440,512 B in either dtype."""
+    from vramguard import plan
+    from vramguard.check import rules as check_rules
+    from vramguard.plan import findings as plan_findings
+    from vramguard.plan.rules import attention_map_bytes, dequantized_weight_bytes
+    from vramguard.resolve import resolve_model
+    for mod in (plan_findings, check_rules):
+        text = Path(mod.__file__).read_text()
+        assert "dequantized_weight_bytes(" in text and "attention_map_bytes(" in text and "(8, 0)" not in text
+        assert "supports_flash_attn2" in text and "supports_bf16" in text  # the catalog's rule of what a card runs
+    spec = resolve_model("llama-3.1-8b")
+    big, wide, narrow = dequantized_weight_bytes(spec, "fp16", "bf16")
+    assert (big.out_features, big.in_features, wide, narrow) in ((14336, 4096, 117_440_512, 117_440_512),
+                                                                  (4096, 14336, 117_440_512, 117_440_512))
+    s = Settings(output_attentions=True, attn="eager", prompt_tokens=1024)
+    per_layer = attention_map_bytes(spec, s, "bf16")
+    assert per_layer == 32 * 1024 * 1024 * 2  # 32 heads x 1,024^2 positions x 2 B
+    p = plan(spec, s, gpu="h100-80gb", solve=False)
+    f = next(f for f in p.findings if f.code == "output_attentions_eager")
+    assert f.bytes == per_layer * 32  # 32 layers

@@ -183,7 +183,7 @@ def card_defaults(gpu: str | None, attn: str | None, dtype: str | None,
     card = None
     if gpu is not None and (attn is None or (dtype is None and not compute_dtype_given)):
         card = gpu_from_catalog(gpu)
-    if card is None or tuple(card.compute_capability) >= (8, 0):
+    if card is None or card.supports_flash_attn2:
         return attn or "flash_attention_2", dtype, []
     chosen = []
     if attn is None:

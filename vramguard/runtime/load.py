@@ -107,7 +107,7 @@ def choose_attn(attn: str, env, gpu, dtype: str, head_dim: int, report: LoadRepo
     fa2_ok, why = True, ""
     if env.flash_attn_version is None:
         fa2_ok, why = False, "the flash_attn package is not installed"
-    elif gpu is None or gpu.compute_capability is None or gpu.compute_capability < (8, 0):
+    elif gpu is None or not gpu.supports_flash_attn2:
         fa2_ok, why = False, "FlashAttention-2 needs a CUDA GPU of compute capability >= 8.0"
     elif dtype == "fp32":
         fa2_ok, why = False, "FlashAttention-2 needs float16/bfloat16"
