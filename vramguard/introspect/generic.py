@@ -14,9 +14,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from vramguard.errors import NotModelled
-from vramguard.memory.forward import ForwardPeak
-from vramguard.memory.kv import KvBytes, SCALE_ZERO_BYTES
-from vramguard.memory.weights import LinearGroup, WeightBytes, quantized_tensor_bytes, rounded
+from vramguard.memory.common import (SCALE_ZERO_BYTES, ForwardPeak, KvBytes, LinearGroup, WeightBytes,
+                                     quantized_tensor_bytes, rounded)
 from vramguard.settings import DTYPE_BYTES, KV_BITS, Settings, short_dtype
 
 

@@ -24,27 +24,13 @@ Per-element costs that decide long prompts (``sc = seqs x heads x q_len x k_len`
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
+from vramguard.memory.common import ForwardPeak, sdpa_runs_math
 from vramguard.memory.kv import kv_cache_bytes, kv_tensor_bytes
 from vramguard.memory.tape import Tape
 from vramguard.settings import DTYPE_BYTES, Settings
 from vramguard.spec import ModelSpec
 
 NORM_BYTES_PER_VALUE = 8  # float32 upcast + float32 normalized value, both alive inside RMSNorm
-
-
-@dataclass(frozen=True)
-class ForwardPeak:
-    """Peak bytes of one forward above the weights, by component (``components`` sums to ``peak_bytes``)."""
-
-    phase: str
-    past_tokens: int
-    chunk_tokens: int
-    peak_bytes: int
-    components: dict[str, int]
-    at: str
-    largest_alloc: int
 
 
 def logits_bytes(spec: ModelSpec, sequences: int, positions: int, act_dtype: str) -> tuple[int, int]:
@@ -57,13 +43,6 @@ def logits_bytes(spec: ModelSpec, sequences: int, positions: int, act_dtype: str
     """
     n = sequences * positions * spec.vocab_size
     return n * DTYPE_BYTES[act_dtype], n * 4
-
-
-def sdpa_runs_math(s: Settings) -> bool:
-    """SDPA runs its math kernel (float32 scores): pinned to math, or float32 activations with a pinned flash or
-    cuDNN kernel (both need 16-bit inputs). Otherwise a flash-class kernel runs (memory-efficient accepts float32
-    and masks)."""
-    return s.sdpa_kernel == "math" or (s.act_dtype == "fp32" and s.sdpa_kernel in ("flash", "cudnn"))
 
 
 def eager_bytes_per_score(act_dtype: str) -> int:

@@ -21,13 +21,9 @@ the layer in use and the one being prefetched on the GPU and the rest in CPU RAM
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from vramguard.memory.weights import rounded
+from vramguard.memory.common import SCALE_ZERO_BYTES, KvBytes, rounded
 from vramguard.settings import DTYPE_BYTES, KV_BITS, Settings
 from vramguard.spec import ModelSpec
-
-SCALE_ZERO_BYTES = 2 * 2  # one 16-bit scale and one 16-bit zero-point per group
 
 
 def layer_tokens(spec: ModelSpec, layer_type: str, n_tokens: int, s: Settings, in_prefill_chunk: int = 0) -> int:
@@ -64,18 +60,6 @@ def kv_tensor_bytes(spec: ModelSpec, s: Settings, n_tokens: int, kv_dtype: str |
     scale_bytes = -(-values_per_token * quant // s.kv_group_size) * SCALE_ZERO_BYTES
     resid_bytes = values_per_token * resid * DTYPE_BYTES[s.act_dtype if s.act_dtype != "fp32" else "bf16"]
     return rounded(q_bytes) + rounded(scale_bytes) + rounded(resid_bytes)
-
-
-@dataclass(frozen=True)
-class KvBytes:
-    """KV cache bytes on the GPU (``gpu_bytes``) and in CPU RAM (``cpu_bytes``, offloaded cache)."""
-
-    gpu_bytes: int
-    cpu_bytes: int
-    full_layer_bytes: int
-    sliding_layer_bytes: int
-    tokens: int
-    largest_tensor_bytes: int = 0
 
 
 def kv_cache_bytes(spec: ModelSpec, s: Settings, n_tokens: int, in_prefill_chunk: int = 0) -> KvBytes:
