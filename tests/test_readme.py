@@ -1,6 +1,8 @@
 """The README: the two setup commands first, one example per command, nothing cited outside the repository."""
 
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent

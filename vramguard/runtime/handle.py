@@ -176,8 +176,9 @@ def describe(model, tokenizer=None) -> LoadedModel:
 def loaded_settings(model) -> Settings:
     """The settings a loaded model runs with, read from it: the weight format from ``config.quantization_config``
     (bitsandbytes' ``load_in_4bit`` / ``bnb_4bit_quant_type`` / ``load_in_8bit``; otherwise the model's dtype),
-    the compute dtype and double quant from ``bnb_4bit_compute_dtype`` / ``bnb_4bit_use_double_quant``, the dtype of the unquantized modules from ``model.dtype``
-    and the attention from ``config._attn_implementation`` (SDPA for any other implementation)."""
+    the compute dtype and double quant from ``bnb_4bit_compute_dtype`` / ``bnb_4bit_use_double_quant``, the dtype
+    of the unquantized modules from ``model.dtype`` and the attention from ``config._attn_implementation`` (SDPA
+    for any other implementation)."""
     dtype = short_dtype(getattr(model, "dtype", None)) or "bf16"
     q = getattr(model.config, "quantization_config", None)
     compute, double = None, True
