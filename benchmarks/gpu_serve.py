@@ -180,7 +180,7 @@ def main():
     m = loaded.model
     vocab = m.config.vocab_size
     emit(out, {"phase": "load", "weights_bytes": loaded.report.weights_bytes, "attn": m.config._attn_implementation,
-               "sdpa_pin": getattr(m, "_vramguard_pin", None) and m._vramguard_pin[0],
+               "sdpa_pin": loaded.sdpa_pin and loaded.sdpa_pin.backend,
                "transformers": transformers.__version__, "torch": torch.__version__})
     P = prompts(max(args.concurrency, args.burst, args.big, args.seq) + 8, args.prompt, vocab)
 

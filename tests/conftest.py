@@ -121,3 +121,45 @@ def shared_reference() -> Path:
 
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+class CliResult:
+    """What a CLI run gave: ``returncode``, ``stdout`` and ``stderr`` (as ``subprocess.run`` names them)."""
+
+    def __init__(self, returncode: int, stdout: str, stderr: str):
+        self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
+
+
+def run_cli(*args: str, columns: str = "160", input: str | None = None) -> CliResult:
+    """``python -m vramguard ARGS`` inside this process: the same ``vramguard.cli.main``, its exit code, stdout and
+    stderr, without starting an interpreter and importing torch again; ``input`` is its stdin. A test of what only a fresh process shows
+    (a closed pipe, the warnings filters, a missing package) starts a subprocess instead."""
+    import contextlib
+    import io
+    import sys
+
+    from vramguard.cli import common, render
+    from vramguard.cli import run as run_cmd
+    out, err = io.StringIO(), io.StringIO()
+    saved = sys.argv, os.environ.get("COLUMNS"), common.err, sys.stdin
+    os.environ["COLUMNS"] = columns
+    sys.argv = ["vramguard", *args]
+    sys.stdin = io.StringIO(input or "")
+    code = 0
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            common.err = run_cmd.err = render.console(stderr=True)  # made after the redirect, at this width
+            try:
+                from vramguard.cli import main
+                main()
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    finally:
+        sys.argv = saved[0]
+        if saved[1] is None:
+            os.environ.pop("COLUMNS", None)
+        else:
+            os.environ["COLUMNS"] = saved[1]
+        common.err = run_cmd.err = saved[2]
+        sys.stdin = saved[3]
+    return CliResult(code, out.getvalue(), err.getvalue())

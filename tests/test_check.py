@@ -225,13 +225,9 @@ def test_check_with_nothing_given_checks_what_vramguard_loads():
 
 
 def test_cli_check_defaults_and_the_transformers_defaults_flag():
-    import os
-    import subprocess
-    import sys
-    e = {**os.environ, "HF_HUB_OFFLINE": "1", "COLUMNS": "160"}
+    from conftest import run_cli
 
     def run(*extra):
-        return subprocess.run([sys.executable, "-m", "vramguard", "check", "mistral-7b-v0.3", "--gpu", "rtx-4090",
-                               "--no-verify", *extra], capture_output=True, text=True, env=e, timeout=120).stdout
+        return run_cli("check", "mistral-7b-v0.3", "--gpu", "rtx-4090", "--no-verify", *extra).stdout
     assert "compute_dtype: bf16" in run() and "bnb_4bit_compute_dtype fp32" not in run()
     assert "bnb_4bit_compute_dtype fp32" in run("--transformers-defaults")

@@ -1,4 +1,6 @@
-"""The CLI as a user runs it: a subprocess, stdout data, stderr messages, exit codes, no tracebacks."""
+"""The CLI as a user runs it: stdout data, stderr messages, exit codes, no tracebacks. ``vramguard.cli.main`` runs
+in this process (:func:`conftest.run_cli`); what only a fresh process shows (a closed pipe, the warnings filters, a
+missing package) runs in a subprocess."""
 
 import json
 import os
@@ -6,13 +8,13 @@ import subprocess
 import sys
 
 import pytest
+from conftest import run_cli
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "COLUMNS": "160"}
 
 
 def run(*args):
-    return subprocess.run([sys.executable, "-m", "vramguard", *args], capture_output=True, text=True, env=ENV,
-                          timeout=120)
+    return run_cli(*args)
 
 
 def test_default_plan_without_gpu():
@@ -135,20 +137,17 @@ def test_a_missing_optional_package_is_named_with_its_extra(tiny, command, monke
 
 def test_plan_defaults_follow_the_named_card_and_explicit_values_are_kept():
     """On a --gpu card below compute capability 8.0 plan's defaults are what the loader would run there (sdpa,
-    fp16), said on stderr; FlashAttention-2 passed explicitly is kept and flagged (field case C1)."""
-    d = subprocess.run([sys.executable, "-m", "vramguard", "plan", "mistral-7b-v0.3", "--gpu", "t4", "--format",
-                        "json"], capture_output=True, text=True, timeout=120)
+    fp16), said on stderr; FlashAttention-2 passed explicitly is kept and flagged."""
+    d = run("plan", "mistral-7b-v0.3", "--gpu", "t4", "--format", "json")
     assert d.returncode == 0, d.stderr
     data = json.loads(d.stdout)
     assert data["settings"]["attn"] == "sdpa" and data["settings"]["dtype"] == "fp16"
     assert "defaults for the NVIDIA T4 (compute capability 7.5): --attn sdpa" in " ".join(d.stderr.split())
     assert not any(f["level"] == "fail" for f in data["findings"])
-    e = subprocess.run([sys.executable, "-m", "vramguard", "plan", "mistral-7b-v0.3", "--gpu", "t4", "--attn",
-                        "flash_attention_2", "--format", "json"], capture_output=True, text=True, timeout=120)
+    e = run("plan", "mistral-7b-v0.3", "--gpu", "t4", "--attn", "flash_attention_2", "--format", "json")
     codes = {f["code"]: f["level"] for f in json.loads(e.stdout)["findings"]}
     assert codes["fa2_compute_capability"] == "fail" and "--attn sdpa" not in e.stderr
-    a = subprocess.run([sys.executable, "-m", "vramguard", "plan", "mistral-7b-v0.3", "--gpu", "rtx-4090", "--format",
-                        "json"], capture_output=True, text=True, timeout=120)
+    a = run("plan", "mistral-7b-v0.3", "--gpu", "rtx-4090", "--format", "json")
     assert json.loads(a.stdout)["settings"]["attn"] == "flash_attention_2" and a.stderr == ""
 
 
@@ -185,8 +184,7 @@ def test_only_the_known_library_noise_is_silenced():
 
 
 def _lines(*args, columns="80"):
-    r = subprocess.run([sys.executable, "-m", "vramguard", *args], capture_output=True, text=True,
-                       env={**ENV, "COLUMNS": columns}, timeout=120)
+    r = run_cli(*args, columns=columns)
     assert r.returncode in (0, 1), r.stderr
     return r.stdout.splitlines()
 

@@ -1,8 +1,6 @@
 """explain: OOM messages of several PyTorch versions; C15 and its opposite; the recorded H200 messages."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -98,8 +96,8 @@ def test_not_an_oom_message():
 
 
 def test_cli_reads_stdin():
-    r = subprocess.run([sys.executable, "-m", "vramguard", "explain", "-", "--format", "json"], input=C15_NEW,
-                       capture_output=True, text=True, timeout=60)
+    from conftest import run_cli
+    r = run_cli("explain", "-", "--format", "json", input=C15_NEW)
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["kind"] == "fragmentation"
 

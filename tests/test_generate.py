@@ -2,11 +2,9 @@
 refusal, and the CLI streaming text from a tiny model with a real (locally built) tokenizer."""
 
 import copy
-import subprocess
-import sys
 
 import pytest
-from conftest import oom_when, save_word_tokenizer
+from conftest import oom_when, run_cli, save_word_tokenizer
 
 from vramguard.run import generate as G
 from vramguard.errors import Infeasible
@@ -78,20 +76,20 @@ def test_a_pinned_flash_sdpa_is_lifted_for_strategies_that_pass_a_mask(model):
     """load_model pins SDPA to the flash kernel on a GPU; that kernel takes no attention mask, which chunked prefill
     and the static/quantized/offloaded caches pass. The fallback strategies run unpinned, say so, and the pin is
     back afterwards; the plain dynamic attempt keeps it."""
-    from vramguard.runtime.load import _pin_sdpa, _unpin_sdpa
-    _pin_sdpa(model, "flash")
+    from vramguard.runtime.handle import pin_of, pin_sdpa, unpin_sdpa
+    pin_sdpa(model, "flash")
     seen = []
 
     def first_prefill(phase, attempt, step):
-        seen.append((attempt, getattr(model, "_vramguard_pin", None) is not None))
+        seen.append((attempt, pin_of(model) is not None))
         return attempt == 0 and phase == "prefill"
     G.OOM_INJECTOR = oom_when(first_prefill)
     try:
         r = G.generate(model, None, PROMPT, 4)
     finally:
         G.OOM_INJECTOR = None
-        pinned_after = getattr(model, "_vramguard_pin", None) is not None
-        _unpin_sdpa(model)
+        pinned_after = pin_of(model) is not None
+        unpin_sdpa(model)
     assert (0, True) in seen and (1, False) in seen and (1, True) not in seen
     assert pinned_after
     assert r.attempts[0].sdpa_note is None and "pin to flash was lifted" in r.attempts[1].sdpa_note
@@ -136,13 +134,11 @@ def _tokenizer(folder):
 def test_cli_run_streams_text_and_summarizes(tiny):
     folder, _ = tiny("LlamaConfig", **CFG)
     _tokenizer(folder)
-    r = subprocess.run([sys.executable, "-m", "vramguard", "run", str(folder), "--prompt", "w1 w2 w3 w4",
-                        "--max-new-tokens", "6", "--quant", "bf16"], capture_output=True, text=True, timeout=120)
+    r = run_cli("run", str(folder), "--prompt", "w1 w2 w3 w4", "--max-new-tokens", "6", "--quant", "bf16")
     assert r.returncode == 0, r.stderr
     assert len(r.stdout.split()) == 6 and all(w.startswith("w") or w.startswith("[") for w in r.stdout.split())
     assert "strategy: dynamic" in r.stderr and "6 tokens" in r.stderr
-    bad = subprocess.run([sys.executable, "-m", "vramguard", "run", str(folder)], capture_output=True, text=True,
-                         timeout=60)
+    bad = run_cli("run", str(folder))
     assert bad.returncode == 2 and "--prompt" in bad.stderr and "Traceback" not in bad.stderr
 
 
@@ -187,9 +183,9 @@ def test_summarize_then_ask_fits_context_that_never_could(tiny):
     calls.clear()
     with pytest.raises(InvalidValue) as e:
         summarize_then_ask("w5", chunks, tok, 120, summ, context_tokens=40, chunk_tokens=48)
-    assert e.value.field == "--chunk-tokens" and "fits the model's context of 40 tokens" in str(e.value)
-    fits = int(e.value.fix.split()[-1])
-    assert e.value.fix.startswith("pass --chunk-tokens") and 16 <= fits < 48 and calls == []
+    assert e.value.field == "chunk_tokens" and "fits the model's context of 40 tokens" in str(e.value)
+    fits = int(e.value.fix.split("=")[-1])
+    assert e.value.fix.startswith("pass chunk_tokens=") and 16 <= fits < 48 and calls == []
     small = split_chunks("\n\n".join(" ".join(f"w{j}" for j in range(i, i + 40)) for i in range(10)), "d", tok, fits)
     summarize_then_ask("w5", small, tok, 120, summ, context_tokens=40, chunk_tokens=fits)  # following the fix
 
@@ -199,9 +195,8 @@ def test_cli_run_with_context_files(tiny, tmp_path):
     _tokenizer(folder)
     doc = tmp_path / "doc.txt"
     doc.write_text("\n\n".join(" ".join(f"w{(i * 5 + j) % 290 + 3}" for j in range(50)) for i in range(30)))
-    r = subprocess.run([sys.executable, "-m", "vramguard", "run", str(folder), "--prompt", "w7 w8",
-                        "--context", str(doc), "--max-new-tokens", "4", "--quant", "bf16"], capture_output=True,
-                       text=True, timeout=120)
+    r = run_cli("run", str(folder), "--prompt", "w7 w8", "--context", str(doc), "--max-new-tokens", "4", "--quant",
+                "bf16")
     assert r.returncode == 0, r.stderr
     assert "context:" in r.stderr and "chunks" in r.stderr and len(r.stdout.split()) == 4
 
@@ -220,15 +215,14 @@ def test_sampling_values_without_do_sample_are_refused_not_ignored(model):
     from vramguard.errors import InvalidValue
     with pytest.raises(InvalidValue) as e:
         G.generate(model, None, PROMPT, 4, temperature=0.7, top_p=0.9)
-    assert e.value.field == "temperature" and "--do-sample" in e.value.fix and "temperature, top_p" in e.value.fix
+    assert e.value.field == "temperature" and "do_sample=True" in e.value.fix and "temperature, top_p" in e.value.fix
 
 
 def test_cli_run_fast_decode_reports_the_decode_mode(tiny):
     folder, _ = tiny("LlamaConfig", **CFG)
     _tokenizer(folder)
-    r = subprocess.run([sys.executable, "-m", "vramguard", "run", str(folder), "--prompt", "w1 w2 w3",
-                        "--max-new-tokens", "5", "--quant", "bf16", "--fast-decode"],
-                       capture_output=True, text=True, timeout=120)
+    r = run_cli("run", str(folder), "--prompt", "w1 w2 w3", "--max-new-tokens", "5", "--quant", "bf16",
+                "--fast-decode")
     assert r.returncode == 0, r.stderr
     assert len(r.stdout.split()) == 5
     assert "static cache + CUDA-graph decode" in r.stderr and "eager" in r.stderr and "ms/token" in r.stderr

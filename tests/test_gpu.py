@@ -175,11 +175,12 @@ def test_every_strategy_runs_under_the_flash_pin_of_a_default_load(tiny):
     of several chunks) and the static, quantized and offloaded caches pass one. Each strategy, reached by injected
     OOMs, must complete in bf16 and say that the pin was lifted."""
     from vramguard.run import generate as G
+    from vramguard.runtime.handle import pin_of
     from vramguard.runtime.load import load_model, unload
     folder, _ = tiny("LlamaConfig", **SMALL)
     loaded = load_model(str(folder), quant="bf16")
     m = loaded.model
-    assert getattr(m, "_vramguard_pin", None) is not None and m._vramguard_pin[0] == "flash"
+    assert pin_of(m) is not None and pin_of(m).backend == "flash"
     prompt = list(range(5, 1300))  # 3 chunks of 512
     order = [st for st, _ in G.strategy_order(m, len(prompt), 8)[0]]
     for k in range(1, len(order)):
@@ -187,5 +188,5 @@ def test_every_strategy_runs_under_the_flash_pin_of_a_default_load(tiny):
         r = G.generate(m, None, prompt, 8)
         assert r.strategy == order[k].name and len(r.token_ids) == 8
         assert "pin to flash was lifted" in r.reason
-    assert m._vramguard_pin[0] == "flash"
+    assert pin_of(m).backend == "flash"
     unload(loaded)

@@ -1,20 +1,16 @@
 """run's prompt: the chat template by default when the tokenizer has one, raw on request; the context check and
 the missing-folder error come before any weights are loaded."""
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import save_tiny_llama, save_word_tokenizer
+from conftest import run_cli, save_tiny_llama, save_word_tokenizer
 from vramguard.errors import InvalidValue, UnknownModel
 from vramguard.run.prompt import preflight_prompt, prepare_prompt
 
 TEMPLATE = ("{% for m in messages %}[BOS] w1 {{ m['content'] }} [EOS] {% endfor %}"
             "{% if add_generation_prompt %}w2 w3{% endif %}")
-ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "COLUMNS": "160"}
 
 
 def _with_template(folder):
@@ -34,7 +30,7 @@ def test_the_chat_template_is_applied_when_the_tokenizer_has_one(tmp_path):
                                                                                       for w in ("w7", "w8")]
     with pytest.raises(InvalidValue) as e:
         prepare_prompt(plain, "w7 w8", chat=True)
-    assert "--raw" in str(e.value)
+    assert "chat=False" in str(e.value)
     tok = _with_template(tmp_path)
     chat = prepare_prompt(tok, "w7 w8")
     # [BOS] w1 w7 w8 [EOS] w2 w3: the user turn and the generation prompt
@@ -54,8 +50,7 @@ def test_the_context_is_checked_from_the_folder_without_weights(tmp_path):
         preflight_prompt(str(tmp_path), "w1 w2 w3 w4 w5", 60)
     assert "max_position_embeddings=64" in str(e.value) and "at most 59 new tokens" in str(e.value)
     # the CLI refuses it the same way although the folder has no weights: nothing was loaded
-    r = subprocess.run([sys.executable, "-m", "vramguard", "run", str(tmp_path), "--prompt", "w1 w2 w3 w4 w5",
-                        "--max-new-tokens", "60"], capture_output=True, text=True, env=ENV, timeout=120)
+    r = run_cli("run", str(tmp_path), "--prompt", "w1 w2 w3 w4 w5", "--max-new-tokens", "60")
     assert r.returncode == 2 and "max_position_embeddings=64" in r.stderr, r.stderr
 
 
@@ -63,8 +58,7 @@ def test_a_path_that_does_not_exist_is_named(tmp_path):
     with pytest.raises(UnknownModel) as e:
         preflight_prompt("./no-such-typo", "hi", 4)
     assert "no such file or folder" in str(e.value) and str(Path("no-such-typo").absolute()) in str(e.value)
-    r = subprocess.run([sys.executable, "-m", "vramguard", "run", "./no-such-typo", "--prompt", "hi"],
-                       capture_output=True, text=True, env=ENV, timeout=120)
+    r = run_cli("run", "./no-such-typo", "--prompt", "hi")
     assert r.returncode == 3 and "no such file or folder" in r.stderr and "download" not in r.stderr, r.stderr
 
 
@@ -74,8 +68,7 @@ def test_cli_run_says_which_prompt_form_it_used(tmp_path):
     _with_template(folder)
 
     def run(*extra):
-        return subprocess.run([sys.executable, "-m", "vramguard", "run", str(folder), "--prompt", "w7 w8",
-                               "--max-new-tokens", "2", *extra], capture_output=True, text=True, env=ENV, timeout=300)
+        return run_cli("run", str(folder), "--prompt", "w7 w8", "--max-new-tokens", "2", *extra)
     r = run()
     assert r.returncode == 0, r.stderr
     assert "prompt: 7 tokens, the tokenizer's chat template applied" in r.stderr

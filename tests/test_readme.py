@@ -48,6 +48,20 @@ def test_no_file_outside_the_repository_is_cited():
 def test_the_plan_example_runs():
     line = next(x for x in README.splitlines() if x.startswith("vramguard plan "))
     args = re.findall(r'"[^"]*"|\S+', line.split("#")[0])[1:]
-    r = subprocess.run([sys.executable, "-m", "vramguard", *[a.strip('"') for a in args]], capture_output=True,
-                       text=True, timeout=120)
+    from conftest import run_cli
+    r = run_cli(*[a.strip('"') for a in args])
     assert r.returncode == 0 and "RTX 4090" in r.stdout, r.stderr
+
+
+def test_the_layout_section_matches_the_tree():
+    """Every file and folder the Layout section names exists (under vramguard/ or its package), and every package
+    and top-level module of vramguard/ is named."""
+    section = README.split("## Layout", 1)[1].split("\n## ", 1)[0]
+    named = {n.removeprefix("vramguard/") for n in re.findall(r"`([\w/]+(?:\.py)?/?)`", section)}
+    pkg = ROOT / "vramguard"
+    tree = {p.name + "/" for p in pkg.iterdir() if p.is_dir() and (p / "__init__.py").exists()} | {
+        p.name for p in pkg.glob("*.py") if p.name not in ("__init__.py", "__main__.py")}
+    assert tree - named == set()
+    files = [n for n in named if n.endswith(".py")]
+    for n in files:
+        assert list(pkg.rglob(n)), n

@@ -57,13 +57,10 @@ def test_decimal_gb_says_what_was_understood_and_what_a_24_gb_card_has():
 
 
 def test_a_size_split_in_two_words_is_a_clear_error():
-    import subprocess
-    import sys
-    r = subprocess.run([sys.executable, "-m", "vramguard", "plan", "--vram", "24", "GiB"], capture_output=True,
-                       text=True, timeout=120)
+    from conftest import run_cli
+    r = run_cli("plan", "--vram", "24", "GiB")
     assert r.returncode == 2 and "two arguments" in r.stderr and "--vram 24GiB" in r.stderr, r.stderr
-    r = subprocess.run([sys.executable, "-m", "vramguard", "plan", "--vram", "24gb"], capture_output=True,
-                       text=True, timeout=120)
+    r = run_cli("plan", "--vram", "24gb")
     assert r.returncode == 0 and "22.35 GiB" in r.stderr
 
 

@@ -1,9 +1,16 @@
 """Typed errors. Each names the field, the value given, the limit or accepted values, and the fix.
 
-The library raises these; the CLI maps them to text and exit codes in one table (:data:`vramguard.cli.EXIT_CODES`).
+The library raises these; the CLI prints them and exits with the class's ``exit_code``. The exit codes, in one
+place: 1 a check or plan that failed (``--exit-code``); 2 a bad value (:class:`InvalidValue`); 3 an unknown model or
+card or an unreadable config (:class:`UnknownModel`, :class:`UnknownGpu`, :class:`ConfigError`), or a server whose
+device failed (:data:`EXIT_DEVICE_ERROR`); 4 a request that cannot fit (:class:`Infeasible`); 70 an internal error
+(:data:`EXIT_INTERNAL`, ``EX_SOFTWARE`` of sysexits.h).
 """
 
 from __future__ import annotations
+
+EXIT_DEVICE_ERROR = 3  # a server's engine stopped on a fault of the device
+EXIT_INTERNAL = 70  # an exception vramguard did not expect
 
 
 class VramguardError(Exception):

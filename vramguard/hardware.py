@@ -79,10 +79,10 @@ def gpu_from_catalog(name: str) -> GpuSpec:
     if len(starts) == 1:
         return starts[0]
     if starts:
-        raise UnknownGpu("--gpu", name, ", ".join(g.name for g in starts),
-                         f"name one of them, e.g. --gpu {starts[-1].name}")
-    raise UnknownGpu("--gpu", name, ", ".join(GPUS), "pick a catalog card (vramguard plan --list-gpus); "
-                     "`vramguard plan` also takes the memory of any card with --vram 24GiB")
+        raise UnknownGpu("gpu", name, ", ".join(g.name for g in starts),
+                         f"name one of them, e.g. gpu={starts[-1].name}")
+    raise UnknownGpu("gpu", name, ", ".join(GPUS), "pick a catalog card (vramguard plan --list-gpus lists them); "
+                     "a plan also takes the memory of any card: vram=24GiB")
 
 
 def gpu_from_vram(text: str) -> GpuSpec:
@@ -148,7 +148,7 @@ def resolve_gpus(gpu: str | None = None, vram: str | None = None) -> tuple[list[
         UnknownGpu: an unknown card name.
     """
     if gpu and vram is not None:
-        raise InvalidValue("--gpu/--vram", f"--gpu {gpu} --vram {vram}", "one of the two", "drop one of them")
+        raise InvalidValue("gpu/vram", (gpu, vram), "one of the two", "drop one of them")
     if gpu:
         card = gpu_from_catalog(gpu)
         named = "" if gpu.strip().lower() == card.name else f": {gpu.strip()!r} is the catalog card {card.name}"
@@ -183,7 +183,7 @@ def card_defaults(gpu: str | None, attn: str | None, dtype: str | None,
     card = None
     if gpu is not None and (attn is None or (dtype is None and not compute_dtype_given)):
         card = gpu_from_catalog(gpu)
-    if card is None or tuple(card.compute_capability) >= (8, 0):
+    if card is None or card.supports_flash_attn2:
         return attn or "flash_attention_2", dtype, []
     chosen = []
     if attn is None:

@@ -20,7 +20,18 @@ KV_DTYPES = ("bf16", "fp16", "int8", "int4")
 CACHES = ("dynamic", "static", "offloaded")
 LOGITS = ("last", "all")
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "int8": 1}
+TORCH_DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # short name -> torch.<name>
+_SHORT_DTYPES = {v: k for k, v in TORCH_DTYPE_NAMES.items()} | {"float": "fp32", "half": "fp16"}
 KV_BITS = {"bf16": 16, "fp16": 16, "int8": 8, "int4": 4}
+
+
+def short_dtype(dtype: object) -> str | None:
+    """The short name (``bf16``, ``fp16``, ``fp32``) of a torch dtype or its name (``torch.bfloat16``,
+    ``"bfloat16"``, ``"torch.float16"``, ``"half"``, or a short name itself); None for any other dtype or None."""
+    if dtype is None:
+        return None
+    name = str(dtype).removeprefix("torch.")
+    return name if name in TORCH_DTYPE_NAMES else _SHORT_DTYPES.get(name)
 
 
 def _choice(field: str, value: object, choices: tuple[str, ...]) -> None:

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vramguard.errors import ConfigError
+from vramguard.settings import short_dtype
 
 # model_type -> structural traits that are not in config.json itself
 _FAMILIES: dict[str, dict[str, Any]] = {
@@ -49,7 +50,6 @@ CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
     "gemma3_text": {"tie_word_embeddings": True, "sliding_window_pattern": 6},
 }
 
-_DTYPE_NAMES = {"float32": "fp32", "float": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16"}
 
 
 @dataclass(frozen=True)
@@ -276,7 +276,7 @@ def _hand_spec(cfg: dict[str, Any], name: str, source: str, notes: list[str], ra
         scaled_embeddings=bool(fam.get("scaled_embeddings")),
         attn_logit_softcapping=cfg.get("attn_logit_softcapping"),
         final_logit_softcapping=cfg.get("final_logit_softcapping"),
-        checkpoint_dtype=_DTYPE_NAMES.get(str(dtype_name)) if dtype_name else None,
+        checkpoint_dtype=short_dtype(dtype_name),
         prequantized=qcfg.get("quant_method") if isinstance(qcfg, dict) else None,
         source=source, notes=tuple(notes), config_json=raw_json,
     )
@@ -333,6 +333,6 @@ def _generic_spec(text: dict[str, Any], raw_json: str, name: str, source: str, o
         sliding_window=window if any("sliding" in t for t in layer_types) else None,
         num_experts=n_experts, num_experts_per_tok=_first_int(text, "num_experts_per_tok", "moe_topk") or 0,
         moe_intermediate_size=_first_int(text, "moe_intermediate_size") or 0,
-        checkpoint_dtype=_DTYPE_NAMES.get(str(dtype_name)) if dtype_name else None,
+        checkpoint_dtype=short_dtype(dtype_name),
         prequantized=qcfg.get("quant_method") if isinstance(qcfg, dict) else None,
         source=source, notes=tuple(notes), generic=True, config_json=raw_json)

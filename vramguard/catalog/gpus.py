@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 from vramguard.units import GB, GiB, MiB
 
+AMPERE = (8, 0)  # the compute capability from which bfloat16 is native and FlashAttention-2 runs
+
 
 @dataclass(frozen=True)
 class GpuSpec:
@@ -48,13 +50,15 @@ class GpuSpec:
 
     @property
     def supports_bf16(self) -> bool | None:
+        """Native bfloat16 arithmetic: compute capability >= 8.0 (None: unknown)."""
         cc = self.compute_capability
-        return None if cc is None else cc >= (8, 0)
+        return None if cc is None else cc >= AMPERE
 
     @property
     def supports_flash_attn2(self) -> bool | None:
+        """FlashAttention-2's kernels: compute capability >= 8.0 (flash-attention's README; None: unknown)."""
         cc = self.compute_capability
-        return None if cc is None else cc >= (8, 0)
+        return None if cc is None else cc >= AMPERE
 
 
 def reported_gib(text: str) -> int:

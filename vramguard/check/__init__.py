@@ -66,7 +66,7 @@ def check(model: str | None = None, settings: Settings | None = None, *, dtype: 
     if device_map is not None and device_map not in ("auto", "balanced", "balanced_low_0", "sequential", "cpu",
                                                      "cuda", "disk") and not device_map.isdigit():
         from vramguard.errors import InvalidValue
-        raise InvalidValue("--device-map", device_map, "auto | balanced | balanced_low_0 | sequential | cpu | cuda "
+        raise InvalidValue("device_map", device_map, "auto | balanced | balanced_low_0 | sequential | cpu | cuda "
                            "| a GPU index", "pass what you give from_pretrained as device_map")
     env = env or probe_env()
     s = settings or Settings(attn="sdpa")
@@ -184,7 +184,7 @@ def _placement_finding(model, spec, s, card, env) -> CheckFinding:
 
 def _verify_kernel(folder: str, s: Settings, param_dtype: str, report: CheckReport) -> list[CheckFinding]:
     """Load with the requested settings (no automatic choice), profile one forward, unload: the attention kernel
-    finding, and the unload finding (memory back to the pre-load baseline, or what still holds it: field case C17)."""
+    finding, and the unload finding (memory back to the pre-load baseline, or what still holds it)."""
     from vramguard.runtime.load import load_model, unload
     attn = s.attn
     try:
@@ -196,12 +196,12 @@ def _verify_kernel(folder: str, s: Settings, param_dtype: str, report: CheckRepo
                              f"{type(e).__name__}: {str(e).splitlines()[0][:300]}",
                              "use attn_implementation='sdpa'" if attn == "flash_attention_2" else None)]
     from vramguard.probe.kernels import profile_attention
-    from vramguard.runtime.load import _pin_sdpa
+    from vramguard.runtime.handle import pin_sdpa
     pinned = s.sdpa_kernel if attn == "sdpa" and s.sdpa_kernel != "auto" else None
     weights = loaded.report.weights_bytes
     try:
         if pinned:
-            _pin_sdpa(loaded.model, pinned)
+            pin_sdpa(loaded.model, pinned)
         k = profile_attention(loaded.model, attn if attn != "auto" else "sdpa", pinned=pinned)
     except Exception as e:
         return [CheckFinding("attention_kernel", "fail", f"{attn}: the forward failed",

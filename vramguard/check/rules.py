@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from vramguard.catalog.gpus import GpuSpec
 from vramguard.probe.checkpoint import CheckpointInfo
 from vramguard.probe.env import Env
-from vramguard.memory.weights import linear_groups
-from vramguard.settings import DTYPE_BYTES, Settings
+from vramguard.plan.rules import attention_map_bytes, dequantized_weight_bytes
+from vramguard.settings import DTYPE_BYTES, TORCH_DTYPE_NAMES, Settings
 from vramguard.spec import ModelSpec
 from vramguard.units import fmt_bytes, fmt_gib
 
@@ -74,7 +74,7 @@ def runtime_findings(env: Env, gpu: GpuSpec | None, s: Settings, spec: ModelSpec
     f: list[CheckFinding] = []
     cc = gpu.compute_capability if gpu else None
     if cc is not None:
-        if cc >= (8, 0):
+        if gpu.supports_bf16:
             f.append(CheckFinding("bf16", "ok", f"supported (compute capability {_cc(gpu)})", "native since 8.0"))
         elif "bf16" in (param_dtype, s.resolved_compute_dtype if s.is_4bit else param_dtype):
             f.append(CheckFinding("bf16", "warn", f"not native on compute capability {_cc(gpu)}",
@@ -119,8 +119,7 @@ def _flash_attn_findings(env: Env, gpu: GpuSpec | None, s: Settings, spec: Model
                               "transformers raises ImportError at load: 'the package for FlashAttention2 doesn't "
                               f"seem to be installed' ({env.flash_attn_reason})",
                               "use attn_implementation='sdpa' (a flash-class kernel), or pip install flash-attn"))
-    cc = gpu.compute_capability if gpu else None
-    if cc is not None and cc < (8, 0):
+    if gpu is not None and gpu.supports_flash_attn2 is False:
         f.append(CheckFinding("flash_attention_2", "fail", f"compute capability {_cc(gpu)}",
                               f"FlashAttention-2 needs compute capability >= 8.0; {gpu.label} has {_cc(gpu)}: "
                               "the load succeeds and the first generate fails inside the kernel",
@@ -180,7 +179,7 @@ def model_findings(spec: ModelSpec | None, ckpt: CheckpointInfo | None, s: Setti
                    dtype_passed: bool = False) -> list[CheckFinding]:
     """RAM against the largest shard, parameter and compute dtypes, options that force eager attention.
     Parameters in float32 are a warning (twice the memory, with the cost in bytes) unless the user passed that
-    dtype for a float32 checkpoint (field case C2)."""
+    dtype for a float32 checkpoint."""
     f: list[CheckFinding] = checkpoint_findings(ckpt, env)
     stored = (ckpt.config_dtype or ckpt.stored_dtype) if ckpt else (spec.checkpoint_dtype if spec else None)
     if spec is None and ckpt is None:
@@ -211,8 +210,7 @@ def model_findings(spec: ModelSpec | None, ckpt: CheckpointInfo | None, s: Setti
                                   "activation memory and a slow path",
                                   f"load with dtype=torch.{half_name} and bnb_4bit_compute_dtype=torch.{half_name}"))
         elif compute != param_dtype:
-            big = max((g for g in linear_groups(spec) if g.quantizable), key=lambda g: g.numel)
-            wide, narrow = big.numel * DTYPE_BYTES[compute], big.numel * DTYPE_BYTES[param_dtype]
+            big, wide, narrow = dequantized_weight_bytes(spec, compute, param_dtype)
             cost = (f"largest dequantized weight {big.out_features} x {big.in_features}: {fmt_bytes(wide)} "
                     f"against {fmt_bytes(narrow)}" if wide != narrow else "a cast copy of every input and output")
             f.append(CheckFinding("compute_dtype", "warn", f"bnb_4bit_compute_dtype {compute}, activations "
@@ -220,8 +218,7 @@ def model_findings(spec: ModelSpec | None, ckpt: CheckpointInfo | None, s: Setti
                                   "each 4-bit linear casts its input and dequantizes to the compute dtype: a slow "
                                   f"path and more memory ({cost})",
                                   f"set bnb_4bit_compute_dtype=torch.{half_name}"
-                                  + (f" and dtype=torch.{half_name}" if half_name != {"bf16": "bfloat16",
-                                                                                     "fp16": "float16"}.get(param_dtype)
+                                  + (f" and dtype=torch.{half_name}" if half_name != TORCH_DTYPE_NAMES.get(param_dtype)
                                      else "")))
         elif pre_ampere and compute == "bf16":  # the bf16 finding above says it is not native here
             f.append(CheckFinding("compute_dtype", "warn", compute, "matches the activation dtype, but bfloat16 is "
@@ -232,7 +229,7 @@ def model_findings(spec: ModelSpec | None, ckpt: CheckpointInfo | None, s: Setti
     if s.output_attentions:
         extra = ""
         if spec is not None:
-            per_layer = s.sequences * spec.num_heads * s.prompt_tokens ** 2 * DTYPE_BYTES[param_dtype]
+            per_layer = attention_map_bytes(spec, s, param_dtype)
             extra = (f": attention maps of {fmt_bytes(per_layer)} per layer, "
                      f"{fmt_gib(per_layer * spec.num_layers)} over {spec.num_layers} layers at "
                      f"{s.prompt_tokens:,} tokens, plus a float32 softmax buffer of "

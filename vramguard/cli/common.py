@@ -9,17 +9,18 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 
 import typer
 
-from vramguard.errors import ConfigError, Infeasible, InvalidValue, UnknownGpu, UnknownModel, VramguardError
+from vramguard.errors import (EXIT_INTERNAL, ConfigError, Infeasible, InvalidValue, UnknownGpu, UnknownModel,
+                              VramguardError)
 from vramguard.cli.render import console  # rich only: no torch import
 
-# 1: a check failed; 2: bad option value; 3: unknown model / card or unreadable config; 4: infeasible request;
-# 70: internal error
-EXIT_CODES: dict[type, int] = {InvalidValue: 2, ConfigError: 3, UnknownModel: 3, UnknownGpu: 3, Infeasible: 4}
-EXIT_INTERNAL = 70
+# each error's exit code, as its class defines it (vramguard.errors says what each code means)
+EXIT_CODES: dict[type, int] = {c: c.exit_code for c in (InvalidValue, ConfigError, UnknownModel, UnknownGpu,
+                                                        Infeasible)}
 # optional packages and the extra that installs each (pyproject.toml); a missing one is exit 3, not an internal error
 OPTIONAL_PACKAGES = {m: "gpu" for m in ("torch", "transformers", "accelerate", "safetensors", "bitsandbytes",
                                         "matplotlib", "optimum", "hqq")} | {
@@ -37,7 +38,26 @@ FIELD_FLAGS = {"batch": "--batch", "num_beams": "--num-beams", "num_return_seque
                "max_batch_tokens": "--max-batch-tokens", "page_size": "--page-size", "n_max": "--n-max",
                "default_max_tokens": "--default-max-tokens", "max_kv_blocks": "--max-kv-blocks", "gpus": "--gpus",
                "vram_budget": "--vram-budget", "port": "--port", "host": "--host", "model": "MODEL",
-               "revision": "--revision", "tp": "--tp", "device_map": "--device-map", "max_memory": "--max-memory"}
+               "revision": "--revision", "tp": "--tp", "device_map": "--device-map", "max_memory": "--max-memory",
+               "budget_bytes": "--vram-budget", "vary": "--vary", "since": "--since", "year": "--year",
+               "file": "--file", "chat": "--chat-template", "prompt": "--prompt", "chunk_tokens": "--chunk-tokens",
+               "files": "--context", "gpu": "--gpu", "vram": "--vram", "gpu/vram": "--gpu/--vram",
+               "do_sample": "--do-sample"}
+# a library fix's keyword arguments with no flag of the same name and value
+KWARG_FLAGS = {"chat=None": "no --chat-template", "chat=False": "--raw", "do_sample=True": "--do-sample"}
+_KWARG = re.compile(r"\b([a-z_]+)=('[^']*'|[\w.\-/]+)")
+
+
+def as_flags(text: str | None) -> str | None:
+    """A library message in the CLI's words: each ``field=value`` of a known field becomes its option,
+    ``chunk_tokens=200`` -> ``--chunk-tokens 200``, ``file='-'`` -> ``--file -``, ``chat=False`` -> ``--raw``."""
+    def flag(m: re.Match) -> str:
+        name, value = m.group(1), m.group(2).strip("'")
+        if f"{name}={value}" in KWARG_FLAGS:
+            return KWARG_FLAGS[f"{name}={value}"]
+        opt = FIELD_FLAGS.get(name)
+        return m.group(0) if opt is None or not opt.startswith("--") else f"{opt} {value}"
+    return None if text is None else _KWARG.sub(flag, text)
 
 
 def say(text: str) -> None:
@@ -52,11 +72,11 @@ def write_json(data) -> None:
 
 def fail(e: VramguardError, as_json: bool = False) -> None:
     """Print ``e`` naming the CLI option of its field (and as JSON on stdout), then exit with its code."""
-    code = EXIT_CODES.get(type(e), getattr(e, "exit_code", 2))
+    code = e.exit_code
     flag = " + ".join(FIELD_FLAGS.get(part.strip(), part.strip()) for part in e.field.split("+"))
-    say("error " + e.render(flag))
+    say("error " + as_flags(e.render(flag)))
     if as_json:
-        sys.stdout.write(json.dumps({"error": {**e.as_dict(), "field": flag}}) + "\n")
+        sys.stdout.write(json.dumps({"error": {**e.as_dict(), "field": flag, "fix": as_flags(e.fix)}}) + "\n")
     raise typer.Exit(code)
 
 

@@ -9,6 +9,7 @@ from enum import Enum
 import typer
 
 from vramguard.cli.common import FIELD_FLAGS, say
+from vramguard.settings import TORCH_DTYPE_NAMES
 
 Engine = Enum("Engine", {"transformers": "transformers", "vllm": "vllm"}, type=str)
 KvCacheDtype = Enum("KvCacheDtype", {v: v for v in ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")}, type=str)
@@ -19,7 +20,6 @@ FIELD_FLAGS.update({"tensor_parallel_size": "--tp", "pipeline_parallel_size": "-
                     "kv_cache_dtype": "--kv-cache-dtype", "replicas": "--replicas",
                     "kv_offloading_size_bytes": "--kv-offload"})
 
-_DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
 def engine_option():
@@ -93,7 +93,7 @@ def build_plans(model: str, gpu: str | None, vram: str | None, a: EngineArgs):
                      gpu_memory_utilization=a.gpu_memory_utilization, max_model_len=a.max_model_len,
                      kv_cache_dtype=a.kv_cache_dtype, max_num_seqs=a.max_num_seqs,
                      max_num_batched_tokens=a.max_num_batched_tokens,
-                     dtype=_DTYPE_NAMES.get(a.dtype, "auto") if a.dtype else "auto", kv_offloading_size_bytes=offload)
+                     dtype=TORCH_DTYPE_NAMES.get(a.dtype, "auto") if a.dtype else "auto", kv_offloading_size_bytes=offload)
     return [plan_vllm(spec, card, s) for card in cards]
 
 

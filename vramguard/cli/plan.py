@@ -61,20 +61,14 @@ def plan(
 ) -> None:
     """Predict memory by component, say whether it fits, solve for what fits, and rank the fixes."""
     if engine == eng.Engine['vllm'] and not (list_models or list_gpus):
-        a = eng.EngineArgs(tp or 1, pp, gpu_memory_utilization, max_model_len, kv_cache_dtype.value, max_num_seqs,
-                           max_num_batched_tokens, dtype.value if dtype else None)
-        plans = run_guarded(eng.build_plans, model, gpu, vram, a, as_json=fmt == Format['json'])
-        eng.print_plans(plans, model, fmt == Format['json'])
-        if exit_code and not any(p.starts for p in plans):
-            raise typer.Exit(1)
-        return
+        return _plan_vllm(model, gpu, vram, eng.EngineArgs(
+            tp or 1, pp, gpu_memory_utilization, max_model_len, kv_cache_dtype.value, max_num_seqs,
+            max_num_batched_tokens, dtype.value if dtype else None), fmt == Format['json'], exit_code)
     from vramguard.plan import plan as plan_fn
-    from vramguard.cli.render import plan_to_json, print_plan
     from vramguard.settings import Settings
 
     if list_models or list_gpus:
-        _print_catalog(list_models, list_gpus)
-        return
+        return _print_catalog(list_models, list_gpus)
 
     from vramguard.cli.multigpu import defaults_card, wants_cards
     several = wants_cards(gpus, tp, gpu, vram) or max_memory is not None or device_map != "auto"
@@ -106,11 +100,24 @@ def plan(
             return plan_cards(spec, s, (gpus, tp, gpu, vram), context, device_map, max_memory)
         return plan_fn(spec, s, gpu=gpu, vram=vram, context=context, alloc_conf=_alloc_conf(alloc_conf))
 
-    p = run_guarded(build, as_json=fmt == Format['json'])
+    _emit(run_guarded(build, as_json=fmt == Format['json']), several, fmt == Format['json'], exit_code)
+
+
+def _plan_vllm(model: str, gpu: str | None, vram: str | None, args, as_json: bool, exit_code: bool) -> None:
+    """``plan --engine vllm``: vLLM's plan per card, printed; exit 1 with ``--exit-code`` when none starts."""
+    plans = run_guarded(eng.build_plans, model, gpu, vram, args, as_json=as_json)
+    eng.print_plans(plans, model, as_json)
+    if exit_code and not any(p.starts for p in plans):
+        raise typer.Exit(1)
+
+
+def _emit(p, several: bool, as_json: bool, exit_code: bool) -> None:
+    """Print a plan (JSON or the tables); exit 1 with ``--exit-code`` when it fits none of the cards."""
+    from vramguard.cli.render import plan_to_json, print_plan
     if several:
         from vramguard.cli.multigpu import emit
-        return emit(p, fmt == Format['json'], exit_code)
-    if fmt == Format['json']:
+        return emit(p, as_json, exit_code)
+    if as_json:
         write_json(plan_to_json(p))
     else:
         print_plan(p, console())

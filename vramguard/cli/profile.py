@@ -70,10 +70,12 @@ def fit(
     def build():
         _allocator_note()
         import torch
+
+        from vramguard.runtime.device import total_bytes
         s = Settings(quant=quant.value, attn=attn.value, batch=batch, prompt_tokens=prompt_tokens,
                      max_new_tokens=max_new_tokens)
         budget = size_option(vram_budget, "--vram-budget") if vram_budget else (
-            torch.cuda.mem_get_info()[1] if torch.cuda.is_available() else 0)
+            total_bytes() if torch.cuda.is_available() else 0)
         if max_runs < 1:
             raise InvalidValue("--max-runs", max_runs, "an integer >= 1", "allow at least one run")
         return fit_fn(model, s, vary.value, budget, out_dir=out, max_runs=max_runs)

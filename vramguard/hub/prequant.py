@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from vramguard.hub.headers import FLOAT_DTYPES, CheckpointHeaders, TensorHeader
-from vramguard.memory.weights import WeightBytes, rounded
+from vramguard.memory.common import WeightBytes, rounded
 from vramguard.settings import DTYPE_BYTES
 
 # name endings of the packed / low-precision weight of a quantized layer
@@ -227,7 +227,7 @@ def prequant_findings(p) -> list:
     """Findings of a plan whose weights come from a pre-quantized checkpoint's headers: the stored bytes, what
     transformers does at load on the planned card (dequantized: the cost), a backend the load needs; or that a
     pre-quantized checkpoint's headers were not read."""
-    from vramguard.plan import Finding
+    from vramguard.finding import Finding
     from vramguard.units import fmt_bytes
     spec, s = p.model, p.settings
     if not spec.prequantized:
@@ -267,7 +267,7 @@ def stored_findings(p) -> list:
     """For a 16-bit checkpoint whose headers were read: what it stores (bytes by dtype, parameters), and a
     warning when its parameter count and the planned model's differ by more than 1% (a config that does not
     describe these weights)."""
-    from vramguard.plan import Finding
+    from vramguard.finding import Finding
     from vramguard.units import fmt_bytes
     ck = getattr(p.model, "checkpoint", None)
     if ck is None or ck.format != "safetensors" or not ck.tensors:

@@ -21,7 +21,7 @@ from typing import Any
 
 from vramguard.errors import ConfigError
 
-TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+from vramguard.settings import TORCH_DTYPE_NAMES as TORCH_DTYPES
 
 
 def _torch_dtype(name: str):

@@ -14,10 +14,9 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from vramguard.errors import NotModelled
-from vramguard.memory.forward import ForwardPeak
-from vramguard.memory.kv import KvBytes, SCALE_ZERO_BYTES
-from vramguard.memory.weights import LinearGroup, WeightBytes, quantized_tensor_bytes, rounded
-from vramguard.settings import DTYPE_BYTES, KV_BITS, Settings
+from vramguard.memory.common import (SCALE_ZERO_BYTES, ForwardPeak, KvBytes, LinearGroup, WeightBytes,
+                                     quantized_tensor_bytes, rounded)
+from vramguard.settings import DTYPE_BYTES, KV_BITS, Settings, short_dtype
 
 
 def _config(spec):
@@ -189,7 +188,7 @@ def _quantized_kv(r, s: Settings) -> tuple[int, int]:
         numel = 1
         for d in shape:
             numel *= d
-        elem = DTYPE_BYTES.get({"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(dtype, "bf16"), 2)
+        elem = DTYPE_BYTES.get(short_dtype(dtype) or "bf16", 2)
         per_layer[layer] = per_layer.get(layer, 0) + rounded(numel * elem)
         if len(shape) != 4:
             total += rounded(numel * elem)

@@ -246,7 +246,7 @@ def replay(model, config, s: Settings, past: int, chunk: int, quantized: set[str
 
 
 def _replay(model, config, s: Settings, past: int, chunk: int, quantized, policy) -> Replayed:
-    from vramguard.memory.forward import sdpa_runs_math
+    from vramguard.memory.common import sdpa_runs_math
     cache = _new_cache(model, config, s)
     logits_to_keep = 0 if s.logits == "all" else 1
     with torch.no_grad():
@@ -277,7 +277,7 @@ def _replay(model, config, s: Settings, past: int, chunk: int, quantized, policy
             components = tracker.peak_by_label(relabel)
     per_layer: dict[int, int] = {}
     for layer, _, t in kv:
-        from vramguard.memory.weights import rounded
+        from vramguard.memory.common import rounded
         per_layer[layer] = per_layer.get(layer, 0) + (rounded(t.untyped_storage().nbytes()) if t.numel() else 0)
     n_layers = max(per_layer) + 1 if per_layer else 0
     return Replayed(tracker.peak.bytes, components, tracker.peak.at, tracker.largest_alloc,

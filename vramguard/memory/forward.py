@@ -12,7 +12,7 @@ Per-element costs that decide long prompts (``sc = seqs x heads x q_len x k_len`
   ``softmax(dtype=float32).to(dtype)``. PyTorch's ``softmax`` converts a bfloat16 input to float32 first (only
   float16 on CUDA takes the fused half-to-float path; aten/src/ATen/native/SoftMax.cpp), so bf16 peaks at
   2 + 4 + 4 = 10 B per score, fp16 at 2 + 4 + 2 = 8 B, fp32 at 4 + 4 = 8 B. The reference eager kernel is
-  ``softmax_warp_forward<float, float, float>`` (shared/reference), which confirms the float32 input.
+  ``softmax_warp_forward<float, float, float>`` (profiled on an H200), which confirms the float32 input.
 * SDPA flash-class kernels (flash, cuDNN, memory-efficient) and flash_attn FA2: the output plus a float32
   log-sum-exp of ``seqs x heads x q_len`` (no score matrix).
 * SDPA math: q, k, v upcast to float32 and float32 scores and probabilities, 8 B per score.
@@ -24,8 +24,7 @@ Per-element costs that decide long prompts (``sc = seqs x heads x q_len x k_len`
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
+from vramguard.memory.common import ForwardPeak, sdpa_runs_math
 from vramguard.memory.kv import kv_cache_bytes, kv_tensor_bytes
 from vramguard.memory.tape import Tape
 from vramguard.settings import DTYPE_BYTES, Settings
@@ -34,36 +33,16 @@ from vramguard.spec import ModelSpec
 NORM_BYTES_PER_VALUE = 8  # float32 upcast + float32 normalized value, both alive inside RMSNorm
 
 
-@dataclass(frozen=True)
-class ForwardPeak:
-    """Peak bytes of one forward above the weights, by component (``components`` sums to ``peak_bytes``)."""
-
-    phase: str
-    past_tokens: int
-    chunk_tokens: int
-    peak_bytes: int
-    components: dict[str, int]
-    at: str
-    largest_alloc: int
-
-
 def logits_bytes(spec: ModelSpec, sequences: int, positions: int, act_dtype: str) -> tuple[int, int]:
     """(logits in the model dtype, their float32 copy) for ``positions`` per sequence, in bytes.
 
     ``sequences x positions x vocab_size x dtype bytes`` and ``... x 4``. generate() keeps one position
     (``logits_to_keep=1``) and copies it to float32; a forward over the prompt (scoring, ``output_logits``)
-    keeps every position. Example (C8, Llama-3-8B, 8,192 positions, bf16): 8,192 x 128,256 x 2 =
+    keeps every position. Example (Llama-3-8B, 8,192 positions, bf16): 8,192 x 128,256 x 2 =
     2,101,346,304 B (1.957 GiB) plus 4,202,692,608 B (3.914 GiB) in float32.
     """
     n = sequences * positions * spec.vocab_size
     return n * DTYPE_BYTES[act_dtype], n * 4
-
-
-def sdpa_runs_math(s: Settings) -> bool:
-    """SDPA runs its math kernel (float32 scores): pinned to math, or float32 activations with a pinned flash or
-    cuDNN kernel (both need 16-bit inputs). Otherwise a flash-class kernel runs (memory-efficient accepts float32
-    and masks)."""
-    return s.sdpa_kernel == "math" or (s.act_dtype == "fp32" and s.sdpa_kernel in ("flash", "cudnn"))
 
 
 def eager_bytes_per_score(act_dtype: str) -> int:

@@ -21,13 +21,9 @@ the layer in use and the one being prefetched on the GPU and the rest in CPU RAM
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from vramguard.memory.weights import rounded
+from vramguard.memory.common import SCALE_ZERO_BYTES, KvBytes, rounded
 from vramguard.settings import DTYPE_BYTES, KV_BITS, Settings
 from vramguard.spec import ModelSpec
-
-SCALE_ZERO_BYTES = 2 * 2  # one 16-bit scale and one 16-bit zero-point per group
 
 
 def layer_tokens(spec: ModelSpec, layer_type: str, n_tokens: int, s: Settings, in_prefill_chunk: int = 0) -> int:
@@ -66,22 +62,10 @@ def kv_tensor_bytes(spec: ModelSpec, s: Settings, n_tokens: int, kv_dtype: str |
     return rounded(q_bytes) + rounded(scale_bytes) + rounded(resid_bytes)
 
 
-@dataclass(frozen=True)
-class KvBytes:
-    """KV cache bytes on the GPU (``gpu_bytes``) and in CPU RAM (``cpu_bytes``, offloaded cache)."""
-
-    gpu_bytes: int
-    cpu_bytes: int
-    full_layer_bytes: int
-    sliding_layer_bytes: int
-    tokens: int
-    largest_tensor_bytes: int = 0
-
-
 def kv_cache_bytes(spec: ModelSpec, s: Settings, n_tokens: int, in_prefill_chunk: int = 0) -> KvBytes:
     """KV cache of all layers after ``n_tokens`` tokens (keys and values, all sequences).
 
-    Example (C6: Llama-3.1-70B, 131,072 tokens, bf16): 80 layers x 2 x 8 heads x 131,072 x 128 x 2 B
+    Example (Llama-3.1-70B, 131,072 tokens, bf16): 80 layers x 2 x 8 heads x 131,072 x 128 x 2 B
     = 42,949,672,960 B = 40.00 GiB. A generic spec (any architecture) is answered by the tensors of the cache
     transformers creates (:func:`vramguard.introspect.generic.kv_cache_bytes`).
     """

@@ -86,7 +86,7 @@ def parse_since(text: str | None, now: datetime | None = None) -> datetime | Non
         dt = datetime.fromisoformat(t)
         return dt if dt.tzinfo else dt.astimezone()
     except ValueError:
-        raise InvalidValue("--since", text, "30m, 2h, 1d, boot, or a date/time such as 2026-11-30T17:00",
+        raise InvalidValue("since", text, "30m, 2h, 1d, boot, or a date/time such as 2026-11-30T17:00",
                            "pass one of those forms") from None
 
 
@@ -151,14 +151,14 @@ def oom_log(file: str | None = None, since: str | None = None, year: int | None 
     """
     cutoff = parse_since(since)
     if year is not None and not 1970 <= year <= 9999:
-        raise InvalidValue("--year", year, "a year from 1970 to 9999", "give the year of the log's timestamps")
+        raise InvalidValue("year", year, "a year from 1970 to 9999", "give the year of the log's timestamps")
     src = read_source(file)
     if file and src.name is None:
-        raise InvalidValue("--file", file, "a readable log file, or - for stdin",
-                           ("; ".join(src.attempts) + ": check the path, or pipe the log into --file -")
+        raise InvalidValue("file", file, "a readable log file, or - for stdin",
+                           ("; ".join(src.attempts) + ": check the path, or pipe the log into file='-'")
                            + (f". {PERMISSION_HELP}" if src.permission_denied else ""))
     if file and not src.lines:
-        raise InvalidValue("--file", file, "a kernel log with at least one line",
+        raise InvalidValue("file", file, "a kernel log with at least one line",
                            "pass the output of dmesg, journalctl -k or /var/log/kern.log")
     parsed = parse_lines(src.lines, year)
     boot = boot_time() if src.name and not file else None  # raw dmesg seconds are this boot's only when live

@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from vramguard.catalog.gpus import GpuSpec
+from vramguard.finding import Finding
 from vramguard.memory.forward import ForwardPeak, decode_peak, prefill_peak
 from vramguard.memory.kv import KvBytes, kv_bytes_per_token, kv_cache_bytes
 from vramguard.memory.runtime import CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES, allocator_reserve_bytes
@@ -29,17 +30,6 @@ from vramguard.spec import ModelSpec
 
 COMPONENT_ORDER = ("weights", "quant_state", "kv_cache", "attention", "activations", "dequant", "logits",
                    "cublas_workspace")
-
-
-@dataclass(frozen=True)
-class Finding:
-    """Something the user should know: ``level`` is info / warn / fail; ``bytes`` the memory at stake, if any."""
-
-    code: str
-    level: str
-    message: str
-    fix: str | None = None
-    bytes: int | None = None
 
 
 @dataclass(frozen=True)

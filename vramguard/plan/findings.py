@@ -4,8 +4,9 @@ stake and the fix. Each finding is computed from the plan's own numbers (never a
 from __future__ import annotations
 
 from vramguard.memory.forward import eager_bytes_per_score, logits_bytes
-from vramguard.memory.weights import linear_groups, weight_bytes
+from vramguard.memory.weights import weight_bytes
 from vramguard.plan.estimator import Finding, Plan
+from vramguard.plan.rules import attention_map_bytes, dequantized_weight_bytes
 from vramguard.settings import DTYPE_BYTES
 from vramguard.units import fmt_bytes, fmt_gib
 
@@ -67,21 +68,19 @@ def _card_findings(p: Plan, out: list) -> None:
                                floor - card.usable_bytes))
     for card in p.cards:
         cc = card.gpu.compute_capability
-        if cc is None or cc >= (8, 0):
+        if cc is None or card.gpu.supports_flash_attn2:
             continue
         ccs = f"{cc[0]}.{cc[1]}"
         if s.attn == "flash_attention_2":
             out.append(Finding("fa2_compute_capability", "fail",
                                f"FlashAttention-2 needs compute capability >= 8.0; {card.gpu.label} has {ccs}",
                                "use attn_implementation='sdpa'"))
-        if "bf16" in (s.act_dtype, s.resolved_compute_dtype):
+        if "bf16" in (s.act_dtype, s.resolved_compute_dtype) and not card.gpu.supports_bf16:
             out.append(Finding("bf16_not_native", "warn",
                                f"bfloat16 is not native below compute capability 8.0 ({card.gpu.label}: {ccs})",
                                "use float16 compute (bnb_4bit_compute_dtype=torch.float16, dtype=torch.float16)"))
     if s.is_4bit and s.resolved_compute_dtype != s.act_dtype:
-        big = max((g for g in linear_groups(spec) if g.quantizable), key=lambda g: g.numel)
-        wide = big.numel * DTYPE_BYTES[s.resolved_compute_dtype]
-        narrow = big.numel * DTYPE_BYTES[s.act_dtype]
+        big, wide, narrow = dequantized_weight_bytes(spec, s.resolved_compute_dtype, s.act_dtype)
         out.append(Finding("compute_dtype_mismatch", "warn",
                            f"4-bit compute dtype {s.resolved_compute_dtype} differs from the activation dtype "
                            f"{s.act_dtype}: every linear casts its input and dequantizes to "
@@ -94,7 +93,7 @@ def _attention_findings(p: Plan, out: list) -> None:
     """Attention paths that materialize scores or cannot run."""
     spec, s, est = p.model, p.settings, p.estimate
     if s.output_attentions:
-        per_layer = s.sequences * spec.num_heads * s.prompt_tokens * s.prompt_tokens * DTYPE_BYTES[s.act_dtype]
+        per_layer = attention_map_bytes(spec, s, s.act_dtype)
         out.append(Finding("output_attentions_eager", "warn",
                            "output_attentions=True needs eager attention (transformers' SDPA and flash paths cannot "
                            "return attention maps: older versions switch to eager silently, newer return None). "

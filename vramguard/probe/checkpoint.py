@@ -58,13 +58,13 @@ def read_checkpoint(folder: str | Path) -> CheckpointInfo:
             cfg = json.loads((p / "config.json").read_text())
         except (OSError, json.JSONDecodeError):
             cfg = {}
-    from vramguard.spec import _DTYPE_NAMES
+    from vramguard.settings import short_dtype
     cd = cfg.get("dtype") or cfg.get("torch_dtype")
     return CheckpointInfo(
         folder=str(p), shards=tuple((f.name, f.stat().st_size) for f in files),
         format="safetensors" if st else ("pickle" if pt else None),
         stored_dtype=_stored_dtype(st[0]) if st else None,
-        config_dtype=_DTYPE_NAMES.get(str(cd)) if cd else None,
+        config_dtype=short_dtype(cd),
         remote_code=bool(cfg.get("auto_map")))
 
 

@@ -6,7 +6,7 @@ ATen op names (CPU side of the profile) name the SDPA backend that dispatched; C
 ``cudnn_generated_fort_native_sdpa_*``; the memory-efficient ``fmha_cutlassF_*``). A softmax kernel with no fused
 attention op means the score matrix was materialized (eager, or SDPA's math backend). Reference names seen on an
 H200 with torch 2.11: ``cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7_64x128x128_...`` for
-plain sdpa and ``softmax_warp_forward<float, float, float, ...>`` for eager (shared/reference).
+plain sdpa and ``softmax_warp_forward<float, float, float, ...>`` for eager (measured on an H200).
 """
 
 from __future__ import annotations

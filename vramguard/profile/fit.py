@@ -222,23 +222,22 @@ def fit(model, s: Settings, vary: str, budget_bytes: int, out_dir: str | None = 
 
     from vramguard.explain import explain
     from vramguard.runtime.load import LoadedModel, load_model
-    from vramguard.resolve import resolve_model
-    from vramguard.runtime.device import memory_cap
+    from vramguard.runtime.device import memory_cap, total_bytes
     from vramguard.profile.measured_run import free_memory, run_generate
     from vramguard.errors import UnknownModel
     from vramguard.resolve import model_folder
     if vary not in VARY:
-        raise InvalidValue("--vary", vary, " | ".join(VARY), "vary one of those")
+        raise InvalidValue("vary", vary, " | ".join(VARY), "vary one of those")
     if not isinstance(model, LoadedModel) and model_folder(model) is None:
         raise UnknownModel("MODEL", model, "a local model folder or a cached model id with weights",
                            "download the model first (a catalog name has no weights: use it with plan)")
     if not torch.cuda.is_available():
         raise InvalidValue("device", "cpu", "a CUDA GPU", "fit makes real runs: run it on a machine with a GPU")
-    total = torch.cuda.mem_get_info()[1]
+    total = total_bytes()
     if budget_bytes > total:
-        raise InvalidValue("--vram-budget", budget_bytes, f"at most the card's {total:,} B", "give a smaller budget")
+        raise InvalidValue("budget_bytes", budget_bytes, f"at most the card's {total:,} B", "give a smaller budget")
     loaded = model if isinstance(model, LoadedModel) else load_model(model, quant=s.quant, attn=s.attn)
-    spec = resolve_model(loaded.report.model)
+    spec = loaded.spec
     key = VARY[vary]
 
     def one(v: int) -> FitRun:

@@ -10,7 +10,7 @@ import gc
 import time
 from dataclasses import dataclass, field
 
-from vramguard.runtime.device import StepRecorder, StepSample, probe
+from vramguard.runtime.device import StepRecorder, StepSample, is_oom, probe
 from vramguard.settings import Settings
 
 
@@ -55,8 +55,8 @@ def free_memory() -> None:
 def run_generate(model, s: Settings, seed: int = 0) -> RunResult:
     """Greedy ``generate`` of exactly ``s.max_new_tokens`` tokens after a random prompt, memory sampled per step.
 
-    Returns ``ok=False`` with the message on ``torch.OutOfMemoryError``; never leaves the failed attempt's tensors
-    allocated.
+    Returns ``ok=False`` with the message when the run is out of memory
+    (:func:`~vramguard.runtime.device.is_oom`); never leaves the failed attempt's tensors allocated.
     """
     import torch
     free_memory()
@@ -73,7 +73,9 @@ def run_generate(model, s: Settings, seed: int = 0) -> RunResult:
         del out
         r = probe().read()
         res = RunResult(True, rec.samples, time.perf_counter() - t0, before, None, r["device_used"], r["reserved"])
-    except torch.OutOfMemoryError as e:
+    except RuntimeError as e:
+        if not is_oom(e):
+            raise
         res = RunResult(False, rec.samples, time.perf_counter() - t0, before, str(e).split("\n")[0])
     del ids
     free_memory()

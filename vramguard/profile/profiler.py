@@ -11,7 +11,6 @@ from vramguard.runtime.load import LoadedModel, load_model, unload
 from vramguard.runtime.device import StepSample
 from vramguard.memory.runtime import CUBLAS_WORKSPACE_BYTES
 from vramguard.plan import estimate
-from vramguard.resolve import resolve_model
 from vramguard.profile.measured_run import RunResult, run_generate
 from vramguard.settings import Settings
 
@@ -112,7 +111,7 @@ def profile(model: str | LoadedModel, s: Settings, out_dir: str | None = None, m
         model, quant=s.quant, double_quant=s.double_quant, compute_dtype=s.compute_dtype,
         attn="sdpa" if s.attn == "sdpa" else s.attn)
     name = loaded.report.model
-    spec = resolve_model(name)
+    spec = loaded.spec
     if warmup:
         run_generate(loaded.model, s.with_(prompt_tokens=16, max_new_tokens=2, batch=1))
     if memory_snapshot:
@@ -137,7 +136,7 @@ def profile(model: str | LoadedModel, s: Settings, out_dir: str | None = None, m
             report.files["memory_snapshot"] = str(snap)
     if memory_snapshot:
         torch.cuda.memory._record_memory_history(enabled=None)
-    if not isinstance(model, LoadedModel):  # loaded here: free it, and say whether memory went back (C17)
+    if not isinstance(model, LoadedModel):  # loaded here: free it, and say whether memory went back
         weights = loaded.report.weights_bytes
         rep = unload(loaded)
         del loaded

@@ -143,9 +143,9 @@ def summarize_then_ask(question: str, chunks: list[Chunk], tokenizer, budget_tok
         longest = max(_count(tokenizer, summary_prompt(c.text)) for c in chunks)
         if longest + MIN_SUMMARY_TOKENS > context_tokens:
             fits = max(c.tokens for c in chunks) - (longest + MIN_SUMMARY_TOKENS - context_tokens) - 1
-            raise InvalidValue("--chunk-tokens", chunk_tokens, f"chunks whose summary request (instruction, chunk "
+            raise InvalidValue("chunk_tokens", chunk_tokens, f"chunks whose summary request (instruction, chunk "
                                f"and at least {MIN_SUMMARY_TOKENS} new tokens) fits the model's context of "
-                               f"{context_tokens:,} tokens", f"pass --chunk-tokens {fits}" if fits >= 16 else
+                               f"{context_tokens:,} tokens", f"pass chunk_tokens={fits}" if fits >= 16 else
                                "the context is too short to summarize even 16-token chunks: shorten the files")
         share = min(share, context_tokens - longest)
     summaries = []
@@ -176,14 +176,14 @@ def context_prompt(model, tokenizer, question: str, files: list[str], *, chunk_t
     from vramguard.errors import InvalidValue
     from vramguard.run.generate import generate, prompt_budget
     if chunk_tokens < 16:
-        raise InvalidValue("--chunk-tokens", chunk_tokens, "an integer >= 16", "use larger chunks")
+        raise InvalidValue("chunk_tokens", chunk_tokens, "an integer >= 16", "use larger chunks")
     chunks: list[Chunk] = []
     for f in files:
         try:
             with open(f, encoding="utf-8") as fh:
                 chunks += split_chunks(fh.read(), f, tokenizer, chunk_tokens)
         except (OSError, UnicodeDecodeError) as e:
-            raise InvalidValue("--context", f, "a readable UTF-8 text file",
+            raise InvalidValue("files", f, "a readable UTF-8 text file",
                                f"pass a text file ({type(e).__name__}: {getattr(e, 'strerror', None) or e})") from None
     limit = prompt_budget(model, max_new_tokens, budget_bytes, auto)
     packed = pack(question, chunks, tokenizer, limit)

@@ -417,8 +417,9 @@ class GraphDecoder:
         return time.perf_counter() - t0
 
     def _sdpa_unpinned(self):
-        """:func:`vramguard.runtime.load.sdpa_unpinned` for this call: a static cache needs a mask at every decode step."""
-        from vramguard.runtime.load import sdpa_unpinned
+        """:func:`vramguard.runtime.handle.sdpa_unpinned` for this call: a static cache needs a mask at every decode
+        step."""
+        from vramguard.runtime.handle import sdpa_unpinned
         return sdpa_unpinned(self.model, "a static cache passes a mask at every step")
 
     # -- generation -------------------------------------------------------------------------------------------

@@ -30,7 +30,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from vramguard.errors import Infeasible
-from vramguard.runtime.device import memory_cap
+from vramguard.runtime.device import is_oom, memory_cap, usable_bytes
+from vramguard.runtime.handle import LoadedModel, as_loaded
 from vramguard.settings import Settings, require_count
 from vramguard.units import fmt_bytes
 
@@ -121,22 +122,6 @@ class GenerationResult:
     decode_mode: str | None = None
     decode_reason: str | None = None
     decode_ms_per_token: float | None = None
-
-
-def usable_bytes(budget_bytes: int | None) -> tuple[int | None, int]:
-    """(bytes this process can still give to generation, bytes held now by PyTorch), or (None, 0) on the CPU.
-
-    With a budget: the budget minus what PyTorch has allocated. Without: the card's free memory plus the reserved
-    but unallocated cache.
-    """
-    import torch
-    if not torch.cuda.is_available():
-        return (None, 0) if budget_bytes is None else (budget_bytes, 0)
-    allocated = torch.cuda.memory_allocated()
-    if budget_bytes is not None:
-        return budget_bytes - allocated, allocated
-    free, _ = torch.cuda.mem_get_info()
-    return free + torch.cuda.memory_reserved() - allocated, allocated
 
 
 def _candidates(spec, s: Settings, pool, on_cuda: bool, weights_loaded: bool) -> tuple[list, list[str]]:
@@ -268,7 +253,7 @@ def _attempts(model, tokenizer, prompt_ids: list[int], max_new_tokens: int, orde
     """Run the strategies in ``order`` until one completes; each continues from the tokens produced so far."""
     import torch
 
-    from vramguard.runtime.load import sdpa_unpinned
+    from vramguard.runtime.handle import sdpa_unpinned
     on_cuda = next(model.parameters()).device.type == "cuda"
     generated: list[int] = []
     attempts: list[Attempt] = []
@@ -299,7 +284,9 @@ def _attempts(model, tokenizer, prompt_ids: list[int], max_new_tokens: int, orde
                                     sdpa_note=sdpa_note, **_decode_fields(dec)))
             ttft = ttft if ttft is not None else (tap.t_first - t0 if tap.t_first else None)
             return generated, attempts, ttft
-        except torch.OutOfMemoryError as e:  # free what the attempt held, then the next strategy continues
+        except RuntimeError as e:  # out of memory: free what the attempt held, then the next strategy continues
+            if not is_oom(e):
+                raise
             added = len(generated) - tap.start
             attempts.append(Attempt(st.name, added, str(e).split("\n")[0][:300],
                                     "prefill" if added == 0 else "decode", added,
@@ -352,14 +339,11 @@ def strategy_order(model, prompt_tokens: int, max_new_tokens: int, *, budget_byt
         InvalidValue: the request is over the model's context. Infeasible: no strategy fits, before any GPU work.
     """
     from vramguard.plan import check_context
-    from vramguard.spec import spec_from_config
-    spec = spec_from_config(model.config.to_dict(), name=getattr(model.config, "_name_or_path", "model"))
-    s = (settings or Settings(quant=_quant_of(model), attn=_attn_of(model))).with_(
-        prompt_tokens=prompt_tokens, max_new_tokens=max_new_tokens, batch=1)
-    check_context(spec, s, beyond=None)
-    on_cuda = next(model.parameters()).device.type == "cuda"
-    usable, _ = usable_bytes(budget_bytes) if on_cuda else (None, 0)
-    return preflight(spec, s, usable, auto, on_cuda, weights_loaded=True, fast_decode=fast_decode)
+    h = as_loaded(model)
+    s = (settings or h.settings).with_(prompt_tokens=prompt_tokens, max_new_tokens=max_new_tokens, batch=1)
+    check_context(h.spec, s, beyond=None)
+    usable, _ = usable_bytes(budget_bytes) if h.on_cuda else (None, 0)
+    return preflight(h.spec, s, usable, auto, h.on_cuda, weights_loaded=True, fast_decode=fast_decode)
 
 
 def generate(model, tokenizer, prompt: str | list[int], max_new_tokens: int = 256, *, budget_bytes: int | None = None,
@@ -370,7 +354,8 @@ def generate(model, tokenizer, prompt: str | list[int], max_new_tokens: int = 25
     """Generate ``max_new_tokens`` after ``prompt`` without running out of memory (see the module docstring).
 
     Args:
-        model, tokenizer: as returned by :func:`vramguard.runtime.load.load_model` (tokenizer may be None with token ids).
+        model, tokenizer: the :class:`~vramguard.runtime.handle.LoadedModel` :func:`vramguard.runtime.load.load_model`
+            returns (tokenizer None: its own), or a model and its tokenizer (None with token ids).
         prompt: text, or a list of token ids.
         budget_bytes: memory PyTorch may use in total (default: what the card has free).
         auto: choose the strategy from the plan (else only the plain dynamic cache, refused if it cannot fit).
@@ -388,23 +373,26 @@ def generate(model, tokenizer, prompt: str | list[int], max_new_tokens: int = 25
     from vramguard.errors import InvalidValue
     require_count("max_new_tokens", max_new_tokens, 1)
     if temperature is not None and not temperature > 0:
-        raise InvalidValue("temperature", temperature, "a number > 0", "use --temperature 0.7, or greedy decoding")
+        raise InvalidValue("temperature", temperature, "a number > 0", "use temperature=0.7, or greedy decoding")
     if top_p is not None and not 0 < top_p <= 1:
-        raise InvalidValue("top_p", top_p, "a number in (0, 1]", "use e.g. --top-p 0.9")
+        raise InvalidValue("top_p", top_p, "a number in (0, 1]", "use e.g. top_p=0.9")
     if top_k is not None and top_k < 1:
-        raise InvalidValue("top_k", top_k, "an integer >= 1", "use e.g. --top-k 50")
+        raise InvalidValue("top_k", top_k, "an integer >= 1", "use e.g. top_k=50")
     given = [n for n, v in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k)) if v is not None]
     if given and not do_sample:  # greedy decoding would ignore them: refuse rather than drop the user's setting
         raise InvalidValue(given[0], locals()[given[0]], "only with do_sample (greedy decoding ignores it)",
-                           f"add --do-sample (library: do_sample=True) to sample with {', '.join(given)}, or leave "
+                           f"pass do_sample=True to sample with {', '.join(given)}, or leave "
                            "them out for greedy decoding")
+    if isinstance(model, LoadedModel) and tokenizer is None:
+        tokenizer = model.tokenizer
     prompt_ids = _prompt_ids(tokenizer, prompt)
+    h = as_loaded(model)
+    model, on_cuda = h.model, h.on_cuda
     fast, fast_why = fast_decode_choice(model, fast_decode)
-    order, why = strategy_order(model, len(prompt_ids), max_new_tokens, budget_bytes=budget_bytes, auto=auto,
+    order, why = strategy_order(h, len(prompt_ids), max_new_tokens, budget_bytes=budget_bytes, auto=auto,
                                 fast_decode=fast, settings=settings)
     if fast_decode is None:
         why += f"; fast decode {'on' if fast else 'off'} by default: {fast_why}"
-    on_cuda = next(model.parameters()).device.type == "cuda"
     usable, _ = usable_bytes(budget_bytes) if on_cuda else (None, 0)
     if on_cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -470,43 +458,26 @@ def resolve_sampling(model, do_sample: bool, temperature, top_p, top_k) -> tuple
     return out, note
 
 
-def _quant_of(model) -> str:
-    q = getattr(model.config, "quantization_config", None)
-    if q is None:
-        return {"torch.float32": "fp32", "torch.float16": "fp16"}.get(str(model.dtype), "bf16")
-    d = q.to_dict() if hasattr(q, "to_dict") else dict(q)
-    if d.get("load_in_4bit"):
-        return "fp4" if d.get("bnb_4bit_quant_type") == "fp4" else "nf4"
-    return "int8" if d.get("load_in_8bit") else "bf16"
-
-
-def _attn_of(model) -> str:
-    a = getattr(model.config, "_attn_implementation", "sdpa") or "sdpa"
-    return a if a in ("eager", "sdpa", "flash_attention_2") else "sdpa"
-
-
 def prompt_budget(model, max_new_tokens: int, budget_bytes: int | None = None, auto: bool = True) -> int:
     """The longest prompt (tokens) that some strategy can run with ``max_new_tokens`` in the memory left: the
     plan's :func:`~vramguard.plan.solve.max_prompt_tokens` per strategy, the largest of them; the model's context when
     there is no CUDA device to plan against."""
     from vramguard.plan import estimate
     from vramguard.plan.solve import _largest
-    from vramguard.spec import spec_from_config
-    spec = spec_from_config(model.config.to_dict(), name=getattr(model.config, "_name_or_path", "model"))
-    ctx = spec.max_position_embeddings - max_new_tokens
-    on_cuda = next(model.parameters()).device.type == "cuda"
-    usable, _ = usable_bytes(budget_bytes) if on_cuda else (None, 0)
+    h = as_loaded(model)
+    ctx = h.spec.max_position_embeddings - max_new_tokens
+    usable, _ = usable_bytes(budget_bytes) if h.on_cuda else (None, 0)
     if usable is None:
         return ctx
-    s = Settings(quant=_quant_of(model), attn=_attn_of(model), max_new_tokens=max_new_tokens)
+    s = h.settings.with_(max_new_tokens=max_new_tokens)
     best = 0
     for st in STRATEGIES if auto else STRATEGIES[:1]:
-        if not st.available(on_cuda)[0]:
+        if not st.available(h.on_cuda)[0]:
             continue
         ss = s.with_(**st.plan)
 
-        def fits(p: int, ss=ss) -> bool:
-            est = estimate(spec, ss.with_(prompt_tokens=p))
-            return est.peak_reserved_bytes - est.weights.total_bytes <= usable
-        best = max(best, _largest(1, ctx, fits) or 0)
+        def need(p: int, ss=ss) -> int:  # beyond the loaded weights, as preflight counts it
+            est = estimate(h.spec, ss.with_(prompt_tokens=p))
+            return est.peak_reserved_bytes - est.weights.total_bytes
+        best = max(best, _largest(1, ctx, need, usable) or 0)
     return best

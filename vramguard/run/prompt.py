@@ -27,8 +27,8 @@ def prepare_prompt(tokenizer, text: str, chat: bool | None = None) -> PreparedPr
     """
     template = getattr(tokenizer, "chat_template", None)
     if chat and not template:
-        raise InvalidValue("--chat-template", True, "a tokenizer with a chat_template",
-                           "drop --chat-template (this tokenizer has none), or pass --raw")
+        raise InvalidValue("chat", True, "a tokenizer with a chat_template",
+                           "pass chat=None (this tokenizer has none), or chat=False for the raw text")
     if template and chat is not False:
         text_in = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                                 tokenize=False)
@@ -40,7 +40,7 @@ def prepare_prompt(tokenizer, text: str, chat: bool | None = None) -> PreparedPr
         why = "raw text (--raw)" if chat is False else "raw text (the tokenizer has no chat template)"
         used = False
     if not ids:
-        raise InvalidValue("--prompt", text, "at least one token", "pass a non-empty prompt")
+        raise InvalidValue("prompt", text, "at least one token", "pass a non-empty prompt")
     return PreparedPrompt(list(ids), used, why)
 
 

@@ -1,5 +1,7 @@
-"""Measuring GPU memory: a snapshot dataclass with ``__sub__`` (allocated, reserved, peaks, split blocks, memory
-outside PyTorch), and a per-step recorder for ``generate``.
+"""Device memory, the one place vramguard reads and limits it: a snapshot dataclass with ``__sub__`` (allocated,
+reserved, peaks, split blocks, memory outside PyTorch), a per-step recorder for ``generate``, the usable-memory
+rule (:func:`usable_bytes`), the cap (:func:`memory_cap`, :func:`set_cap`) and what counts as running out of
+memory (:func:`is_oom`).
 
 All sizes are bytes from ``torch.cuda.memory_stats`` / ``mem_get_info``. Tests replace :data:`PROBE` with a
 fake to run the recorder on the CPU.
@@ -55,14 +57,11 @@ def memory_cap(budget_bytes: int | None, device: int | None = None):
         yield None
         return
     dev = torch.cuda.current_device() if device is None else device
-    getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
-    before = getter(dev) if getter is not None else 1.0
-    fraction = min(1.0, budget_bytes / torch.cuda.get_device_properties(dev).total_memory)
-    torch.cuda.set_per_process_memory_fraction(fraction, dev)
+    before = set_cap(budget_bytes, dev)
     try:
-        yield fraction
+        yield min(1.0, budget_bytes / total_bytes(dev))
     finally:
-        torch.cuda.set_per_process_memory_fraction(before, dev)
+        restore_cap(before, dev)
 
 
 def probe():
@@ -140,3 +139,70 @@ class StepRecorder:
 
     def end(self) -> None:
         pass
+
+
+def usable_bytes(budget_bytes: int | None) -> tuple[int | None, int]:
+    """The one usable-memory rule: (bytes this process can still give to a run on the current CUDA device, bytes
+    PyTorch has allocated now), or ``(budget_bytes, 0)`` / ``(None, 0)`` without CUDA.
+
+    With a budget: the budget minus what PyTorch has allocated (``torch.cuda.memory_allocated``). Without: what the
+    driver reports free (``torch.cuda.mem_get_info``) plus what PyTorch's caching allocator reserves but has not
+    allocated (``memory_reserved - memory_allocated``), which PyTorch hands out again before asking the driver.
+    """
+    import torch
+    if not torch.cuda.is_available():
+        return (None, 0) if budget_bytes is None else (budget_bytes, 0)
+    allocated = torch.cuda.memory_allocated()
+    if budget_bytes is not None:
+        return budget_bytes - allocated, allocated
+    free, _ = torch.cuda.mem_get_info()
+    return free + torch.cuda.memory_reserved() - allocated, allocated
+
+
+def free_bytes(device: int | None = None) -> int:
+    """What the driver reports free on ``device``, in bytes (``torch.cuda.mem_get_info(device)[0]``)."""
+    import torch
+    return torch.cuda.mem_get_info(torch.cuda.current_device() if device is None else device)[0]
+
+
+def total_bytes(device: int | None = None) -> int:
+    """The card's total memory in bytes (``torch.cuda.get_device_properties(device).total_memory``)."""
+    import torch
+    dev = torch.cuda.current_device() if device is None else device
+    return torch.cuda.get_device_properties(dev).total_memory
+
+
+def set_cap(budget_bytes: int, device: int | None = None) -> float:
+    """Cap what PyTorch's caching allocator may reserve on ``device`` at ``budget_bytes``
+    (``torch.cuda.set_per_process_memory_fraction(budget / total)``, at most 1.0); returns the fraction that was
+    set before, for :func:`restore_cap`."""
+    import torch
+    dev = torch.cuda.current_device() if device is None else device
+    getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    before = getter(dev) if getter is not None else 1.0
+    torch.cuda.set_per_process_memory_fraction(min(1.0, budget_bytes / total_bytes(dev)), dev)
+    return before
+
+
+def restore_cap(fraction: float, device: int | None = None) -> None:
+    """Put back a fraction :func:`set_cap` returned."""
+    import torch
+    dev = torch.cuda.current_device() if device is None else device
+    torch.cuda.set_per_process_memory_fraction(fraction, dev)
+
+
+# What CUDA libraries print when an allocation fails: PyTorch's caching allocator raises torch.OutOfMemoryError
+# ("CUDA out of memory"); the driver's cudaErrorMemoryAllocation reads "CUDA error: out of memory"; cuBLAS and
+# cuDNN report a failed workspace allocation as CUBLAS_STATUS_ALLOC_FAILED / CUDNN_STATUS_ALLOC_FAILED
+# (cublas_api.h, cudnn_graph.h), which PyTorch raises as a plain RuntimeError.
+OOM_MARKERS = ("CUDA out of memory", "CUDA error: out of memory", "CUBLAS_STATUS_ALLOC_FAILED",
+               "CUDNN_STATUS_ALLOC_FAILED")
+
+
+def is_oom(error: BaseException) -> bool:
+    """Whether ``error`` is an allocation failure on the device (see :data:`OOM_MARKERS`): one a run recovers
+    from by freeing memory and trying something smaller, unlike a device fault."""
+    import torch
+    if isinstance(error, torch.OutOfMemoryError):
+        return True
+    return isinstance(error, RuntimeError) and any(m in str(error) for m in OOM_MARKERS)

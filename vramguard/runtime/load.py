@@ -14,7 +14,6 @@ reported in ``LoadReport.overrides``; ``strict=True`` raises instead):
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import warnings
 from dataclasses import dataclass, field
@@ -25,9 +24,13 @@ from vramguard.probe.env import probe_env
 from vramguard.probe.kernels import AttentionKernel, profile_attention
 from vramguard.errors import InvalidValue, UnknownModel
 from vramguard.resolve import model_folder, resolve_model
+from vramguard.runtime.device import MemorySnapshot, free_bytes
+from vramguard.runtime.handle import LoadedModel, as_loaded, forget, known, loaded_settings, register
+from vramguard.runtime.handle import pin_sdpa as _pin_sdpa
+from vramguard.runtime.handle import unpin_sdpa as _unpin_sdpa
+from vramguard.settings import TORCH_DTYPE_NAMES
 
 SDPA_PIN_ORDER = ("flash", "cudnn", "efficient")
-_TORCH_DTYPE = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
 @dataclass
@@ -42,18 +45,6 @@ class LoadReport:
     weights_bytes: int | None = None
     baseline_allocated_bytes: int | None = None
     notes: list[str] = field(default_factory=list)
-
-
-@dataclass
-class LoadedModel:
-    """What :func:`load_model` returns: the model, its tokenizer (None when the folder has none) and the report."""
-
-    model: object
-    tokenizer: object
-    report: LoadReport
-
-    def __iter__(self):  # model, tokenizer, report = load_model(...)
-        return iter((self.model, self.tokenizer, self.report))
 
 
 def _override(report: LoadReport, strict: bool, field_: str, value, accepted: str, new, why: str) -> object:
@@ -72,7 +63,7 @@ def _not_native(gpu) -> str:
 
 def older_card_quant(gpu, quant: str, report: LoadReport, strict: bool) -> str:
     """``quant`` as loaded on ``gpu``: ``bf16`` weights become ``fp16`` below compute capability 8.0, reported
-    in ``report.overrides`` (or raised as InvalidValue with ``strict``); anything else as given (field case C1)."""
+    in ``report.overrides`` (or raised as InvalidValue with ``strict``); anything else as given."""
     if quant == "bf16" and (gpu is not None and gpu.supports_bf16 is False):
         return _override(report, strict, "quant", quant, "fp16, fp32 or a quantization below compute capability "
                          "8.0", "fp16", _not_native(gpu))
@@ -83,7 +74,7 @@ def choose_dtypes(gpu, quant: str, compute_dtype: str | None, dtype: str | None,
                   strict: bool) -> tuple[str, str]:
     """(compute dtype, model dtype): bf16 where the card supports it (compute capability >= 8.0, or no CUDA
     card), else fp16; whichever of the two is not given equals the other, so a 4-bit layer never computes in a
-    dtype other than its activations' unless both are set apart explicitly (field case C3: the mismatch costs a
+    dtype other than its activations' unless both are set apart explicitly (the mismatch costs a
     cast per layer). A bf16 request on an older card becomes fp16, reported (or raised with ``strict``); so does
     ``quant="bf16"`` (weights in bf16), which :func:`load_model` overrides with :func:`older_card_quant`."""
     old = gpu is not None and gpu.supports_bf16 is False
@@ -116,7 +107,7 @@ def choose_attn(attn: str, env, gpu, dtype: str, head_dim: int, report: LoadRepo
     fa2_ok, why = True, ""
     if env.flash_attn_version is None:
         fa2_ok, why = False, "the flash_attn package is not installed"
-    elif gpu is None or gpu.compute_capability is None or gpu.compute_capability < (8, 0):
+    elif gpu is None or not gpu.supports_flash_attn2:
         fa2_ok, why = False, "FlashAttention-2 needs a CUDA GPU of compute capability >= 8.0"
     elif dtype == "fp32":
         fa2_ok, why = False, "FlashAttention-2 needs float16/bfloat16"
@@ -128,57 +119,6 @@ def choose_attn(attn: str, env, gpu, dtype: str, head_dim: int, report: LoadRepo
     if attn == "flash_attention_2" and not fa2_ok:
         return _override(report, strict, "attn", attn, "an implementation that can run here", "sdpa", why)
     return attn
-
-
-def _pin_sdpa(model, backend: str) -> None:
-    """Run every forward of ``model`` inside ``torch.nn.attention.sdpa_kernel([backend])`` (hooks on the model)."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    b = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
-         "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}[backend]
-    _unpin_sdpa(model)
-    stack: list = []
-
-    def pre(_m, _a):
-        cm = sdpa_kernel([b])
-        cm.__enter__()
-        stack.append(cm)
-
-    def post(_m, _a, _o):
-        if stack:
-            stack.pop().__exit__(None, None, None)
-
-    model._vramguard_pin = (backend, model.register_forward_pre_hook(pre), model.register_forward_hook(post),
-                            stack)
-
-
-def _unpin_sdpa(model) -> None:
-    pin = getattr(model, "_vramguard_pin", None)
-    if pin:
-        pin[1].remove()
-        pin[2].remove()
-        while pin[3]:
-            pin[3].pop().__exit__(None, None, None)
-        model._vramguard_pin = None
-
-
-@contextlib.contextmanager
-def sdpa_unpinned(model, why: str):
-    """Lift :func:`load_model`'s SDPA pin for the duration when it names a backend that takes no attention mask
-    (PyTorch's flash kernel, cuDNN), and pin it again after. Calls that pass a mask (a static cache at every step,
-    a prefill chunk after the first) would otherwise fail with "No available kernel".
-
-    Yields:
-        The note for the report (``why`` says what passes the mask), or None when nothing needed lifting.
-    """
-    pin = getattr(model, "_vramguard_pin", None)
-    if not pin or pin[0] not in ("flash", "cudnn"):
-        yield None
-        return
-    _unpin_sdpa(model)
-    try:
-        yield f"the SDPA pin to {pin[0]} was lifted for this call: {why}"
-    finally:
-        _pin_sdpa(model, pin[0])
 
 
 def _verify_sdpa_pin(model, report: LoadReport, on_cuda: bool) -> None:
@@ -250,17 +190,18 @@ def load_model(model: str, *, quant: str = "nf4", double_quant: bool = True, com
     cd, dt = choose_dtypes(gpu, quant, compute_dtype, dtype, report, strict)
     param_dtype, _ = resolve_param_dtype(dt, ckpt, transformers.__version__, quant)
     chosen_attn = choose_attn(attn, env, gpu, param_dtype, spec.head_dim, report, strict, _attention_support(spec))
-    kwargs: dict = {"dtype": getattr(torch, _TORCH_DTYPE[param_dtype]), "attn_implementation": chosen_attn,
+    kwargs: dict = {"dtype": getattr(torch, TORCH_DTYPE_NAMES[param_dtype]), "attn_implementation": chosen_attn,
                     "use_safetensors": not allow_pickle, "trust_remote_code": trust_remote_code,
                     "local_files_only": True}
     if quant in ("nf4", "fp4", "int8"):
         kwargs["quantization_config"] = _bnb_config(quant, double_quant, cd)
     kwargs["device_map"] = device_map if device_map is not None else _default_device_map(spec, quant, on_cuda,
                                                                                        report, kwargs)
-    baseline = workspace = None
+    baseline = workspace = snapshot = None
     if on_cuda:  # baseline and residual (unload) both leave cuBLAS workspaces out: dropped here and there
         clear_cublas_workspaces()
-        baseline = torch.cuda.memory_allocated()
+        snapshot = MemorySnapshot.take()
+        baseline = snapshot.allocated
         a = torch.ones(8, 8, device="cuda", dtype=torch.bfloat16)  # the workspace the first matmul takes and
         (a @ a).sum().item()  # keeps, now rather than inside loading, where it would count as weights
         del a
@@ -268,7 +209,6 @@ def load_model(model: str, *, quant: str = "nf4", double_quant: bool = True, com
     m = _from_pretrained(folder, spec, kwargs)
     report.baseline_allocated_bytes = baseline
     report.weights_bytes = torch.cuda.memory_allocated() - baseline - workspace if on_cuda else None
-    m._vramguard_baseline = baseline
     tok = None
     try:
         tok = transformers.AutoTokenizer.from_pretrained(str(folder), local_files_only=True,
@@ -280,7 +220,7 @@ def load_model(model: str, *, quant: str = "nf4", double_quant: bool = True, com
     elif verify:
         report.kernel = profile_attention(m, chosen_attn, seq_len=64 if not on_cuda else 256)
     report.active = {**_active(m), **report.active}
-    return LoadedModel(m, tok, report)
+    return register(LoadedModel(m, tok, report, spec, loaded_settings(m), snapshot))
 
 
 def _weights_folder(model: str, allow_pickle: bool):
@@ -306,7 +246,7 @@ def _bnb_config(quant: str, double_quant: bool, compute_dtype: str):
         return transformers.BitsAndBytesConfig(load_in_8bit=True)
     return transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quant,
                                            bnb_4bit_use_double_quant=double_quant,
-                                           bnb_4bit_compute_dtype=getattr(torch, _TORCH_DTYPE[compute_dtype]))
+                                           bnb_4bit_compute_dtype=getattr(torch, TORCH_DTYPE_NAMES[compute_dtype]))
 
 
 def _from_pretrained(folder, spec, kwargs: dict):
@@ -340,7 +280,7 @@ def _default_device_map(spec, quant, on_cuda, report, kwargs) -> dict | str:
     from vramguard.memory.weights import weight_bytes
     from vramguard.settings import Settings
     need = weight_bytes(spec, Settings(quant=quant)).total_bytes + CUDA_CONTEXT_BYTES
-    free = [torch.cuda.mem_get_info(i)[0] for i in range(torch.cuda.device_count())]
+    free = [free_bytes(i) for i in range(torch.cuda.device_count())]
     if need <= free[0] or len(free) == 1:
         return {"": 0}
     kwargs["max_memory"] = {i: int(f * 0.9) for i, f in enumerate(free)}
@@ -383,7 +323,7 @@ class UnloadReport:
     holders: tuple[str, ...]
     workspace_bytes: int = 0  # cuBLAS workspaces dropped with the model (left out of baseline and residual)
 
-    RESIDUAL_TOLERANCE = 0.01  # of the weights: allocator rounding and a few small cached tensors (field case C17)
+    RESIDUAL_TOLERANCE = 0.01  # of the weights: allocator rounding and a few small cached tensors
 
     def returned(self, weights_bytes: int | None) -> bool | None:
         """Whether memory went back to the pre-load baseline, within 1% of ``weights_bytes`` (None: not measured,
@@ -427,17 +367,17 @@ def clear_cublas_workspaces() -> int:
 def unload(model) -> UnloadReport:
     """Free a model loaded by :func:`load_model` (or any ``nn.Module``): drop every parameter and buffer, break
     reference cycles (``gc.collect()``: bitsandbytes' quantized modules hold cycles that plain ``del`` does not
-    free, field case C17), drop cuBLAS workspaces, and return the cached blocks (``torch.cuda.empty_cache()``).
+    free), drop cuBLAS workspaces, and return the cached blocks (``torch.cuda.empty_cache()``).
 
     The module object is left empty; use it no more.
     """
     import torch
-    if isinstance(model, LoadedModel):
-        model = model.model
+    handle = as_loaded(model) if isinstance(model, LoadedModel) or known(model) else None
+    model = handle.model if handle is not None else model
     on_cuda = torch.cuda.is_available()
     before = torch.cuda.memory_allocated() if on_cuda else None
-    baseline = getattr(model, "_vramguard_baseline", None)
-    _unpin_sdpa(model)
+    baseline = handle.baseline.allocated if handle is not None and handle.baseline is not None else None
+    forget(model)
     for mod in model.modules():
         for name in list(mod._parameters):
             p = mod._parameters[name]

@@ -13,15 +13,13 @@ from functools import lru_cache
 
 
 def cb_config(page_size: int, **kw):
-    """A ``ContinuousBatchingConfig`` with the fields this transformers knows (``page_size`` or ``block_size``)."""
+    """A ``ContinuousBatchingConfig`` with the fields this transformers knows (``page_size`` or ``block_size``);
+    a keyword this version has no field for is left out."""
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
     names = {f.name for f in dataclasses.fields(ContinuousBatchingConfig)}
     size_field = "page_size" if "page_size" in names else "block_size"
     kw[size_field] = page_size
-    dropped = sorted(k for k in kw if k not in names)
-    cfg = ContinuousBatchingConfig(**{k: v for k, v in kw.items() if k in names})
-    cfg._vramguard_dropped = dropped
-    return cfg
+    return ContinuousBatchingConfig(**{k: v for k, v in kw.items() if k in names})
 
 
 @lru_cache(maxsize=1)
@@ -30,7 +28,8 @@ def guarded_manager_class():
     from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager
 
     from vramguard.serve import recovery
-    from vramguard.serve.engine import device_fault, is_oom
+    from vramguard.runtime.device import is_oom
+    from vramguard.serve.faults import device_fault
 
     class GuardedManager(ContinuousBatchingManager):
         """transformers' manager whose steps are reported to ``vg_engine`` (:class:`~vramguard.serve.engine.Engine`)

@@ -31,52 +31,20 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
+# the failure rules the module docstring names, defined with the rest of them in serve/faults.py
+from vramguard.runtime.device import is_oom  # noqa: F401
+from vramguard.serve.faults import (DEVICE_FAULT_MARKERS, MAX_FAILURES_IN_A_ROW, MAX_OOM_RETRIES,  # noqa: F401
+                                    MAX_STEP_FAILURES, device_fault)
 from vramguard.serve.pool import PoolPlan, blocks_needed
 
 log = logging.getLogger("vramguard.serve")
 
-MAX_OOM_RETRIES = 3
 RESTORE_AFTER_STEPS = 200  # steps without an OOM before a halved step budget doubles again
-MAX_STEP_FAILURES = 3  # failed steps a request may be part of before it fails, companions or not
-MAX_FAILURES_IN_A_ROW = 16  # failed loop iterations without one good step: the engine itself is broken (fatal)
 DRAIN_WINDOW_STEPS = 64  # recent steps whose rate estimates when admission slots free up (Retry-After)
 DRAIN_WINDOW_S = 30.0  # ... counting only steps this recent
-# Text of the errors PyTorch raises for a faulty or lost device (CUDA runtime, cuBLAS, cuDNN, NCCL, ROCm); an
-# out-of-memory error is not one of them (see is_oom).
-DEVICE_FAULT_MARKERS = ("CUDA error", "CUBLAS_STATUS", "CUDNN_STATUS", "cuDNN error", "NCCL error", "HIP error",
-                        "illegal memory access", "device-side assert", "unspecified launch failure",
-                        "an illegal instruction", "uncorrectable ECC error", "misaligned address")
 # Values of the generation config that make transformers build the per-request temperature, top-k and top-p
 # processors; every request then passes its own three values, so these defaults are never applied to a request.
 _PROCESSOR_SEEDS = {"temperature": 0.5, "top_k": 50, "top_p": 0.9}
-
-
-def is_oom(error: BaseException) -> bool:
-    """True for PyTorch's out-of-memory error and for CUDA/cuBLAS allocation failures raised as RuntimeError."""
-    import torch
-    if isinstance(error, torch.OutOfMemoryError):
-        return True
-    text = str(error)
-    return isinstance(error, RuntimeError) and ("CUDA out of memory" in text or "CUBLAS_STATUS_ALLOC_FAILED" in text
-                                                or "CUDA error: out of memory" in text)
-
-
-def device_fault(error: BaseException) -> str | None:
-    """Why ``error`` is a fault of the device (the text it matched, or ``torch.AcceleratorError``), else None.
-    Out-of-memory errors are not device faults."""
-    import torch
-    if is_oom(error):
-        return None
-    accel = getattr(torch, "AcceleratorError", None)
-    if accel is not None and isinstance(error, accel):
-        return f"torch.AcceleratorError: {str(error).splitlines()[0][:120] if str(error) else ''}"
-    text = str(error)
-    return next((m for m in DEVICE_FAULT_MARKERS if m in text), None)
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return f"{type(error).__name__}: {text.splitlines()[0][:200] if text else '(no message)'}"
 
 
 @dataclass

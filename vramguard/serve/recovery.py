@@ -64,7 +64,7 @@ def on_oom(engine, manager, bp, error: BaseException) -> None:
     """An out-of-memory error inside a step: requeue its requests at the front, halve the step budget."""
     import torch
 
-    from vramguard.serve.engine import MAX_OOM_RETRIES
+    from vramguard.serve.faults import MAX_OOM_RETRIES
     sched = bp.scheduler
     requeued, failed = [], []
     for st in reversed(step_states(bp)):  # reversed: appendleft keeps the step's order at the front
@@ -104,7 +104,7 @@ def on_step_failure(engine, manager, bp, error: BaseException) -> None:
         the error itself after ``MAX_FAILURES_IN_A_ROW`` failed iterations without a good step (a broken engine,
         not a request: the caller's fatal path takes it).
     """
-    from vramguard.serve.engine import MAX_FAILURES_IN_A_ROW, MAX_STEP_FAILURES, _first_line
+    from vramguard.serve.faults import MAX_FAILURES_IN_A_ROW, MAX_STEP_FAILURES, _first_line
     engine._failures_in_a_row += 1
     if engine._failures_in_a_row > MAX_FAILURES_IN_A_ROW:
         raise error

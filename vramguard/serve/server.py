@@ -12,7 +12,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from vramguard.errors import ConfigError, InvalidValue
+from vramguard.errors import EXIT_DEVICE_ERROR, ConfigError, InvalidValue
 from vramguard.serve.api import BODY_TIMEOUT_S, SHUTDOWN_GRACE_S, ServeOptions, create_app
 from vramguard.serve.engine import Engine
 from vramguard.serve.metrics import Metrics
@@ -22,7 +22,6 @@ from vramguard.units import GiB, fmt_bytes, fmt_gib
 log = logging.getLogger("vramguard.serve")
 
 CPU_DEFAULT_BUDGET = 2 * GiB  # host memory for the pool when serving on the CPU without --vram-budget
-EXIT_DEVICE_ERROR = 3
 # The engine thread and the HTTP event loop share the GIL; a shorter switch interval than CPython's 5 ms lets the
 # loop answer (e.g. reject with 429) while the engine is busy between kernel launches.
 SWITCH_INTERVAL_S = 0.001
@@ -31,7 +30,7 @@ SWITCH_INTERVAL_S = 0.001
 def _usable(budget: int | None, model) -> tuple[int, str]:
     import torch
 
-    from vramguard.run.generate import usable_bytes
+    from vramguard.runtime.device import usable_bytes
     if torch.cuda.is_available() and next(model.parameters()).is_cuda:
         usable, allocated = usable_bytes(budget)  # the same rule as guarded generation
         return usable, (f"--vram-budget minus {allocated:,} B allocated after loading" if budget is not None
@@ -152,7 +151,8 @@ class Served:
         self.engine.release()
         self.server = None
         if self.cap_before is not None:
-            torch.cuda.set_per_process_memory_fraction(self.cap_before)
+            from vramguard.runtime.device import restore_cap
+            restore_cap(self.cap_before)
             self.cap_before = None
         if not unload_model:
             gc.collect()
@@ -451,24 +451,22 @@ def build(model: str, *, vram_budget: int | None = None, max_queue: int = 64, ma
     from vramguard.resolve import resolve_model
     import torch
     if hard_cap and vram_budget is not None and torch.cuda.is_available():
-        total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        from vramguard.runtime.device import set_cap, total_bytes
+        total = total_bytes()
         if vram_budget > total:
             raise InvalidValue("vram_budget", vram_budget, f"at most the card's {total:,} B",
                                "pass a smaller --vram-budget")
         _check_load_fits(model, quant, dtype, vram_budget)
-        getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
-        cap_before = getter() if getter is not None else 1.0
-        torch.cuda.set_per_process_memory_fraction(vram_budget / total)
+        cap_before = set_cap(vram_budget)
     if loaded is None:
         loaded = load_model(model, quant=quant, dtype=dtype, attn=attn, trust_remote_code=trust_remote_code,
                             allow_pickle=allow_pickle, verify=verify)
+    from vramguard.runtime.handle import as_loaded, unpin_sdpa
+    loaded = as_loaded(loaded)
     m, tok, report = loaded
-    unpinned = None
-    if getattr(m, "_vramguard_pin", None):
-        from vramguard.runtime.load import _unpin_sdpa
-        unpinned = m._vramguard_pin[0]
-        _unpin_sdpa(m)
-    spec = resolve_model(str(model)) if not hasattr(m, "_vramguard_spec") else m._vramguard_spec
+    unpinned = loaded.sdpa_pin.backend if loaded.sdpa_pin is not None else None
+    unpin_sdpa(m)
+    spec = loaded.spec if loaded.spec is not None else resolve_model(str(model))
     import torch
     usable, source = _usable(vram_budget, m)
     if usable <= 0:

@@ -209,7 +209,7 @@ def layerwise_split(spec, s: Settings, max_memory_bytes: tuple[int, ...], mode: 
     """The :class:`~vramguard.plan.multigpu.devicemap.DeviceSplit` of a hand-written family without torch (the
     rule of the module docstring); host memory unbounded, as :func:`~vramguard.plan.multigpu.devicemap.split_weights`
     gives it."""
-    from vramguard.plan.multigpu.devicemap import CPU_UNBOUNDED_BYTES, OFF_GPU, DeviceSplit, device_of, map_key
+    from vramguard.plan.multigpu.split import CPU_UNBOUNDED_BYTES, OFF_GPU, DeviceSplit, device_of, map_key
     root = model_tree(spec, s)
     mm: dict = {i: int(b) for i, b in enumerate(max_memory_bytes)}
     mm["cpu"] = CPU_UNBOUNDED_BYTES

@@ -1,0 +1,197 @@
+"""The loaded-model handle every runtime verb takes: the model, its tokenizer, the resolved spec, the settings as
+loaded, the baseline memory snapshot and the SDPA pin.
+
+vramguard sets no attribute on the model (an ``nn.Module`` of transformers). What it knows about a model it loaded
+lives in :class:`LoadedModel`; a bare model handed to a verb (``generate(model, tokenizer, ...)`` after
+``model, tokenizer, report = load_model(...)``) is found again in a side table keyed by the model object
+(a ``weakref.WeakKeyDictionary``, so the entry goes with the model), or, for a model vramguard did not load,
+described once by :func:`describe` from its config and parameters.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
+
+from vramguard.settings import ATTNS, Settings, short_dtype
+
+if TYPE_CHECKING:
+    from vramguard.runtime.device import MemorySnapshot
+    from vramguard.spec import ModelSpec
+
+SDPA_BACKENDS = ("flash", "cudnn", "efficient", "math")
+
+
+class SdpaPin:
+    """Every forward of a model runs inside ``torch.nn.attention.sdpa_kernel([backend])``: a forward pre-hook
+    enters the context, a forward hook leaves it (PyTorch's module hooks, ``register_forward_pre_hook``)."""
+
+    def __init__(self, model, backend: str):
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        kind = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+                "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}[backend]
+        self.backend = backend
+        stack: list = []
+        self._stack = stack
+
+        def pre(_m, _a):
+            cm = sdpa_kernel([kind])
+            cm.__enter__()
+            stack.append(cm)
+
+        def post(_m, _a, _o):
+            if stack:
+                stack.pop().__exit__(None, None, None)
+
+        self._hooks = (model.register_forward_pre_hook(pre), model.register_forward_hook(post))
+
+    def remove(self) -> None:
+        """Take both hooks off and leave any context still entered (a forward that raised)."""
+        for h in self._hooks:
+            h.remove()
+        while self._stack:
+            self._stack.pop().__exit__(None, None, None)
+
+
+@dataclass
+class LoadedModel:
+    """What :func:`vramguard.runtime.load.load_model` returns, and what every runtime verb works from.
+
+    Attributes:
+        model, tokenizer: the transformers model and its tokenizer (None when the folder has none).
+        report: the :class:`~vramguard.runtime.load.LoadReport` (None for a model vramguard did not load).
+        spec: the :class:`~vramguard.spec.ModelSpec` the model was resolved to.
+        settings: the :class:`~vramguard.settings.Settings` as loaded (weight format, compute dtype, dtype of
+            the unquantized modules, attention), read from the model, not guessed.
+        baseline: the memory snapshot taken before the weights were loaded (None without CUDA).
+        sdpa_pin: the :class:`SdpaPin` every forward runs under, or None (:func:`pin_sdpa`).
+    """
+
+    model: object
+    tokenizer: object = None
+    report: object = None
+    spec: ModelSpec | None = None
+    settings: Settings = field(default_factory=Settings)
+    baseline: MemorySnapshot | None = None
+
+    def __iter__(self):  # model, tokenizer, report = load_model(...)
+        return iter((self.model, self.tokenizer, self.report))
+
+    @property
+    def sdpa_pin(self) -> SdpaPin | None:
+        return pin_of(self.model)
+
+    @property
+    def on_cuda(self) -> bool:
+        """Whether the model's first parameter is on a CUDA device."""
+        return next(self.model.parameters()).device.type == "cuda"
+
+
+_HANDLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its handle's fields, model left out
+_PINS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> SdpaPin
+
+
+def _bare(model):
+    return model.model if isinstance(model, LoadedModel) else model
+
+
+def pin_of(model) -> SdpaPin | None:
+    """The SDPA pin of ``model`` (bare or a handle), or None."""
+    return _PINS.get(_bare(model))
+
+
+def pin_sdpa(model, backend: str) -> None:
+    """Run every forward of ``model`` (bare or a handle) inside ``sdpa_kernel([backend])``, replacing any pin."""
+    unpin_sdpa(model)
+    m = _bare(model)
+    _PINS[m] = SdpaPin(m, backend)
+
+
+def unpin_sdpa(model) -> None:
+    """Take ``model``'s SDPA pin off (nothing happens without one)."""
+    pin = _PINS.pop(_bare(model), None)
+    if pin is not None:
+        pin.remove()
+
+
+@contextlib.contextmanager
+def sdpa_unpinned(model, why: str):
+    """Lift ``model``'s SDPA pin for the duration when it names a backend that takes no attention mask (PyTorch's
+    flash kernel, cuDNN), and pin it again after. Calls that pass a mask (a static cache at every step, a prefill
+    chunk after the first) would otherwise fail with "No available kernel".
+
+    Yields:
+        The note for the report (``why`` says what passes the mask), or None when nothing needed lifting.
+    """
+    pin = pin_of(model)
+    if pin is None or pin.backend not in ("flash", "cudnn"):
+        yield None
+        return
+    unpin_sdpa(model)
+    try:
+        yield f"the SDPA pin to {pin.backend} was lifted for this call: {why}"
+    finally:
+        pin_sdpa(model, pin.backend)
+
+
+def register(handle: LoadedModel) -> LoadedModel:
+    """Remember ``handle`` for its model (so a verb given the bare model finds it), and return it."""
+    _HANDLES[handle.model] = {k: v for k, v in vars(handle).items() if k != "model"}
+    return handle
+
+
+def known(model) -> bool:
+    """Whether :func:`register` remembers ``model`` (bare or a handle)."""
+    return _bare(model) in _HANDLES
+
+
+def forget(model) -> None:
+    """Drop what is remembered for ``model`` (after :func:`~vramguard.runtime.load.unload`), its pin included."""
+    unpin_sdpa(model)
+    _HANDLES.pop(_bare(model), None)
+
+
+def as_loaded(model, tokenizer=None) -> LoadedModel:
+    """The handle of ``model``: itself when it is one, the one :func:`register` remembered for a bare model, or a
+    new one described from the model (:func:`describe`). A ``tokenizer`` given replaces the remembered one."""
+    if isinstance(model, LoadedModel):
+        return model if tokenizer is None else replace(model, tokenizer=tokenizer)
+    known = _HANDLES.get(model)
+    if known is None:
+        return describe(model, tokenizer)
+    h = LoadedModel(model, **known)
+    return h if tokenizer is None else replace(h, tokenizer=tokenizer)
+
+
+def describe(model, tokenizer=None) -> LoadedModel:
+    """A handle for a model vramguard did not load: the spec from ``model.config``, the settings from its
+    quantization config, parameter dtype and attention implementation (:func:`loaded_settings`)."""
+    from vramguard.spec import spec_from_config
+    spec = spec_from_config(model.config.to_dict(), name=getattr(model.config, "_name_or_path", "model"))
+    return LoadedModel(model, tokenizer, None, spec, loaded_settings(model))
+
+
+def loaded_settings(model) -> Settings:
+    """The settings a loaded model runs with, read from it: the weight format from ``config.quantization_config``
+    (bitsandbytes' ``load_in_4bit`` / ``bnb_4bit_quant_type`` / ``load_in_8bit``; otherwise the model's dtype),
+    the compute dtype and double quant from ``bnb_4bit_compute_dtype`` / ``bnb_4bit_use_double_quant``, the dtype
+    of the unquantized modules from ``model.dtype`` and the attention from ``config._attn_implementation`` (SDPA
+    for any other implementation)."""
+    dtype = short_dtype(getattr(model, "dtype", None)) or "bf16"
+    q = getattr(model.config, "quantization_config", None)
+    compute, double = None, True
+    if q is None:
+        quant = dtype
+    else:
+        d = q.to_dict() if hasattr(q, "to_dict") else dict(q)
+        if d.get("load_in_4bit"):
+            quant = "fp4" if d.get("bnb_4bit_quant_type") == "fp4" else "nf4"
+            compute = short_dtype(d.get("bnb_4bit_compute_dtype"))
+            double = bool(d.get("bnb_4bit_use_double_quant", True))
+        else:
+            quant = "int8" if d.get("load_in_8bit") else "bf16"
+    attn = getattr(model.config, "_attn_implementation", "sdpa") or "sdpa"
+    return Settings(quant=quant, double_quant=double, attn=attn if attn in ATTNS else "sdpa",
+                    compute_dtype=compute, dtype=None if q is None else dtype)
