@@ -122,7 +122,8 @@ FORMULA_EDGES = {"llama-3.1-8b": 57428, "qwen2.5-7b": 21581, "gemma-2-9b": 4376}
 def edges() -> list[dict]:
     """The planned edge (:func:`edge_prompt_tokens` under the measured cap, with the plan's margin) per measured
     architecture and allocator setting, beside the measured bracket."""
-    from vramguard.introspect.alloc_replay import allowed_bytes, edge_prompt_tokens
+    from vramguard.introspect.alloc_replay import allowed_bytes
+    from vramguard.plan.allocator import edge_prompt_tokens
     out = []
     for (arch, quant, conf), (ok, fail) in MEASURED_EDGES.items():
         spec = resolve_model(arch)

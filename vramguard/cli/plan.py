@@ -70,19 +70,11 @@ def plan(
     if list_models or list_gpus:
         return _print_catalog(list_models, list_gpus)
 
-    from vramguard.cli.multigpu import defaults_card, wants_cards
+    from vramguard.cli.multigpu import wants_cards
     several = wants_cards(gpus, tp, gpu, vram) or max_memory is not None or device_map != "auto"
 
     def build():
-        from vramguard.hardware import card_defaults
-        chosen_attn, chosen_dtype, notes = card_defaults(defaults_card(gpu), attn.value if attn else None,
-                                                         dtype.value if dtype else None, compute_dtype is not None)
-        for note in notes:
-            say(note)
-        from vramguard.units import decimal_size_note
-        for size in (vram or "").split(",") if several else [vram]:
-            if size and decimal_size_note(size.strip()):
-                say("note: " + decimal_size_note(size.strip()))
+        chosen_attn, chosen_dtype = _card_defaults(gpu, vram, attn, dtype, compute_dtype, several)
         s = Settings(quant=quant.value, double_quant=double_quant,
                      compute_dtype=compute_dtype.value if compute_dtype else None,
                      dtype=chosen_dtype, attn=chosen_attn,
@@ -101,6 +93,22 @@ def plan(
         return plan_fn(spec, s, gpu=gpu, vram=vram, context=context, alloc_conf=_alloc_conf(alloc_conf))
 
     _emit(run_guarded(build, as_json=fmt == Format['json']), several, fmt == Format['json'], exit_code)
+
+
+def _card_defaults(gpu, vram, attn, dtype, compute_dtype, several: bool) -> tuple[str, str | None]:
+    """The attention and dtype the named card runs by default (each default said on stderr), and the note on a
+    decimal --vram size."""
+    from vramguard.cli.multigpu import defaults_card
+    from vramguard.hardware import card_defaults
+    from vramguard.units import decimal_size_note
+    chosen_attn, chosen_dtype, notes = card_defaults(defaults_card(gpu), attn.value if attn else None,
+                                                     dtype.value if dtype else None, compute_dtype is not None)
+    for note in notes:
+        say(note)
+    for size in (vram or "").split(",") if several else [vram]:
+        if size and decimal_size_note(size.strip()):
+            say("note: " + decimal_size_note(size.strip()))
+    return chosen_attn, chosen_dtype
 
 
 def _plan_vllm(model: str, gpu: str | None, vram: str | None, args, as_json: bool, exit_code: bool) -> None:

@@ -104,7 +104,7 @@ def _with_allocator(spec: ModelSpec, s: Settings, est: MemoryEstimate, cards: li
         import transformers  # noqa: F401
     except ImportError:
         return est, cards
-    from vramguard.introspect.alloc_replay import with_allocator
+    from vramguard.plan.allocator import with_allocator
     return with_allocator(spec, s, est, cards, alloc_conf, solve)
 
 

@@ -95,7 +95,8 @@ def allocator_seeds(spec: ModelSpec, s: Settings, budget: int, alloc_conf: str |
         import transformers  # noqa: F401
     except ImportError:
         return None
-    from vramguard.introspect.alloc_replay import allowed_bytes, edge_prompt_tokens, replay_generate, supported
+    from vramguard.introspect.alloc_replay import allowed_bytes, replay_generate, supported
+    from vramguard.plan.allocator import edge_prompt_tokens
     from vramguard.memory.allocator import AllocatorConfig
     if not spec.config_json or not supported(s):
         return None

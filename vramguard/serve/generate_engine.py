@@ -36,8 +36,9 @@ import time
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 
-from vramguard.serve.engine import (MAX_FAILURES_IN_A_ROW, MAX_OOM_RETRIES, Engine, EngineStopped, Handle, Sampling,
-                                    StepRecord, _first_line, device_fault, is_oom)
+from vramguard.runtime.device import is_oom
+from vramguard.serve.engine import Engine, EngineStopped, Handle, Sampling, StepRecord
+from vramguard.serve.faults import MAX_FAILURES_IN_A_ROW, MAX_OOM_RETRIES, _first_line, device_fault
 from vramguard.units import fmt_bytes, fmt_gib
 
 log = logging.getLogger("vramguard.serve")
@@ -462,7 +463,7 @@ class GenerateEngine(Engine):
 
         import torch
 
-        from vramguard.runtime.load import sdpa_unpinned
+        from vramguard.runtime.handle import sdpa_unpinned
         device = next(self.model.parameters()).device
         ids = torch.tensor([job.prompt + job.generated], device=device)
         remaining = job.handle.max_new_tokens - len(job.generated)

@@ -306,18 +306,15 @@ def _started_engine(model, tokenizer, pool, **kw) -> Engine:
     return engine
 
 
-def _generate_engine(model, tokenizer, spec, vram_budget: int | None, **kw):
+def _generate_engine(model, tokenizer, spec, settings, vram_budget: int | None, **kw):
     """The generate engine (:mod:`vramguard.serve.generate_engine`), its plan made for the memory usable now,
     started after one two-token greedy request went through it.
 
     Raises:
         Infeasible: not even a two-token request fits. ConfigError: the model's generate failed on that request.
     """
-    from vramguard.run.generate import _attn_of, _quant_of
     from vramguard.serve.generate_engine import GenerateEngine, plan_requests
-    from vramguard.settings import Settings
     usable, source = _usable(vram_budget, model)
-    settings = Settings(quant=_quant_of(model), attn=_attn_of(model))
     plan = plan_requests(spec, settings, usable, spec.max_position_embeddings, source)
     engine = GenerateEngine(model, tokenizer, plan, spec, settings, **kw)
     kw["metrics"]._engine_stats = engine.stats
@@ -331,7 +328,7 @@ def _generate_engine(model, tokenizer, spec, vram_budget: int | None, **kw):
     return engine
 
 
-def _chosen_engine(choice: str, model, tokenizer, spec, vram_budget: int | None, paged_pool, **kw):
+def _chosen_engine(choice: str, model, tokenizer, spec, settings, vram_budget: int | None, paged_pool, **kw):
     """The engine ``choice`` names ("continuous", "generate", or "auto": continuous batching where it runs the
     model, else generate, with a note saying why); ``paged_pool()`` plans the continuous engine's pool.
 
@@ -346,7 +343,7 @@ def _chosen_engine(choice: str, model, tokenizer, spec, vram_budget: int | None,
             if choice == "continuous":
                 raise
             why = e.why
-    engine = _generate_engine(model, tokenizer, spec, vram_budget, **kw)
+    engine = _generate_engine(model, tokenizer, spec, settings, vram_budget, **kw)
     engine.notes.append("engine: the model's own generate, one request at a time ("
                         + (f"transformers' continuous batching cannot run {model.config.model_type}: {why}"
                            if why else "engine 'generate' chosen") + ")")
@@ -483,8 +480,8 @@ def build(model: str, *, vram_budget: int | None = None, max_queue: int = 64, ma
         return _paged_pool(spec, m, usable, source, page_size=page_size, max_batch_tokens=max_batch_tokens,
                            max_requests=max_running, max_kv_blocks=max_kv_blocks)
 
-    engine = _chosen_engine(engine_choice, m, tok, spec, vram_budget, paged_pool, max_queue=max_queue, seed=seed,
-                            metrics=metrics, greedy_only=greedy)
+    engine = _chosen_engine(engine_choice, m, tok, spec, loaded.settings, vram_budget, paged_pool, max_queue=max_queue,
+                            seed=seed, metrics=metrics, greedy_only=greedy)
     pool = engine.pool
     import os
     aliases = tuple(sorted({str(model), os.path.abspath(str(model)), os.path.basename(os.path.normpath(str(model))),
