@@ -1,18 +1,21 @@
 #!/usr/bin/env bash
-# A new user's first hour on a GPU: every verb of the CLI on a random-weight Llama-3.1-8B folder (bf16 weights,
-# a word-level tokenizer with a chat template), as the README shows them. Each command's exit code, wall time and
+# A new user's first hour on a GPU: every verb of the CLI on a random-weight folder of a catalog architecture
+# (ARCH, default llama-3.2-1b; bf16 weights, a word-level tokenizer with a chat template), as the README shows
+# them. Each command's exit code, wall time and
 # stderr are recorded; stderr is searched for library noise (warnings that are not vramguard's).
-# Usage (GPU machine, repository root): bash benchmarks/gpu_first_hour.sh OUTDIR
+# Usage (GPU machine, repository root): [ARCH=llama-3.1-8b] bash benchmarks/gpu_first_hour.sh OUTDIR
 set -u
 out=$1; m=/tmp/vg_first_hour; mkdir -p "$out"
-python3 - <<'PY'
-import sys; sys.path.insert(0, ".")
+ARCH=${ARCH:-llama-3.2-1b} python3 - <<'PY'
+import os, sys; sys.path.insert(0, ".")
 from benchmarks.common import build_checkpoint
 from tests.conftest import save_word_tokenizer
 from pathlib import Path
 from transformers import AutoTokenizer
-build_checkpoint("llama-3.1-8b", "/tmp/vg_first_hour")
-save_word_tokenizer(Path("/tmp/vg_first_hour"), 128_256)
+from vramguard.catalog.models import MODELS
+arch = os.environ["ARCH"]
+build_checkpoint(arch, "/tmp/vg_first_hour")
+save_word_tokenizer(Path("/tmp/vg_first_hour"), MODELS[arch]["vocab_size"])
 tok = AutoTokenizer.from_pretrained("/tmp/vg_first_hour")
 tok.chat_template = ("{% for m in messages %}[BOS] {{ m['role'] }} {{ m['content'] }} [EOS] {% endfor %}"
                      "{% if add_generation_prompt %}[BOS] assistant {% endif %}")
