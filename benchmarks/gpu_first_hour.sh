@@ -21,14 +21,16 @@ tok.chat_template = ("{% for m in messages %}[BOS] {{ m['role'] }} {{ m['content
                      "{% if add_generation_prompt %}[BOS] assistant {% endif %}")
 tok.save_pretrained("/tmp/vg_first_hour")
 PY
-step() {  # step NAME CMD...: run a verb, keep stdout/stderr, exit code and seconds
+vg="python3 -m vramguard"
+[ -n "${ONLY:-}" ] && skip() { [[ " $ONLY " != *" $1 "* ]]; } || skip() { false; }
+step() {  # step NAME CMD...: run a verb (unless ONLY names others), keep stdout/stderr, exit code and ms
   local name=$1; shift
+  skip "$name" && return
   local t0=$(date +%s%N)
-  "$@" > "$out/$name.out" 2> "$out/$name.err"; local rc=$?
+  timeout "${STEP_TIMEOUT:-150}" "$@" > "$out/$name.out" 2> "$out/$name.err"; local rc=$?
   local ms=$(( ($(date +%s%N) - t0) / 1000000 ))
   printf '%-10s rc=%-3s %7d ms  %s\n' "$name" "$rc" "$ms" "$*" >> "$out/summary.txt"
 }
-vg="python3 -m vramguard"
 step plan    $vg plan $m --prompt-tokens 32768
 step check   $vg check $m
 step run     $vg run $m --prompt "Hello" --max-new-tokens 16 --vram-budget 24GiB
@@ -37,12 +39,14 @@ step runlong $vg run $m --prompt-file /tmp/vg_long_prompt.txt --raw --max-new-to
 step profile $vg profile $m --prompt-tokens 4096 --max-new-tokens 16 --out "$out/prof"
 step fit     $vg fit $m --vary prompt --vram-budget 24GiB --max-new-tokens 16 --max-runs 3
 step explain $vg explain "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 23.64 GiB of which 1.2 GiB is free."
+if ! skip serve; then
 ( $vg serve $m --port 8765 --vram-budget 24GiB > "$out/serve.out" 2> "$out/serve.err" & echo $! > "$out/serve.pid" )
-for i in $(seq 1 180); do curl -sf localhost:8765/health > /dev/null && break; sleep 1; done
+for i in $(seq 1 60); do curl -sf localhost:8765/health > /dev/null && break; sleep 1; done
 curl -s localhost:8765/v1/chat/completions -H 'content-type: application/json' \
   -d '{"model":"m","messages":[{"role":"user","content":"Hello"}],"max_tokens":16}' > "$out/serve_chat.json"
 echo "serve chat: $(head -c 300 "$out/serve_chat.json")" >> "$out/summary.txt"
 kill -INT "$(cat "$out/serve.pid")"; sleep 5
+fi
 grep -HniE "warning|deprecat|traceback" "$out"/*.err > "$out/noise.txt" || echo "no warning, deprecation or traceback on stderr" > "$out/noise.txt"
 cat "$out/summary.txt" "$out/noise.txt"
 rm -rf "$m"

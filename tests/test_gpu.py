@@ -69,13 +69,13 @@ def test_every_strategy_recovers_on_gpu_including_offloaded_kv(tiny):
     loaded = load_model(str(folder), quant="fp32", verify=False)
     m = loaded.model
     prompt = list(range(5, 300))
-    base = G.generate(m, None, prompt, 12).token_ids
+    base = G.generate(m, None, prompt, 12, fast_decode=False).token_ids
     order = [st for st, _ in G.strategy_order(m, len(prompt), 12)[0]]  # generate's own fallback order
     assert order[-1].name.startswith("offloaded") and "int8 KV cache + chunked prefill 512" in [s.name for s in order]
 
     G.OOM_INJECTOR = oom_when(lambda phase, attempt, step: attempt < len(order) - 1 and (
         (attempt % 2 == 0 and phase == "prefill") or (attempt % 2 == 1 and step == 3)))
-    r = G.generate(m, None, prompt, 12)
+    r = G.generate(m, None, prompt, 12, fast_decode=False)
     assert r.strategy == order[-1].name and len(r.attempts) == len(order)
     assert r.token_ids == base
     unload(loaded)
@@ -143,7 +143,7 @@ def test_a_real_oom_under_a_cap_recovers_with_the_tokens_of_an_uninterrupted_run
     m = loaded.model
     prompt = list(range(5, 1500))
     held = torch.cuda.memory_allocated()
-    plain = G.generate(m, None, prompt, 16)
+    plain = G.generate(m, None, prompt, 16, fast_decode=False)
     need = plain.peak_allocated_bytes - held  # what the uninterrupted run took beyond the weights
     budget = held + (1 << 30)  # the preflight sees 1 GiB free: the dynamic cache is planned
     torch.cuda.set_per_process_memory_fraction(0.9)  # a cap of the caller's own, to be put back afterwards
@@ -156,7 +156,7 @@ def test_a_real_oom_under_a_cap_recovers_with_the_tokens_of_an_uninterrupted_run
             ballast.append(torch.empty(room, dtype=torch.uint8, device="cuda"))
     G.OOM_INJECTOR = fill
     try:
-        r = G.generate(m, None, prompt, 16, budget_bytes=budget)
+        r = G.generate(m, None, prompt, 16, budget_bytes=budget, fast_decode=False)
     finally:
         G.OOM_INJECTOR = None
         ballast.clear()
@@ -185,7 +185,7 @@ def test_every_strategy_runs_under_the_flash_pin_of_a_default_load(tiny):
     order = [st for st, _ in G.strategy_order(m, len(prompt), 8)[0]]
     for k in range(1, len(order)):
         G.OOM_INJECTOR = oom_when(lambda phase, attempt, step, k=k: attempt < k and phase == "prefill")
-        r = G.generate(m, None, prompt, 8)
+        r = G.generate(m, None, prompt, 8, fast_decode=False)
         assert r.strategy == order[k].name and len(r.token_ids) == 8
         assert "pin to flash was lifted" in r.reason
     assert pin_of(m).backend == "flash"

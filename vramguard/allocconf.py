@@ -37,11 +37,25 @@ def prefer_expandable_segments(environ: MutableMapping[str, str] | None = None,
         return None
     env["PYTORCH_CUDA_ALLOC_CONF"] = EXPANDABLE
     torch = sys.modules.get("torch") if environ is None else None
-    if torch is not None:
-        try:  # the allocator may have read its settings already (torch imported and initialised)
-            torch.cuda.memory._set_allocator_settings(EXPANDABLE)
-        except (AttributeError, RuntimeError):
-            pass
+    if torch is not None and torch.cuda.is_initialized():
+        _apply_now(torch)
     return ("note: set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True for this process (less fragmentation: "
             "measured on an H200, Llama-3.1-8B NF4 fits a 78,509-token prompt in 24 GiB instead of 65,280); set "
             "PYTORCH_CUDA_ALLOC_CONF yourself to choose otherwise")
+
+
+def _apply_now(torch) -> None:
+    """Switch an allocator that has read its settings already (CUDA initialised before the variable was set):
+    torch >= 2.10's ``torch._C._accelerator_setAllocatorSettings``, else ``torch.cuda.memory._set_allocator_settings``
+    (deprecated there with a FutureWarning, which is kept off the user's stderr)."""
+    import warnings
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    try:
+        if setter is not None:
+            setter(EXPANDABLE)
+        else:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)
+                torch.cuda.memory._set_allocator_settings(EXPANDABLE)
+    except (AttributeError, RuntimeError):
+        pass  # an allocator that cannot switch keeps its setting; new processes read the variable
