@@ -71,7 +71,10 @@ def test_every_strategy_recovers_on_gpu_including_offloaded_kv(tiny):
     prompt = list(range(5, 300))
     base = G.generate(m, None, prompt, 12, fast_decode=False).token_ids
     order = [st for st, _ in G.strategy_order(m, len(prompt), 12)[0]]  # generate's own fallback order
-    assert order[-1].name.startswith("offloaded") and "int8 KV cache + chunked prefill 512" in [s.name for s in order]
+    assert order[-1].name.startswith("offloaded")
+    import importlib.util
+    if importlib.util.find_spec("hqq") is not None:  # the int8 KV cache runs on hqq's quantizer
+        assert "int8 KV cache + chunked prefill 512" in [s.name for s in order]
 
     G.OOM_INJECTOR = oom_when(lambda phase, attempt, step: attempt < len(order) - 1 and (
         (attempt % 2 == 0 and phase == "prefill") or (attempt % 2 == 1 and step == 3)))
