@@ -180,39 +180,26 @@ def _bnb_kernels(model, quantized: set[str], s: Settings):
     and int32 product (as :func:`vramguard.memory.forward._Forward.linear`)."""
     import torch
 
-    from vramguard.introspect.replay import _features
+    from vramguard.introspect.replay import _features, hold_while_running
     if not quantized or not s.is_bnb:
         yield
         return
     act, comp = DTYPE_BYTES[s.act_dtype], DTYPE_BYTES[s.resolved_compute_dtype]
-    held: dict[int, object] = {}
-    handles = []
 
     def pre(module, args):
         x = args[0]
         rows = x.numel() // x.shape[-1]
         fin, fout = _features(module)
         if s.quant == "int8":
-            held[id(module)] = torch.empty(rows * fin + rows * fout * 4, dtype=torch.uint8, device="meta")
-            return
+            return torch.empty(rows * fin + rows * fout * 4, dtype=torch.uint8, device="meta")
         cast = [torch.empty(rows * fin * comp, dtype=torch.uint8, device="meta")] if comp != act else []
         absmax = torch.empty(-(-fin * fout // 64) * 4, dtype=torch.uint8, device="meta") if s.double_quant else None
         weight = torch.empty(fin * fout * comp, dtype=torch.uint8, device="meta") if rows > 1 else None
         del absmax
-        held[id(module)] = (cast, weight)
+        return cast, weight
 
-    def post(module, _args, _out):
-        held.pop(id(module), None)
-
-    for name, module in model.named_modules():
-        if name in quantized:
-            handles += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
-    try:
+    with hold_while_running(model, quantized, pre):
         yield
-    finally:
-        for h in handles:
-            h.remove()
-        held.clear()
 
 
 def _extrapolate(step1: tuple, step2: tuple, n_more: int) -> list[tuple[int, int]]:

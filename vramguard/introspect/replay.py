@@ -137,8 +137,6 @@ def _bnb_transients(model, quantized: set[str], s: Settings, labels: _Labels):
         return
     act = DTYPE_BYTES[s.act_dtype]
     comp = DTYPE_BYTES[s.resolved_compute_dtype]
-    held: dict[int, Any] = {}
-    handles = []
 
     def pre(module, args):
         x = args[0]
@@ -150,17 +148,34 @@ def _bnb_transients(model, quantized: set[str], s: Settings, labels: _Labels):
             n = (rows * fin * comp if comp != act else 0) + (rows * fout * comp if comp != act else 0)
             if rows > 1:
                 n += fout * fin * comp
-        if n:
-            labels.override = "dequant"
-            held[id(module)] = torch.empty(n, dtype=torch.uint8, device="meta")
-            labels.override = None
+        if not n:
+            return None
+        labels.override = "dequant"
+        buffer = torch.empty(n, dtype=torch.uint8, device="meta")
+        labels.override = None
+        return buffer
 
-    def post(module, _args, _out):
+    with hold_while_running(model, quantized, pre):
+        yield
+
+
+@contextlib.contextmanager
+def hold_while_running(model, names: set[str], pre):
+    """Before each module of ``model`` named in ``names`` runs, call ``pre(module, args)`` and keep what it returns
+    alive until that module's forward returns (a kernel's buffers, as bitsandbytes holds them); hooks removed on
+    exit."""
+    held: dict[int, Any] = {}
+
+    def before(module, args):
+        held[id(module)] = pre(module, args)
+
+    def after(module, _args, _out):
         held.pop(id(module), None)
 
+    handles = []
     for name, module in model.named_modules():
-        if name in quantized:
-            handles += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
+        if name in names:
+            handles += [module.register_forward_pre_hook(before), module.register_forward_hook(after)]
     try:
         yield
     finally:
