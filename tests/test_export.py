@@ -180,20 +180,12 @@ def test_names_and_counts():
     assert e.value.field == "tensor_parallel_size" and "ray-serve" in e.value.fix
 
 
-def test_cli_export_yaml_has_no_aliases(capsys):
-    import sys
-
-    from vramguard.cli import main
-    argv = sys.argv
-    sys.argv = ["vramguard", "export", "qwen2.5-7b", "--to", "kubernetes", "--gpu", "h100", "--tp", "2",
-                "--max-model-len", "16384", "--replicas", "2"]
-    try:
-        with pytest.raises(SystemExit) as e:
-            main()
-    finally:
-        sys.argv = argv
-    assert e.value.code == 0
-    out = capsys.readouterr().out
+def test_cli_export_yaml_has_no_aliases():
+    from conftest import run_cli
+    r = run_cli("export", "qwen2.5-7b", "--to", "kubernetes", "--gpu", "h100", "--tp", "2", "--max-model-len", "16384",
+                "--replicas", "2")
+    assert r.returncode == 0
+    out = r.stdout
     assert "&id" not in out and "*id" not in out
     dep, svc = list(yaml.safe_load_all(out))
     _k8s_validator("Deployment").validate(dep)

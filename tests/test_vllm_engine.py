@@ -200,36 +200,20 @@ def test_bad_settings_name_the_field(field, value):
     assert e.value.field == field
 
 
-def test_cli_plan_engine_vllm(capsys):
-    import sys
-
-    from vramguard.cli import main
-    argv = sys.argv
-    sys.argv = ["vramguard", "plan", "llama-3.1-8b", "--engine", "vllm", "--gpu", "h100", "--max-model-len",
-                "32768", "--tp", "2", "--format", "json"]
-    try:
-        with pytest.raises(SystemExit) as e:
-            main()
-    finally:
-        sys.argv = argv
-    assert e.value.code == 0
-    data = json.loads(capsys.readouterr().out)
+def test_cli_plan_engine_vllm():
+    from conftest import run_cli
+    r = run_cli("plan", "llama-3.1-8b", "--engine", "vllm", "--gpu", "h100", "--max-model-len", "32768", "--tp", "2",
+                "--format", "json")
+    assert r.returncode == 0
+    data = json.loads(r.stdout)
     assert data["flags"]["tensor-parallel-size"] == 2 and data["flags"]["max-model-len"] == 32768
     assert data["per_gpu"]["weights_bytes"] == w.rank_weights(LLAMA31, 2, 1, 2)[0].total_bytes
     assert data["kv_cache"]["kv_tokens"] == data["kv_cache"]["num_blocks"] * 16
     assert data["command"].startswith("vllm serve meta-llama/Llama-3.1-8B-Instruct --tensor-parallel-size 2")
 
 
-def test_cli_plan_engine_vllm_bad_tp(capsys):
-    import sys
-
-    from vramguard.cli import main
-    argv = sys.argv
-    sys.argv = ["vramguard", "plan", "llama-3.1-8b", "--engine", "vllm", "--gpu", "h100", "--tp", "3"]
-    try:
-        with pytest.raises(SystemExit) as e:
-            main()
-    finally:
-        sys.argv = argv
-    assert e.value.code == 2
-    assert "--tp: 3 is not valid" in capsys.readouterr().err
+def test_cli_plan_engine_vllm_bad_tp():
+    from conftest import run_cli
+    r = run_cli("plan", "llama-3.1-8b", "--engine", "vllm", "--gpu", "h100", "--tp", "3")
+    assert r.returncode == 2
+    assert "--tp: 3 is not valid" in r.stderr
