@@ -204,3 +204,27 @@ def test_cli_plan_alloc_conf(tmp_path):
     assert out["peak_reserved_bytes"] == max(out["allocator"]["peak_reserved_bytes"], out["peak_allocated_bytes"])
     bad = plan("--alloc-conf", "expandable_segments:maybe")
     assert bad.returncode != 0 and "alloc_conf" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_alloc_conf_without_transformers_is_refused_not_skipped(monkeypatch):
+    """Asked for, the allocator model is never dropped silently: without transformers the plan says why."""
+    import sys
+
+    from vramguard.errors import NotPlannable
+    from vramguard.plan import plan
+    from vramguard.settings import Settings
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers raises ImportError
+    with pytest.raises(NotPlannable) as e:
+        plan("llama-3.1-8b", Settings(), vram="24GiB", alloc_conf="expandable_segments:True")
+    assert e.value.field == "alloc_conf" and "vramguard[gpu]" in e.value.fix
+
+
+def test_tp_without_torch_names_tp(monkeypatch):
+    import sys
+
+    from vramguard.errors import NotPlannable
+    from vramguard.plan.multigpu import _require_libraries
+    monkeypatch.setitem(sys.modules, "torch", None)
+    with pytest.raises(NotPlannable) as e:
+        _require_libraries("tp")
+    assert e.value.field == "tp" and e.value.value == "torch"

@@ -91,7 +91,7 @@ def resolve_cards(gpus: int | None, tp: int | None, gpu: str | None, vram: str |
         return cards
     det = detect_gpus()
     if count is None or len(det.gpus) < count:
-        raise InvalidValue("--gpu/--vram", None, f"the {count or 2} cards to plan over",
+        raise InvalidValue("--gpu/--vram", "none given", f"the {count or 2} cards to plan over",
                            f"name them, e.g. --gpus {count or 2} --gpu h100-80gb or --vram 24GiB,24GiB "
                            f"({len(det.gpus)} GPU(s) detected: {det.reason})")
     return list(det.gpus[:count])

@@ -90,8 +90,13 @@ def plan(model: str | ModelSpec, settings: Settings | None = None, *, gpu: str |
 
 def _with_allocator(spec: ModelSpec, s: Settings, est: MemoryEstimate, cards: list[CardVerdict], alloc_conf: str,
                     solve: bool) -> tuple[MemoryEstimate, list[CardVerdict]]:
-    """(est, cards) with the caching-allocator model's figures, unchanged without transformers or a config."""
-    from vramguard.errors import InvalidValue
+    """(est, cards) with the caching-allocator model's figures.
+
+    Raises:
+        InvalidValue: ``alloc_conf`` is not allocator options. NotPlannable: transformers is not installed or the
+        model has no config to build (the tape is transformers' own forward): asked for, it is never skipped silently.
+    """
+    from vramguard.errors import InvalidValue, NotPlannable
     from vramguard.memory.allocator import AllocatorConfig
     try:
         AllocatorConfig.parse(alloc_conf)
@@ -99,11 +104,14 @@ def _with_allocator(spec: ModelSpec, s: Settings, est: MemoryEstimate, cards: li
         raise InvalidValue("alloc_conf", alloc_conf, "PYTORCH_CUDA_ALLOC_CONF options, e.g. expandable_segments:True",
                            str(e)) from None
     if not spec.config_json:
-        return est, cards
+        raise NotPlannable("alloc_conf", alloc_conf, "a model with a config.json (the allocator tape is its forward)",
+                           "plan a model folder, a catalog name or a Hub id, or leave alloc_conf out")
     try:
         import transformers  # noqa: F401
-    except ImportError:
-        return est, cards
+    except ImportError as e:
+        raise NotPlannable("alloc_conf", alloc_conf, "torch and transformers installed (the allocator tape is "
+                           "transformers' forward replayed on meta tensors)",
+                           f"pip install 'vramguard[gpu]', or leave alloc_conf out ({e})") from None
     from vramguard.plan.allocator import with_allocator
     return with_allocator(spec, s, est, cards, alloc_conf, solve)
 

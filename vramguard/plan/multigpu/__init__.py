@@ -31,14 +31,15 @@ def default_max_memory(gpus: list[GpuSpec]) -> tuple[int, ...]:
     return tuple(max(g.total_bytes - g.used_by_others_bytes - CUDA_CONTEXT_BYTES, 0) for g in gpus)
 
 
-def _require_libraries() -> None:
-    """Raise NotPlannable naming the missing package: the split is transformers' and accelerate's own."""
+def _require_libraries(field: str = "gpus") -> None:
+    """Raise NotPlannable naming the missing package (for the option ``field`` that asked for the split): the split
+    is transformers' and accelerate's own."""
     from vramguard.errors import NotPlannable
     for package in ("torch", "transformers", "accelerate"):
         try:
             __import__(package)
         except ImportError as e:
-            raise NotPlannable("gpus", package, "torch, transformers and accelerate installed (the split over "
+            raise NotPlannable(field, package, "torch, transformers and accelerate installed (the split over "
                                "several cards is theirs, computed on the meta device)",
                                f"pip install 'vramguard[gpu]' ({str(e).splitlines()[0][:120]})") from None
 
@@ -88,7 +89,7 @@ def plan_gpus(model: str | ModelSpec, settings: Settings | None = None, *, gpus:
     from vramguard.resolve import resolve_model
     spec = model if isinstance(model, ModelSpec) else resolve_model(model)
     if tp is not None or spec.generic:  # a hand family's device_map split also runs without them
-        _require_libraries()
+        _require_libraries("tp" if tp is not None else "gpus")
     s = settings or Settings()
     check_context(spec, s)
     check_cards(gpus, tp)
