@@ -65,19 +65,22 @@ def cases() -> list[dict]:
 
 
 def edge_cases() -> list[dict]:
-    """The runs of ``gpu_edge.py``. A process that stopped with ``KeyError: 'addr'`` in ``trace()`` had just
-    recorded an out-of-memory error (the allocator's ``oom`` trace entry has no address): that run is taken as
+    """The runs of ``gpu_edge.py`` (``results/h200_edge/edge.jsonl``, then ``run2/edge.jsonl``, whose runs name
+    their attention and batch). A process of the first set that stopped with ``KeyError: 'addr'`` in ``trace()`` had
+    just recorded an out-of-memory error (the allocator's ``oom`` trace entry has no address): that run is taken as
     failed at the next bisection point (benchmarks/README.md says which)."""
-    out, meta = [], {}
-    for r in _jsonl(os.path.join(HERE, "h200_edge", "edge.jsonl")):
-        if r["kind"] == "versions":
-            meta[r["tag"]] = r
-        elif r["kind"] == "run":
-            m = meta[r["tag"]]
-            arch, quant, _ = r["tag"].rsplit("_", 2)
-            out.append(dict(src="edge", model=arch, quant=quant, attn=EDGE_ATTN[arch], batch=1, prompt=r["prompt"],
-                            new=r["new"], cap=m["allowed"], conf=m["alloc_conf"], ok=r["ok"],
-                            reserved=r["peak_reserved"] if r["ok"] else None))
+    out = []
+    for path in (os.path.join(HERE, "h200_edge", "edge.jsonl"), os.path.join(HERE, "h200_edge", "run2", "edge.jsonl")):
+        meta = {}
+        for r in _jsonl(path):
+            if r["kind"] == "versions":
+                meta[r["tag"]] = r
+            elif r["kind"] == "run":
+                m = meta[r["tag"]]
+                arch, quant, _ = r["tag"].rsplit("_", 2)
+                out.append(dict(src="edge", model=arch, quant=quant, attn=r.get("attn", EDGE_ATTN[arch]),
+                                batch=r.get("batch", 1), prompt=r["prompt"], new=r["new"], cap=m["allowed"],
+                                conf=m["alloc_conf"], ok=r["ok"], reserved=r["peak_reserved"] if r["ok"] else None))
     for arch, quant, conf, prompt in EDGE_INFERRED_OOM:
         out.append(dict(src="edge (OOM, inferred)", model=arch, quant=quant, attn=EDGE_ATTN[arch], batch=1,
                         prompt=prompt, new=64, cap=EDGE_CAP[arch], conf=conf, ok=False, reserved=None))
@@ -111,11 +114,16 @@ def planned_fits(c: dict, base_reserved: int) -> bool | None:
     return replay_generate(resolve_model(c["model"]), settings(c), cfg).fits
 
 
-# the measured edges: (arch, quant, PYTORCH_CUDA_ALLOC_CONF) -> (largest completed prompt, smallest failed prompt);
-# Llama-3.1-8B with the default allocator from results/h200_profile_fit (fit and the linear search)
-MEASURED_EDGES = {("llama-3.1-8b", "nf4", ""): (65280, 65536), ("llama-3.1-8b", "nf4", EXP): (78509, 79260),
-                  ("qwen2.5-7b", "bf16", ""): (26294, 28651), ("qwen2.5-7b", "bf16", EXP): (28651, 29829),
-                  ("gemma-2-9b", "bf16", ""): (None, 4960), ("gemma-2-9b", "bf16", EXP): (5252, 5398)}
+# the measured edges: (source, arch, quant, PYTORCH_CUDA_ALLOC_CONF) -> (largest completed prompt, smallest failed
+# prompt). "fit": results/h200_profile_fit (vramguard's own load; fit and the linear search); "edge": h200_edge (plain
+# transformers; run2 closed the Qwen brackets and the Gemma default one)
+MEASURED_EDGES = {("fit", "llama-3.1-8b", "nf4", ""): (65280, 65536),
+                  ("edge", "llama-3.1-8b", "nf4", ""): (65536, 65678),
+                  ("edge", "llama-3.1-8b", "nf4", EXP): (78509, 79260),
+                  ("edge", "qwen2.5-7b", "bf16", ""): (28248, 28426),
+                  ("edge", "qwen2.5-7b", "bf16", EXP): (29352, 29537),
+                  ("edge", "gemma-2-9b", "bf16", ""): (4588, 4774),
+                  ("edge", "gemma-2-9b", "bf16", EXP): (5252, 5398)}
 FORMULA_EDGES = {"llama-3.1-8b": 57428, "qwen2.5-7b": 21581, "gemma-2-9b": 4376}  # the reserve formula's answers
 
 
@@ -125,25 +133,26 @@ def edges() -> list[dict]:
     from vramguard.introspect.alloc_replay import allowed_bytes
     from vramguard.plan.allocator import edge_prompt_tokens
     out = []
-    for (arch, quant, conf), (ok, fail) in MEASURED_EDGES.items():
+    for (src, arch, quant, conf), (ok, fail) in MEASURED_EDGES.items():
         spec = resolve_model(arch)
         s = Settings(quant=quant, attn=EDGE_ATTN[arch], max_new_tokens=64)
         cfg = AllocatorConfig.parse(conf)
         base = replay_generate(spec, s.with_(prompt_tokens=1), cfg).base_reserved_bytes
         cfg = AllocatorConfig.parse(conf, allowed_bytes(EDGE_CAP[arch], base))
         planned = edge_prompt_tokens(spec, s, cfg, FORMULA_EDGES[arch])
-        out.append(dict(model=arch, quant=quant, conf=conf, cap=EDGE_CAP[arch], measured_ok=ok, measured_fail=fail,
-                        planned=planned, formula=FORMULA_EDGES[arch]))
+        out.append(dict(src=src, model=arch, quant=quant, conf=conf, cap=EDGE_CAP[arch], measured_ok=ok,
+                        measured_fail=fail, planned=planned, formula=FORMULA_EDGES[arch]))
     return out
 
 
 def print_edges(rows: list[dict]) -> None:
-    print(f"\n{'model':14} {'quant':5} {'allocator':10} {'cap GiB':>7} {'measured ok':>11} {'measured OOM':>12} "
+    print(f"\n{'source':6} {'model':14} {'quant':5} {'allocator':10} {'cap GiB':>7} {'measured ok':>11} {'measured OOM':>12} "
           f"{'planned':>8} {'vs ok':>7} {'formula':>8}")
     for r in rows:
         vs = f"{(r['planned'] - r['measured_ok']) / r['measured_ok'] * 100:+.2f}%" if r["measured_ok"] else ""
         ok = f"{r['measured_ok']:,}" if r["measured_ok"] else "-"
-        print(f"{r['model']:14} {r['quant']:5} {'expandable' if r['conf'] else 'default':10} {r['cap'] / GiB:7.0f} "
+        print(f"{r['src']:6} {r['model']:14} {r['quant']:5} {'expandable' if r['conf'] else 'default':10} "
+              f"{r['cap'] / GiB:7.0f} "
               f"{ok:>11} {r['measured_fail']:>12,} {r['planned']:>8,} {vs:>7} {r['formula']:>8,}")
 
 

@@ -5,10 +5,11 @@ One process per (architecture, allocator setting): the setting is ``PYTORCH_CUDA
 started with. The random-weight checkpoint at ``--ckpt`` is loaded (bf16 or NF4 with double quant and bf16
 compute), warmed up with a 16-token ``generate``, and then ``generate`` (greedy, ``min_new_tokens = --new``) is run
 at prompt lengths chosen by bisection between ``--lo`` (taken to fit) and ``--hi`` (taken not to), until the
-bracket is at most ``--step`` tokens or ``--run-seconds`` have passed. Written to ``--out`` (JSON lines):
-the segments after load and after warm-up, each run (peak allocated and reserved, OOM message), and for the last
-run that completed and the last that failed the allocator's trace (``torch.cuda.memory._record_memory_history``:
-alloc, free_completed, segment_alloc/free/map/unmap and oom, each with address and size) gzipped beside it.
+bracket is at most ``--step`` tokens or ``--run-seconds`` have passed (``--probe`` runs come first, and may set
+the batch or switch the attention). Written to ``--out`` (JSON lines): the segments after load and after warm-up,
+each run (peak allocated and reserved, OOM message), and for every run the allocator's trace
+(``torch.cuda.memory._record_memory_history``: alloc, free_completed, segment_alloc/free/map/unmap and oom, each
+with address and size; an ``oom`` entry carries the free device bytes instead of an address) gzipped beside it.
 
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python benchmarks/gpu_edge.py --ckpt /dev/shm/llama \\
         --arch llama-3.1-8b --quant nf4 --attn sdpa --cap-gib 24 --lo 65280 --hi 80012 --out edge.jsonl
@@ -64,15 +65,15 @@ def load(path: str, quant: str, attn: str):
     return model.eval()
 
 
-def one_run(model, vocab: int, prompt: int, new: int) -> tuple[dict, list]:
-    ids = torch.randint(100, vocab - 100, (1, prompt), generator=torch.Generator().manual_seed(0)).cuda()
+def one_run(model, vocab: int, prompt: int, new: int, batch: int = 1) -> tuple[dict, list]:
+    ids = torch.randint(100, vocab - 100, (batch, prompt), generator=torch.Generator().manual_seed(0)).cuda()
     mask = torch.ones_like(ids)
     gc.collect()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
-    rec = {"prompt": prompt, "new": new, "base_allocated": torch.cuda.memory_allocated(),
-           "base_reserved": torch.cuda.memory_reserved()}
-    torch.cuda.memory._record_memory_history(max_entries=600000, context=None, stacks="python")
+    rec = {"prompt": prompt, "batch": batch, "new": new, "attn": model.config._attn_implementation,
+           "base_allocated": torch.cuda.memory_allocated(), "base_reserved": torch.cuda.memory_reserved()}
+    torch.cuda.memory._record_memory_history(max_entries=900000, context=None)
     t0 = time.perf_counter()
     try:
         out = model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
@@ -92,6 +93,13 @@ def one_run(model, vocab: int, prompt: int, new: int) -> tuple[dict, list]:
     return rec, tr
 
 
+def parse_probe(text: str) -> tuple[int, int, str | None]:
+    """``4096`` (batch 1), ``512x4`` (batch 4), ``4096@eager`` (switch the attention first)."""
+    text, _, attn = text.partition("@")
+    prompt, _, batch = text.partition("x")
+    return int(prompt), int(batch or 1), attn or None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     for name in ("--ckpt", "--arch", "--quant", "--attn", "--out"):
@@ -101,7 +109,8 @@ def main() -> None:
     ap.add_argument("--hi", type=int, required=True)
     ap.add_argument("--step", type=int, default=256)
     ap.add_argument("--new", type=int, default=64)
-    ap.add_argument("--probe", type=int, nargs="*", default=[], help="prompts to run first (e.g. a known edge)")
+    ap.add_argument("--probe", nargs="*", default=[],
+                    help="runs to make first: PROMPT, PROMPTxBATCH or PROMPT@ATTN (e.g. a known edge)")
     ap.add_argument("--run-seconds", type=float, default=60, help="time for the runs, from the end of warm-up")
     ap.add_argument("--deadline", type=float, default=time.time() + 500, help="epoch seconds to stop by")
     args = ap.parse_args()
@@ -124,29 +133,36 @@ def main() -> None:
     emit(args.out, {"kind": "warm", "tag": tag, "allocated": torch.cuda.memory_allocated(),
                     "reserved": torch.cuda.memory_reserved(), "segments": segments()})
     vocab = model.config.get_text_config().vocab_size
-    lo, hi, last = args.lo, args.hi, {}
-    todo = list(args.probe)
+    lo, hi, n = args.lo, args.hi, 0
+    todo = [parse_probe(p) for p in args.probe]
     stop = min(args.deadline, time.time() + args.run_seconds)
-    while time.time() < stop:
+    longest = 0.0
+    while time.time() + longest < stop:
         if todo:
-            p = todo.pop(0)
+            p, batch, attn = todo.pop(0)
+            if attn and hasattr(model, "set_attn_implementation"):
+                model.set_attn_implementation(attn)
         elif hi - lo > args.step:
-            p = (lo + hi) // 2
+            p, batch = (lo + hi) // 2, 1
+            if model.config._attn_implementation != args.attn:
+                model.set_attn_implementation(args.attn)
         else:
             break
-        rec, tr = one_run(model, vocab, p, args.new)
+        rec, tr = one_run(model, vocab, p, args.new, batch)
         rec.update(kind="run", tag=tag)
         emit(args.out, rec)
-        if rec["ok"]:
-            lo = max(lo, p)
-        else:
-            hi = min(hi, p)
-            lo = min(lo, p * 9 // 10)  # a failure at or below the lower bound: that bound was not one
-        last["ok" if rec["ok"] else "fail"] = (p, tr)
+        longest = max(longest, rec["secs"])
+        if batch == 1 and rec["attn"] == args.attn:
+            if rec["ok"]:
+                lo = max(lo, p)
+            else:
+                hi = min(hi, p)
+                lo = min(lo, p * 9 // 10)  # a failure at or below the lower bound: that bound was not one
+        n += 1
+        name = f"trace_{tag}_{n}_{rec['attn']}_{p}x{batch}_{'ok' if rec['ok'] else 'oom'}.json.gz"
+        with gzip.open(os.path.join(os.path.dirname(args.out), name), "wt") as f:
+            json.dump(tr, f, separators=(",", ":"))
     emit(args.out, {"kind": "edge", "tag": tag, "largest_ok": lo, "smallest_fail": hi})
-    for k, (p, tr) in last.items():
-        with gzip.open(os.path.join(os.path.dirname(args.out), f"trace_{tag}_{k}_{p}.json.gz"), "wt") as f:
-            json.dump(tr, f)
 
 
 if __name__ == "__main__":

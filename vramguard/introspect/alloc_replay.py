@@ -234,35 +234,6 @@ def _extrapolate(step1: tuple, step2: tuple, n_more: int) -> list[tuple[int, int
     return out
 
 
-
-def largest_prompt(spec, s: Settings, config: AllocatorConfig, lo: int, hi: int,
-                   margin_bytes: int = 0) -> int | None:
-    """The largest prompt in ``[lo, hi]`` whose ``generate`` the allocator model places under
-    ``config.allowed_bytes - margin_bytes``, by bisection to 0.25% (``lo`` is checked; None when even ``lo`` fails).
-
-    Fragmentation makes the answer only nearly monotone in the prompt; the bisection keeps the bracket
-    ``fits(a) and not fits(b)`` and returns its lower end."""
-    from dataclasses import replace
-    cfg = replace(config, allowed_bytes=config.allowed_bytes - margin_bytes)
-
-    def fits(p: int) -> bool:
-        r = replay_generate(spec, s.with_(prompt_tokens=p), cfg)
-        return r is not None and r.fits
-
-    if not fits(lo):
-        return None
-    if fits(hi):
-        return hi
-    a, b = lo, hi
-    while b - a > max(1, a // 400):
-        mid = (a + b) // 2
-        if fits(mid):
-            a = mid
-        else:
-            b = mid
-    return a
-
-
 EDGE_MARGIN_NUM, EDGE_MARGIN_DEN = 1, 100  # of the memory above the loaded model: what the edge keeps free
 
 

@@ -151,7 +151,7 @@ class CachingAllocator:
     oom: OutOfMemory | None = None
     requests: int = 0
     _free: dict[bool, list] = field(default_factory=lambda: {True: [], False: []})
-    _next_addr: int = 1 << 40
+    _next_addr: int = 1 << 60  # segments are placed downwards from here (see _alloc_block)
     _expandable: dict[bool, Segment] = field(default_factory=dict)
 
     # ---- public ------------------------------------------------------------------------------------------------
@@ -265,8 +265,8 @@ class CachingAllocator:
             return None
         if self.config.expandable_segments:
             return self._expand(size, small)
+        self._next_addr -= alloc  # cudaMalloc hands out addresses downwards: a newer segment is lower
         seg = Segment(self._next_addr, small)
-        self._next_addr += alloc + (1 << 30)
         seg.head = Block(seg, seg.addr, alloc)
         self.segments.append(seg)
         self._grow(alloc)
@@ -282,8 +282,8 @@ class CachingAllocator:
         page = K_SMALL_BUFFER if small else K_LARGE_BUFFER
         seg = self._expandable.get(small)
         if seg is None:
+            self._next_addr -= 1 << 50
             seg = Segment(self._next_addr, small, expandable=True)
-            self._next_addr += 1 << 50
             seg.head = Block(seg, seg.addr, 1 << 48, "unmapped")
             self._expandable[small] = seg
             self.segments.append(seg)

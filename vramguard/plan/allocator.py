@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from vramguard.introspect.alloc_replay import allowed_bytes, largest_prompt, replay_generate
+from vramguard.introspect.alloc_replay import allowed_bytes, replay_generate
 from vramguard.memory.allocator import AllocatorConfig
 from vramguard.settings import Settings
 
@@ -38,37 +38,76 @@ def with_allocator(spec, s: Settings, est, cards: list, alloc_conf: str, solve: 
     return est, out
 
 
+PROBE_TOKENS = 4096  # the second point of the slope when no start is given
+
+
 def edge_prompt_tokens(spec, s: Settings, config: AllocatorConfig, formula_tokens: int | None) -> int | None:
     """The largest prompt the allocator model places under ``config.allowed_bytes`` (None when a 1-token prompt
-    does not fit), found from the formula's answer ``formula_tokens`` (which holds more in reserve): a first guess
+    does not fit), found from the formula's answer ``formula_tokens`` (None: start from one token): a first guess
     where its modelled reserved peak plus the allocated bytes per token (:func:`vramguard.plan.estimator.need_bytes`'s
-    slope) reach the cap, a bracket of 2% steps around it, then bisection to 0.25%."""
+    slope; from no start, the modelled peaks at 1 and 4,096 tokens give the slope) reach the cap, then steps from the guess that double until the edge is bracketed (up while the prompt
+    fits, down while it does not), then bisection to 0.25%. A guess off by a factor k costs about log2(k * 100)
+    replays, not k * 50."""
     from vramguard.plan.estimator import need_bytes
     ctx = spec.max_position_embeddings - s.max_new_tokens
     lo = max(1, min(formula_tokens or 1, ctx))
 
-    def run(p: int):
-        return replay_generate(spec, s.with_(prompt_tokens=p), config)
+    def fits(p: int) -> bool:
+        return replay_generate(spec, s.with_(prompt_tokens=p), config).fits
 
-    first = run(lo)
+    first = replay_generate(spec, s.with_(prompt_tokens=lo), config)
     if not first.fits:
-        return largest_prompt(spec, s, config, 1, lo) if lo > 1 else None
-    dp = max(1, lo // 100)
-    slope = max(1, (need_bytes(spec, s.with_(prompt_tokens=min(ctx, lo + dp))) - need_bytes(
-        spec, s.with_(prompt_tokens=lo))) // dp)
+        return _bisect(fits, 0, lo) if lo > 1 else None
+    if lo < PROBE_TOKENS < ctx:  # no usable start: the slope of the modelled reserved peak up to a probe
+        probe = replay_generate(spec, s.with_(prompt_tokens=PROBE_TOKENS), config)
+        if not probe.fits:
+            return _bisect(fits, lo, PROBE_TOKENS)
+        slope = max(1, (probe.peak_reserved_bytes - first.peak_reserved_bytes) // (PROBE_TOKENS - lo))
+        lo, first = PROBE_TOKENS, probe
+    else:
+        dp = max(1, lo // 100)
+        slope = max(1, (need_bytes(spec, s.with_(prompt_tokens=min(ctx, lo + dp))) - need_bytes(
+            spec, s.with_(prompt_tokens=lo))) // dp)
     guess = min(ctx, lo + max(0, config.allowed_bytes - first.peak_reserved_bytes) // slope)
-    step = max(64, guess // 50)
-    a, b = lo, None
-    p = guess
-    while p > a and (b is None or p < b):
-        if run(p).fits:
-            a = p
-            if p >= ctx:
-                return ctx
-            p = min(ctx, p + step)
+    a, b = _gallop(fits, lo, guess, ctx)
+    return a if b is None else _bisect(fits, a, b)
+
+
+def _gallop(fits, a: int, guess: int, ctx: int) -> tuple[int, int | None]:
+    """A bracket ``(a, b)`` with ``fits(a)`` and not ``fits(b)`` (b None: ``a == ctx`` fits) from a known-good
+    ``a`` and a ``guess``: steps of ``max(64, guess // 100)`` tokens from the guess, doubling each time."""
+    step = max(64, guess // 100)
+    if guess <= a:
+        p = min(ctx, a + step)
+        if p == a:
+            return a, None
+        if not fits(p):
+            return a, p
+        a = p
+    elif fits(guess):
+        a = guess
+    else:
+        b = guess
+        while True:  # down from a failing guess
+            p = max(a, b - step)
+            if p == a or fits(p):
+                return p, b
+            b, step = p, step * 2
+    while a < ctx:  # up from a fitting prompt
+        p = min(ctx, a + step)
+        if not fits(p):
+            return a, p
+        a, step = p, step * 2
+    return a, None
+
+
+def _bisect(fits, a: int, b: int) -> int | None:
+    """The lower end of the bracket ``fits(a) and not fits(b)`` narrowed to 0.25% of ``a`` (``a`` = 0: 1 token);
+    None when a 1-token prompt does not fit."""
+    while b - a > max(1, a // 400):
+        mid = (a + b) // 2
+        if fits(mid):
+            a = mid
         else:
-            b = p
-            p = max(a, p - step)
-    if b is None:
-        return a
-    return largest_prompt(spec, s, config, a, b) if b - a > max(1, a // 400) else a
+            b = mid
+    return a or None
