@@ -131,7 +131,7 @@ def _cached_events(config_json: str, name: str, key: Settings, prompt: int, new:
 
     from vramguard.introspect.build import _quiet, cached_config, text_config
     from vramguard.introspect.generic import _replay_model, _structure
-    from vramguard.introspect.replay import _FlashSdpa, _new_cache
+    from vramguard.introspect.replay import _new_cache
     from vramguard.introspect.tracker import DataPolicy, StorageTracker
     from vramguard.memory.forward import sdpa_runs_math
     s = key.with_(prompt_tokens=prompt, max_new_tokens=new)
@@ -145,7 +145,7 @@ def _cached_events(config_json: str, name: str, key: Settings, prompt: int, new:
     flash = model.config._attn_implementation == "sdpa" and not sdpa_runs_math(s)
     seqs, meta = s.sequences, torch.device("meta")
     with _quiet(), torch.no_grad(), tracker, _bnb_kernels(model, quantized, s), \
-            (_FlashSdpa() if flash else contextlib.nullcontext()):
+            (_fused_sdpa_mode() if flash else contextlib.nullcontext()):
         cache = _new_cache(model, cfg, s)
         ids = torch.zeros((seqs, prompt), dtype=torch.long, device=meta)
         mask = torch.ones((seqs, prompt), dtype=torch.long, device=meta)
@@ -170,14 +170,38 @@ def _cached_events(config_json: str, name: str, key: Settings, prompt: int, new:
     return tuple(tuple(events[a:b]) for a, b in zip([0] + marks, marks))
 
 
+def _fused_sdpa_mode():
+    """A ``TorchFunctionMode`` that replaces ``F.scaled_dot_product_attention`` by what the fused CUDA kernel
+    allocates in inference, as the allocator traces of torch 2.11 on an H200 record it (``benchmarks/results/
+    h200_edge/run2``): the output alone, laid out as (batch, tokens, heads, head_dim) and returned as a (batch,
+    heads, tokens, head_dim) view, so that the caller's ``transpose(1, 2).contiguous()`` copies nothing; no
+    log-sum-exp of 1 MiB or more."""
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    class FusedSdpa(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is not torch.nn.functional.scaled_dot_product_attention:
+                return func(*args, **kwargs)
+            q, v = args[0], args[2] if len(args) > 2 else kwargs["value"]
+            if q.dim() != 4:
+                return torch.empty((*q.shape[:-1], v.shape[-1]), dtype=q.dtype, device=q.device)
+            b, h, t, _ = q.shape
+            return torch.empty((b, t, h, v.shape[-1]), dtype=q.dtype, device=q.device).transpose(1, 2)
+
+    return FusedSdpa()
+
+
 @contextlib.contextmanager
 def _bnb_kernels(model, quantized: set[str], s: Settings):
-    """While a converted layer runs, the tensors its bitsandbytes kernel allocates, in their order
-    (bitsandbytes 0.4x-0.50, ``functional.py``): with double quant, ``dequantize_blockwise`` first restores the
-    absmax to float32 (``ceil(numel / 64) x 4`` B) for the 4-bit kernels of every row count (``dequantize_4bit``
-    and ``gemv_4bit``), freed when the kernel has its weight; for more than one row ``dequantize_4bit`` then holds
-    the weight in the compute dtype until the matmul returns (``MatMul4Bit.forward``); int8 holds its int8 input
-    and int32 product (as :func:`vramguard.memory.forward._Forward.linear`)."""
+    """While a converted layer runs, the tensors its bitsandbytes kernel allocates, in the order the caching
+    allocator's trace of bitsandbytes 0.50 under torch 2.11 on an H200 records them (``benchmarks/results/h200_edge/
+    run2``): for more than one row (``dequantize_4bit``, then ``MatMul4Bit.forward``'s matmul), with double quant
+    two float32 copies of the absmax (``ceil(numel / 64) x 4`` B each), then the weight in the compute dtype, all
+    held until the layer's output is allocated and freed in that order; for one row (``gemv_4bit``) nothing of
+    1 MiB or more; int8 holds its int8 input and int32 product (as :func:`vramguard.memory.forward._Forward.linear`).
+    """
     import torch
 
     from vramguard.introspect.replay import _features, hold_while_running
@@ -186,17 +210,21 @@ def _bnb_kernels(model, quantized: set[str], s: Settings):
         return
     act, comp = DTYPE_BYTES[s.act_dtype], DTYPE_BYTES[s.resolved_compute_dtype]
 
+    def empty(nbytes: int):
+        return torch.empty(nbytes, dtype=torch.uint8, device="meta")
+
     def pre(module, args):
         x = args[0]
         rows = x.numel() // x.shape[-1]
         fin, fout = _features(module)
         if s.quant == "int8":
-            return torch.empty(rows * fin + rows * fout * 4, dtype=torch.uint8, device="meta")
-        cast = [torch.empty(rows * fin * comp, dtype=torch.uint8, device="meta")] if comp != act else []
-        absmax = torch.empty(-(-fin * fout // 64) * 4, dtype=torch.uint8, device="meta") if s.double_quant else None
-        weight = torch.empty(fin * fout * comp, dtype=torch.uint8, device="meta") if rows > 1 else None
-        del absmax
-        return cast, weight
+            return empty(rows * fin + rows * fout * 4)
+        cast = [empty(rows * fin * comp)] if comp != act else []
+        if rows == 1:
+            return cast
+        absmax = [empty(-(-fin * fout // 64) * 4) for _ in range(2)] if s.double_quant else []
+        weight = empty(fin * fout * comp)
+        return (cast, weight, *absmax[::-1])  # a tuple drops its items last first: absmax, absmax, weight
 
     with hold_while_running(model, quantized, pre):
         yield

@@ -163,11 +163,14 @@ def search(spec: ModelSpec, s: Settings, vary: str, budget: int, run: Callable[[
     start = cons or opt or lo_lim
     while len(runs) < max_runs and not go(start) and start > lo_lim:  # 1. a run that completes
         start = max(lo_lim, int(start * 0.8))
+    def past(v: int) -> int:  # the first value past ``v`` by the tolerance that the rounding keeps distinct
+        return max(int(v * (1 + tolerance)), v + (128 if vary == "prompt" and v >= 256 else 1))
+
     close_seeds = use_allocator and cons and opt and opt - cons <= 2 * tolerance * cons
     if close_seeds and ok_runs and len(runs) < max_runs:  # the edge is near: the unmargined seed, then just past
-        go(opt if opt > max(ok_runs) else int(max(ok_runs) * (1 + tolerance)))
+        go(opt if _round(opt, vary) > max(ok_runs) else past(max(ok_runs)))
         if first_fail is None and not closed() and len(runs) < max_runs:
-            go(int(max(ok_runs) * (1 + tolerance)))
+            go(past(max(ok_runs)))
     while len(runs) < max_runs and ok_runs and not closed():
         best = max(ok_runs)
         r = ok_runs[best]
@@ -183,7 +186,7 @@ def search(spec: ModelSpec, s: Settings, vary: str, budget: int, run: Callable[[
             target = ((best + ceiling) // 2 if first_fail is not None
                       else max(int(best * 1.05), best + 1, (opt or 0) if (opt or 0) > best else 0))
         if _round(target, vary) in (r2.value for r2 in runs):
-            target = best + max(1, int(best * tolerance)) if first_fail is None else (best + ceiling) // 2
+            target = past(best) if first_fail is None else (best + ceiling) // 2
             if _round(target, vary) in (r2.value for r2 in runs):
                 break
         go(target)
