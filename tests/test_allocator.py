@@ -335,3 +335,24 @@ def test_tape_orders_nf4_and_fused_sdpa_buffers_as_the_h200_trace(tmp_path):
     assert "A768 A768 A24576 A15360 F768 F768 F24576" in text
     # SDPA output 40 x 4 x 16 x 2 = 5,120 B, then o_proj: absmax 64 x 64 / 64 x 4 = 256 B twice, weight 8,192 B
     assert "A5120 A256 A256 A8192 A5120 F256 F256 F8192" in text
+
+
+@pytest.mark.parametrize("model_type,extra", [("llama", {}), ("gemma2", dict(sliding_window=256, head_dim=16)),
+                                              ("phi3", dict(num_key_value_heads=4, pad_token_id=0))])
+def test_rescaled_tape_equals_the_replay(tmp_path, model_type, extra):
+    """The tape rescaled from its stretch's four sample replays is the replay's, event for event: before and past
+    Gemma-2's 256-token window (its own stretch from 256), eager and NF4 included; within 8 tokens of the window it
+    is replayed instead."""
+    from transformers import AutoConfig
+
+    from vramguard.introspect.alloc_replay import _rescaled_events, generate_events
+    from vramguard.resolve import resolve_model
+    from vramguard.settings import Settings
+    AutoConfig.for_model(model_type, **dict(TINY, max_position_embeddings=1024, **extra)).save_pretrained(tmp_path)
+    spec = resolve_model(str(tmp_path))
+    for quant, attn in (("bf16", "sdpa"), ("bf16", "eager"), ("nf4", "sdpa")):
+        for prompt in (200, 600):
+            s = Settings(quant=quant, attn=attn, prompt_tokens=prompt, max_new_tokens=8)
+            assert generate_events(spec, s, rescale=True) == generate_events(spec, s)
+    key = Settings(quant="bf16", attn="sdpa", prompt_tokens=1, max_new_tokens=1)
+    assert (_rescaled_events(spec.config_json, spec.name, key, 250, 3) is None) == (model_type == "gemma2")

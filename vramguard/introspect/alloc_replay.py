@@ -82,9 +82,10 @@ def _load(alloc: CachingAllocator, sizes: list[int]) -> None:
     alloc.empty_cache()
 
 
-def replay_generate(spec, s: Settings, config: AllocatorConfig) -> AllocatorReplay | None:
+def replay_generate(spec, s: Settings, config: AllocatorConfig, rescale: bool = False) -> AllocatorReplay | None:
     """Replay load, warm-up and ``generate`` for ``spec`` with ``s`` through the allocator model under ``config``
-    (its ``allowed_bytes`` is the cap on reserved memory). None where :func:`supported` is false.
+    (its ``allowed_bytes`` is the cap on reserved memory). None where :func:`supported` is false. ``rescale``: the
+    tape's sizes from the prompt's stretch (:func:`generate_events`): the same replay, cheaper over many prompts.
 
     Raises NotPlannable where transformers' forward cannot run for these settings (as the planner's replay)."""
     if not supported(s) or not spec.config_json:
@@ -94,7 +95,7 @@ def replay_generate(spec, s: Settings, config: AllocatorConfig) -> AllocatorRepl
     base = alloc.reserved_bytes
     alloc.config = config
     alloc.peak_reserved_bytes, alloc.peak_allocated_bytes = alloc.reserved_bytes, alloc.allocated_bytes
-    events = generate_events(spec, s)
+    events = generate_events(spec, s, rescale)
     live: dict[int, object] = {}
     peak_segments = len(alloc.segments)
     for key, nbytes in events:
@@ -111,16 +112,87 @@ def replay_generate(spec, s: Settings, config: AllocatorConfig) -> AllocatorRepl
                            config.expandable_segments)
 
 
-def generate_events(spec, s: Settings) -> list[tuple[int, int]]:
+def generate_events(spec, s: Settings, rescale: bool = False) -> list[tuple[int, int]]:
     """The allocation tape of ``generate`` above the loaded model: ``(key, bytes)`` per allocation and
-    ``(key, -1)`` per free, in program order (see the module docstring)."""
+    ``(key, -1)`` per free, in program order (see the module docstring). ``rescale``: take the first three
+    forwards from :func:`_rescaled_events` where it applies (the same tape, without a replay per prompt)."""
     new = s.max_new_tokens if s.cache == "static" else min(s.max_new_tokens, 3)
-    head, step1, step2 = _cached_events(spec.config_json, spec.name, s.with_(prompt_tokens=1, max_new_tokens=1),
-                                        s.prompt_tokens, new)
+    key = s.with_(prompt_tokens=1, max_new_tokens=1)
+    found = _rescaled_events(spec.config_json, spec.name, key, s.prompt_tokens, new) if rescale else None
+    head, step1, step2 = found or _cached_events(spec.config_json, spec.name, key, s.prompt_tokens, new)
     events = list(head) + list(step1) + list(step2)
     if s.max_new_tokens > 3:
         events += _extrapolate(step1, step2, s.max_new_tokens - 3)
     return events
+
+
+SAMPLE_OFFSETS = (8, 45, 109, 181)  # prompts lo + offset sample a stretch; a quadratic through 3, checked at the 4th
+RESCALE_MARGIN = 8  # tokens kept clear of a window's edge: decode steps cross it a step or two later
+
+
+def _breakpoints(config_json: str, name: str) -> tuple[int, ...]:
+    """Prompt lengths where a tensor's size stops following one polynomial: the sliding window, the attention chunk
+    and the original context of a long-RoPE model, as the model's config gives them."""
+    from vramguard.introspect.build import cached_config, text_config
+    cfg = text_config(cached_config(config_json, name))
+    found = {getattr(cfg, k, None) for k in ("sliding_window", "attention_chunk_size",
+                                              "original_max_position_embeddings")}
+    return tuple(sorted(v for v in found if isinstance(v, int) and v > 0))
+
+
+@lru_cache(maxsize=32)
+def _stretch_events(config_json: str, name: str, key: Settings, lo: int, new: int) -> tuple | None:
+    """The tape of the first three forwards for every prompt of the stretch from ``lo``, as (keys, sizes, forward
+    lengths, denominator):
+    each event's size is exactly ``a + b p + c p**2`` in the prompt p (activations grow with p, attention scores
+    and masks with p**2) through the replays at ``lo + SAMPLE_OFFSETS[:3]``, which the fourth replay must match
+    event for event (else None: the sizes follow no quadratic there, or the forwards differ in structure)."""
+    from fractions import Fraction
+    xs = [lo + o for o in SAMPLE_OFFSETS]
+    tapes = [_cached_events(config_json, name, key, x, new) for x in xs]
+    flat = [[e for forward in t for e in forward] for t in tapes]
+    marks = [len(f) for f in tapes[0]]
+    if any([len(f) for f in t] != marks for t in tapes) or any(
+            [(k, n < 0) for k, n in f] != [(k, n < 0) for k, n in flat[0]] for f in flat[1:]):
+        return None
+    x0, x1, x2, x3 = xs
+    den = (x1 - x0) * (x2 - x0) * (x2 - x1)
+    poly = []
+    for y0, y1, y2, y3 in zip(*[[n for _, n in f] for f in flat]):
+        if y0 < 0:
+            poly.append(None)
+            continue
+        c = Fraction(y2 - y1, (x2 - x1) * (x2 - x0)) - Fraction(y1 - y0, (x1 - x0) * (x2 - x0))
+        b = Fraction(y1 - y0, x1 - x0) - c * (x0 + x1)
+        a = y0 - b * x0 - c * x0 * x0
+        if a + b * x3 + c * x3 * x3 != y3:
+            return None
+        poly.append((int(a * den), int(b * den), int(c * den)))  # den is a multiple of every denominator
+    return [k for k, _ in flat[0]], poly, marks, den
+
+
+def _rescaled_events(config_json: str, name: str, key: Settings, prompt: int, new: int) -> tuple | None:
+    """:func:`_cached_events` for ``prompt`` from the sizes of its stretch (:func:`_stretch_events`), or None where
+    the prompt lies within ``RESCALE_MARGIN`` of a breakpoint (:func:`_breakpoints`), before the stretch's samples,
+    or in a stretch that follows no quadratic. Stretches run between breakpoints; their samples sit at the start."""
+    edges = [0, *_breakpoints(config_json, name)]
+    lo = max(e for e in edges if e < prompt)
+    hi = min((e for e in edges if e >= prompt), default=None)
+    if prompt < lo + SAMPLE_OFFSETS[-1] or (hi is not None and hi - prompt < RESCALE_MARGIN) or (
+            lo and prompt - lo < RESCALE_MARGIN):
+        return None
+    if hi is not None and lo + SAMPLE_OFFSETS[-1] + RESCALE_MARGIN > hi:
+        return None
+    found = _stretch_events(config_json, name, key, lo, new)
+    if found is None:
+        return None
+    keys, poly, marks, den = found
+    p2, out, i = prompt * prompt, [], 0
+    for count in marks:
+        out.append(tuple((k, -1 if abc is None else (abc[0] + abc[1] * prompt + abc[2] * p2) // den)
+                         for k, abc in zip(keys[i:i + count], poly[i:i + count])))
+        i += count
+    return tuple(out)
 
 
 @lru_cache(maxsize=64)

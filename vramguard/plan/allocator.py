@@ -29,8 +29,11 @@ def with_allocator(spec, s: Settings, est, cards: list, alloc_conf: str, solve: 
     for c in cards:
         cap = c.usable_bytes - est.cuda_context_bytes
         capped = replace(conf, allowed_bytes=allowed_bytes(cap, r.base_reserved_bytes))
-        rc = replay_generate(spec, s, capped)
-        fits = rc.fits and load_need <= c.usable_bytes
+        # without expandable segments a new segment adds exactly what the cap check counts, so a replay that never
+        # reserved past the cap runs the same under it: only a larger peak needs the capped replay
+        same = not conf.expandable_segments and r.peak_reserved_bytes <= capped.allowed_bytes
+        fits = same or replay_generate(spec, s, capped).fits
+        fits = fits and load_need <= c.usable_bytes
         c = replace(c, need_bytes=est.device_used_bytes, fits=fits, headroom_bytes=c.usable_bytes - est.device_used_bytes)
         if solve:
             c = replace(c, max_prompt_tokens=edge_prompt_tokens(spec, s, capped, c.max_prompt_tokens))
@@ -53,13 +56,13 @@ def edge_prompt_tokens(spec, s: Settings, config: AllocatorConfig, formula_token
     lo = max(1, min(formula_tokens or 1, ctx))
 
     def fits(p: int) -> bool:
-        return replay_generate(spec, s.with_(prompt_tokens=p), config).fits
+        return replay_generate(spec, s.with_(prompt_tokens=p), config, rescale=True).fits
 
-    first = replay_generate(spec, s.with_(prompt_tokens=lo), config)
+    first = replay_generate(spec, s.with_(prompt_tokens=lo), config, rescale=True)
     if not first.fits:
         return _bisect(fits, 0, lo) if lo > 1 else None
     if lo < PROBE_TOKENS < ctx:  # no usable start: the slope of the modelled reserved peak up to a probe
-        probe = replay_generate(spec, s.with_(prompt_tokens=PROBE_TOKENS), config)
+        probe = replay_generate(spec, s.with_(prompt_tokens=PROBE_TOKENS), config, rescale=True)
         if not probe.fits:
             return _bisect(fits, lo, PROBE_TOKENS)
         slope = max(1, (probe.peak_reserved_bytes - first.peak_reserved_bytes) // (PROBE_TOKENS - lo))
