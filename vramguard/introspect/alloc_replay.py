@@ -173,13 +173,12 @@ def _stretch_events(config_json: str, name: str, key: Settings, lo: int, new: in
 
 def _rescaled_events(config_json: str, name: str, key: Settings, prompt: int, new: int) -> tuple | None:
     """:func:`_cached_events` for ``prompt`` from the sizes of its stretch (:func:`_stretch_events`), or None where
-    the prompt lies within ``RESCALE_MARGIN`` of a breakpoint (:func:`_breakpoints`), before the stretch's samples,
-    or in a stretch that follows no quadratic. Stretches run between breakpoints; their samples sit at the start."""
+    the prompt lies within ``RESCALE_MARGIN`` of a breakpoint (:func:`_breakpoints`) or of one token, or in a stretch
+    that follows no quadratic. Stretches run between breakpoints; their samples sit at the start."""
     edges = [0, *_breakpoints(config_json, name)]
     lo = max(e for e in edges if e < prompt)
     hi = min((e for e in edges if e >= prompt), default=None)
-    if prompt < lo + SAMPLE_OFFSETS[-1] or (hi is not None and hi - prompt < RESCALE_MARGIN) or (
-            lo and prompt - lo < RESCALE_MARGIN):
+    if prompt - lo < max(RESCALE_MARGIN, SAMPLE_OFFSETS[0]) or (hi is not None and hi - prompt < RESCALE_MARGIN):
         return None
     if hi is not None and lo + SAMPLE_OFFSETS[-1] + RESCALE_MARGIN > hi:
         return None

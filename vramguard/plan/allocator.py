@@ -14,7 +14,7 @@ def with_allocator(spec, s: Settings, est, cards: list, alloc_conf: str, solve: 
     ``s``. Raises ValueError for an ``alloc_conf`` value that is not a boolean or a number."""
     from dataclasses import replace
     conf = AllocatorConfig.parse(alloc_conf)
-    r = replay_generate(spec, s, conf)
+    r = replay_generate(spec, s, conf, rescale=solve)  # the edge search samples the same stretch: share its replays
     if r is None:
         return est, cards
     reserved = max(r.peak_reserved_bytes, est.peak_allocated_bytes)
@@ -32,7 +32,7 @@ def with_allocator(spec, s: Settings, est, cards: list, alloc_conf: str, solve: 
         # without expandable segments a new segment adds exactly what the cap check counts, so a replay that never
         # reserved past the cap runs the same under it: only a larger peak needs the capped replay
         same = not conf.expandable_segments and r.peak_reserved_bytes <= capped.allowed_bytes
-        fits = same or replay_generate(spec, s, capped).fits
+        fits = same or replay_generate(spec, s, capped, rescale=solve).fits
         fits = fits and load_need <= c.usable_bytes
         c = replace(c, need_bytes=est.device_used_bytes, fits=fits, headroom_bytes=c.usable_bytes - est.device_used_bytes)
         if solve:
