@@ -14,7 +14,9 @@ The tape, in program order:
    the replay rules of :mod:`vramguard.introspect.replay`), each decode step's new ids and mask, and the float32
    copy of the last logits. Decode steps differ only in tensor lengths, which grow by one token a step: steps 1
    and 2 are replayed and each later step's sizes are extrapolated from them (every size is linear in the
-   position); a step whose structure differs from the one before is replayed instead.
+   position); a step whose structure differs from the one before is replayed instead. Over many prompts (the
+   search for the largest one) the three forwards are rescaled from four sample replays instead
+   (:func:`_rescaled_events`): between the config's breakpoints every size is a quadratic in the prompt.
 
 Settings the tape does not cover (a quantized or offloaded KV cache, chunked prefill, all-position logits,
 attention maps in the output) answer None, and the plan keeps its formula for them.
