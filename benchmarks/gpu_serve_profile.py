@@ -52,8 +52,8 @@ class StepLog:
 
     def _profile(self, n: int, q: int) -> None:
         if self.prof is not None:
-            self.profiled += 1
-            if self.profiled > self.profile_steps:
+            self.profiled += 1  # steps completed under the profiler (the hook runs before each step)
+            if self.profiled >= self.profile_steps:
                 torch.cuda.synchronize()
                 self.prof.stop()
                 self._write()

@@ -16,6 +16,8 @@ the kernel, and :func:`self_check` agrees with a float64 reference on the model'
 
 from __future__ import annotations
 
+import threading
+
 ATTN_NAME = "paged|vramguard_varlen"
 ENABLED = True  # False: the engine keeps transformers' paged attention (for comparisons)
 TOLERANCE = 2e-2  # relative (Frobenius); bfloat16 rounding alone is about 4e-3
@@ -40,9 +42,24 @@ def paged_varlen_attention(module, query, key, value, attention_mask, dropout: f
         cu_k, max_k = next(iter(cu_k.values())), next(iter(max_k.values()))
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     q = query[0].transpose(0, 1)
-    out = varlen_attention(q, k, v, kwargs["cu_seq_lens_q"], cu_k, int(kwargs["max_seqlen_q"]), int(max_k), scale,
-                           use_triton=q.is_cuda, read_index=rows)
+    cu_q, max_q = kwargs["cu_seq_lens_q"], int(kwargs["max_seqlen_q"])
+    host = _step_offsets(module.layer_idx, cu_q, cu_k, q.is_cuda) if max_q > 1 else None
+    out = varlen_attention(q, k, v, cu_q, cu_k, max_q, int(max_k), scale, use_triton=q.is_cuda, read_index=rows,
+                           host=host)
     return out.unsqueeze(0), None
+
+
+_STEP = threading.local()  # per engine thread: the host offsets of the step being computed
+
+
+def _step_offsets(layer_idx: int, cu_q, cu_k, use_triton: bool):
+    """The step's offsets on the host, read once per forward (at its first layer, or when the offsets tensors are
+    other objects than the last layer's) rather than once per layer: each read waits for the GPU."""
+    from vramguard.run.kernels.varlen_attention import host_offsets
+    key = (id(cu_q), id(cu_k), use_triton)
+    if layer_idx == 0 or getattr(_STEP, "key", None) != key:
+        _STEP.key, _STEP.host = key, host_offsets(cu_q, cu_k, use_triton)
+    return _STEP.host
 
 
 _EMPTY: dict = {}
@@ -156,6 +173,12 @@ def choose(model) -> tuple[str | None, str]:
     from transformers import AttentionInterface
     AttentionInterface.register(ATTN_NAME, paged_varlen_attention)
     before = model.config._attn_implementation
-    model.set_attn_implementation(ATTN_NAME)
+    try:
+        model.set_attn_implementation(ATTN_NAME)
+    except (ValueError, KeyError) as e:  # transformers >= 5.18 drops the paged| prefix of custom names
+        if model.config._attn_implementation != before:
+            model.set_attn_implementation(before)
+        return None, (f"attention: transformers' paged attention (this transformers refused ours: "
+                      f"{str(e).splitlines()[0][:120]})")
     return before, (f"attention: vramguard's varlen paged attention (per request, GQA without copies; checked "
                     f"against a float64 reference: {err:.1e} relative)")

@@ -71,7 +71,7 @@ class DecodeGraphs:
         self.write_index = torch.zeros((io.write_index_storage.shape[0], t), dtype=io.write_index_storage.dtype,
                                        device=dev)
         self.graphs: dict[tuple[int, int], object] = {}
-        self.pool = torch.cuda.graph_pool_handle()
+        self.pool = None  # the memory pool the graphs share (made at the first capture)
         self.lp_args = None
         self.failed: str | None = None
         self.replays = 0
@@ -159,6 +159,8 @@ class DecodeGraphs:
         import torch
         try:
             stream.synchronize()
+            if self.pool is None:
+                self.pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool, stream=stream, capture_error_mode="thread_local"):
                 runner._forward_process_and_sample(*args)

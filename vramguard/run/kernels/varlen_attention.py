@@ -232,20 +232,21 @@ def prefill_attention(q, k, v, out, scaling: float) -> None:
 
 
 def varlen_attention(q, k, v, cu_q, cu_k, max_q: int, max_k: int, scaling: float, use_triton: bool = True,
-                     read_index=None):
+                     read_index=None, host=None):
     """Causal attention of packed requests (module docstring): ``q`` ``[T, H, D]``; ``k``/``v`` ``[Tk, Hkv, D]``
     packed, or with ``read_index`` the paged cache's rows (:func:`decode_attention_varlen`); ``cu_q``/``cu_k`` device
     offsets, ``max_q``/``max_k`` host upper bounds of the per-request lengths. Returns ``[T, H, D]`` in ``q.dtype``
     (rows of padding requests zero). A step of decodes only (``max_q == 1``) reads nothing back to the host, so it can
     be captured in a CUDA graph; a step with a prefill reads the offsets once (one synchronisation).
-    ``use_triton`` False: every request through SDPA."""
+    ``use_triton`` False: every request through SDPA. ``host``: the offsets already read, ``(cu_q list, cu_k
+    list, decode request indices on the device or None)`` (a caller running several layers on one step reads them
+    once: :func:`host_offsets`)."""
     import torch
     out = torch.zeros_like(q)
     if max_q == 1 and use_triton:
         decode_attention_varlen(q, k, v, cu_q, cu_k, out, max_k, scaling, read_index=read_index)
         return out
-    lq = cu_q.tolist()
-    lk = cu_k.tolist()
+    lq, lk, seqs = host if host is not None else host_offsets(cu_q, cu_k, use_triton)
     decodes = []
     for s in range(len(lq) - 1):
         if lq[s + 1] - lq[s] == 1 and use_triton:
@@ -256,8 +257,16 @@ def varlen_attention(q, k, v, cu_q, cu_k, max_q: int, max_k: int, scaling: float
                                                                     v.index_select(0, read_index[keys]))
             prefill_attention(q[lq[s]:lq[s + 1]], ks, vs, out[lq[s]:lq[s + 1]], scaling)
     if decodes:
-        seqs = torch.tensor(decodes, dtype=torch.int32, device=q.device)
         longest = max(lk[s + 1] - lk[s] for s in decodes)
         decode_attention_varlen(q, k, v, cu_q, cu_k, out, longest, scaling, read_index=read_index, seqs=seqs,
                                 n_req=len(decodes))
     return out
+
+
+def host_offsets(cu_q, cu_k, use_triton: bool = True):
+    """``(cu_q, cu_k, decodes)``: the offsets as host lists (one synchronisation) and the indices of the requests
+    with one query token as an int32 device tensor (None when there is none or ``use_triton`` is False)."""
+    import torch
+    lq, lk = cu_q.tolist(), cu_k.tolist()
+    dec = [s for s in range(len(lq) - 1) if lq[s + 1] - lq[s] == 1] if use_triton else []
+    return lq, lk, torch.tensor(dec, dtype=torch.int32, device=cu_q.device) if dec else None
