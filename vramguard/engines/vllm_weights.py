@@ -206,11 +206,21 @@ def rank_weights(spec: ModelSpec, tp: int, pp: int, dtype_bytes: int) -> list[Ra
     return out
 
 
-# bytes per (request x vocabulary entry) while the dummy sampler runs top-k/top-p on the logits
-# (vllm/v1/sample/ops/topk_topp_sampler.py::apply_top_k_top_p, as GPUModelRunner._dummy_sampler_run calls it with
-# top_k and top_p set): fp32 logits 4 + sorted values 4 + int64 sort indices 8 + two bool masks 2 + softmax of the
-# sorted values (cumsum in place) 4 + the scattered result 4 = 26, beside the model-dtype logits.
-SAMPLER_BYTES_PER_LOGIT = 26
+# bytes per (request x vocabulary entry) the dummy sampler holds beside the model-dtype logits, by the top-k/top-p
+# path it takes (``GPUModelRunner._dummy_sampler_run`` sets top_k and top_p):
+# * "triton" (vLLM 0.33.0 on CUDA, ``vllm/v1/sample/ops/topk_topp_sampler.py::apply_top_k_top_p`` with
+#   ``HAS_TRITON``): the fp32 copy (``Sampler.forward``: ``logits.to(torch.float32)``) 4, masked in place by
+#   ``apply_top_k_top_p_triton``, then ``forward_native``'s fp32 softmax 4 and the exponential noise ``q`` 4
+#   (``random_sample``; ``probs.div_(q)`` in place) = 12, counted from the source;
+# * "sort" (V1 releases before the Triton kernel: ``apply_top_k_top_p_pytorch``, a full sort of the vocabulary):
+#   36, measured: vLLM's own profile logged 4.76, 5.56, 5.64 and 7.38 GiB of activation for Llama-3.1-8B,
+#   Qwen3-0.6B, Qwen3-32B and gpt-oss-20b at 1,024 requests (github.com/llm-d/llm-d-benchmark,
+#   config_explorer/empirical-vllm-memory-results.md), 38.3 B per logit with the 2 B logits (the source count of
+#   that path, fp32 4 + sorted values 4 + int64 indices 8 + two masks 2 + sorted softmax 4 + scatter 4 = 26, is
+#   short of what was measured);
+# * "flashinfer" (vLLM 0.10 with FlashInfer's sampler: one ``flashinfer_sample`` call on the fp32 copy): the fp32
+#   copy 4 and FlashInfer's probabilities 4 = 8.
+SAMPLER_BYTES_PER_LOGIT = {"triton": 12, "sort": 36, "flashinfer": 8}
 
 
 def forward_peak_bytes(spec: ModelSpec, tp: int, num_tokens: int, dtype_bytes: int) -> int:
@@ -241,15 +251,16 @@ def forward_peak_bytes(spec: ModelSpec, tp: int, num_tokens: int, dtype_bytes: i
     return max(attention, mlp)
 
 
-def sampler_peak_bytes(spec: ModelSpec, num_tokens: int, num_reqs: int, dtype_bytes: int) -> int:
+def sampler_peak_bytes(spec: ModelSpec, num_tokens: int, num_reqs: int, dtype_bytes: int,
+                       sampler: str = "triton") -> int:
     """Peak of the dummy sampler run that follows the profile forward (bytes): the forward's hidden states
     (``num_tokens x hidden``) and the last positions (``num_reqs x hidden``) stay alive while the logits of
     ``num_reqs`` rows over the padded vocabulary are computed in the model dtype and sampled with top-k/top-p
-    (:data:`SAMPLER_BYTES_PER_LOGIT`). Logits are gathered whole on every TP rank.
+    (:data:`SAMPLER_BYTES_PER_LOGIT` of the ``sampler`` path). Logits are gathered whole on every TP rank.
 
-    Example (Llama-3.1-8B, 8,192 tokens, 256 requests, bf16): hidden 67,108,864 + last 2,097,152 + logits
-    256 x 128,256 x (2 + 26) = 919,339,008 -> 988,545,024 B.
+    Example (Llama-3.1-8B, 8,192 tokens, 256 requests, bf16, "triton"): hidden 67,108,864 + last 2,097,152 +
+    logits 256 x 128,256 x (2 + 12) = 459,669,504 -> 528,875,520 B.
     """
     h, dt = spec.hidden_size, dtype_bytes
-    logits = num_reqs * pad_vocab(spec.vocab_size) * (dt + SAMPLER_BYTES_PER_LOGIT)
+    logits = num_reqs * pad_vocab(spec.vocab_size) * (dt + SAMPLER_BYTES_PER_LOGIT[sampler])
     return num_tokens * h * dt + num_reqs * h * dt + logits
