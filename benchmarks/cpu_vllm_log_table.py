@@ -67,6 +67,21 @@ def rows(m) -> list[str]:
             err = (p.kv_tokens_by_blocks / tokens - 1) * 100
         logged = f"{kv_gib} GiB" + (f" = {tokens:,} tokens" if tokens else "")
         out.append(f"| {_name(model)} | {what} | {logged} | {got} | {err:+.2f}% | {_link(src)} |")
+    for model, total, util, max_len, blocks, src in m.V0_TOKENS:
+        p = m._v0_plan(model, total, util, max_len)
+        err = (p.kv_tokens_by_blocks / (blocks * 16) - 1) * 100
+        out.append(f"| {model} | full budget (V0), {total} GiB x {util}, max_model_len {max_len:,} | {blocks * 16:,} "
+                   f"tokens | {p.kv_tokens_by_blocks:,} tokens | {err:+.2f}% | {_link(src)} |")
+    p = m._v0_plan("llama-3-8b", 79.22, 0.9, 8192)
+    out.append(f"| llama-3-8b | full budget (V0), 79.22 GiB x 0.9, max_model_len 8,192 | 53.29 GiB | "
+               f"{p.available_kv_bytes / GiB:.2f} GiB | {(p.available_kv_bytes / GiB / 53.29 - 1) * 100:+.2f}% | "
+               f"{_link('https://github.com/vllm-project/vllm/pull/10511')} |")
+    spec = m._spec("deepseek-ai/DeepSeek-V2-Lite-Chat")
+    groups = kv.kv_groups(spec, ["full_attention"] * spec.num_layers, kv.page_bytes(spec, 1, 2, 16))
+    need = kv.request_kv_bytes(groups, 32768, 8192, 16) / GiB
+    out.append(f"| deepseek-ai/DeepSeek-V2-Lite-Chat | MLA: KV of one 32,768-token request | 0.95 GiB | "
+               f"{need:.3f} GiB | {(need / 0.95 - 1) * 100:+.2f}% (0.95 is rounded) | "
+               f"{_link('https://github.com/vllm-project/vllm/issues/15871')} |")
     return out
 
 
