@@ -76,6 +76,11 @@ def rows(m) -> list[str]:
     out.append(f"| llama-3-8b | full budget (V0), 79.22 GiB x 0.9, max_model_len 8,192 | 53.29 GiB | "
                f"{p.available_kv_bytes / GiB:.2f} GiB | {(p.available_kv_bytes / GiB / 53.29 - 1) * 100:+.2f}% | "
                f"{_link('https://github.com/vllm-project/vllm/pull/10511')} |")
+    p = m._plan(m.FP8_70B, m._card(79.18), max_model_len=16000, max_num_batched_tokens=8192, max_num_seqs=1024,
+                sampler="sort")
+    out.append(f"| {m.FP8_70B} | full budget, 79.18 GiB x 0.9, TP 1 | -1.44 GiB, \"No available memory for the "
+               f"cache blocks\" | {p.available_kv_bytes / GiB:.2f} GiB, \"{p.refusal}\" | refusal predicted | "
+               f"{_link(m.LLM_D)} |")
     spec = m._spec("deepseek-ai/DeepSeek-V2-Lite-Chat")
     groups = kv.kv_groups(spec, ["full_attention"] * spec.num_layers, kv.page_bytes(spec, 1, 2, 16))
     need = kv.request_kv_bytes(groups, 32768, 8192, 16) / GiB

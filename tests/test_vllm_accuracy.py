@@ -43,6 +43,7 @@ QWEN3_14B = {"model_type": "qwen3", "hidden_size": 5120, "intermediate_size": 17
              "num_attention_heads": 40, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
              "max_position_embeddings": 40960}  # Qwen/Qwen3-14B config.json
 
+FP8_70B = "RedHatAI/Llama-3.3-70B-Instruct-FP8-dynamic"
 LLM_D = ("https://github.com/llm-d/llm-d-benchmark/blob/259334868c5075da530cc6c90b43fceb11b6e6a7/"
          "config_explorer/empirical-vllm-memory-results.md")
 DENNIS = "https://github.com/dennislee22/vLLM-benchmarking/blob/"
@@ -79,6 +80,12 @@ WEIGHTS = [
     # "Model loading took 1.12 GiB" / "61.03 GiB" (V1, H100)
     ("Qwen/Qwen3-0.6B", 1, 1.12, LLM_D),
     ("Qwen/Qwen3-32B", 1, 61.03, LLM_D),
+    # 8-bit compressed-tensors linears (1 B per weight + an fp32 scale per output row), bf16 embeddings and LM head:
+    # "Model loading took 67.72 GiB" / "33.88 GiB" (FP8, H100), "Loading model weights took 67.7229 GB" (INT8 W8A8)
+    (FP8_70B, 1, 67.72, LLM_D),
+    (FP8_70B, 2, 33.88, LLM_D),
+    ("neuralmagic/Meta-Llama-3.1-70B-Instruct-quantized.w8a8", 1, 67.7229,
+     "https://github.com/vllm-project/vllm/pull/12569"),
 ]
 
 
@@ -174,6 +181,9 @@ FULL_BUDGET = [
                                            sampler="sort"), 64.45, None, LLM_D),
     ("Qwen/Qwen3-32B", _card(79.18), dict(max_model_len=16000, max_num_batched_tokens=8192, max_num_seqs=1024,
                                           sampler="sort"), 4.45, None, LLM_D),
+    # TP 2: NCCL in that release's non-torch term (0.55 GiB logged)
+    (FP8_70B, _card(79.18), dict(max_model_len=16000, max_num_batched_tokens=8192, max_num_seqs=1024,
+                                 sampler="sort", tensor_parallel_size=2, nccl_in_budget=True), 32.0, None, LLM_D),
     # A100 80GB, vLLM 0.10.1.1: FlashInfer's sampler, 2,048 tokens / 256 sequences, NCCL in the non-torch term
     ("qwen2-7b", gpu_from_catalog("a100-80gb"), dict(gpu_memory_utilization=0.25, max_model_len=16384,
                                                      sampler="flashinfer"), 5.01, 93_872, A100_TP1),
@@ -189,6 +199,14 @@ def test_full_budget_within_5_percent(model, gpu, settings, kv_gib, tokens, sour
     assert abs(p.available_kv_bytes / GiB / kv_gib - 1) <= 0.05, f"{p.available_kv_bytes / GiB:.2f} ({source})"
     if tokens:
         assert abs(p.kv_tokens_by_blocks / tokens - 1) <= 0.05, f"{p.kv_tokens_by_blocks:,} planned ({source})"
+
+
+def test_the_refusal_llama33_70b_fp8_on_one_h100():
+    # "Available KV cache memory: -1.44 GiB" then "ValueError: No available memory for the cache blocks" (LLM_D)
+    p = _plan(FP8_70B, _card(79.18), max_model_len=16000, max_num_batched_tokens=8192, max_num_seqs=1024,
+              sampler="sort")
+    assert p.refusal == "No available memory for the cache blocks"
+    assert abs(p.available_kv_bytes / GiB + 1.44) <= 0.1  # -1.50 GiB planned
 
 
 # (model, total GiB the log printed, utilization, max_model_len, GPU blocks logged, source)

@@ -111,6 +111,32 @@ def test_families_without_a_vllm_model_are_refused():
     assert "quantization_config" in e.value.field
 
 
+def _quantized(llama_cfg: dict, weights: dict, method: str = "compressed-tensors") -> dict:
+    q = {"quant_method": method, "ignore": ["lm_head"],
+         "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
+                                       "input_activations": {"num_bits": 8, "type": "float", "dynamic": True}}}}
+    return {**llama_cfg, "quantization_config": q}
+
+
+def test_8bit_compressed_tensors_linears():
+    from vramguard.spec import spec_from_config
+    cfg = {k: v for k, v in json.loads(LLAMA31.config_json).items() if k != "source"}
+    fp8 = spec_from_config(_quantized(cfg, {"num_bits": 8, "type": "float", "strategy": "channel"}), name="fp8")
+    # qkv 6,144 x 4,096 x 1 B + 6,144 fp32 scales, o 4,096 x 4,096 + 4,096 x 4, gate_up 28,672 x 4,096 + 28,672 x 4,
+    # down 4,096 x 14,336 + 4,096 x 4, two bf16 norms of 4,096: 218,292,224 B
+    assert w.layer_weight_bytes(fp8, 1, 2) == 218_292_224
+    # embeddings and LM head stay bf16 (lm_head ignored): 2 x 128,256 x 4,096 x 2 B
+    r = w.rank_weights(fp8, 1, 1, 2)[0]
+    assert r.embedding_bytes + r.lm_head_bytes == 2 * 128_256 * 4_096 * 2
+    from vramguard.errors import ConfigError
+    for bad in (_quantized(cfg, {"num_bits": 4, "type": "int", "strategy": "group"}),  # W4A16
+                _quantized(cfg, {"num_bits": 8, "type": "float", "strategy": "block"}),  # block FP8
+                _quantized(cfg, {"num_bits": 8, "type": "float", "strategy": "channel"}, method="fp8")):
+        with pytest.raises(ConfigError) as e:
+            plan_vllm(spec_from_config(bad, name="q"), card(80 * GiB))
+        assert e.value.field == "config.json:quantization_config"
+
+
 def test_blocks_tokens_and_concurrency_match_vllm_logs():
     # github.com/vllm-project/vllm/pull/13596: 127,626 blocks, 2,048 tokens per request -> 2,042,016 tokens, 997.08x
     g = [kv.KvGroup("full_attention", 32, 65_536)]

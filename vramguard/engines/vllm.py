@@ -236,10 +236,7 @@ def _stage_layer_kinds(spec: ModelSpec, pp: int) -> list[list[str]]:
 
 
 def _check_spec(spec: ModelSpec) -> None:
-    if spec.prequantized:
-        raise ConfigError("config.json:quantization_config", spec.prequantized, "an unquantized checkpoint "
-                          "(bf16, fp16 or fp32)", "vLLM's quantized layouts (AWQ, GPTQ, FP8) are not modelled; "
-                          "plan the unquantized model")
+    w.linear_format(spec)  # raises ConfigError for a quantized layout that is not modelled
     if spec.generic:  # the per-rank shards are modelled for the hand-written families only (MLA's are not)
         raise ConfigError("config.json:model_type", spec.model_type, "a family with a hand-written vLLM model "
                           "(llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe, gemma, gemma2, "

@@ -35,7 +35,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from vramguard.errors import InvalidValue
+from vramguard.errors import ConfigError, InvalidValue
 from vramguard.memory.weights import rounded
 from vramguard.spec import ModelSpec
 
@@ -87,17 +87,71 @@ def _t(numel: int, dtype_bytes: int) -> int:
     return rounded(numel * dtype_bytes)
 
 
+@dataclass(frozen=True)
+class LinearFormat:
+    """How a checkpoint stores its decoder linears in vLLM: 8-bit weights (1 B) and fp32 scales.
+
+    ``strategy`` ``channel``: one fp32 scale per output row (``ChannelQuantScaleParameter``, shape
+    ``(sum(output_partition_sizes), 1)``); ``tensor``: one per logical shard (``PerTensorScaleParameter``), plus one
+    fp32 input scale when activations are static (``vllm/model_executor/layers/quantization/compressed_tensors/
+    schemes/compressed_tensors_w8a8_fp8.py`` and ``..._w8a8_int8.py``, ``utils/fp8_utils.py::
+    create_fp8_scale_parameter``).
+    """
+
+    strategy: str
+    static_input: bool
+
+    def linear_bytes(self, out_rows: int, in_cols: int, shards: int) -> int:
+        """Weight and scales of one linear of ``out_rows x in_cols`` made of ``shards`` fused logical linears."""
+        scales = out_rows if self.strategy == "channel" else shards
+        return _t(out_rows * in_cols, 1) + _t(scales, 4) + (_t(shards, 4) if self.static_input else 0)
+
+
+def linear_format(spec: ModelSpec) -> LinearFormat | None:
+    """The 8-bit format of the checkpoint's linears (None: unquantized, planned in the model dtype).
+
+    Planned: ``compressed-tensors`` with one config group of 8-bit ``int`` or ``float`` weights, ``channel`` or
+    ``tensor`` strategy, targeting ``Linear``, with ``lm_head`` ignored (RedHatAI/neuralmagic FP8-dynamic and
+    W8A8 checkpoints), on a dense model.
+
+    Raises:
+        ConfigError: any other quantization (AWQ, GPTQ, block FP8, 4-bit, MoE experts), naming the field.
+    """
+    if not spec.prequantized:
+        return None
+    q = config_dict(spec).get("quantization_config") or {}
+    groups = list((q.get("config_groups") or {}).values())
+    group = groups[0] if len(groups) == 1 and isinstance(groups[0], dict) else {}
+    weights, acts = group.get("weights") or {}, group.get("input_activations") or {}
+    ok = (q.get("quant_method") == "compressed-tensors" and weights.get("num_bits") == 8
+          and weights.get("type") in ("int", "float") and weights.get("strategy") in ("channel", "tensor")
+          and group.get("targets") == ["Linear"] and "lm_head" in (q.get("ignore") or []) and not spec.is_moe)
+    if not ok:
+        raise ConfigError("config.json:quantization_config", spec.prequantized,
+                          "an unquantized checkpoint, or compressed-tensors 8-bit (int or float) channel/tensor "
+                          "weights of a dense model with lm_head ignored",
+                          "AWQ, GPTQ, block FP8 and 4-bit layouts are not modelled for vLLM; plan the unquantized "
+                          "model")
+    return LinearFormat(weights["strategy"], bool(acts) and not acts.get("dynamic", True))
+
+
 def layer_weight_bytes(spec: ModelSpec, tp: int, dtype_bytes: int) -> int:
     """Bytes of one decoder layer on one rank (see the module docstring for the sharding).
 
     Example (Llama-3.1-8B, tp=1, bf16): qkv 6,144 x 4,096 + o 4,096 x 4,096 + gate_up 28,672 x 4,096 + down
     4,096 x 14,336 = 218,103,808 weights x 2 B = 436,207,616 B, plus two norms of 4,096 x 2 B -> 436,224,000 B.
+    An 8-bit checkpoint (:func:`linear_format`) stores those linears at 1 B per weight with fp32 scales.
     """
     h, d, dt = spec.hidden_size, spec.head_dim, dtype_bytes
+    fmt = linear_format(spec)
+
+    def lin(out_rows: int, in_cols: int, shards: int = 1) -> int:
+        return fmt.linear_bytes(out_rows, in_cols, shards) if fmt else _t(out_rows * in_cols, dt)
+
     q_out = spec.num_heads // tp * d
     kv_out = kv_heads_per_rank(spec, tp) * d
     qkv_out = q_out + 2 * kv_out
-    total = _t(qkv_out * h, dt) + _t(h * q_out, dt)
+    total = lin(qkv_out, h, 3) + lin(h, q_out)
     if spec.qkv_bias:
         total += _t(qkv_out, dt)
     if spec.o_bias:
@@ -110,7 +164,7 @@ def layer_weight_bytes(spec: ModelSpec, tp: int, dtype_bytes: int) -> int:
             total += _t(2 * si * h, dt) + _t(h * si, dt) + _t(h, dt)
     else:
         i = spec.intermediate_size // tp
-        total += _t(2 * i * h, dt) + _t(h * i, dt)
+        total += lin(2 * i, h, 2) + lin(h, i)
         if spec.mlp_bias:
             total += _t(2 * i, dt) + _t(h, dt)
     total += spec.norms_per_layer * _t(h, dt)
