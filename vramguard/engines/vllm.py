@@ -56,7 +56,7 @@ _SPEC_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 # memory outside torch that appears during the profile run at TP=1 (kernel images loaded on first use: FlashAttention,
 # Inductor's Triton kernels; 0.33.0 creates the cuBLAS/cuBLASLt handles before its start snapshot, and the CUDA
 # context is in it); vLLM logged 0.13-0.14 GiB on H100 (V1, llm-d-benchmark) and 0.25-0.35 GiB in V0 logs: the plan
-# keeps the larger
+# keeps 0.25 GiB, between the two
 NON_TORCH_BYTES = 256 * MiB
 # NCCL's buffers at TP/PP >= 2 (NCCL_BUFFSIZE, 4 MiB by default, per channel and peer, send and receive:
 # docs.nvidia.com/deeplearning/nccl/user-guide/docs/env.html) with vLLM's custom all-reduce buffers: measured as the
