@@ -123,30 +123,64 @@ def _tokens(served, prompts, n):
     return asyncio.run(go())
 
 
-def test_engine_with_varlen_attention_equals_without(tmp_path, monkeypatch):
-    """The engine with the varlen attention forced on (its SDPA path on the CPU) gives the tokens of the engine
-    without it; where this transformers' continuous batching takes no custom attention, the engine says so and
-    serves with transformers' own. Prompts of 5..100 tokens against 64-token steps: chunked prefills and decodes."""
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny Llama folder, its prompts (5..100 tokens against 64-token steps: chunked prefills and decodes) and
+    their greedy tokens from the engine with transformers' attention."""
     from conftest import save_tiny
-
-    from vramguard.serve import attention
-    from vramguard.serve.server import build
-    folder, _ = save_tiny(tmp_path, "LlamaConfig", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, vocab_size=300, max_position_embeddings=1024)
+    folder, _ = save_tiny(tmp_path_factory.mktemp("attn"), "LlamaConfig", hidden_size=64, intermediate_size=128,
+                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=300,
+                          max_position_embeddings=1024)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (5, 40, 100, 7, 63, 2)]
-    runs = {}
-    for forced in (False, True):
-        if forced:
-            monkeypatch.setattr(attention, "eligible", lambda m: None)
-        s = build(str(folder), quant="fp32", max_batch_tokens=64, page_size=16, greedy=True, verify=False)
-        try:
-            runs[forced] = (_tokens(s, prompts, 10), list(s.engine.notes), s.engine.attn_implementation)
-        finally:
-            s.close()
-    assert runs[True][0] == runs[False][0] and all(len(t) == 10 for t in runs[True][0])
-    note = next(n for n in runs[True][1] if n.startswith("attention:"))
-    assert ("vramguard's varlen" in note and runs[True][2] == attention.ATTN_NAME) or "refused ours" in note
+    s = _build_tiny(folder)
+    try:
+        return folder, prompts, _tokens(s, prompts, 10)
+    finally:
+        s.close()
+
+
+def _build_tiny(folder):
+    from vramguard.serve.server import build
+    return build(str(folder), quant="fp32", max_batch_tokens=64, page_size=16, greedy=True, verify=False)
+
+
+def test_engine_with_varlen_attention_equals_without(tiny, monkeypatch):
+    """The engine with the varlen attention forced on (its SDPA path on the CPU) gives the tokens of the engine
+    without it; where this transformers' continuous batching takes no custom attention, the engine says so and
+    serves with transformers' own."""
+    from vramguard.serve import attention
+    folder, prompts, want = tiny
+    monkeypatch.setattr(attention, "eligible", lambda m: None)
+    s = _build_tiny(folder)
+    try:
+        assert _tokens(s, prompts, 10) == want and all(len(t) == 10 for t in want)
+        note = next(n for n in s.engine.notes if n.startswith("attention:"))
+        assert ("vramguard's varlen" in note and s.engine.attn_implementation == attention.ATTN_NAME) or \
+            "refused ours" in note
+    finally:
+        s.close()
+
+
+def test_engine_falls_back_to_transformers_attention_when_ours_fails(tiny, monkeypatch):
+    """Our attention raising on the first request: the continuous engine is started again with transformers' own
+    (not the one-request-at-a-time generate engine), says why, and serves the tokens of transformers' attention."""
+    from vramguard.serve import attention
+    folder, prompts, want = tiny
+
+    def broken(*a, **k):
+        raise RuntimeError("kernel broke")
+
+    monkeypatch.setattr(attention, "eligible", lambda m: None)
+    monkeypatch.setattr(attention, "paged_varlen_attention", broken)
+    s = _build_tiny(folder)
+    try:
+        assert s.engine.name == "continuous" and s.engine.attn_implementation != attention.ATTN_NAME
+        assert _tokens(s, prompts, 10) == want
+        notes = " ".join(s.engine.notes)
+        assert "failed this model's first request" in notes and "kernel broke" in notes or "refused ours" in notes
+    finally:
+        s.close()
 
 
 def _decode_step(n: int, keys: list[int]):
@@ -206,3 +240,4 @@ def test_decode_graph_inputs_pad_with_requests_that_read_and_write_nothing():
     assert g.cu_k[:5].tolist() == [0, 5, 10, 15, 15]
     assert DG.unsupported(SimpleNamespace(inputs_and_outputs=SimpleNamespace())).startswith(
         "this transformers' batch layout lacks input_ids")
+

@@ -110,6 +110,8 @@ class Engine:
         metrics: optional :class:`~vramguard.serve.metrics.Metrics`.
         greedy_only: decode every request greedily with a plain argmax (no sampling processors in the step);
             requests that ask for sampling are refused by the API.
+        own_kernels: run vramguard's varlen attention and decode CUDA graphs where they can run
+            (:mod:`vramguard.serve.attention`, :mod:`vramguard.serve.decode_graphs`); False: transformers' own.
 
     Test hooks: ``before_step(index, request_ids)`` is called in the engine thread before each step's forward;
     raising ``torch.OutOfMemoryError`` there exercises recovery exactly as a real OOM in the forward would.
@@ -118,8 +120,9 @@ class Engine:
     name = "continuous"  # the value of serve's engine choice that selects this engine
 
     def __init__(self, model, tokenizer, pool: PoolPlan, *, max_queue: int = 64, seed: int | None = 0,
-                 metrics=None, greedy_only: bool = False):
+                 metrics=None, greedy_only: bool = False, own_kernels: bool = True):
         self.model, self.tokenizer, self.pool = model, tokenizer, pool
+        self.own_kernels = own_kernels
         self.max_queue = max_queue
         self.greedy_only = greedy_only
         self.reserved = 0  # admission slots held by requests being validated (event-loop thread only)
@@ -186,7 +189,7 @@ class Engine:
                         max_memory_percent=1.0, seed=self.seed, allow_block_sharing=False)
         before = self.model.config._attn_implementation
         cls = guarded_manager_class()
-        switched_from, note = choose_attention(self.model)
+        switched_from, note = choose_attention(self.model) if self.own_kernels else (None, None)
         try:
             with torch.inference_mode(False):
                 self._manager = cls(model=self.model, generation_config=gen, continuous_batching_config=cfg)
@@ -198,7 +201,8 @@ class Engine:
             switched_from = None
             with torch.inference_mode(False):
                 self._manager = cls(model=self.model, generation_config=gen, continuous_batching_config=cfg)
-        self.notes.append(note)
+        if note is not None:
+            self.notes.append(note)
         self.graphs_wanted = switched_from is not None and GRAPHS
         self._manager.vg_engine = self
         self.attn_implementation = self.model.config._attn_implementation

@@ -239,6 +239,7 @@ class ContinuousBatchingRefused(ConfigError):
 
     def __init__(self, model_type: str, why: str):
         self.why = why[:300]
+        self.own_attention = False  # it failed with vramguard's varlen attention (transformers' own may run it)
         super().__init__("MODEL", model_type, "an architecture transformers' continuous batching (the engine "
                          "'continuous') can run", f"{self.why}; serve it with the engine 'generate' (the model's own "
                          "generate, one request at a time), which the engine 'auto' picks for such a model")
@@ -314,13 +315,28 @@ def _started_engine(model, tokenizer, pool, warm_up: bool = True, **kw) -> Engin
     """The continuous-batching engine, started, after one two-token greedy request went through it: transformers'
     continuous batching does not run every architecture (its paged cache holds attention layers of one K/V shape),
     and a model it cannot run is refused here rather than failing every request. The model's attention
-    implementation is put back when the engine is refused. ``warm_up`` (on a CUDA device): :func:`_warm_up` runs
-    before the engine is handed to the server.
+    implementation is put back when the engine is refused. When that request fails with vramguard's varlen
+    attention (:mod:`vramguard.serve.attention`), the engine is started again with transformers' own, with a note.
+    ``warm_up`` (on a CUDA device): :func:`_warm_up` runs before the engine is handed to the server.
 
     Raises:
         ContinuousBatchingRefused: the engine cannot be built for this model or its first request fails (not out
             of memory).
     """
+    try:
+        return _start_continuous(model, tokenizer, pool, warm_up, **kw)
+    except ContinuousBatchingRefused as e:
+        if not e.own_attention:
+            raise
+        engine = _start_continuous(model, tokenizer, pool, warm_up, own_kernels=False, **kw)
+        engine.notes.append(f"attention: transformers' paged attention (vramguard's varlen attention failed this "
+                            f"model's first request: {e.why[:200]})")
+        return engine
+
+
+def _start_continuous(model, tokenizer, pool, warm_up: bool, **kw) -> Engine:
+    """:func:`_started_engine` for one attention choice (``own_kernels`` in ``kw``: see :class:`Engine`)."""
+    from vramguard.serve.attention import ATTN_NAME
     model_type = getattr(model.config, "model_type", "?")
     before = model.config._attn_implementation
     engine = None
@@ -337,13 +353,15 @@ def _started_engine(model, tokenizer, pool, warm_up: bool = True, **kw) -> Engin
             RuntimeError) as e:  # RuntimeError: transformers 5.17 reports a layer type it lacks as "did not start"
         if isinstance(e, RuntimeError) and "out of memory" in str(e).lower():
             raise
+        own = model.config._attn_implementation == ATTN_NAME
         if engine is not None:
             _discard(engine)
         if model.config._attn_implementation != before:
             model.set_attn_implementation(before)
-        if isinstance(e, ContinuousBatchingRefused):
-            raise
-        raise ContinuousBatchingRefused(model_type, f"{type(e).__name__}: {e}") from None
+        refused = e if isinstance(e, ContinuousBatchingRefused) else ContinuousBatchingRefused(
+            model_type, f"{type(e).__name__}: {e}")
+        refused.own_attention = own
+        raise refused from None
     engine.clear_history()
     return engine
 
