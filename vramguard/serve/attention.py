@@ -17,6 +17,7 @@ the kernel, and :func:`self_check` agrees with a float64 reference on the model'
 from __future__ import annotations
 
 import threading
+import warnings
 
 ATTN_NAME = "paged|vramguard_varlen"
 ENABLED = True  # False: the engine keeps transformers' paged attention (for comparisons)
@@ -174,7 +175,9 @@ def choose(model) -> tuple[str | None, str]:
     AttentionInterface.register(ATTN_NAME, paged_varlen_attention)
     before = model.config._attn_implementation
     try:
-        model.set_attn_implementation(ATTN_NAME)
+        with warnings.catch_warnings():  # 5.24 warns that the paged| prefix is deprecated, then refuses the name
+            warnings.simplefilter("ignore", FutureWarning)
+            model.set_attn_implementation(ATTN_NAME)
     except (ValueError, KeyError) as e:  # transformers >= 5.18 drops the paged| prefix of custom names
         if model.config._attn_implementation != before:
             model.set_attn_implementation(before)
