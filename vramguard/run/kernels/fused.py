@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from vramguard.run.kernels import nf4
 
+WARPS = None  # warps per program of the fused 4-bit kernels (None: nf4.default_warps); the benchmarks sweep it
+
 try:
     import triton
     import triton.language as tl
@@ -164,7 +166,7 @@ def _geometry(x, weights):
         raise ValueError(f"fused 4-bit matmul: x {tuple(x.shape)} against K {k}, blocksize {bs}: need one row of K "
                          "values, blocksize a multiple of 32 and K a multiple of it")
     pieces = triton.next_power_of_2(k // 32)
-    return k, pieces, bs, nested, max(1, min(32, pieces // 32))
+    return k, pieces, bs, nested, WARPS or nf4.default_warps(k)
 
 
 def weight_args(module) -> dict:

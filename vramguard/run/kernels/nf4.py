@@ -153,6 +153,14 @@ if tl is not None:
             tl.store(out_ptr + m * stride_om + rows, total.to(out_ptr.dtype.element_ty), mask=(rows < N) & (m < M))
 
 
+def default_warps(k: int, rows: int = 1) -> int:
+    """Warps per program for a row of ``k`` values: one thread per 16-byte piece at more than one row of x; at one
+    row, two pieces per thread (on the H200, Llama-3.1-8B's shapes at one row: q 8.3 us at 2 warps against 8.7 at
+    4, gate 22.3 against 24.4, down 26.0 at 8 against 27.0 at 16; ``benchmarks/gpu_speed_nf4.py``'s sweep)."""
+    pieces = 1 << max(0, (k // 32 - 1).bit_length())
+    return max(1, min(32, pieces // (32 if rows > 1 else 64)))
+
+
 def rows_per_program(n: int, device) -> int:
     """Output rows per program: 1 on CUDA (one program per row keeps each row's loads in flight at once); under
     Triton's interpreter (the CPU tests), where each program costs milliseconds of Python, up to 64."""
@@ -212,7 +220,7 @@ def matmul_4bit(x, packed, shape, blocksize: int, code, absmax, absmax2=None, co
         shape: ``(N, K)``; ``K`` must be a multiple of ``blocksize``, itself a multiple of 32.
         code: float32 ``[16]``. absmax: float32 ``[N*K/blocksize]``, or uint8 with ``absmax2`` (float32
             ``[ceil(blocks/256)]``), ``code2`` (float32 ``[256]``) and ``offset`` (float32 scalar tensor).
-        num_warps: Triton warps per program (default: one thread per 16 bytes of a row, at most 32 warps).
+        num_warps: Triton warps per program (default: :func:`default_warps`).
         lut: look the 4-bit values up in registers (:func:`lut_asm`, values rounded to bfloat16; CUDA and 16-bit
             ``x`` only) rather than gather them from ``code``; None: :data:`LUT`. float32 ``x`` always gathers the
             float32 values (float32 compute stays exact).
@@ -249,7 +257,7 @@ def matmul_4bit(x, packed, shape, blocksize: int, code, absmax, absmax2=None, co
         code2 if nested else dummy, offset if nested else dummy, code, bias if bias is not None else dummy, out,
         rows, n, xs.stride(0), out.stride(0), K=k, NH=pieces, BS=blocksize, NESTED=nested, R=r,
         HAS_BIAS=bias is not None, X_PAIRS=pairs, X_BF16=x2.dtype == torch.bfloat16,
-        M_PAD=triton.next_power_of_2(rows), num_warps=num_warps or max(1, min(32, pieces // 32)),
+        M_PAD=triton.next_power_of_2(rows), num_warps=num_warps or default_warps(k, rows),
         LUT_ASM=_lut_string(code) if (LUT if lut is None else lut) and pairs and x.device.type == "cuda" else "")
     return out.view(*x.shape[:-1], n)
 
