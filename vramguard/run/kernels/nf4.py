@@ -86,12 +86,16 @@ if tl is not None:
         padding masked), each nibble's value gathered from ``code`` (64 bytes, cached) or, with LUT_ASM (the PTX
         of :func:`lut_asm`), looked up in registers with byte permutes (values rounded to bfloat16)."""
         PB: tl.constexpr = BS // 32  # 16-byte pieces per quantization block
-        rr = n0.to(tl.int64) + tl.arange(0, R)
+        base = n0.to(tl.int64)  # the first row: a scalar, so one row (R == 1) computes no per-thread row index
+        ri = tl.arange(0, R)
         rh = tl.arange(0, NH)
         rj = tl.arange(0, 16)
-        ok = (rr < N)[:, None] & (rh < K // 32)[None, :]  # [R, NH]
-        pair = rh[None, :, None] * 16 + rj[None, None, :]  # byte p of a row = elements 2p, 2p+1
-        q8 = tl.load(w_ptr + rr[:, None, None] * (K // 2) + pair, mask=ok[:, :, None], other=0)
+        if R == 1:  # the grid has one program per row: every row exists
+            ok = (rh < K // 32)[None, :] & (ri >= 0)[:, None]  # [R, NH]
+        else:
+            ok = (base + ri < N)[:, None] & (rh < K // 32)[None, :]
+        pair = ri[:, None, None] * (K // 2) + rh[None, :, None] * 16 + rj[None, None, :]  # byte p: elements 2p, 2p+1
+        q8 = tl.load(w_ptr + base * (K // 2) + pair, mask=ok[:, :, None], other=0)
         if LUT_ASM == "":
             q = q8.to(tl.int32)
             w_hi = tl.load(code_ptr + (q >> 4))  # element 2p: the high nibble
@@ -100,7 +104,7 @@ if tl is not None:
             wp = tl.inline_asm_elementwise(LUT_ASM, "=r,=r,=r,=r,r", [q8], dtype=tl.int32, is_pure=True, pack=4)
             w_hi = (wp & -65536).to(tl.float32, bitcast=True)
             w_lo = (wp << 16).to(tl.float32, bitcast=True)
-        blk = rr[:, None] * (K // BS) + rh[None, :] // PB  # [R, NH]
+        blk = base * (K // BS) + (ri[:, None] * (K // BS) + rh[None, :] // PB)  # [R, NH]
         if NESTED:
             a8 = tl.load(am_ptr + blk, mask=ok, other=0).to(tl.int32)
             scale = tl.load(code2_ptr + a8) * tl.load(am2_ptr + blk // 256, mask=ok, other=0.0) + tl.load(off_ptr)
