@@ -20,7 +20,10 @@ from __future__ import annotations
 
 from vramguard.run.kernels import nf4
 
-WARPS = None  # warps per program of the fused 4-bit kernels (None: nf4.default_warps); the benchmarks sweep it
+# Warps per program of the fused 4-bit kernels; None: half of nf4.default_warps (four pieces per thread: on the
+# H200 at Llama-3.1-8B's shapes, gate/up 36.0 us per layer at 1 warp against 38.0 at 2 and 41.9 at 4, q/k/v 13.9
+# against 14.0 and 14.6; benchmarks/gpu_decode_fused.py).
+WARPS = None
 
 try:
     import triton
@@ -166,7 +169,7 @@ def _geometry(x, weights):
         raise ValueError(f"fused 4-bit matmul: x {tuple(x.shape)} against K {k}, blocksize {bs}: need one row of K "
                          "values, blocksize a multiple of 32 and K a multiple of it")
     pieces = triton.next_power_of_2(k // 32)
-    return k, pieces, bs, nested, WARPS or nf4.default_warps(k)
+    return k, pieces, bs, nested, WARPS or max(1, nf4.default_warps(k) // 2)
 
 
 def weight_args(module) -> dict:
