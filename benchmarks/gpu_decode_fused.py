@@ -10,7 +10,9 @@ bf16 compute, 128 new tokens, greedy.
    around 20 replays), the first call's time to first token, speed-ups and token agreement.
 3. ``profile``: per-kernel device time of one replayed step (torch.profiler around 4 graph replays), before and
    after, at each context.
-4. ``generate_default``: ``vramguard.generate`` with its defaults against transformers' default ``generate``.
+4. ``ttft_repeat``: time to first token at 512, five rounds alternating transformers, a warm decoder and
+   ``vramguard.generate``; and the prefill forward alone, static cache against transformers' dynamic cache.
+   ``generate_default``: ``vramguard.generate`` with its defaults against transformers' default ``generate``.
 5. ``fp32_identity``: float32 compute, 64 greedy tokens after 512: the fused decoder against transformers.
 
     PYTHONPATH=/tmp/site:$PWD python benchmarks/gpu_decode_fused.py --out $OUT/fused          # H200
@@ -162,13 +164,63 @@ def decode_records(B: Bench, log, m, ctx: int, new: int, bound_ms: float) -> Non
         B.compare(a, b)
 
 
+def _timed(fn, dev):
+    """(wall seconds, GPU seconds by CUDA events) of ``fn()``, synchronised before and after."""
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize(dev)
+    t0 = time.perf_counter()
+    a.record()
+    fn()
+    b.record()
+    torch.cuda.synchronize(dev)
+    return time.perf_counter() - t0, a.elapsed_time(b) / 1000
+
+
+def ttft_repeat(B: Bench, m, ctx: int, reps: int) -> None:
+    """Time to first token, ``reps`` rounds alternating transformers' default ``generate``, a warm graph decoder's
+    call and ``vramguard.generate`` with its defaults (2 new tokens each); then the prefill forward alone (wall and
+    GPU time): the decoder's static-cache prefill against the model's forward with transformers' dynamic cache."""
+    from transformers import DynamicCache
+
+    from vramguard.run import generate as G
+    from vramguard.run.fastdecode import GraphDecoder
+    dev = next(m.parameters()).device
+    g = torch.Generator().manual_seed(11)
+    ids = torch.randint(100, m.config.vocab_size - 100, (1, ctx), generator=g).to(dev)
+    prompt = ids[0].tolist()
+
+    def run():
+        out: dict = {"ctx": ctx, "hf": [], "decoder": [], "generate": [], "prefill_static": [], "prefill_dynamic": []}
+        dec = GraphDecoder(m, ctx + 16)
+        try:
+            dec.generate(prompt, 8, eos_token_id=None)  # warm: check, compile, capture
+            for _ in range(reps):
+                out["hf"].append(hf_generate(m, ids, 2)["ttft_s"])
+                out["decoder"].append(decoder_run(dec, prompt, 2)["result"].ttft_s)
+                out["generate"].append(G.generate(m, None, prompt, 2).ttft_s)
+            with torch.no_grad():
+                for _ in range(reps):
+                    dec.cache.reset()
+                    out["prefill_static"].append(_timed(lambda: dec._prefill(ids), dev))
+                    out["prefill_dynamic"].append(_timed(lambda: m(input_ids=ids, past_key_values=DynamicCache(
+                        config=m.config), use_cache=True, logits_to_keep=1), dev))
+        finally:
+            dec.close()
+        for k in ("hf", "decoder", "generate"):
+            out[f"{k}_median_s"] = sorted(out[k])[reps // 2]
+        out["decoder_vs_hf"] = out["decoder_median_s"] / out["hf_median_s"]
+        out["generate_vs_hf"] = out["generate_median_s"] / out["hf_median_s"]
+        return out
+    B.variant("ttft_repeat", run, 25)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--budget-s", type=float, default=300.0)
     ap.add_argument("--contexts", default="512,8192")
-    ap.add_argument("--skip", default="", help="comma-separated: kernels, ttft, fp32")
+    ap.add_argument("--skip", default="", help="comma-separated: kernels, ttft_repeat, ttft, fp32")
     args = ap.parse_args()
     args.smoke = False
     os.makedirs(args.out, exist_ok=True)
@@ -180,8 +232,10 @@ def main():
     skip = set(args.skip.split(","))
     if "kernels" not in skip:
         B.variant("fused_kernels", lambda: fused_kernel_records(log, m) or {"done": True}, 30)
-    for ctx in (int(c) for c in args.contexts.split(",")):
+    for ctx in (int(c) for c in args.contexts.split(",") if c):
         decode_records(B, log, m, ctx, args.new, bound_ms)
+    if "ttft_repeat" not in skip:
+        ttft_repeat(B, m, 512, 5)
     if "ttft" not in skip:
         ttft_records(B, m, 2048, 32)
     if "fp32" not in skip:
