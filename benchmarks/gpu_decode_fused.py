@@ -214,14 +214,35 @@ def ttft_repeat(B: Bench, m, ctx: int, reps: int) -> None:
     B.variant("ttft_repeat", run, 25)
 
 
+def profile_markdown(path: str) -> str:
+    """The ``profile_replay`` records of a results file as Markdown tables (CPU; ``--profile-md``)."""
+    import json
+    out = []
+    for line in open(path):
+        r = json.loads(line)
+        if r.get("kind") != "profile_replay":
+            continue
+        out += [f"## context {r['ctx']}, {r['step']} step: {r['kernel_us']:.0f} us of kernels per step, "
+                f"{r['launches_per_step']:.0f} launches", "", "| us/step | launches/step | kernel |", "|---:|---:|---|"]
+        out += [f"| {t['us_per_step']:.1f} | {t['calls_per_step']:.0f} | `{t['name'][:100]}` |" for t in r["top"][:25]]
+        out.append("")
+    return "\n".join(out)
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--profile-md", default=None, help="print a results file's profiles as Markdown and exit")
+    ap.add_argument("--out")
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--budget-s", type=float, default=300.0)
     ap.add_argument("--contexts", default="512,8192")
     ap.add_argument("--skip", default="", help="comma-separated: kernels, ttft_repeat, ttft, fp32")
     args = ap.parse_args()
+    if args.profile_md:
+        print(profile_markdown(args.profile_md))
+        return
+    if not args.out:
+        ap.error("--out is required")
     args.smoke = False
     os.makedirs(args.out, exist_ok=True)
     log = os.path.join(args.out, "decode_fused.jsonl")
