@@ -33,9 +33,6 @@ from benchmarks.gpu_speed import BANDWIDTH, Bench, decoder_run, env_record, hf_g
 from benchmarks.gpu_speed_nf4 import fp32_records, graph_us, ttft_records  # noqa: E402
 
 
-DEFAULT_AT = None  # --default-at: contexts at which transformers' default generate runs (None: all)
-UNFUSED = True  # --no-unfused leaves the unfused decoder out
-WORDS_TOO = False  # --words: also the fused step with the weights read as int32 words (kernels.fused.WORDS)
 SPARE_SLOTS = 32  # cache slots past the request: the unfused step's replays after the calls each write one more
 
 
@@ -70,36 +67,21 @@ def fused_kernel_records(log, m) -> None:
         * mm(x, w["up_proj"]),
         "gate/up: fused": lambda w: FK.matmul_4bit_glu(x, w["gate_proj"], w["up_proj"], code),
         "o": lambda w: mm(x, w["o_proj"]),
-        "o: fused (words)": lambda w: FK.matmul_4bit_segments(x, [w["o_proj"]], code),
         "down": lambda w: mm(xi, w["down_proj"]),
-        "down: fused (words)": lambda w: FK.matmul_4bit_segments(xi, [w["down_proj"]], code),
         "RMSNorm + add: torch": lambda w, L=layers[0]: L.input_layernorm(r + x),
         "RMSNorm + add: fused": lambda w, L=layers[0]: FK.add_rms_norm(x, r, L.input_layernorm.weight, 1e-5),
     }
-    ref = {n: torch.cat([getattr(layers[0].self_attn, p)(x.view(1, 1, -1)) for p in ps], -1).reshape(-1)
-           for n, ps in (("qkv", ("q_proj", "k_proj", "v_proj")), ("o", ("o_proj",)))}
-    mlp = layers[0].mlp
-    ref["gate/up"] = (mlp.act_fn(mlp.gate_proj(x.view(1, 1, -1))) * mlp.up_proj(x.view(1, 1, -1))).reshape(-1)
-    ref["down"] = mlp.down_proj(xi.view(1, 1, -1)).reshape(-1)
     for name, fn in cases.items():
-        sweep, errs = {}, {}
-        words = (False, True) if "fused" in name and "RMS" not in name else (False,)
-        for use in words:
-            FK.WORDS = use
-            key = name.split(":")[0]
-            if "fused" in name and key in ref:
-                got, want = fn(W[0]).reshape(-1).float(), ref[key].float()
-                errs[str(use)] = float((got - want).norm() / want.norm())
-            for nw in (None, 2) if use else (None,):
-                FK.WARPS = nw
-                sweep[f"{nw}{'_words' if use else ''}"] = graph_us([lambda w=w: fn(w) for w in W], False)
-        FK.WARPS, FK.WORDS = None, False
+        sweep = {}
+        for nw in ((None, 1, 4) if "fused" in name and "RMS" not in name else (None,)):
+            FK.WARPS = nw
+            sweep[str(nw)] = graph_us([lambda w=w: fn(w) for w in W], False)
+        FK.WARPS = None
         for nw in ((4, 16) if name == "down" else (1, 4) if name == "o" else ()):
             sweep[str(nw)] = graph_us([lambda w=w, nw=nw: mm(xi if name == "down" else x,
                                                               w["down_proj" if name == "down" else "o_proj"], nw)
                                        for w in W], False)
-        emit(log, {"kind": "fused_kernel", "case": name, "us_per_layer": sweep["None"], "variants_us": sweep,
-                   "rel_err_vs_bitsandbytes": errs})
+        emit(log, {"kind": "fused_kernel", "case": name, "us_per_layer": sweep["None"], "variants_us": sweep})
 
 
 def replay_gpu_ms(dec, reps: int = 20) -> float:
@@ -144,8 +126,8 @@ def decode_records(B: Bench, log, m, ctx: int, new: int, bound_ms: float) -> Non
         return {"ctx": ctx, "decode_ms_per_token": a["decode_ms_per_token"], "ttft_s": a["ttft_s"],
                 "fraction_of_bound": bound_ms / a["decode_ms_per_token"]}
 
-    def graph(fused, label=None):
-        label = label or ("fused" if fused is None else "unfused")
+    def graph(fused):
+        label = "fused" if fused is None else "unfused"
 
         def run():
             dec = GraphDecoder(m, ctx + new - 1 + SPARE_SLOTS, fused=fused)
@@ -170,23 +152,15 @@ def decode_records(B: Bench, log, m, ctx: int, new: int, bound_ms: float) -> Non
             return rec
         return run
 
-    if DEFAULT_AT is None or ctx in DEFAULT_AT:
-        B.variant("decode_default", hf, 35)
-    if UNFUSED:
-        B.variant("decode_graph", graph(False), 20)
-    if WORDS_TOO:
-        from vramguard.run.kernels import fused as FK
-        FK.WORDS = True
-        B.variant("decode_graph_words", graph(None, "fused_words"), 20)
-        FK.WORDS = False
+    B.variant("decode_default", hf, 35)
+    B.variant("decode_graph", graph(False), 20)
     rec = B.variant("decode_graph", graph(None), 20)
     if rec and "the fused step's logits differ" in (rec.get("kernels") or ""):  # timed anyway, marked as such
         from vramguard.run import fused_step
         fused_step.STEP_TOLERANCE = float("inf")
         B.variant("decode_graph_step_check_overridden", graph(None), 20)
         fused_step.STEP_TOLERANCE = 0.1
-    for a, b in ((f"{tag}_fused", f"{tag}_default"), (f"{tag}_fused", f"{tag}_unfused"),
-                 (f"{tag}_fused_words", f"{tag}_fused")):
+    for a, b in ((f"{tag}_fused", f"{tag}_default"), (f"{tag}_fused", f"{tag}_unfused")):
         B.compare(a, b)
 
 
@@ -262,9 +236,6 @@ def main():
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--budget-s", type=float, default=300.0)
     ap.add_argument("--contexts", default="512,8192")
-    ap.add_argument("--words", action="store_true", help="also time the fused step with kernels.fused.WORDS on")
-    ap.add_argument("--default-at", default=None, help="contexts for transformers' default generate (default: all)")
-    ap.add_argument("--no-unfused", action="store_true", help="leave out the unfused decoder")
     ap.add_argument("--skip", default="", help="comma-separated: kernels, ttft_repeat, ttft, fp32")
     args = ap.parse_args()
     if args.profile_md:
@@ -273,9 +244,6 @@ def main():
     if not args.out:
         ap.error("--out is required")
     args.smoke = False
-    global WORDS_TOO, UNFUSED, DEFAULT_AT
-    WORDS_TOO, UNFUSED = args.words, not args.no_unfused
-    DEFAULT_AT = {int(c) for c in args.default_at.split(",")} if args.default_at else None
     os.makedirs(args.out, exist_ok=True)
     log = os.path.join(args.out, "decode_fused.jsonl")
     B = Bench(log, args.budget_s)

@@ -120,10 +120,7 @@ class FusedDecodeStep:
         self.norm_w, self.norm_eps = inner.norm.weight, float(inner.norm.variance_epsilon)
 
     def _matmul(self, x, w):
-        from vramguard.run.kernels import fused
         from vramguard.run.kernels.nf4 import matmul_4bit
-        if fused.WORDS:
-            return fused.matmul_4bit_segments(x, [w], self.code)
         scales = (w["absmax"], w["absmax2"], w["code2"], w["offset"]) if "absmax2" in w else (w["absmax"],)
         return matmul_4bit(x.view(1, -1), w["packed"], w["shape"], w["blocksize"], self.code, *scales)
 

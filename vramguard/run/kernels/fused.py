@@ -24,9 +24,6 @@ from vramguard.run.kernels import nf4
 # H200 at Llama-3.1-8B's shapes, gate/up 36.0 us per layer at 1 warp against 38.0 at 2 and 41.9 at 4, q/k/v 13.9
 # against 14.0 and 14.6; benchmarks/gpu_decode_fused.py).
 WARPS = None
-# Read the 4-bit weights as int32 words (nf4._dot_words) on CUDA with bfloat16 activations; False: byte-wise
-# (nf4._load_row). The benchmarks compare the two.
-WORDS = False
 
 try:
     import triton
@@ -73,61 +70,38 @@ if tl is not None:
     def _segments_kernel(x_ptr, code_ptr, out_ptr,
                          w0, a0, b0, c0, o0, w1, a1, b1, c1, o1, w2, a2, b2, c2, o2, N0, N1, N2,
                          K: tl.constexpr, NH: tl.constexpr, BS: tl.constexpr, NESTED: tl.constexpr,
-                         X_PAIRS: tl.constexpr, X_BF16: tl.constexpr, LUT_ASM: tl.constexpr, R: tl.constexpr,
-                         WORDS: tl.constexpr):
+                         X_PAIRS: tl.constexpr, X_BF16: tl.constexpr, LUT_ASM: tl.constexpr, R: tl.constexpr):
         """Program i: outputs i*R .. i*R+R-1 of [x @ W0.T, x @ W1.T, x @ W2.T] (N0, N1, N2 rows; R divides N0
-        and N1, so a program stays in one weight). WORDS: one row per program, the weights read as int32 words
-        (:func:`vramguard.run.kernels.nf4._dot_words`; bfloat16 x and the register lookup)."""
+        and N1, so a program stays in one weight)."""
         n = tl.program_id(0) * R
-        if WORDS:
-            x0, x1, x2, x3 = nf4._load_x_words(x_ptr, K, NH)
-            if n < N0:
-                total = nf4._dot_words(x0, x1, x2, x3, w0, a0, b0, c0, o0, n, K, NH, BS, NESTED, LUT_ASM)
-            elif n < N0 + N1:
-                total = nf4._dot_words(x0, x1, x2, x3, w1, a1, b1, c1, o1, n - N0, K, NH, BS, NESTED, LUT_ASM)
-            else:
-                total = nf4._dot_words(x0, x1, x2, x3, w2, a2, b2, c2, o2, n - N0 - N1, K, NH, BS, NESTED, LUT_ASM)
-            tl.store(out_ptr + n, total.to(out_ptr.dtype.element_ty))
+        x_even, x_odd = nf4._load_x(x_ptr, n >= 0, K, NH, X_PAIRS, X_BF16)
+        if n < N0:
+            w_hi, w_lo, scale = nf4._load_row(w0, a0, b0, c0, o0, code_ptr, n, N0, K, NH, BS, NESTED, LUT_ASM, R)
+        elif n < N0 + N1:
+            w_hi, w_lo, scale = nf4._load_row(w1, a1, b1, c1, o1, code_ptr, n - N0, N1, K, NH, BS, NESTED, LUT_ASM,
+                                              R)
         else:
-            x_even, x_odd = nf4._load_x(x_ptr, n >= 0, K, NH, X_PAIRS, X_BF16)
-            if n < N0:
-                w_hi, w_lo, scale = nf4._load_row(w0, a0, b0, c0, o0, code_ptr, n, N0, K, NH, BS, NESTED, LUT_ASM, R)
-            elif n < N0 + N1:
-                w_hi, w_lo, scale = nf4._load_row(w1, a1, b1, c1, o1, code_ptr, n - N0, N1, K, NH, BS, NESTED,
-                                                  LUT_ASM, R)
-            else:
-                w_hi, w_lo, scale = nf4._load_row(w2, a2, b2, c2, o2, code_ptr, n - N0 - N1, N2, K, NH, BS, NESTED,
-                                                  LUT_ASM, R)
-            rows = n + tl.arange(0, R)
-            total = nf4._row_dot(w_hi, w_lo, scale, x_even, x_odd)
-            tl.store(out_ptr + rows, total.to(out_ptr.dtype.element_ty), mask=rows < N0 + N1 + N2)
+            w_hi, w_lo, scale = nf4._load_row(w2, a2, b2, c2, o2, code_ptr, n - N0 - N1, N2, K, NH, BS, NESTED,
+                                              LUT_ASM, R)
+        rows = n + tl.arange(0, R)
+        total = nf4._row_dot(w_hi, w_lo, scale, x_even, x_odd)
+        tl.store(out_ptr + rows, total.to(out_ptr.dtype.element_ty), mask=rows < N0 + N1 + N2)
 
     @triton.jit
     def _glu_kernel(x_ptr, code_ptr, out_ptr, wg, ag, bg, cg, og, wu, au, bu, cu, ou, N,
                     K: tl.constexpr, NH: tl.constexpr, BS: tl.constexpr, NESTED: tl.constexpr,
-                    X_PAIRS: tl.constexpr, X_BF16: tl.constexpr, LUT_ASM: tl.constexpr, R: tl.constexpr,
-                    WORDS: tl.constexpr):
+                    X_PAIRS: tl.constexpr, X_BF16: tl.constexpr, LUT_ASM: tl.constexpr, R: tl.constexpr):
         """Program i, for its R outputs n: silu(g) * u for g = x @ G[n], u = x @ U[n]; g, silu(g), u and the
-        product each rounded to the output dtype, as transformers' ``act_fn(gate_proj(x)) * up_proj(x)`` rounds.
-        WORDS: as in :func:`_segments_kernel`."""
+        product each rounded to the output dtype, as transformers' ``act_fn(gate_proj(x)) * up_proj(x)`` rounds."""
         n = tl.program_id(0) * R
+        x_even, x_odd = nf4._load_x(x_ptr, n >= 0, K, NH, X_PAIRS, X_BF16)
+        g_hi, g_lo, g_scale = nf4._load_row(wg, ag, bg, cg, og, code_ptr, n, N, K, NH, BS, NESTED, LUT_ASM, R)
+        u_hi, u_lo, u_scale = nf4._load_row(wu, au, bu, cu, ou, code_ptr, n, N, K, NH, BS, NESTED, LUT_ASM, R)
         dt = out_ptr.dtype.element_ty
-        rows = n + tl.arange(0, R)
-        if WORDS:
-            x0, x1, x2, x3 = nf4._load_x_words(x_ptr, K, NH)
-            g = nf4._dot_words(x0, x1, x2, x3, wg, ag, bg, cg, og, n, K, NH, BS, NESTED, LUT_ASM) + tl.zeros([R],
-                                                                                                        tl.float32)
-            u = nf4._dot_words(x0, x1, x2, x3, wu, au, bu, cu, ou, n, K, NH, BS, NESTED, LUT_ASM) + tl.zeros([R],
-                                                                                                        tl.float32)
-        else:
-            x_even, x_odd = nf4._load_x(x_ptr, n >= 0, K, NH, X_PAIRS, X_BF16)
-            g_hi, g_lo, g_scale = nf4._load_row(wg, ag, bg, cg, og, code_ptr, n, N, K, NH, BS, NESTED, LUT_ASM, R)
-            u_hi, u_lo, u_scale = nf4._load_row(wu, au, bu, cu, ou, code_ptr, n, N, K, NH, BS, NESTED, LUT_ASM, R)
-            g = nf4._row_dot(g_hi, g_lo, g_scale, x_even, x_odd)
-            u = nf4._row_dot(u_hi, u_lo, u_scale, x_even, x_odd)
-        g = g.to(dt).to(tl.float32)
-        u = u.to(dt).to(tl.float32)
+        g = nf4._row_dot(g_hi, g_lo, g_scale, x_even, x_odd).to(dt).to(tl.float32)
+        u = nf4._row_dot(u_hi, u_lo, u_scale, x_even, x_odd).to(dt).to(tl.float32)
         s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+        rows = n + tl.arange(0, R)
         tl.store(out_ptr + rows, (s * u).to(dt), mask=rows < N)
 
     @triton.jit
@@ -168,21 +142,6 @@ def _x_mode(x):
 
 def _lut(code, x, pairs: bool) -> str:
     return nf4._lut_string(code) if nf4.LUT and pairs and x.device.type == "cuda" else ""
-
-
-def _words(x, lut: str, r: int) -> bool:
-    """Whether the kernels read the weights as int32 words (:data:`WORDS`; bfloat16 x, the register lookup, one
-    row per program)."""
-    import torch
-    return WORDS and bool(lut) and r == 1 and x.dtype == torch.bfloat16
-
-
-def _flat_for(w, words: bool):
-    flat = _flat(w)
-    if words:
-        import torch
-        return (flat[0].view(torch.int32),) + flat[1:]
-    return flat
 
 
 def _flat(w):
@@ -241,18 +200,16 @@ def matmul_4bit_segments(x, weights, code):
     x1 = x.reshape(-1).contiguous()
     k, nh, bs, nested, warps = _geometry(x1, weights)
     ns = [w["shape"][0] for w in weights] + [0, 0]
+    flat = [_flat(w) for w in weights]
+    flat += [flat[0]] * (3 - len(flat))
     out = torch.empty(sum(ns), dtype=x.dtype, device=x.device)
     xs, pairs, bf16 = _x_mode(x1)
     r = min(nf4.rows_per_program(n, x.device) for n in ns[:len(weights)])
     while ns[0] % r or ns[1] % r:
         r //= 2
-    lut = _lut(code, x, pairs)
-    words = _words(x, lut, r)
-    flat = [_flat_for(w, words) for w in weights]
-    flat += [flat[0]] * (3 - len(flat))
     _segments_kernel[(triton.cdiv(sum(ns), r),)](xs, code, out, *flat[0], *flat[1], *flat[2], ns[0], ns[1], ns[2],
                                                  K=k, NH=nh, BS=bs, NESTED=nested, X_PAIRS=pairs, X_BF16=bf16,
-                                                 LUT_ASM=lut, R=r, WORDS=words, num_warps=warps)
+                                                 LUT_ASM=_lut(code, x, pairs), R=r, num_warps=warps)
     return out
 
 
@@ -272,11 +229,9 @@ def matmul_4bit_glu(x, gate, up, code):
     out = torch.empty(n, dtype=x.dtype, device=x.device)
     xs, pairs, bf16 = _x_mode(x1)
     r = nf4.rows_per_program(n, x.device)
-    lut = _lut(code, x, pairs)
-    words = _words(x, lut, r)
-    _glu_kernel[(triton.cdiv(n, r),)](xs, code, out, *_flat_for(gate, words), *_flat_for(up, words), n, K=k, NH=nh,
-                                      BS=bs, NESTED=nested, X_PAIRS=pairs, X_BF16=bf16, LUT_ASM=lut, R=r,
-                                      WORDS=words, num_warps=warps)
+    _glu_kernel[(triton.cdiv(n, r),)](xs, code, out, *_flat(gate), *_flat(up), n, K=k, NH=nh, BS=bs, NESTED=nested,
+                                      X_PAIRS=pairs, X_BF16=bf16, LUT_ASM=_lut(code, x, pairs), R=r,
+                                      num_warps=warps)
     return out
 
 

@@ -140,51 +140,6 @@ if tl is not None:
         return tl.sum(tl.sum(w_hi * x_even + w_lo * x_odd, axis=2) * scale, axis=1)
 
     @triton.jit
-    def _load_x_words(x_ptr, K: tl.constexpr, NH: tl.constexpr):
-        """One bfloat16 row of x, read as int32 pairs, for :func:`_dot_words`: four ``[NH, 4]`` tensors, the pair of
-        byte k of word w of piece h (pair 16h + 4w + k) in tensor k."""
-        rh = tl.arange(0, NH)
-        rw = tl.arange(0, 4)
-        rk = tl.arange(0, 4)
-        xp = tl.load(x_ptr + rh[:, None, None] * 16 + rw[None, :, None] * 4 + rk[None, None, :],
-                     mask=(rh < K // 32)[:, None, None], other=0)
-        a, b = tl.split(tl.reshape(xp, [NH, 4, 2, 2]))  # k = 2i + j: a holds j = 0, b j = 1
-        x0, x2 = tl.split(a)
-        x1, x3 = tl.split(b)
-        return x0, x1, x2, x3
-
-    @triton.jit
-    def _pair_dot(o, xk):
-        """Both elements of one byte: its looked-up bfloat16 pair ``o`` (high half element 2p) times x's pair ``xk``
-        (low half element 2p)."""
-        return ((o & -65536).to(tl.float32, bitcast=True) * (xk << 16).to(tl.float32, bitcast=True)
-                + (o << 16).to(tl.float32, bitcast=True) * (xk & -65536).to(tl.float32, bitcast=True))
-
-    @triton.jit
-    def _dot_words(x0, x1, x2, x3, w_ptr, am_ptr, am2_ptr, code2_ptr, off_ptr, n, K: tl.constexpr,
-                   NH: tl.constexpr, BS: tl.constexpr, NESTED: tl.constexpr, LUT_ASM: tl.constexpr):
-        """Float32 dot product of row n of W with x (:func:`_load_x_words`), W's packed bytes read as int32 words
-        (``w_ptr``: the packed tensor viewed as int32; 4 words of 4 bytes per 16-byte piece): each word's four bytes
-        looked up at once (:func:`lut_asm`, values rounded to bfloat16), so a thread's bytes stay in its registers
-        and the sums over a piece need no exchange between threads."""
-        PB: tl.constexpr = BS // 32
-        row = n.to(tl.int64)
-        rh = tl.arange(0, NH)
-        rw = tl.arange(0, 4)
-        h_ok = rh < K // 32
-        q32 = tl.load(w_ptr + row * (K // 8) + rh[:, None] * 4 + rw[None, :], mask=h_ok[:, None], other=0)
-        o0, o1, o2, o3 = tl.inline_asm_elementwise(LUT_ASM, "=r,=r,=r,=r,r", [q32], dtype=(tl.int32,) * 4,
-                                                   is_pure=True, pack=1)
-        acc = _pair_dot(o0, x0) + _pair_dot(o1, x1) + _pair_dot(o2, x2) + _pair_dot(o3, x3)
-        blk = row * (K // BS) + rh // PB
-        if NESTED:
-            a8 = tl.load(am_ptr + blk, mask=h_ok, other=0).to(tl.int32)
-            scale = tl.load(code2_ptr + a8) * tl.load(am2_ptr + blk // 256, mask=h_ok, other=0.0) + tl.load(off_ptr)
-        else:
-            scale = tl.load(am_ptr + blk, mask=h_ok, other=0.0)
-        return tl.sum(tl.sum(acc, axis=1) * scale, axis=0)
-
-    @triton.jit
     def _matmul_4bit_kernel(x_ptr, w_ptr, am_ptr, am2_ptr, code2_ptr, off_ptr, code_ptr, bias_ptr, out_ptr,
                             M, N, stride_xm, stride_om, K: tl.constexpr, NH: tl.constexpr, BS: tl.constexpr,
                             NESTED: tl.constexpr, HAS_BIAS: tl.constexpr, X_PAIRS: tl.constexpr,
