@@ -43,8 +43,8 @@ def _scales(w):
 def fused_kernel_records(log, m) -> None:
     """Per-layer device time of the fused kernels against the unfused calls (graph over all layers)."""
     from vramguard.run.kernels import fused as FK
-    from vramguard.run.kernels.nf4 import code_table, matmul_4bit
     from vramguard.run.kernels.fused import weight_args
+    from vramguard.run.kernels.nf4 import code_table, matmul_4bit
     dev = next(m.parameters()).device
     code = code_table("nf4", dev)
     layers = m.model.layers

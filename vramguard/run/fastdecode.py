@@ -32,7 +32,9 @@ the weights are read as bitsandbytes stores them) and transformers' attention fo
 transformers' ``AttentionInterface`` and switched on with ``set_attn_implementation`` for the step only: GQA without
 ``repeat_kv`` copies, no mask, the filled length read from the position buffer on the device). Before the first
 kernel step each kernel is run once on the model's own weights and cache against the library it replaces and turned
-off, with the reason, if it fails or disagrees; :attr:`DecodeResult.kernels` says what ran.
+off, with the reason, if it fails or disagrees; :attr:`DecodeResult.kernels` says what ran. With both kernels on, a
+Llama-style model whose projections are 4-bit runs the whole step as :mod:`vramguard.run.fused_step` instead (nine
+kernels per layer, checked against the step above before use; ``fused=False`` keeps the step above).
 
 Without CUDA, when the model cannot be captured, or when capture fails for any reason, the same static-input step
 runs eagerly for every token; :attr:`DecodeResult.mode` and :attr:`DecodeResult.reason` say which ran and why.
@@ -300,9 +302,9 @@ class GraphDecoder:
                         + (f", {c['declined']} left to bitsandbytes ({c['declined_why']})" if c.get("declined")
                            else ""))
         if self._fused is not None:
-            done = ["fused step: 4-bit matmul (Triton) for q/k/v in one launch, gate/up with SiLU times up in one, o "
-                    "and down; RMSNorm with the residual add; rotary with the cache write; decode attention (split-K)"
-                    f"; {self._fused_why}"]
+            done = [("fused step: 4-bit matmul (Triton) for q/k/v in one launch, gate/up with SiLU times up in one, o "
+                     "and down; RMSNorm with the residual add; rotary with the cache write; decode attention "
+                     f"(split-K); {self._fused_why}")]
         elif self._attn_kernel:
             done.append("decode attention (Triton, split-K, GQA without copies, the filled length only)")
             if self._fused_why:

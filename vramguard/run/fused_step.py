@@ -198,7 +198,10 @@ def check_kernels(step: FusedDecodeStep) -> None:
     cos, sin = step.cos[p].view(1, 1, 1, d), step.sin[p].view(1, 1, 1, d)
     rope = getattr(sys.modules.get(type(a).__module__), "apply_rotary_pos_emb", None)
     qh, kh = want[: hq * d].view(1, hq, 1, d), want[hq * d:(hq + hk) * d].view(1, hk, 1, d)
-    q_want, k_want = rope(qh, kh, cos[0], sin[0]) if rope else (reference_rope(qh, cos, sin), reference_rope(kh, cos, sin))
+    if rope is not None:  # transformers' own function, from the attention module's file
+        q_want, k_want = rope(qh, kh, cos[0], sin[0])
+    else:
+        q_want, k_want = reference_rope(qh, cos, sin), reference_rope(kh, cos, sin)
     _require("the fused rotary embedding (q)", q, q_want)
     _require("the fused rotary embedding (k, written to the cache)", keys[:, :, p:], k_want)
     if int(length) != p + 1 or not torch.equal(values[0, :, p].reshape(-1), want[(hq + hk) * d:]):
