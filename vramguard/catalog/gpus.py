@@ -135,7 +135,8 @@ GPUS: dict[str, GpuSpec] = {g.name: g for g in [
        "the RTX 3060's 12,288 MiB that CUDA reports as 11.75 GiB; planned at 11.72 GiB, that gap and 6 MiB less"),
     _props("rtx-4080", "NVIDIA GeForce RTX 4080", 16_049, 16, (8, 9), 717,
            "github.com/brainglobe/brainglobe.github.io/blob/main/docs/source/documentation/cellfinder/"
-           "troubleshooting/speed-up.md (Windows reports 15.99 GiB: github.com/aigc-apps/sd-webui-EasyPhoto/issues/281)"),
+           "troubleshooting/speed-up.md (Windows reports 15.99 GiB: "
+           "github.com/aigc-apps/sd-webui-EasyPhoto/issues/281)"),
     _reported("rtx-4090", "NVIDIA GeForce RTX 4090", "23.49", 24, (8, 9), 1008,
               "github.com/Sautenich/UAV-VLA/issues/7 (Ubuntu 22.04, driver 575; 23.52 GiB with driver 560 in "
               "github.com/pytorch/torchchat/issues/1341, 23.64 GiB in github.com/ali-vilab/VGen/issues/104)"),

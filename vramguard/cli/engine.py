@@ -79,21 +79,29 @@ def model_ref(model: str) -> str:
     return str(MODELS[key]["source"]) if key else model
 
 
+def vllm_settings(a: EngineArgs):
+    """The :class:`~vramguard.engines.vllm.VllmSettings` of the options; raises InvalidValue for a bad one (checked
+    before the model or the cards are read, so nothing else is printed)."""
+    from vramguard.engines.vllm import VllmSettings
+    from vramguard.units import parse_size
+    offload = parse_size(a.kv_offload, "kv_offloading_size_bytes", "16GiB") if a.kv_offload else 0
+    return VllmSettings(tensor_parallel_size=a.tp, pipeline_parallel_size=a.pp,
+                        gpu_memory_utilization=a.gpu_memory_utilization, max_model_len=a.max_model_len,
+                        kv_cache_dtype=a.kv_cache_dtype, max_num_seqs=a.max_num_seqs,
+                        max_num_batched_tokens=a.max_num_batched_tokens,
+                        dtype=TORCH_DTYPE_NAMES.get(a.dtype, "auto") if a.dtype else "auto",
+                        kv_offloading_size_bytes=offload)
+
+
 def build_plans(model: str, gpu: str | None, vram: str | None, a: EngineArgs):
     """One vLLM plan per card (``--gpu``, ``--vram``, the detected GPU, or the default sizes)."""
-    from vramguard.engines.vllm import VllmSettings, plan_vllm
+    from vramguard.engines.vllm import plan_vllm
     from vramguard.hardware import resolve_gpus
     from vramguard.resolve import resolve_model
-    from vramguard.units import parse_size
+    s = vllm_settings(a)
     spec = resolve_model(model)
     cards, why = resolve_gpus(gpu, vram)
     say(f"cards: {why}")
-    offload = parse_size(a.kv_offload, "kv_offloading_size_bytes", "16GiB") if a.kv_offload else 0
-    s = VllmSettings(tensor_parallel_size=a.tp, pipeline_parallel_size=a.pp,
-                     gpu_memory_utilization=a.gpu_memory_utilization, max_model_len=a.max_model_len,
-                     kv_cache_dtype=a.kv_cache_dtype, max_num_seqs=a.max_num_seqs,
-                     max_num_batched_tokens=a.max_num_batched_tokens,
-                     dtype=TORCH_DTYPE_NAMES.get(a.dtype, "auto") if a.dtype else "auto", kv_offloading_size_bytes=offload)
     return [plan_vllm(spec, card, s) for card in cards]
 
 
@@ -105,7 +113,9 @@ def print_plans(plans, model: str, as_json: bool) -> None:
         data = [plan_to_json(p, ref) for p in plans]
         write_json(data[0] if len(data) == 1 else data)
         return
+    from vramguard.cli.render import console
+    width = console().width
     for i, p in enumerate(plans):
         if i:
             print()
-        print("\n".join(plan_lines(p, ref)))
+        print("\n".join(plan_lines(p, ref, width)))

@@ -60,7 +60,8 @@ def to_yaml(data) -> str:
 
 def _build(model, gpu, vram, a, to, replicas):
     from vramguard.errors import Infeasible, InvalidValue
-    from vramguard.export import export as export_fn
+    from vramguard.export import check_replicas, export as export_fn
+    check_replicas(replicas)  # before planning: a bad value prints its error alone
     plans = eng.build_plans(model, gpu, vram, a)
     if len(plans) != 1:
         raise InvalidValue("--gpu/--vram", "none", "one card", "name the card the deployment runs on, e.g. --gpu "

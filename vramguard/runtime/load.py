@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import gc
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -249,13 +250,28 @@ def _bnb_config(quant: str, double_quant: bool, compute_dtype: str):
                                            bnb_4bit_compute_dtype=getattr(torch, TORCH_DTYPE_NAMES[compute_dtype]))
 
 
+@contextmanager
+def _no_progress_bar():
+    """transformers' "Loading weights" progress bar off while vramguard loads (its public switch,
+    ``transformers.utils.logging.disable_progress_bar``), and back as the caller had it afterwards."""
+    from transformers.utils import logging as hf_logging
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()
+
+
 def _from_pretrained(folder, spec, kwargs: dict):
     """``AutoModelForCausalLM.from_pretrained`` in eval mode; a config with no causal-LM class is a ConfigError."""
     import transformers
 
     from vramguard.errors import ConfigError
     try:
-        m = transformers.AutoModelForCausalLM.from_pretrained(str(folder), **kwargs)
+        with _no_progress_bar():
+            m = transformers.AutoModelForCausalLM.from_pretrained(str(folder), **kwargs)
     except ValueError as e:
         if "Unrecognized configuration class" not in str(e):
             raise

@@ -39,6 +39,17 @@ from vramguard.serve.pool import PoolPlan, blocks_needed
 
 log = logging.getLogger("vramguard.serve")
 
+
+class _DropRecord(logging.Filter):
+    """Drops the log records whose message contains ``text`` (one known library message), keeps every other."""
+
+    def __init__(self, text: str):
+        super().__init__()
+        self.text = text
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.text not in record.getMessage()
+
 RESTORE_AFTER_STEPS = 200  # steps without an OOM before a halved step budget doubles again
 DRAIN_WINDOW_STEPS = 64  # recent steps whose rate estimates when admission slots free up (Retry-After)
 DRAIN_WINDOW_S = 30.0  # ... counting only steps this recent
@@ -138,6 +149,8 @@ class Engine:
         self.before_step: Callable[[int, list[str]], None] | None = None
         self.attn_implementation: str | None = None
         self.notes: list[str] = []
+        self.probing = False  # True while the start's two-token request runs: its failure is a finding, not a fault
+        self.probe_error: str | None = None  # the error of a step that failed while probing
         self._ids = itertools.count()
         self._cancelled: deque[tuple[float, str]] = deque()
         self._steps_since_oom = 0
@@ -182,8 +195,14 @@ class Engine:
                         max_memory_percent=1.0, seed=self.seed, allow_block_sharing=False)
         before = self.model.config._attn_implementation
         cls = guarded_manager_class()
-        with torch.inference_mode(False):
-            self._manager = cls(model=self.model, generation_config=gen, continuous_batching_config=cfg)
+        quiet = _DropRecord("does not support setting its attention implementation dynamically")
+        hf_log = logging.getLogger("transformers.modeling_utils")
+        hf_log.addFilter(quiet)  # a model that keeps its attention is refused or served by us, with the reason
+        try:
+            with torch.inference_mode(False):
+                self._manager = cls(model=self.model, generation_config=gen, continuous_batching_config=cfg)
+        finally:
+            hf_log.removeFilter(quiet)
         self._manager.vg_engine = self
         self.attn_implementation = self.model.config._attn_implementation
         if self.attn_implementation != before:
