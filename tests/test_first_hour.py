@@ -2,6 +2,7 @@
 flag, the value, the limit and the fix; text output in 80 columns; no library noise on stderr."""
 
 import json
+import re
 
 import pytest
 
@@ -125,3 +126,67 @@ def test_loading_shows_no_progress_bar_and_leaves_the_switch_as_it_was(tmp_path,
     unload(loaded)
     assert "Loading weights" not in err and "it/s" not in err, err
     assert hf_logging.is_progress_bar_enabled()  # the caller's setting, put back
+
+
+def test_run_refuses_a_bad_generation_option_before_the_model_is_looked_at():
+    # a catalog name has no weights: the option's error comes first, alone (nothing loaded, no prompt line)
+    lines = _only_error(run_cli("run", "llama-3.1-8b", "--prompt", "hi", "--max-new-tokens", "0", columns="200"),
+                        "--max-new-tokens")
+    assert len(lines) == 2
+    lines = _only_error(run_cli("run", "llama-3.1-8b", "--prompt", "hi", "--temperature", "0.5", columns="200"),
+                        "--temperature")
+    assert "--do-sample" in lines[1]
+
+
+@pytest.mark.parametrize("verb", ["run", "profile", "fit", "serve"])
+def test_a_missing_folder_is_named_by_every_verb_that_loads(verb, tmp_path):
+    pytest.importorskip("torch")
+    extra = {"run": ["--prompt", "hi"], "profile": ["--out", str(tmp_path / "p")], "fit": ["--vary", "prompt"],
+             "serve": []}[verb]
+    r = run_cli(verb, "./no-such-model", *extra, columns="300")
+    assert r.returncode == 3, r.stderr
+    assert r.stderr.splitlines()[-1] == f"fix: no such file or folder: {(tmp_path.cwd() / 'no-such-model')}"
+
+
+def test_check_names_a_missing_folder_before_probing_the_machine(monkeypatch):
+    import sys
+
+    import vramguard.check  # noqa: F401
+    chk = sys.modules["vramguard.check"]  # the package (vramguard.check is also its function's name)
+
+    def probe():
+        raise AssertionError("probed before the model was read")
+    monkeypatch.setattr(chk, "probe_env", probe)
+    r = run_cli("check", "./no-such-model", columns="300")
+    assert r.returncode == 3 and r.stdout == "" and "no such file or folder" in r.stderr
+
+
+def test_export_without_a_card_and_a_bad_vllm_tp_print_their_error_alone():
+    lines = _only_error(run_cli("export", "qwen2.5-7b", "--to", "vllm", columns="300"), "--gpu/--vram")
+    assert lines[0] == "error --gpu/--vram: 'none given' is not valid; accepted: one card, named or detected."
+    assert lines[1].startswith("fix: name the card the deployment runs on, e.g. --gpu h100 or --vram 80GiB (0 GPUs")
+    # Qwen2.5-7B has 28 attention heads: vLLM's tensor parallelism must divide them (1, 2 or 4 of 1, 2, 4, 8, 16)
+    lines = _only_error(run_cli("plan", "qwen2.5-7b", "--engine", "vllm", "--gpu", "h100", "--tp", "3",
+                                columns="300"), "--tp")
+    assert lines == ["error --tp: 3 is not valid; accepted: a divisor of num_attention_heads (28).",
+                     "fix: pass --tp 1, 2 or 4"]
+
+
+def test_a_vllm_option_without_engine_vllm_is_refused_not_dropped():
+    lines = _only_error(run_cli("plan", "llama-3.1-8b", "--gpu", "h100", "--max-model-len", "4096", columns="300"),
+                        "--max-model-len")
+    assert lines == ["error --max-model-len: 4096 is not valid; accepted: with --engine vllm only (vLLM's engine "
+                     "argument).", "fix: add --engine vllm to plan vLLM with it, or leave --max-model-len out"]
+
+
+def test_vllm_refusal_fixes_name_the_flags():
+    # Gemma-2-9B at its 8,192-token context does not fit the KV cache left on an RTX 4090
+    r = run_cli("plan", "gemma-2-9b", "--engine", "vllm", "--gpu", "rtx-4090", columns="300")
+    fix = next(x for x in r.stdout.splitlines() if x.startswith("fix: "))
+    assert re.fullmatch(r"fix: --max-model-len \d+ \(the longest one request that fits\), --tp 2 or more, or "
+                        r"--kv-cache-dtype fp8", fix), fix
+
+
+def test_explain_says_when_its_input_is_empty():
+    r = run_cli("explain", "-", input="")
+    assert r.returncode == 2 and "MESSAGE: 'empty input' is not valid" in r.stderr

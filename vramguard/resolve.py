@@ -167,6 +167,23 @@ def _catalog_hint(model: str) -> str | None:
     return f"{near} is this architecture" if same else f"{near} is the closest (check that its shapes are your model's)"
 
 
+def local_model_folder(model: str) -> Path:
+    """:func:`model_folder`, for the commands that load weights.
+
+    Raises:
+        UnknownModel: a path that does not exist (named, made absolute), or a name with no local folder (a catalog
+            name or a Hub id not in the cache: the fix says to download it).
+    """
+    folder = model_folder(model)
+    if folder is not None:
+        return folder
+    if str(model).startswith((".", "/", "~")) or str(model).endswith(".json"):
+        fix = f"no such file or folder: {Path(model).expanduser().absolute()}"
+    else:
+        fix = "download the model first (a catalog name has no weights: use it with plan)"
+    raise UnknownModel("MODEL", model, "a local model folder or a cached model id with weights", fix)
+
+
 def model_folder(model: str) -> Path | None:
     """The local folder of ``model`` (a folder, the folder of a config.json, or its HF cache snapshot)."""
     p = Path(model).expanduser()

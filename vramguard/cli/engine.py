@@ -56,6 +56,17 @@ def max_num_batched_tokens_option():
                         "card)")
 
 
+def refuse_vllm_options(**given) -> None:
+    """Raise InvalidValue for a vLLM option set away from its default without ``--engine vllm``: the transformers
+    plan would drop it silently."""
+    from vramguard.errors import InvalidValue
+    for name, value in given.items():
+        if value != EngineArgs.__dataclass_fields__[name].default:
+            flag = "--" + name.replace("_", "-")
+            raise InvalidValue(flag, value, "with --engine vllm only (vLLM's engine argument)",
+                               f"add --engine vllm to plan vLLM with it, or leave {flag} out")
+
+
 @dataclass(frozen=True)
 class EngineArgs:
     """The vLLM options as the CLI got them."""
@@ -93,13 +104,30 @@ def vllm_settings(a: EngineArgs):
                         kv_offloading_size_bytes=offload)
 
 
-def build_plans(model: str, gpu: str | None, vram: str | None, a: EngineArgs):
-    """One vLLM plan per card (``--gpu``, ``--vram``, the detected GPU, or the default sizes)."""
+def build_plans(model: str, gpu: str | None, vram: str | None, a: EngineArgs, one_card: bool = False):
+    """One vLLM plan per card (``--gpu``, ``--vram``, the detected GPU, or the default sizes); with ``one_card``,
+    exactly one card, named or detected. The options and the model's limits are checked before the cards are
+    looked for, so a refusal is printed alone.
+
+    Raises:
+        InvalidValue: a bad option; a ``--tp`` the model's shapes refuse; with ``one_card``, no card named or
+            detected.
+    """
     from vramguard.engines.vllm import plan_vllm
+    from vramguard.engines.vllm_weights import check_tensor_parallel
+    from vramguard.errors import InvalidValue
     from vramguard.hardware import resolve_gpus
     from vramguard.resolve import resolve_model
     s = vllm_settings(a)
     spec = resolve_model(model)
+    check_tensor_parallel(spec, s.tensor_parallel_size)
+    if one_card and gpu is None and vram is None:
+        from vramguard.hardware import detect_gpus
+        det = detect_gpus()
+        if len(det.gpus) != 1:
+            raise InvalidValue("--gpu/--vram", "none given", "one card, named or detected",
+                               "name the card the deployment runs on, e.g. --gpu h100 or --vram 80GiB "
+                               f"({len(det.gpus)} GPUs detected" + (f": {det.reason})" if det.reason else ")"))
     cards, why = resolve_gpus(gpu, vram)
     say(f"cards: {why}")
     return [plan_vllm(spec, card, s) for card in cards]
@@ -113,9 +141,10 @@ def print_plans(plans, model: str, as_json: bool) -> None:
         data = [plan_to_json(p, ref) for p in plans]
         write_json(data[0] if len(data) == 1 else data)
         return
+    from vramguard.cli.common import as_flags
     from vramguard.cli.render import console
     width = console().width
     for i, p in enumerate(plans):
         if i:
             print()
-        print("\n".join(plan_lines(p, ref, width)))
+        print("\n".join(plan_lines(p, ref, width, as_flags)))

@@ -83,9 +83,10 @@ def plan_to_json(p: VllmPlan, model_ref: str) -> dict:
     }
 
 
-def plan_lines(p: VllmPlan, model_ref: str, width: int | None = None) -> list[str]:
+def plan_lines(p: VllmPlan, model_ref: str, width: int | None = None, words=None) -> list[str]:
     """The plan as text: each term of vLLM's budget with where it comes from, then the two log lines, then the
-    ``vllm serve`` command; with ``width``, every line fits that many characters (the command as shell lines)."""
+    ``vllm serve`` command; with ``width``, every line fits that many characters (the command as shell lines);
+    ``words`` rewrites the fix lines (the CLI: ``field=value`` as its flags)."""
     s = p.settings
     tp, pp = s.tensor_parallel_size, s.pipeline_parallel_size
     graphs = "in the budget (vLLM >= 0.21)" if s.cudagraph_in_budget else "outside the budget"
@@ -118,7 +119,7 @@ def plan_lines(p: VllmPlan, model_ref: str, width: int | None = None) -> list[st
     ]
     if p.refusal:
         lines.append(f"vLLM will refuse to start: {p.refusal}")
-        lines += _fixes(p)
+        lines += [words(x) for x in _fixes(p)] if words else _fixes(p)
     lines += [f"note: {n}" for n in p.notes]
     if width is None:
         return lines + ["command: " + serve_command(p, model_ref)]
@@ -129,11 +130,12 @@ def _fixes(p: VllmPlan) -> list[str]:
     out = []
     if p.free_at_start_bytes < p.requested_bytes:
         top = p.free_at_start_bytes / p.total_bytes
-        out.append(f"fix: gpu_memory_utilization at most {int(top * 100) / 100:.2f} (free at start "
+        out.append(f"fix: gpu_memory_utilization={int(top * 100) / 100:.2f} or less (free at start "
                    f"{_g(p.free_at_start_bytes)} after the CUDA context)")
     elif p.largest_model_len:
-        out.append(f"fix: max_model_len {p.largest_model_len:,} (the longest one request that fits), a larger "
-                   "tensor_parallel_size, or kv_cache_dtype fp8")
+        out.append(f"fix: max_model_len={p.largest_model_len} (the longest one request that fits), "
+                   f"tensor_parallel_size={2 * p.settings.tensor_parallel_size} or more, or kv_cache_dtype=fp8")
     else:
-        out.append("fix: a larger tensor_parallel_size, a larger card, or a smaller max_num_batched_tokens")
+        out.append(f"fix: tensor_parallel_size={2 * p.settings.tensor_parallel_size} or more, a larger card, or a "
+                   "smaller max_num_batched_tokens")
     return out

@@ -24,7 +24,7 @@ from vramguard.probe.checkpoint import read_checkpoint
 from vramguard.probe.env import probe_env
 from vramguard.probe.kernels import AttentionKernel, profile_attention
 from vramguard.errors import InvalidValue, UnknownModel
-from vramguard.resolve import model_folder, resolve_model
+from vramguard.resolve import local_model_folder, resolve_model
 from vramguard.runtime.device import MemorySnapshot, free_bytes
 from vramguard.runtime.handle import LoadedModel, as_loaded, forget, known, loaded_settings, register
 from vramguard.runtime.handle import pin_sdpa as _pin_sdpa
@@ -226,13 +226,10 @@ def load_model(model: str, *, quant: str = "nf4", double_quant: bool = True, com
 
 def _weights_folder(model: str, allow_pickle: bool):
     """(the folder holding ``model``'s weights, its checkpoint info); refuses what cannot be loaded as asked."""
-    folder = model_folder(model)
-    if folder is None and str(model).startswith((".", "/", "~")):
-        raise UnknownModel("MODEL", model, "a local folder or cached model id with weights",
-                           f"no such file or folder: {Path(model).expanduser().absolute()}")
-    if folder is None or not any(Path(folder).glob("*.safetensors")) and not any(Path(folder).glob("*.bin")):
-        raise UnknownModel("model", model, "a local folder or cached model id with weights",
-                           "download the model first (a catalog name has no weights: use it with plan)")
+    folder = local_model_folder(model)
+    if not any(Path(folder).glob("*.safetensors")) and not any(Path(folder).glob("*.bin")):
+        raise UnknownModel("MODEL", model, "a local model folder or a cached model id with weights",
+                           f"{folder} holds no weights (*.safetensors or *.bin): save or download them there")
     ckpt = read_checkpoint(folder)
     if ckpt.format == "pickle" and not allow_pickle:
         raise InvalidValue("allow_pickle", False, "True to load pickle (.bin) weights",
