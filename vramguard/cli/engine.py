@@ -56,11 +56,13 @@ def max_num_batched_tokens_option():
                         "card)")
 
 
-def refuse_vllm_options(**given) -> None:
-    """Raise InvalidValue for a vLLM option set away from its default without ``--engine vllm``: the transformers
-    plan would drop it silently."""
+def refuse_vllm_options(a: EngineArgs) -> None:
+    """Raise InvalidValue for a vLLM-only option set away from its default without ``--engine vllm``: the
+    transformers plan would drop it silently (``--tp`` and ``--dtype`` are options of both)."""
     from vramguard.errors import InvalidValue
-    for name, value in given.items():
+    for name in ("pp", "gpu_memory_utilization", "max_model_len", "kv_cache_dtype", "max_num_seqs",
+                 "max_num_batched_tokens"):
+        value = getattr(a, name)
         if value != EngineArgs.__dataclass_fields__[name].default:
             flag = "--" + name.replace("_", "-")
             raise InvalidValue(flag, value, "with --engine vllm only (vLLM's engine argument)",
