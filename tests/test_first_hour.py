@@ -180,8 +180,8 @@ def test_a_vllm_option_without_engine_vllm_is_refused_not_dropped():
 
 
 def test_vllm_refusal_fixes_name_the_flags():
-    # Gemma-2-9B at its 8,192-token context does not fit the KV cache left on an RTX 4090
-    r = run_cli("plan", "gemma-2-9b", "--engine", "vllm", "--gpu", "rtx-4090", columns="300")
+    # Llama-3.1-8B at its 131,072-token context does not fit the KV cache left on an RTX 4090
+    r = run_cli("plan", "llama-3.1-8b", "--engine", "vllm", "--gpu", "rtx-4090", columns="300")
     fix = next(x for x in r.stdout.splitlines() if x.startswith("fix: "))
     assert re.fullmatch(r"fix: --max-model-len \d+ \(the longest one request that fits\), --tp 2 or more, or "
                         r"--kv-cache-dtype fp8", fix), fix

@@ -142,6 +142,6 @@ def _fixes(p: VllmPlan) -> list[str]:
         out.append(f"fix: max_model_len={p.largest_model_len} (the longest one request that fits), "
                    f"tensor_parallel_size={2 * p.settings.tensor_parallel_size} or more, or kv_cache_dtype=fp8")
     else:
-        out.append(f"fix: tensor_parallel_size={2 * p.settings.tensor_parallel_size} or more, a larger card, or a "
-                   "smaller max_num_batched_tokens")
+        out.append(f"fix: tensor_parallel_size={2 * p.settings.tensor_parallel_size} or more, a larger card, or "
+                   f"max_num_batched_tokens={max(1, p.max_num_batched_tokens // 2)} or less")
     return out
