@@ -130,7 +130,7 @@ def resolve_model(model: str, revision: str | None = None) -> ModelSpec:
                 raise HubError(e.field, e.value, e.accepted, f"{e.fix}; or plan a catalog name: {hint}") from None
             raise
     if model.startswith((".", "/", "~")) or model.endswith(".json"):
-        raise UnknownModel("MODEL", model, ACCEPTED_MODEL_FORMS, f"no such file or folder: {p}")
+        raise UnknownModel("MODEL", model, ACCEPTED_MODEL_FORMS, f"no such file or folder: {p.absolute()}")
     raise UnknownModel("MODEL", model, ACCEPTED_MODEL_FORMS, "pass a Hub id (owner/name), a model folder, or a "
                        "catalog name: " + (_catalog_hint(model) or "vramguard plan --list-models"))
 
