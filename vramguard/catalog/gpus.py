@@ -10,8 +10,8 @@ the card may not have; ``_CudaDeviceProperties``' ``total_memory=16049MB`` is ``
 10.24 MiB wide. nvidia-smi's ``memory.total`` is not used: it is above CUDA's total by an amount that differs per
 card and driver (about 251 MiB on a T4, 615 MiB on an H200, 476 MiB on an L4). Drivers differ too (an RTX 4090
 reports 23.49 to 23.64 GiB): a card's source names the reports found, and its figure is the lowest of them unless
-the source says otherwise (the T4's is a measurement). The CUDA context is modelled separately in :mod:`vramguard.memory.runtime`.
-``bandwidth_bytes_per_s`` is the datasheet memory bandwidth.
+the source says otherwise (the T4's is a measurement). The CUDA context is modelled separately in
+:mod:`vramguard.memory.runtime`. ``bandwidth_bytes_per_s`` is the datasheet memory bandwidth.
 """
 
 from __future__ import annotations
