@@ -41,6 +41,32 @@ from vramguard.serve.pool import PoolPlan, blocks_needed
 log = logging.getLogger("vramguard.serve")
 
 GRAPHS = True  # False: decode steps run eagerly (for comparisons)
+
+
+def _quiet_manager(cls, model, gen, cfg):
+    """Builds transformers' continuous-batching manager with its "does not support setting its attention
+    implementation dynamically" warning dropped: a model that keeps its attention is refused or served by us, with
+    the reason in the engine's notes."""
+    quiet = _DropRecord("does not support setting its attention implementation dynamically")
+    hf_log = logging.getLogger("transformers.modeling_utils")
+    hf_log.addFilter(quiet)
+    try:
+        with torch.inference_mode(False):
+            return cls(model=model, generation_config=gen, continuous_batching_config=cfg)
+    finally:
+        hf_log.removeFilter(quiet)
+
+
+class _DropRecord(logging.Filter):
+    """Drops the log records whose message contains ``text`` (one known library message), keeps every other."""
+
+    def __init__(self, text: str):
+        super().__init__()
+        self.text = text
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.text not in record.getMessage()
+
 RESTORE_AFTER_STEPS = 200  # steps without an OOM before a halved step budget doubles again
 DRAIN_WINDOW_STEPS = 64  # recent steps whose rate estimates when admission slots free up (Retry-After)
 DRAIN_WINDOW_S = 30.0  # ... counting only steps this recent
@@ -143,6 +169,8 @@ class Engine:
         self.before_step: Callable[[int, list[str]], None] | None = None
         self.attn_implementation: str | None = None
         self.notes: list[str] = []
+        self.probing = False  # True while the start's two-token request runs: its failure is a finding, not a fault
+        self.probe_error: str | None = None  # the error of a step that failed while probing
         self._ids = itertools.count()
         self._cancelled: deque[tuple[float, str]] = deque()
         self._steps_since_oom = 0
@@ -191,16 +219,14 @@ class Engine:
         cls = guarded_manager_class()
         switched_from, note = choose_attention(self.model) if self.own_kernels else (None, None)
         try:
-            with torch.inference_mode(False):
-                self._manager = cls(model=self.model, generation_config=gen, continuous_batching_config=cfg)
+            self._manager = _quiet_manager(cls, self.model, gen, cfg)
         except ValueError as e:  # this transformers takes no custom attention in continuous batching
             if switched_from is None:
                 raise
             self.model.set_attn_implementation(switched_from)
             note = f"attention: transformers' paged attention (its continuous batching refused ours: {str(e)[:120]})"
             switched_from = None
-            with torch.inference_mode(False):
-                self._manager = cls(model=self.model, generation_config=gen, continuous_batching_config=cfg)
+            self._manager = _quiet_manager(cls, self.model, gen, cfg)
         if note is not None:
             self.notes.append(note)
         self.graphs_wanted = switched_from is not None and GRAPHS

@@ -344,9 +344,13 @@ def _start_continuous(model, tokenizer, pool, warm_up: bool, **kw) -> Engine:
         engine = Engine(model, tokenizer, pool, **kw)
         kw["metrics"]._engine_stats = engine.stats
         engine.start()
-        err = _first_request_error(engine)
+        engine.probing = True
+        try:
+            err = _first_request_error(engine)
+        finally:
+            engine.probing = False
         if err is not None and "out of memory" not in err.lower():
-            raise ContinuousBatchingRefused(model_type, f"its first request failed: {err}")
+            raise ContinuousBatchingRefused(model_type, f"its first request failed: {engine.probe_error or err}")
         if warm_up and next(model.parameters()).is_cuda:
             engine.notes.append(_warm_up(engine))
     except (ContinuousBatchingRefused, ValueError, NotImplementedError, TypeError, KeyError, AttributeError,
@@ -406,9 +410,12 @@ def _chosen_engine(choice: str, model, tokenizer, spec, settings, vram_budget: i
                 raise
             why = e.why
     engine = _generate_engine(model, tokenizer, spec, settings, vram_budget, **kw)
-    engine.notes.append("engine: the model's own generate, one request at a time ("
-                        + (f"transformers' continuous batching cannot run {model.config.model_type}: {why}"
-                           if why else "engine 'generate' chosen") + ")")
+    note = ("engine: the model's own generate, one request at a time ("
+            + (f"transformers' continuous batching cannot run {model.config.model_type}: {why}"
+               if why else "engine 'generate' chosen") + ")")
+    engine.notes.append(note)
+    if why:
+        log.info("%s", note)  # the expected fallback of 'auto', with its reason: not a warning
     return engine
 
 
