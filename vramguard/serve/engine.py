@@ -47,6 +47,8 @@ def _quiet_manager(cls, model, gen, cfg):
     """Builds transformers' continuous-batching manager with its "does not support setting its attention
     implementation dynamically" warning dropped: a model that keeps its attention is refused or served by us, with
     the reason in the engine's notes."""
+    import torch
+
     quiet = _DropRecord("does not support setting its attention implementation dynamically")
     hf_log = logging.getLogger("transformers.modeling_utils")
     hf_log.addFilter(quiet)
