@@ -42,22 +42,27 @@ FIELD_FLAGS = {"batch": "--batch", "num_beams": "--num-beams", "num_return_seque
                "budget_bytes": "--vram-budget", "vary": "--vary", "since": "--since", "year": "--year",
                "file": "--file", "chat": "--chat-template", "prompt": "--prompt", "chunk_tokens": "--chunk-tokens",
                "files": "--context", "gpu": "--gpu", "vram": "--vram", "gpu/vram": "--gpu/--vram",
-               "do_sample": "--do-sample"}
+               "do_sample": "--do-sample", "alloc_conf": "--alloc-conf"}
 # a library fix's keyword arguments with no flag of the same name and value
 KWARG_FLAGS = {"chat=None": "no --chat-template", "chat=False": "--raw", "do_sample=True": "--do-sample"}
 _KWARG = re.compile(r"\b([a-z_]+)=('[^']*'|[\w.\-/]+)")
+# library arguments a fix names without a value ("leave alloc_conf out"): the CLI says the flag
+_BARE = re.compile(r"\b(alloc_conf)\b(?!=)")
 
 
 def as_flags(text: str | None) -> str | None:
     """A library message in the CLI's words: each ``field=value`` of a known field becomes its option,
-    ``chunk_tokens=200`` -> ``--chunk-tokens 200``, ``file='-'`` -> ``--file -``, ``chat=False`` -> ``--raw``."""
+    ``chunk_tokens=200`` -> ``--chunk-tokens 200``, ``file='-'`` -> ``--file -``, ``chat=False`` -> ``--raw``; a bare
+    ``alloc_conf`` -> ``--alloc-conf``."""
     def flag(m: re.Match) -> str:
         name, value = m.group(1), m.group(2).strip("'")
         if f"{name}={value}" in KWARG_FLAGS:
             return KWARG_FLAGS[f"{name}={value}"]
         opt = FIELD_FLAGS.get(name)
         return m.group(0) if opt is None or not opt.startswith("--") else f"{opt} {value}"
-    return None if text is None else _KWARG.sub(flag, text)
+    if text is None:
+        return None
+    return _BARE.sub(lambda m: FIELD_FLAGS[m.group(1)], _KWARG.sub(flag, text))
 
 
 def say(text: str) -> None:
