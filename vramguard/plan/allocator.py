@@ -46,12 +46,14 @@ PROBE_TOKENS = 4096  # the second point of the slope when no start is given
 
 def edge_prompt_tokens(spec, s: Settings, config: AllocatorConfig, formula_tokens: int | None) -> int | None:
     """The largest prompt the allocator model places under ``config.allowed_bytes`` (None when a 1-token prompt
-    does not fit), found from the formula's answer ``formula_tokens`` (None: start from one token): a first guess
-    where its modelled reserved peak plus the allocated bytes per token (:func:`vramguard.plan.estimator.need_bytes`'s
-    slope; from no start, the modelled peaks at 1 and 4,096 tokens give the slope) reach the cap, then steps from the guess that double until the edge is bracketed (up while the prompt
-    fits, down while it does not), then bisection to 0.25%. A guess off by a factor k costs about log2(k * 100)
-    replays, not k * 50."""
+    does not fit), found from the formula's answer ``formula_tokens`` (None: start from one token). A first guess:
+    the prompt at which the formula's need (:func:`vramguard.plan.estimator.need_bytes`, which grows with the
+    square of the prompt where attention scores do) has grown by the room the replay at the start leaves under the
+    cap; from no start, the line through the modelled peaks at 1 and 4,096 tokens. Then steps from the guess that
+    double until the edge is bracketed (up while the prompt fits, down while it does not), then bisection to
+    0.25%. A guess off by a factor k costs about log2(k * 100) replays, not k * 50."""
     from vramguard.plan.estimator import need_bytes
+    from vramguard.plan.solve import _largest
     ctx = spec.max_position_embeddings - s.max_new_tokens
     lo = max(1, min(formula_tokens or 1, ctx))
 
@@ -61,17 +63,17 @@ def edge_prompt_tokens(spec, s: Settings, config: AllocatorConfig, formula_token
     first = replay_generate(spec, s.with_(prompt_tokens=lo), config, rescale=True)
     if not first.fits:
         return _bisect(fits, 0, lo) if lo > 1 else None
-    if lo < PROBE_TOKENS < ctx:  # no usable start: the slope of the modelled reserved peak up to a probe
+    room = max(0, config.allowed_bytes - first.peak_reserved_bytes)
+    if formula_tokens is None and lo < PROBE_TOKENS < ctx:  # the line through the modelled peaks up to a probe
         probe = replay_generate(spec, s.with_(prompt_tokens=PROBE_TOKENS), config, rescale=True)
         if not probe.fits:
             return _bisect(fits, lo, PROBE_TOKENS)
         slope = max(1, (probe.peak_reserved_bytes - first.peak_reserved_bytes) // (PROBE_TOKENS - lo))
-        lo, first = PROBE_TOKENS, probe
+        lo, guess = PROBE_TOKENS, min(ctx, PROBE_TOKENS + max(0, config.allowed_bytes - probe.peak_reserved_bytes)
+                                      // slope)
     else:
-        dp = max(1, lo // 100)
-        slope = max(1, (need_bytes(spec, s.with_(prompt_tokens=min(ctx, lo + dp))) - need_bytes(
-            spec, s.with_(prompt_tokens=lo))) // dp)
-    guess = min(ctx, lo + max(0, config.allowed_bytes - first.peak_reserved_bytes) // slope)
+        start = need_bytes(spec, s.with_(prompt_tokens=lo))
+        guess = _largest(lo, ctx, lambda p: need_bytes(spec, s.with_(prompt_tokens=p)), start + room) or lo
     a, b = _gallop(fits, lo, guess, ctx)
     return a if b is None else _bisect(fits, a, b)
 
