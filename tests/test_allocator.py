@@ -357,3 +357,21 @@ def test_rescaled_tape_equals_the_replay(tmp_path, model_type, extra):
             assert generate_events(spec, s, rescale=True) == generate_events(spec, s)
     key = Settings(quant="bf16", attn="sdpa", prompt_tokens=1, max_new_tokens=1)
     assert (_rescaled_events(spec.config_json, spec.name, key, 250, 3) is None) == (model_type == "gemma2")
+
+
+def test_rescaled_static_cache_keeps_clear_of_the_window(tmp_path):
+    """A static cache of prompt + 64 tokens crosses Gemma-2's 256-token window from a 193-token prompt on: the tape
+    there is replayed, not rescaled; past the window the rescaled tape is the replay's."""
+    from transformers import AutoConfig
+
+    from vramguard.introspect.alloc_replay import _rescaled_events, generate_events
+    from vramguard.resolve import resolve_model
+    from vramguard.settings import Settings
+    AutoConfig.for_model("gemma2", **dict(TINY, max_position_embeddings=1024, sliding_window=256,
+                                          head_dim=16)).save_pretrained(tmp_path)
+    spec = resolve_model(str(tmp_path))
+    key = Settings(quant="bf16", attn="sdpa", cache="static", prompt_tokens=1, max_new_tokens=1)
+    assert _rescaled_events(spec.config_json, spec.name, key, 230, 64) is None  # 230 + 64 > 256 - 8
+    assert _rescaled_events(spec.config_json, spec.name, key, 600, 64) is not None
+    s = Settings(quant="bf16", attn="sdpa", cache="static", prompt_tokens=600, max_new_tokens=64)
+    assert generate_events(spec, s, rescale=True) == generate_events(spec, s)
