@@ -338,3 +338,65 @@ def test_plan_and_check_apply_the_same_rules():
     p = plan(spec, s, gpu="h100-80gb", solve=False)
     f = next(f for f in p.findings if f.code == "output_attentions_eager")
     assert f.bytes == per_layer * 32  # 32 layers
+
+
+def test_one_finding_type_for_plan_and_check():
+    """check builds the shared Finding (no finding class of its own), and every dataclass named *Finding in the
+    library is that one."""
+    import importlib
+
+    from vramguard import finding
+    from vramguard.check import rules
+    check_mod, plan = importlib.import_module("vramguard.check"), importlib.import_module("vramguard.plan")
+    from vramguard.probe.env import Env
+    classes = [f"{mod}.{node.name}" for mod, path in _sources().items() for node in ast.walk(ast.parse(path.read_text()))
+               if isinstance(node, ast.ClassDef) and node.name.endswith("Finding")]
+    assert classes == ["vramguard.finding.Finding"]
+    assert plan.Finding is finding.Finding and check_mod.Finding is finding.Finding
+    r = check_mod.check("llama-3.1-8b", Settings(quant="nf4"), gpu="t4", verify=False, env=Env())
+    assert r.findings and all(type(f) is finding.Finding and f.level in finding.LEVELS for f in r.findings)
+    f = rules.finding_line("ram_vs_shard", "ok", "9.95 GB", "the shard fits in free RAM")
+    assert (f.code, f.level, f.value, f.message, f.fix, f.bytes) == (
+        "ram_vs_shard", "ok", "9.95 GB", "the shard fits in free RAM", None, None)
+
+
+def test_the_check_json_keeps_its_keys_and_carries_the_shared_ones():
+    from vramguard.cli.render import check_finding_to_json
+    from vramguard.finding import Finding
+    d = check_finding_to_json(Finding("plan", "fail", "needs more", "quantize", 5, "needs 9 GiB of 8 GiB"))
+    assert d == {"code": "plan", "level": "fail", "message": "needs more", "fix": "quantize", "bytes": 5,
+                 "value": "needs 9 GiB of 8 GiB", "name": "plan", "status": "fail", "reason": "needs more"}
+
+
+def test_the_optional_packages_are_listed_once():
+    """One table (vramguard.extras) names each optional package and its extra; the CLI, serve and the multi-card
+    planner read it, no other module lists three or more of them, and each is in that extra of pyproject.toml."""
+    import re
+    import tomllib
+
+    from vramguard import extras
+    from vramguard.cli import serve as cli_serve
+    names = set(extras.OPTIONAL_PACKAGES)
+    lists = []
+    for mod, path in _sources().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+                strs = {e.value for e in node.elts if isinstance(e, ast.Constant) and isinstance(e.value, str)}
+                if len(strs & names) >= 3:
+                    lists.append(f"{mod}:{node.lineno}")
+            if isinstance(node, ast.Dict) and len({k.value for k in node.keys if isinstance(k, ast.Constant)}
+                                                  & names) >= 3 and mod != "vramguard.extras":
+                lists.append(f"{mod}:{node.lineno}")
+    assert lists == []
+    assert extras.needed_by("serve") == ("torch", "transformers", "accelerate", "fastapi", "uvicorn",
+                                         "sse_starlette", "prometheus_client", "httpx")
+    assert extras.needed_by("load") == ("torch", "transformers", "accelerate")
+    assert extras.extra_of("torch.cuda") == "gpu" and extras.extra_of("sse_starlette") == "serve"
+    assert extras.extra_of("numpy") is None
+    assert "vramguard.extras import" in Path(cli_serve.__file__).read_text()
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    for module, (extra, _) in extras.OPTIONAL_PACKAGES.items():
+        dists = [re.split(r"[<>=!;\s\[]", r)[0].lower().replace("_", "-") for r in pyproject[extra]]
+        assert any(d.startswith(module.replace("_", "-")) for d in dists), (module, extra)
+    with pytest.raises(ValueError, match="use='run'"):
+        extras.needed_by("run")

@@ -17,15 +17,11 @@ import typer
 from vramguard.errors import (EXIT_INTERNAL, ConfigError, Infeasible, InvalidValue, UnknownGpu, UnknownModel,
                               VramguardError)
 from vramguard.cli.render import console  # rich only: no torch import
+from vramguard.extras import extra_of
 
 # each error's exit code, as its class defines it (vramguard.errors says what each code means)
 EXIT_CODES: dict[type, int] = {c: c.exit_code for c in (InvalidValue, ConfigError, UnknownModel, UnknownGpu,
                                                         Infeasible)}
-# optional packages and the extra that installs each (pyproject.toml); a missing one is exit 3, not an internal error
-OPTIONAL_PACKAGES = {m: "gpu" for m in ("torch", "transformers", "accelerate", "safetensors", "bitsandbytes",
-                                        "matplotlib", "optimum", "hqq")} | {
-    m: "serve" for m in ("fastapi", "uvicorn", "sse_starlette", "prometheus_client", "httpx", "pydantic")}
-
 err = console(stderr=True)
 
 # library field name -> the CLI option that sets it
@@ -106,10 +102,9 @@ def run_guarded(fn, *args, as_json: bool = False, **kwargs):
         raise
     except ModuleNotFoundError as e:  # an optional dependency of this command is missing: name it and the extra
         top = (e.name or "").split(".")[0]
-        if top not in OPTIONAL_PACKAGES or os.environ.get("VRAMGUARD_DEBUG"):
+        if extra_of(top) is None or os.environ.get("VRAMGUARD_DEBUG"):
             raise
-        say(f"error {top} not installed: this command needs it.\nfix: "
-            + install_fix(OPTIONAL_PACKAGES[top], top == "torch"))
+        say(f"error {top} not installed: this command needs it.\nfix: " + install_fix(extra_of(top), top == "torch"))
         raise typer.Exit(3) from None
     except Exception as e:  # an internal error: say so plainly, keep the traceback for debugging only
         if os.environ.get("VRAMGUARD_DEBUG"):

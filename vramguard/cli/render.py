@@ -330,10 +330,18 @@ def print_plan(p: Plan, console: Console | None = None) -> None:
         c.print(ch)
 
 
+def check_finding_to_json(f) -> dict:
+    """One check finding as JSON: the shared finding's keys (as ``plan --format json`` writes them), and under
+    check's own keys of earlier releases the same values (``name`` = code, ``status`` = level, ``reason`` =
+    message)."""
+    return {**to_jsonable(f), "name": f.code, "status": f.level, "reason": f.message}
+
+
 def check_to_json(r) -> dict:
     """A CheckReport as JSON: findings, the resolved parameter dtype, the card and the kernel that ran."""
     return {"failed": r.failed, "param_dtype": r.param_dtype, "gpu": to_jsonable(r.gpu),
-            "findings": to_jsonable(r.findings), "attention_kernel": to_jsonable(r.kernel), "notes": r.notes}
+            "findings": [check_finding_to_json(f) for f in r.findings], "attention_kernel": to_jsonable(r.kernel),
+            "notes": r.notes}
 
 
 def print_check(r, console: Console | None = None) -> None:
@@ -342,14 +350,14 @@ def print_check(r, console: Console | None = None) -> None:
     color = {"ok": "green", "warn": "yellow", "fail": "red", "info": "cyan"}
     c.print("[bold]vramguard check[/bold]" + (f" - {r.model}" if getattr(r, "model", None) else ""))
     for f in r.findings:
-        c.print(f"[{color.get(f.status, 'white')}]{f.status.upper():4}[/] [bold]{f.name}[/bold]: {f.value}",
+        c.print(f"[{color.get(f.level, 'white')}]{f.level.upper():4}[/] [bold]{f.code}[/bold]: {f.value}",
                 highlight=False)
-        if f.reason:
-            c.print(Padding(Text(f.reason, style="dim" if f.status == "ok" else ""), (0, 0, 0, 5)))
+        if f.message:
+            c.print(Padding(Text(f.message, style="dim" if f.level == "ok" else ""), (0, 0, 0, 5)))
         if f.fix:
             indented(c, f"fix: {f.fix}")
-    fails = sum(f.status == "fail" for f in r.findings)
-    warns = sum(f.status == "warn" for f in r.findings)
+    fails = sum(f.level == "fail" for f in r.findings)
+    warns = sum(f.level == "warn" for f in r.findings)
     c.print(f"{fails} failed, {plural(warns, 'warning')}" + (": fix the failures before loading" if fails else ""))
 
 

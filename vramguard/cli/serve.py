@@ -15,9 +15,6 @@ from vramguard.cli.options import DtypeArg, LoadAttn, Quant, quant_option, strip
 from vramguard.errors import InvalidValue
 from vramguard.serve.generate_engine import ENGINES
 
-# what serve imports, checked before anything is loaded
-SERVE_PACKAGES = ("torch", "transformers", "accelerate", "fastapi", "uvicorn", "sse_starlette", "prometheus_client",
-                  "httpx")
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 ServeEngine = Enum("ServeEngine", {v: v for v in ENGINES}, type=str)
 # options the router sets for its workers itself; the rest of the command line is passed on to each worker
@@ -90,10 +87,10 @@ def serve(
 
 
 def require_serve_packages() -> None:
-    """Exit 3 naming the packages of :data:`SERVE_PACKAGES` that are not installed, and the command that installs
-    them."""
-    import importlib.util
-    missing = [m for m in SERVE_PACKAGES if importlib.util.find_spec(m) is None]
+    """Exit 3 naming the packages serve imports (:func:`vramguard.extras.needed_by`) that are not installed, and
+    the command that installs them; checked before anything is loaded."""
+    from vramguard.extras import missing as missing_packages
+    missing = missing_packages("serve")
     if missing:
         say(f"error serve: {', '.join(missing)} not installed.\nfix: " + install_fix("serve,gpu", "torch" in missing))
         raise typer.Exit(3)

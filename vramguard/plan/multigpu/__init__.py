@@ -35,12 +35,13 @@ def _require_libraries(field: str = "gpus") -> None:
     """Raise NotPlannable naming the missing package (for the option ``field`` that asked for the split): the split
     is transformers' and accelerate's own."""
     from vramguard.errors import NotPlannable
-    for package in ("torch", "transformers", "accelerate"):
+    from vramguard.extras import needed_by
+    for package in needed_by("load"):
         try:
             __import__(package)
         except ImportError as e:
-            raise NotPlannable(field, package, "torch, transformers and accelerate installed (the split over "
-                               "several cards is theirs, computed on the meta device)",
+            raise NotPlannable(field, package, f"{', '.join(needed_by('load'))} installed (the split over several "
+                               "cards is theirs, computed on the meta device)",
                                f"pip install 'vramguard[gpu]' ({str(e).splitlines()[0][:120]})") from None
 
 
