@@ -35,8 +35,8 @@ def _import_graph() -> dict[str, set[str]]:
     graph: dict[str, set[str]] = collections.defaultdict(set)
     for mod, path in mods.items():
         tree = ast.parse(path.read_text())
-        skip = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
-                for n in ast.walk(node)}
+        skip = {id(n) for node in ast.walk(tree)
+                if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test) for n in ast.walk(node)}
         pkg = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
         for node in ast.walk(tree):
             if id(node) in skip:
@@ -349,7 +349,8 @@ def test_one_finding_type_for_plan_and_check():
     from vramguard.check import rules
     check_mod, plan = importlib.import_module("vramguard.check"), importlib.import_module("vramguard.plan")
     from vramguard.probe.env import Env
-    classes = [f"{mod}.{node.name}" for mod, path in _sources().items() for node in ast.walk(ast.parse(path.read_text()))
+    classes = [f"{mod}.{node.name}" for mod, path in _sources().items()
+               for node in ast.walk(ast.parse(path.read_text()))
                if isinstance(node, ast.ClassDef) and node.name.endswith("Finding")]
     assert classes == ["vramguard.finding.Finding"]
     assert plan.Finding is finding.Finding and check_mod.Finding is finding.Finding
@@ -400,3 +401,9 @@ def test_the_optional_packages_are_listed_once():
         assert any(d.startswith(module.replace("_", "-")) for d in dists), (module, extra)
     with pytest.raises(ValueError, match="use='run'"):
         extras.needed_by("run")
+
+
+def test_no_line_over_120_characters():
+    wide = [f"{mod}:{i}: {len(line)} characters" for mod, path in _sources().items()
+            for i, line in enumerate(path.read_text().splitlines(), 1) if len(line) > 120]
+    assert wide == []

@@ -221,5 +221,5 @@ def _unload_finding(rep, weights_bytes: int | None) -> Finding:
                         "memory returned" if ok else ("not measured" if ok is None else "memory not returned"),
                         rep.describe(weights_bytes),
                         None if ok or ok is None else "in a long-lived process, free models with "
-                        "vramguard.runtime.load.unload (it breaks the reference cycles gc.collect() would) and drop your own "
-                        "references to the tensors named")
+                        "vramguard.runtime.load.unload (it breaks the reference cycles gc.collect() would) and drop "
+                        "your own references to the tensors named")

@@ -1,7 +1,8 @@
 """The findings of ``check``: pure functions of the probed environment, the checkpoint and the load settings.
 
 Each finding (the shared :class:`~vramguard.finding.Finding`) has a level (ok / info / warn / fail), the value
-found, the reason and the fix. No probing happens here, so tests build an :class:`~vramguard.probe.env.Env` by hand to reach every branch.
+found, the reason and the fix. No probing happens here, so tests build an :class:`~vramguard.probe.env.Env` by
+hand to reach every branch.
 """
 
 from __future__ import annotations

@@ -93,7 +93,8 @@ def build_plans(model: str, gpu: str | None, vram: str | None, a: EngineArgs):
                      gpu_memory_utilization=a.gpu_memory_utilization, max_model_len=a.max_model_len,
                      kv_cache_dtype=a.kv_cache_dtype, max_num_seqs=a.max_num_seqs,
                      max_num_batched_tokens=a.max_num_batched_tokens,
-                     dtype=TORCH_DTYPE_NAMES.get(a.dtype, "auto") if a.dtype else "auto", kv_offloading_size_bytes=offload)
+                     dtype=TORCH_DTYPE_NAMES.get(a.dtype, "auto") if a.dtype else "auto",
+                     kv_offloading_size_bytes=offload)
     return [plan_vllm(spec, card, s) for card in cards]
 
 

@@ -119,7 +119,8 @@ class VllmPlan:
     ``available_kv_bytes = requested_bytes - weights_bytes - activation_bytes - non_torch_bytes - nccl_bytes
     - (cudagraph_bytes if settings.cudagraph_in_budget)``, for the pipeline stage with the fewest blocks (its
     weights are ``weights_bytes``; every stage's in ``weights_by_stage``); ``kv_tokens`` and ``max_concurrency`` are
-    the two startup log lines (``kv_tokens_by_blocks``: the tokens line of V1 releases before 0.33). ``refusal`` is the error vLLM would stop with (None when it starts).
+    the two startup log lines (``kv_tokens_by_blocks``: the tokens line of V1 releases before 0.33). ``refusal``
+    is the error vLLM would stop with (None when it starts).
     """
 
     model: str

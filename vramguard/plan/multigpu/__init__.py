@@ -1,7 +1,8 @@
 """Planning one process over several GPUs: ``device_map="auto"`` across cards and ``tp_plan="auto"`` per rank.
 
 The split comes from transformers itself on the meta model (:mod:`vramguard.plan.multigpu.devicemap`,
-:mod:`vramguard.plan.multigpu.tensorparallel`); each card's need and the verdict from :mod:`vramguard.plan.multigpu.cards`.
+:mod:`vramguard.plan.multigpu.tensorparallel`); each card's need and the verdict from
+:mod:`vramguard.plan.multigpu.cards`.
 Needs torch, transformers and accelerate; pure otherwise (no CUDA call).
 """
 
