@@ -16,6 +16,7 @@ from vramguard.errors import EXIT_DEVICE_ERROR, ConfigError, InvalidValue
 from vramguard.serve.api import BODY_TIMEOUT_S, SHUTDOWN_GRACE_S, ServeOptions, create_app
 from vramguard.serve.engine import Engine
 from vramguard.serve.metrics import Metrics
+from vramguard.memory.kv import paged_pool_bytes
 from vramguard.serve.pool import PoolPlan, plan_pool
 from vramguard.units import GiB, fmt_bytes, fmt_gib
 
@@ -416,7 +417,7 @@ def _paged_pool(spec, m, usable: int, source: str, *, page_size: int, max_batch_
                      on_cuda=next(m.parameters()).is_cuda, source=source)
     if max_kv_blocks is not None and max_kv_blocks < pool.num_blocks:
         pool.num_blocks, pool.pool_tokens = max_kv_blocks, max_kv_blocks * page_size
-        pool.pool_bytes = pool.pool_tokens * pool.kv_bytes_per_token
+        pool.pool_bytes = paged_pool_bytes(spec, max_kv_blocks, page_size, act_bytes)
         pool.source += f"; capped at {max_kv_blocks} blocks by --max-kv-blocks"
     return pool
 
