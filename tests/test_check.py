@@ -4,6 +4,7 @@ import pytest
 
 from vramguard.catalog.gpus import GPUS, GpuSpec
 from vramguard.check import check
+from vramguard.cli.flags import as_flags
 from vramguard.probe.checkpoint import read_checkpoint, resolve_param_dtype
 from vramguard.probe.env import Env, probe_env
 from vramguard.settings import Settings
@@ -177,7 +178,7 @@ def test_environment_branches():
     r = check(None, base, env=env(gpus=(busy,)))
     assert by_name(r, "other_processes")[0].level == "warn" and "6.00 GiB" in by_name(r, "other_processes")[0].value
     nogpu = check(None, base, env=env(cuda_available=False, cuda_reason="torch was built without CUDA"))
-    assert by_name(nogpu, "cuda")[0].level == "warn" and "--gpu" in by_name(nogpu, "cuda")[0].fix
+    assert by_name(nogpu, "cuda")[0].level == "warn" and "--gpu" in as_flags(by_name(nogpu, "cuda")[0].fix)
     assert not nogpu.failed
 
 

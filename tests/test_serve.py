@@ -614,7 +614,8 @@ def test_greedy_server_refuses_sampling_and_matches_transformers(folder):
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == _words(_reference(s, ids, 10))
         r = _post(url, "/v1/completions", {"model": "tiny", "prompt": ids, "max_tokens": 4, "temperature": 0.7})
         assert r.status_code == 400 and (_err(r)["param"], _err(r)["code"]) == ("temperature", "unsupported_parameter")
-        assert "--greedy" in _err(r)["message"]
+        from vramguard.cli.flags import as_flags
+        assert "greedy=True" in _err(r)["message"] and "--greedy" in as_flags(_err(r)["message"])
     finally:
         s.stop()
 
@@ -674,8 +675,9 @@ def test_engine_refusing_the_pool_is_a_clear_error(folder, monkeypatch):
     msg = str(e.value)
     assert "21.01 GiB" in msg and "19.30 GiB" in msg and e.value.exit_code == 4
     # the fix gives the shortfall and a pool that would pass: 20 blocks of 16 tokens planned (--max-kv-blocks 20)
-    assert "by at least 1.72 GiB" in e.value.fix and "vram_budget= in build()" in e.value.fix
-    assert "--max-kv-blocks 1," in e.value.fix and "a KV pool of 20 blocks" in msg
+    from vramguard.cli.flags import as_flags
+    assert "lower vram_budget= by at least 1.72 GiB" in e.value.fix
+    assert "--max-kv-blocks 1," in as_flags(e.value.fix) and "a KV pool of 20 blocks" in msg
 
 
 def test_a_model_without_a_tokenizer_says_what_that_means(tmp_path):

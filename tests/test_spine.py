@@ -407,3 +407,52 @@ def test_no_line_over_120_characters():
     wide = [f"{mod}:{i}: {len(line)} characters" for mod, path in _sources().items()
             for i, line in enumerate(path.read_text().splitlines(), 1) if len(line) > 120]
     assert wide == []
+
+
+def _cli_options() -> set[str]:
+    """Every ``--option`` of vramguard's CLI (typer's click commands)."""
+    import typer.main
+
+    from vramguard.cli import app
+    group = typer.main.get_command(app)
+    return {opt for cmd in group.commands.values() for p in cmd.params for opt in (*p.opts, *p.secondary_opts)
+            if opt.startswith("--")}
+
+
+# modules that write another program's command line: vLLM's (engines, export), vramguard's own for the router's
+# workers, dmesg's and journalctl's
+COMMAND_LINE_WRITERS = ("vramguard.engines.vllm_text", "vramguard.export", "vramguard.serve.router",
+                        "vramguard.oomlog.sources")
+
+
+def test_library_texts_name_no_cli_option():
+    """No string the library produces (outside cli/: errors, findings, notes, server messages) names one of the
+    CLI's options; the library names its parameter (``chunk_tokens=``) and the CLI renders it as its option.
+    Docstrings may explain which option sets a field."""
+    import re
+    options = _cli_options()
+    assert {"--chunk-tokens", "--vram", "--vram-budget", "--gpu", "--quant"} <= options
+    flag = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
+    found = []
+    for mod, path in _sources().items():
+        if mod.startswith("vramguard.cli") or mod in COMMAND_LINE_WRITERS:
+            continue
+        tree = ast.parse(path.read_text())
+        docs = {id(n.body[0].value) for n in ast.walk(tree)
+                if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and n.body
+                and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs:
+                found += [f"{mod}:{node.lineno}: {f}" for f in flag.findall(node.value) if f in options]
+    assert found == []
+
+
+def test_the_cli_renders_library_fields_as_its_options():
+    from vramguard.cli.flags import as_flags
+    assert as_flags("raise vram_budget= by at least 2 GiB, lower max_batch_tokens= / max_running=") == (
+        "raise --vram-budget by at least 2 GiB, lower --max-batch-tokens / --max-running")
+    assert as_flags("pass dtype=torch.bfloat16; device_map='auto' offloads; attn='eager'") == (
+        "pass dtype=torch.bfloat16; device_map='auto' offloads; --attn eager")
+    assert as_flags("a catalog name (vramguard.catalog.models.MODELS), quant=nf4") == (
+        "a catalog name (vramguard plan --list-models), --quant nf4")
+    assert as_flags("started with greedy=True") == "started with --greedy"

@@ -72,7 +72,7 @@ def check(model: str | None = None, settings: Settings | None = None, *, dtype: 
     env = env or probe_env()
     s = settings or Settings(attn="sdpa")
     card = gpu_from_catalog(gpu) if gpu else (env.gpus[0] if env.gpus else None)
-    source = "named with --gpu (catalog)" if gpu else ("detected by NVML" if card else "")
+    source = "named with gpu= (catalog)" if gpu else ("detected by NVML" if card else "")
     spec = resolve_model(model, revision) if model else None
     folder = model_folder(model) if model and revision is None else None
     from vramguard.hub import checkpoint_info
@@ -109,7 +109,7 @@ def check(model: str | None = None, settings: Settings | None = None, *, dtype: 
     report = CheckReport(findings, param_dtype, card, model=spec.name if spec else None)
     if spec is not None:
         from vramguard.plan import check_context
-        check_context(spec, s, beyond=" (a RoPE-scaled model may allow more: vramguard plan --context N)")
+        check_context(spec, s, beyond=" (a RoPE-scaled model may allow more: plan with context=N)")
     if spec is not None:
         findings += _plan_findings(model, spec, s, card, env, device_map)
     if verify and folder is not None and env.cuda_available:
@@ -123,7 +123,7 @@ def _plan_findings(model, spec, s: Settings, card, env, device_map) -> list[Find
     if card is None:
         est = estimate(spec, s)
         return [finding_line("plan", "info", f"needs {fmt_gib(est.device_used_bytes)} on the card",
-                             "no card to compare with", "pass --gpu NAME to check against a card")]
+                             "no card to compare with", "pass gpu=NAME to check against a card")]
     v = plan(spec, s, gpus=[card], solve=False).cards[0]
     out = [finding_line("plan", "ok" if v.fits else "fail",
                         f"needs {fmt_gib(v.need_bytes)} of {fmt_gib(v.usable_bytes)}",
@@ -152,7 +152,7 @@ def _attention_support_findings(spec, s: Settings) -> list[Finding]:
     other = " or ".join(a for a in ("sdpa", "flash_attention_2") if a != s.attn and supports.get(a))
     return [finding_line("attn_supported", "fail", f"{s.attn} refused by the model class",
                          f"transformers' class for {spec.model_type} does not accept attn_implementation={s.attn}",
-                         "pass --attn eager" + (f" (or {other}, where it can run)" if other else ""))]
+                         "pass attn=eager" + (f" (or {other}, where it can run)" if other else ""))]
 
 
 def _placement_finding(model, spec, s, card, env) -> Finding:

@@ -51,7 +51,7 @@ def environment_findings(env: Env, gpu: GpuSpec | None, gpu_source: str) -> list
         f.append(finding_line("cuda", "warn", "no CUDA GPU on this machine",
                               (f"{why}. " if why else "") + "Checking what can be checked without one"
                               + (f"; settings are checked against {gpu.label}" if gpu else ""),
-                              None if gpu else "name the card you will run on with --gpu NAME"))
+                              None if gpu else "name the card you will run on with gpu=NAME"))
     if gpu is not None:
         used = gpu.used_by_others_bytes
         f.append(finding_line("gpu", "ok", f"{gpu.label}, compute capability {_cc(gpu)}, "

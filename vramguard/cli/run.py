@@ -50,7 +50,7 @@ def run(
     def build():
         _allocator_note()
         text = _read_prompt(prompt, prompt_file)
-        budget = size_option(vram_budget, "--vram-budget") if vram_budget else None
+        budget = size_option(vram_budget, "vram_budget") if vram_budget else None
         import torch
         import transformers
 

@@ -67,7 +67,7 @@ def serve(
 
     def start() -> int:
         _allocator_note()
-        budget = size_option(vram_budget, "--vram-budget") if vram_budget else None
+        budget = size_option(vram_budget, "vram_budget") if vram_budget else None
         body = parse_size(max_body_size, "--max-body-size", example="1MiB")
         check_address(host, port, api_key)
         if gpus is not None:
@@ -148,8 +148,11 @@ def serve_one(model: str, host: str, port: int, listening, **options) -> int:
     was loaded, and serve until stopped; returns its exit code."""
     import transformers
 
+    from vramguard.cli.flags import as_flags
+    from vramguard.serve.apierrors import word_messages_with
     from vramguard.serve.server import build
     transformers.utils.logging.disable_progress_bar()
+    word_messages_with(as_flags)  # the clients of a server started here read its options, as its log does
     served = build(model, **options)
     a = served.report.active if served.report is not None else {}
     say("loaded: " + ", ".join(f"{k} {a[k]}" for k in ("quant", "compute_dtype", "dtype", "attn", "device")

@@ -30,6 +30,15 @@ ERRORS: dict[str, tuple[int, str]] = {  # code: (HTTP status, OpenAI error type)
 }
 
 
+_WORDING: list = []  # the function the process that started the server words messages with (at most one)
+
+
+def word_messages_with(fn) -> None:
+    """Word every error message through ``fn`` from now on: the library's messages name its parameters
+    (``vram_budget=``), and the CLI that started the server passes the function that names its options instead."""
+    _WORDING[:] = [fn]
+
+
 class ApiError(Exception):
     """An HTTP error with OpenAI's body and optional headers. Build it from the table with :meth:`of`."""
 
@@ -47,7 +56,8 @@ class ApiError(Exception):
 
     def body(self) -> dict:
         """The OpenAI error object."""
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        message = _WORDING[0](self.message) if _WORDING else self.message
+        return {"error": {"message": message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
         """The JSON response with this status and headers."""

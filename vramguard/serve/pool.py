@@ -15,10 +15,10 @@ R = max requests per step, V = vocab):
 * the pool itself: transformers' ``PagedAttentionCache`` tensor for the blocks, with its sectors and trash
   sectors (:func:`vramguard.memory.kv.paged_pool_bytes`; every layer sized in full,
   :func:`vramguard.memory.kv.paged_block_bytes`).
-* per pool token: the KV itself, ``layers x 2 x kv_heads x head_dim x a`` (the block over its tokens); plus, when attention is not FlashAttention,
-  the key/value states read back from the pool for one layer with KV heads repeated to the query heads
-  (``(2 x heads + kv_heads) x head_dim x a``, same handler) and one column of the ``[M, N + M]`` attention mask
-  (``M x a``).
+* per pool token: the KV itself, ``layers x 2 x kv_heads x head_dim x a`` (the block over its tokens); plus,
+  when attention is not FlashAttention, the key/value states read back from the pool for one layer with KV heads
+  repeated to the query heads (``(2 x heads + kv_heads) x head_dim x a``, same handler) and one column of the
+  ``[M, N + M]`` attention mask (``M x a``).
 * per request row of logits: ``V x 34`` B: the float32 logits, the temperature-scaled copy, top-k/top-p sort values
   (float32) and indices (int64), softmax, cumulative sum, masks and the sampling probabilities.
 * the caching allocator's reserve on the step's transient memory:
@@ -52,7 +52,7 @@ class PoolPlan:
         step_peak_bytes: the largest step's transient memory (activations, mask, read-back KV, logits).
         reserve_bytes: allocator reserve on top of it. margin_bytes: fixed margin for CUDA graphs (GPU only).
         max_batch_tokens, max_requests: the step limits the engine is given.
-        source: how the budget was decided (``--vram-budget``, the card's free memory, or host RAM on the CPU).
+        source: how the budget was decided (``vram_budget=``, the card's free memory, or host RAM on the CPU).
     """
 
     usable_bytes: int
@@ -97,7 +97,7 @@ def _step_bytes(spec, a: int, flash: bool, m: int, n: int, r: int) -> tuple[int,
 
 def plan_pool(spec, usable_bytes: int, *, act_bytes: int = 2, flash: bool = False, page_size: int = 256,
               max_batch_tokens: int = 2048, max_requests: int = 64, on_cuda: bool = True,
-              source: str = "--vram-budget") -> PoolPlan:
+              source: str = "vram_budget=") -> PoolPlan:
     """The largest pool that fits ``usable_bytes`` with the engine's largest step beside it.
 
     Args:
@@ -136,8 +136,8 @@ def plan_pool(spec, usable_bytes: int, *, act_bytes: int = 2, flash: bool = Fals
         raise Infeasible("vram_budget", f"{usable_bytes:,} B left after the weights",
                          f"at least {need:,} B ({fmt_bytes(need)}) for one {page_size}-token block beside the largest "
                          f"step ({max_batch_tokens} batch tokens, {max_requests} requests)",
-                         f"raise --vram-budget by at least {fmt_bytes(need - usable_bytes)}, lower --max-batch-tokens "
-                         "/ --max-running, or quantize the weights")
+                         f"raise vram_budget= by at least {fmt_bytes(need - usable_bytes)}, lower max_batch_tokens= "
+                         "/ max_running=, or quantize the weights")
     return PoolPlan(usable_bytes=usable_bytes, page_size=page_size, num_blocks=blocks, pool_tokens=blocks * page_size,
                     kv_bytes_per_token=kv_tok, pool_bytes=pool_bytes, step_peak_bytes=transient,
                     reserve_bytes=reserve, margin_bytes=margin, max_batch_tokens=max_batch_tokens,
