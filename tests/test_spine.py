@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import collections
+import functools
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,12 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "vramguard"
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             vocab_size=300, max_position_embeddings=256)
+
+
+@functools.cache
+def _tree(path: Path) -> ast.Module:
+    """The parsed source of ``path``, once per test session (the layout tests read every module)."""
+    return ast.parse(path.read_text())
 
 
 def _sources() -> dict[str, Path]:
@@ -34,7 +41,7 @@ def _import_graph() -> dict[str, set[str]]:
     mods = _sources()
     graph: dict[str, set[str]] = collections.defaultdict(set)
     for mod, path in mods.items():
-        tree = ast.parse(path.read_text())
+        tree = _tree(path)
         skip = {id(n) for node in ast.walk(tree)
                 if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test) for n in ast.walk(node)}
         pkg = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
@@ -136,7 +143,7 @@ def test_no_attribute_is_set_on_another_librarys_object():
     """vramguard keeps what it knows about a model in its handle, never as ``obj._vramguard_*``."""
     found = []
     for mod, path in _sources().items():
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(_tree(path)):
             targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
                 node, (ast.AnnAssign, ast.AugAssign)) else []
             found += [f"{mod}:{node.lineno}" for t in targets if isinstance(t, ast.Attribute)
@@ -307,7 +314,7 @@ def test_library_raises_name_no_option():
     for mod, path in _sources().items():
         if mod.startswith(("vramguard.cli", "vramguard.serve")):
             continue
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(_tree(path)):
             if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call) and node.exc.args:
                 first = node.exc.args[0]
                 if isinstance(first, ast.Constant) and str(first.value).startswith("--"):
@@ -350,7 +357,7 @@ def test_one_finding_type_for_plan_and_check():
     check_mod, plan = importlib.import_module("vramguard.check"), importlib.import_module("vramguard.plan")
     from vramguard.probe.env import Env
     classes = [f"{mod}.{node.name}" for mod, path in _sources().items()
-               for node in ast.walk(ast.parse(path.read_text()))
+               for node in ast.walk(_tree(path))
                if isinstance(node, ast.ClassDef) and node.name.endswith("Finding")]
     assert classes == ["vramguard.finding.Finding"]
     assert plan.Finding is finding.Finding and check_mod.Finding is finding.Finding
@@ -380,7 +387,7 @@ def test_the_optional_packages_are_listed_once():
     names = set(extras.OPTIONAL_PACKAGES)
     lists = []
     for mod, path in _sources().items():
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(_tree(path)):
             if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
                 strs = {e.value for e in node.elts if isinstance(e, ast.Constant) and isinstance(e.value, str)}
                 if len(strs & names) >= 3:
@@ -437,7 +444,7 @@ def test_library_texts_name_no_cli_option():
     for mod, path in _sources().items():
         if mod.startswith("vramguard.cli") or mod in COMMAND_LINE_WRITERS:
             continue
-        tree = ast.parse(path.read_text())
+        tree = _tree(path)
         docs = {id(n.body[0].value) for n in ast.walk(tree)
                 if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and n.body
                 and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
