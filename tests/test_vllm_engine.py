@@ -15,7 +15,7 @@ from vramguard.memory.weights import weight_bytes
 from vramguard.resolve import resolve_model
 from vramguard.settings import Settings
 from vramguard.spec import spec_from_config
-from vramguard.units import GiB
+from vramguard.units import GiB, MiB
 
 LLAMA31 = resolve_model("llama-3.1-8b")
 
@@ -111,6 +111,32 @@ def test_families_without_a_vllm_model_are_refused():
     assert "quantization_config" in e.value.field
 
 
+def _quantized(llama_cfg: dict, weights: dict, method: str = "compressed-tensors") -> dict:
+    q = {"quant_method": method, "ignore": ["lm_head"],
+         "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
+                                       "input_activations": {"num_bits": 8, "type": "float", "dynamic": True}}}}
+    return {**llama_cfg, "quantization_config": q}
+
+
+def test_8bit_compressed_tensors_linears():
+    from vramguard.spec import spec_from_config
+    cfg = {k: v for k, v in json.loads(LLAMA31.config_json).items() if k != "source"}
+    fp8 = spec_from_config(_quantized(cfg, {"num_bits": 8, "type": "float", "strategy": "channel"}), name="fp8")
+    # qkv 6,144 x 4,096 x 1 B + 6,144 fp32 scales, o 4,096 x 4,096 + 4,096 x 4, gate_up 28,672 x 4,096 + 28,672 x 4,
+    # down 4,096 x 14,336 + 4,096 x 4, two bf16 norms of 4,096: 218,292,224 B
+    assert w.layer_weight_bytes(fp8, 1, 2) == 218_292_224
+    # embeddings and LM head stay bf16 (lm_head ignored): 2 x 128,256 x 4,096 x 2 B
+    r = w.rank_weights(fp8, 1, 1, 2)[0]
+    assert r.embedding_bytes + r.lm_head_bytes == 2 * 128_256 * 4_096 * 2
+    from vramguard.errors import ConfigError
+    for bad in (_quantized(cfg, {"num_bits": 4, "type": "int", "strategy": "group"}),  # W4A16
+                _quantized(cfg, {"num_bits": 8, "type": "float", "strategy": "block"}),  # block FP8
+                _quantized(cfg, {"num_bits": 8, "type": "float", "strategy": "channel"}, method="fp8")):
+        with pytest.raises(ConfigError) as e:
+            plan_vllm(spec_from_config(bad, name="q"), card(80 * GiB))
+        assert e.value.field == "config.json:quantization_config"
+
+
 def test_blocks_tokens_and_concurrency_match_vllm_logs():
     # github.com/vllm-project/vllm/pull/13596: 127,626 blocks, 2,048 tokens per request -> 2,042,016 tokens, 997.08x
     g = [kv.KvGroup("full_attention", 32, 65_536)]
@@ -155,21 +181,32 @@ def test_batch_defaults_by_card():
 def test_activation_terms():
     # forward at 8,192 tokens: 8,192 x 2 x (3 x 4,096 + 3 x 14,336) = 905,969,664 B
     assert w.forward_peak_bytes(LLAMA31, 1, 8192, 2) == 905_969_664
-    # sampler: hidden 8,192 x 4,096 x 2 + last 256 x 4,096 x 2 + 256 x 128,256 x (2 + 26)
-    assert w.sampler_peak_bytes(LLAMA31, 8192, 256, 2) == 67_108_864 + 2_097_152 + 919_339_008
+    # sampler (0.33.0's Triton top-k/top-p): hidden 8,192 x 4,096 x 2 + last 256 x 4,096 x 2
+    # + 256 x 128,256 x (2 + 12)
+    assert w.sampler_peak_bytes(LLAMA31, 8192, 256, 2) == 67_108_864 + 2_097_152 + 459_669_504
+    # the sort path of earlier V1 releases: 256 x 128,256 x (2 + 36); FlashInfer's: 256 x 128,256 x (2 + 8)
+    assert w.sampler_peak_bytes(LLAMA31, 8192, 256, 2, "sort") == 67_108_864 + 2_097_152 + 1_247_674_368
+    assert w.sampler_peak_bytes(LLAMA31, 8192, 256, 2, "flashinfer") == 67_108_864 + 2_097_152 + 328_335_360
 
 
 def test_budget_terms_add_up():
     p = plan_vllm(LLAMA31, card(80 * GiB), VllmSettings(max_model_len=8192))
     assert p.requested_bytes == int(80 * GiB * 0.9)
     assert p.available_kv_bytes == (p.requested_bytes - p.weights_bytes - p.activation_bytes - p.non_torch_bytes
-                                    - p.nccl_bytes - p.cudagraph_bytes)
+                                    - p.cudagraph_bytes)
     assert p.num_blocks == p.available_kv_bytes // (65_536 * 32)
     assert p.kv_tokens == p.num_blocks * 16 and p.starts
     old = plan_vllm(LLAMA31, card(80 * GiB), VllmSettings(max_model_len=8192, cudagraph_in_budget=False))
     assert old.available_kv_bytes - p.available_kv_bytes == p.cudagraph_bytes
     tp2 = plan_vllm(LLAMA31, card(80 * GiB), VllmSettings(max_model_len=8192, tensor_parallel_size=2))
     assert tp2.nccl_bytes > 0 and tp2.weights_bytes < p.weights_bytes
+    # 0.33.0 initialises NCCL before its start snapshot: the buffers lower the free memory at start, not the KV cache
+    assert p.free_at_start_bytes - tp2.free_at_start_bytes == tp2.nccl_bytes == 420 * MiB
+    assert tp2.available_kv_bytes == (tp2.requested_bytes - tp2.weights_bytes - tp2.activation_bytes
+                                      - tp2.non_torch_bytes - tp2.cudagraph_bytes)
+    old_tp2 = plan_vllm(LLAMA31, card(80 * GiB), VllmSettings(max_model_len=8192, tensor_parallel_size=2,
+                                                             nccl_in_budget=True))
+    assert tp2.available_kv_bytes - old_tp2.available_kv_bytes == 420 * MiB
     assert kv.page_bytes(LLAMA31, 2, 2, 16) == 32_768  # 4 KV heads per rank
 
 
@@ -193,7 +230,8 @@ def test_fp8_kv_halves_the_page():
 
 
 @pytest.mark.parametrize("field, value", [("tensor_parallel_size", 0), ("gpu_memory_utilization", 1.5),
-                                          ("max_model_len", -1), ("kv_cache_dtype", "int4")])
+                                          ("max_model_len", -1), ("kv_cache_dtype", "int4"),
+                                          ("sampler", "greedy")])
 def test_bad_settings_name_the_field(field, value):
     with pytest.raises(InvalidValue) as e:
         VllmSettings(**{field: value})

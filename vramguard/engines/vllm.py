@@ -10,11 +10,17 @@ vllm-project/vllm main at commit 35d5cda1 (an earlier V1) except where noted. Ea
   init_device``).
 * KV bytes: ``requested_memory - non_kv_cache_memory - cudagraph_estimate`` (``gpu_worker.py::Worker.
   determine_available_memory``); ``non_kv_cache_memory`` (``vllm/utils/mem_utils.py::memory_profiling``) is the
-  free memory consumed since the start snapshot (the weights as loaded, memory outside torch that appeared: kernels,
-  NCCL's buffers at TP >= 2) plus the transient peak of ``torch`` allocated bytes during
+  free memory consumed since the start snapshot (the weights as loaded, memory outside torch that appeared: kernels
+  loaded on first use) plus the transient peak of ``torch`` allocated bytes during
   ``GPUModelRunner.profile_run``: a forward of ``max_num_batched_tokens`` tokens split over
   ``min(max_num_seqs, max_num_batched_tokens)`` requests, then ``_dummy_sampler_run`` on their logits with
-  ``top_k`` and ``top_p`` set.
+  ``top_k`` and ``top_p`` set (the top-k/top-p path: :attr:`VllmSettings.sampler`).
+* NCCL at TP/PP >= 2: 0.33.0's ``Worker.init_device`` runs ``init_worker_distributed_environment`` (NCCL
+  communicators, their warm-up all-reduce, the custom all-reduce buffers) *before* the start snapshot, "so NCCL
+  buffers are allocated before we measure available memory": they lower the free memory of the start check and are
+  not subtracted from the KV cache. Earlier V1 releases (commit 0012cf69) took the free memory before the
+  distributed init, so the buffers landed in the non-torch term and came out of the KV cache:
+  :attr:`VllmSettings.nccl_in_budget` True.
 * CUDA graphs: ``GPUModelRunner.profile_cudagraph_memory`` captures the largest graph and one more per mode and
   estimates ``first capture + (n - 1) x max(second capture, 1 MiB)``; subtracted from the budget while
   ``VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS`` is 1 (the default since v0.21). At 35d5cda1 graphs were captured
@@ -26,7 +32,8 @@ vllm-project/vllm main at commit 35d5cda1 (an earlier V1) except where noted. Ea
   8,192 / 1,024 from 70 GiB except A100s; else 2,048 / 256.
 
 Hand-modelled terms, not read from a trace (their error against published logs is in benchmarks/README.md): the
-activation peak, the non-torch increase (:data:`NON_TORCH_BYTES`, :data:`NCCL_BYTES`) and the CUDA graph pool.
+activation peak, the non-torch increase (:data:`NON_TORCH_BYTES`), NCCL's buffers (:data:`NCCL_BYTES`) and the CUDA
+graph pool.
 """
 
 from __future__ import annotations
@@ -46,11 +53,16 @@ KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2")
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 _SPEC_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
-# memory outside torch that appears during the profile run at TP=1 (kernel images loaded on first use: cuBLASLt,
-# FlashAttention, Inductor's Triton kernels); the CUDA context itself is in the start snapshot and not counted
+# memory outside torch that appears during the profile run at TP=1 (kernel images loaded on first use: FlashAttention,
+# Inductor's Triton kernels; 0.33.0 creates the cuBLAS/cuBLASLt handles before its start snapshot, and the CUDA
+# context is in it); vLLM logged 0.13-0.14 GiB on H100 (V1, llm-d-benchmark) and 0.25-0.35 GiB in V0 logs: the plan
+# keeps 0.25 GiB, between the two
 NON_TORCH_BYTES = 256 * MiB
-# NCCL's channel buffers, allocated at the first all-reduce of the profile run at TP >= 2 (NCCL connects lazily)
-NCCL_BYTES = 640 * MiB
+# NCCL's buffers at TP/PP >= 2 (NCCL_BUFFSIZE, 4 MiB by default, per channel and peer, send and receive:
+# docs.nvidia.com/deeplearning/nccl/user-guide/docs/env.html) with vLLM's custom all-reduce buffers: measured as the
+# step of vLLM's own non-torch memory from TP 1 to TP 2 on H100 NVLink, 0.14 -> 0.55 GiB (llm-d-benchmark,
+# config_explorer/empirical-vllm-memory-results.md); PCIe cards without P2P showed less (about 0.13 GiB)
+NCCL_BYTES = 420 * MiB
 # CUDA graph estimate: the first (largest) capture, modelled as the forward peak at the largest capture size, plus
 # at least 1 MiB per further graph (profile_cudagraph_memory's floor), for each of the two modes of the default
 # FULL_AND_PIECEWISE cudagraph mode
@@ -76,6 +88,11 @@ class VllmSettings:
             False for older versions, or with ``VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=0``).
         hybrid_kv_cache_manager: False is ``disable_hybrid_kv_cache_manager`` (sliding layers kept whole).
         kv_offloading_size_bytes: host memory for KV offloaded to the CPU (``kv_offloading_size``), 0 = none.
+        sampler: the top-k/top-p path of the dummy sampler run (:data:`~vramguard.engines.vllm_weights.
+            SAMPLER_BYTES_PER_LOGIT`): ``triton`` (0.33.0), ``sort`` (V1 before the Triton kernel), ``flashinfer``
+            (0.10 with FlashInfer's sampler).
+        nccl_in_budget: NCCL's buffers come out of the KV cache (V1 before the distributed init moved ahead of the
+            start snapshot); False (0.33.0): they only lower the free memory at start.
     """
 
     tensor_parallel_size: int = 1
@@ -91,6 +108,8 @@ class VllmSettings:
     cudagraph_in_budget: bool = True
     hybrid_kv_cache_manager: bool = True
     kv_offloading_size_bytes: int = 0
+    sampler: str = "triton"
+    nccl_in_budget: bool = False
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "block_size"):
@@ -108,6 +127,8 @@ class VllmSettings:
             raise InvalidValue("dtype", self.dtype, ", ".join(DTYPES), "pick one of them")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise InvalidValue("kv_cache_dtype", self.kv_cache_dtype, ", ".join(KV_CACHE_DTYPES), "pick one of them")
+        if self.sampler not in w.SAMPLER_BYTES_PER_LOGIT:
+            raise InvalidValue("sampler", self.sampler, ", ".join(w.SAMPLER_BYTES_PER_LOGIT), "pick one of them")
         if self.kv_offloading_size_bytes < 0:
             raise InvalidValue("kv_offloading_size_bytes", self.kv_offloading_size_bytes, "0 or more", "set 0")
 
@@ -116,11 +137,12 @@ class VllmSettings:
 class VllmPlan:
     """What vLLM will do on ``gpu`` with ``settings`` (sizes in bytes, per worker: one GPU).
 
-    ``available_kv_bytes = requested_bytes - weights_bytes - activation_bytes - non_torch_bytes - nccl_bytes
-    - (cudagraph_bytes if settings.cudagraph_in_budget)``, for the pipeline stage with the fewest blocks (its
-    weights are ``weights_bytes``; every stage's in ``weights_by_stage``); ``kv_tokens`` and ``max_concurrency`` are
-    the two startup log lines (``kv_tokens_by_blocks``: the tokens line of V1 releases before 0.33). ``refusal``
-    is the error vLLM would stop with (None when it starts).
+    ``available_kv_bytes = requested_bytes - weights_bytes - activation_bytes - non_torch_bytes
+    - (nccl_bytes if settings.nccl_in_budget) - (cudagraph_bytes if settings.cudagraph_in_budget)``
+    for the pipeline stage with the fewest blocks (its weights are ``weights_bytes``; every stage's in
+    ``weights_by_stage``); ``free_at_start_bytes`` has ``nccl_bytes`` taken off when not ``nccl_in_budget``.
+    ``kv_tokens`` and ``max_concurrency`` are the two startup log lines (``kv_tokens_by_blocks``: the tokens line of
+    V1 releases before 0.33). ``refusal`` is the error vLLM would stop with (None when it starts).
     """
 
     model: str
@@ -216,10 +238,7 @@ def _stage_layer_kinds(spec: ModelSpec, pp: int) -> list[list[str]]:
 
 
 def _check_spec(spec: ModelSpec) -> None:
-    if spec.prequantized:
-        raise ConfigError("config.json:quantization_config", spec.prequantized, "an unquantized checkpoint "
-                          "(bf16, fp16 or fp32)", "vLLM's quantized layouts (AWQ, GPTQ, FP8) are not modelled; "
-                          "plan the unquantized model")
+    w.linear_format(spec)  # raises ConfigError for a quantized layout that is not modelled
     if spec.generic:  # the per-rank shards are modelled for the hand-written families only (MLA's are not)
         raise ConfigError("config.json:model_type", spec.model_type, "a family with a hand-written vLLM model "
                           "(llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe, gemma, gemma2, "
@@ -240,7 +259,7 @@ def _budget_terms(spec: ModelSpec, s: VllmSettings, dt: int, tokens: int, seqs: 
     tp = s.tensor_parallel_size
     weights = w.rank_weights(spec, tp, s.pipeline_parallel_size, dt)
     forward = w.forward_peak_bytes(spec, tp, tokens, dt)
-    sampler = w.sampler_peak_bytes(spec, tokens, min(seqs, tokens), dt)
+    sampler = w.sampler_peak_bytes(spec, tokens, min(seqs, tokens), dt, s.sampler)
     graphs = 0
     if not s.enforce_eager:
         capture = min(seqs * 2, MAX_CAPTURE_SIZE)
@@ -277,7 +296,8 @@ def plan_vllm(spec: ModelSpec, gpu: GpuSpec, settings: VllmSettings | None = Non
     requested = int(gpu.total_bytes * s.gpu_memory_utilization)
     weights = max(r.total_bytes for r in b.weights)
     activation = max(b.forward, b.sampler)
-    non_kv = weights + activation + b.non_torch + b.nccl + (b.graphs if s.cudagraph_in_budget else 0)
+    non_kv = (weights + activation + b.non_torch + (b.nccl if s.nccl_in_budget else 0)
+              + (b.graphs if s.cudagraph_in_budget else 0))
     available = requested - non_kv
     page = kv.page_bytes(spec, s.tensor_parallel_size, kv_dt, s.block_size)
     stages = _stage_layer_kinds(spec, s.pipeline_parallel_size)
@@ -288,7 +308,7 @@ def plan_vllm(spec: ModelSpec, gpu: GpuSpec, settings: VllmSettings | None = Non
     worst = per_stage.index(min(per_stage))
     groups, blocks, available = stage_groups[worst], per_stage[worst], stage_available[worst]
     weights = b.weights[worst].total_bytes
-    free = gpu.total_bytes - gpu.used_by_others_bytes - CUDA_CONTEXT_BYTES
+    free = gpu.total_bytes - gpu.used_by_others_bytes - CUDA_CONTEXT_BYTES - (0 if s.nccl_in_budget else b.nccl)
     need = kv.request_kv_bytes(groups, max_len, tokens, s.block_size)
     largest = kv.largest_model_len(groups, max(available, 0), max_len, tokens, s.block_size)
     refusal = _refusal(gpu, s, free, requested, available, need, max_len, largest)

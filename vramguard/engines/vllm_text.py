@@ -35,7 +35,8 @@ def plan_to_json(p: VllmPlan, model_ref: str) -> dict:
                     "activation_bytes": p.activation_bytes, "forward_peak_bytes": p.forward_peak_bytes,
                     "sampler_peak_bytes": p.sampler_peak_bytes, "non_torch_bytes": p.non_torch_bytes,
                     "nccl_bytes": p.nccl_bytes, "cudagraph_bytes": p.cudagraph_bytes,
-                    "cudagraph_in_budget": s.cudagraph_in_budget, "available_kv_bytes": p.available_kv_bytes},
+                    "cudagraph_in_budget": s.cudagraph_in_budget, "nccl_in_budget": s.nccl_in_budget,
+                    "sampler": s.sampler, "available_kv_bytes": p.available_kv_bytes},
         "kv_cache": {"groups": [{"kind": g.kind, "num_layers": g.num_layers, "page_bytes": g.page_bytes,
                                  "sliding_window": g.sliding_window} for g in p.kv_groups],
                      "padding_layers": p.padding_layers, "block_size": s.block_size, "num_blocks": p.num_blocks,
@@ -65,7 +66,11 @@ def plan_lines(p: VllmPlan, model_ref: str) -> list[str]:
         f"  - non-torch   {_g(p.non_torch_bytes)}  (kernels loaded during the profile run)",
     ]
     if p.nccl_bytes:
-        lines.append(f"  - NCCL        {_g(p.nccl_bytes)}  (buffers of the first all-reduce, TP/PP >= 2)")
+        if s.nccl_in_budget:
+            lines.append(f"  - NCCL        {_g(p.nccl_bytes)}  (NCCL buffers, TP/PP >= 2, in the non-torch term)")
+        else:
+            lines.append(f"    NCCL        {_g(p.nccl_bytes)}  (NCCL buffers, TP/PP >= 2: allocated before vLLM's "
+                         "start snapshot, outside the budget)")
     sign = "-" if s.cudagraph_in_budget else " "
     lines.append(f"  {sign} CUDA graphs {_g(p.cudagraph_bytes)}  ({graphs})")
     lines.append(f"  = KV cache    {_g(p.available_kv_bytes)}  ('Available KV cache memory')")

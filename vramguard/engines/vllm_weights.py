@@ -35,7 +35,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from vramguard.errors import InvalidValue
+from vramguard.errors import ConfigError, InvalidValue
 from vramguard.memory.weights import rounded
 from vramguard.spec import ModelSpec
 
@@ -87,17 +87,71 @@ def _t(numel: int, dtype_bytes: int) -> int:
     return rounded(numel * dtype_bytes)
 
 
+@dataclass(frozen=True)
+class LinearFormat:
+    """How a checkpoint stores its decoder linears in vLLM: 8-bit weights (1 B) and fp32 scales.
+
+    ``strategy`` ``channel``: one fp32 scale per output row (``ChannelQuantScaleParameter``, shape
+    ``(sum(output_partition_sizes), 1)``); ``tensor``: one per logical shard (``PerTensorScaleParameter``), plus one
+    fp32 input scale when activations are static (``vllm/model_executor/layers/quantization/compressed_tensors/
+    schemes/compressed_tensors_w8a8_fp8.py`` and ``..._w8a8_int8.py``, ``utils/fp8_utils.py::
+    create_fp8_scale_parameter``).
+    """
+
+    strategy: str
+    static_input: bool
+
+    def linear_bytes(self, out_rows: int, in_cols: int, shards: int) -> int:
+        """Weight and scales of one linear of ``out_rows x in_cols`` made of ``shards`` fused logical linears."""
+        scales = out_rows if self.strategy == "channel" else shards
+        return _t(out_rows * in_cols, 1) + _t(scales, 4) + (_t(shards, 4) if self.static_input else 0)
+
+
+def linear_format(spec: ModelSpec) -> LinearFormat | None:
+    """The 8-bit format of the checkpoint's linears (None: unquantized, planned in the model dtype).
+
+    Planned: ``compressed-tensors`` with one config group of 8-bit ``int`` or ``float`` weights, ``channel`` or
+    ``tensor`` strategy, targeting ``Linear``, with ``lm_head`` ignored (RedHatAI/neuralmagic FP8-dynamic and
+    W8A8 checkpoints), on a dense model.
+
+    Raises:
+        ConfigError: any other quantization (AWQ, GPTQ, block FP8, 4-bit, MoE experts), naming the field.
+    """
+    if not spec.prequantized:
+        return None
+    q = config_dict(spec).get("quantization_config") or {}
+    groups = list((q.get("config_groups") or {}).values())
+    group = groups[0] if len(groups) == 1 and isinstance(groups[0], dict) else {}
+    weights, acts = group.get("weights") or {}, group.get("input_activations") or {}
+    ok = (q.get("quant_method") == "compressed-tensors" and weights.get("num_bits") == 8
+          and weights.get("type") in ("int", "float") and weights.get("strategy") in ("channel", "tensor")
+          and group.get("targets") == ["Linear"] and "lm_head" in (q.get("ignore") or []) and not spec.is_moe)
+    if not ok:
+        raise ConfigError("config.json:quantization_config", spec.prequantized,
+                          "an unquantized checkpoint, or compressed-tensors 8-bit (int or float) channel/tensor "
+                          "weights of a dense model with lm_head ignored",
+                          "AWQ, GPTQ, block FP8 and 4-bit layouts are not modelled for vLLM; plan the unquantized "
+                          "model")
+    return LinearFormat(weights["strategy"], bool(acts) and not acts.get("dynamic", True))
+
+
 def layer_weight_bytes(spec: ModelSpec, tp: int, dtype_bytes: int) -> int:
     """Bytes of one decoder layer on one rank (see the module docstring for the sharding).
 
     Example (Llama-3.1-8B, tp=1, bf16): qkv 6,144 x 4,096 + o 4,096 x 4,096 + gate_up 28,672 x 4,096 + down
     4,096 x 14,336 = 218,103,808 weights x 2 B = 436,207,616 B, plus two norms of 4,096 x 2 B -> 436,224,000 B.
+    An 8-bit checkpoint (:func:`linear_format`) stores those linears at 1 B per weight with fp32 scales.
     """
     h, d, dt = spec.hidden_size, spec.head_dim, dtype_bytes
+    fmt = linear_format(spec)
+
+    def lin(out_rows: int, in_cols: int, shards: int = 1) -> int:
+        return fmt.linear_bytes(out_rows, in_cols, shards) if fmt else _t(out_rows * in_cols, dt)
+
     q_out = spec.num_heads // tp * d
     kv_out = kv_heads_per_rank(spec, tp) * d
     qkv_out = q_out + 2 * kv_out
-    total = _t(qkv_out * h, dt) + _t(h * q_out, dt)
+    total = lin(qkv_out, h, 3) + lin(h, q_out)
     if spec.qkv_bias:
         total += _t(qkv_out, dt)
     if spec.o_bias:
@@ -110,7 +164,7 @@ def layer_weight_bytes(spec: ModelSpec, tp: int, dtype_bytes: int) -> int:
             total += _t(2 * si * h, dt) + _t(h * si, dt) + _t(h, dt)
     else:
         i = spec.intermediate_size // tp
-        total += _t(2 * i * h, dt) + _t(h * i, dt)
+        total += lin(2 * i, h, 2) + lin(h, i)
         if spec.mlp_bias:
             total += _t(2 * i, dt) + _t(h, dt)
     total += spec.norms_per_layer * _t(h, dt)
@@ -206,11 +260,21 @@ def rank_weights(spec: ModelSpec, tp: int, pp: int, dtype_bytes: int) -> list[Ra
     return out
 
 
-# bytes per (request x vocabulary entry) while the dummy sampler runs top-k/top-p on the logits
-# (vllm/v1/sample/ops/topk_topp_sampler.py::apply_top_k_top_p, as GPUModelRunner._dummy_sampler_run calls it with
-# top_k and top_p set): fp32 logits 4 + sorted values 4 + int64 sort indices 8 + two bool masks 2 + softmax of the
-# sorted values (cumsum in place) 4 + the scattered result 4 = 26, beside the model-dtype logits.
-SAMPLER_BYTES_PER_LOGIT = 26
+# bytes per (request x vocabulary entry) the dummy sampler holds beside the model-dtype logits, by the top-k/top-p
+# path it takes (``GPUModelRunner._dummy_sampler_run`` sets top_k and top_p):
+# * "triton" (vLLM 0.33.0 on CUDA, ``vllm/v1/sample/ops/topk_topp_sampler.py::apply_top_k_top_p`` with
+#   ``HAS_TRITON``): the fp32 copy (``Sampler.forward``: ``logits.to(torch.float32)``) 4, masked in place by
+#   ``apply_top_k_top_p_triton``, then ``forward_native``'s fp32 softmax 4 and the exponential noise ``q`` 4
+#   (``random_sample``; ``probs.div_(q)`` in place) = 12, counted from the source;
+# * "sort" (V1 releases before the Triton kernel: ``apply_top_k_top_p_pytorch``, a full sort of the vocabulary):
+#   36, measured: vLLM's own profile logged 4.76, 5.56, 5.64 and 7.38 GiB of activation for Llama-3.1-8B,
+#   Qwen3-0.6B, Qwen3-32B and gpt-oss-20b at 1,024 requests (github.com/llm-d/llm-d-benchmark,
+#   config_explorer/empirical-vllm-memory-results.md), 38.3 B per logit with the 2 B logits (the source count of
+#   that path, fp32 4 + sorted values 4 + int64 indices 8 + two masks 2 + sorted softmax 4 + scatter 4 = 26, is
+#   short of what was measured);
+# * "flashinfer" (vLLM 0.10 with FlashInfer's sampler: one ``flashinfer_sample`` call on the fp32 copy): the fp32
+#   copy 4 and FlashInfer's probabilities 4 = 8.
+SAMPLER_BYTES_PER_LOGIT = {"triton": 12, "sort": 36, "flashinfer": 8}
 
 
 def forward_peak_bytes(spec: ModelSpec, tp: int, num_tokens: int, dtype_bytes: int) -> int:
@@ -241,15 +305,16 @@ def forward_peak_bytes(spec: ModelSpec, tp: int, num_tokens: int, dtype_bytes: i
     return max(attention, mlp)
 
 
-def sampler_peak_bytes(spec: ModelSpec, num_tokens: int, num_reqs: int, dtype_bytes: int) -> int:
+def sampler_peak_bytes(spec: ModelSpec, num_tokens: int, num_reqs: int, dtype_bytes: int,
+                       sampler: str = "triton") -> int:
     """Peak of the dummy sampler run that follows the profile forward (bytes): the forward's hidden states
     (``num_tokens x hidden``) and the last positions (``num_reqs x hidden``) stay alive while the logits of
     ``num_reqs`` rows over the padded vocabulary are computed in the model dtype and sampled with top-k/top-p
-    (:data:`SAMPLER_BYTES_PER_LOGIT`). Logits are gathered whole on every TP rank.
+    (:data:`SAMPLER_BYTES_PER_LOGIT` of the ``sampler`` path). Logits are gathered whole on every TP rank.
 
-    Example (Llama-3.1-8B, 8,192 tokens, 256 requests, bf16): hidden 67,108,864 + last 2,097,152 + logits
-    256 x 128,256 x (2 + 26) = 919,339,008 -> 988,545,024 B.
+    Example (Llama-3.1-8B, 8,192 tokens, 256 requests, bf16, "triton"): hidden 67,108,864 + last 2,097,152 +
+    logits 256 x 128,256 x (2 + 12) = 459,669,504 -> 528,875,520 B.
     """
     h, dt = spec.hidden_size, dtype_bytes
-    logits = num_reqs * pad_vocab(spec.vocab_size) * (dt + SAMPLER_BYTES_PER_LOGIT)
+    logits = num_reqs * pad_vocab(spec.vocab_size) * (dt + SAMPLER_BYTES_PER_LOGIT[sampler])
     return num_tokens * h * dt + num_reqs * h * dt + logits
