@@ -463,3 +463,17 @@ def test_the_cli_renders_library_fields_as_its_options():
     assert as_flags("a catalog name (vramguard.catalog.models.MODELS), quant=nf4") == (
         "a catalog name (vramguard plan --list-models), --quant nf4")
     assert as_flags("started with greedy=True") == "started with --greedy"
+
+
+def test_a_server_the_cli_starts_words_its_errors_with_the_options():
+    pytest.importorskip("fastapi")
+    from vramguard.cli.flags import as_flags
+    from vramguard.serve.apierrors import ApiError, word_messages_with
+    err = ApiError.of("unsupported_parameter", "this server decodes greedily (started with greedy=True)", "temperature")
+    assert err.body()["error"]["message"].endswith("(started with greedy=True)")
+    previous = word_messages_with(as_flags)
+    try:
+        assert err.body()["error"]["message"].endswith("(started with --greedy)")
+    finally:
+        assert word_messages_with(previous) is as_flags
+    assert err.body()["error"]["message"].endswith("(started with greedy=True)")

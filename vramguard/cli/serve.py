@@ -66,6 +66,15 @@ def serve(
     listening = announcer(ready_file, served_model_name or model)
 
     def start() -> int:
+        from vramguard.cli.flags import as_flags
+        from vramguard.serve.apierrors import word_messages_with
+        previous = word_messages_with(as_flags)  # the clients of a server started here read its options
+        try:
+            return serve_from_here()
+        finally:
+            word_messages_with(previous)
+
+    def serve_from_here() -> int:
         _allocator_note()
         budget = size_option(vram_budget, "vram_budget") if vram_budget else None
         body = parse_size(max_body_size, "--max-body-size", example="1MiB")
@@ -148,11 +157,8 @@ def serve_one(model: str, host: str, port: int, listening, **options) -> int:
     was loaded, and serve until stopped; returns its exit code."""
     import transformers
 
-    from vramguard.cli.flags import as_flags
-    from vramguard.serve.apierrors import word_messages_with
     from vramguard.serve.server import build
     transformers.utils.logging.disable_progress_bar()
-    word_messages_with(as_flags)  # the clients of a server started here read its options, as its log does
     served = build(model, **options)
     a = served.report.active if served.report is not None else {}
     say("loaded: " + ", ".join(f"{k} {a[k]}" for k in ("quant", "compute_dtype", "dtype", "attn", "device")

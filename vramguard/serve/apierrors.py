@@ -33,10 +33,13 @@ ERRORS: dict[str, tuple[int, str]] = {  # code: (HTTP status, OpenAI error type)
 _WORDING: list = []  # the function the process that started the server words messages with (at most one)
 
 
-def word_messages_with(fn) -> None:
-    """Word every error message through ``fn`` from now on: the library's messages name its parameters
-    (``vram_budget=``), and the CLI that started the server passes the function that names its options instead."""
-    _WORDING[:] = [fn]
+def word_messages_with(fn):
+    """Word every error message through ``fn`` from now on (None: as the library writes them) and return the
+    function used until now (None if none): the library's messages name its parameters (``vram_budget=``), and the
+    CLI that starts a server passes the function that names its options instead, for as long as it serves."""
+    previous = _WORDING[0] if _WORDING else None
+    _WORDING[:] = [fn] if fn is not None else []
+    return previous
 
 
 class ApiError(Exception):
