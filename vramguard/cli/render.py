@@ -369,14 +369,26 @@ def print_check(r, console: Console | None = None) -> None:
 
 
 def oomlog_to_json(r) -> dict:
-    """An OomLogReport as JSON (sizes in bytes, kills newest first)."""
-    return to_jsonable(r)
+    """An OomLogReport as JSON (sizes in bytes, kills newest first), its texts in the CLI's words."""
+    d = to_jsonable(r)
+    d["message"] = as_flags(d.get("message"))
+    for k in d.get("kills", []):
+        k["cause"], k["fix"] = as_flags(k.get("cause")), as_flags(k.get("fix"))
+    return d
+
+
+def explanation_to_json(e) -> dict:
+    """An Explanation as JSON, its summary, evidence and fixes in the CLI's words."""
+    d = to_jsonable(e)
+    d["summary"] = as_flags(e.summary)
+    d["evidence"], d["fixes"] = [as_flags(x) for x in e.evidence], [as_flags(x) for x in e.fixes]
+    return d
 
 
 def print_oomlog(r, console: Console | None = None) -> None:
     """Human-readable kills, newest first, or the plain message when there are none."""
     c = console or Console()
-    c.print(r.message, highlight=False)
+    c.print(as_flags(r.message), highlight=False)
     n = len(r.kills)
     for i, k in enumerate(r.kills, 1):
         when = k.time.replace("T", " ") if k.time else (f"{k.uptime_s:.3f} s after boot" if k.uptime_s is not None
