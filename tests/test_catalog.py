@@ -24,6 +24,9 @@ def test_each_card_carries_a_sourced_driver_total_below_its_marketed_size(name):
     if reports:  # the figure quoted in the source is the one used, at the low end of what rounds to it
         x = float(reports[0])
         assert (x - 0.005) * GiB - MiB < g.total_bytes <= (x - 0.005) * GiB, (name, x, g.total_bytes)
+    props = re.findall(r"'total_memory=(\d+)MB'", src)
+    if props:  # torch prints totalGlobalMem // 2**20: the low end of that MiB
+        assert g.total_bytes == int(props[0]) * MiB, (name, props[0], g.total_bytes)
 
 
 def test_reported_gib_takes_the_low_end_of_the_rounding():
@@ -74,15 +77,15 @@ def test_cards_without_a_driver_report_are_marked_estimated_in_plan_and_list():
     from vramguard.hardware import resolve_gpus
     estimated = sorted(n for n, g in GPUS.items() if g.total_estimated)
     # the cards whose total is derived from a like card, not reported by their own driver
-    assert estimated == ["a10", "gtx-1080-ti", "rtx-4060-ti-16gb", "rtx-4070", "rtx-4080", "rtx-a6000", "v100-16gb"]
+    assert estimated == ["a10", "rtx-4060-ti-16gb", "rtx-4070"]
     assert all(GPUS[n].total_source.startswith("no ") for n in estimated)
-    _, why = resolve_gpus("rtx-4080")
+    _, why = resolve_gpus("rtx-4070")
     assert "an estimate" in why and "mem_get_info" in why
     _, why = resolve_gpus("rtx-4090")
     assert "as its driver reports" in why and "estimate" not in why
     out = CliRunner().invoke(app, ["plan", "--list-gpus"]).output
     rows = {line.split()[0]: line for line in out.splitlines() if line and line.split()[0] in GPUS}
-    assert "~15.60 GiB" in rows["rtx-4080"] and "~" not in rows["rtx-4090"]
+    assert "~15.60 GiB" in rows["rtx-4060-ti-16gb"] and "~" not in rows["rtx-4080"]
     assert all(len(line) <= 80 for line in out.splitlines())
 
 
@@ -90,3 +93,22 @@ def test_l4_total_is_its_reported_capacity():
     # "GPU 0 has a total capacity of 22.03 GiB" on an L4 (github.com/ArcInstitute/evo2/issues/190):
     # (2 x 2203 - 1) x 2**30 / 200 = 23,649,383,301 B -> floored to 22,553 MiB = 23,648,534,528 B
     assert GPUS["l4"].total_bytes == 22_553 * MiB == 23_648_534_528 and not GPUS["l4"].total_estimated
+
+
+@pytest.mark.parametrize("name,total,where", [
+    # "(GPU 0; 10.91 GiB total capacity; ...)" on a GTX 1080 Ti: (2 x 1091 - 1) x 2**30 / 200 = 11,709,154,590.7 B
+    # -> floored to 11,166 MiB
+    ("gtx-1080-ti", 11_166 * MiB, "ktorch/examples"),
+    # total_memory=16130MB on a Tesla V100-SXM2-16GB: 16,130 x 2**20 = 16,913,530,880 B
+    ("v100-16gb", 16_130 * MiB, "ultralytics/yolov3"),
+    # total_memory=16049MB on an RTX 4080: 16,049 x 2**20 = 16,828,596,224 B
+    ("rtx-4080", 16_049 * MiB, "brainglobe"),
+    # total_memory=48676MB on an RTX A6000: 48,676 x 2**20 = 51,040,485,376 B
+    ("rtx-a6000", 48_676 * MiB, "pytorch/ao"),
+    # "GPU 0 has a total capacity of 23.49 GiB" on an RTX 4090, driver 575: (2 x 2349 - 1) x 2**30 / 200
+    # = 25,216,826,736.6 B -> floored to 24,048 MiB (23.64 GiB with other drivers would overstate by 154 MiB)
+    ("rtx-4090", 24_048 * MiB, "Sautenich/UAV-VLA/issues/7"),
+])
+def test_cards_found_this_time_carry_their_own_driver_report(name, total, where):
+    g = GPUS[name]
+    assert g.total_bytes == total and not g.total_estimated and where in g.total_source

@@ -2,6 +2,7 @@
 Mamba, chunked attention, and the models whose attention calls the cache's own methods): the server falls back to
 the generate engine, and everything a client sees works as on the paged engine, with the model's own greedy tokens."""
 
+import logging
 import threading
 
 import httpx
@@ -31,13 +32,34 @@ def servers(tmp_path_factory):
 
     def get(model_type):
         if model_type not in made:
-            s = build(str(_folder(tmp_path_factory, model_type)), **BUILD)
+            log, records = logging.getLogger("vramguard.serve"), _Records()
+            level = log.level
+            log.addHandler(records)
+            log.setLevel(logging.DEBUG)
+            try:
+                s = build(str(_folder(tmp_path_factory, model_type)), **BUILD)
+            finally:
+                log.removeHandler(records)
+                log.setLevel(level)
+            BUILD_LOGS[model_type] = records.records
             made[model_type] = (model_type, s, s.start_background())
         return made[model_type]
 
     yield get
     for _, s, _ in made.values():
         s.stop()
+
+
+BUILD_LOGS: dict[str, list] = {}  # the vramguard.serve log records of each server's build
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.records = []
+
+    def emit(self, record):
+        self.records.append(record)
 
 
 @pytest.fixture
@@ -74,6 +96,11 @@ def test_serves_with_the_generate_engine_and_the_models_own_greedy_tokens(served
     engine = s.engine.name
     assert engine == "generate" or model_type in CB_REFUSED_524
     assert (engine == "generate") == any(f"continuous batching cannot run {model_type}" in n for n in s.engine.notes)
+    # the fallback is expected: said once, at info, with the probe's own error; no warning of its failed step
+    logs = BUILD_LOGS[model_type]
+    assert not [r.getMessage() for r in logs if r.levelno >= logging.WARNING]
+    said = [r.getMessage() for r in logs if r.levelno == logging.INFO and "cannot run" in r.getMessage()]
+    assert len(said) == (engine == "generate") and all("Send it again" not in m for m in said), said
     health = httpx.get(url + "/health").json()
     assert health["engine"] == engine and health["status"] == "ok"
     assert health["max_running"] == (1 if engine == "generate" else BUILD["max_running"])

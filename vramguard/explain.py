@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 from vramguard.errors import InvalidValue
 from vramguard.memory.runtime import CUDA_CONTEXT_BYTES
-from vramguard.units import GiB, KiB, MiB, TiB, fmt_bytes
+from vramguard.units import GiB, KiB, MiB, TiB, fmt_bytes, plural
 
 _UNIT = {"bytes": 1, "B": 1, "KiB": KiB, "MiB": MiB, "GiB": GiB, "TiB": TiB}
 _SIZE = r"(\d+(?:\.\d+)?) ?(bytes|B|KiB|MiB|GiB|TiB)"
@@ -113,6 +113,8 @@ def parse_oom_message(text: str) -> OomMessage:
         printable = sum(ch.isprintable() or ch in "\n\t" for ch in text[:4096]) >= 0.9 * len(text[:4096])
         shown = ((text[:80] + ("..." if len(text) > 80 else "")) if printable
                  else f"{len(text):,} characters of binary data")
+        if not text.strip():
+            shown = "empty input" if not text else plural(len(text), "blank character")
         raise InvalidValue("MESSAGE", shown,
                            "a CUDA out-of-memory message (with 'out of memory' and 'Tried to allocate'), "
                            "CUBLAS_STATUS_ALLOC_FAILED, an MPS out-of-memory message, or accelerate's 'Some "

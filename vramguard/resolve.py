@@ -97,12 +97,15 @@ def resolve_model(model: str, revision: str | None = None) -> ModelSpec:
     or commit) reads a Hub id from the Hub at that revision.
 
     Raises:
+        InvalidValue: a ``revision`` with a model that is not a Hub id (a catalog name, a local folder or file).
         UnknownModel: none of the accepted forms matches.
         HubError: a Hub id the Hub or the cache cannot give (gated, not found, no network).
         ConfigError: the config exists but cannot be planned (missing fields, unsupported family).
     """
     from vramguard.hub import hub_spec, looks_like_repo_id, with_local_checkpoint
     p = Path(model).expanduser()
+    if revision is not None:
+        _check_revision_target(model, revision, p, looks_like_repo_id(model) and not model.startswith((".", "/", "~")))
     if p.is_dir():
         cfg_path = p / "config.json"
         if not cfg_path.is_file():
@@ -127,9 +130,32 @@ def resolve_model(model: str, revision: str | None = None) -> ModelSpec:
                 raise HubError(e.field, e.value, e.accepted, f"{e.fix}; or plan a catalog name: {hint}") from None
             raise
     if model.startswith((".", "/", "~")) or model.endswith(".json"):
-        raise UnknownModel("MODEL", model, ACCEPTED_MODEL_FORMS, f"no such file or folder: {p}")
+        raise UnknownModel("MODEL", model, ACCEPTED_MODEL_FORMS, f"no such file or folder: {p.absolute()}")
     raise UnknownModel("MODEL", model, ACCEPTED_MODEL_FORMS, "pass a Hub id (owner/name), a model folder, or a "
                        "catalog name: " + (_catalog_hint(model) or "vramguard.catalog.models.MODELS lists them"))
+
+
+def _check_revision_target(model: str, revision: str, p: Path, repo_id: bool) -> None:
+    """Raise InvalidValue when ``revision`` cannot apply to ``model``: only a Hub id has revisions (a catalog
+    name, a local folder or file has none); an empty ``revision`` is refused too."""
+    from vramguard.errors import InvalidValue
+    accepted = "a branch, tag or commit of a Hub id (owner/name)"
+    if not revision.strip():
+        raise InvalidValue("revision", revision, accepted, "pass revision=main, or no revision")
+    if p.exists():
+        kind = "folder" if p.is_dir() else "file"
+        raise InvalidValue("revision", revision, f"{accepted}; {model!r} is a local {kind}",
+                           "no revision for a local model, or pass its Hub id (owner/name) with revision=" + revision)
+    if repo_id or model.startswith((".", "/", "~")) or model.endswith(".json"):
+        return  # a Hub id; or a missing path, which the caller names
+    key = catalog_name(model)
+    if key:
+        source = MODELS[key]["source"]
+        raise InvalidValue("revision", revision, f"{accepted}; {model!r} is a catalog name",
+                           f"pass the Hub id {source} with revision={revision}, or no revision for the catalog's "
+                           f"copy of {key}")
+    raise InvalidValue("revision", revision, f"{accepted}; {model!r} is not one",
+                       f"pass a Hub id (owner/name) with revision={revision}")
 
 
 def _catalog_hint(model: str) -> str | None:
@@ -139,6 +165,23 @@ def _catalog_hint(model: str) -> str | None:
         return None
     same = _bare_name(model) in (near, *[a for a, k in ALIASES.items() if k == near])
     return f"{near} is this architecture" if same else f"{near} is the closest (check that its shapes are your model's)"
+
+
+def local_model_folder(model: str) -> Path:
+    """:func:`model_folder`, for the commands that load weights.
+
+    Raises:
+        UnknownModel: a path that does not exist (named, made absolute), or a name with no local folder (a catalog
+            name or a Hub id not in the cache: the fix says to download it).
+    """
+    folder = model_folder(model)
+    if folder is not None:
+        return folder
+    if str(model).startswith((".", "/", "~")) or str(model).endswith(".json"):
+        fix = f"no such file or folder: {Path(model).expanduser().absolute()}"
+    else:
+        fix = "download the model first (a catalog name has no weights: use it with plan)"
+    raise UnknownModel("MODEL", model, "a local model folder or a cached model id with weights", fix)
 
 
 def model_folder(model: str) -> Path | None:

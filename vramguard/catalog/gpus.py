@@ -5,8 +5,13 @@ the "total capacity" of PyTorch's out-of-memory message): the marketed size less
 (and less the ECC share where ECC is on by default), never the marketed size itself. Each card names where its
 figure comes from in ``total_source``. A report printed as GiB with two decimals (``23.64 GiB``) is taken at the
 low end of what rounds to it, floored to a whole MiB (:func:`reported_gib`), so a plan never counts memory that
-the card may not have. The CUDA context is modelled separately in :mod:`vramguard.memory.runtime`.
-``bandwidth_bytes_per_s`` is the datasheet memory bandwidth.
+the card may not have; ``_CudaDeviceProperties``' ``total_memory=16049MB`` is ``totalGlobalMem // 2**20``
+(torch/csrc/cuda/Module.cpp), so it is taken as that many whole MiB, 1 MiB tight where two decimals of GiB are
+10.24 MiB wide. nvidia-smi's ``memory.total`` is not used: it is above CUDA's total by an amount that differs per
+card and driver (about 251 MiB on a T4, 615 MiB on an H200, 476 MiB on an L4). Drivers differ too (an RTX 4090
+reports 23.49 to 23.64 GiB): a card's source names the reports found, and its figure is the lowest of them unless
+the source says otherwise (the T4's is a measurement). The CUDA context is modelled separately in
+:mod:`vramguard.memory.runtime`. ``bandwidth_bytes_per_s`` is the datasheet memory bandwidth.
 """
 
 from __future__ import annotations
@@ -78,6 +83,16 @@ def _g(name: str, label: str, total: int | str, marketed_gib: int, cc: tuple[int
                    total_estimated=source.startswith("no "))
 
 
+_PROPS = "torch's device properties ('total_memory={}MB', whole MiB rounded down) in "
+
+
+def _props(name: str, label: str, mib: int, marketed_gib: int, cc: tuple[int, int], bw_gbs: int, where: str,
+           also: str = "") -> GpuSpec:
+    """A card whose total is the ``total_memory=<mib>MB`` that ``torch.cuda.get_device_properties`` printed in the
+    report ``where``: ``mib`` x 2**20 B, the low end of the MiB it names."""
+    return _g(name, label, mib * MiB, marketed_gib, cc, bw_gbs, _PROPS.format(mib) + where + also)
+
+
 _OOM = "PyTorch's out-of-memory message ('{} GiB total capacity') in "
 _16GB_GDDR = ("no report of this card's total found; planned at 15.61 GiB, what the 16 GB GDDR6 RTX A4000 reports "
               "(" + _OOM.format("15.61") + "github.com/DengKaiCQ/VGGT-Long/issues/6), as its driver reserves "
@@ -92,18 +107,17 @@ def _reported(name: str, label: str, gib: str, marketed_gib: int, cc: tuple[int,
 
 
 GPUS: dict[str, GpuSpec] = {g.name: g for g in [
-    _g("gtx-1080-ti", "NVIDIA GeForce GTX 1080 Ti", "10.76", 11, (6, 1), 484,
-       "no Linux report of this card's total found; planned at 10.76 GiB, what the RTX 2080 Ti with the same 11 GiB "
-       "reports (" + _OOM.format("10.76") + "github.com/JDAI-CV/image-captioning/issues/11)"),
+    _reported("gtx-1080-ti", "NVIDIA GeForce GTX 1080 Ti", "10.91", 11, (6, 1), 484,
+              "github.com/ktorch/examples/blob/master/docs/gpt.rst (a GTX 1080 Ti; 10.92 GiB in other reports)"),
     _reported("rtx-2080-ti", "NVIDIA GeForce RTX 2080 Ti", "10.76", 11, (7, 5), 616,
               "github.com/JDAI-CV/image-captioning/issues/11 and github.com/ispc-lab/TMA/issues/5"),
     _g("t4", "NVIDIA T4", 15_843_721_216, 16, (7, 5), 320,
        "torch total_memory measured on a T4 (15,109 MiB, as _CudaDeviceProperties prints it on Colab); other drivers "
        "report down to 14.75 GiB (github.com/hpcaitech/Open-Sora/issues/697)"),
-    _g("v100-16gb", "NVIDIA V100 16GB", "15.75", 16, (7, 0), 900,
-       "no report naming a V100 16GB found; planned at 15.75 GiB, the lowest total reported by 16 GB HBM2 cloud cards "
-       "(15.75-15.78 GiB: github.com/googlecolab/colabtools/issues/2001, "
-       "github.com/Morizeyao/GPT2-Chinese/issues/104)"),
+    _props("v100-16gb", "NVIDIA V100 16GB", 16_130, 16, (7, 0), 900,
+           "github.com/ultralytics/yolov3's README of 2019 (a Tesla V100-SXM2-16GB, the lowest found; "
+           "16,160 MB in most other reports, and 15.77 GiB on Azure's NC6s_v3, a V100 PCIe: "
+           "github.com/stanford-futuredata/ARES/blob/main/README.md)"),
     _reported("v100-32gb", "NVIDIA V100 32GB", "31.74", 32, (7, 0), 900,
               "github.com/liucongg/ChatGLM-Finetuning/issues/73 and github.com/haotian-liu/LLaVA/issues/812"),
     _reported("rtx-3060", "NVIDIA GeForce RTX 3060 12GB", "11.75", 12, (8, 6), 360,
@@ -120,20 +134,25 @@ GPUS: dict[str, GpuSpec] = {g.name: g for g in [
     _g("rtx-4070", "NVIDIA GeForce RTX 4070", "11.72", 12, (8, 9), 504,
        "no CUDA total found; nvidia-smi shows 12,282 MiB (github.com/meta-llama/llama/issues/466), 6 MiB less than "
        "the RTX 3060's 12,288 MiB that CUDA reports as 11.75 GiB; planned at 11.72 GiB, that gap and 6 MiB less"),
-    _g("rtx-4080", "NVIDIA GeForce RTX 4080", "15.61", 16, (8, 9), 717, _16GB_GDDR),
-    _reported("rtx-4090", "NVIDIA GeForce RTX 4090", "23.64", 24, (8, 9), 1008,
-              "github.com/ali-vilab/VGen/issues/104 and github.com/TMElyralab/MuseTalk/issues/76"),
+    _props("rtx-4080", "NVIDIA GeForce RTX 4080", 16_049, 16, (8, 9), 717,
+           "github.com/brainglobe/brainglobe.github.io/blob/main/docs/source/documentation/cellfinder/"
+           "troubleshooting/speed-up.md (Windows reports 15.99 GiB: "
+           "github.com/aigc-apps/sd-webui-EasyPhoto/issues/281)"),
+    _reported("rtx-4090", "NVIDIA GeForce RTX 4090", "23.49", 24, (8, 9), 1008,
+              "github.com/Sautenich/UAV-VLA/issues/7 (Ubuntu 22.04, driver 575; 23.52 GiB with driver 560 in "
+              "github.com/pytorch/torchchat/issues/1341, 23.64 GiB in github.com/ali-vilab/VGen/issues/104)"),
     _reported("rtx-5090", "NVIDIA GeForce RTX 5090", "31.36", 32, (12, 0), 1792,
               "github.com/TrajectoryCrafter/TrajectoryCrafter/issues/20 (31.37 GiB in "
               "github.com/Wan-Video/Wan2.1/issues/465)"),
-    _g("rtx-a6000", "NVIDIA RTX A6000", "44.43", 48, (8, 6), 768,
-       "no report of this card's total found; planned at 44.43 GiB, what the 48 GB RTX 6000 Ada reports with ECC on "
-       "(" + _OOM.format("44.43") + "github.com/DINGYANB/MTVCrafter/issues/21); with ECC off it has more"),
+    _props("rtx-a6000", "NVIDIA RTX A6000", 48_676, 48, (8, 6), 768,
+           "github.com/pytorch/ao/blob/main/torchao/prototype/hqq/README.md (ECC off, its default; with ECC on it "
+           "has about 1/16 less, as the RTX 6000 Ada below: plan with its own total then)"),
     _reported("rtx-6000-ada", "NVIDIA RTX 6000 Ada Generation", "44.43", 48, (8, 9), 960,
               "github.com/DINGYANB/MTVCrafter/issues/21 (ECC on; nvidia-smi 46,068 MiB)"),
     _g("a10", "NVIDIA A10", "22.00", 24, (8, 6), 600,
        "no report of this card's total found; planned at 22.00 GiB like its cloud twin, the A10G (about 22 GB with "
-       "ECC on: github.com/huggingface/local-gemma/pull/25)"),
+       "ECC on: github.com/huggingface/local-gemma/pull/25); its nvidia-smi total, 23,028 MiB, is 6 MiB below the "
+       "L4's, which CUDA reports as 22.03 GiB (both: github.com/modal-labs/modal-client/pull/2797)"),
     _g("a10g", "NVIDIA A10G", "22.00", 24, (8, 6), 600,
        "about 22 GB with ECC on by default (github.com/huggingface/local-gemma/pull/25); 22.49 GiB with ECC off "
        "(github.com/AUTOMATIC1111/stable-diffusion-webui/issues/1259); planned at 22.00 GiB, the low end"),

@@ -69,11 +69,12 @@ def check(model: str | None = None, settings: Settings | None = None, *, dtype: 
         from vramguard.errors import InvalidValue
         raise InvalidValue("device_map", device_map, "auto | balanced | balanced_low_0 | sequential | cpu | cuda "
                            "| a GPU index", "pass what you give from_pretrained as device_map")
+    spec = resolve_model(model, revision) if model else None  # a bad model or card is said before the probe
+    named = gpu_from_catalog(gpu) if gpu else None
     env = env or probe_env()
     s = settings or Settings(attn="sdpa")
-    card = gpu_from_catalog(gpu) if gpu else (env.gpus[0] if env.gpus else None)
+    card = named or (env.gpus[0] if env.gpus else None)
     source = "named with gpu= (catalog)" if gpu else ("detected by NVML" if card else "")
-    spec = resolve_model(model, revision) if model else None
     folder = model_folder(model) if model and revision is None else None
     from vramguard.hub import checkpoint_info
     hub_ckpt = checkpoint_info(spec) if spec is not None and folder is None else None

@@ -51,6 +51,19 @@ def max_num_batched_tokens_option():
                         "card)")
 
 
+def refuse_vllm_options(a: EngineArgs) -> None:
+    """Raise InvalidValue for a vLLM-only option set away from its default without ``--engine vllm``: the
+    transformers plan would drop it silently (``--tp`` and ``--dtype`` are options of both)."""
+    from vramguard.errors import InvalidValue
+    for name in ("pp", "gpu_memory_utilization", "max_model_len", "kv_cache_dtype", "max_num_seqs",
+                 "max_num_batched_tokens"):
+        value = getattr(a, name)
+        if value != EngineArgs.__dataclass_fields__[name].default:
+            flag = "--" + name.replace("_", "-")
+            raise InvalidValue(flag, value, "with --engine vllm only (vLLM's engine argument)",
+                               f"add --engine vllm to plan vLLM with it, or leave {flag} out")
+
+
 @dataclass(frozen=True)
 class EngineArgs:
     """The vLLM options as the CLI got them."""
@@ -74,22 +87,46 @@ def model_ref(model: str) -> str:
     return str(MODELS[key]["source"]) if key else model
 
 
-def build_plans(model: str, gpu: str | None, vram: str | None, a: EngineArgs):
-    """One vLLM plan per card (``--gpu``, ``--vram``, the detected GPU, or the default sizes)."""
-    from vramguard.engines.vllm import VllmSettings, plan_vllm
+def vllm_settings(a: EngineArgs):
+    """The :class:`~vramguard.engines.vllm.VllmSettings` of the options; raises InvalidValue for a bad one (checked
+    before the model or the cards are read, so nothing else is printed)."""
+    from vramguard.engines.vllm import VllmSettings
+    from vramguard.units import parse_size
+    offload = parse_size(a.kv_offload, "kv_offloading_size_bytes", "16GiB") if a.kv_offload else 0
+    return VllmSettings(tensor_parallel_size=a.tp, pipeline_parallel_size=a.pp,
+                        gpu_memory_utilization=a.gpu_memory_utilization, max_model_len=a.max_model_len,
+                        kv_cache_dtype=a.kv_cache_dtype, max_num_seqs=a.max_num_seqs,
+                        max_num_batched_tokens=a.max_num_batched_tokens,
+                        dtype=TORCH_DTYPE_NAMES.get(a.dtype, "auto") if a.dtype else "auto",
+                        kv_offloading_size_bytes=offload)
+
+
+def build_plans(model: str, gpu: str | None, vram: str | None, a: EngineArgs, one_card: bool = False):
+    """One vLLM plan per card (``--gpu``, ``--vram``, the detected GPU, or the default sizes); with ``one_card``,
+    exactly one card, named or detected. The options and the model's limits are checked before the cards are
+    looked for, so a refusal is printed alone.
+
+    Raises:
+        InvalidValue: a bad option; a ``--tp`` the model's shapes refuse; with ``one_card``, no card named or
+            detected.
+    """
+    from vramguard.engines.vllm import plan_vllm
+    from vramguard.engines.vllm_weights import check_tensor_parallel
+    from vramguard.errors import InvalidValue
     from vramguard.hardware import resolve_gpus
     from vramguard.resolve import resolve_model
-    from vramguard.units import parse_size
+    s = vllm_settings(a)
     spec = resolve_model(model)
+    check_tensor_parallel(spec, s.tensor_parallel_size)
+    if one_card and gpu is None and vram is None:
+        from vramguard.hardware import detect_gpus
+        det = detect_gpus()
+        if len(det.gpus) != 1:
+            raise InvalidValue("--gpu/--vram", "none given", "one card, named or detected",
+                               "name the card the deployment runs on, e.g. --gpu h100 or --vram 80GiB "
+                               f"({len(det.gpus)} GPUs detected" + (f": {det.reason})" if det.reason else ")"))
     cards, why = resolve_gpus(gpu, vram)
     say(f"cards: {why}")
-    offload = parse_size(a.kv_offload, "kv_offloading_size_bytes", "16GiB") if a.kv_offload else 0
-    s = VllmSettings(tensor_parallel_size=a.tp, pipeline_parallel_size=a.pp,
-                     gpu_memory_utilization=a.gpu_memory_utilization, max_model_len=a.max_model_len,
-                     kv_cache_dtype=a.kv_cache_dtype, max_num_seqs=a.max_num_seqs,
-                     max_num_batched_tokens=a.max_num_batched_tokens,
-                     dtype=TORCH_DTYPE_NAMES.get(a.dtype, "auto") if a.dtype else "auto",
-                     kv_offloading_size_bytes=offload)
     return [plan_vllm(spec, card, s) for card in cards]
 
 
@@ -101,7 +138,10 @@ def print_plans(plans, model: str, as_json: bool) -> None:
         data = [plan_to_json(p, ref) for p in plans]
         write_json(data[0] if len(data) == 1 else data)
         return
+    from vramguard.cli.common import as_flags
+    from vramguard.cli.render import console
+    width = console().width
     for i, p in enumerate(plans):
         if i:
             print()
-        print("\n".join(plan_lines(p, ref)))
+        print("\n".join(plan_lines(p, ref, width, as_flags)))

@@ -60,13 +60,10 @@ def to_yaml(data) -> str:
 
 
 def _build(model, gpu, vram, a, to, replicas):
-    from vramguard.errors import Infeasible, InvalidValue
-    from vramguard.export import export as export_fn
-    plans = eng.build_plans(model, gpu, vram, a)
-    if len(plans) != 1:
-        raise InvalidValue("--gpu/--vram", "none", "one card", "name the card the deployment runs on, e.g. --gpu "
-                           "h100 or --vram 80GiB")
-    p = plans[0]
+    from vramguard.errors import Infeasible
+    from vramguard.export import check_replicas, export as export_fn
+    check_replicas(replicas)  # before planning: a bad value prints its error alone
+    p = eng.build_plans(model, gpu, vram, a, one_card=True)[0]
     if p.refusal:
         field, value, ok = ("gpu_memory_utilization", p.settings.gpu_memory_utilization,
                             f"at most {p.free_at_start_bytes / p.total_bytes:.2f} (the free memory at start)") \

@@ -39,14 +39,16 @@ OBJECT_COMMANDS = {"vramguard.catalog.models.MODELS": "vramguard plan --list-mod
 FROM_PRETRAINED_KWARGS = ("device_map", "max_memory")
 _KWARG = re.compile(r"(?<![\w.])([a-z_]+)=('[^']*'|[\w.\-/]+)")
 _BARE = re.compile(r"(?<![\w.])([a-z_]+)=(?=[\s,;:)]|$)")
+# library arguments a fix names as a word, without a value ("leave alloc_conf out"): the CLI says the option
+_WORDS = re.compile(r"(?<![\w.-])(alloc_conf)\b(?!=)")
 
 
 def as_flags(text: str | None) -> str | None:
     """A library message in the CLI's words: each ``field=value`` of a known field becomes its option,
     ``chunk_tokens=200`` -> ``--chunk-tokens 200``, ``file='-'`` -> ``--file -``, ``chat=False`` -> ``--raw``; a
     bare ``vram_budget=`` (the parameter, no value) -> ``--vram-budget``; a Python value (``dtype=torch.float16``)
-    and from_pretrained's own ``device_map=`` / ``max_memory=`` stay as written; a library object becomes the
-    command that lists it."""
+    and from_pretrained's own ``device_map=`` / ``max_memory=`` stay as written; a bare ``alloc_conf`` ->
+    ``--alloc-conf``; a library object becomes the command that lists it."""
     def flag(m: re.Match) -> str:
         name, value = m.group(1), m.group(2).strip("'")
         if f"{name}={value}" in KWARG_FLAGS:
@@ -64,4 +66,4 @@ def as_flags(text: str | None) -> str | None:
         return None
     for obj, command in OBJECT_COMMANDS.items():
         text = text.replace(obj, command)
-    return _BARE.sub(bare, _KWARG.sub(flag, text))
+    return _WORDS.sub(lambda m: FIELD_FLAGS[m.group(1)], _BARE.sub(bare, _KWARG.sub(flag, text)))

@@ -16,8 +16,9 @@ def gpus_option():
 
 
 def tp_option():
-    return typer.Option(None, "--tp", help="tensor parallelism: transformers' tp_plan='auto' over this many cards, "
-                        "one rank each; with --engine vllm, vLLM's tensor_parallel_size (default 1)")
+    return typer.Option(None, "--tp", show_default=False, help="tensor parallelism over this many cards, 2 or more: "
+                        "transformers' tp_plan='auto', one rank per card (unset: none); with --engine vllm, vLLM's "
+                        "tensor_parallel_size, 1 or more (unset: 1)")
 
 
 def device_map_option():
@@ -107,7 +108,9 @@ def plan_cards(model: str, s, cards: tuple, context: int | None, device_map: str
     from vramguard.plan.multigpu import plan_gpus
     from vramguard.plan.planner import plan as plan_one
     from vramguard.units import parse_size
+    from vramguard.plan.multigpu.tensorparallel import check_tp_heads
     gpus, tp, gpu, vram = cards
+    check_tp_heads(model, tp)  # a model fact: said before the cards are looked for
     if gpus is None and tp is None and max_memory and "," in max_memory and "," not in (gpu or "") + (vram or ""):
         gpus = len(max_memory.split(","))  # as many cards as sizes given
     found = resolve_cards(gpus, tp, gpu, vram)

@@ -60,10 +60,11 @@ def plan(
     max_num_batched_tokens: Optional[int] = eng.max_num_batched_tokens_option(),
 ) -> None:
     """Predict memory by component, say whether it fits, solve for what fits, and rank the fixes."""
+    vllm_args = eng.EngineArgs(tp or 1, pp, gpu_memory_utilization, max_model_len, kv_cache_dtype.value, max_num_seqs,
+                               max_num_batched_tokens, dtype.value if dtype else None)
     if engine == eng.Engine['vllm'] and not (list_models or list_gpus):
-        return _plan_vllm(model, gpu, vram, eng.EngineArgs(
-            tp or 1, pp, gpu_memory_utilization, max_model_len, kv_cache_dtype.value, max_num_seqs,
-            max_num_batched_tokens, dtype.value if dtype else None), fmt == Format['json'], exit_code)
+        return _plan_vllm(model, gpu, vram, vllm_args, fmt == Format['json'], exit_code)
+    run_guarded(eng.refuse_vllm_options, vllm_args)
     from vramguard.plan import plan as plan_fn
     from vramguard.settings import Settings
 

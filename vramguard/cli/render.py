@@ -254,7 +254,8 @@ def print_plan(p: Plan, console: Console | None = None) -> None:
     """Human-readable plan on stdout: components, cards, findings and ranked changes."""
     c = console or Console()
     est, spec = p.estimate, p.model
-    c.print(f"[bold]vramguard plan[/bold] - {spec.name}  ({spec.source})")
+    src = "the catalog's copy" if spec.source == f"catalog ({spec.name})" else spec.source
+    c.print(f"[bold]vramguard plan[/bold] - {spec.name}" + ("" if src == spec.name else f"  ({src})"))
     n = est.weights.parameter_count
     params = f"{n / 1e9:.2f} B" if n >= 1e8 else f"{n / 1e6:.2f} M"
     c.print(f"{spec.num_layers} layers, hidden {spec.hidden_size}, {spec.num_heads} heads / {spec.num_kv_heads} KV "

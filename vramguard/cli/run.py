@@ -48,6 +48,11 @@ def run(
     from vramguard.cli.render import print_generation_summary, to_jsonable
 
     def build():
+        from vramguard.resolve import local_model_folder
+        from vramguard.run.generate import check_generation_args
+        # what can be refused without loading anything, before anything is printed
+        check_generation_args(max_new_tokens, do_sample, temperature, top_p, top_k)
+        local_model_folder(model)
         _allocator_note()
         text = _read_prompt(prompt, prompt_file)
         budget = size_option(vram_budget, "vram_budget") if vram_budget else None

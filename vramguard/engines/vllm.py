@@ -118,7 +118,8 @@ class VllmSettings:
                 raise InvalidValue(name, v, "an integer from 1 to 1,024", f"set {name} to a positive integer")
         u = self.gpu_memory_utilization
         if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0 < u <= 1:
-            raise InvalidValue("gpu_memory_utilization", u, "a fraction above 0 and at most 1", "e.g. 0.9")
+            raise InvalidValue("gpu_memory_utilization", u, "a fraction above 0 and at most 1",
+                               "set gpu_memory_utilization=0.9 (vLLM's default) or another fraction")
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 2**31):

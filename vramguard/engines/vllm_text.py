@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import re
 import shlex
+import textwrap
 
 from vramguard.engines.vllm import VllmPlan
 from vramguard.units import GiB
@@ -12,15 +14,49 @@ def _g(n: int) -> str:
     return f"{n / GiB:.2f} GiB"
 
 
+def _command_words(p: VllmPlan, model_ref: str) -> list[str]:
+    """``vllm serve MODEL`` then one shell-quoted ``--flag value`` per flag of :meth:`VllmPlan.flags`."""
+    words = [" ".join(shlex.quote(x) for x in ("vllm", "serve", model_ref))]
+    for flag, value in p.flags().items():
+        words.append(f"--{flag}" if value is True else f"--{flag} {shlex.quote(str(value))}")
+    return words
+
+
 def serve_command(p: VllmPlan, model_ref: str) -> str:
     """``vllm serve MODEL --flag value ...`` with every flag of :meth:`VllmPlan.flags` (shell-quoted)."""
-    parts = ["vllm", "serve", model_ref]
-    for flag, value in p.flags().items():
-        if value is True:
-            parts.append(f"--{flag}")
+    return " ".join(_command_words(p, model_ref))
+
+
+def command_lines(p: VllmPlan, model_ref: str, width: int) -> list[str]:
+    """:func:`serve_command` broken into shell lines of at most ``width`` characters (where a flag allows it),
+    each but the last ending in `` \\`` and the ones after the first indented: it pastes into a shell as is."""
+    lines, cur = [], ""
+    for word in _command_words(p, model_ref):
+        pad = "    " if lines else ""
+        if cur and len(pad + cur + " " + word) + 2 > width:
+            lines.append(pad + cur)
+            cur = word
         else:
-            parts += [f"--{flag}", str(value)]
-    return " ".join(shlex.quote(x) for x in parts)
+            cur = f"{cur} {word}" if cur else word
+    lines.append(("    " if lines else "") + cur)
+    return [line + " \\" for line in lines[:-1]] + lines[-1:]
+
+
+def wrapped(lines: list[str], width: int) -> list[str]:
+    """Each line folded to ``width`` characters at spaces: a continuation lines up under the line's parenthesis, or
+    under the text after its label (the first run of 2 or more spaces), or 2 columns in."""
+    out = []
+    for line in lines:
+        if len(line) <= width:
+            out.append(line)
+            continue
+        lead = len(line) - len(line.lstrip())
+        paren, label = line.find("  ("), re.match(r"\s*\S.*?\s{2,}", line)
+        hang = (paren + 3 if 0 < paren < width // 2 else
+                label.end() if label and label.end() < width // 2 else lead + 2)
+        out += textwrap.wrap(line, width, subsequent_indent=" " * hang, break_long_words=False,
+                             break_on_hyphens=False)
+    return out
 
 
 def plan_to_json(p: VllmPlan, model_ref: str) -> dict:
@@ -49,8 +85,10 @@ def plan_to_json(p: VllmPlan, model_ref: str) -> dict:
     }
 
 
-def plan_lines(p: VllmPlan, model_ref: str) -> list[str]:
-    """The plan as text: each term of vLLM's budget with where it comes from, then the two log lines."""
+def plan_lines(p: VllmPlan, model_ref: str, width: int | None = None, words=None) -> list[str]:
+    """The plan as text: each term of vLLM's budget with where it comes from, then the two log lines, then the
+    ``vllm serve`` command; with ``width``, every line fits that many characters (the command as shell lines);
+    ``words`` rewrites the fix lines (the CLI: ``field=value`` as its flags)."""
     s = p.settings
     tp, pp = s.tensor_parallel_size, s.pipeline_parallel_size
     graphs = "in the budget (vLLM >= 0.21)" if s.cudagraph_in_budget else "outside the budget"
@@ -87,21 +125,23 @@ def plan_lines(p: VllmPlan, model_ref: str) -> list[str]:
     ]
     if p.refusal:
         lines.append(f"vLLM will refuse to start: {p.refusal}")
-        lines += _fixes(p)
+        lines += [words(x) for x in _fixes(p)] if words else _fixes(p)
     lines += [f"note: {n}" for n in p.notes]
-    lines.append("command: " + serve_command(p, model_ref))
-    return lines
+    if width is None:
+        return lines + ["command: " + serve_command(p, model_ref)]
+    return wrapped(lines, width) + ["command:"] + ["  " + x for x in command_lines(p, model_ref, width - 2)]
 
 
 def _fixes(p: VllmPlan) -> list[str]:
     out = []
     if p.free_at_start_bytes < p.requested_bytes:
         top = p.free_at_start_bytes / p.total_bytes
-        out.append(f"fix: gpu_memory_utilization at most {int(top * 100) / 100:.2f} (free at start "
+        out.append(f"fix: gpu_memory_utilization={int(top * 100) / 100:.2f} or less (free at start "
                    f"{_g(p.free_at_start_bytes)} after the CUDA context)")
     elif p.largest_model_len:
-        out.append(f"fix: max_model_len {p.largest_model_len:,} (the longest one request that fits), a larger "
-                   "tensor_parallel_size, or kv_cache_dtype fp8")
+        out.append(f"fix: max_model_len={p.largest_model_len} (the longest one request that fits), "
+                   f"tensor_parallel_size={2 * p.settings.tensor_parallel_size} or more, or kv_cache_dtype=fp8")
     else:
-        out.append("fix: a larger tensor_parallel_size, a larger card, or a smaller max_num_batched_tokens")
+        out.append(f"fix: tensor_parallel_size={2 * p.settings.tensor_parallel_size} or more, a larger card, or "
+                   f"max_num_batched_tokens={max(1, p.max_num_batched_tokens // 2)} or less")
     return out

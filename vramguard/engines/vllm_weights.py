@@ -61,16 +61,16 @@ def check_tensor_parallel(spec: ModelSpec, tp: int) -> None:
     vocabulary must divide (``vllm/model_executor/models/llama.py`` asserts ``num_heads % tp == 0`` and
     ``num_kv_heads % tp == 0`` or ``tp % num_kv_heads == 0``; ``divide`` asserts the rest)."""
     def bad(what: str, n: int) -> InvalidValue:
-        ok = [d for d in (1, 2, 4, 8, 16) if n % d == 0]
+        ok = [str(d) for d in (1, 2, 4, 8, 16) if n % d == 0]
         return InvalidValue("tensor_parallel_size", tp, f"a divisor of {what} ({n:,})",
-                            f"use one of {', '.join(map(str, ok))}")
+                            f"pass tensor_parallel_size={', '.join(ok[:-1]) + ' or ' if len(ok) > 1 else ''}{ok[-1]}")
     if spec.num_heads % tp:
         raise bad("num_attention_heads", spec.num_heads)
     if spec.num_kv_heads >= tp and spec.num_kv_heads % tp:
         raise bad("num_key_value_heads", spec.num_kv_heads)
     if spec.num_kv_heads < tp and tp % spec.num_kv_heads:
         raise InvalidValue("tensor_parallel_size", tp, f"a multiple of num_key_value_heads ({spec.num_kv_heads}) "
-                           "when larger than it", f"use {spec.num_kv_heads} or a multiple of it")
+                           "when larger than it", f"pass tensor_parallel_size={spec.num_kv_heads} or a multiple of it")
     inter = spec.moe_intermediate_size if spec.is_moe else spec.intermediate_size
     if inter % tp:
         raise bad("the MLP intermediate size", inter)

@@ -113,9 +113,11 @@ def _pod_spec(p: VllmPlan, model_ref: str, name: str, port: int) -> dict:
 MAX_GPUS_PER_POD = 8  # one node: a Deployment's pod cannot span hosts
 
 
-def _check_replicas(replicas: int) -> None:
+def check_replicas(replicas: int) -> None:
+    """Raise InvalidValue unless ``replicas`` is an integer from 1 to 10,000."""
     if isinstance(replicas, bool) or not isinstance(replicas, int) or not 1 <= replicas <= 10_000:
-        raise InvalidValue("replicas", replicas, "an integer from 1 to 10,000", "set replicas to 1 or more")
+        raise InvalidValue("replicas", replicas, "an integer from 1 to 10,000",
+                           "set replicas=1 or more")
 
 
 def _check_one_node(p: VllmPlan) -> None:
@@ -131,7 +133,7 @@ def kubernetes(p: VllmPlan, model_ref: str, replicas: int = 1, port: int = PORT)
     Raises:
         InvalidValue: ``replicas`` below 1, or more GPUs per replica than one node has.
     """
-    _check_replicas(replicas)
+    check_replicas(replicas)
     _check_one_node(p)
     name = resource_name(model_ref)
     labels = {"app.kubernetes.io/name": name, "app.kubernetes.io/component": "vllm"}
@@ -148,7 +150,7 @@ def kubernetes(p: VllmPlan, model_ref: str, replicas: int = 1, port: int = PORT)
 def kserve(p: VllmPlan, model_ref: str, replicas: int = 1, port: int = PORT) -> dict:
     """A KServe ``v1beta1`` InferenceService whose predictor is the vLLM OpenAI server (a custom container, one
     node per replica; raises as :func:`kubernetes`)."""
-    _check_replicas(replicas)
+    check_replicas(replicas)
     _check_one_node(p)
     name = resource_name(model_ref)
     predictor = {"minReplicas": replicas, "maxReplicas": replicas,
@@ -159,7 +161,7 @@ def kserve(p: VllmPlan, model_ref: str, replicas: int = 1, port: int = PORT) -> 
 
 def ray_serve(p: VllmPlan, model_ref: str, replicas: int = 1) -> dict:
     """A Ray Serve config (``serve run config.yaml``) of one OpenAI-compatible app over one ``LLMConfig``."""
-    _check_replicas(replicas)
+    check_replicas(replicas)
     engine = {flag.replace("-", "_"): value for flag, value in p.flags().items()}
     if "kv_offloading_size" in engine:
         engine["kv_offloading_size"] = float(engine["kv_offloading_size"])
@@ -180,7 +182,7 @@ def export(p: VllmPlan, model_ref: str, to: str, replicas: int = 1):
     """
     from vramguard.engines.vllm_text import serve_command
     if to == "vllm":
-        _check_replicas(replicas)
+        check_replicas(replicas)
         return serve_command(p, model_ref) + f" --port {PORT}"
     if to == "ray-serve":
         return ray_serve(p, model_ref, replicas)

@@ -63,6 +63,30 @@ def allocation_size(size: int) -> int:
     return -(-size // K_ROUND_LARGE) * K_ROUND_LARGE
 
 
+# the options PYTORCH_CUDA_ALLOC_CONF accepts: c10/core/AllocatorConfig.h (the device-generic ones) and
+# c10/cuda/CUDAAllocatorConfig.h ``getKeys`` (torch 2.13); PyTorch refuses any other key at start
+ALLOC_CONF_KEYS = frozenset({
+    "max_split_size_mb", "max_non_split_rounding_mb", "garbage_collection_threshold", "roundup_power2_divisions",
+    "expandable_segments", "pinned_use_background_threads", "backend", "release_lock_on_cudamalloc",
+    "pinned_use_cuda_host_register", "release_lock_on_hipmalloc", "pinned_use_hip_host_register",
+    "graph_capture_record_stream_reuse", "pinned_reserve_segment_size_mb", "pinned_num_register_threads",
+    "per_process_memory_fraction", "pinned_free_catch_all", "throw_on_cudamalloc_oom"})
+
+
+def _options(conf: str) -> list[str]:
+    """``key:value`` items of ``conf``, split at the commas outside ``[...]`` lists
+    (``roundup_power2_divisions:[64:8,>:1],expandable_segments:True`` is two items)."""
+    items, depth, cur = [], 0, ""
+    for ch in conf.replace(";", ","):
+        depth += (ch == "[") - (ch == "]")
+        if ch == "," and depth <= 0:
+            items.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    return [i for i in items + [cur] if i.strip()]
+
+
 @dataclass(frozen=True)
 class AllocatorConfig:
     """The ``PYTORCH_CUDA_ALLOC_CONF`` settings the model follows; ``allowed_bytes``: the cap of
@@ -76,14 +100,16 @@ class AllocatorConfig:
     def parse(cls, conf: str | None, allowed_bytes: int | None = None) -> AllocatorConfig:
         """Read ``PYTORCH_CUDA_ALLOC_CONF`` text (``expandable_segments:True,max_split_size_mb:512``).
 
-        Raises ValueError naming the option for a value that is not a boolean or a number; options the model
-        does not follow (``garbage_collection_threshold``, ``roundup_power2_divisions``...) are ignored."""
+        Raises ValueError naming the option for a value that is not a boolean or a number, and for an option
+        PyTorch does not know (:data:`ALLOC_CONF_KEYS`; PyTorch refuses it at start); the known options the model does
+        not follow (``garbage_collection_threshold``, ``roundup_power2_divisions``...) are ignored."""
         expandable, split = False, NO_LIMIT
-        for part in (conf or "").replace(";", ",").split(","):
-            if not part.strip():
-                continue
+        for part in _options(conf or ""):
             key, _, value = part.partition(":")
             key, value = key.strip(), value.strip()
+            if key not in ALLOC_CONF_KEYS:
+                raise ValueError(f"{key!r} is not an option of PyTorch's allocator (its options include "
+                                 "expandable_segments and max_split_size_mb)")
             if key == "expandable_segments":
                 if value not in ("True", "False", "true", "false", "1", "0"):
                     raise ValueError(f"expandable_segments must be True or False, not {value!r}")

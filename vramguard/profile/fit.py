@@ -225,13 +225,11 @@ def fit(model, s: Settings, vary: str, budget_bytes: int, out_dir: str | None = 
     from vramguard.runtime.load import LoadedModel, load_model
     from vramguard.runtime.device import memory_cap, total_bytes
     from vramguard.profile.measured_run import free_memory, run_generate
-    from vramguard.errors import UnknownModel
-    from vramguard.resolve import model_folder
+    from vramguard.resolve import local_model_folder
     if vary not in VARY:
         raise InvalidValue("vary", vary, " | ".join(VARY), "vary one of those")
-    if not isinstance(model, LoadedModel) and model_folder(model) is None:
-        raise UnknownModel("MODEL", model, "a local model folder or a cached model id with weights",
-                           "download the model first (a catalog name has no weights: use it with plan)")
+    if not isinstance(model, LoadedModel):
+        local_model_folder(model)  # a missing path or a name with no weights is said before anything else
     if not torch.cuda.is_available():
         raise InvalidValue("device", "cpu", "a CUDA GPU", "fit makes real runs: run it on a machine with a GPU")
     total = total_bytes()

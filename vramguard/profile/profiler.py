@@ -99,11 +99,10 @@ def profile(model: str | LoadedModel, s: Settings, out_dir: str | None = None, m
     """
     import torch
 
-    from vramguard.errors import InvalidValue, UnknownModel
-    from vramguard.resolve import model_folder
-    if not isinstance(model, LoadedModel) and model_folder(model) is None:
-        raise UnknownModel("MODEL", model, "a local model folder or a cached model id with weights",
-                           "download the model first (a catalog name has no weights: use it with plan)")
+    from vramguard.errors import InvalidValue
+    from vramguard.resolve import local_model_folder
+    if not isinstance(model, LoadedModel):
+        local_model_folder(model)  # a missing path or a name with no weights is said before anything else
     if not torch.cuda.is_available():
         raise InvalidValue("device", "cpu", "a CUDA GPU", "profile measures GPU memory: run it on a machine with one "
                            "(vramguard plan predicts without a GPU)")

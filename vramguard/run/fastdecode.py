@@ -32,7 +32,9 @@ the weights are read as bitsandbytes stores them) and transformers' attention fo
 transformers' ``AttentionInterface`` and switched on with ``set_attn_implementation`` for the step only: GQA without
 ``repeat_kv`` copies, no mask, the filled length read from the position buffer on the device). Before the first
 kernel step each kernel is run once on the model's own weights and cache against the library it replaces and turned
-off, with the reason, if it fails or disagrees; :attr:`DecodeResult.kernels` says what ran.
+off, with the reason, if it fails or disagrees; :attr:`DecodeResult.kernels` says what ran. With both kernels on, a
+Llama-style model whose projections are 4-bit runs the whole step as :mod:`vramguard.run.fused_step` instead (nine
+kernels per layer, checked against the step above before use; ``fused=False`` keeps the step above).
 
 Without CUDA, when the model cannot be captured, or when capture fails for any reason, the same static-input step
 runs eagerly for every token; :attr:`DecodeResult.mode` and :attr:`DecodeResult.reason` say which ran and why.
@@ -47,6 +49,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from vramguard.errors import InvalidValue
+from vramguard.run.sampling import Sampler, eos_list
 from vramguard.settings import require_count
 
 # Tests: model -> (capturable, reason), replacing :func:`graph_support`'s checks.
@@ -149,48 +152,6 @@ def _cache_keyword(model) -> str:
                        "use fast_decode=False for this model")
 
 
-class _Sampler:
-    """Chooses the next token from float32 logits ``[1, vocab]`` on the device, as transformers' ``generate`` does:
-    EOS set to -inf while fewer than ``min_new_tokens`` exist (``MinNewTokensLengthLogitsProcessor``), then greedy
-    argmax, or temperature, top-k, top-p (transformers' warpers, in ``generate``'s order), softmax and
-    ``torch.multinomial`` on the global RNG. ``None`` turns a warper off, as it does in ``generate(temperature=None)``.
-    """
-
-    def __init__(self, do_sample: bool, temperature, top_k, top_p, eos_ids: list[int], min_new_tokens: int, device):
-        import torch
-        from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
-        self.do_sample, self.min_new_tokens = do_sample, min_new_tokens
-        self.eos = torch.tensor(eos_ids, dtype=torch.long, device=device) if eos_ids else None
-        self.warpers = []
-        if do_sample:
-            if temperature is not None and temperature != 1.0:
-                self.warpers.append(TemperatureLogitsWarper(temperature))
-            if top_k is not None and top_k != 0:
-                self.warpers.append(TopKLogitsWarper(top_k=top_k, min_tokens_to_keep=1))
-            if top_p is not None and top_p < 1.0:
-                self.warpers.append(TopPLogitsWarper(top_p=top_p, min_tokens_to_keep=1))
-
-    def __call__(self, logits, n_done: int):
-        """Token id ``[1, 1]`` (long, on the logits' device) after ``n_done`` new tokens."""
-        import torch
-        scores = logits
-        if self.eos is not None and n_done < self.min_new_tokens:
-            scores = scores.index_fill(-1, self.eos, float("-inf"))
-        if not self.do_sample:
-            return scores.argmax(-1, keepdim=True)
-        for w in self.warpers:
-            scores = w(None, scores)
-        return torch.multinomial(torch.nn.functional.softmax(scores, dim=-1), num_samples=1)
-
-
-def _eos_list(model, eos_token_id) -> list[int]:
-    if eos_token_id == "model":
-        eos_token_id = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    if eos_token_id is None:
-        return []
-    return [int(eos_token_id)] if isinstance(eos_token_id, int) else [int(x) for x in eos_token_id]
-
-
 def check_model(model) -> None:
     """Refuse, before any GPU work, a model the decoder cannot run exactly.
 
@@ -230,6 +191,8 @@ class GraphDecoder:
         kernels: vramguard's Triton kernels in the decode steps (:func:`kernel_support`): None (default) uses them
             when the step is captured in a CUDA graph and they apply; True in every decode step, graph or not
             (the CPU tests, through Triton's interpreter); False never. The result's ``kernels`` says what ran.
+        fused: with both kernels on, run the whole step as :mod:`vramguard.run.fused_step` (nine kernels per
+            layer; Llama-style 4-bit models, checked before use) where it applies (True / None), or never (False).
 
     Raises:
         InvalidValue: a bad argument, an attention implementation other than sdpa/eager, or sliding-window /
@@ -237,7 +200,8 @@ class GraphDecoder:
     """
 
     def __init__(self, model, max_cache_len: int, *, prefill_chunk_tokens: int | None = None,
-                 use_graph: bool = True, warmup_steps: int = 2, kernels: bool | None = None):
+                 use_graph: bool = True, warmup_steps: int = 2, kernels: bool | None = None,
+                 fused: bool | None = None):
         import torch
         from transformers import StaticCache
         for name, v, lo in (("max_cache_len", max_cache_len, 1), ("warmup_steps", warmup_steps, 0),
@@ -260,6 +224,8 @@ class GraphDecoder:
         self._nf4, self._attn_kernel, self._kernel_why = self._kernel_choice(kernels)
         self._route = None  # the 4-bit dispatch mode of the last kernel step (its counts go to the report)
         self._selftested = False
+        self._fused, self._fused_ok = None, fused is not False
+        self._fused_why = "" if self._fused_ok else "fused step not used: fused=False was passed"
         self._replay: Callable[[], None] | None = None
         self._logits = None
         self._label = "eager"
@@ -320,6 +286,11 @@ class GraphDecoder:
                 raise
             self._attn_kernel = False
             self._kernel_why = f"decode attention kernel off: {type(e).__name__}: {str(e).strip()[:300]}"
+        if self._nf4 and self._attn_kernel and self._fused_ok:
+            from vramguard.run.fused_step import build
+            self._pos.fill_(filled)  # the check steps write slot `filled`; the first real step writes it again
+            self._fused, self._fused_why = build(self.model, self.cache, self.max_cache_len, filled, self._ids,
+                                                 self._pos, self._step)
 
     def _kernel_note(self) -> str | None:
         if not (self._nf4 or self._attn_kernel):
@@ -330,8 +301,14 @@ class GraphDecoder:
             done.append(f"4-bit matmul (Triton) for {c.get('routed', 0)} bitsandbytes gemm_4bit call(s) per step"
                         + (f", {c['declined']} left to bitsandbytes ({c['declined_why']})" if c.get("declined")
                            else ""))
-        if self._attn_kernel:
+        if self._fused is not None:
+            done = [("fused step: 4-bit matmul (Triton) for q/k/v in one launch, gate/up with SiLU times up in one, o "
+                     "and down; RMSNorm with the residual add; rotary with the cache write; decode attention "
+                     f"(split-K); {self._fused_why}")]
+        elif self._attn_kernel:
             done.append("decode attention (Triton, split-K, GQA without copies, the filled length only)")
+            if self._fused_why:
+                done.append(self._fused_why)
         if " off" in self._kernel_why:
             done.append(self._kernel_why)
         return "; ".join(done)
@@ -355,6 +332,8 @@ class GraphDecoder:
     def _step(self):
         """One decode step from the static buffers: float32 logits ``[1, vocab]``. Captured as the graph. With the
         decode-attention kernel no mask is built (the kernel reads the filled length from the position)."""
+        if self._fused is not None:
+            return self._fused(self._ids, self._pos)
         if not (self._nf4 or self._attn_kernel):
             return self._forward(self._ids, self._pos, self._mask(self._pos.view(1, 1, 1, 1)))
         with self._kernels():
@@ -469,8 +448,8 @@ class GraphDecoder:
         ids = self._check_request(prompt_ids, max_new_tokens)
         if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
             raise InvalidValue("sync_every", sync_every, "an integer >= 1")
-        eos = _eos_list(self.model, eos_token_id)
-        pick = _Sampler(do_sample, temperature, top_k, top_p, eos, min_new_tokens, self.device)
+        eos = eos_list(self.model, eos_token_id)
+        pick = Sampler(do_sample, temperature, top_k, top_p, eos, min_new_tokens, self.device)
         with torch.no_grad(), self._sdpa_unpinned() as note:
             result = self._run(ids, max_new_tokens, pick, set(eos), on_token, on_logits, sync_every)
         result.sdpa_note = note
@@ -481,7 +460,7 @@ class GraphDecoder:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def _run(self, ids: list[int], max_new: int, pick: _Sampler, eos: set[int], on_token, on_logits,
+    def _run(self, ids: list[int], max_new: int, pick: Sampler, eos: set[int], on_token, on_logits,
              sync_every: int) -> DecodeResult:
         import torch
         self.cache.reset()  # in place: the graph keeps pointing at the same tensors
@@ -576,7 +555,7 @@ class GraphDecoder:
 
 def graph_decode(model, prompt_ids, max_new_tokens: int, *, prefill_chunk_tokens: int | None = None,
                  use_graph: bool = True, warmup_steps: int = 2, kernels: bool | None = None,
-                 **kwargs) -> DecodeResult:
+                 fused: bool | None = None, **kwargs) -> DecodeResult:
     """One request through a :class:`GraphDecoder` whose cache is sized ``len(prompt_ids) + max_new_tokens - 1``
     (what transformers' ``generate`` allocates), freed afterwards. ``kwargs`` go to :meth:`GraphDecoder.generate`.
 
@@ -586,7 +565,7 @@ def graph_decode(model, prompt_ids, max_new_tokens: int, *, prefill_chunk_tokens
     n = len(prompt_ids)
     require_count("max_new_tokens", max_new_tokens, 1)
     dec = GraphDecoder(model, max(n + max_new_tokens - 1, 1), prefill_chunk_tokens=prefill_chunk_tokens,
-                       use_graph=use_graph, warmup_steps=warmup_steps, kernels=kernels)
+                       use_graph=use_graph, warmup_steps=warmup_steps, kernels=kernels, fused=fused)
     try:
         return dec.generate(prompt_ids, max_new_tokens, **kwargs)
     finally:

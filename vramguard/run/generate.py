@@ -346,6 +346,28 @@ def strategy_order(model, prompt_tokens: int, max_new_tokens: int, *, budget_byt
     return preflight(h.spec, s, usable, auto, h.on_cuda, weights_loaded=True, fast_decode=fast_decode)
 
 
+
+def check_generation_args(max_new_tokens: int, do_sample: bool = False, temperature: float | None = None,
+                          top_p: float | None = None, top_k: int | None = None) -> None:
+    """Raise InvalidValue for a generation argument :func:`generate` refuses (checked before any loading):
+    ``max_new_tokens`` below 1, ``temperature`` not above 0, ``top_p`` outside (0, 1], ``top_k`` below 1, or
+    any of the three without ``do_sample`` (greedy decoding would ignore it: refused rather than dropped)."""
+    from vramguard.errors import InvalidValue
+    require_count("max_new_tokens", max_new_tokens, 1)
+    if temperature is not None and not temperature > 0:
+        raise InvalidValue("temperature", temperature, "a number > 0", "use temperature=0.7, or greedy decoding")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise InvalidValue("top_p", top_p, "a number in (0, 1]", "use e.g. top_p=0.9")
+    if top_k is not None and top_k < 1:
+        raise InvalidValue("top_k", top_k, "an integer >= 1", "use e.g. top_k=50")
+    sampling = {"temperature": temperature, "top_p": top_p, "top_k": top_k}
+    given = [n for n, v in sampling.items() if v is not None]
+    if given and not do_sample:  # greedy decoding would ignore them: refuse rather than drop the user's setting
+        raise InvalidValue(given[0], sampling[given[0]], "only with do_sample (greedy decoding ignores it)",
+                           f"pass do_sample=True to sample with {', '.join(given)}, or leave "
+                           "them out for greedy decoding")
+
+
 def generate(model, tokenizer, prompt: str | list[int], max_new_tokens: int = 256, *, budget_bytes: int | None = None,
              auto: bool = True, on_text: Callable[[str], None] | None = None, do_sample: bool = False,
              temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
@@ -370,19 +392,7 @@ def generate(model, tokenizer, prompt: str | list[int], max_new_tokens: int = 25
     """
     import torch
 
-    from vramguard.errors import InvalidValue
-    require_count("max_new_tokens", max_new_tokens, 1)
-    if temperature is not None and not temperature > 0:
-        raise InvalidValue("temperature", temperature, "a number > 0", "use temperature=0.7, or greedy decoding")
-    if top_p is not None and not 0 < top_p <= 1:
-        raise InvalidValue("top_p", top_p, "a number in (0, 1]", "use e.g. top_p=0.9")
-    if top_k is not None and top_k < 1:
-        raise InvalidValue("top_k", top_k, "an integer >= 1", "use e.g. top_k=50")
-    given = [n for n, v in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k)) if v is not None]
-    if given and not do_sample:  # greedy decoding would ignore them: refuse rather than drop the user's setting
-        raise InvalidValue(given[0], locals()[given[0]], "only with do_sample (greedy decoding ignores it)",
-                           f"pass do_sample=True to sample with {', '.join(given)}, or leave "
-                           "them out for greedy decoding")
+    check_generation_args(max_new_tokens, do_sample, temperature, top_p, top_k)
     if isinstance(model, LoadedModel) and tokenizer is None:
         tokenizer = model.tokenizer
     prompt_ids = _prompt_ids(tokenizer, prompt)

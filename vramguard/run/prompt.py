@@ -57,17 +57,11 @@ def preflight_prompt(model: str, text: str, max_new_tokens: int, chat: bool | No
     """
     from transformers import AutoTokenizer
 
-    from vramguard.errors import ConfigError, UnknownModel
+    from vramguard.errors import ConfigError
     from vramguard.plan import check_context
-    from vramguard.resolve import model_folder, resolve_model
+    from vramguard.resolve import local_model_folder, resolve_model
     from vramguard.settings import Settings
-    folder = model_folder(model)
-    if folder is None:
-        from pathlib import Path
-        path = str(model).startswith((".", "/", "~"))
-        fix = (f"no such file or folder: {Path(model).expanduser().absolute()}" if path
-               else "download the model first (a catalog name has no weights: use it with plan)")
-        raise UnknownModel("MODEL", model, "a local folder or cached model id with weights", fix)
+    folder = local_model_folder(model)
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
     except (OSError, ValueError) as e:

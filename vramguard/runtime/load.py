@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import gc
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from vramguard.probe.checkpoint import read_checkpoint
 from vramguard.probe.env import probe_env
 from vramguard.probe.kernels import AttentionKernel, profile_attention
 from vramguard.errors import InvalidValue, UnknownModel
-from vramguard.resolve import model_folder, resolve_model
+from vramguard.resolve import local_model_folder, resolve_model
 from vramguard.runtime.device import MemorySnapshot, free_bytes
 from vramguard.runtime.handle import LoadedModel, as_loaded, forget, known, loaded_settings, register
 from vramguard.runtime.handle import pin_sdpa as _pin_sdpa
@@ -225,13 +226,10 @@ def load_model(model: str, *, quant: str = "nf4", double_quant: bool = True, com
 
 def _weights_folder(model: str, allow_pickle: bool):
     """(the folder holding ``model``'s weights, its checkpoint info); refuses what cannot be loaded as asked."""
-    folder = model_folder(model)
-    if folder is None and str(model).startswith((".", "/", "~")):
-        raise UnknownModel("MODEL", model, "a local folder or cached model id with weights",
-                           f"no such file or folder: {Path(model).expanduser().absolute()}")
-    if folder is None or not any(Path(folder).glob("*.safetensors")) and not any(Path(folder).glob("*.bin")):
-        raise UnknownModel("model", model, "a local folder or cached model id with weights",
-                           "download the model first (a catalog name has no weights: use it with plan)")
+    folder = local_model_folder(model)
+    if not any(Path(folder).glob("*.safetensors")) and not any(Path(folder).glob("*.bin")):
+        raise UnknownModel("MODEL", model, "a local model folder or a cached model id with weights",
+                           f"{folder} holds no weights (*.safetensors or *.bin): save or download them there")
     ckpt = read_checkpoint(folder)
     if ckpt.format == "pickle" and not allow_pickle:
         raise InvalidValue("allow_pickle", False, "True to load pickle (.bin) weights",
@@ -249,13 +247,28 @@ def _bnb_config(quant: str, double_quant: bool, compute_dtype: str):
                                            bnb_4bit_compute_dtype=getattr(torch, TORCH_DTYPE_NAMES[compute_dtype]))
 
 
+@contextmanager
+def _no_progress_bar():
+    """transformers' "Loading weights" progress bar off while vramguard loads (its public switch,
+    ``transformers.utils.logging.disable_progress_bar``), and back as the caller had it afterwards."""
+    from transformers.utils import logging as hf_logging
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()
+
+
 def _from_pretrained(folder, spec, kwargs: dict):
     """``AutoModelForCausalLM.from_pretrained`` in eval mode; a config with no causal-LM class is a ConfigError."""
     import transformers
 
     from vramguard.errors import ConfigError
     try:
-        m = transformers.AutoModelForCausalLM.from_pretrained(str(folder), **kwargs)
+        with _no_progress_bar():
+            m = transformers.AutoModelForCausalLM.from_pretrained(str(folder), **kwargs)
     except ValueError as e:
         if "Unrecognized configuration class" not in str(e):
             raise

@@ -32,8 +32,8 @@ def guarded_manager_class():
     from vramguard.serve.faults import device_fault
 
     class GuardedManager(ContinuousBatchingManager):
-        """transformers' manager whose steps are reported to ``vg_engine`` (:class:`~vramguard.serve.engine.Engine`)
-        and whose loop hands an exception inside an iteration to :mod:`vramguard.serve.recovery` instead of failing
+        """transformers' manager whose steps are reported to ``vg_engine`` (:class:`~vramguard.serve.engine.Engine`),
+        whose decode-only steps run from the engine's CUDA graphs where it has them, and whose loop hands an exception inside an iteration to :mod:`vramguard.serve.recovery` instead of failing
         every request; only a device fault (or a loop that keeps failing) goes on to the engine's handler."""
 
         vg_engine = None
@@ -42,6 +42,9 @@ def guarded_manager_class():
             bp = self.batch_processor
             ids = [fs.state.request_id for fs in getattr(bp.inputs_and_outputs, "requests_in_batch", [])]
             self.vg_engine._on_step(self.current_batch, ids, bp)
+            graphs = self.vg_engine.decode_graphs(bp)
+            if graphs is not None and graphs.accepts(bp):
+                return graphs.step(bp, self.model)  # a decode-only step: replayed (vramguard.serve.decode_graphs)
             return super()._generation_step()
 
         def _generation_loop_body(self, batch_processor, bootstrapping):

@@ -35,9 +35,39 @@ from typing import Callable
 from vramguard.runtime.device import is_oom  # noqa: F401
 from vramguard.serve.faults import (DEVICE_FAULT_MARKERS, MAX_FAILURES_IN_A_ROW, MAX_OOM_RETRIES,  # noqa: F401
                                     MAX_STEP_FAILURES, device_fault)
+from vramguard.serve.attention import choose as choose_attention
 from vramguard.serve.pool import PoolPlan, blocks_needed
 
 log = logging.getLogger("vramguard.serve")
+
+GRAPHS = True  # False: decode steps run eagerly (for comparisons)
+
+
+def _quiet_manager(cls, model, gen, cfg):
+    """Builds transformers' continuous-batching manager with its "does not support setting its attention
+    implementation dynamically" warning dropped: a model that keeps its attention is refused or served by us, with
+    the reason in the engine's notes."""
+    import torch
+
+    quiet = _DropRecord("does not support setting its attention implementation dynamically")
+    hf_log = logging.getLogger("transformers.modeling_utils")
+    hf_log.addFilter(quiet)
+    try:
+        with torch.inference_mode(False):
+            return cls(model=model, generation_config=gen, continuous_batching_config=cfg)
+    finally:
+        hf_log.removeFilter(quiet)
+
+
+class _DropRecord(logging.Filter):
+    """Drops the log records whose message contains ``text`` (one known library message), keeps every other."""
+
+    def __init__(self, text: str):
+        super().__init__()
+        self.text = text
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.text not in record.getMessage()
 
 RESTORE_AFTER_STEPS = 200  # steps without an OOM before a halved step budget doubles again
 DRAIN_WINDOW_STEPS = 64  # recent steps whose rate estimates when admission slots free up (Retry-After)
@@ -108,6 +138,8 @@ class Engine:
         metrics: optional :class:`~vramguard.serve.metrics.Metrics`.
         greedy_only: decode every request greedily with a plain argmax (no sampling processors in the step);
             requests that ask for sampling are refused by the API.
+        own_kernels: run vramguard's varlen attention and decode CUDA graphs where they can run
+            (:mod:`vramguard.serve.attention`, :mod:`vramguard.serve.decode_graphs`); False: transformers' own.
 
     Test hooks: ``before_step(index, request_ids)`` is called in the engine thread before each step's forward;
     raising ``torch.OutOfMemoryError`` there exercises recovery exactly as a real OOM in the forward would.
@@ -116,8 +148,9 @@ class Engine:
     name = "continuous"  # the value of serve's engine choice that selects this engine
 
     def __init__(self, model, tokenizer, pool: PoolPlan, *, max_queue: int = 64, seed: int | None = 0,
-                 metrics=None, greedy_only: bool = False):
+                 metrics=None, greedy_only: bool = False, own_kernels: bool = True):
         self.model, self.tokenizer, self.pool = model, tokenizer, pool
+        self.own_kernels = own_kernels
         self.max_queue = max_queue
         self.greedy_only = greedy_only
         self.reserved = 0  # admission slots held by requests being validated (event-loop thread only)
@@ -138,12 +171,16 @@ class Engine:
         self.before_step: Callable[[int, list[str]], None] | None = None
         self.attn_implementation: str | None = None
         self.notes: list[str] = []
+        self.probing = False  # True while the start's two-token request runs: its failure is a finding, not a fault
+        self.probe_error: str | None = None  # the error of a step that failed while probing
         self._ids = itertools.count()
         self._cancelled: deque[tuple[float, str]] = deque()
         self._steps_since_oom = 0
         self._lock = threading.Lock()
         self._manager = None
         self._cache = None
+        self._graphs = None  # DecodeGraphs, made in the engine thread at the first step (None: not (yet) made)
+        self.graphs_wanted = False  # decode-only steps from CUDA graphs (set when the varlen attention runs)
         self.vocab_size = int(model.config.get_text_config().vocab_size)
 
     # ------------------------------------------------------------------ lifecycle
@@ -182,11 +219,22 @@ class Engine:
                         max_memory_percent=1.0, seed=self.seed, allow_block_sharing=False)
         before = self.model.config._attn_implementation
         cls = guarded_manager_class()
-        with torch.inference_mode(False):
-            self._manager = cls(model=self.model, generation_config=gen, continuous_batching_config=cfg)
+        switched_from, note = choose_attention(self.model) if self.own_kernels else (None, None)
+        try:
+            self._manager = _quiet_manager(cls, self.model, gen, cfg)
+        except ValueError as e:  # this transformers takes no custom attention in continuous batching
+            if switched_from is None:
+                raise
+            self.model.set_attn_implementation(switched_from)
+            note = f"attention: transformers' paged attention (its continuous batching refused ours: {str(e)[:120]})"
+            switched_from = None
+            self._manager = _quiet_manager(cls, self.model, gen, cfg)
+        if note is not None:
+            self.notes.append(note)
+        self.graphs_wanted = switched_from is not None and GRAPHS
         self._manager.vg_engine = self
         self.attn_implementation = self.model.config._attn_implementation
-        if self.attn_implementation != before:
+        if self.attn_implementation != before and switched_from is None:
             self.notes.append(f"attention: the continuous-batching engine runs {self.attn_implementation!r} "
                               f"(loaded as {before!r}); it needs a paged attention implementation")
         if next(self.model.parameters()).is_cuda:
@@ -259,6 +307,7 @@ class Engine:
         self.stop()
         self._manager = None
         self._cache = None
+        self._graphs = None
         self.handles.clear()
 
     def fail_inflight(self, message: str) -> int:
@@ -328,7 +377,8 @@ class Engine:
                 "kv_tokens_total": self.pool.pool_tokens, "kv_tokens_reserved": self.kv_tokens_reserved(),
                 "oom_recoveries": self.oom_recoveries, "step_failures": len(self.step_failure_events),
                 "isolating": len(self._suspects), "steps": self.steps[-1].index + 1 if self.steps else 0,
-                "retry_after_s": self.retry_after_s(1)}
+                "retry_after_s": self.retry_after_s(1),
+                "decode_graphs": len(self._graphs[1].graphs) if self._graphs else 0}
 
     def retry_after_s(self, need: int) -> int:
         """Seconds until ``need`` more requests can be admitted, from the engine's real drain rate.
@@ -445,6 +495,23 @@ class Engine:
             h.finished = True
 
     # ------------------------------------------------------------------ engine thread
+    def decode_graphs(self, bp):
+        """The engine's :class:`~vramguard.serve.decode_graphs.DecodeGraphs` for batch processor ``bp`` (made at
+        the first call, in the engine thread), or None when decode steps run eagerly (with the reason in the notes)."""
+        if not self.graphs_wanted:
+            return None
+        if self._graphs is None or self._graphs[0] is not bp:
+            from vramguard.serve.decode_graphs import DecodeGraphs, unsupported
+            why = unsupported(bp)
+            if why is not None:
+                self.graphs_wanted = False
+                self.notes.append(f"decode steps: eager, without CUDA graphs ({why})")
+                return None
+            self._graphs = (bp, DecodeGraphs(bp, self.pool.max_requests))
+            self.notes.append("decode steps: CUDA graphs (vramguard.serve.decode_graphs), captured at the first "
+                              "step of each size")
+        return self._graphs[1]
+
     def _on_step(self, index: int, request_ids: list[str], bp=None) -> None:
         self.steps.append(StepRecord(index, tuple(request_ids), time.perf_counter()))
         self._steps_since_oom += 1

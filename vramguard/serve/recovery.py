@@ -109,6 +109,9 @@ def on_step_failure(engine, manager, bp, error: BaseException) -> None:
     if engine._failures_in_a_row > MAX_FAILURES_IN_A_ROW:
         raise error
     why = _first_line(error)
+    probing = engine.probing  # read before the requests fail: the prober stops probing once its request ends
+    if probing:
+        engine.probe_error = why
     sched = bp.scheduler
     states = step_states(bp)
     failed, requeued = [], []
@@ -136,8 +139,10 @@ def on_step_failure(engine, manager, bp, error: BaseException) -> None:
     event = {"step": getattr(manager, "current_batch", None), "error": why, "failed": failed,
              "isolating": requeued[::-1]}
     _keep(engine.step_failure_events, event)
-    log.warning("step %s failed (%s): %d request(s) failed, %d isolated to run one per step", event["step"], why,
-                len(failed), len(requeued))
+    # the start's probe failing says the engine cannot run the model: the caller reports that (refusal or fallback)
+    log.log(logging.DEBUG if probing else logging.WARNING,
+            "step %s failed (%s): %d request(s) failed, %d isolated to run one per step", event["step"], why,
+            len(failed), len(requeued))
     if engine.metrics is not None:
         engine.metrics.step_failures.inc()
 

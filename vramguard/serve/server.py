@@ -240,6 +240,7 @@ class ContinuousBatchingRefused(ConfigError):
 
     def __init__(self, model_type: str, why: str):
         self.why = why[:300]
+        self.own_attention = False  # it failed with vramguard's varlen attention (transformers' own may run it)
         super().__init__("MODEL", model_type, "an architecture transformers' continuous batching (the engine "
                          "'continuous') can run", f"{self.why}; serve it with the engine 'generate' (the model's own "
                          "generate, one request at a time), which the engine 'auto' picks for such a model")
@@ -264,6 +265,45 @@ def _first_request_error(engine) -> str | None:
     return asyncio.run(one_request())
 
 
+WARM_UP_NEW_TOKENS = 8  # decode steps of the start-up load (each at the full batch)
+
+
+def _warm_up(engine) -> str:
+    """Run the load the engine is sized for once before serving: ``max_running`` greedy requests (as many as the
+    pool holds) of ``max_batch_tokens / 4`` prompt tokens and :data:`WARM_UP_NEW_TOKENS` new ones, so the first
+    clients do not pay for first-use work (kernel compiles, library heuristics and module loads per shape, the
+    allocator's growth to the step peak). Returns a note with the time taken, or why it was skipped or failed
+    (never raises: it is an optimisation)."""
+    from vramguard.serve.engine import Sampling
+    from vramguard.serve.pool import blocks_needed
+    p = engine.pool
+    prompt = max(1, min(p.max_batch_tokens // 4, p.pool_tokens // max(p.max_requests, 1) - WARM_UP_NEW_TOKENS))
+    per_request = blocks_needed(prompt + WARM_UP_NEW_TOKENS, p.page_size)
+    n = min(engine.max_running, p.num_blocks // max(per_request, 1))
+    if n < 1 or prompt < 2:
+        return "warm-up skipped: the pool holds no request of the start-up load"
+    vocab = max(engine.vocab_size - 1, 2)
+    t0 = time.perf_counter()
+
+    async def load():
+        hs = [engine.submit([1 + (7 * i + 13 * j) % vocab for j in range(prompt)], WARM_UP_NEW_TOKENS,
+                            Sampling(temperature=0)) for i in range(n)]
+        for h in hs:
+            while True:
+                out = await asyncio.wait_for(h.queue.get(), SMOKE_TIMEOUT_S)
+                status = getattr(out.status, "name", str(out.status))
+                if out.error or status in ("FAILED", "FINISHED"):
+                    engine.finish(h.request_id)
+                    break
+
+    try:
+        asyncio.run(load())
+    except Exception as e:  # noqa: BLE001 - reported in the start notes; serving goes on
+        return f"warm-up failed, serving without it: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
+    return (f"warm-up: {n} requests of {prompt} + {WARM_UP_NEW_TOKENS} tokens before serving, "
+            f"{time.perf_counter() - t0:.1f} s")
+
+
 def _discard(engine) -> None:
     import torch
     engine.stop(hard=True)
@@ -272,16 +312,32 @@ def _discard(engine) -> None:
         torch.cuda.empty_cache()
 
 
-def _started_engine(model, tokenizer, pool, **kw) -> Engine:
+def _started_engine(model, tokenizer, pool, warm_up: bool = True, **kw) -> Engine:
     """The continuous-batching engine, started, after one two-token greedy request went through it: transformers'
     continuous batching does not run every architecture (its paged cache holds attention layers of one K/V shape),
     and a model it cannot run is refused here rather than failing every request. The model's attention
-    implementation is put back when the engine is refused.
+    implementation is put back when the engine is refused. When that request fails with vramguard's varlen
+    attention (:mod:`vramguard.serve.attention`), the engine is started again with transformers' own, with a note.
+    ``warm_up`` (on a CUDA device): :func:`_warm_up` runs before the engine is handed to the server.
 
     Raises:
         ContinuousBatchingRefused: the engine cannot be built for this model or its first request fails (not out
             of memory).
     """
+    try:
+        return _start_continuous(model, tokenizer, pool, warm_up, **kw)
+    except ContinuousBatchingRefused as e:
+        if not e.own_attention:
+            raise
+        engine = _start_continuous(model, tokenizer, pool, warm_up, own_kernels=False, **kw)
+        engine.notes.append(f"attention: transformers' paged attention (vramguard's varlen attention failed this "
+                            f"model's first request: {e.why[:200]})")
+        return engine
+
+
+def _start_continuous(model, tokenizer, pool, warm_up: bool, **kw) -> Engine:
+    """:func:`_started_engine` for one attention choice (``own_kernels`` in ``kw``: see :class:`Engine`)."""
+    from vramguard.serve.attention import ATTN_NAME
     model_type = getattr(model.config, "model_type", "?")
     before = model.config._attn_implementation
     engine = None
@@ -289,20 +345,28 @@ def _started_engine(model, tokenizer, pool, **kw) -> Engine:
         engine = Engine(model, tokenizer, pool, **kw)
         kw["metrics"]._engine_stats = engine.stats
         engine.start()
-        err = _first_request_error(engine)
+        engine.probing = True
+        try:
+            err = _first_request_error(engine)
+        finally:
+            engine.probing = False
         if err is not None and "out of memory" not in err.lower():
-            raise ContinuousBatchingRefused(model_type, f"its first request failed: {err}")
+            raise ContinuousBatchingRefused(model_type, f"its first request failed: {engine.probe_error or err}")
+        if warm_up and next(model.parameters()).is_cuda:
+            engine.notes.append(_warm_up(engine))
     except (ContinuousBatchingRefused, ValueError, NotImplementedError, TypeError, KeyError, AttributeError,
             RuntimeError) as e:  # RuntimeError: transformers 5.17 reports a layer type it lacks as "did not start"
         if isinstance(e, RuntimeError) and "out of memory" in str(e).lower():
             raise
+        own = model.config._attn_implementation == ATTN_NAME
         if engine is not None:
             _discard(engine)
         if model.config._attn_implementation != before:
             model.set_attn_implementation(before)
-        if isinstance(e, ContinuousBatchingRefused):
-            raise
-        raise ContinuousBatchingRefused(model_type, f"{type(e).__name__}: {e}") from None
+        refused = e if isinstance(e, ContinuousBatchingRefused) else ContinuousBatchingRefused(
+            model_type, f"{type(e).__name__}: {e}")
+        refused.own_attention = own
+        raise refused from None
     engine.clear_history()
     return engine
 
@@ -329,9 +393,11 @@ def _generate_engine(model, tokenizer, spec, settings, vram_budget: int | None, 
     return engine
 
 
-def _chosen_engine(choice: str, model, tokenizer, spec, settings, vram_budget: int | None, paged_pool, **kw):
+def _chosen_engine(choice: str, model, tokenizer, spec, settings, vram_budget: int | None, paged_pool,
+                   warm_up: bool = True, **kw):
     """The engine ``choice`` names ("continuous", "generate", or "auto": continuous batching where it runs the
-    model, else generate, with a note saying why); ``paged_pool()`` plans the continuous engine's pool.
+    model, else generate, with a note saying why); ``paged_pool()`` plans the continuous engine's pool;
+    ``warm_up``: the continuous engine runs its start-up load (:func:`_warm_up`) first.
 
     Raises:
         ContinuousBatchingRefused: "continuous" for a model continuous batching cannot run.
@@ -339,15 +405,18 @@ def _chosen_engine(choice: str, model, tokenizer, spec, settings, vram_budget: i
     why = None
     if choice != "generate":
         try:
-            return _started_engine(model, tokenizer, paged_pool(), **kw)
+            return _started_engine(model, tokenizer, paged_pool(), warm_up=warm_up, **kw)
         except ContinuousBatchingRefused as e:
             if choice == "continuous":
                 raise
             why = e.why
     engine = _generate_engine(model, tokenizer, spec, settings, vram_budget, **kw)
-    engine.notes.append("engine: the model's own generate, one request at a time ("
-                        + (f"transformers' continuous batching cannot run {model.config.model_type}: {why}"
-                           if why else "engine 'generate' chosen") + ")")
+    note = ("engine: the model's own generate, one request at a time ("
+            + (f"transformers' continuous batching cannot run {model.config.model_type}: {why}"
+               if why else "engine 'generate' chosen") + ")")
+    engine.notes.append(note)
+    if why:
+        log.info("%s", note)  # the expected fallback of 'auto', with its reason: not a warning
     return engine
 
 
@@ -428,11 +497,13 @@ def build(model: str, *, vram_budget: int | None = None, max_queue: int = 64, ma
           seed: int = 0, served_name: str | None = None, n_max: int = 4, default_max_tokens: int = 256,
           max_body_bytes: int = 1 << 20, max_kv_blocks: int | None = None, greedy: bool = False,
           hard_cap: bool = False, verify: bool = True, loaded=None,
-          body_timeout_s: float = BODY_TIMEOUT_S, engine_choice: str = "auto") -> Served:
+          body_timeout_s: float = BODY_TIMEOUT_S, engine_choice: str = "auto", warm_up: bool = True) -> Served:
     """Load ``model`` and prepare the server (no socket yet). ``body_timeout_s``: a request body must arrive
     within this many seconds of its headers (408 otherwise). ``engine_choice``: "continuous" (transformers'
     continuous batching with a paged KV pool), "generate" (the model's own generate, one request at a time,
     admitted by the plan: :mod:`vramguard.serve.generate_engine`) or "auto" (continuous where it runs the model).
+    ``warm_up``: on a CUDA device the continuous engine runs the load it is sized for once before serving (a few
+    seconds), so the first clients are served at the speed of the later ones.
 
     Raises:
         InvalidValue: a limit out of range. Infeasible: the budget leaves no room for the pool.
@@ -481,8 +552,8 @@ def build(model: str, *, vram_budget: int | None = None, max_queue: int = 64, ma
         return _paged_pool(spec, m, usable, source, page_size=page_size, max_batch_tokens=max_batch_tokens,
                            max_requests=max_running, max_kv_blocks=max_kv_blocks)
 
-    engine = _chosen_engine(engine_choice, m, tok, spec, loaded.settings, vram_budget, paged_pool, max_queue=max_queue,
-                            seed=seed, metrics=metrics, greedy_only=greedy)
+    engine = _chosen_engine(engine_choice, m, tok, spec, loaded.settings, vram_budget, paged_pool, warm_up=warm_up,
+                            max_queue=max_queue, seed=seed, metrics=metrics, greedy_only=greedy)
     pool = engine.pool
     import os
     aliases = tuple(sorted({str(model), os.path.abspath(str(model)), os.path.basename(os.path.normpath(str(model))),

@@ -90,6 +90,8 @@ def plan_gpus(model: str | ModelSpec, settings: Settings | None = None, *, gpus:
     from vramguard.plan.planner import check_context
     from vramguard.resolve import resolve_model
     spec = model if isinstance(model, ModelSpec) else resolve_model(model)
+    from vramguard.plan.multigpu.tensorparallel import check_tp_heads
+    check_tp_heads(spec, tp)
     if tp is not None or spec.generic:  # a hand family's device_map split also runs without them
         _require_libraries("tp" if tp is not None else "gpus")
     s = settings or Settings()

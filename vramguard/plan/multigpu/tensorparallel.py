@@ -129,6 +129,23 @@ def expanded_plan(model) -> dict[str, str]:
     return out
 
 
+def _kv_heads_error(kv: int, tp: int) -> InvalidValue:
+    ok = [str(d) for d in range(2, kv + 1) if kv % d == 0]
+    fix = (f"pick tp={', '.join(ok[:-1]) + ' or ' if len(ok) > 1 else ''}{ok[-1]}: every rank keeps whole KV heads"
+           if ok else "no tensor parallelism splits one KV head: split the layers over the cards (gpus=N) instead")
+    return InvalidValue("tp", tp, f"a divisor of num_key_value_heads={kv}", fix)
+
+
+def check_tp_heads(spec, tp: int | None) -> None:
+    """Raise InvalidValue when ``tp`` ranks cannot split ``spec``'s KV heads, before anything else is read: the
+    check :func:`tp_shards` makes on the model's own plan, here for the hand families, whose plans all shard
+    ``k_proj`` (or ``qkv_proj``) by heads. A generic architecture is checked by :func:`tp_shards`."""
+    if tp is None or isinstance(tp, bool) or not isinstance(tp, int) or tp < 2 or spec.generic:
+        return
+    if spec.num_kv_heads % tp:
+        raise _kv_heads_error(int(spec.num_kv_heads), tp)
+
+
 def tp_shards(spec, s: Settings, tp: int) -> TpShards:
     """The shard of every parameter on each of ``tp`` ranks and the bytes per rank (see the module docstring).
 
@@ -158,9 +175,7 @@ def _tp_shards(spec, act_dtype: str, tp: int) -> TpShards:
     heads_sharded = any(n.rsplit(".", 1)[-1] in ("k_proj", "qkv_proj", "query_key_value") and st in COLWISE
                         for n, st in plan.items())
     if heads_sharded and kv % tp:
-        raise InvalidValue("tp", tp, f"a divisor of num_key_value_heads={kv}",
-                           f"pick tp from {[d for d in range(2, kv + 1) if kv % d == 0] or [1]}: every rank keeps "
-                           "whole KV heads")
+        raise _kv_heads_error(kv, tp)
     shapes: list[dict[str, tuple[int, ...]]] = [{} for _ in range(tp)]
     sizes = [0] * tp
     replicated: list[str] = []

@@ -78,57 +78,97 @@ def reference_matmul(x, packed, shape, blocksize: int, code, absmax, absmax2=Non
 
 if tl is not None:
     @triton.jit
-    def _matmul_4bit_kernel(x_ptr, w_ptr, am_ptr, am2_ptr, code2_ptr, off_ptr, code_ptr, bias_ptr, out_ptr,
-                            M, stride_xm, stride_om, K: tl.constexpr, NH: tl.constexpr, BS: tl.constexpr,
-                            NESTED: tl.constexpr, HAS_BIAS: tl.constexpr, X_PAIRS: tl.constexpr,
-                            X_BF16: tl.constexpr, M_PAD: tl.constexpr, LUT_ASM: tl.constexpr):
-        """Program n computes out[:, n] for every row of x from row n of W, read in one pass: the row's packed
-        bytes as [NH, 16] (one 16-byte load per thread; NH = K/32 rounded up to a power of two), each nibble's
-        value gathered from ``code`` (64 bytes, cached), per-piece sums over each thread's 32 elements scaled by
-        their block's absmax, then one reduction. No loop: every load is issued at once.
-        X_PAIRS: x is 16-bit and read as int32 pairs (element 2p in the low half), in 16-byte loads too.
-        LUT_ASM: "" gathers each value from ``code``; else the PTX of :func:`lut_asm` looks the 16 values (rounded
-        to bfloat16) up in registers with byte permutes, no memory access per element."""
+    def _load_row(w_ptr, am_ptr, am2_ptr, code2_ptr, off_ptr, code_ptr, n0, N, K: tl.constexpr, NH: tl.constexpr,
+                  BS: tl.constexpr, NESTED: tl.constexpr, LUT_ASM: tl.constexpr, R: tl.constexpr):
+        """Rows n0 .. n0+R-1 of W (those below N) as float32 values ``[R, NH, 16]`` of their even and odd elements
+        (piece h, byte j = elements 32h + 2j and 32h + 2j + 1) and the per-piece block scales ``[R, NH]``: each
+        row's packed bytes in one pass (one 16-byte load per thread; NH = K/32 rounded up to a power of two, the
+        padding masked), each nibble's value gathered from ``code`` (64 bytes, cached) or, with LUT_ASM (the PTX
+        of :func:`lut_asm`), looked up in registers with byte permutes (values rounded to bfloat16)."""
         PB: tl.constexpr = BS // 32  # 16-byte pieces per quantization block
-        n = tl.program_id(0)
+        base = n0.to(tl.int64)  # the first row: a scalar, so one row (R == 1) computes no per-thread row index
+        ri = tl.arange(0, R)
         rh = tl.arange(0, NH)
         rj = tl.arange(0, 16)
-        h_ok = rh < K // 32
-        pair = rh[None, :, None] * 16 + rj[None, None, :]  # [1, NH, 16]: byte p of the row = elements 2p, 2p+1
-        q8 = tl.load(w_ptr + n.to(tl.int64) * (K // 2) + pair, mask=h_ok[None, :, None], other=0)
+        if R == 1:  # the grid has one program per row: every row exists
+            ok = (rh < K // 32)[None, :] & (ri >= 0)[:, None]  # [R, NH]
+        else:
+            ok = (base + ri < N)[:, None] & (rh < K // 32)[None, :]
+        pair = ri[:, None, None] * (K // 2) + rh[None, :, None] * 16 + rj[None, None, :]  # byte p: elements 2p, 2p+1
+        q8 = tl.load(w_ptr + base * (K // 2) + pair, mask=ok[:, :, None], other=0)
         if LUT_ASM == "":
             q = q8.to(tl.int32)
             w_hi = tl.load(code_ptr + (q >> 4))  # element 2p: the high nibble
             w_lo = tl.load(code_ptr + (q & 15))
-        else:  # the table in registers (byte permutes): one bfloat16 pair per byte, high half = element 2p
+        else:  # one bfloat16 pair per byte, high half = element 2p
             wp = tl.inline_asm_elementwise(LUT_ASM, "=r,=r,=r,=r,r", [q8], dtype=tl.int32, is_pure=True, pack=4)
             w_hi = (wp & -65536).to(tl.float32, bitcast=True)
             w_lo = (wp << 16).to(tl.float32, bitcast=True)
-        blk = n.to(tl.int64) * (K // BS) + rh // PB  # [NH]
+        blk = base * (K // BS) + (ri[:, None] * (K // BS) + rh[None, :] // PB)  # [R, NH]
         if NESTED:
-            a8 = tl.load(am_ptr + blk, mask=h_ok, other=0).to(tl.int32)
-            scale = tl.load(code2_ptr + a8) * tl.load(am2_ptr + blk // 256, mask=h_ok, other=0.0) + tl.load(off_ptr)
+            a8 = tl.load(am_ptr + blk, mask=ok, other=0).to(tl.int32)
+            scale = tl.load(code2_ptr + a8) * tl.load(am2_ptr + blk // 256, mask=ok, other=0.0) + tl.load(off_ptr)
         else:
-            scale = tl.load(am_ptr + blk, mask=h_ok, other=0.0)
-        one = tl.arange(0, 1)
-        for m in tl.static_range(M_PAD):
-            x_ok = h_ok[None, :, None] & (m < M)
-            if X_PAIRS:
-                xp = tl.load(x_ptr + m * stride_xm + pair, mask=x_ok, other=0)
-                if X_BF16:
-                    x_even = (xp << 16).to(tl.float32, bitcast=True)
-                    x_odd = (xp & -65536).to(tl.float32, bitcast=True)
-                else:
-                    x_even = (xp & 65535).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-                    x_odd = ((xp >> 16) & 65535).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+            scale = tl.load(am_ptr + blk, mask=ok, other=0.0)
+        return w_hi, w_lo, scale
+
+    @triton.jit
+    def _load_x(x_ptr, ok, K: tl.constexpr, NH: tl.constexpr, X_PAIRS: tl.constexpr, X_BF16: tl.constexpr):
+        """One row of x as float32 ``[1, NH, 16]`` even and odd elements, in :func:`_load_row`'s layout (``ok``: the
+        row exists). X_PAIRS: x is 16-bit and read as int32 pairs (element 2p in the low half), 16-byte loads."""
+        rh = tl.arange(0, NH)
+        rj = tl.arange(0, 16)
+        pair = rh[None, :, None] * 16 + rj[None, None, :]
+        x_ok = (rh < K // 32)[None, :, None] & ok
+        if X_PAIRS:
+            xp = tl.load(x_ptr + pair, mask=x_ok, other=0)
+            if X_BF16:
+                x_even = (xp << 16).to(tl.float32, bitcast=True)
+                x_odd = (xp & -65536).to(tl.float32, bitcast=True)
             else:
-                x_even = tl.load(x_ptr + m * stride_xm + 2 * pair, mask=x_ok, other=0.0).to(tl.float32)
-                x_odd = tl.load(x_ptr + m * stride_xm + 2 * pair + 1, mask=x_ok, other=0.0).to(tl.float32)
-            piece = tl.sum(w_hi * x_even + w_lo * x_odd, axis=2)  # [1, NH]: 32 elements of one block each
-            total = tl.sum(piece * scale[None, :], axis=1)  # [1]
+                x_even = (xp & 65535).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+                x_odd = ((xp >> 16) & 65535).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+        else:
+            x_even = tl.load(x_ptr + 2 * pair, mask=x_ok, other=0.0).to(tl.float32)
+            x_odd = tl.load(x_ptr + 2 * pair + 1, mask=x_ok, other=0.0).to(tl.float32)
+        return x_even, x_odd
+
+    @triton.jit
+    def _row_dot(w_hi, w_lo, scale, x_even, x_odd):
+        """Float32 ``[R]``: the rows of W (:func:`_load_row`) times one row of x (:func:`_load_x`): partial sums of
+        each thread's 32 elements, scaled by their block's absmax, then one reduction."""
+        return tl.sum(tl.sum(w_hi * x_even + w_lo * x_odd, axis=2) * scale, axis=1)
+
+    @triton.jit
+    def _matmul_4bit_kernel(x_ptr, w_ptr, am_ptr, am2_ptr, code2_ptr, off_ptr, code_ptr, bias_ptr, out_ptr,
+                            M, N, stride_xm, stride_om, K: tl.constexpr, NH: tl.constexpr, BS: tl.constexpr,
+                            NESTED: tl.constexpr, HAS_BIAS: tl.constexpr, X_PAIRS: tl.constexpr,
+                            X_BF16: tl.constexpr, M_PAD: tl.constexpr, LUT_ASM: tl.constexpr, R: tl.constexpr):
+        """Program i computes out[:, n] for every row of x and the R outputs n from i*R, from those rows of W
+        (:func:`_load_row`), read in one pass. No loop over K: every load is issued at once."""
+        rows = tl.program_id(0) * R + tl.arange(0, R)
+        w_hi, w_lo, scale = _load_row(w_ptr, am_ptr, am2_ptr, code2_ptr, off_ptr, code_ptr, tl.program_id(0) * R,
+                                      N, K, NH, BS, NESTED, LUT_ASM, R)
+        for m in tl.static_range(M_PAD):
+            x_even, x_odd = _load_x(x_ptr + m * stride_xm, m < M, K, NH, X_PAIRS, X_BF16)
+            total = _row_dot(w_hi, w_lo, scale, x_even, x_odd)
             if HAS_BIAS:
-                total += tl.load(bias_ptr + n + one).to(tl.float32)
-            tl.store(out_ptr + m * stride_om + n + one, total.to(out_ptr.dtype.element_ty), mask=(one + m) < M)
+                total += tl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)
+            tl.store(out_ptr + m * stride_om + rows, total.to(out_ptr.dtype.element_ty), mask=(rows < N) & (m < M))
+
+
+def default_warps(k: int, rows: int = 1) -> int:
+    """Warps per program for a row of ``k`` values: one thread per 16-byte piece at more than one row of x; at one
+    row, two pieces per thread (on the H200, Llama-3.1-8B's shapes at one row: q 8.3 us at 2 warps against 8.7 at
+    4, gate 22.3 against 24.4, down 26.0 at 8 against 27.0 at 16; ``benchmarks/gpu_speed_nf4.py``'s sweep)."""
+    pieces = 1 << max(0, (k // 32 - 1).bit_length())
+    return max(1, min(32, pieces // (32 if rows > 1 else 64)))
+
+
+def rows_per_program(n: int, device) -> int:
+    """Output rows per program: 1 on CUDA (one program per row keeps each row's loads in flight at once); under
+    Triton's interpreter (the CPU tests), where each program costs milliseconds of Python, up to 64."""
+    return 1 if device.type == "cuda" else min(64, 1 << (max(n, 1).bit_length() - 1))
 
 
 def _lut_string(code) -> str:
@@ -184,7 +224,7 @@ def matmul_4bit(x, packed, shape, blocksize: int, code, absmax, absmax2=None, co
         shape: ``(N, K)``; ``K`` must be a multiple of ``blocksize``, itself a multiple of 32.
         code: float32 ``[16]``. absmax: float32 ``[N*K/blocksize]``, or uint8 with ``absmax2`` (float32
             ``[ceil(blocks/256)]``), ``code2`` (float32 ``[256]``) and ``offset`` (float32 scalar tensor).
-        num_warps: Triton warps per program (default: one thread per 16 bytes of a row, at most 32 warps).
+        num_warps: Triton warps per program (default: :func:`default_warps`).
         lut: look the 4-bit values up in registers (:func:`lut_asm`, values rounded to bfloat16; CUDA and 16-bit
             ``x`` only) rather than gather them from ``code``; None: :data:`LUT`. float32 ``x`` always gathers the
             float32 values (float32 compute stays exact).
@@ -215,12 +255,13 @@ def matmul_4bit(x, packed, shape, blocksize: int, code, absmax, absmax2=None, co
     pieces = triton.next_power_of_2(k // 32)
     nested = absmax2 is not None
     dummy = code
-    _matmul_4bit_kernel[(n,)](
+    r = rows_per_program(n, x.device)
+    _matmul_4bit_kernel[(triton.cdiv(n, r),)](
         xs, packed.reshape(-1).view(torch.uint8), absmax.reshape(-1), absmax2.reshape(-1) if nested else dummy,
         code2 if nested else dummy, offset if nested else dummy, code, bias if bias is not None else dummy, out,
-        rows, xs.stride(0), out.stride(0), K=k, NH=pieces, BS=blocksize, NESTED=nested,
+        rows, n, xs.stride(0), out.stride(0), K=k, NH=pieces, BS=blocksize, NESTED=nested, R=r,
         HAS_BIAS=bias is not None, X_PAIRS=pairs, X_BF16=x2.dtype == torch.bfloat16,
-        M_PAD=triton.next_power_of_2(rows), num_warps=num_warps or max(1, min(32, pieces // 32)),
+        M_PAD=triton.next_power_of_2(rows), num_warps=num_warps or default_warps(k, rows),
         LUT_ASM=_lut_string(code) if (LUT if lut is None else lut) and pairs and x.device.type == "cuda" else "")
     return out.view(*x.shape[:-1], n)
 

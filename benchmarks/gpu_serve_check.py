@@ -1,0 +1,109 @@
+"""Greedy tokens of the serving engine's three decode paths, same model and requests, in one process:
+
+* "graphs": vramguard's varlen attention with decode steps replayed from CUDA graphs (the default on a GPU);
+* "eager": the same attention, every step run eagerly (``vramguard.serve.engine.GRAPHS = False``);
+* "stock": transformers' paged SDPA (``vramguard.serve.attention.ENABLED = False``), as before.
+
+"graphs" must equal "eager" token for token (same kernels, same split of the keys; the graphs pad the step to a
+power of two of requests, and the padding rows are never read). Against "stock" (another attention kernel, other
+bfloat16 rounding) the record gives the shared prefix of each request. Requests: ``--requests`` prompts of
+``--prompt`` random token ids, with max_tokens alternating ``--new`` and ``--new // 2`` so the batch shrinks mid-way
+(graphs of two sizes, with padding rows).
+
+    PYTHONPATH=/tmp/site:$PWD python benchmarks/gpu_serve_check.py --out OUTDIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from benchmarks.common import build_checkpoint, emit  # noqa: E402
+from benchmarks.gpu_serve import prompts  # noqa: E402
+
+GiB = 2**30
+
+
+def run_engine(engine, P, news) -> list[list[int]]:
+    from vramguard.serve.engine import Sampling
+
+    async def go():
+        hs = [engine.submit(p, n, Sampling(temperature=0)) for p, n in zip(P, news)]
+        res = []
+        for h in hs:
+            while True:
+                out = await asyncio.wait_for(h.queue.get(), 300)
+                if out.error or out.status.name in ("FINISHED", "FAILED"):
+                    res.append(list(out.generated_tokens))
+                    engine.finish(h.request_id)
+                    break
+        return res
+
+    return asyncio.run(go())
+
+
+def prefix(a, b) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--arch", default="llama-3.1-8b")
+    ap.add_argument("--ckpt", default="/tmp/ckpt-llama3-8b")
+    ap.add_argument("--budget", type=float, default=24)
+    ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--new", type=int, default=48)
+    ap.add_argument("--requests", type=int, default=6)
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    out = os.path.join(args.out, "check.jsonl")
+    import transformers
+
+    from vramguard.runtime.load import load_model
+    from vramguard.serve import attention, engine
+    from vramguard.serve.server import build
+    transformers.utils.logging.disable_progress_bar()
+    if not os.path.exists(os.path.join(args.ckpt, "config.json")):
+        build_checkpoint(args.arch, args.ckpt)
+    budget = int(args.budget * GiB)
+    torch.cuda.set_per_process_memory_fraction(budget / torch.cuda.get_device_properties(0).total_memory)
+    loaded = load_model(args.ckpt, quant="nf4", verify=False)
+    m = loaded.model
+    P = prompts(args.requests, args.prompt, m.config.vocab_size, seed=1)
+    news = [args.new if i % 2 == 0 else args.new // 2 for i in range(args.requests)]
+    tokens = {}
+    for name, varlen, graphs in (("graphs", True, True), ("eager", True, False), ("stock", False, False)):
+        attention.ENABLED, engine.GRAPHS = varlen, graphs
+        m.set_attn_implementation("sdpa")
+        served = build(args.ckpt, vram_budget=budget, loaded=loaded, max_running=64, max_queue=64,
+                       served_name="m", verify=False, warm_up=False)
+        try:
+            t = time.perf_counter()
+            tokens[name] = run_engine(served.engine, P, news)
+            dt = time.perf_counter() - t
+            emit(out, {"phase": name, "s": round(dt, 2), "tokens": sum(map(len, tokens[name])),
+                       "lengths": [len(x) for x in tokens[name]], "notes": served.engine.notes,
+                       "decode_graphs": served.engine.stats()["decode_graphs"]})
+        finally:
+            served.close(unload_model=False)
+    attention.ENABLED, engine.GRAPHS = True, True
+    emit(out, {"phase": "agreement", "graphs_equal_eager": tokens["graphs"] == tokens["eager"],
+               "graphs_vs_eager_prefix": [prefix(a, b) for a, b in zip(tokens["graphs"], tokens["eager"])],
+               "eager_vs_stock_prefix": [prefix(a, b) for a, b in zip(tokens["eager"], tokens["stock"])],
+               "new_tokens": news})
+
+
+if __name__ == "__main__":
+    main()

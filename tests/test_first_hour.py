@@ -1,0 +1,194 @@
+"""What a new user trips on in the first hour: each bad option refused before anything else is printed, naming its
+flag, the value, the limit and the fix; text output in 80 columns; no library noise on stderr."""
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from conftest import run_cli
+
+
+def _only_error(r, flag: str) -> list[str]:
+    """The result's stderr lines, after checking that it is a usage error (exit 2) of ``flag`` with nothing on
+    stdout and nothing on stderr before the error."""
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    assert r.stdout == ""
+    lines = r.stderr.splitlines()
+    assert lines[0].startswith(f"error {flag}: "), r.stderr
+    return lines
+
+
+def test_revision_with_a_catalog_name_asks_for_the_hub_id():
+    r = run_cli("plan", "--revision", "main", "llama-3.1-8b", columns="200")
+    lines = _only_error(r, "--revision")
+    assert lines[0] == ("error --revision: 'main' is not valid; accepted: a branch, tag or commit of a Hub id "
+                        "(owner/name); 'llama-3.1-8b' is a catalog name.")
+    assert lines[1] == ("fix: pass the Hub id meta-llama/Llama-3.1-8B-Instruct with --revision main, or no revision "
+                        "for the catalog's copy of llama-3.1-8b")
+
+
+def test_revision_with_a_local_folder_is_refused(tmp_path):
+    from vramguard.errors import InvalidValue
+    from vramguard.resolve import resolve_model
+    with pytest.raises(InvalidValue) as e:
+        resolve_model(str(tmp_path), revision="v1")
+    assert e.value.field == "revision" and "is a local folder" in e.value.accepted
+    with pytest.raises(InvalidValue):
+        resolve_model("llama-3.1-8b", revision=" ")
+
+
+def test_tp_help_shows_no_default_the_planner_refuses():
+    r = run_cli("plan", "--help", columns="120")
+    block = " ".join(r.stdout[r.stdout.index("--tp "):r.stdout.index("--device-map")].split())
+    assert "default" not in block and "2 or more" in block and "(unset: 1)" in block
+
+
+def test_tp_not_dividing_the_kv_heads_is_said_before_the_missing_cards():
+    # llama-3.1-8b has 8 KV heads: 3 divides none, 2, 4 and 8 do; no card is named and none is detected
+    lines = _only_error(run_cli("plan", "llama-3.1-8b", "--tp", "3", columns="200"), "--tp")
+    assert lines == ["error --tp: 3 is not valid; accepted: a divisor of num_key_value_heads=8.",
+                     "fix: pick --tp 2, 4 or 8: every rank keeps whole KV heads"]
+    # the same before the quantization's refusal (NF4 is the default)
+    assert _only_error(run_cli("plan", "llama-3.1-8b", "--tp", "3", "--gpu", "h100"), "--tp")[0].startswith(
+        "error --tp: 3 is not valid")
+
+
+def test_plan_engine_vllm_fits_80_columns_and_its_command_pastes_whole():
+    text = run_cli("plan", "llama-3.1-8b", "--engine", "vllm", "--gpu", "h100", "--tp", "2", columns="80")
+    assert text.returncode == 0
+    lines = text.stdout.splitlines()
+    assert max(map(len, lines)) <= 80, [x for x in lines if len(x) > 80]
+    command = lines[lines.index("command:") + 1:]
+    assert all(x.endswith(" \\") for x in command[:-1]) and not command[-1].endswith("\\")
+    joined = " ".join(x.strip().removesuffix(" \\") for x in command)
+    js = json.loads(run_cli("plan", "llama-3.1-8b", "--engine", "vllm", "--gpu", "h100", "--tp", "2", "--format",
+                            "json").stdout)
+    assert joined == js["command"]  # the shell gets the same words as the one-line command
+
+
+@pytest.mark.parametrize("args", [("--gpus", "2", "--gpu", "rtx-4090"), ("--vram", "24GiB,16GiB"),
+                                  ("--tp", "2", "--quant", "bf16", "--gpu", "rtx-4090")])
+def test_multi_gpu_plan_fits_80_columns(args):
+    r = run_cli("plan", "llama-3.1-8b", *args, columns="80")
+    assert r.returncode == 0, r.stderr
+    assert max(len(x) for x in r.stdout.splitlines()) <= 80
+
+
+def test_bad_gpu_memory_utilization_prints_its_error_alone():
+    lines = _only_error(run_cli("plan", "llama-3.1-8b", "--engine", "vllm", "--gpu-memory-utilization", "1.5",
+                                columns="200"), "--gpu-memory-utilization")
+    assert lines == ["error --gpu-memory-utilization: 1.5 is not valid; accepted: a fraction above 0 and at most 1.",
+                     "fix: set --gpu-memory-utilization 0.9 (vLLM's default) or another fraction"]
+
+
+@pytest.mark.parametrize("to", ["kubernetes", "vllm"])
+def test_bad_replicas_print_their_error_alone(to):
+    lines = _only_error(run_cli("export", "llama-3.1-8b", "--to", to, "--gpu", "h100", "--replicas", "0",
+                                columns="200"), "--replicas")
+    assert lines == ["error --replicas: 0 is not valid; accepted: an integer from 1 to 10,000.",
+                     "fix: set --replicas 1 or more"]
+
+
+def test_alloc_conf_errors_name_the_flag():
+    lines = _only_error(run_cli("plan", "llama-3.1-8b", "--gpu", "h100", "--alloc-conf", "expandable_segments:Maybe",
+                                columns="200"), "--alloc-conf")
+    assert lines[1] == "fix: expandable_segments must be True or False, not 'Maybe'"
+    # an option PyTorch does not know is refused as PyTorch would, not planned as the default allocator
+    lines = _only_error(run_cli("plan", "llama-3.1-8b", "--gpu", "h100", "--alloc-conf", "foo", columns="200"),
+                        "--alloc-conf")
+    assert "'foo' is not an option of PyTorch's allocator" in lines[1]
+    from vramguard.cli.common import as_flags
+    assert as_flags("or leave alloc_conf out (x)") == "or leave --alloc-conf out (x)"
+
+
+def test_alloc_conf_parses_pytorch_list_values():
+    from vramguard.memory.allocator import AllocatorConfig
+    c = AllocatorConfig.parse("roundup_power2_divisions:[64:8,256:4,>:1],expandable_segments:True,"
+                              "max_split_size_mb:512")
+    assert c.expandable_segments and c.max_split_size == 512 * 2**20
+    with pytest.raises(ValueError, match="'expandable_segment' is not an option"):
+        AllocatorConfig.parse("expandable_segment:True")
+
+
+def test_loading_shows_no_progress_bar_and_leaves_the_switch_as_it_was(tmp_path, capfd):
+    pytest.importorskip("torch")
+    from transformers.utils import logging as hf_logging
+
+    from conftest import save_tiny_llama
+    from vramguard import load_model, unload
+    folder = save_tiny_llama(tmp_path / "m", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, vocab_size=300)
+    capfd.readouterr()
+    assert hf_logging.is_progress_bar_enabled()
+    loaded = load_model(str(folder), quant="fp32", verify=False)
+    err = capfd.readouterr().err
+    unload(loaded)
+    assert "Loading weights" not in err and "it/s" not in err, err
+    assert hf_logging.is_progress_bar_enabled()  # the caller's setting, put back
+
+
+def test_run_refuses_a_bad_generation_option_before_the_model_is_looked_at():
+    # a catalog name has no weights: the option's error comes first, alone (nothing loaded, no prompt line)
+    lines = _only_error(run_cli("run", "llama-3.1-8b", "--prompt", "hi", "--max-new-tokens", "0", columns="200"),
+                        "--max-new-tokens")
+    assert len(lines) == 2
+    lines = _only_error(run_cli("run", "llama-3.1-8b", "--prompt", "hi", "--temperature", "0.5", columns="200"),
+                        "--temperature")
+    assert "--do-sample" in lines[1]
+
+
+@pytest.mark.parametrize("verb", ["run", "profile", "fit", "serve"])
+def test_a_missing_folder_is_named_by_every_verb_that_loads(verb, tmp_path):
+    pytest.importorskip("torch")
+    extra = {"run": ["--prompt", "hi"], "profile": ["--out", str(tmp_path / "p")], "fit": ["--vary", "prompt"],
+             "serve": []}[verb]
+    r = run_cli(verb, "./no-such-model", *extra, columns="300")
+    assert r.returncode == 3, r.stderr
+    assert r.stderr.splitlines()[-1] == f"fix: no such file or folder: {Path('no-such-model').absolute()}"
+
+
+def test_check_names_a_missing_folder_before_probing_the_machine(monkeypatch):
+    import sys
+
+    import vramguard.check  # noqa: F401
+    chk = sys.modules["vramguard.check"]  # the package (vramguard.check is also its function's name)
+
+    def probe():
+        raise AssertionError("probed before the model was read")
+    monkeypatch.setattr(chk, "probe_env", probe)
+    r = run_cli("check", "./no-such-model", columns="300")
+    assert r.returncode == 3 and r.stdout == "" and r.stderr.splitlines()[-1] == (
+        f"fix: no such file or folder: {Path('no-such-model').absolute()}")
+
+
+def test_export_without_a_card_and_a_bad_vllm_tp_print_their_error_alone():
+    lines = _only_error(run_cli("export", "qwen2.5-7b", "--to", "vllm", columns="300"), "--gpu/--vram")
+    assert lines[0] == "error --gpu/--vram: 'none given' is not valid; accepted: one card, named or detected."
+    assert lines[1].startswith("fix: name the card the deployment runs on, e.g. --gpu h100 or --vram 80GiB (0 GPUs")
+    # Qwen2.5-7B has 28 attention heads: vLLM's tensor parallelism must divide them (1, 2 or 4 of 1, 2, 4, 8, 16)
+    lines = _only_error(run_cli("plan", "qwen2.5-7b", "--engine", "vllm", "--gpu", "h100", "--tp", "3",
+                                columns="300"), "--tp")
+    assert lines == ["error --tp: 3 is not valid; accepted: a divisor of num_attention_heads (28).",
+                     "fix: pass --tp 1, 2 or 4"]
+
+
+def test_a_vllm_option_without_engine_vllm_is_refused_not_dropped():
+    lines = _only_error(run_cli("plan", "llama-3.1-8b", "--gpu", "h100", "--max-model-len", "4096", columns="300"),
+                        "--max-model-len")
+    assert lines == ["error --max-model-len: 4096 is not valid; accepted: with --engine vllm only (vLLM's engine "
+                     "argument).", "fix: add --engine vllm to plan vLLM with it, or leave --max-model-len out"]
+
+
+def test_vllm_refusal_fixes_name_the_flags():
+    # Llama-3.1-8B at its 131,072-token context does not fit the KV cache left on an RTX 4090
+    r = run_cli("plan", "llama-3.1-8b", "--engine", "vllm", "--gpu", "rtx-4090", columns="300")
+    fix = next(x for x in r.stdout.splitlines() if x.startswith("fix: "))
+    assert re.fullmatch(r"fix: --max-model-len \d+ \(the longest one request that fits\), --tp 2 or more, or "
+                        r"--kv-cache-dtype fp8", fix), fix
+
+
+def test_explain_says_when_its_input_is_empty():
+    r = run_cli("explain", "-", input="")
+    assert r.returncode == 2 and "MESSAGE: 'empty input' is not valid" in r.stderr

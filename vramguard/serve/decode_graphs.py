@@ -1,0 +1,171 @@
+"""CUDA graphs for the continuous-batching engine's decode-only steps (every request of the step adds one token).
+
+At a few dozen requests a decode step of an 8B 4-bit model is a few tens of milliseconds of GPU work behind
+thousands of kernel launches from Python (bitsandbytes' 4-bit matmul alone is a Python call per layer and
+projection), so the engine thread, not the GPU, sets the pace. A step replayed from a CUDA graph launches once.
+
+transformers' own graphs (``use_cuda_graph``) pad every step of the varlen path, prefills included, to buckets of
+64 query and 16,384 cache tokens, one graph per bucket pair, captured the first time a bucket appears; with SDPA they
+also need the block-diagonal mask. Here only decode-only steps are captured, padded to a power of two of requests
+(:data:`SIZES`) and of the longest request's keys (at least :data:`MIN_KEYS`): one graph per pair, at most a few.
+A padding request has no query token (its offsets plateau), writes its key and value to the cache's trash row and
+reuses a real request's sampling arguments; its token is never read. Steps with a prefill run as before.
+
+It needs the varlen attention (:mod:`vramguard.serve.attention`), which reads nothing back to the host in a decode
+step, and transformers 5.17's batch layout (``ContinuousBatchingIOs``: the static bulk tensors, ``write_index`` /
+``read_index`` storage, ``compute_stream``); :func:`unsupported` says why not when they are missing. A capture that
+fails turns the graphs off for the engine (the step's result comes from the eager run before the capture).
+"""
+
+from __future__ import annotations
+
+import logging
+
+log = logging.getLogger("vramguard.serve")
+
+SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # requests a decode graph is padded to
+MIN_KEYS = 1024  # the smallest longest-request key bucket (keys per request a graph's split plan covers)
+MAX_GRAPHS = 48  # captured graphs kept per engine (each pair of buckets once)
+_IO_FIELDS = ("input_ids", "position_ids", "cumulative_seqlens_q", "cumulative_seqlens_k", "logits_indices",
+              "write_index_storage", "read_index_storage", "compute_stream", "num_q_tokens", "num_request_in_batch",
+              "total_seqlen_k", "get_model_kwargs", "get_cb_kwargs", "retrieve_device_outputs", "_write_trash_index")
+
+
+def unsupported(bp) -> str | None:
+    """Why decode steps of batch processor ``bp`` cannot be captured here (None: they can)."""
+    io = getattr(bp, "inputs_and_outputs", None)
+    missing = [f for f in _IO_FIELDS if not hasattr(io, f)]
+    if missing:
+        return f"this transformers' batch layout lacks {', '.join(missing[:3])}"
+    if getattr(io, "compute_stream", None) is None:
+        return "no CUDA compute stream"
+    if not hasattr(getattr(bp, "model_runner", None), "_forward_process_and_sample"):
+        return "this transformers' model runner has no _forward_process_and_sample"
+    if len(io.cumulative_seqlens_k) != 1:
+        return "more than one attention layer type"
+    return None
+
+
+def _bucket(n: int, floor: int = 1) -> int:
+    b = floor
+    while b < n:
+        b *= 2
+    return b
+
+
+class DecodeGraphs:
+    """The captured decode steps of one engine and the static inputs they read (sized for ``max_requests``)."""
+
+    def __init__(self, bp, max_requests: int):
+        import torch
+        io = bp.inputs_and_outputs
+        self.size_max = next((s for s in SIZES if s >= max_requests), SIZES[-1])
+        dev = io.input_ids.device
+        t = self.size_max
+        i32 = dict(dtype=io.input_ids.dtype, device=dev)
+        self.input_ids = torch.zeros((1, t), **i32)
+        self.position_ids = torch.zeros((1, t), **i32)
+        self.cu_q = torch.zeros(t + 1, **i32)
+        self.cu_k = torch.zeros(t + 1, **i32)
+        self.logits_indices = torch.zeros(t, **i32)
+        self.write_index = torch.zeros((io.write_index_storage.shape[0], t), dtype=io.write_index_storage.dtype,
+                                       device=dev)
+        self.graphs: dict[tuple[int, int], object] = {}
+        self.pool = None  # the memory pool the graphs share (made at the first capture)
+        self.lp_args = None
+        self.failed: str | None = None
+        self.replays = 0
+
+    def accepts(self, bp) -> bool:
+        """Whether this step is a decode-only step a graph can run (and the graphs are on)."""
+        io = bp.inputs_and_outputs
+        n = int(io.num_request_in_batch)
+        return (self.failed is None and 0 < n <= self.size_max and int(io.num_q_tokens) == n
+                and not getattr(io, "use_block_table", False))
+
+    def _fill(self, io, kw, n: int, size: int) -> None:
+        """Copy the step's inputs into the static buffers, padded to ``size`` requests."""
+        total_k = int(next(iter(io.total_seqlen_k.values())))
+        cu_k = kw["cu_seq_lens_k"]
+        cu_k = next(iter(cu_k.values())) if isinstance(cu_k, dict) else cu_k
+        self.input_ids[0, :n].copy_(kw["input_ids"][0])
+        self.position_ids[0, :n].copy_(kw["position_ids"][0])
+        self.cu_q[:n + 1].copy_(kw["cu_seq_lens_q"])
+        self.cu_q[n + 1:size + 1].fill_(n)
+        self.cu_k[:n + 1].copy_(cu_k)
+        self.cu_k[n + 1:size + 1].fill_(total_k)
+        self.logits_indices[:n].copy_(kw["logits_indices"])
+        self.logits_indices[n:size].fill_(0)
+        for g, w in enumerate(kw["write_index"]):
+            self.write_index[g, :n].copy_(w)
+            self.write_index[g, n:size].fill_(io._write_trash_index)
+        lp = kw["logits_processor_args"]
+        if lp.numel():
+            if self.lp_args is None or self.lp_args.shape[0] != lp.shape[0]:
+                import torch
+                self.lp_args = torch.zeros((lp.shape[0], self.size_max), dtype=lp.dtype, device=lp.device)
+            self.lp_args[:, :n].copy_(lp)
+            self.lp_args[:, n:size].copy_(lp[:, :1].expand(-1, size - n))
+
+    def _batch(self, io, kw, size: int, keys: int, runner, model) -> dict:
+        """The model's keyword arguments over the static buffers (the same tensors at every replay)."""
+        data = dict(kw)
+        one_type = isinstance(kw["cu_seq_lens_k"], dict)
+        layer_type = next(iter(io.cumulative_seqlens_k))
+        data.update(input_ids=self.input_ids[:, :size], position_ids=self.position_ids[:, :size],
+                    cu_seq_lens_q=self.cu_q[:size + 1], max_seqlen_q=1,
+                    cu_seq_lens_k={layer_type: self.cu_k[:size + 1]} if one_type else self.cu_k[:size + 1],
+                    max_seqlen_k={layer_type: keys} if one_type else keys,
+                    logits_indices=self.logits_indices[:size],
+                    write_index=[self.write_index[g, :size] for g in range(len(kw["write_index"]))],
+                    read_index=[io.read_index_storage[g] for g in range(len(kw["read_index"]))],
+                    attention_mask=None)
+        if self.lp_args is not None:
+            data["logits_processor_args"] = self.lp_args[:, :size]
+        if runner.supports_logits_to_keep(model):
+            data["logits_to_keep"] = data["logits_indices"]
+        return data
+
+    def step(self, bp, model) -> None:
+        """Run the prepared decode step: replay its graph, or run it eagerly on the static buffers and capture it
+        (the eager run gives this step's tokens). Raises what the eager run raises (an OOM is then handled by the
+        engine as for any step); a failed capture only turns the graphs off."""
+        import torch
+        io, runner = bp.inputs_and_outputs, bp.model_runner
+        kw = io.get_model_kwargs(use_padding=False)
+        n = int(io.num_request_in_batch)
+        size = next(s for s in SIZES if s >= n)
+        max_k = kw["max_seqlen_k"]
+        keys = _bucket(int(next(iter(max_k.values())) if isinstance(max_k, dict) else max_k), MIN_KEYS)
+        stream = io.compute_stream
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            self._fill(io, kw, n, size)
+        data = self._batch(io, kw, size, keys, runner, model)
+        args = (model, data, *io.get_cb_kwargs())
+        graph = self.graphs.get((size, keys))
+        if graph is not None:
+            with torch.cuda.stream(stream):
+                graph.replay()
+            self.replays += 1
+        else:
+            with torch.cuda.stream(stream):
+                runner._forward_process_and_sample(*args)
+            if len(self.graphs) < MAX_GRAPHS:
+                self._capture(runner, args, stream, (size, keys))
+        io.retrieve_device_outputs()
+
+    def _capture(self, runner, args, stream, key) -> None:
+        import torch
+        try:
+            stream.synchronize()
+            if self.pool is None:
+                self.pool = torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool, stream=stream, capture_error_mode="thread_local"):
+                runner._forward_process_and_sample(*args)
+            self.graphs[key] = graph
+            log.info("decode graph captured for %d requests, %d keys per request", *key)
+        except Exception as e:  # noqa: BLE001 - graphs are an optimisation: off, with the reason kept
+            self.failed = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+            log.warning("decode graphs off (capture failed): %s", self.failed)
