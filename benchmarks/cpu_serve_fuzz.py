@@ -1,5 +1,5 @@
-"""The serve fuzz test (tests/test_serve_fuzz.py) run longer: a real ``vramguard serve`` process on a tiny random
-Llama on the CPU, ``--examples`` hypothesis examples of 1-3 concurrent requests each. Writes OUTDIR/result.json
+"""The serve fuzz test (tests/test_serve_fuzz.py) run longer: a real server (uvicorn on a socket, built as
+``vramguard serve`` builds it) on a tiny random Llama on the CPU, ``--examples`` hypothesis examples of 1-3 concurrent requests each. Writes OUTDIR/result.json
 (the command, the number of requests sent, the answers by status and error code, the server's counters after the
 run) and OUTDIR/pytest.txt.
 

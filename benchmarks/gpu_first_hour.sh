@@ -3,7 +3,8 @@
 # (ARCH, default llama-3.2-1b; bf16 weights, a word-level tokenizer with a chat template), as the README shows
 # them. Each command's exit code, wall time and
 # stderr are recorded; stderr is searched for library noise (warnings that are not vramguard's).
-# Usage (GPU machine, repository root): [ARCH=llama-3.1-8b] bash benchmarks/gpu_first_hour.sh OUTDIR
+# Usage (GPU machine, repository root): [ARCH=llama-3.1-8b] [ONLY="run fit"] [STEP_TIMEOUT=150] [SERVE_BUDGET=24GiB]
+#   bash benchmarks/gpu_first_hour.sh OUTDIR
 set -u
 out=$1; m=/tmp/vg_first_hour; mkdir -p "$out"
 ARCH=${ARCH:-llama-3.2-1b} python3 - <<'PY'
@@ -39,14 +40,30 @@ step runlong $vg run $m --prompt-file /tmp/vg_long_prompt.txt --raw --max-new-to
 step profile $vg profile $m --prompt-tokens 4096 --max-new-tokens 16 --out "$out/prof"
 step fit     $vg fit $m --vary prompt --vram-budget 24GiB --max-new-tokens 16 --max-runs 3
 step explain $vg explain "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 23.64 GiB of which 1.2 GiB is free."
-if ! skip serve; then
-( $vg serve $m --port 8765 --vram-budget 24GiB > "$out/serve.out" 2> "$out/serve.err" & echo $! > "$out/serve.pid" )
-for i in $(seq 1 60); do curl -sf localhost:8765/health > /dev/null && break; sleep 1; done
-curl -s localhost:8765/v1/chat/completions -H 'content-type: application/json' \
-  -d '{"model":"m","messages":[{"role":"user","content":"Hello"}],"max_tokens":16}' > "$out/serve_chat.json"
-echo "serve chat: $(head -c 300 "$out/serve_chat.json")" >> "$out/summary.txt"
-kill -INT "$(cat "$out/serve.pid")"; sleep 5
-fi
+serve_once() {  # serve_once NAME ARGS...: start the server, one chat request by the served name, Ctrl-C, wait
+  local name=$1; shift
+  skip "$name" && return
+  local t0=$(date +%s%N)
+  ( $vg serve $m --port 8765 --vram-budget ${SERVE_BUDGET:-24GiB} "$@" > "$out/$name.out" 2> "$out/$name.err" & echo $! > "$out/$name.pid" )
+  for i in $(seq 1 120); do
+    curl -sf localhost:8765/health > /dev/null && break
+    kill -0 "$(cat "$out/$name.pid")" 2> /dev/null || break  # the server exited: its stderr says why
+    sleep 1
+  done
+  local ready_ms=$(( ($(date +%s%N) - t0) / 1000000 ))
+  local served=$(curl -s localhost:8765/v1/models | python3 -c "import json,sys; print(json.load(sys.stdin)['data'][0]['id'])" 2> /dev/null)
+  curl -s localhost:8765/v1/chat/completions -H 'content-type: application/json' \
+    -d "{\"model\":\"$served\",\"messages\":[{\"role\":\"user\",\"content\":\"Hello\"}],\"max_tokens\":16}" \
+    > "$out/${name}_chat.json"
+  curl -s localhost:8765/health > "$out/${name}_health.json"
+  kill -INT "$(cat "$out/$name.pid")"
+  for i in $(seq 1 30); do kill -0 "$(cat "$out/$name.pid")" 2> /dev/null || break; sleep 1; done
+  printf '%-10s ready=%-6s ms  %s\n' "$name" "$ready_ms" "serve $* (health: $(head -c 200 "$out/${name}_health.json"))" \
+    >> "$out/summary.txt"
+  echo "$name chat: $(head -c 300 "$out/${name}_chat.json")" >> "$out/summary.txt"
+}
+serve_once serve
+serve_once servegen --engine generate
 grep -HniE "warning|deprecat|traceback" "$out"/*.err > "$out/noise.txt" || echo "no warning, deprecation or traceback on stderr" > "$out/noise.txt"
 cat "$out/summary.txt" "$out/noise.txt"
 rm -rf "$m"

@@ -190,18 +190,13 @@ def test_fit_seeds_from_the_allocator_model_close_the_edge_in_three_runs(tmp_pat
 
 def test_cli_plan_alloc_conf(tmp_path):
     import json
-    import os
-    import subprocess
-    import sys
 
-    from tests.conftest import save_tiny_llama
+    from conftest import run_cli, save_tiny_llama
     path = str(save_tiny_llama(tmp_path, **TINY))
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "COLUMNS": "160"}
 
     def plan(*args):
-        return subprocess.run([sys.executable, "-m", "vramguard", "plan", path, "--quant", "bf16", "--attn", "sdpa",
-                               "--prompt-tokens", "64", "--max-new-tokens", "8", "--vram", "1GiB", *args],
-                              capture_output=True, text=True, env=env, timeout=300)
+        return run_cli("plan", path, "--quant", "bf16", "--attn", "sdpa", "--prompt-tokens", "64",
+                       "--max-new-tokens", "8", "--vram", "1GiB", *args)
     r = plan("--alloc-conf", "expandable_segments:True", "--format", "json")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)

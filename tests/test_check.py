@@ -4,6 +4,7 @@ import pytest
 
 from vramguard.catalog.gpus import GPUS, GpuSpec
 from vramguard.check import check
+from vramguard.cli.flags import as_flags
 from vramguard.probe.checkpoint import read_checkpoint, resolve_param_dtype
 from vramguard.probe.env import Env, probe_env
 from vramguard.settings import Settings
@@ -22,7 +23,7 @@ def env(**kw) -> Env:
 
 
 def by_name(report, name):
-    return [f for f in report.findings if f.name == name]
+    return [f for f in report.findings if f.code == name]
 
 
 def test_c1_fa2_and_bf16_on_turing():
@@ -31,18 +32,18 @@ def test_c1_fa2_and_bf16_on_turing():
     r = check("mistral-7b-v0.3", s, compute_dtype="bf16", dtype="bf16", gpu="t4",
               env=env(flash_attn_version="2.6.3", gpus=()), verify=False)
     fa2 = by_name(r, "flash_attention_2")
-    assert [f.status for f in fa2] == ["fail"]
-    assert "needs compute capability >= 8.0" in fa2[0].reason and "7.5" in fa2[0].reason
+    assert [f.level for f in fa2] == ["fail"]
+    assert "needs compute capability >= 8.0" in fa2[0].message and "7.5" in fa2[0].message
     assert "sdpa" in fa2[0].fix
     bf16 = by_name(r, "bf16")[0]
-    assert bf16.status == "warn" and "float16" in bf16.fix
+    assert bf16.level == "warn" and "float16" in bf16.fix
     cd = by_name(r, "compute_dtype")[0]  # never "ok" beside the bf16 warning
-    assert cd.status == "warn" and "bnb_4bit_compute_dtype=torch.float16" in cd.fix
+    assert cd.level == "warn" and "bnb_4bit_compute_dtype=torch.float16" in cd.fix
     assert r.failed
     # the second report: bf16 model (no quantization) with FA2 on a T4
     r2 = check("mistral-7b-v0.3", Settings(attn="flash_attention_2"), dtype="bf16", gpu="t4",
                env=env(flash_attn_version="2.6.3"), verify=False, unquantized=True)
-    assert by_name(r2, "flash_attention_2")[0].status == "fail" and by_name(r2, "bf16")[0].status == "warn"
+    assert by_name(r2, "flash_attention_2")[0].level == "fail" and by_name(r2, "bf16")[0].level == "warn"
 
 
 def test_c1_loader_never_picks_fa2_or_bf16_on_turing():
@@ -86,13 +87,13 @@ def test_c2_fa2_with_parameters_resolving_to_float32():
               env=env(transformers_version="4.44.0", flash_attn_version="2.6.3"), verify=False, unquantized=True)
     assert r.param_dtype == "fp32"
     fa2 = by_name(r, "flash_attention_2")[0]
-    assert fa2.status == "fail" and fa2.value == "dtype float32" and "float16/bfloat16" in fa2.reason
+    assert fa2.level == "fail" and fa2.value == "dtype float32" and "float16/bfloat16" in fa2.message
     pd = by_name(r, "param_dtype")[0]
-    assert pd.status == "warn" and "186.8 GB in float32 against 93.4 GB in bfloat16" in pd.reason
+    assert pd.level == "warn" and "186.8 GB in float32 against 93.4 GB in bfloat16" in pd.message
     # transformers 5: no dtype means "auto", the config's bfloat16: no failure from the dtype
     r5 = check("mixtral-8x7b", Settings(attn="flash_attention_2"), gpu="a100-80gb",
                env=env(transformers_version="5.17.0", flash_attn_version="2.6.3"), verify=False, unquantized=True)
-    assert r5.param_dtype == "bf16" and not [f for f in by_name(r5, "flash_attention_2") if f.status == "fail"]
+    assert r5.param_dtype == "bf16" and not [f for f in by_name(r5, "flash_attention_2") if f.level == "fail"]
 
 
 def test_c2_a_float32_checkpoint_loaded_as_stored_is_flagged_with_its_cost(tmp_path):
@@ -107,18 +108,18 @@ def test_c2_a_float32_checkpoint_loaded_as_stored_is_flagged_with_its_cost(tmp_p
               verify=False, unquantized=True)
     assert r.param_dtype == "fp32"
     pd = by_name(r, "param_dtype")[0]
-    assert pd.status == "warn" and pd.value == "float32 (checkpoint stores fp32)"
+    assert pd.level == "warn" and pd.value == "float32 (checkpoint stores fp32)"
     import re
-    m = re.search(r"weights ([\d,]+) B in float32 against ([\d,]+) B in bfloat16", pd.reason)
+    m = re.search(r"weights ([\d,]+) B in float32 against ([\d,]+) B in bfloat16", pd.message)
     f32, b16 = (int(x.replace(",", "")) for x in m.groups())
-    assert "twice the memory of 16-bit weights" in pd.reason and f32 == 2 * b16 and b16 > 0
+    assert "twice the memory of 16-bit weights" in pd.message and f32 == 2 * b16 and b16 > 0
     assert "dtype=torch.bfloat16" in pd.fix
     on_purpose = check(str(folder), Settings(attn="sdpa"), dtype="fp32", gpu="rtx-4090",
                        env=env(transformers_version="5.24.0"), verify=False, unquantized=True)
-    assert by_name(on_purpose, "param_dtype")[0].status == "ok"
+    assert by_name(on_purpose, "param_dtype")[0].level == "ok"
     as_stored = check(str(folder), Settings(attn="sdpa"), dtype="auto", gpu="rtx-4090",
                       env=env(transformers_version="5.24.0"), verify=False, unquantized=True)
-    assert by_name(as_stored, "param_dtype")[0].status == "warn"  # "auto" is "as stored", not a choice of fp32
+    assert by_name(as_stored, "param_dtype")[0].level == "warn"  # "auto" is "as stored", not a choice of fp32
 
 
 def test_c3_compute_dtype_left_at_float32():
@@ -126,8 +127,8 @@ def test_c3_compute_dtype_left_at_float32():
     s = Settings(quant="nf4", batch=32, prompt_tokens=256, max_new_tokens=512)
     r = check("mistral-7b-v0.3", s, dtype="bf16", gpu="rtx-4090", env=env(), verify=False)
     f = by_name(r, "compute_dtype")[0]
-    assert f.status == "warn" and f.value == "bnb_4bit_compute_dtype fp32, activations bf16"
-    assert "224.00 MiB against 112.00 MiB" in f.reason
+    assert f.level == "warn" and f.value == "bnb_4bit_compute_dtype fp32, activations bf16"
+    assert "224.00 MiB against 112.00 MiB" in f.message
     assert f.fix.endswith("bfloat16")
     # below compute capability 8.0 the fix is float16
     r16 = check("mistral-7b-v0.3", s, dtype="fp16", gpu="t4", env=env(), verify=False)
@@ -148,36 +149,36 @@ def test_c11_largest_shard_against_free_ram(tmp_path):
                 f.truncate(size)  # sparse: the size is what matters
     e = env(ram_available_bytes=12_700_000_000)
     f = by_name(check(str(big), Settings(), env=e, verify=False, device_map="auto"), "ram_vs_shard")[0]
-    assert f.status == "fail" and "14.10 GB > 12.70 GB" in f.value and "Killed" in f.reason
+    assert f.level == "fail" and "14.10 GB > 12.70 GB" in f.value and "Killed" in f.message
     assert "max_shard_size" in f.fix
     ok = by_name(check(str(split), Settings(), env=e, verify=False), "ram_vs_shard")[0]
-    assert ok.status == "ok" and "9.95 GB" in ok.value
+    assert ok.level == "ok" and "9.95 GB" in ok.value
 
 
 def test_c13_output_attentions_forces_eager():
     s = Settings(quant="bf16", prompt_tokens=2048, max_new_tokens=1, output_attentions=True)
     r = check("llama-3-70b", s, gpu="h100-80gb", env=env(), verify=False)
     f = by_name(r, "eager_forced")[0]
-    assert f.status == "warn" and "512.00 MiB per layer" in f.reason and "40.00 GiB over 80 layers" in f.reason
+    assert f.level == "warn" and "512.00 MiB per layer" in f.message and "40.00 GiB over 80 layers" in f.message
 
 
 def test_environment_branches():
     base = Settings(quant="nf4")
     assert by_name(check(None, base, env=env(torch_version=None, torch_reason="No module named 'torch'")),
-                   "torch")[0].status == "fail"
-    assert by_name(check(None, base, env=env(bnb_version=None)), "bitsandbytes")[0].status == "fail"
+                   "torch")[0].level == "fail"
+    assert by_name(check(None, base, env=env(bnb_version=None)), "bitsandbytes")[0].level == "fail"
     broken = env(bnb_native_ok=False, bnb_reason="libbitsandbytes_cuda130.so: cannot open shared object")
     f = by_name(check(None, base, env=broken), "bitsandbytes")[0]
-    assert f.status == "fail" and "cannot open" in f.reason
+    assert f.level == "fail" and "cannot open" in f.message
     math_only = env(sdpa_backends={"flash": False, "efficient": False, "math": True, "cudnn": False})
-    assert by_name(check(None, Settings(attn="sdpa"), env=math_only), "sdpa_backends")[0].status == "warn"
+    assert by_name(check(None, Settings(attn="sdpa"), env=math_only), "sdpa_backends")[0].level == "warn"
     conf = env(alloc_conf="expandable_segments:True")
-    assert by_name(check(None, base, env=conf), "PYTORCH_CUDA_ALLOC_CONF")[0].status == "ok"
+    assert by_name(check(None, base, env=conf), "PYTORCH_CUDA_ALLOC_CONF")[0].level == "ok"
     busy = GpuSpec("rtx-3090", "NVIDIA GeForce RTX 3090", 24 * GiB, (8, 6), None, 6 * GiB, "detected")
     r = check(None, base, env=env(gpus=(busy,)))
-    assert by_name(r, "other_processes")[0].status == "warn" and "6.00 GiB" in by_name(r, "other_processes")[0].value
+    assert by_name(r, "other_processes")[0].level == "warn" and "6.00 GiB" in by_name(r, "other_processes")[0].value
     nogpu = check(None, base, env=env(cuda_available=False, cuda_reason="torch was built without CUDA"))
-    assert by_name(nogpu, "cuda")[0].status == "warn" and "--gpu" in by_name(nogpu, "cuda")[0].fix
+    assert by_name(nogpu, "cuda")[0].level == "warn" and "--gpu" in as_flags(by_name(nogpu, "cuda")[0].fix)
     assert not nogpu.failed
 
 
@@ -186,12 +187,12 @@ def test_device_map_auto_offloads_although_the_plan_fits():
     card = GpuSpec("small", "a 13.6 GiB card", int(13.6 * GiB), (8, 9), None, 0, "detected")
     s = Settings(quant="bf16", prompt_tokens=64, max_new_tokens=16)
     r = check("llama-2-7b", s, env=env(gpus=(card,)), device_map="auto", verify=False)
-    assert by_name(r, "plan")[0].status == "ok"
+    assert by_name(r, "plan")[0].level == "ok"
     f = by_name(r, "device_map")[0]
-    assert f.status == "warn" and "off the GPU" in f.value and "device_map={'': 0}" in f.fix
+    assert f.level == "warn" and "off the GPU" in f.value and "device_map={'': 0}" in f.fix
     roomy = GpuSpec("big", "a 40 GiB card", 40 * GiB, (8, 0), None, 0, "detected")
     assert by_name(check("llama-2-7b", s, env=env(gpus=(roomy,)), device_map="auto", verify=False),
-                   "device_map")[0].status == "ok"
+                   "device_map")[0].level == "ok"
 
 
 def test_param_dtype_resolution_rules(tiny):
@@ -217,11 +218,11 @@ def test_check_with_nothing_given_checks_what_vramguard_loads():
     s = Settings(quant="nf4")
     r = check("mistral-7b-v0.3", s, gpu="rtx-4090", env=env(), verify=False, loader_defaults=True)
     f = by_name(r, "compute_dtype")[0]
-    assert f.status == "ok" and f.value == "bf16" and by_name(r, "param_dtype")[0].value.startswith("bf16")
+    assert f.level == "ok" and f.value == "bf16" and by_name(r, "param_dtype")[0].value.startswith("bf16")
     t4 = check("mistral-7b-v0.3", s, gpu="t4", env=env(), verify=False, loader_defaults=True)
     assert by_name(t4, "compute_dtype")[0].value == "fp16"
     bare = check("mistral-7b-v0.3", s, gpu="rtx-4090", env=env(), verify=False)
-    assert by_name(bare, "compute_dtype")[0].status == "warn"
+    assert by_name(bare, "compute_dtype")[0].level == "warn"
 
 
 def test_cli_check_defaults_and_the_transformers_defaults_flag():

@@ -121,7 +121,8 @@ def test_preflight_picks_the_first_strategy_that_fits_and_refuses_otherwise():
     assert all(n < order[0][1] for _, n in order[1:])  # fallbacks are smaller than the first choice
     with pytest.raises(Infeasible) as e:
         G.preflight(spec, s, 18 * GiB, auto=False, on_cuda=True, weights_loaded=True)
-    assert "--auto" in str(e.value) and "dynamic" in str(e.value)
+    from vramguard.cli.flags import as_flags
+    assert "auto=True" in str(e.value) and "--auto" in as_flags(str(e.value)) and "dynamic" in str(e.value)
     with pytest.raises(Infeasible) as e:
         G.preflight(spec, s, 512 * MiB, auto=True, on_cuda=True, weights_loaded=True)
     assert "at most 512.00 MiB" in str(e.value)

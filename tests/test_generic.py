@@ -235,12 +235,13 @@ def test_serve_refuses_a_hard_cap_the_load_cannot_fit_under(arch_dir):
 def test_check_fails_an_attention_the_model_class_refuses(arch_dir):
     """gpt-oss's class accepts no SDPA in transformers 5: check says so before any load, with a fix that runs."""
     from vramguard.check import check
+    from vramguard.cli.flags import as_flags
     from vramguard.settings import Settings as S
     r = check(str(arch_dir("gpt_oss")), settings=S(attn="sdpa"))
-    f = next(f for f in r.findings if f.name == "attn_supported")
-    assert f.status == "fail" and "gpt_oss" in f.reason and f.fix.startswith("pass --attn eager")
+    f = next(f for f in r.findings if f.code == "attn_supported")
+    assert f.level == "fail" and "gpt_oss" in f.message and as_flags(f.fix).startswith("pass --attn eager")
     ok = check(str(arch_dir("gpt_oss")), settings=S(attn="eager"))
-    assert not any(f.name == "attn_supported" for f in ok.findings)
+    assert not any(f.code == "attn_supported" for f in ok.findings)
 
 
 def test_bad_values_in_a_generic_config_and_settings_are_named(tmp_path, arch_dir):

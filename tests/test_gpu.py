@@ -56,8 +56,8 @@ def test_check_reports_whether_unloading_returned_the_memory(tiny):
     from vramguard.settings import Settings
     folder, _ = tiny("LlamaConfig", **SMALL)
     r = check(str(folder), Settings(quant="nf4", attn="sdpa"), verify=True)
-    f = next(x for x in r.findings if x.name == "unload")
-    assert f.status == "ok" and "B above the allocated memory before loading" in f.reason, f.reason
+    f = next(x for x in r.findings if x.code == "unload")
+    assert f.level == "ok" and "B above the allocated memory before loading" in f.message, f.message
 
 
 def test_every_strategy_recovers_on_gpu_including_offloaded_kv(tiny):

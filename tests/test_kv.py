@@ -1,5 +1,7 @@
 """KV cache: exact bytes for GQA, head_dim overrides, sliding and hybrid layers, quantized and static caches."""
 
+import pytest
+
 from vramguard.memory.kv import kv_bytes_per_token, kv_cache_bytes, layer_tokens
 from vramguard.resolve import resolve_model
 from vramguard.settings import Settings
@@ -126,3 +128,61 @@ def test_plan_shows_the_growth_a_sliding_window_model_really_has():
     text = out.getvalue()
     assert "128.00 KiB in the 32 sliding-window layers until they hold 4,095 tokens (for the first 95 new tokens, " \
            "then 0)" in text
+
+
+def _paged_cache_bytes(cfg, num_blocks: int, page_size: int) -> int:
+    """The bytes transformers' own PagedAttentionCache allocates for ``num_blocks`` (on the CPU, bf16)."""
+    import inspect
+
+    import torch
+    from transformers import ContinuousBatchingConfig
+    from transformers.generation.continuous_batching.cache import PagedAttentionCache
+    cb = ContinuousBatchingConfig(num_blocks=num_blocks, page_size=page_size, max_batch_tokens=64,
+                                  max_memory_percent=0.9)
+    extra = {}
+    if "distributed_helper" in inspect.signature(PagedAttentionCache.__init__).parameters:
+        from transformers.generation.continuous_batching.distributed import DistributedHelper
+        extra["distributed_helper"] = DistributedHelper(None, None)
+    cache = PagedAttentionCache(cfg, cb, "cpu", dtype=torch.bfloat16, **extra)
+    if not hasattr(cache, "cache_tensor"):
+        pytest.skip("transformers before the one-tensor pool (5.24) keeps one tensor per layer of a group")
+    return cache.cache_tensor.numel() * cache.cache_tensor.element_size()
+
+
+@pytest.mark.parametrize("cls, extra, block, pool", [
+    # GQA: 4 heads over 2 KV heads; a block is 3 layers x 2 x 2 KV heads x head_dim 16 x 2 B x 32 tokens = 12,288 B
+    # (a sector: lcm(12,288, 128)); 10 blocks and 2 trash sectors: 12 x 12,288 = 147,456 B
+    ("LlamaConfig", {}, 12_288, 147_456),
+    # every layer sliding (Mistral's sliding_window): sized in full all the same
+    ("MistralConfig", {"sliding_window": 48}, 12_288, 147_456),
+    # Gemma-2 alternates 2 sliding + 2 full layers, head_dim 16: a block is 4 x 4,096 B = 16,384 B, the sector
+    # one allocator's 2 x 4,096 = 8,192 B, so 10 blocks take 20 sectors + 2 trash: 22 x 8,192 = 180,224 B
+    ("Gemma2Config", {"sliding_window": 48, "head_dim": 16, "num_hidden_layers": 4}, 16_384, 180_224),
+])
+def test_the_paged_pool_is_what_transformers_allocates(cls, extra, block, pool):
+    import transformers
+
+    from vramguard.memory.kv import paged_block_bytes, paged_pool_bytes
+    from vramguard.spec import spec_from_config
+    kw = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+              num_key_value_heads=2, vocab_size=300, max_position_embeddings=256) | extra
+    cfg = getattr(transformers, cls)(**kw)
+    spec = spec_from_config(cfg.to_dict())
+    assert paged_block_bytes(spec, 32, 2) == block
+    assert paged_pool_bytes(spec, 10, 32, 2) == pool == _paged_cache_bytes(cfg, 10, 32)
+    assert paged_pool_bytes(spec, 7, 32, 2) == _paged_cache_bytes(cfg, 7, 32)
+
+
+def test_the_serving_pool_is_sized_by_the_planners_block():
+    """serve's pool plan takes the block and the pool tensor from the KV model, not a copy of its own."""
+    from vramguard.memory.kv import paged_block_bytes, paged_pool_bytes
+    from vramguard.serve import pool as P
+    spec = resolve_model("llama-3-8b")
+    assert paged_block_bytes(spec, 256, 2) == 32 * 2 * 8 * 128 * 2 * 256 == 33_554_432
+    p = P.plan_pool(spec, 8 * 2**30, page_size=256, max_batch_tokens=512, max_requests=8)
+    assert p.kv_bytes_per_token == 131_072 and p.pool_bytes == paged_pool_bytes(spec, p.num_blocks, 256, 2)
+    assert p.pool_bytes == (p.num_blocks + 2) * 33_554_432  # one attention type: the blocks and 2 trash blocks
+    assert p.pool_bytes + p.step_peak_bytes + p.reserve_bytes + p.margin_bytes <= 8 * 2**30
+    more = P.plan_pool(spec, 8 * 2**30 + 33_554_432, page_size=256, max_batch_tokens=512, max_requests=8)
+    assert more.num_blocks > p.num_blocks  # the largest that fits: one block more of budget, at least one more
+    assert not hasattr(P, "kv_bytes_per_token")

@@ -1,7 +1,6 @@
 """The README: the two setup commands first, one example per command, nothing cited outside the repository."""
 
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -15,14 +14,15 @@ def test_the_two_setup_commands_come_first():
                      'pip install torch==2.13.0 -e ".[test]" && python -m pytest -q']
 
 
-def test_the_first_command_plans_a_hub_id_with_no_network(tmp_path):
+def test_the_first_command_plans_a_hub_id_with_no_network(tmp_path, monkeypatch):
     """The id is in the catalog: planned offline, with no Hugging Face cache and HF_HUB_OFFLINE unset (an
-    unreachable HF_ENDPOINT, so that any request would fail)."""
-    import os
-    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
-    env.update(HF_HOME=str(tmp_path), HF_ENDPOINT="http://127.0.0.1:9")
-    r = subprocess.run([sys.executable, "-m", "vramguard", "plan", "meta-llama/Llama-3.1-8B-Instruct"],
-                       capture_output=True, text=True, timeout=120, env=env)
+    unreachable HF_ENDPOINT, so that any request would fail; the Hub module reads them at each call)."""
+    from conftest import run_cli
+    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
+    r = run_cli("plan", "meta-llama/Llama-3.1-8B-Instruct")
     assert r.returncode == 0, r.stderr
     assert "meta-llama/Llama-3.1-8B-Instruct" in r.stdout and "catalog" in r.stdout and "NF4" in r.stdout
 

@@ -529,57 +529,26 @@ def test_router_fails_health_when_a_worker_dies(folder):
         a.stop()
 
 
-def test_cli_serve_rejects_bad_or_busy_ports_before_loading(folder):
+def test_cli_serve_rejects_bad_or_busy_ports_before_loading(folder, monkeypatch):
     import socket
-    import subprocess
-    import sys
-    r = subprocess.run([sys.executable, "-m", "vramguard", "serve", str(folder), "--port", "99999"],
-                       capture_output=True, text=True, timeout=60)
+
+    from conftest import run_cli
+    from vramguard.runtime import load
+    monkeypatch.setattr(load, "load_model", lambda *a, **k: pytest.fail("loaded before the port was checked"))
+    r = run_cli("serve", str(folder), "--port", "99999")
     assert r.returncode == 2 and "error --port: 99999 is not valid; accepted: 0..65535" in r.stderr
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        time.perf_counter()
-        r = subprocess.run([sys.executable, "-m", "vramguard", "serve", str(folder), "--port", str(port)],
-                           capture_output=True, text=True, timeout=60)
+        r = run_cli("serve", str(folder), "--port", str(port))
     assert r.returncode == 2 and "a free port on 127.0.0.1" in r.stderr and "Traceback" not in r.stderr
+    assert "choose another --port" in r.stderr
 
 
-def test_cli_stop_with_a_request_in_flight_answers_503_and_exits_0(folder, tmp_path):
-    import signal
-    import subprocess
-    import sys
-    ready = tmp_path / "url"
-    p = subprocess.Popen([sys.executable, "-m", "vramguard", "serve", str(folder), "--port", "0", "--quant", "fp32",
-                          "--page-size", "16", "--max-batch-tokens", "64", "--served-model-name", "tiny",
-                          "--ready-file", str(ready)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.time() + 120
-        while not ready.exists() and p.poll() is None and time.time() < deadline:
-            time.sleep(0.1)
-        url = ready.read_text()
-        res = {}
-        t = threading.Thread(target=lambda: res.setdefault("r", _post(url, "/v1/completions", {
-            "model": "tiny", "prompt": [1, 2], "max_tokens": 400, "ignore_eos": True, "temperature": 0})))
-        t.start()
-        deadline = time.time() + 30
-        while httpx.get(url + "/health").json()["in_flight"] == 0 and time.time() < deadline:
-            time.sleep(0.01)
-        p.send_signal(signal.SIGINT)  # once: a second Ctrl-C is uvicorn's forced exit
-        t.join(timeout=60)
-        out, errs = p.communicate(timeout=60)
-    finally:
-        if p.poll() is None:
-            p.kill()
-    r = res["r"]
-    assert r.status_code == 503 and _err(r)["type"] == "server_error" and "shutting down" in _err(r)["message"]
-    assert _err(r)["code"] == "shutting_down" and r.headers["Retry-After"] == "5"
-    assert p.returncode == 0, errs
-    assert "Traceback" not in errs and "Event loop is closed" not in errs, errs
-
-
-def test_cli_serve_answers_and_stops_cleanly(folder, tmp_path):
+def test_cli_serve_answers_then_stops_with_a_request_in_flight(folder, tmp_path):
+    """One ``vramguard serve`` process: it answers a chat request, then Ctrl-C with a request in flight answers
+    that request 503 and exits 0, with no traceback."""
     import signal
     import subprocess
     import sys
@@ -598,10 +567,24 @@ def test_cli_serve_answers_and_stops_cleanly(folder, tmp_path):
         r = _post(url, "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "w1 w2"}],
                                                 "max_tokens": 4, "temperature": 0, "ignore_eos": True})
         assert r.status_code == 200 and len(r.json()["choices"][0]["message"]["content"].split()) == 4
+        res = {}
+        t = threading.Thread(target=lambda: res.setdefault("r", _post(url, "/v1/completions", {
+            "model": "tiny", "prompt": [1, 2], "max_tokens": 400, "ignore_eos": True, "temperature": 0})))
+        t.start()
+        deadline = time.time() + 30
+        while httpx.get(url + "/health").json()["in_flight"] == 0 and time.time() < deadline:
+            time.sleep(0.01)
+        p.send_signal(signal.SIGINT)  # once: a second Ctrl-C is uvicorn's forced exit
+        t.join(timeout=60)
+        out, errs = p.communicate(timeout=60)
     finally:
-        p.send_signal(signal.SIGINT)
-        out, errs = p.communicate(timeout=30)
+        if p.poll() is None:
+            p.kill()
+    r = res["r"]
+    assert r.status_code == 503 and _err(r)["type"] == "server_error" and "shutting down" in _err(r)["message"]
+    assert _err(r)["code"] == "shutting_down" and r.headers["Retry-After"] == "5"
     assert p.returncode == 0, errs
+    assert "Traceback" not in errs and "Event loop is closed" not in errs, errs
     assert "KV pool" in errs and "serving tiny on http://127.0.0.1:" in errs
 
 
@@ -614,7 +597,8 @@ def test_greedy_server_refuses_sampling_and_matches_transformers(folder):
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == _words(_reference(s, ids, 10))
         r = _post(url, "/v1/completions", {"model": "tiny", "prompt": ids, "max_tokens": 4, "temperature": 0.7})
         assert r.status_code == 400 and (_err(r)["param"], _err(r)["code"]) == ("temperature", "unsupported_parameter")
-        assert "--greedy" in _err(r)["message"]
+        from vramguard.cli.flags import as_flags
+        assert "greedy=True" in _err(r)["message"] and "--greedy" in as_flags(_err(r)["message"])
     finally:
         s.stop()
 
@@ -674,8 +658,9 @@ def test_engine_refusing_the_pool_is_a_clear_error(folder, monkeypatch):
     msg = str(e.value)
     assert "21.01 GiB" in msg and "19.30 GiB" in msg and e.value.exit_code == 4
     # the fix gives the shortfall and a pool that would pass: 20 blocks of 16 tokens planned (--max-kv-blocks 20)
-    assert "by at least 1.72 GiB" in e.value.fix and "vram_budget= in build()" in e.value.fix
-    assert "--max-kv-blocks 1," in e.value.fix and "a KV pool of 20 blocks" in msg
+    from vramguard.cli.flags import as_flags
+    assert "lower vram_budget= by at least 1.72 GiB" in e.value.fix
+    assert "--max-kv-blocks 1," in as_flags(e.value.fix) and "a KV pool of 20 blocks" in msg
 
 
 def test_a_model_without_a_tokenizer_says_what_that_means(tmp_path):

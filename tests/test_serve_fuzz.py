@@ -1,21 +1,21 @@
-"""Property-based fuzzing of ``vramguard serve`` (a real server process on a tiny random Llama on the CPU): random
+"""Property-based fuzzing of ``vramguard serve`` (a real server on a socket, uvicorn in a thread of this process,
+on a tiny random Llama on the CPU): random
 values of every accepted field, of every JSON type, extreme numbers, NaN/Infinity literals, broken UTF-8, lone
 surrogates, deep nesting and huge arrays, for completions and chat, streamed and not, sent a few at a time. Every
 response is a 200 (a stream ending with [DONE] and no error event) or an OpenAI-shaped 4xx; never a 5xx, a reset
-connection or a crash; afterwards the server answers a normal request and /metrics shows nothing leaked.
+connection or a crash; afterwards the server answers a normal request, /metrics shows nothing leaked and no
+traceback was logged.
 
-``VRAMGUARD_FUZZ_EXAMPLES`` sets the number of examples (default 150 of 1-3 requests each, about 20-25 s with the
-server's start on 2 CPU cores);
+``VRAMGUARD_FUZZ_EXAMPLES`` sets the number of examples (default 150 of 1-3 requests each, about 20 s on 2 CPU
+cores);
 ``VRAMGUARD_FUZZ_REPORT`` names a JSON file for the tally (``benchmarks/cpu_serve_fuzz.py`` runs it longer).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
-import signal
-import subprocess
-import sys
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -126,29 +126,35 @@ requests_ = st.lists(st.tuples(st.sampled_from(["/v1/completions", "/v1/chat/com
 
 
 # ------------------------------------------------------------------------------------------- the server
+class _Log(logging.Handler):
+    """Every record of the server's loggers, formatted with its traceback."""
+
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.lines: list[str] = []
+
+    def emit(self, record):
+        self.lines.append(logging.Formatter("%(levelname)s %(name)s %(message)s").format(record))
+
+
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
+    """The server as ``vramguard serve`` builds it (the options of its command line), listening on a free port."""
+    from vramguard.serve.server import build
     folder = save_tiny_llama(tmp_path_factory.mktemp("fuzz") / "tiny", **CFG)
-    ready = folder.parent / "url"
-    log = open(folder.parent / "serve.log", "w+")
-    p = subprocess.Popen([sys.executable, "-m", "vramguard", "serve", str(folder), "--port", "0", "--quant", "fp32",
-                          "--page-size", "16", "--max-batch-tokens", "64", "--max-running", str(RUNNING),
-                          "--max-queue", str(QUEUE), "--max-kv-blocks", "24", "--served-model-name", "tiny",
-                          "--ready-file", str(ready)], stdout=log, stderr=subprocess.STDOUT, text=True)
-    deadline = time.time() + 120
-    while not ready.exists() and p.poll() is None and time.time() < deadline:
-        time.sleep(0.1)
-    if not ready.exists():
-        log.seek(0)
-        pytest.fail(f"the server did not start: {log.read()[-2000:]}")
-    yield p, ready.read_text(), log
-    p.send_signal(signal.SIGINT)
+    log = _Log()
+    loggers = [logging.getLogger(n) for n in ("", "uvicorn", "uvicorn.error", "uvicorn.access", "vramguard")]
+    for lg in loggers:
+        lg.addHandler(log)
+    s = build(str(folder), quant="fp32", page_size=16, max_batch_tokens=64, max_running=RUNNING, max_queue=QUEUE,
+              max_kv_blocks=24, served_name="tiny", hard_cap=True)
     try:
-        p.wait(timeout=30)
+        url = s.start_background()
+        yield s, url, log
     finally:
-        if p.poll() is None:
-            p.kill()
-        log.close()
+        s.stop()
+        for lg in loggers:
+            lg.removeHandler(log)
 
 
 def _check(url: str, path: str, body: dict, mangle: int) -> str:
@@ -188,7 +194,7 @@ def _metrics(url: str) -> dict:
 
 
 def test_fuzzed_requests_never_hurt_the_server(served):
-    p, url, log = served
+    s, url, log = served
     pool = ThreadPoolExecutor(3)
 
     @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
@@ -198,7 +204,7 @@ def test_fuzzed_requests_never_hurt_the_server(served):
         keys = list(pool.map(lambda r: _check(url, *r), reqs))
         TALLY.update(keys)
         TALLY["requests"] += len(reqs)
-        assert p.poll() is None, "the server process died"
+        assert s.engine.check_fatal() is None and s._thread.is_alive(), "the server died"
 
     t0 = time.perf_counter()
     try:
@@ -218,9 +224,7 @@ def test_fuzzed_requests_never_hurt_the_server(served):
     assert (m["vramguard_requests_in_flight"], m["vramguard_queue_depth"], m["vramguard_kv_blocks_used"]) == (0, 0, 0)
     assert m["vramguard_step_failures_total"] == 0  # validation caught everything before the engine
     assert m['vramguard_requests_total{outcome="failed"}'] == 0
-    log.flush()
-    log.seek(0)
-    text = log.read()
+    text = "\n".join(log.lines)
     assert "Traceback" not in text, text[-3000:]
     report = os.environ.get("VRAMGUARD_FUZZ_REPORT")
     if report:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import collections
+import functools
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,12 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "vramguard"
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             vocab_size=300, max_position_embeddings=256)
+
+
+@functools.cache
+def _tree(path: Path) -> ast.Module:
+    """The parsed source of ``path``, once per test session (the layout tests read every module)."""
+    return ast.parse(path.read_text())
 
 
 def _sources() -> dict[str, Path]:
@@ -34,9 +41,9 @@ def _import_graph() -> dict[str, set[str]]:
     mods = _sources()
     graph: dict[str, set[str]] = collections.defaultdict(set)
     for mod, path in mods.items():
-        tree = ast.parse(path.read_text())
-        skip = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
-                for n in ast.walk(node)}
+        tree = _tree(path)
+        skip = {id(n) for node in ast.walk(tree)
+                if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test) for n in ast.walk(node)}
         pkg = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
         for node in ast.walk(tree):
             if id(node) in skip:
@@ -136,7 +143,7 @@ def test_no_attribute_is_set_on_another_librarys_object():
     """vramguard keeps what it knows about a model in its handle, never as ``obj._vramguard_*``."""
     found = []
     for mod, path in _sources().items():
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(_tree(path)):
             targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
                 node, (ast.AnnAssign, ast.AugAssign)) else []
             found += [f"{mod}:{node.lineno}" for t in targets if isinstance(t, ast.Attribute)
@@ -307,7 +314,7 @@ def test_library_raises_name_no_option():
     for mod, path in _sources().items():
         if mod.startswith(("vramguard.cli", "vramguard.serve")):
             continue
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(_tree(path)):
             if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call) and node.exc.args:
                 first = node.exc.args[0]
                 if isinstance(first, ast.Constant) and str(first.value).startswith("--"):
@@ -338,3 +345,135 @@ def test_plan_and_check_apply_the_same_rules():
     p = plan(spec, s, gpu="h100-80gb", solve=False)
     f = next(f for f in p.findings if f.code == "output_attentions_eager")
     assert f.bytes == per_layer * 32  # 32 layers
+
+
+def test_one_finding_type_for_plan_and_check():
+    """check builds the shared Finding (no finding class of its own), and every dataclass named *Finding in the
+    library is that one."""
+    import importlib
+
+    from vramguard import finding
+    from vramguard.check import rules
+    check_mod, plan = importlib.import_module("vramguard.check"), importlib.import_module("vramguard.plan")
+    from vramguard.probe.env import Env
+    classes = [f"{mod}.{node.name}" for mod, path in _sources().items()
+               for node in ast.walk(_tree(path))
+               if isinstance(node, ast.ClassDef) and node.name.endswith("Finding")]
+    assert classes == ["vramguard.finding.Finding"]
+    assert plan.Finding is finding.Finding and check_mod.Finding is finding.Finding
+    r = check_mod.check("llama-3.1-8b", Settings(quant="nf4"), gpu="t4", verify=False, env=Env())
+    assert r.findings and all(type(f) is finding.Finding and f.level in finding.LEVELS for f in r.findings)
+    f = rules.finding_line("ram_vs_shard", "ok", "9.95 GB", "the shard fits in free RAM")
+    assert (f.code, f.level, f.value, f.message, f.fix, f.bytes) == (
+        "ram_vs_shard", "ok", "9.95 GB", "the shard fits in free RAM", None, None)
+
+
+def test_the_check_json_keeps_its_keys_and_carries_the_shared_ones():
+    from vramguard.cli.render import check_finding_to_json
+    from vramguard.finding import Finding
+    d = check_finding_to_json(Finding("plan", "fail", "needs more", "quantize", 5, "needs 9 GiB of 8 GiB"))
+    assert d == {"code": "plan", "level": "fail", "message": "needs more", "fix": "quantize", "bytes": 5,
+                 "value": "needs 9 GiB of 8 GiB", "name": "plan", "status": "fail", "reason": "needs more"}
+
+
+def test_the_optional_packages_are_listed_once():
+    """One table (vramguard.extras) names each optional package and its extra; the CLI, serve and the multi-card
+    planner read it, no other module lists three or more of them, and each is in that extra of pyproject.toml."""
+    import re
+    import tomllib
+
+    from vramguard import extras
+    from vramguard.cli import serve as cli_serve
+    names = set(extras.OPTIONAL_PACKAGES)
+    lists = []
+    for mod, path in _sources().items():
+        for node in ast.walk(_tree(path)):
+            if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+                strs = {e.value for e in node.elts if isinstance(e, ast.Constant) and isinstance(e.value, str)}
+                if len(strs & names) >= 3:
+                    lists.append(f"{mod}:{node.lineno}")
+            if isinstance(node, ast.Dict) and len({k.value for k in node.keys if isinstance(k, ast.Constant)}
+                                                  & names) >= 3 and mod != "vramguard.extras":
+                lists.append(f"{mod}:{node.lineno}")
+    assert lists == []
+    assert extras.needed_by("serve") == ("torch", "transformers", "accelerate", "fastapi", "uvicorn",
+                                         "sse_starlette", "prometheus_client", "httpx")
+    assert extras.needed_by("load") == ("torch", "transformers", "accelerate")
+    assert extras.extra_of("torch.cuda") == "gpu" and extras.extra_of("sse_starlette") == "serve"
+    assert extras.extra_of("numpy") is None
+    assert "vramguard.extras import" in Path(cli_serve.__file__).read_text()
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    for module, (extra, _) in extras.OPTIONAL_PACKAGES.items():
+        dists = [re.split(r"[<>=!;\s\[]", r)[0].lower().replace("_", "-") for r in pyproject[extra]]
+        assert any(d.startswith(module.replace("_", "-")) for d in dists), (module, extra)
+    with pytest.raises(ValueError, match="use='run'"):
+        extras.needed_by("run")
+
+
+def test_no_line_over_120_characters():
+    wide = [f"{mod}:{i}: {len(line)} characters" for mod, path in _sources().items()
+            for i, line in enumerate(path.read_text().splitlines(), 1) if len(line) > 120]
+    assert wide == []
+
+
+def _cli_options() -> set[str]:
+    """Every ``--option`` of vramguard's CLI (typer's click commands)."""
+    import typer.main
+
+    from vramguard.cli import app
+    group = typer.main.get_command(app)
+    return {opt for cmd in group.commands.values() for p in cmd.params for opt in (*p.opts, *p.secondary_opts)
+            if opt.startswith("--")}
+
+
+# modules that write another program's command line: vLLM's (engines, export), vramguard's own for the router's
+# workers, dmesg's and journalctl's
+COMMAND_LINE_WRITERS = ("vramguard.engines.vllm_text", "vramguard.export", "vramguard.serve.router",
+                        "vramguard.oomlog.sources")
+
+
+def test_library_texts_name_no_cli_option():
+    """No string the library produces (outside cli/: errors, findings, notes, server messages) names one of the
+    CLI's options; the library names its parameter (``chunk_tokens=``) and the CLI renders it as its option.
+    Docstrings may explain which option sets a field."""
+    import re
+    options = _cli_options()
+    assert {"--chunk-tokens", "--vram", "--vram-budget", "--gpu", "--quant"} <= options
+    flag = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
+    found = []
+    for mod, path in _sources().items():
+        if mod.startswith("vramguard.cli") or mod in COMMAND_LINE_WRITERS:
+            continue
+        tree = _tree(path)
+        docs = {id(n.body[0].value) for n in ast.walk(tree)
+                if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and n.body
+                and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs:
+                found += [f"{mod}:{node.lineno}: {f}" for f in flag.findall(node.value) if f in options]
+    assert found == []
+
+
+def test_the_cli_renders_library_fields_as_its_options():
+    from vramguard.cli.flags import as_flags
+    assert as_flags("raise vram_budget= by at least 2 GiB, lower max_batch_tokens= / max_running=") == (
+        "raise --vram-budget by at least 2 GiB, lower --max-batch-tokens / --max-running")
+    assert as_flags("pass dtype=torch.bfloat16; device_map='auto' offloads; attn='eager'") == (
+        "pass dtype=torch.bfloat16; device_map='auto' offloads; --attn eager")
+    assert as_flags("a catalog name (vramguard.catalog.models.MODELS), quant=nf4") == (
+        "a catalog name (vramguard plan --list-models), --quant nf4")
+    assert as_flags("started with greedy=True") == "started with --greedy"
+
+
+def test_a_server_the_cli_starts_words_its_errors_with_the_options():
+    pytest.importorskip("fastapi")
+    from vramguard.cli.flags import as_flags
+    from vramguard.serve.apierrors import ApiError, word_messages_with
+    err = ApiError.of("unsupported_parameter", "this server decodes greedily (started with greedy=True)", "temperature")
+    assert err.body()["error"]["message"].endswith("(started with greedy=True)")
+    previous = word_messages_with(as_flags)
+    try:
+        assert err.body()["error"]["message"].endswith("(started with --greedy)")
+    finally:
+        assert word_messages_with(previous) is as_flags
+    assert err.body()["error"]["message"].endswith("(started with greedy=True)")

@@ -51,8 +51,10 @@ def test_a_byte_count_without_unit_is_suggested_as_bytes():
 
 def test_decimal_gb_says_what_was_understood_and_what_a_24_gb_card_has():
     from vramguard.units import decimal_size_note
+    from vramguard.cli.flags import as_flags
     note = decimal_size_note("24gb")
-    assert "24,000,000,000 B (22.35 GiB)" in note and "25,769,803,776 B" in note and "--vram 24GiB" in note
+    assert "24,000,000,000 B (22.35 GiB)" in note and "25,769,803,776 B" in note and "vram=24GiB" in note
+    assert "--vram 24GiB" in as_flags(note) and "--gpu NAME" in as_flags(note)
     assert decimal_size_note("24GiB") is None and decimal_size_note("24G") is None
 
 
@@ -67,10 +69,10 @@ def test_a_size_split_in_two_words_is_a_clear_error():
 def test_a_decimal_budget_says_what_it_was_read_as(capsys):
     """--vram-budget 24gb (run, profile, serve) is 24 x 10**9 B, and says so beside what a "24 GB" card has."""
     from vramguard.cli.common import size_option
-    assert size_option("24gb", "--vram-budget") == 24 * 10**9
+    assert size_option("24gb", "vram_budget") == 24 * 10**9
     err = capsys.readouterr().err
     assert "--vram-budget 24gb read as 24 GB = 24,000,000,000 B (22.35 GiB)" in " ".join(err.split())
-    assert size_option("24GiB", "--vram-budget") == 24 * 2**30 and capsys.readouterr().err == ""
+    assert size_option("24GiB", "vram_budget") == 24 * 2**30 and capsys.readouterr().err == ""
 
 
 def test_zero_and_empty_sizes_are_refused_with_a_fix_that_works():

@@ -219,7 +219,7 @@ def _classify(m: OomMessage, req: int, usable: int | None, matched: str | None,
                 if m.other_processes else [])
         return "other_processes", f"{fmt_bytes(held)} of the card are held outside this process's PyTorch pool", [
             "close the other GPU processes (nvidia-smi lists them), or run on another GPU (CUDA_VISIBLE_DEVICES)",
-            "plan with the memory that is left: vramguard plan ... --vram SIZE"], more
+            "plan with the memory that is left: vramguard plan MODEL with vram=SIZE"], more
     if usable and req * ALGORITHMIC_FRACTION_DEN >= usable:
         summary = f"one allocation of {fmt_bytes(req)} is {req / usable:.0%} of the usable memory: an algorithmic cost"
         return "algorithmic", summary, _algorithmic_fixes(matched), []
@@ -227,7 +227,7 @@ def _classify(m: OomMessage, req: int, usable: int | None, matched: str | None,
         summary = (f"a request of {fmt_bytes(req)} with {fmt_bytes(m.allocated_bytes)} already allocated of "
                    f"{fmt_bytes(usable)}: memory grew until it ran out")
         return "steady_growth", summary, ["plan the run (vramguard plan MODEL ...): a shorter generation, a "
-                                          "quantized KV cache (--kv-dtype int8/int4), a smaller batch, or NF4 "
+                                          "quantized KV cache (kv_dtype=int8/int4), a smaller batch, or NF4 "
                                           "weights"], []
     return "unknown", "the message does not carry enough numbers to classify it", [
         "paste the whole message, including the memory figures"], []
@@ -261,10 +261,10 @@ def _other_messages(text: str) -> Explanation | None:
             "cublas_alloc", "cuBLAS could not allocate its handle or workspace: the card was full when the first "
             "matrix product (of this stream or thread) ran", ["CUBLAS_STATUS_ALLOC_FAILED: cuBLAS allocates outside "
                                                            "PyTorch's pool, so PyTorch's cache can hold what it needs"],
-            ["leave room outside PyTorch: a --vram-budget (or torch.cuda.set_per_process_memory_fraction) below the "
+            ["leave room outside PyTorch: a vram_budget= (or torch.cuda.set_per_process_memory_fraction) below the "
              "card, or torch.cuda.empty_cache() before the first forward",
              "close other GPU processes (nvidia-smi lists them), or run on another GPU (CUDA_VISIBLE_DEVICES)",
-             "vramguard plan MODEL --vram SIZE with the memory that is free shows what fits"],
+             "vramguard plan MODEL with vram=SIZE, the memory that is free, shows what fits"],
             OomMessage(format="cublas"))
     if "MPS backend out of memory" in t:
         got = {}
@@ -278,7 +278,7 @@ def _other_messages(text: str) -> Explanation | None:
         return Explanation(
             "mps", "Apple's MPS backend reached its memory limit (unified memory shared with the system)", ev,
             ["lower the memory the run needs: NF4 weights, a shorter prompt or generation, a smaller batch "
-             "(vramguard plan MODEL --vram SIZE with the limit above shows what fits)",
+             "(vramguard plan MODEL with vram=SIZE, the limit above, shows what fits)",
              "PYTORCH_MPS_HIGH_WATERMARK_RATIO raises the limit (0.0 removes it), at the risk of the system "
              "running out of memory"],
             OomMessage(request_bytes=got["request"], allowed_bytes=got["allowed"], allocated_bytes=got["allocated"],
@@ -287,7 +287,7 @@ def _other_messages(text: str) -> Explanation | None:
         return Explanation(
             "offload", "the quantized model did not fit the GPU: device_map placed modules on the CPU or the disk, "
             "which bitsandbytes refuses", ["device_map='auto' (or max_memory) left part of the weights off the GPU"],
-            ["vramguard plan MODEL --vram SIZE: the weights against the card, and the changes that fit (NF4, a "
+            ["vramguard plan MODEL with vram=SIZE: the weights against the card, and the changes that fit (NF4, a "
              "smaller model, a second card)", "free the GPU (other processes, a model loaded twice in one process)",
              "to run slowly with the rest on the CPU anyway: BitsAndBytesConfig(llm_int8_enable_fp32_cpu_offload="
              "True) and an explicit device_map"],

@@ -81,7 +81,7 @@ def gpu_from_catalog(name: str) -> GpuSpec:
     if starts:
         raise UnknownGpu("gpu", name, ", ".join(g.name for g in starts),
                          f"name one of them, e.g. gpu={starts[-1].name}")
-    raise UnknownGpu("gpu", name, ", ".join(GPUS), "pick a catalog card (vramguard plan --list-gpus lists them); "
+    raise UnknownGpu("gpu", name, ", ".join(GPUS), "pick a catalog card (vramguard.catalog.gpus.GPUS lists them); "
                      "a plan also takes the memory of any card: vram=24GiB")
 
 
@@ -91,9 +91,9 @@ def gpu_from_vram(text: str) -> GpuSpec:
     Raises:
         InvalidValue: the size is malformed.
     """
-    size = parse_size(text, "--vram")
+    size = parse_size(text, "vram")
     label = f"{size / 2**30:g} GiB card" if size % 2**20 == 0 else f"{text.strip()} card"
-    return GpuSpec(label.replace(" ", "-").lower(), label, size, None, source="--vram")
+    return GpuSpec(label.replace(" ", "-").lower(), label, size, None, source="vram")
 
 
 def _match_catalog(label: str, total: int, cc: tuple[int, int] | None, used: int) -> GpuSpec:
@@ -153,12 +153,12 @@ def resolve_gpus(gpu: str | None = None, vram: str | None = None) -> tuple[list[
         card = gpu_from_catalog(gpu)
         named = "" if gpu.strip().lower() == card.name else f": {gpu.strip()!r} is the catalog card {card.name}"
         if card.total_estimated:
-            return [card], (f"named with --gpu{named} ({card.label}, {card.total_bytes:,} B: an estimate, as no driver "
-                            "report of this card was found; for an exact plan pass --vram with what "
+            return [card], (f"named with gpu={named} ({card.label}, {card.total_bytes:,} B: an estimate, as no driver "
+                            "report of this card was found; for an exact plan pass vram= with what "
                             "`python -c 'import torch; print(torch.cuda.mem_get_info()[1])'` prints on the card)")
-        return [card], f"named with --gpu{named} ({card.label}, {card.total_bytes:,} B as its driver reports)"
+        return [card], f"named with gpu={named} ({card.label}, {card.total_bytes:,} B as its driver reports)"
     if vram is not None:  # an empty --vram "" is a size to refuse, not "no size given"
-        return [gpu_from_vram(vram)], "given with --vram"
+        return [gpu_from_vram(vram)], "given with vram="
     det = detect_gpus()
     if det.gpus:
         return [det.gpus[0]], f"detected: {det.reason}"
@@ -188,10 +188,10 @@ def card_defaults(gpu: str | None, attn: str | None, dtype: str | None,
     chosen = []
     if attn is None:
         attn = "sdpa"
-        chosen.append("--attn sdpa (FlashAttention-2 needs compute capability >= 8.0)")
+        chosen.append("attn=sdpa (FlashAttention-2 needs compute capability >= 8.0)")
     if dtype is None and not compute_dtype_given:
         dtype = "fp16"
-        chosen.append("--dtype fp16, and a 4-bit compute dtype with it (no native bf16 below compute capability 8.0)")
+        chosen.append("dtype=fp16, and a 4-bit compute dtype with it (no native bf16 below compute capability 8.0)")
     cc = ".".join(map(str, card.compute_capability))
     notes = [f"defaults for the {card.label} (compute capability {cc}): " + "; ".join(chosen)] if chosen else []
     return attn, dtype, notes

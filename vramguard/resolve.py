@@ -17,7 +17,7 @@ from vramguard.catalog.models import ALIASES, MODELS
 from vramguard.errors import ConfigError, UnknownModel
 from vramguard.spec import ModelSpec, spec_from_config
 
-ACCEPTED_MODEL_FORMS = ("a local model folder, a config.json path, a catalog name (vramguard plan --list-models), "
+ACCEPTED_MODEL_FORMS = ("a local model folder, a config.json path, a catalog name (vramguard.catalog.models.MODELS), "
                         "or a Hugging Face Hub model id")
 
 
@@ -132,7 +132,7 @@ def resolve_model(model: str, revision: str | None = None) -> ModelSpec:
     if model.startswith((".", "/", "~")) or model.endswith(".json"):
         raise UnknownModel("MODEL", model, ACCEPTED_MODEL_FORMS, f"no such file or folder: {p.absolute()}")
     raise UnknownModel("MODEL", model, ACCEPTED_MODEL_FORMS, "pass a Hub id (owner/name), a model folder, or a "
-                       "catalog name: " + (_catalog_hint(model) or "vramguard plan --list-models"))
+                       "catalog name: " + (_catalog_hint(model) or "vramguard.catalog.models.MODELS lists them"))
 
 
 def _check_revision_target(model: str, revision: str, p: Path, repo_id: bool) -> None:

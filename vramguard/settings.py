@@ -129,9 +129,9 @@ class Settings:
                                "sample (do_sample) or use beam search (num_beams >= num_return_sequences)")
         if self.kv_dtype in ("int8", "int4") and self.cache != "dynamic":
             raise InvalidValue("kv_dtype", self.kv_dtype, f"bf16 or fp16 with a {self.cache} cache",
-                               "transformers' quantized KV cache is a cache of its own: use --cache dynamic")
+                               "transformers' quantized KV cache is a cache of its own: use cache=dynamic")
         if self.compute_dtype is not None and self.quant not in ("nf4", "fp4"):
-            raise InvalidValue("compute_dtype", self.compute_dtype, f"unset with --quant {self.quant}",
+            raise InvalidValue("compute_dtype", self.compute_dtype, f"unset with quant={self.quant}",
                                "the compute dtype applies to 4-bit weights only (nf4, fp4)")
         require_count("prompt_tokens", self.prompt_tokens, 1, maximum=MAX_TOKENS)
         require_count("max_new_tokens", self.max_new_tokens, 0, maximum=MAX_TOKENS)

@@ -226,7 +226,7 @@ def spec_from_config(cfg: dict[str, Any], name: str = "model", source: str = "co
                               ", ".join(SUPPORTED_MODEL_TYPES) + " without transformers; any causal LM with it",
                               (f"{why_not}: " if why_not else "") + "install transformers to plan any architecture "
                               "it can load (pip install 'vramguard[gpu]'), or use a catalog name "
-                              "(vramguard plan --list-models)")
+                              "(vramguard.catalog.models.MODELS)")
         cfg = {**CLASS_DEFAULTS.get(model_type, {}), **cfg}
     else:
         cfg = text

@@ -63,7 +63,7 @@ def parse_size(text: str, field: str = "size", example: str = "24GiB") -> int:
     return value
 
 
-def decimal_size_note(text: str, field: str = "--vram") -> str | None:
+def decimal_size_note(text: str, field: str = "vram") -> str | None:
     """What a size in decimal GB/TB was read as, and what a card sold as that size has: ``24gb`` is 24 x 10**9 B
     = 22.35 GiB, while a card sold as "24 GB" has 24 GiB (25,769,803,776 B) before its driver's reservation.
     None for any other unit."""
@@ -74,9 +74,9 @@ def decimal_size_note(text: str, field: str = "--vram") -> str | None:
     value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
     binary = int(float(m.group(1)) * (GiB if unit == "GB" else TiB))
     n = m.group(1)
-    return (f"{field} {text.strip()} read as {n} {unit} = {value:,} B ({value / GiB:.2f} GiB); a card sold as "
+    return (f"{field}={text.strip()} read as {n} {unit} = {value:,} B ({value / GiB:.2f} GiB); a card sold as "
             f"\"{n} {unit}\" has {n} {unit[0]}iB = {binary:,} B, less what its driver keeps: for such a card pass "
-            f"--gpu NAME (its reported total) or {field} {n}{unit[0]}iB")
+            f"gpu=NAME (its reported total) or {field}={n}{unit[0]}iB")
 
 
 def plural(n: int, noun: str) -> str:

@@ -7,24 +7,25 @@ profiling one short forward (:mod:`vramguard.probe.kernels`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from vramguard.catalog.gpus import GpuSpec
+from vramguard.finding import Finding
 from vramguard.probe.checkpoint import CheckpointInfo, read_checkpoint, resolve_param_dtype
 from vramguard.probe.env import Env, probe_env
 from vramguard.probe.kernels import AttentionKernel
-from vramguard.check.rules import CheckFinding, environment_findings, model_findings, runtime_findings
+from vramguard.check.rules import environment_findings, finding_line, model_findings, runtime_findings
 from vramguard.settings import Settings
 from vramguard.units import fmt_gib
 
-__all__ = ["CheckFinding", "CheckReport", "check"]
+__all__ = ["CheckReport", "Finding", "check"]
 
 
 @dataclass
 class CheckReport:
-    """All findings; ``failed`` is True when any has status fail."""
+    """All findings; ``failed`` is True when any has level fail."""
 
-    findings: list[CheckFinding]
+    findings: list[Finding]
     param_dtype: str
     gpu: GpuSpec | None
     kernel: AttentionKernel | None = None
@@ -33,7 +34,7 @@ class CheckReport:
 
     @property
     def failed(self) -> bool:
-        return any(f.status == "fail" for f in self.findings)
+        return any(f.level == "fail" for f in self.findings)
 
 
 def check(model: str | None = None, settings: Settings | None = None, *, dtype: str | None = None,
@@ -73,7 +74,7 @@ def check(model: str | None = None, settings: Settings | None = None, *, dtype: 
     env = env or probe_env()
     s = settings or Settings(attn="sdpa")
     card = named or (env.gpus[0] if env.gpus else None)
-    source = "named with --gpu (catalog)" if gpu else ("detected by NVML" if card else "")
+    source = "named with gpu= (catalog)" if gpu else ("detected by NVML" if card else "")
     folder = model_folder(model) if model and revision is None else None
     from vramguard.hub import checkpoint_info
     hub_ckpt = checkpoint_info(spec) if spec is not None and folder is None else None
@@ -102,15 +103,14 @@ def check(model: str | None = None, settings: Settings | None = None, *, dtype: 
     findings += _attention_support_findings(spec, s)
     if hub_ckpt is not None:
         from vramguard.hub import fetched_line
-        findings.append(CheckFinding("checkpoint_read", "info", f"{spec.checkpoint.format}, "
+        findings.append(finding_line("checkpoint_read", "info", f"{spec.checkpoint.format}, "
                                      f"{len(spec.checkpoint.files)} file(s)", fetched_line(spec) or spec.source))
     if why_c:
-        findings = [CheckFinding(f.name, f.status, f.value, f.reason + why_c, f.fix) if f.name == "compute_dtype"
-                    else f for f in findings]
+        findings = [replace(f, message=f.message + why_c) if f.code == "compute_dtype" else f for f in findings]
     report = CheckReport(findings, param_dtype, card, model=spec.name if spec else None)
     if spec is not None:
         from vramguard.plan import check_context
-        check_context(spec, s, beyond=" (a RoPE-scaled model may allow more: vramguard plan --context N)")
+        check_context(spec, s, beyond=" (a RoPE-scaled model may allow more: plan with context=N)")
     if spec is not None:
         findings += _plan_findings(model, spec, s, card, env, device_map)
     if verify and folder is not None and env.cuda_available:
@@ -118,15 +118,15 @@ def check(model: str | None = None, settings: Settings | None = None, *, dtype: 
     return report
 
 
-def _plan_findings(model, spec, s: Settings, card, env, device_map) -> list[CheckFinding]:
+def _plan_findings(model, spec, s: Settings, card, env, device_map) -> list[Finding]:
     """The plan's verdict for the card (or the need, without one), and where device_map='auto' would put modules."""
     from vramguard.plan import estimate, plan
     if card is None:
         est = estimate(spec, s)
-        return [CheckFinding("plan", "info", f"needs {fmt_gib(est.device_used_bytes)} on the card",
-                             "no card to compare with", "pass --gpu NAME to check against a card")]
+        return [finding_line("plan", "info", f"needs {fmt_gib(est.device_used_bytes)} on the card",
+                             "no card to compare with", "pass gpu=NAME to check against a card")]
     v = plan(spec, s, gpus=[card], solve=False).cards[0]
-    out = [CheckFinding("plan", "ok" if v.fits else "fail",
+    out = [finding_line("plan", "ok" if v.fits else "fail",
                         f"needs {fmt_gib(v.need_bytes)} of {fmt_gib(v.usable_bytes)}",
                         f"vramguard plan for {s.prompt_tokens:,} + {s.max_new_tokens:,} tokens, batch {s.batch}",
                         None if v.fits else "run `vramguard plan` for the changes that make it fit")]
@@ -135,7 +135,7 @@ def _plan_findings(model, spec, s: Settings, card, env, device_map) -> list[Chec
     return out
 
 
-def _attention_support_findings(spec, s: Settings) -> list[CheckFinding]:
+def _attention_support_findings(spec, s: Settings) -> list[Finding]:
     """A failing finding when the model's class refuses the requested attention implementation (its own
     ``_supports_sdpa`` / ``_supports_flash_attn``, :func:`vramguard.introspect.build.attention_support`)."""
     if spec is None or not spec.config_json or s.attn == "eager":
@@ -151,12 +151,12 @@ def _attention_support_findings(spec, s: Settings) -> list[CheckFinding]:
     if supports.get(s.attn, True):
         return []
     other = " or ".join(a for a in ("sdpa", "flash_attention_2") if a != s.attn and supports.get(a))
-    return [CheckFinding("attn_supported", "fail", f"{s.attn} refused by the model class",
+    return [finding_line("attn_supported", "fail", f"{s.attn} refused by the model class",
                          f"transformers' class for {spec.model_type} does not accept attn_implementation={s.attn}",
-                         "pass --attn eager" + (f" (or {other}, where it can run)" if other else ""))]
+                         "pass attn=eager" + (f" (or {other}, where it can run)" if other else ""))]
 
 
-def _placement_finding(model, spec, s, card, env) -> CheckFinding:
+def _placement_finding(model, spec, s, card, env) -> Finding:
     from vramguard.catalog.models import MODELS
     from vramguard.check.devicemap import auto_placement
     from vramguard.resolve import catalog_name, model_folder
@@ -171,19 +171,19 @@ def _placement_finding(model, spec, s, card, env) -> CheckFinding:
     try:
         pl = auto_placement(cfg, s, card.total_bytes - card.used_by_others_bytes, env.ram_available_bytes or 0)
     except Exception as e:  # accelerate cannot build this config: say so instead of guessing
-        return CheckFinding("device_map", "info", "auto", f"placement unknown ({type(e).__name__}: {e})")
+        return finding_line("device_map", "info", "auto", f"placement unknown ({type(e).__name__}: {e})")
     if pl is None:
-        return CheckFinding("device_map", "info", "auto", "placement unknown: torch/accelerate not installed")
+        return finding_line("device_map", "info", "auto", "placement unknown: torch/accelerate not installed")
     if pl.offloaded:
         names = ", ".join(list(pl.offloaded)[:4]) + (" ..." if len(pl.offloaded) > 4 else "")
-        return CheckFinding("device_map", "warn", f"{len(pl.offloaded)} modules off the GPU: {names}",
+        return finding_line("device_map", "warn", f"{len(pl.offloaded)} modules off the GPU: {names}",
                             f"device_map='auto' keeps ~10% of GPU memory back ({pl.reason}) and offloads to "
                             "CPU/disk although the plan says the model fits, making generation many times slower",
                             "pass device_map={'': 0} (or load with vramguard's load_model)")
-    return CheckFinding("device_map", "ok", "auto: every module on the GPU", pl.reason)
+    return finding_line("device_map", "ok", "auto: every module on the GPU", pl.reason)
 
 
-def _verify_kernel(folder: str, s: Settings, param_dtype: str, report: CheckReport) -> list[CheckFinding]:
+def _verify_kernel(folder: str, s: Settings, param_dtype: str, report: CheckReport) -> list[Finding]:
     """Load with the requested settings (no automatic choice), profile one forward, unload: the attention kernel
     finding, and the unload finding (memory back to the pre-load baseline, or what still holds it)."""
     from vramguard.runtime.load import load_model, unload
@@ -193,7 +193,7 @@ def _verify_kernel(folder: str, s: Settings, param_dtype: str, report: CheckRepo
                             compute_dtype=s.resolved_compute_dtype if s.is_4bit else None,
                             dtype=param_dtype, attn=attn, strict=True, verify=False)
     except Exception as e:  # the load itself failing is the finding: name the exception
-        return [CheckFinding("attention_kernel", "fail", f"{attn}: the model did not load",
+        return [finding_line("attention_kernel", "fail", f"{attn}: the model did not load",
                              f"{type(e).__name__}: {str(e).splitlines()[0][:300]}",
                              "use attn_implementation='sdpa'" if attn == "flash_attention_2" else None)]
     from vramguard.probe.kernels import profile_attention
@@ -205,22 +205,22 @@ def _verify_kernel(folder: str, s: Settings, param_dtype: str, report: CheckRepo
             pin_sdpa(loaded.model, pinned)
         k = profile_attention(loaded.model, attn if attn != "auto" else "sdpa", pinned=pinned)
     except Exception as e:
-        return [CheckFinding("attention_kernel", "fail", f"{attn}: the forward failed",
+        return [finding_line("attention_kernel", "fail", f"{attn}: the forward failed",
                              f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"),
                 _unload_finding(unload(loaded), weights)]
     report.kernel = k
-    return [CheckFinding("attention_kernel", "ok" if k.matches_request else "warn", k.label,
+    return [finding_line("attention_kernel", "ok" if k.matches_request else "warn", k.label,
                          k.reason + ("; kernels: " + ", ".join(k.evidence[:2]) if k.evidence else ""),
                          None if k.matches_request else "see `vramguard check` findings for what forces this path"),
             _unload_finding(unload(loaded), weights)]
 
 
-def _unload_finding(rep, weights_bytes: int | None) -> CheckFinding:
+def _unload_finding(rep, weights_bytes: int | None) -> Finding:
     """The unload after verification: memory back to the baseline (ok), or the residual and its holders (warn)."""
     ok = rep.returned(weights_bytes)
-    return CheckFinding("unload", "ok" if ok or ok is None else "warn",
+    return finding_line("unload", "ok" if ok or ok is None else "warn",
                         "memory returned" if ok else ("not measured" if ok is None else "memory not returned"),
                         rep.describe(weights_bytes),
                         None if ok or ok is None else "in a long-lived process, free models with "
-                        "vramguard.runtime.load.unload (it breaks the reference cycles gc.collect() would) and drop your own "
-                        "references to the tensors named")
+                        "vramguard.runtime.load.unload (it breaks the reference cycles gc.collect() would) and drop "
+                        "your own references to the tensors named")

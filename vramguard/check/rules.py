@@ -1,14 +1,14 @@
 """The findings of ``check``: pure functions of the probed environment, the checkpoint and the load settings.
 
-Each finding has a status (ok / warn / fail), the value found, the reason and the fix. No probing happens here,
-so tests build an :class:`~vramguard.probe.env.Env` by hand to reach every branch.
+Each finding (the shared :class:`~vramguard.finding.Finding`) has a level (ok / info / warn / fail), the value
+found, the reason and the fix. No probing happens here, so tests build an :class:`~vramguard.probe.env.Env` by
+hand to reach every branch.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from vramguard.catalog.gpus import GpuSpec
+from vramguard.finding import Finding
 from vramguard.probe.checkpoint import CheckpointInfo
 from vramguard.probe.env import Env
 from vramguard.plan.rules import attention_map_bytes, dequantized_weight_bytes
@@ -20,15 +20,11 @@ FLASH_ATTN_MAX_HEAD_DIM = 256  # flash_attn 2.x supports head dimensions up to 2
 RAM_WARN_FRACTION = 0.8
 
 
-@dataclass(frozen=True)
-class CheckFinding:
-    """One line of ``check``: ``status`` is ok, warn, fail or info."""
-
-    name: str
-    status: str
-    value: str
-    reason: str
-    fix: str | None = None
+def finding_line(code: str, level: str, value: str, message: str, fix: str | None = None,
+                 bytes: int | None = None) -> Finding:
+    """One line of ``check`` as the shared :class:`~vramguard.finding.Finding`, in the order it prints: the level
+    (ok, warn, fail or info), the rule, the value found, then the reason and the fix."""
+    return Finding(code, level, message, fix, bytes, value)
 
 
 def _gb(n: int) -> str:
@@ -40,135 +36,135 @@ def _cc(g: GpuSpec | None) -> str:
     return ".".join(map(str, g.compute_capability)) if g and g.compute_capability else "unknown"
 
 
-def environment_findings(env: Env, gpu: GpuSpec | None, gpu_source: str) -> list[CheckFinding]:
+def environment_findings(env: Env, gpu: GpuSpec | None, gpu_source: str) -> list[Finding]:
     """torch, CUDA, driver, the GPU and its memory, other processes, allocator settings."""
-    f: list[CheckFinding] = []
+    f: list[Finding] = []
     if env.torch_version is None:
-        f.append(CheckFinding("torch", "fail", "not installed", env.torch_reason, "pip install torch"))
+        f.append(finding_line("torch", "fail", "not installed", env.torch_reason, "pip install torch"))
     else:
-        f.append(CheckFinding("torch", "ok", env.torch_version, f"CUDA runtime {env.cuda_runtime or 'none'}"))
+        f.append(finding_line("torch", "ok", env.torch_version, f"CUDA runtime {env.cuda_runtime or 'none'}"))
     if env.cuda_available:
-        f.append(CheckFinding("cuda", "ok", f"runtime {env.cuda_runtime}, driver {env.driver_version or '?'}",
+        f.append(finding_line("cuda", "ok", f"runtime {env.cuda_runtime}, driver {env.driver_version or '?'}",
                               env.cuda_reason))
     else:
         why = "; ".join(r for r in (env.cuda_reason, env.gpu_reason) if r)
-        f.append(CheckFinding("cuda", "warn", "no CUDA GPU on this machine",
+        f.append(finding_line("cuda", "warn", "no CUDA GPU on this machine",
                               (f"{why}. " if why else "") + "Checking what can be checked without one"
                               + (f"; settings are checked against {gpu.label}" if gpu else ""),
-                              None if gpu else "name the card you will run on with --gpu NAME"))
+                              None if gpu else "name the card you will run on with gpu=NAME"))
     if gpu is not None:
         used = gpu.used_by_others_bytes
-        f.append(CheckFinding("gpu", "ok", f"{gpu.label}, compute capability {_cc(gpu)}, "
+        f.append(finding_line("gpu", "ok", f"{gpu.label}, compute capability {_cc(gpu)}, "
                               f"{fmt_gib(gpu.total_bytes)} total, {fmt_gib(gpu.total_bytes - used)} free",
                               gpu_source))
         if used > gpu.total_bytes // 10:
-            f.append(CheckFinding("other_processes", "warn", f"{fmt_gib(used)} held by other processes",
+            f.append(finding_line("other_processes", "warn", f"{fmt_gib(used)} held by other processes",
                                   "memory in use before this process starts (other programs, a display, an "
                                   "earlier Python session)", "close them, or plan with the memory that is left"))
     return f
 
 
 def runtime_findings(env: Env, gpu: GpuSpec | None, s: Settings, spec: ModelSpec | None,
-                     param_dtype: str, param_dtype_reason: str) -> list[CheckFinding]:
+                     param_dtype: str, param_dtype_reason: str) -> list[Finding]:
     """bf16, bitsandbytes, flash_attn / FA2 feasibility, SDPA backends, allocator config."""
-    f: list[CheckFinding] = []
+    f: list[Finding] = []
     cc = gpu.compute_capability if gpu else None
     if cc is not None:
         if gpu.supports_bf16:
-            f.append(CheckFinding("bf16", "ok", f"supported (compute capability {_cc(gpu)})", "native since 8.0"))
+            f.append(finding_line("bf16", "ok", f"supported (compute capability {_cc(gpu)})", "native since 8.0"))
         elif "bf16" in (param_dtype, s.resolved_compute_dtype if s.is_4bit else param_dtype):
-            f.append(CheckFinding("bf16", "warn", f"not native on compute capability {_cc(gpu)}",
+            f.append(finding_line("bf16", "warn", f"not native on compute capability {_cc(gpu)}",
                                   "bfloat16 needs compute capability >= 8.0; below that it is emulated or fails",
                                   "use float16: dtype=torch.float16 and bnb_4bit_compute_dtype=torch.float16"))
     if s.is_bnb:
         if env.bnb_version is None:
-            f.append(CheckFinding("bitsandbytes", "fail", "not installed", env.bnb_reason,
+            f.append(finding_line("bitsandbytes", "fail", "not installed", env.bnb_reason,
                                   "pip install bitsandbytes"))
         elif env.cuda_available and env.bnb_native_ok is False:
-            f.append(CheckFinding("bitsandbytes", "fail", f"{env.bnb_version}, CUDA library not loadable",
+            f.append(finding_line("bitsandbytes", "fail", f"{env.bnb_version}, CUDA library not loadable",
                                   env.bnb_reason, "reinstall bitsandbytes for this CUDA version"))
         else:
-            f.append(CheckFinding("bitsandbytes", "ok", f"{env.bnb_version} ({env.bnb_backend or '?'} backend)",
+            f.append(finding_line("bitsandbytes", "ok", f"{env.bnb_version} ({env.bnb_backend or '?'} backend)",
                                   env.bnb_reason))
     f += _flash_attn_findings(env, gpu, s, spec, param_dtype, param_dtype_reason)
     if s.effective_attn == "sdpa" and env.sdpa_backends and env.cuda_available:
         fused = [k for k in ("flash", "cudnn", "efficient") if env.sdpa_backends.get(k)]
         on = ", ".join(k for k, v in env.sdpa_backends.items() if v)
-        f.append(CheckFinding("sdpa_backends", "ok" if fused else "warn", on or "none",
+        f.append(finding_line("sdpa_backends", "ok" if fused else "warn", on or "none",
                               "torch.backends.cuda.*_sdp_enabled()",
                               None if fused else "re-enable a fused SDPA backend (flash, cuDNN or efficient)"))
     if env.alloc_conf and "expandable_segments:True" in env.alloc_conf:
-        f.append(CheckFinding("PYTORCH_CUDA_ALLOC_CONF", "ok", env.alloc_conf, "expandable segments limit "
+        f.append(finding_line("PYTORCH_CUDA_ALLOC_CONF", "ok", env.alloc_conf, "expandable segments limit "
                               "fragmentation"))
     else:
-        f.append(CheckFinding("PYTORCH_CUDA_ALLOC_CONF", "info", env.alloc_conf or "unset",
+        f.append(finding_line("PYTORCH_CUDA_ALLOC_CONF", "info", env.alloc_conf or "unset",
                               "without expandable segments, reserved-but-unused blocks can fragment the pool",
                               "export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"))
     return f
 
 
 def _flash_attn_findings(env: Env, gpu: GpuSpec | None, s: Settings, spec: ModelSpec | None, param_dtype: str,
-                         param_dtype_reason: str) -> list[CheckFinding]:
+                         param_dtype_reason: str) -> list[Finding]:
     if s.attn != "flash_attention_2":
         value = env.flash_attn_version or "not installed"
-        return [CheckFinding("flash_attn", "info", value, "not requested (attn_implementation="
+        return [finding_line("flash_attn", "info", value, "not requested (attn_implementation="
                              f"{s.attn})")]
-    f: list[CheckFinding] = []
+    f: list[Finding] = []
     if env.flash_attn_version is None:
-        f.append(CheckFinding("flash_attention_2", "fail", "flash_attn package not installed",
+        f.append(finding_line("flash_attention_2", "fail", "flash_attn package not installed",
                               "transformers raises ImportError at load: 'the package for FlashAttention2 doesn't "
                               f"seem to be installed' ({env.flash_attn_reason})",
                               "use attn_implementation='sdpa' (a flash-class kernel), or pip install flash-attn"))
     if gpu is not None and gpu.supports_flash_attn2 is False:
-        f.append(CheckFinding("flash_attention_2", "fail", f"compute capability {_cc(gpu)}",
+        f.append(finding_line("flash_attention_2", "fail", f"compute capability {_cc(gpu)}",
                               f"FlashAttention-2 needs compute capability >= 8.0; {gpu.label} has {_cc(gpu)}: "
                               "the load succeeds and the first generate fails inside the kernel",
                               "use attn_implementation='sdpa'"))
     if param_dtype == "fp32":
-        f.append(CheckFinding("flash_attention_2", "fail", "dtype float32",
+        f.append(finding_line("flash_attention_2", "fail", "dtype float32",
                               f"FlashAttention-2 runs only in float16/bfloat16; {param_dtype_reason}",
                               "pass dtype=torch.bfloat16 (torch.float16 below compute capability 8.0)"))
     if spec is not None and spec.head_dim > FLASH_ATTN_MAX_HEAD_DIM:
-        f.append(CheckFinding("flash_attention_2", "fail", f"head_dim {spec.head_dim}",
+        f.append(finding_line("flash_attention_2", "fail", f"head_dim {spec.head_dim}",
                               f"flash_attn supports head_dim <= {FLASH_ATTN_MAX_HEAD_DIM}",
                               "use attn_implementation='sdpa'"))
     if not f:
-        f.append(CheckFinding("flash_attention_2", "ok", f"flash_attn {env.flash_attn_version}",
+        f.append(finding_line("flash_attention_2", "ok", f"flash_attn {env.flash_attn_version}",
                               f"compute capability {_cc(gpu)}, dtype {param_dtype}"
                               + (f", head_dim {spec.head_dim}" if spec else "")))
     return f
 
 
-def checkpoint_findings(ckpt: CheckpointInfo | None, env: Env) -> list[CheckFinding]:
+def checkpoint_findings(ckpt: CheckpointInfo | None, env: Env) -> list[Finding]:
     """Free RAM against the largest shard (a shard is read whole while loading), pickle weights, remote code."""
-    f: list[CheckFinding] = []
+    f: list[Finding] = []
     if ckpt is not None and ckpt.largest_shard:
         name, size = ckpt.largest_shard
         avail = env.ram_available_bytes
         if avail is None:
-            f.append(CheckFinding("ram_vs_shard", "info", f"largest shard {name}: {fmt_bytes(size)}",
+            f.append(finding_line("ram_vs_shard", "info", f"largest shard {name}: {fmt_bytes(size)}",
                                   "free RAM unknown (psutil missing)"))
         elif size > avail:
-            f.append(CheckFinding("ram_vs_shard", "fail",
+            f.append(finding_line("ram_vs_shard", "fail",
                                   f"largest shard {name} is {_gb(size)} > {_gb(avail)} free RAM",
                                   "a shard is read whole into RAM while loading: the kernel's OOM killer will "
                                   "likely end the process ('Killed')",
                                   "re-shard the checkpoint with smaller shards (save_pretrained(..., "
                                   "max_shard_size='2GB')), or free RAM / add swap"))
         elif size > avail * RAM_WARN_FRACTION:
-            f.append(CheckFinding("ram_vs_shard", "warn",
+            f.append(finding_line("ram_vs_shard", "warn",
                                   f"largest shard {name} is {_gb(size)} of {_gb(avail)} free RAM",
                                   "little RAM left while the shard is loaded", "re-shard with a smaller shard size"))
         else:
-            f.append(CheckFinding("ram_vs_shard", "ok",
+            f.append(finding_line("ram_vs_shard", "ok",
                                   f"largest shard {name} is {_gb(size)}, {_gb(avail)} free RAM",
                                   "the shard fits in free RAM"))
     if ckpt is not None and ckpt.format == "pickle":
-        f.append(CheckFinding("checkpoint_format", "warn", "pickle (.bin) weights only",
+        f.append(finding_line("checkpoint_format", "warn", "pickle (.bin) weights only",
                               "loading pickle files can run arbitrary code; vramguard loads safetensors only",
                               "convert the checkpoint to safetensors, or opt in with allow_pickle=True"))
     if ckpt is not None and ckpt.remote_code:
-        f.append(CheckFinding("remote_code", "warn", "config.json has auto_map (custom modelling code)",
+        f.append(finding_line("remote_code", "warn", "config.json has auto_map (custom modelling code)",
                               "remote code is not run unless you opt in", "pass trust_remote_code=True if you "
                               "trust the repository"))
     return f
@@ -176,11 +172,11 @@ def checkpoint_findings(ckpt: CheckpointInfo | None, env: Env) -> list[CheckFind
 
 def model_findings(spec: ModelSpec | None, ckpt: CheckpointInfo | None, s: Settings, env: Env, param_dtype: str,
                    param_dtype_reason: str, gpu: GpuSpec | None = None,
-                   dtype_passed: bool = False) -> list[CheckFinding]:
+                   dtype_passed: bool = False) -> list[Finding]:
     """RAM against the largest shard, parameter and compute dtypes, options that force eager attention.
     Parameters in float32 are a warning (twice the memory, with the cost in bytes) unless the user passed that
     dtype for a float32 checkpoint."""
-    f: list[CheckFinding] = checkpoint_findings(ckpt, env)
+    f: list[Finding] = checkpoint_findings(ckpt, env)
     stored = (ckpt.config_dtype or ckpt.stored_dtype) if ckpt else (spec.checkpoint_dtype if spec else None)
     if spec is None and ckpt is None:
         pass  # no model named: nothing to say about its dtype
@@ -194,18 +190,18 @@ def model_findings(spec: ModelSpec | None, ckpt: CheckpointInfo | None, s: Setti
                                              compute_dtype=None)).total_bytes
             cost = (f" (weights {f32 / 1e9:.1f} GB in float32 against {b16 / 1e9:.1f} GB in bfloat16)" if b16 >= 1e8
                     else f" (weights {f32:,} B in float32 against {b16:,} B in bfloat16)")
-        f.append(CheckFinding("param_dtype", "warn", f"float32 (checkpoint stores {stored})",
+        f.append(finding_line("param_dtype", "warn", f"float32 (checkpoint stores {stored})",
                               f"{param_dtype_reason}: every unquantized weight takes twice the memory of 16-bit "
                               f"weights{cost}", "pass dtype=torch.bfloat16 (float16 below compute capability 8.0)"))
     else:
-        f.append(CheckFinding("param_dtype", "ok", param_dtype + (f" (checkpoint: {stored})" if stored else ""),
+        f.append(finding_line("param_dtype", "ok", param_dtype + (f" (checkpoint: {stored})" if stored else ""),
                               param_dtype_reason))
     pre_ampere = gpu is not None and gpu.supports_bf16 is False
     half_name = "float16" if pre_ampere or param_dtype == "fp16" else "bfloat16"
     if s.is_4bit and spec is not None:
         compute = s.resolved_compute_dtype
         if compute == "fp32" and param_dtype == "fp32":
-            f.append(CheckFinding("compute_dtype", "warn", "bnb_4bit_compute_dtype fp32, activations fp32",
+            f.append(finding_line("compute_dtype", "warn", "bnb_4bit_compute_dtype fp32, activations fp32",
                                   "4-bit layers dequantize to float32 and every activation is float32: twice the "
                                   "activation memory and a slow path",
                                   f"load with dtype=torch.{half_name} and bnb_4bit_compute_dtype=torch.{half_name}"))
@@ -213,7 +209,7 @@ def model_findings(spec: ModelSpec | None, ckpt: CheckpointInfo | None, s: Setti
             big, wide, narrow = dequantized_weight_bytes(spec, compute, param_dtype)
             cost = (f"largest dequantized weight {big.out_features} x {big.in_features}: {fmt_bytes(wide)} "
                     f"against {fmt_bytes(narrow)}" if wide != narrow else "a cast copy of every input and output")
-            f.append(CheckFinding("compute_dtype", "warn", f"bnb_4bit_compute_dtype {compute}, activations "
+            f.append(finding_line("compute_dtype", "warn", f"bnb_4bit_compute_dtype {compute}, activations "
                                   f"{param_dtype}",
                                   "each 4-bit linear casts its input and dequantizes to the compute dtype: a slow "
                                   f"path and more memory ({cost})",
@@ -221,11 +217,11 @@ def model_findings(spec: ModelSpec | None, ckpt: CheckpointInfo | None, s: Setti
                                   + (f" and dtype=torch.{half_name}" if half_name != TORCH_DTYPE_NAMES.get(param_dtype)
                                      else "")))
         elif pre_ampere and compute == "bf16":  # the bf16 finding above says it is not native here
-            f.append(CheckFinding("compute_dtype", "warn", compute, "matches the activation dtype, but bfloat16 is "
+            f.append(finding_line("compute_dtype", "warn", compute, "matches the activation dtype, but bfloat16 is "
                                   "not native on this card", "set bnb_4bit_compute_dtype=torch.float16 and "
                                   "dtype=torch.float16"))
         else:
-            f.append(CheckFinding("compute_dtype", "ok", compute, "matches the activation dtype"))
+            f.append(finding_line("compute_dtype", "ok", compute, "matches the activation dtype"))
     if s.output_attentions:
         extra = ""
         if spec is not None:
@@ -234,7 +230,7 @@ def model_findings(spec: ModelSpec | None, ckpt: CheckpointInfo | None, s: Setti
                      f"{fmt_gib(per_layer * spec.num_layers)} over {spec.num_layers} layers at "
                      f"{s.prompt_tokens:,} tokens, plus a float32 softmax buffer of "
                      f"{fmt_bytes(per_layer * 4 // DTYPE_BYTES[param_dtype])} per layer while it runs")
-        f.append(CheckFinding("eager_forced", "warn", "output_attentions=True",
+        f.append(finding_line("eager_forced", "warn", "output_attentions=True",
                               "attention maps need eager attention: the fused kernels cannot return them" + extra,
                               "request attention maps only where needed"))
     return f

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import sys
 
 import typer
@@ -17,57 +16,18 @@ import typer
 from vramguard.errors import (EXIT_INTERNAL, ConfigError, Infeasible, InvalidValue, UnknownGpu, UnknownModel,
                               VramguardError)
 from vramguard.cli.render import console  # rich only: no torch import
+from vramguard.extras import extra_of
+from vramguard.cli.flags import FIELD_FLAGS, as_flags
 
 # each error's exit code, as its class defines it (vramguard.errors says what each code means)
 EXIT_CODES: dict[type, int] = {c: c.exit_code for c in (InvalidValue, ConfigError, UnknownModel, UnknownGpu,
                                                         Infeasible)}
-# optional packages and the extra that installs each (pyproject.toml); a missing one is exit 3, not an internal error
-OPTIONAL_PACKAGES = {m: "gpu" for m in ("torch", "transformers", "accelerate", "safetensors", "bitsandbytes",
-                                        "matplotlib", "optimum", "hqq")} | {
-    m: "serve" for m in ("fastapi", "uvicorn", "sse_starlette", "prometheus_client", "httpx", "pydantic")}
-
 err = console(stderr=True)
 
-# library field name -> the CLI option that sets it
-FIELD_FLAGS = {"batch": "--batch", "num_beams": "--num-beams", "num_return_sequences": "--num-return-sequences",
-               "prompt_tokens": "--prompt-tokens", "max_new_tokens": "--max-new-tokens",
-               "prefill_chunk": "--prefill-chunk", "kv_dtype": "--kv-dtype", "compute_dtype": "--compute-dtype",
-               "dtype": "--dtype", "quant": "--quant", "attn": "--attn", "cache": "--cache", "context": "--context",
-               "max_cache_len": "--max-cache-len", "temperature": "--temperature", "top_p": "--top-p",
-               "top_k": "--top-k", "max_queue": "--max-queue", "max_running": "--max-running",
-               "max_batch_tokens": "--max-batch-tokens", "page_size": "--page-size", "n_max": "--n-max",
-               "default_max_tokens": "--default-max-tokens", "max_kv_blocks": "--max-kv-blocks", "gpus": "--gpus",
-               "vram_budget": "--vram-budget", "port": "--port", "host": "--host", "model": "MODEL",
-               "revision": "--revision", "tp": "--tp", "device_map": "--device-map", "max_memory": "--max-memory",
-               "budget_bytes": "--vram-budget", "vary": "--vary", "since": "--since", "year": "--year",
-               "file": "--file", "chat": "--chat-template", "prompt": "--prompt", "chunk_tokens": "--chunk-tokens",
-               "files": "--context", "gpu": "--gpu", "vram": "--vram", "gpu/vram": "--gpu/--vram",
-               "do_sample": "--do-sample", "alloc_conf": "--alloc-conf"}
-# a library fix's keyword arguments with no flag of the same name and value
-KWARG_FLAGS = {"chat=None": "no --chat-template", "chat=False": "--raw", "do_sample=True": "--do-sample"}
-_KWARG = re.compile(r"\b([a-z_]+)=('[^']*'|[\w.\-/]+)")
-# library arguments a fix names without a value ("leave alloc_conf out"): the CLI says the flag
-_BARE = re.compile(r"\b(alloc_conf)\b(?!=)")
-
-
-def as_flags(text: str | None) -> str | None:
-    """A library message in the CLI's words: each ``field=value`` of a known field becomes its option,
-    ``chunk_tokens=200`` -> ``--chunk-tokens 200``, ``file='-'`` -> ``--file -``, ``chat=False`` -> ``--raw``; a bare
-    ``alloc_conf`` -> ``--alloc-conf``."""
-    def flag(m: re.Match) -> str:
-        name, value = m.group(1), m.group(2).strip("'")
-        if f"{name}={value}" in KWARG_FLAGS:
-            return KWARG_FLAGS[f"{name}={value}"]
-        opt = FIELD_FLAGS.get(name)
-        return m.group(0) if opt is None or not opt.startswith("--") else f"{opt} {value}"
-    if text is None:
-        return None
-    return _BARE.sub(lambda m: FIELD_FLAGS[m.group(1)], _KWARG.sub(flag, text))
-
-
 def say(text: str) -> None:
-    """``text`` on stderr, as written (no rich markup or highlighting)."""
-    err.print(text, markup=False, highlight=False)
+    """``text`` on stderr in the CLI's words (:func:`~vramguard.cli.flags.as_flags`: a library field becomes its
+    option), with no rich markup or highlighting."""
+    err.print(as_flags(text), markup=False, highlight=False)
 
 
 def write_json(data) -> None:
@@ -111,10 +71,9 @@ def run_guarded(fn, *args, as_json: bool = False, **kwargs):
         raise
     except ModuleNotFoundError as e:  # an optional dependency of this command is missing: name it and the extra
         top = (e.name or "").split(".")[0]
-        if top not in OPTIONAL_PACKAGES or os.environ.get("VRAMGUARD_DEBUG"):
+        if extra_of(top) is None or os.environ.get("VRAMGUARD_DEBUG"):
             raise
-        say(f"error {top} not installed: this command needs it.\nfix: "
-            + install_fix(OPTIONAL_PACKAGES[top], top == "torch"))
+        say(f"error {top} not installed: this command needs it.\nfix: " + install_fix(extra_of(top), top == "torch"))
         raise typer.Exit(3) from None
     except Exception as e:  # an internal error: say so plainly, keep the traceback for debugging only
         if os.environ.get("VRAMGUARD_DEBUG"):

@@ -8,17 +8,12 @@ from enum import Enum
 
 import typer
 
-from vramguard.cli.common import FIELD_FLAGS, say
+from vramguard.cli.common import say
 from vramguard.settings import TORCH_DTYPE_NAMES
 
 Engine = Enum("Engine", {"transformers": "transformers", "vllm": "vllm"}, type=str)
 KvCacheDtype = Enum("KvCacheDtype", {v: v for v in ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")}, type=str)
 
-FIELD_FLAGS.update({"tensor_parallel_size": "--tp", "pipeline_parallel_size": "--pp",
-                    "gpu_memory_utilization": "--gpu-memory-utilization", "max_model_len": "--max-model-len",
-                    "max_num_seqs": "--max-num-seqs", "max_num_batched_tokens": "--max-num-batched-tokens",
-                    "kv_cache_dtype": "--kv-cache-dtype", "replicas": "--replicas",
-                    "kv_offloading_size_bytes": "--kv-offload"})
 
 
 

@@ -61,7 +61,7 @@ def explain(
     by other processes, or steady growth; with the evidence and the fix."""
     from vramguard.explain import explain as explain_fn
     from vramguard.explain import plan_candidates
-    from vramguard.cli.render import print_explanation, to_jsonable
+    from vramguard.cli.render import explanation_to_json, print_explanation
 
     def build():
         text = read_message(message)
@@ -78,6 +78,6 @@ def explain(
 
     e = run_guarded(build, as_json=fmt == Format['json'])
     if fmt == Format['json']:
-        write_json(to_jsonable(e))
+        write_json(explanation_to_json(e))
     else:
         print_explanation(e, console())

@@ -17,7 +17,8 @@ OutFormat = Enum("OutFormat", {"yaml": "yaml", "json": "json"}, type=str)
 
 
 def export(
-    model: str = typer.Argument(..., metavar="MODEL", help="model folder, config.json, catalog name or cached model id"),
+    model: str = typer.Argument(..., metavar="MODEL",
+                                help="model folder, config.json, catalog name or cached model id"),
     to: Target = typer.Option(..., "--to", help="vllm (a command line), ray-serve, kserve or kubernetes"),
     replicas: int = typer.Option(1, "--replicas", help="copies of the server (each with tp x pp GPUs)"),
     gpu: Optional[str] = typer.Option(None, help="a catalog card (see vramguard plan --list-gpus)"),

@@ -74,7 +74,7 @@ def fit(
         from vramguard.runtime.device import total_bytes
         s = Settings(quant=quant.value, attn=attn.value, batch=batch, prompt_tokens=prompt_tokens,
                      max_new_tokens=max_new_tokens)
-        budget = size_option(vram_budget, "--vram-budget") if vram_budget else (
+        budget = size_option(vram_budget, "vram_budget") if vram_budget else (
             total_bytes() if torch.cuda.is_available() else 0)
         if max_runs < 1:
             raise InvalidValue("--max-runs", max_runs, "an integer >= 1", "allow at least one run")

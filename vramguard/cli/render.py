@@ -12,6 +12,7 @@ from rich.table import Table
 from rich.text import Text
 
 from vramguard.catalog.gpus import GPUS
+from vramguard.cli.flags import as_flags
 from vramguard.plan import Plan
 from vramguard.units import fmt_bytes, fmt_tokens, plural
 
@@ -149,9 +150,9 @@ def plan_to_json(p: Plan) -> dict:
         "prefill": to_jsonable(est.prefill),
         "decode": to_jsonable(est.decode),
         "logits_case": p.logits_case,
-        "cards_reason": p.cards_reason,
+        "cards_reason": as_flags(p.cards_reason),
         "cards": [{**to_jsonable(c), "gpu": to_jsonable(c.gpu)} for c in p.cards],
-        "findings": to_jsonable(p.findings),
+        "findings": [finding_to_json(f) for f in p.findings],
         "changes": to_jsonable(p.changes),
     }
 
@@ -298,7 +299,7 @@ def print_plan(p: Plan, console: Console | None = None) -> None:
     if est.load is not None:
         c.print(load_text(est))
     c.print(f"logits: {p.logits_case}")
-    c.print(f"cards: {p.cards_reason}")
+    c.print(f"cards: {as_flags(p.cards_reason)}")
     # one line per card in 80 columns: sizes in GiB without the unit in each cell, no vertical rules
     ct = Table(title="Cards (GiB); the largest prompt, new tokens, batch that fit",
                title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
@@ -313,9 +314,9 @@ def print_plan(p: Plan, console: Console | None = None) -> None:
         c.print("[bold]Findings[/bold]")
         for f in p.findings:
             color = {"fail": "red", "warn": "yellow"}.get(f.level, "cyan")
-            c.print(Padding(Text.assemble((f.level, color), " ", f.message), (0, 0, 0, 2)))
+            c.print(Padding(Text.assemble((f.level, color), " ", as_flags(f.message)), (0, 0, 0, 2)))
             if f.fix:
-                indented(c, f"fix: {f.fix}", 7)
+                indented(c, f"fix: {as_flags(f.fix)}", 7)
     labels = {v.gpu.name: short_label(v.gpu.label) for v in p.cards}
     if p.changes and all(v.fits for v in p.cards):
         c.print("fits every card planned against; --format json lists the changes that would lower the need further")
@@ -331,10 +332,24 @@ def print_plan(p: Plan, console: Console | None = None) -> None:
         c.print(ch)
 
 
+def finding_to_json(f) -> dict:
+    """One finding as JSON, its message and fix in the CLI's words (:func:`~vramguard.cli.flags.as_flags`)."""
+    return {**to_jsonable(f), "message": as_flags(f.message), "fix": as_flags(f.fix)}
+
+
+def check_finding_to_json(f) -> dict:
+    """One check finding as JSON: the shared finding's keys (as ``plan --format json`` writes them), and under
+    check's own keys of earlier releases the same values (``name`` = code, ``status`` = level, ``reason`` =
+    message)."""
+    out = finding_to_json(f)
+    return {**out, "name": f.code, "status": f.level, "reason": out["message"]}
+
+
 def check_to_json(r) -> dict:
     """A CheckReport as JSON: findings, the resolved parameter dtype, the card and the kernel that ran."""
     return {"failed": r.failed, "param_dtype": r.param_dtype, "gpu": to_jsonable(r.gpu),
-            "findings": to_jsonable(r.findings), "attention_kernel": to_jsonable(r.kernel), "notes": r.notes}
+            "findings": [check_finding_to_json(f) for f in r.findings], "attention_kernel": to_jsonable(r.kernel),
+            "notes": r.notes}
 
 
 def print_check(r, console: Console | None = None) -> None:
@@ -343,26 +358,38 @@ def print_check(r, console: Console | None = None) -> None:
     color = {"ok": "green", "warn": "yellow", "fail": "red", "info": "cyan"}
     c.print("[bold]vramguard check[/bold]" + (f" - {r.model}" if getattr(r, "model", None) else ""))
     for f in r.findings:
-        c.print(f"[{color.get(f.status, 'white')}]{f.status.upper():4}[/] [bold]{f.name}[/bold]: {f.value}",
+        c.print(f"[{color.get(f.level, 'white')}]{f.level.upper():4}[/] [bold]{f.code}[/bold]: {f.value}",
                 highlight=False)
-        if f.reason:
-            c.print(Padding(Text(f.reason, style="dim" if f.status == "ok" else ""), (0, 0, 0, 5)))
+        if f.message:
+            c.print(Padding(Text(as_flags(f.message), style="dim" if f.level == "ok" else ""), (0, 0, 0, 5)))
         if f.fix:
-            indented(c, f"fix: {f.fix}")
-    fails = sum(f.status == "fail" for f in r.findings)
-    warns = sum(f.status == "warn" for f in r.findings)
+            indented(c, f"fix: {as_flags(f.fix)}")
+    fails = sum(f.level == "fail" for f in r.findings)
+    warns = sum(f.level == "warn" for f in r.findings)
     c.print(f"{fails} failed, {plural(warns, 'warning')}" + (": fix the failures before loading" if fails else ""))
 
 
 def oomlog_to_json(r) -> dict:
-    """An OomLogReport as JSON (sizes in bytes, kills newest first)."""
-    return to_jsonable(r)
+    """An OomLogReport as JSON (sizes in bytes, kills newest first), its texts in the CLI's words."""
+    d = to_jsonable(r)
+    d["message"] = as_flags(d.get("message"))
+    for k in d.get("kills", []):
+        k["cause"], k["fix"] = as_flags(k.get("cause")), as_flags(k.get("fix"))
+    return d
+
+
+def explanation_to_json(e) -> dict:
+    """An Explanation as JSON, its summary, evidence and fixes in the CLI's words."""
+    d = to_jsonable(e)
+    d["summary"] = as_flags(e.summary)
+    d["evidence"], d["fixes"] = [as_flags(x) for x in e.evidence], [as_flags(x) for x in e.fixes]
+    return d
 
 
 def print_oomlog(r, console: Console | None = None) -> None:
     """Human-readable kills, newest first, or the plain message when there are none."""
     c = console or Console()
-    c.print(r.message, highlight=False)
+    c.print(as_flags(r.message), highlight=False)
     n = len(r.kills)
     for i, k in enumerate(r.kills, 1):
         when = k.time.replace("T", " ") if k.time else (f"{k.uptime_s:.3f} s after boot" if k.uptime_s is not None
@@ -385,8 +412,8 @@ def print_oomlog(r, console: Console | None = None) -> None:
         if k.top_others:
             c.print("  largest other memory users then: " + ", ".join(
                 f"{o['name']} (pid {o['pid']}) {fmt_bytes(o['rss_bytes'])}" for o in k.top_others), highlight=False)
-        indented(c, f"likely cause: {k.cause}", 2)
-        indented(c, f"fix: {k.fix}", 2)
+        indented(c, f"likely cause: {as_flags(k.cause)}", 2)
+        indented(c, f"fix: {as_flags(k.fix)}", 2)
     if r.skipped_lines:
         c.print(f"{r.skipped_lines} OOM record line(s) could not be parsed and were skipped", highlight=False)
 
@@ -394,11 +421,11 @@ def print_oomlog(r, console: Console | None = None) -> None:
 def print_explanation(e, console: Console | None = None) -> None:
     """Human-readable explanation of an OOM message."""
     c = console or Console()
-    c.print(f"[bold]{e.kind}[/bold]: {e.summary}", highlight=False)
+    c.print(f"[bold]{e.kind}[/bold]: {as_flags(e.summary)}", highlight=False)
     for line in e.evidence:
-        indented(c, f"- {line}", 2)
+        indented(c, f"- {as_flags(line)}", 2)
     for fix in e.fixes:
-        indented(c, f"fix: {fix}", 2)
+        indented(c, f"fix: {as_flags(fix)}", 2)
 
 
 def print_profile(r, console: Console | None = None) -> None:
@@ -417,7 +444,7 @@ def print_profile(r, console: Console | None = None) -> None:
     for k, v in r.files.items():
         c.print(f"{k}: {v}")
     for n in r.notes:
-        c.print(f"[yellow]{n}[/yellow]")
+        c.print(f"[yellow]{as_flags(n)}[/yellow]")
 
 
 def print_fit(r, console: Console | None = None) -> None:
@@ -441,7 +468,7 @@ def print_fit(r, console: Console | None = None) -> None:
 
 def print_generation_summary(r, console: Console) -> None:
     """The summary of a guarded generation (stderr): strategy and why, recoveries, peak memory, speed."""
-    console.print(f"strategy: {r.strategy} - {r.reason}", highlight=False)
+    console.print(f"strategy: {r.strategy} - {as_flags(r.reason)}", highlight=False)
     parts = [plural(len(r.token_ids), "token")]
     if r.peak_allocated_bytes is not None:
         parts.append(f"peak allocated {fmt_bytes(r.peak_allocated_bytes)}")

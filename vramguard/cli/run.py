@@ -55,7 +55,7 @@ def run(
         local_model_folder(model)
         _allocator_note()
         text = _read_prompt(prompt, prompt_file)
-        budget = size_option(vram_budget, "--vram-budget") if vram_budget else None
+        budget = size_option(vram_budget, "vram_budget") if vram_budget else None
         import torch
         import transformers
 

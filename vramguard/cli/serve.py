@@ -15,9 +15,6 @@ from vramguard.cli.options import DtypeArg, LoadAttn, Quant, quant_option, strip
 from vramguard.errors import InvalidValue
 from vramguard.serve.generate_engine import ENGINES
 
-# what serve imports, checked before anything is loaded
-SERVE_PACKAGES = ("torch", "transformers", "accelerate", "fastapi", "uvicorn", "sse_starlette", "prometheus_client",
-                  "httpx")
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 ServeEngine = Enum("ServeEngine", {v: v for v in ENGINES}, type=str)
 # options the router sets for its workers itself; the rest of the command line is passed on to each worker
@@ -69,8 +66,17 @@ def serve(
     listening = announcer(ready_file, served_model_name or model)
 
     def start() -> int:
+        from vramguard.cli.flags import as_flags
+        from vramguard.serve.apierrors import word_messages_with
+        previous = word_messages_with(as_flags)  # the clients of a server started here read its options
+        try:
+            return serve_from_here()
+        finally:
+            word_messages_with(previous)
+
+    def serve_from_here() -> int:
         _allocator_note()
-        budget = size_option(vram_budget, "--vram-budget") if vram_budget else None
+        budget = size_option(vram_budget, "vram_budget") if vram_budget else None
         body = parse_size(max_body_size, "--max-body-size", example="1MiB")
         check_address(host, port, api_key)
         if gpus is not None:
@@ -90,10 +96,10 @@ def serve(
 
 
 def require_serve_packages() -> None:
-    """Exit 3 naming the packages of :data:`SERVE_PACKAGES` that are not installed, and the command that installs
-    them."""
-    import importlib.util
-    missing = [m for m in SERVE_PACKAGES if importlib.util.find_spec(m) is None]
+    """Exit 3 naming the packages serve imports (:func:`vramguard.extras.needed_by`) that are not installed, and
+    the command that installs them; checked before anything is loaded."""
+    from vramguard.extras import missing as missing_packages
+    missing = missing_packages("serve")
     if missing:
         say(f"error serve: {', '.join(missing)} not installed.\nfix: " + install_fix("serve,gpu", "torch" in missing))
         raise typer.Exit(3)

@@ -236,7 +236,7 @@ def prequant_findings(p) -> list:
     if not uses_headers(spec):
         return [Finding("prequantized_config_only", "warn", f"the checkpoint is pre-quantized ({name}) but its "
                         "safetensors headers were not read: its weights are planned as the architecture under "
-                        f"--quant {s.quant}, not from what it stores",
+                        f"quant={s.quant}, not from what it stores",
                         "plan the Hub id online, or a folder holding its .safetensors files")]
     ck, rule, qcfg = spec.checkpoint, spec_rule(spec), quant_config(spec)
     on_card = p.estimate.weights.total_bytes

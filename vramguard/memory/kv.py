@@ -128,3 +128,45 @@ def kv_growth_per_token(spec: ModelSpec, s: Settings, n_tokens: int) -> dict[str
         grows = s.cache != "static" and layer_tokens(spec, lt, n_tokens + 1, s) > layer_tokens(spec, lt, n_tokens, s)
         out[key] = out.get(key, 0) + (per_layer if grows else 0)
     return out
+
+
+PAGED_TRASH_SECTORS = 2  # sectors before the data that padding tokens write to; never given to a request
+PAGED_SECTOR_ALIGN_BYTES = 128
+
+
+def paged_block_bytes(spec: ModelSpec, page_size: int, kv_element_bytes: int) -> int:
+    """Bytes one block of transformers' paged KV pool (continuous batching's ``PagedAttentionCache``) holds:
+    ``page_size`` tokens of keys and values for every layer of the model, sliding or not,
+    ``num_layers x 2 x kv_heads x head_dim x kv_element_bytes x page_size`` (transformers 5.24:
+    ``bytes_per_block = num_hidden_layers x FullAttentionCacheAllocator.get_bytes_per_page(...)`` in
+    ``continuous_batching/cache.py``; the pool's ``num_blocks`` is counted in these blocks).
+
+    Sliding-window layers are sized in full here, as transformers sizes them: what they save (a request's sliding
+    layers hold at most ``ceil(sliding_window / page_size)`` pages each) frees blocks while requests run, which is
+    admission's business, not the pool's size.
+
+    Example (Llama-3-8B, bf16, pages of 256 tokens): 32 x 2 x 8 x 128 x 2 B x 256 = 33,554,432 B (32 MiB).
+    """
+    return spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * kv_element_bytes * page_size
+
+
+def paged_pool_bytes(spec: ModelSpec, num_blocks: int, page_size: int, kv_element_bytes: int) -> int:
+    """Bytes of the one cache tensor ``PagedAttentionCache`` allocates for ``num_blocks`` blocks
+    (:func:`paged_block_bytes`), as transformers 5.24 does it: each attention type's layers share an allocator
+    whose block is ``layers of that type x page bytes``; a sector is ``lcm(every allocator's block, 128)`` bytes;
+    the pool is ``ceil(num_blocks x block / sector)`` sectors plus :data:`PAGED_TRASH_SECTORS` trash sectors.
+
+    Example (Gemma-2 style, 2 sliding + 2 full layers, 2 KV heads x head_dim 16, bf16, pages of 32 tokens, 10
+    blocks): a page is 2 x 2 x 16 x 2 B x 32 = 4,096 B, each allocator's block 2 x 4,096 = 8,192 B = the sector;
+    a block is 4 x 4,096 = 16,384 B, so 10 blocks take 20 sectors, and the tensor 22 x 8,192 = 180,224 B.
+    A model of one attention type allocates ``(num_blocks + 2) x block`` whenever the block is a multiple of 128 B;
+    transformers 5.17 (one tensor per layer of a group, groups of ``gcd`` layers) allocates the same for it.
+    """
+    import math
+    page = 2 * spec.num_kv_heads * spec.head_dim * kv_element_bytes * page_size
+    counts: dict[str, int] = {}
+    for kind in spec.layer_types or ("full_attention",) * spec.num_layers:
+        counts[kind] = counts.get(kind, 0) + 1
+    sector = math.lcm(*(n * page for n in counts.values()), PAGED_SECTOR_ALIGN_BYTES)
+    sectors = max(1, -(-num_blocks * paged_block_bytes(spec, page_size, kv_element_bytes) // sector))
+    return (sectors + PAGED_TRASH_SECTORS) * sector

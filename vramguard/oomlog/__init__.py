@@ -180,7 +180,7 @@ def oom_log(file: str | None = None, since: str | None = None, year: int | None 
     else:
         msg = f"{len(kills)} OOM kill(s) in {src.name}"
     if undated:
-        msg += (f"; {undated} record(s) carry only seconds since boot (a saved raw dmesg): --since cannot date them, "
+        msg += (f"; {undated} record(s) carry only seconds since boot (a saved raw dmesg): since= cannot date them, "
                 "they are listed")
     return OomLogReport(src.name, src.attempts, kills, parsed.lines_read, parsed.skipped_lines,
                         src.permission_denied, msg, src.cgroup_oom_kills)

@@ -34,7 +34,8 @@ def with_allocator(spec, s: Settings, est, cards: list, alloc_conf: str, solve: 
         same = not conf.expandable_segments and r.peak_reserved_bytes <= capped.allowed_bytes
         fits = same or replay_generate(spec, s, capped, rescale=solve).fits
         fits = fits and load_need <= c.usable_bytes
-        c = replace(c, need_bytes=est.device_used_bytes, fits=fits, headroom_bytes=c.usable_bytes - est.device_used_bytes)
+        c = replace(c, need_bytes=est.device_used_bytes, fits=fits,
+                    headroom_bytes=c.usable_bytes - est.device_used_bytes)
         if solve:
             c = replace(c, max_prompt_tokens=edge_prompt_tokens(spec, s, capped, c.max_prompt_tokens))
         out.append(c)

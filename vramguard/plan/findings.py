@@ -43,7 +43,7 @@ def plan_findings(p: Plan) -> list[Finding]:
         if note:
             refused = note.startswith("transformers refuses")
             out.append(Finding("attn_replayed", "warn" if refused else "info", note,
-                               "pass --attn eager (what this model loads with)" if refused else None))
+                               "pass attn=eager (what this model loads with)" if refused else None))
     _card_findings(p, out)
     _attention_findings(p, out)
     _memory_findings(p, out)
@@ -121,7 +121,7 @@ def _memory_findings(p: Plan, out: list) -> None:
         out.append(Finding("kv_as_large_as_weights", "warn",
                            f"the KV cache at {s.total_tokens:,} tokens ({fmt_gib(kv)}) is as large as the weights "
                            f"({fmt_gib(est.weights.total_bytes)})",
-                           "quantize the KV cache (--kv-dtype int8/int4) or shorten the context", kv))
+                           "quantize the KV cache (kv_dtype=int8/int4) or shorten the context", kv))
     if s.resolved_kv_dtype in ("int8", "int4"):
         from vramguard.memory.kv import SCALE_ZERO_BYTES
         from vramguard.settings import KV_BITS
@@ -144,7 +144,7 @@ def _memory_findings(p: Plan, out: list) -> None:
     if spec.is_moe and s.is_bnb and est.weights.dense_linear_bytes:
         dense = est.weights.dense_linear_bytes
         out.append(Finding("moe_experts_16bit", "warn" if dense * 2 > est.weights.total_bytes else "info",
-                           f"MoE experts stay in {s.act_dtype} under --quant {s.quant}: transformers 5 stores them as "
+                           f"MoE experts stay in {s.act_dtype} under quant={s.quant}: transformers 5 stores them as "
                            "fused 3-D parameters, which bitsandbytes (nn.Linear only) does not convert; "
                            f"{fmt_gib(dense)} of the {fmt_gib(est.weights.total_bytes)} of weights are these",
                            "plan with the weights in 16-bit in mind (a larger card, several GPUs), or use a "
@@ -153,7 +153,7 @@ def _memory_findings(p: Plan, out: list) -> None:
         from vramguard.hub.prequant import uses_headers
         own = uses_headers(spec)  # the weights are then the checkpoint's own tensors already
         out.append(Finding("prequantized", "info" if own else "warn", f"the checkpoint is already quantized "
-                           f"({spec.prequantized}); --quant {s.quant} does not apply to it"
+                           f"({spec.prequantized}); quant={s.quant} does not apply to it"
                            + ("; its weights are planned from its headers" if own else ""),
                            None if own else "plan with the checkpoint's own format"))
     if spec.sliding_window and spec.num_sliding_layers:

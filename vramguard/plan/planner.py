@@ -48,13 +48,13 @@ def plan(model: str | ModelSpec, settings: Settings | None = None, *, gpu: str |
         from vramguard.settings import MAX_TOKENS
         if isinstance(context, bool) or not isinstance(context, int) or not 1 <= context <= MAX_TOKENS:
             raise InvalidValue("context", context, f"a number of tokens from 1 to {MAX_TOKENS:,}",
-                               "pass the context length the model runs at, e.g. --context 131072")
+                               "pass the context length the model runs at, e.g. context=131072")
         if spec.generic and context > spec.max_position_embeddings:
             from vramguard.introspect.generic import learned_positions
             learned = learned_positions(spec)
             if learned:
                 raise InvalidValue("context", context, f"at most {learned:,}: the model has {learned:,} learned "
-                                   "position embeddings, which no scaling extends", f"pass --context {learned}")
+                                   "position embeddings, which no scaling extends", f"pass context={learned}")
         spec = replace(spec, max_position_embeddings=context,
                        notes=spec.notes + (f"context set to {context:,} tokens (config: "
                                            f"{spec.max_position_embeddings:,})",))
@@ -62,7 +62,7 @@ def plan(model: str | ModelSpec, settings: Settings | None = None, *, gpu: str |
     if spec.generic and s.total_tokens > spec.max_position_embeddings:
         from vramguard.introspect.generic import learned_positions
         check_context(spec, s, beyond=None if learned_positions(spec) else
-                      " (a RoPE-scaled model may allow more: plan --context N)")
+                      " (a RoPE-scaled model may allow more: plan with context=N)")
     check_context(spec, s)
     if gpus is None:
         gpus, why = resolve_gpus(gpu, vram)
@@ -117,7 +117,7 @@ def _with_allocator(spec: ModelSpec, s: Settings, est: MemoryEstimate, cards: li
 
 
 def check_context(spec: ModelSpec, s: Settings,
-                  beyond: str | None = " (a RoPE-scaled model may allow more: plan --context N)") -> None:
+                  beyond: str | None = " (a RoPE-scaled model may allow more: plan with context=N)") -> None:
     """Raise InvalidValue when ``prompt + new tokens`` exceeds the model's ``max_position_embeddings``; ``beyond``
     ends the fix (how to plan past the config's context; None where that is not possible, e.g. a loaded model)."""
     from vramguard.errors import InvalidValue

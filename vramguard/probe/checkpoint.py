@@ -77,7 +77,7 @@ def resolve_param_dtype(requested: str | None, ckpt: CheckpointInfo | None, tran
     ``torch.get_default_dtype()``, float32. A bf16/fp16/fp32 ``quant`` is itself the dtype.
     """
     if quant in ("bf16", "fp16", "fp32"):
-        return quant, f"--quant {quant} loads the weights in {quant}"
+        return quant, f"quant={quant} loads the weights in {quant}"
     if requested and requested != "auto":
         return requested, f"dtype={requested} passed to from_pretrained"
     major = int(transformers_version.split(".")[0]) if transformers_version and transformers_version[0].isdigit() \

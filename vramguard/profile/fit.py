@@ -253,7 +253,7 @@ def fit(model, s: Settings, vary: str, budget_bytes: int, out_dir: str | None = 
         free_memory()
         bar = _progress(progress, max_runs)
         with bar:
-            task = bar.add_task(f"fit --vary {vary}", total=max_runs)
+            task = bar.add_task(f"fit, varying {vary}", total=max_runs)
             best, fail, runs = search(spec, s, vary, budget_bytes, one, max_runs, tolerance,
                                       on_run=lambda r: bar.update(task, advance=1,
                                                                   description=f"{vary}={r.value:,} "

@@ -194,6 +194,6 @@ def context_prompt(model, tokenizer, question: str, files: list[str], *, chunk_t
                                     context_tokens=getattr(model.config, "max_position_embeddings", None),
                                     chunk_tokens=chunk_tokens)
     elif len(packed.used) < len(chunks):
-        packed.notes.append("--summarize summarizes them first" + (
-            "; no chunk fits whole: pass a smaller --chunk-tokens" if not packed.used else ""))
+        packed.notes.append("summarize=True summarizes them first" + (
+            "; no chunk fits whole: pass a smaller chunk_tokens=" if not packed.used else ""))
     return packed, limit

@@ -173,7 +173,7 @@ def preflight(spec, s: Settings, usable: int | None, auto: bool, on_cuda: bool,
                          f"at most {fmt_bytes(usable)} of memory left; the smallest strategy ({best[0].name}) "
                          f"needs {fmt_bytes(best[1])}",
                          "shorten the prompt or the generation, use a smaller batch, or run `vramguard plan` for "
-                         "what fits" + ("" if auto else "; or let vramguard pick a strategy (--auto)"))
+                         "what fits" + ("" if auto else "; or let vramguard pick a strategy (auto=True)"))
     first = order[0]
     why = (f"{first[0].name}: planned {fmt_bytes(first[1])} of {fmt_bytes(usable)} usable"
            + (f" (skipped: {'; '.join(skipped)})" if skipped else ""))

@@ -33,11 +33,11 @@ def prepare_prompt(tokenizer, text: str, chat: bool | None = None) -> PreparedPr
         text_in = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                                 tokenize=False)
         ids = tokenizer(text_in, add_special_tokens=False)["input_ids"]
-        why = "the tokenizer's chat template applied (--raw sends the text as is)"
+        why = "the tokenizer's chat template applied (chat=False sends the text as is)"
         used = True
     else:
         ids = tokenizer(text, add_special_tokens=True)["input_ids"]
-        why = "raw text (--raw)" if chat is False else "raw text (the tokenizer has no chat template)"
+        why = "raw text (chat=False)" if chat is False else "raw text (the tokenizer has no chat template)"
         used = False
     if not ids:
         raise InvalidValue("prompt", text, "at least one token", "pass a non-empty prompt")

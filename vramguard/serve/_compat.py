@@ -33,8 +33,9 @@ def guarded_manager_class():
 
     class GuardedManager(ContinuousBatchingManager):
         """transformers' manager whose steps are reported to ``vg_engine`` (:class:`~vramguard.serve.engine.Engine`),
-        whose decode-only steps run from the engine's CUDA graphs where it has them, and whose loop hands an exception inside an iteration to :mod:`vramguard.serve.recovery` instead of failing
-        every request; only a device fault (or a loop that keeps failing) goes on to the engine's handler."""
+        whose decode-only steps run from the engine's CUDA graphs where it has them, and whose loop hands an
+        exception inside an iteration to :mod:`vramguard.serve.recovery` instead of failing every request; only a
+        device fault (or a loop that keeps failing) goes on to the engine's handler."""
 
         vg_engine = None
 

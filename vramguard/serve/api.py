@@ -82,7 +82,7 @@ class _ApiKey:
                 self.on_reject()
                 resp = ApiError.of("invalid_api_key", "missing or wrong API key: send the header 'Authorization: "
                                                       "Bearer <key>' with the key the server was started with "
-                                                      "(--api-key)").response()
+                                                      "(api_key=)").response()
                 await resp(scope, receive, send)
                 return
         await self.app(scope, receive, send)

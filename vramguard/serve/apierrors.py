@@ -30,6 +30,18 @@ ERRORS: dict[str, tuple[int, str]] = {  # code: (HTTP status, OpenAI error type)
 }
 
 
+_WORDING: list = []  # the function the process that started the server words messages with (at most one)
+
+
+def word_messages_with(fn):
+    """Word every error message through ``fn`` from now on (None: as the library writes them) and return the
+    function used until now (None if none): the library's messages name its parameters (``vram_budget=``), and the
+    CLI that starts a server passes the function that names its options instead, for as long as it serves."""
+    previous = _WORDING[0] if _WORDING else None
+    _WORDING[:] = [fn] if fn is not None else []
+    return previous
+
+
 class ApiError(Exception):
     """An HTTP error with OpenAI's body and optional headers. Build it from the table with :meth:`of`."""
 
@@ -47,7 +59,8 @@ class ApiError(Exception):
 
     def body(self) -> dict:
         """The OpenAI error object."""
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        message = _WORDING[0](self.message) if _WORDING else self.message
+        return {"error": {"message": message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
         """The JSON response with this status and headers."""

@@ -277,13 +277,13 @@ class Engine:
         from vramguard.units import fmt_bytes
         nums = [int(x) for x in re.findall(r"\d{4,}", str(err))]
         p = self.pool
-        seen, fix = str(err), "lower --vram-budget (or cap the pool with --max-kv-blocks) and start again"
+        seen, fix = str(err), "lower vram_budget= (or cap the pool with max_kv_blocks=) and start again"
         if len(nums) >= 2:
             short = nums[0] - nums[1]
             seen = f"the engine needs {fmt_bytes(nums[0])} with this pool and sees {fmt_bytes(nums[1])} available"
             fewer = -(-short // max(p.page_size * p.kv_bytes_per_token, 1))
-            fix = (f"lower --vram-budget (vram_budget= in build()) by at least {fmt_bytes(short)}, or cap the pool "
-                   f"with --max-kv-blocks {max(p.num_blocks - fewer - 1, 1)}, and start again")
+            fix = (f"lower vram_budget= by at least {fmt_bytes(short)}, or cap the pool "
+                   f"with max_kv_blocks={max(p.num_blocks - fewer - 1, 1)}, and start again")
         self.stop()
         return Infeasible("vram_budget", f"a KV pool of {p.num_blocks} blocks ({fmt_bytes(p.pool_bytes)})",
                           f"a pool the engine accepts ({seen})", fix)
@@ -428,7 +428,7 @@ class Engine:
         if self.fits_pool(prompt_tokens + max_new_tokens):
             return None
         return (f"{limit_field}: {prompt_tokens:,} prompt + {max_new_tokens:,} new tokens needs more KV cache than "
-                f"this server's whole pool ({self.pool.pool_tokens:,} tokens, sized for its --vram-budget); it can "
+                f"this server's whole pool ({self.pool.pool_tokens:,} tokens, sized for its vram_budget=); it can "
                 f"never run here: keep prompt + {limit_field} <= {self.pool.pool_tokens:,}")
 
     def submit(self, input_ids: list[int], max_new_tokens: int, sampling: Sampling,

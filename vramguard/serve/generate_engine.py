@@ -132,7 +132,7 @@ def plan_requests(spec, s, usable_bytes: int, context_length: int, source: str) 
         need = _bound(spec, s, 2)
         raise Infeasible("vram_budget", f"{usable_bytes:,} B left after the weights",
                          f"at least {need:,} B ({fmt_bytes(need)}) for one request of 1 prompt + 1 new token",
-                         f"raise --vram-budget by at least {fmt_bytes(need - usable_bytes)}, or quantize the weights")
+                         f"raise vram_budget= by at least {fmt_bytes(need - usable_bytes)}, or quantize the weights")
     from vramguard.plan import estimate
     with _PLAN_LOCK:
         kv = estimate(spec, s.with_(prompt_tokens=max(tokens - 1, 1), max_new_tokens=1, batch=1)).kv_bytes_per_token

@@ -12,10 +12,13 @@ R = max requests per step, V = vocab):
   live together), plus the residual stream ``2 x a x hidden`` and 48 B of index tensors. The attention peak and
   the index tensors follow transformers' ``PagedAttentionMemoryHandler`` (continuous_batching/cache.py, 5.24);
   the MLP term is ours: that handler leaves it out, and for Llama-3-8B it is the larger of the two.
-* per pool token: the KV itself, ``layers x 2 x kv_heads x head_dim x a``; plus, when attention is not FlashAttention,
-  the key/value states read back from the pool for one layer with KV heads repeated to the query heads
-  (``(2 x heads + kv_heads) x head_dim x a``, same handler) and one column of the ``[M, N + M]`` attention mask
-  (``M x a``).
+* the pool itself: transformers' ``PagedAttentionCache`` tensor for the blocks, with its sectors and trash
+  sectors (:func:`vramguard.memory.kv.paged_pool_bytes`; every layer sized in full,
+  :func:`vramguard.memory.kv.paged_block_bytes`).
+* per pool token: the KV itself, ``layers x 2 x kv_heads x head_dim x a`` (the block over its tokens); plus,
+  when attention is not FlashAttention, the key/value states read back from the pool for one layer with KV heads
+  repeated to the query heads (``(2 x heads + kv_heads) x head_dim x a``, same handler) and one column of the
+  ``[M, N + M]`` attention mask (``M x a``).
 * per request row of logits: ``V x 34`` B: the float32 logits, the temperature-scaled copy, top-k/top-p sort values
   (float32) and indices (int64), softmax, cumulative sum, masks and the sampling probabilities.
 * the caching allocator's reserve on the step's transient memory:
@@ -28,6 +31,7 @@ import math
 from dataclasses import asdict, dataclass
 
 from vramguard.errors import Infeasible
+from vramguard.memory.kv import paged_block_bytes, paged_pool_bytes
 from vramguard.memory.runtime import allocator_reserve_bytes
 from vramguard.units import MiB, fmt_bytes, fmt_gib
 
@@ -43,11 +47,12 @@ class PoolPlan:
     Attributes:
         usable_bytes: budget left after the weights and runtime already allocated.
         page_size: tokens per block. num_blocks: blocks in the pool. pool_tokens: ``num_blocks x page_size``.
-        kv_bytes_per_token: KV of one token over all layers. pool_bytes: ``pool_tokens x kv_bytes_per_token``.
+        kv_bytes_per_token: KV of one token over all layers. pool_bytes: the cache tensor transformers allocates
+            for ``num_blocks`` (:func:`~vramguard.memory.kv.paged_pool_bytes`: the blocks and two trash sectors).
         step_peak_bytes: the largest step's transient memory (activations, mask, read-back KV, logits).
         reserve_bytes: allocator reserve on top of it. margin_bytes: fixed margin for CUDA graphs (GPU only).
         max_batch_tokens, max_requests: the step limits the engine is given.
-        source: how the budget was decided (``--vram-budget``, the card's free memory, or host RAM on the CPU).
+        source: how the budget was decided (``vram_budget=``, the card's free memory, or host RAM on the CPU).
     """
 
     usable_bytes: int
@@ -90,14 +95,9 @@ def _step_bytes(spec, a: int, flash: bool, m: int, n: int, r: int) -> tuple[int,
     return transient, largest
 
 
-def kv_bytes_per_token(spec, a: int) -> int:
-    """KV bytes of one token over all layers: ``layers x 2 x kv_heads x head_dim x a``."""
-    return spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * a
-
-
 def plan_pool(spec, usable_bytes: int, *, act_bytes: int = 2, flash: bool = False, page_size: int = 256,
               max_batch_tokens: int = 2048, max_requests: int = 64, on_cuda: bool = True,
-              source: str = "--vram-budget") -> PoolPlan:
+              source: str = "vram_budget=") -> PoolPlan:
     """The largest pool that fits ``usable_bytes`` with the engine's largest step beside it.
 
     Args:
@@ -110,7 +110,7 @@ def plan_pool(spec, usable_bytes: int, *, act_bytes: int = 2, flash: bool = Fals
     Raises:
         Infeasible: not even one request of ``page_size`` tokens fits; the message gives the numbers and the fix.
     """
-    kv_tok = kv_bytes_per_token(spec, act_bytes)
+    kv_tok = paged_block_bytes(spec, page_size, act_bytes) // page_size
     margin = GRAPH_MARGIN_BYTES if on_cuda else 0
     n = 0
     for _ in range(4):  # the reserve depends on n: iterate to a fixed point (decreasing)
@@ -123,22 +123,23 @@ def plan_pool(spec, usable_bytes: int, *, act_bytes: int = 2, flash: bool = Fals
         if new_n == n:
             break
         n = new_n
-    transient, largest = _step_bytes(spec, act_bytes, flash, max_batch_tokens, n, max_requests)
-    reserve = allocator_reserve_bytes(transient, largest) if on_cuda else 0
-    while n > 0 and n * kv_tok + transient + reserve + margin > usable_bytes:  # the fixed point from above
-        n -= page_size
-        transient, largest = _step_bytes(spec, act_bytes, flash, max_batch_tokens, max(n, 0), max_requests)
-        reserve = allocator_reserve_bytes(transient, largest) if on_cuda else 0
     blocks = max(n, 0) // page_size
+    while True:  # the fixed point from above, now with the pool as transformers allocates it
+        transient, largest = _step_bytes(spec, act_bytes, flash, max_batch_tokens, blocks * page_size, max_requests)
+        reserve = allocator_reserve_bytes(transient, largest) if on_cuda else 0
+        pool_bytes = paged_pool_bytes(spec, max(blocks, 1), page_size, act_bytes)
+        if blocks < 1 or pool_bytes + transient + reserve + margin <= usable_bytes:
+            break
+        blocks -= 1
     if blocks < 1:
-        need = page_size * kv_tok + transient + reserve + margin
+        need = pool_bytes + transient + reserve + margin
         raise Infeasible("vram_budget", f"{usable_bytes:,} B left after the weights",
                          f"at least {need:,} B ({fmt_bytes(need)}) for one {page_size}-token block beside the largest "
                          f"step ({max_batch_tokens} batch tokens, {max_requests} requests)",
-                         f"raise --vram-budget by at least {fmt_bytes(need - usable_bytes)}, lower --max-batch-tokens "
-                         "/ --max-running, or quantize the weights")
+                         f"raise vram_budget= by at least {fmt_bytes(need - usable_bytes)}, lower max_batch_tokens= "
+                         "/ max_running=, or quantize the weights")
     return PoolPlan(usable_bytes=usable_bytes, page_size=page_size, num_blocks=blocks, pool_tokens=blocks * page_size,
-                    kv_bytes_per_token=kv_tok, pool_bytes=blocks * page_size * kv_tok, step_peak_bytes=transient,
+                    kv_bytes_per_token=kv_tok, pool_bytes=pool_bytes, step_peak_bytes=transient,
                     reserve_bytes=reserve, margin_bytes=margin, max_batch_tokens=max_batch_tokens,
                     max_requests=max_requests, source=source)
 

@@ -50,7 +50,7 @@ class _Common(BaseModel):
     def unsupported(self) -> tuple[str, str] | None:
         """(field, why) for the first field set to a value this server does not implement, else None."""
         if self.seed is not None:
-            return "seed", "per-request seeds are not supported: the server samples with its --seed"
+            return "seed", "per-request seeds are not supported: the server samples with its seed="
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name) != 0:
                 return name, f"{name} is not supported by this server: send 0 or leave it out"

@@ -16,12 +16,13 @@ from vramguard.errors import EXIT_DEVICE_ERROR, ConfigError, InvalidValue
 from vramguard.serve.api import BODY_TIMEOUT_S, SHUTDOWN_GRACE_S, ServeOptions, create_app
 from vramguard.serve.engine import Engine
 from vramguard.serve.metrics import Metrics
+from vramguard.memory.kv import paged_pool_bytes
 from vramguard.serve.pool import PoolPlan, plan_pool
 from vramguard.units import GiB, fmt_bytes, fmt_gib
 
 log = logging.getLogger("vramguard.serve")
 
-CPU_DEFAULT_BUDGET = 2 * GiB  # host memory for the pool when serving on the CPU without --vram-budget
+CPU_DEFAULT_BUDGET = 2 * GiB  # host memory for the pool when serving on the CPU without a vram_budget
 # The engine thread and the HTTP event loop share the GIL; a shorter switch interval than CPython's 5 ms lets the
 # loop answer (e.g. reject with 429) while the engine is busy between kernel launches.
 SWITCH_INTERVAL_S = 0.001
@@ -33,7 +34,7 @@ def _usable(budget: int | None, model) -> tuple[int, str]:
     from vramguard.runtime.device import usable_bytes
     if torch.cuda.is_available() and next(model.parameters()).is_cuda:
         usable, allocated = usable_bytes(budget)  # the same rule as guarded generation
-        return usable, (f"--vram-budget minus {allocated:,} B allocated after loading" if budget is not None
+        return usable, (f"vram_budget= minus {allocated:,} B allocated after loading" if budget is not None
                         else "free memory of the card after loading")
     held = sum(p.numel() * p.element_size() for p in model.parameters())
     if budget is not None:
@@ -42,9 +43,9 @@ def _usable(budget: int | None, model) -> tuple[int, str]:
         if budget > avail:
             raise InvalidValue("vram_budget", fmt_gib(budget), f"at most the {fmt_gib(avail)} of host memory "
                                "available (no CUDA device: the model and its KV pool live in RAM)",
-                               f"pass --vram-budget {max(1, int(avail * 0.8) // GiB)}GiB or less")
-        return budget - held, f"--vram-budget minus {held:,} B of weights (host memory: no CUDA device)"
-    return CPU_DEFAULT_BUDGET, "2 GiB of host memory (no CUDA device and no --vram-budget)"
+                               f"pass vram_budget={max(1, int(avail * 0.8) // GiB)}GiB or less")
+        return budget - held, f"vram_budget= minus {held:,} B of weights (host memory: no CUDA device)"
+    return CPU_DEFAULT_BUDGET, "2 GiB of host memory (no CUDA device and no vram_budget=)"
 
 
 @dataclass
@@ -170,7 +171,7 @@ def check_bind(host: str, port: int) -> None:
     import errno
     import socket
     if not 0 <= port <= 65535:
-        raise InvalidValue("port", port, "0..65535 (0 picks a free port)", "pass e.g. --port 8000")
+        raise InvalidValue("port", port, "0..65535 (0 picks a free port)", "pass e.g. port=8000")
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except socket.gaierror as e:
@@ -185,7 +186,7 @@ def check_bind(host: str, port: int) -> None:
             if e.errno == errno.EADDRNOTAVAIL:
                 raise InvalidValue("host", host, "an address of this machine", "use 127.0.0.1 for this machine only, "
                                    "0.0.0.0 for every interface, or an address `ip addr` lists") from None
-            raise InvalidValue("port", port, f"a free port on {host}", f"{e.strerror}: choose another --port, or "
+            raise InvalidValue("port", port, f"a free port on {host}", f"{e.strerror}: choose another port=, or "
                                "stop the process that holds it (ss -ltnp shows it)") from None
 
 
@@ -454,7 +455,7 @@ def _check_load_fits(model: str, quant: str, dtype: str | None, budget: int) -> 
         raise Infeasible("vram_budget", fmt_bytes(budget),
                          f"at least {fmt_bytes(ld.peak_reserved_bytes)}: loading holds the weights "
                          f"({fmt_bytes(ld.weights_bytes)}) and {fmt_bytes(ld.largest_transient_bytes)} beside them",
-                         f"raise --vram-budget to at least {fmt_bytes(ld.peak_reserved_bytes)} plus the KV pool, or "
+                         f"raise vram_budget= to at least {fmt_bytes(ld.peak_reserved_bytes)} plus the KV pool, or "
                          "quantize the weights")
 
 
@@ -485,8 +486,8 @@ def _paged_pool(spec, m, usable: int, source: str, *, page_size: int, max_batch_
                      on_cuda=next(m.parameters()).is_cuda, source=source)
     if max_kv_blocks is not None and max_kv_blocks < pool.num_blocks:
         pool.num_blocks, pool.pool_tokens = max_kv_blocks, max_kv_blocks * page_size
-        pool.pool_bytes = pool.pool_tokens * pool.kv_bytes_per_token
-        pool.source += f"; capped at {max_kv_blocks} blocks by --max-kv-blocks"
+        pool.pool_bytes = paged_pool_bytes(spec, max_kv_blocks, page_size, act_bytes)
+        pool.source += f"; capped at {max_kv_blocks} blocks by max_kv_blocks="
     return pool
 
 
@@ -523,7 +524,7 @@ def build(model: str, *, vram_budget: int | None = None, max_queue: int = 64, ma
         total = total_bytes()
         if vram_budget > total:
             raise InvalidValue("vram_budget", vram_budget, f"at most the card's {total:,} B",
-                               "pass a smaller --vram-budget")
+                               "pass a smaller vram_budget=")
         _check_load_fits(model, quant, dtype, vram_budget)
         cap_before = set_cap(vram_budget)
     if loaded is None:
@@ -541,10 +542,10 @@ def build(model: str, *, vram_budget: int | None = None, max_queue: int = 64, ma
         from vramguard.errors import Infeasible
         held = -usable + (vram_budget or 0)
         raise Infeasible("vram_budget", fmt_bytes(vram_budget or 0), f"more than the {fmt_bytes(held)} already "
-                         "taken by the weights and runtime", "raise --vram-budget"
-                         + (", or quantize the weights (--quant nf4)" if quant not in ("nf4", "fp4") else ""))
+                         "taken by the weights and runtime", "raise vram_budget="
+                         + (", or quantize the weights (quant=nf4)" if quant not in ("nf4", "fp4") else ""))
     if max_kv_blocks is not None and max_kv_blocks < 1:
-        raise InvalidValue("max_kv_blocks", max_kv_blocks, "an integer >= 1", "pass --max-kv-blocks 1 or more")
+        raise InvalidValue("max_kv_blocks", max_kv_blocks, "an integer >= 1", "pass max_kv_blocks=1 or more")
     metrics = Metrics()
 
     def paged_pool():

@@ -153,7 +153,7 @@ def _check_sampling(req, limits: Limits) -> None:
     t = req.temperature
     if limits.greedy_only and "temperature" in req.model_fields_set and t > 0:
         raise ApiError.of("unsupported_parameter", f"temperature: {shown(t)} asks for sampling, and this server "
-                                                   "decodes greedily (started with --greedy); send temperature 0 "
+                                                   "decodes greedily (started with greedy=True); send temperature 0 "
                                                    "or leave it out", param="temperature")
     if 0 < t < MIN_TEMPERATURE:
         raise ApiError.of("invalid_value", f"temperature: {shown(t)} is below the smallest positive temperature "

@@ -1,7 +1,8 @@
 """Planning one process over several GPUs: ``device_map="auto"`` across cards and ``tp_plan="auto"`` per rank.
 
 The split comes from transformers itself on the meta model (:mod:`vramguard.plan.multigpu.devicemap`,
-:mod:`vramguard.plan.multigpu.tensorparallel`); each card's need and the verdict from :mod:`vramguard.plan.multigpu.cards`.
+:mod:`vramguard.plan.multigpu.tensorparallel`); each card's need and the verdict from
+:mod:`vramguard.plan.multigpu.cards`.
 Needs torch, transformers and accelerate; pure otherwise (no CUDA call).
 """
 
@@ -35,12 +36,13 @@ def _require_libraries(field: str = "gpus") -> None:
     """Raise NotPlannable naming the missing package (for the option ``field`` that asked for the split): the split
     is transformers' and accelerate's own."""
     from vramguard.errors import NotPlannable
-    for package in ("torch", "transformers", "accelerate"):
+    from vramguard.extras import needed_by
+    for package in needed_by("load"):
         try:
             __import__(package)
         except ImportError as e:
-            raise NotPlannable(field, package, "torch, transformers and accelerate installed (the split over "
-                               "several cards is theirs, computed on the meta device)",
+            raise NotPlannable(field, package, f"{', '.join(needed_by('load'))} installed (the split over several "
+                               "cards is theirs, computed on the meta device)",
                                f"pip install 'vramguard[gpu]' ({str(e).splitlines()[0][:120]})") from None
 
 

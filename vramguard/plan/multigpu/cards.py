@@ -4,9 +4,10 @@ every card's need fits that card (the largest need against its own card, never a
 Two layouts, as transformers loads them:
 
 * ``device_map="auto"`` or ``"sequential"`` (:mod:`vramguard.plan.multigpu.devicemap`): whole decoder layers on
-  each card, run one card after the other. A card holds its weights, the KV cache of its own layers (``DynamicCache`` keeps each layer's
-  keys and values on that layer's device), and at its moment of the forward the activations of one decoder layer
-  (every card with layers runs the same layer program; the last layer, with the longest cache, is the largest).
+  each card, run one card after the other. A card holds its weights, the KV cache of its own layers
+  (``DynamicCache`` keeps each layer's keys and values on that layer's device), and at its moment of the forward
+  the activations of one decoder layer (every card with layers runs the same layer program; the last layer, with
+  the longest cache, is the largest).
   The card of ``lm_head`` computes the logits; accelerate's hook on the whole model (``io_same_device``) returns
   them to the input's card, where ``generate`` takes its float32 copy, beside the forward's inputs (embeddings
   output, rotary cos/sin, masks) that card keeps to the end. With every layer on one card this is the single-card

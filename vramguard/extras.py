@@ -1,0 +1,44 @@
+"""The optional packages: for each import name, the extra of ``pyproject.toml`` that installs it and what needs
+it. The one list: the CLI's missing-package message, serve's start check and the multi-card planner's check all
+read it."""
+
+from __future__ import annotations
+
+import importlib.util
+
+# import name -> (the extra that installs it, what needs it): "load" is every verb that builds or loads a model
+# (plan's multi-card split, check's kernel, run, profile, fit, serve), "serve" the HTTP server; None is one feature
+# that imports it where it runs (NF4 through bitsandbytes, a quantized KV cache through hqq or quanto, charts)
+OPTIONAL_PACKAGES: dict[str, tuple[str, str | None]] = {
+    "torch": ("gpu", "load"), "transformers": ("gpu", "load"), "accelerate": ("gpu", "load"),
+    "safetensors": ("gpu", None), "bitsandbytes": ("gpu", None), "matplotlib": ("gpu", None),
+    "optimum": ("gpu", None), "hqq": ("gpu", None),
+    "fastapi": ("serve", "serve"), "uvicorn": ("serve", "serve"), "sse_starlette": ("serve", "serve"),
+    "prometheus_client": ("serve", "serve"), "httpx": ("serve", "serve"), "pydantic": ("serve", None),
+}
+
+
+def extra_of(module: str) -> str | None:
+    """The extra that installs the top-level package of ``module`` (``"torch.cuda"`` -> ``"gpu"``), None when it
+    is no optional package of vramguard's."""
+    entry = OPTIONAL_PACKAGES.get(module.split(".")[0])
+    return entry[0] if entry else None
+
+
+def needed_by(use: str) -> tuple[str, ...]:
+    """The import names ``use`` needs, in table order: ``"load"`` those of loading a model; ``"serve"`` those and
+    the server's (``torch, transformers, accelerate, fastapi, uvicorn, sse_starlette, prometheus_client, httpx``).
+
+    Raises:
+        ValueError: ``use`` is neither ``"load"`` nor ``"serve"``.
+    """
+    if use not in ("load", "serve"):
+        raise ValueError(f"use={use!r}: 'load' or 'serve'")
+    wanted = ("load",) if use == "load" else ("load", "serve")
+    return tuple(m for m, (_, need) in OPTIONAL_PACKAGES.items() if need in wanted)
+
+
+def missing(use: str) -> list[str]:
+    """The import names of :func:`needed_by` ``(use)`` that are not installed (found by
+    ``importlib.util.find_spec``, nothing imported)."""
+    return [m for m in needed_by(use) if importlib.util.find_spec(m) is None]
