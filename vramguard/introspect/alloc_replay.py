@@ -176,7 +176,8 @@ def _stretch_events(config_json: str, name: str, key: Settings, lo: int, new: in
 def _rescaled_events(config_json: str, name: str, key: Settings, prompt: int, new: int) -> tuple | None:
     """:func:`_cached_events` for ``prompt`` from the sizes of its stretch (:func:`_stretch_events`), or None where
     the prompt lies within ``RESCALE_MARGIN`` of a breakpoint (:func:`_breakpoints`; with a static cache, within
-    ``RESCALE_MARGIN + new`` below it) or of one token, or in a stretch that follows no quadratic. Stretches run between breakpoints; their samples sit at the start."""
+    ``RESCALE_MARGIN + new`` below it) or of one token, or in a stretch that follows no quadratic. Stretches run
+    between breakpoints; their samples sit at the start."""
     edges = [0, *_breakpoints(config_json, name)]
     lo = max(e for e in edges if e < prompt)
     hi = min((e for e in edges if e >= prompt), default=None)
