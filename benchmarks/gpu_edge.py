@@ -157,7 +157,8 @@ def main() -> None:
                 lo = max(lo, p)
             else:
                 hi = min(hi, p)
-                lo = min(lo, p * 9 // 10)  # a failure at or below the lower bound: that bound was not one
+                if p <= lo:  # a failure at or below the lower bound: that bound was not one
+                    lo = p * 9 // 10
         n += 1
         name = f"trace_{tag}_{n}_{rec['attn']}_{p}x{batch}_{'ok' if rec['ok'] else 'oom'}.json.gz"
         with gzip.open(os.path.join(os.path.dirname(args.out), name), "wt") as f:
