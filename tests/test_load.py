@@ -104,3 +104,23 @@ def test_compute_dtype_follows_an_explicit_dtype_c3():
     assert choose_dtypes(None, "nf4", None, None, r, False) == ("bf16", "bf16")
     assert choose_dtypes(None, "nf4", "fp16", "fp32", r, False) == ("fp16", "fp32")  # both explicit: as asked
     assert r.overrides == []
+
+
+def test_nf4_without_bitsandbytes_is_refused_before_loading(tiny, monkeypatch):
+    """Without bitsandbytes, transformers' loader fails on an NF4 request with a bare ImportError (the CLI printed it
+    as an internal error, exit 70): load_model refuses it first, naming quant and the install, and the CLI words it
+    with its option."""
+    import importlib.util
+
+    from conftest import run_cli, save_word_tokenizer
+    from vramguard.errors import ConfigError
+    folder, _ = tiny("LlamaConfig", **TINY)
+    save_word_tokenizer(folder, TINY["vocab_size"])
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else real(name, *a))
+    with pytest.raises(ConfigError) as e:
+        load_model(str(folder), quant="nf4", verify=False)
+    assert e.value.field == "quant" and e.value.value == "nf4" and "vramguard[gpu]" in e.value.fix
+    r = run_cli("run", str(folder), "--prompt", "hi", "--max-new-tokens", "2", "--quant", "nf4")
+    assert r.returncode == 3, r.stdout + r.stderr
+    assert "--quant: 'nf4' is not valid" in r.stdout + r.stderr and "internal error" not in r.stdout + r.stderr

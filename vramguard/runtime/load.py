@@ -23,7 +23,7 @@ from pathlib import Path
 from vramguard.probe.checkpoint import read_checkpoint
 from vramguard.probe.env import probe_env
 from vramguard.probe.kernels import AttentionKernel, profile_attention
-from vramguard.errors import InvalidValue, UnknownModel
+from vramguard.errors import ConfigError, InvalidValue, UnknownModel
 from vramguard.resolve import local_model_folder, resolve_model
 from vramguard.runtime.device import MemorySnapshot, free_bytes
 from vramguard.runtime.handle import LoadedModel, as_loaded, forget, known, loaded_settings, register
@@ -195,6 +195,7 @@ def load_model(model: str, *, quant: str = "nf4", double_quant: bool = True, com
                     "use_safetensors": not allow_pickle, "trust_remote_code": trust_remote_code,
                     "local_files_only": True}
     if quant in ("nf4", "fp4", "int8"):
+        _require_bitsandbytes(quant)
         kwargs["quantization_config"] = _bnb_config(quant, double_quant, cd)
     kwargs["device_map"] = device_map if device_map is not None else _default_device_map(spec, quant, on_cuda,
                                                                                        report, kwargs)
@@ -235,6 +236,21 @@ def _weights_folder(model: str, allow_pickle: bool):
         raise InvalidValue("allow_pickle", False, "True to load pickle (.bin) weights",
                            "convert the checkpoint to safetensors, or pass allow_pickle=True if you trust it")
     return folder, ckpt
+
+
+def _require_bitsandbytes(quant: str) -> None:
+    """Refuses a bitsandbytes ``quant`` when bitsandbytes is not installed, before transformers' loader would fail
+    on it with an ImportError (its quantizer's ``validate_environment``).
+
+    Raises:
+        ConfigError: ``quant`` is nf4/fp4/int8 and ``importlib.util.find_spec("bitsandbytes")`` finds nothing.
+    """
+    import importlib.util
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise ConfigError("quant", quant, "a 16-bit or 32-bit dtype when bitsandbytes is not installed "
+                          f"({quant} weights are quantized by bitsandbytes)",
+                          "pip install 'vramguard[gpu]' (it installs bitsandbytes), or load with quant='bf16' "
+                          "(twice the weight bytes of nf4)")
 
 
 def _bnb_config(quant: str, double_quant: bool, compute_dtype: str):
