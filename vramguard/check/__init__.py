@@ -82,7 +82,10 @@ def check(model: str | None = None, settings: Settings | None = None, *, dtype: 
         CheckpointInfo("", (), None, None, spec.checkpoint_dtype, False) if spec else None)
     if loader_defaults and not unquantized and (dtype is None or compute_dtype is None):
         from vramguard.runtime.load import choose_dtypes
-        cd, dt = choose_dtypes(card, s.quant, compute_dtype, dtype, None, False)
+        # a bf16 given is checked as given (the bf16 finding says where it is not native): the one left unset
+        # pairs with it, not with the fp16 a load would put in its place on such a card
+        asked_bf16 = "bf16" in (dtype, compute_dtype)
+        cd, dt = choose_dtypes(None if asked_bf16 else card, s.quant, compute_dtype, dtype, None, False)
         compute_dtype = compute_dtype or (cd if s.is_4bit else None)
         dtype = dtype or dt
     param_dtype, why = resolve_param_dtype(dtype, ckpt, env.transformers_version,

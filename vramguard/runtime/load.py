@@ -48,9 +48,13 @@ class LoadReport:
     notes: list[str] = field(default_factory=list)
 
 
-def _override(report: LoadReport, strict: bool, field_: str, value, accepted: str, new, why: str) -> object:
+def _override(report: LoadReport | None, strict: bool, field_: str, value, accepted: str, new, why: str) -> object:
+    """``new`` in place of ``value``, recorded in ``report.overrides`` and warned; ``strict`` raises InvalidValue
+    instead; ``report`` None records and warns nothing (a caller asking only what a load would choose)."""
     if strict:
         raise InvalidValue(field_, value, accepted, why)
+    if report is None:
+        return new
     msg = f"{field_}: {value} -> {new} ({why})"
     report.overrides.append(msg)
     warnings.warn("vramguard: " + msg, stacklevel=3)
@@ -71,13 +75,14 @@ def older_card_quant(gpu, quant: str, report: LoadReport, strict: bool) -> str:
     return quant
 
 
-def choose_dtypes(gpu, quant: str, compute_dtype: str | None, dtype: str | None, report: LoadReport,
+def choose_dtypes(gpu, quant: str, compute_dtype: str | None, dtype: str | None, report: LoadReport | None,
                   strict: bool) -> tuple[str, str]:
     """(compute dtype, model dtype): bf16 where the card supports it (compute capability >= 8.0, or no CUDA
     card), else fp16; whichever of the two is not given equals the other, so a 4-bit layer never computes in a
     dtype other than its activations' unless both are set apart explicitly (the mismatch costs a
     cast per layer). A bf16 request on an older card becomes fp16, reported (or raised with ``strict``); so does
-    ``quant="bf16"`` (weights in bf16), which :func:`load_model` overrides with :func:`older_card_quant`."""
+    ``quant="bf16"`` (weights in bf16), which :func:`load_model` overrides with :func:`older_card_quant`.
+    ``report`` None: nothing recorded or warned (``vramguard check`` reports the bf16 request as its own finding)."""
     old = gpu is not None and gpu.supports_bf16 is False
     if old:
         for name, val in (("compute_dtype", compute_dtype), ("dtype", dtype)):
