@@ -65,11 +65,16 @@ class OomLogReport:
     cgroup_oom_kills: dict[str, int] = field(default_factory=dict)
 
 
+EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)  # no kernel log record is older than the Unix epoch
+SINCE_FORMS = "30m, 2h, 1d, boot, or a date/time such as 2026-11-30T17:00"
+
+
 def parse_since(text: str | None, now: datetime | None = None) -> datetime | None:
-    """``--since``: ``30m``, ``2h``, ``1d``, ``boot``, or an ISO date/time (``2026-11-30 17:00``).
+    """``--since``: ``30m``, ``2h``, ``1d``, ``boot``, or an ISO date/time (``2026-11-30 17:00``; without a zone,
+    local time); the result lies between the Unix epoch (1970-01-01 UTC) and ``now``.
 
     Raises:
-        InvalidValue: any other form.
+        InvalidValue: any other form, a duration reaching back before 1970-01-01, or a time after ``now``.
     """
     if text is None:
         return None
@@ -77,17 +82,27 @@ def parse_since(text: str | None, now: datetime | None = None) -> datetime | Non
     t = text.strip()
     m = re.fullmatch(r"(\d+)\s*([smhd])", t)
     if m:
-        unit = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days"}[m.group(2)]
-        return now - timedelta(**{unit: int(m.group(1))})
+        unit_s = {"s": 1, "m": 60, "h": 3600, "d": 86400}[m.group(2)]
+        most = int((now - EPOCH).total_seconds()) // unit_s
+        if int(m.group(1)) > most:
+            raise InvalidValue("since", text, f"a duration back to 1970-01-01 at most ({most:,}{m.group(2)} from "
+                               "now)", "pass a shorter duration such as 30d, or leave it out for every record")
+        return now - timedelta(seconds=int(m.group(1)) * unit_s)
     if t == "boot":
         bt = boot_time()
         return datetime.fromtimestamp(bt, tz=timezone.utc) if bt else None
     try:
         dt = datetime.fromisoformat(t)
-        return dt if dt.tzinfo else dt.astimezone()
     except ValueError:
-        raise InvalidValue("since", text, "30m, 2h, 1d, boot, or a date/time such as 2026-11-30T17:00",
-                           "pass one of those forms") from None
+        raise InvalidValue("since", text, SINCE_FORMS, "pass one of those forms") from None
+    try:
+        dt = dt if dt.tzinfo else dt.astimezone()
+    except (ValueError, OverflowError):  # year 1 in a zone east of UTC: before any kernel log anyway
+        dt = None
+    if dt is None or not EPOCH <= dt <= now:
+        raise InvalidValue("since", text, f"a time from 1970-01-01 to now ({now.isoformat(timespec='minutes')})",
+                           "pass a time in the past, e.g. 1d for the last day, or leave it out for every record")
+    return dt
 
 
 def _diagnose(r: OomRecord) -> tuple[str, str]:
