@@ -130,17 +130,19 @@ class CliResult:
         self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
 
 
-def run_cli(*args: str, columns: str = "160", input: str | None = None) -> CliResult:
+def run_cli(*args: str, columns: str = "160", input: str | None = None, stdout=None) -> CliResult:
     """``python -m vramguard ARGS`` inside this process: the same ``vramguard.cli.main``, its exit code, stdout and
-    stderr, without starting an interpreter and importing torch again; ``input`` is its stdin. A test of what only a fresh process shows
-    (a closed pipe, the warnings filters, a missing package) starts a subprocess instead."""
+    stderr, without starting an interpreter and importing torch again; ``input`` is its stdin; ``stdout`` a text
+    stream to write to instead of a buffer (e.g. one whose writes fail as a closed pipe's do). A test of what only a
+    fresh process shows (a closed pipe's file descriptor, the warnings filters, a missing package) starts a
+    subprocess instead."""
     import contextlib
     import io
     import sys
 
     from vramguard.cli import common, render
     from vramguard.cli import run as run_cmd
-    out, err = io.StringIO(), io.StringIO()
+    out, err = stdout if stdout is not None else io.StringIO(), io.StringIO()
     saved = sys.argv, os.environ.get("COLUMNS"), common.err, sys.stdin
     os.environ["COLUMNS"] = columns
     sys.argv = ["vramguard", *args]

@@ -4,13 +4,15 @@ The library raises these; the CLI prints them and exits with the class's ``exit_
 place: 1 a check or plan that failed (``--exit-code``); 2 a bad value (:class:`InvalidValue`); 3 an unknown model or
 card or an unreadable config (:class:`UnknownModel`, :class:`UnknownGpu`, :class:`ConfigError`), or a server whose
 device failed (:data:`EXIT_DEVICE_ERROR`); 4 a request that cannot fit (:class:`Infeasible`); 70 an internal error
-(:data:`EXIT_INTERNAL`, ``EX_SOFTWARE`` of sysexits.h).
+(:data:`EXIT_INTERNAL`, ``EX_SOFTWARE`` of sysexits.h); 141 the reader of the output went away, as ``| head`` does
+(:data:`EXIT_CLOSED_PIPE`).
 """
 
 from __future__ import annotations
 
 EXIT_DEVICE_ERROR = 3  # a server's engine stopped on a fault of the device
 EXIT_INTERNAL = 70  # an exception vramguard did not expect
+EXIT_CLOSED_PIPE = 141  # stdout's reader closed the pipe: 128 + SIGPIPE (13), what a shell reports for `yes | head`
 
 
 class VramguardError(Exception):

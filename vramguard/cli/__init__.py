@@ -20,7 +20,8 @@ from vramguard.cli import plan as _plan
 from vramguard.cli import profile as _profile
 from vramguard.cli import run as _run
 from vramguard.cli import serve as _serve
-from vramguard.cli.common import EXIT_CODES, EXIT_INTERNAL, install_fix, quiet_known_warnings, run_guarded, say
+from vramguard.cli.common import (EXIT_CODES, EXIT_INTERNAL, closed_pipe, install_fix, quiet_known_warnings,
+                                  run_guarded, say)
 from vramguard.cli.explain import read_message
 from vramguard.cli.options import split_size
 
@@ -75,34 +76,50 @@ del _name, _fn, _short
 
 def main() -> None:
     """Entry point: click's own usage errors (a wrong type, an unknown choice or option) are printed in the same
-    two-line form as vramguard's errors, with exit code 2."""
+    two-line form as vramguard's errors, with exit code 2; a reader of stdout that went away (``| head``) ends the
+    command quietly with :data:`~vramguard.errors.EXIT_CLOSED_PIPE`."""
+    try:
+        rc = _dispatch()
+        sys.stdout.flush()  # what is still buffered: a reader gone before it is written ends the same way
+    except BrokenPipeError:
+        rc = closed_pipe()
+    except SystemExit as e:  # click ends a write to a closed stdout with exit 1: not a check that failed
+        if e.code != 1 or not _stdout_closed():
+            raise
+        rc = closed_pipe()
+    sys.exit(rc if isinstance(rc, int) else 0)
+
+
+def _stdout_closed() -> bool:
+    """Whether stdout's reader went away: click wraps stdout in its PacifyFlushWrapper when a write fails with
+    EPIPE, then exits 1."""
+    return type(sys.stdout).__name__ == "PacifyFlushWrapper"
+
+
+def _dispatch() -> int | None:
+    """Run the command line: its exit code."""
     quiet_known_warnings()
     split = split_size(sys.argv[1:])
     if split:
         say("error " + split)
-        sys.exit(2)
+        return 2
     try:  # typer >= 0.20 vendors click as typer._click; older typer uses the click package
         import typer._click.exceptions as cx
     except ImportError:
         import click.exceptions as cx
     no_args, usage, abort = (getattr(cx, n, ()) for n in ("NoArgsIsHelpError", "UsageError", "Abort"))
     try:
-        rc = app(standalone_mode=False)  # click returns the code of typer.Exit instead of raising it here
+        return app(standalone_mode=False)  # click returns the code of typer.Exit instead of raising it here
     except no_args as e:
         print(e.ctx.get_help() if e.ctx else str(e))
-        rc = 0
+        return 0
     except usage as e:
         where = f"`vramguard {e.ctx.info_name} --help`" if e.ctx and e.ctx.info_name != "vramguard" else \
             "`vramguard --help`"
         msg = e.format_message().replace("Value error, ", "")
         say(f"error {msg}\nfix: see {where} for the accepted values")
-        rc = 2
+        return 2
     except typer.Exit as e:
-        rc = e.exit_code
+        return e.exit_code
     except abort:
-        rc = 130
-    except BrokenPipeError:  # the reader (e.g. `| head`) went away: stop quietly
-        import os
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        rc = 1
-    sys.exit(rc if isinstance(rc, int) else 0)
+        return 130

@@ -13,8 +13,8 @@ import sys
 
 import typer
 
-from vramguard.errors import (EXIT_INTERNAL, ConfigError, Infeasible, InvalidValue, UnknownGpu, UnknownModel,
-                              VramguardError)
+from vramguard.errors import (EXIT_CLOSED_PIPE, EXIT_INTERNAL, ConfigError, Infeasible, InvalidValue, UnknownGpu,
+                              UnknownModel, VramguardError)
 from vramguard.cli.render import console  # rich only: no torch import
 from vramguard.extras import extra_of
 from vramguard.cli.flags import FIELD_FLAGS, as_flags
@@ -45,6 +45,17 @@ def fail(e: VramguardError, as_json: bool = False) -> None:
     raise typer.Exit(code)
 
 
+def closed_pipe() -> int:
+    """The reader of stdout went away (``| head``): point stdout at the null device, so that nothing more is
+    written and the interpreter's final flush cannot fail, and return :data:`~vramguard.errors.EXIT_CLOSED_PIPE`.
+    Nothing is printed: the reader asked for no more."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # stdout is no file (a buffer), or already closed
+        pass
+    return EXIT_CLOSED_PIPE
+
+
 TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"  # PyTorch's index of CPU-only wheels
 
 
@@ -67,7 +78,7 @@ def run_guarded(fn, *args, as_json: bool = False, **kwargs):
         return fn(*args, **kwargs)
     except VramguardError as e:
         fail(e, as_json)
-    except (typer.Exit, KeyboardInterrupt):
+    except (typer.Exit, KeyboardInterrupt, BrokenPipeError):  # a closed stdout ends the command in main()
         raise
     except ModuleNotFoundError as e:  # an optional dependency of this command is missing: name it and the extra
         top = (e.name or "").split(".")[0]

@@ -77,10 +77,19 @@ class _StripTrailingSpaces:
         return getattr(self._stream, "encoding", "utf-8")
 
 
+class _Console(Console):
+    """rich's Console, but a closed pipe raises BrokenPipeError for :func:`vramguard.cli.main` to end the command
+    with its own exit code (rich's own :meth:`~rich.console.Console.on_broken_pipe` exits 1, a failed check's)."""
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True
+        raise BrokenPipeError("the reader of the output went away")
+
+
 def console(stderr: bool = False) -> Console:
     """A rich Console on stdout (or stderr) whose lines carry no trailing spaces."""
     import sys
-    return Console(file=_StripTrailingSpaces("stderr" if stderr else "stdout"),  # type: ignore[arg-type]
+    return _Console(file=_StripTrailingSpaces("stderr" if stderr else "stdout"),  # type: ignore[arg-type]
                    stderr=stderr, force_terminal=None if (sys.stderr if stderr else sys.stdout).isatty() else False)
 
 
