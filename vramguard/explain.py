@@ -22,7 +22,10 @@ Classification, in this order (a request larger than the whole card is never cal
 5. ``steady_growth``: a small request on a full card: memory grew until it ran out (KV cache, activations).
 
 Three other messages mean the same shortage and are recognised by their own text (:func:`_other_messages`):
-cuBLAS failing to create its handle or workspace (``CUBLAS_STATUS_ALLOC_FAILED``), Apple's MPS backend out of
+cuBLAS failing to create its handle or workspace (``CUBLAS_STATUS_ALLOC_FAILED``, or
+``CUBLAS_STATUS_NOT_INITIALIZED when calling cublasCreate(handle)``: the cuBLAS documentation of ``cublasCreate``
+gives that status when the CUDA runtime's initialization for the handle failed, which a full card causes), Apple's
+MPS backend out of
 memory (``MPS backend out of memory (MPS allocated: ..., other allocations: ..., max allowed: ...)``, sizes that
 its allocator prints in 1024-based units), and accelerate/transformers refusing a quantized model whose
 ``device_map`` put modules on the CPU or the disk (``Some modules are dispatched on the CPU or the disk``).
@@ -111,14 +114,15 @@ def parse_oom_message(text: str) -> OomMessage:
     """
     if "out of memory" not in text.lower() or "Tried to allocate" not in text:
         printable = sum(ch.isprintable() or ch in "\n\t" for ch in text[:4096]) >= 0.9 * len(text[:4096])
-        shown = ((text[:80] + ("..." if len(text) > 80 else "")) if printable
+        flat = " ".join(text.split())  # a pasted traceback on one line, not with its newlines as \\n
+        shown = ((flat[:80] + ("..." if len(flat) > 80 else "")) if printable
                  else f"{len(text):,} characters of binary data")
         if not text.strip():
             shown = "empty input" if not text else plural(len(text), "blank character")
         raise InvalidValue("MESSAGE", shown,
                            "a CUDA out-of-memory message (with 'out of memory' and 'Tried to allocate'), "
-                           "CUBLAS_STATUS_ALLOC_FAILED, an MPS out-of-memory message, or accelerate's 'Some "
-                           "modules are dispatched on the CPU or the disk'",
+                           "CUBLAS_STATUS_ALLOC_FAILED or CUBLAS_STATUS_NOT_INITIALIZED, an MPS out-of-memory "
+                           "message, or accelerate's 'Some modules are dispatched on the CPU or the disk'",
                            "paste the whole error, from 'CUDA out of memory' to its end, or pass - and pipe it in")
     t = " ".join(text.split())
     m = OomMessage(**{f"{k}_bytes" if k not in ("process",) else "process_in_use_bytes": _bytes(p.search(t))
@@ -184,6 +188,10 @@ def _evidence(m: OomMessage, req: int, usable: int | None) -> list[str]:
     if frag is not None:
         ev.append(f"reserved by PyTorch but unallocated: {_size(frag)}"
                   + (f" = {_ratio(frag, req)} the request" if req and frag >= req else ""))
+    if m.other_processes:  # PyTorch >= 2.1 names each other process that holds memory on the card
+        ev.append("other processes hold memory on this card: "
+                  + ", ".join(f"pid {p} {fmt_bytes(b)}" for p, b in m.other_processes)
+                  + " (nvidia-smi lists them)")
     return ev
 
 
@@ -215,11 +223,9 @@ def _classify(m: OomMessage, req: int, usable: int | None, matched: str | None,
         return "fragmentation", summary, _fragmentation_fixes(alloc_conf), []
     if (others and others >= req) or (foreign >= max(req, OTHER_PROCESSES_MIN_BYTES) and not m.allowed_bytes):
         held = others or foreign
-        more = (["other processes: " + ", ".join(f"pid {p} {fmt_bytes(b)}" for p, b in m.other_processes)]
-                if m.other_processes else [])
         return "other_processes", f"{fmt_bytes(held)} of the card are held outside this process's PyTorch pool", [
             "close the other GPU processes (nvidia-smi lists them), or run on another GPU (CUDA_VISIBLE_DEVICES)",
-            "plan with the memory that is left: vramguard plan MODEL with vram=SIZE"], more
+            "plan with the memory that is left: vramguard plan MODEL with vram=SIZE"], []
     if usable and req * ALGORITHMIC_FRACTION_DEN >= usable:
         summary = f"one allocation of {fmt_bytes(req)} is {req / usable:.0%} of the usable memory: an algorithmic cost"
         return "algorithmic", summary, _algorithmic_fixes(matched), []
@@ -256,11 +262,15 @@ _MPS = {k: re.compile(p + _MPS_SIZE) for k, p in (("allocated", r"MPS allocated:
 def _other_messages(text: str) -> Explanation | None:
     """The cuBLAS, MPS and accelerate messages of the module docstring, explained; None for any other text."""
     t = " ".join(text.split())
-    if "CUBLAS_STATUS_ALLOC_FAILED" in t:
+    not_init = "CUBLAS_STATUS_NOT_INITIALIZED" in t
+    if "CUBLAS_STATUS_ALLOC_FAILED" in t or not_init:
+        why = ("CUBLAS_STATUS_NOT_INITIALIZED: cublasCreate could not initialize its handle, most often for want "
+               "of memory (a card or driver that this CUDA build of torch does not support gives it too)"
+               if not_init else "CUBLAS_STATUS_ALLOC_FAILED")
         return Explanation(
             "cublas_alloc", "cuBLAS could not allocate its handle or workspace: the card was full when the first "
-            "matrix product (of this stream or thread) ran", ["CUBLAS_STATUS_ALLOC_FAILED: cuBLAS allocates outside "
-                                                           "PyTorch's pool, so PyTorch's cache can hold what it needs"],
+            "matrix product (of this stream or thread) ran", [why + ": cuBLAS allocates outside PyTorch's pool, so "
+                                                              "PyTorch's cache can hold what it needs"],
             ["leave room outside PyTorch: a vram_budget= (or torch.cuda.set_per_process_memory_fraction) below the "
              "card, or torch.cuda.empty_cache() before the first forward",
              "close other GPU processes (nvidia-smi lists them), or run on another GPU (CUDA_VISIBLE_DEVICES)",

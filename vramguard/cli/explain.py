@@ -36,8 +36,23 @@ def oom_log(
 
 
 def read_message(message: str | None, stdin=None) -> str:
-    """The message argument, or stdin for none or ``-``; on a terminal, first say what is awaited (on stderr)."""
+    """The message argument, or stdin for none or ``-``; on a terminal, first say what is awaited (on stderr). An
+    argument naming an existing file is that file's text, said on stderr.
+
+    Raises:
+        InvalidValue: the file cannot be read.
+    """
     stdin = stdin or sys.stdin
+    if message not in (None, "-") and "\n" not in message and os.path.isfile(message):
+        try:
+            with open(message, encoding="utf-8", errors="replace") as f:
+                text = f.read()
+        except OSError as e:
+            from vramguard.errors import InvalidValue
+            raise InvalidValue("MESSAGE", message, "a message, or a readable file that holds one",
+                               f"check the file ({e.strerror or e}), or pass - and pipe the message in") from None
+        say(f"reading the message from the file {message}")
+        return text
     if message not in (None, "-"):
         return message
     if stdin.isatty():
@@ -47,7 +62,8 @@ def read_message(message: str | None, stdin=None) -> str:
 
 
 def explain(
-    message: Optional[str] = typer.Argument(None, help="the OOM message, or - to read it from stdin"),
+    message: Optional[str] = typer.Argument(None, help="the OOM message, a file that holds it, or - to read it from "
+                                                         "stdin"),
     model: Optional[str] = typer.Option(None, help="the model that ran, to name the allocation that failed"),
     revision: Optional[str] = revision_option(),
     quant: Quant = quant_option("its weight format"),
