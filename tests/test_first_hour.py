@@ -1,6 +1,8 @@
 """What a new user trips on in the first hour: each bad option refused before anything else is printed, naming its
 flag, the value, the limit and the fix; text output in 80 columns; no library noise on stderr."""
 
+import errno
+import io
 import json
 import re
 from pathlib import Path
@@ -192,3 +194,136 @@ def test_vllm_refusal_fixes_name_the_flags():
 def test_explain_says_when_its_input_is_empty():
     r = run_cli("explain", "-", input="")
     assert r.returncode == 2 and "MESSAGE: 'empty input' is not valid" in r.stderr
+
+
+TINY_LLAMA = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=300)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    pytest.importorskip("torch")
+    from conftest import save_tiny_llama
+    return save_tiny_llama(tmp_path_factory.mktemp("first_hour") / "tiny", **TINY_LLAMA)
+
+
+def _findings(r) -> dict[str, dict]:
+    return {f["code"]: f for f in json.loads(r.stdout)["findings"]}
+
+
+@pytest.mark.parametrize("card,cc", [("t4", "7.5"), ("v100-16gb", "7.0")])
+def test_check_bf16_on_a_card_without_it_is_a_finding_not_an_internal_error(tiny_llama, card, cc):
+    r = run_cli("check", str(tiny_llama), "--dtype", "bf16", "--gpu", card, "--format", "json", "--no-verify")
+    assert r.returncode == 0 and "internal error" not in r.stderr, r.stderr
+    f = _findings(r)
+    assert (f["bf16"]["level"], f["bf16"]["value"]) == ("warn", f"not native on compute capability {cc}")
+    assert f["param_dtype"]["value"].startswith("bf16")  # checked as given, not as the fp16 a load would use
+    # the compute dtype left unset pairs with the bf16 given (no invented bf16/fp16 mismatch)
+    assert f["compute_dtype"]["message"] == "matches the activation dtype, but bfloat16 is not native on this card"
+
+
+def test_check_docs_example_with_compute_dtype_bf16_on_a_t4():
+    r = run_cli("check", "mistral-7b-v0.3", "--attn", "flash_attention_2", "--compute-dtype", "bf16", "--gpu", "t4",
+                "--format", "json")
+    assert r.returncode == 1 and "internal error" not in r.stderr, r.stderr  # 1: FlashAttention-2 fails on 7.5
+    f = _findings(r)
+    assert f["bf16"]["level"] == "warn" and f["flash_attention_2"]["level"] == "fail"
+    assert f["param_dtype"]["value"].startswith("bf16")  # the unset dtype pairs with the compute dtype given
+    assert f["compute_dtype"]["message"] == "matches the activation dtype, but bfloat16 is not native on this card"
+
+
+def test_choose_dtypes_without_a_report_records_nothing():
+    from vramguard.catalog.gpus import GPUS
+    from vramguard.runtime.load import choose_dtypes
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no override warning either
+        assert choose_dtypes(GPUS["t4"], "nf4", "bf16", None, None, False) == ("fp16", "fp16")
+
+
+def test_since_refuses_what_no_kernel_log_can_hold():
+    from datetime import datetime, timezone
+
+    from vramguard.errors import InvalidValue
+    from vramguard.oomlog import parse_since
+    now = datetime(2026, 12, 1, tzinfo=timezone.utc)
+    # 2026-12-01 is 20,788 days after 1970-01-01 (29,934,720 minutes)
+    assert parse_since("20788d", now) == datetime(1970, 1, 1, tzinfo=timezone.utc)
+    for text, accepted in (("800000d", "a duration back to 1970-01-01 at most (20,788d from now)"),
+                           ("99999999999999999999m", "a duration back to 1970-01-01 at most (29,934,720m from now)"),
+                           ("9999-12-31T00:00+00:00", "a time from 1970-01-01 to now (2026-12-01T00:00+00:00)"),
+                           ("1969-12-31T00:00+00:00", "a time from 1970-01-01 to now (2026-12-01T00:00+00:00)")):
+        with pytest.raises(InvalidValue) as e:
+            parse_since(text, now)
+        assert (e.value.field, e.value.accepted) == ("since", accepted)
+    r = run_cli("oom-log", "--since", "800000d", columns="300")
+    lines = _only_error(r, "--since")
+    assert lines[1] == "fix: pass a shorter duration such as 30d, or leave it out for every record"
+    lines = _only_error(run_cli("oom-log", "--since", "9999-12-31", columns="300"), "--since")
+    assert lines[0].startswith("error --since: '9999-12-31' is not valid; accepted: a time from 1970-01-01 to now (")
+
+
+class _ClosedPipe(io.StringIO):
+    """A stdout whose reader went away: every write fails as a closed pipe's does (errno EPIPE)."""
+
+    def write(self, text):
+        raise BrokenPipeError(errno.EPIPE, "Broken pipe")
+
+
+@pytest.mark.parametrize("args", [("plan", "llama-3.1-8b", "--gpu", "t4"),
+                                  ("plan", "llama-3.1-70b", "--gpu", "t4", "--exit-code"),  # would exit 1
+                                  ("plan", "llama-3.1-8b", "--gpu", "t4", "--format", "json"),
+                                  ("explain", "CUDA out of memory. Tried to allocate 2.00 GiB")])
+def test_a_closed_pipe_ends_quietly_with_141(args):
+    r = run_cli(*args, stdout=_ClosedPipe())
+    assert r.returncode == 141  # EXIT_CLOSED_PIPE: 128 + SIGPIPE (13); 1 would say a check failed
+    assert "error" not in r.stderr and "pipe" not in r.stderr.lower(), r.stderr
+
+
+def test_run_into_a_closed_pipe_ends_quietly_with_141(tiny_llama):
+    r = run_cli("run", str(tiny_llama), "--prompt", "w1 w2", "--max-new-tokens", "4", stdout=_ClosedPipe())
+    assert r.returncode == 141 and "internal error" not in r.stderr and "pipe" not in r.stderr.lower(), r.stderr
+
+
+def test_a_closed_pipe_in_a_real_process_ends_quietly_with_141():
+    import os
+    import subprocess
+    import sys
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]),
+                                                         os.environ.get("PYTHONPATH", "")])}
+    for args in (["--version"], ["plan", "--list-gpus"]):  # click's print, then rich's console
+        read, write = os.pipe()
+        os.close(read)  # the reader is gone before the first write
+        p = subprocess.run([sys.executable, "-m", "vramguard", *args], stdout=write, stderr=subprocess.PIPE,
+                           text=True, env=env, timeout=60)
+        os.close(write)
+        assert (p.returncode, p.stderr) == (141, ""), (args, p.stderr)
+
+
+def test_explain_knows_cublas_not_initialized():
+    from vramguard.explain import explain
+    e = explain("RuntimeError: CUDA error: CUBLAS_STATUS_NOT_INITIALIZED when calling `cublasCreate(handle)`")
+    assert e.kind == "cublas_alloc" and e.evidence[0].startswith("CUBLAS_STATUS_NOT_INITIALIZED: cublasCreate")
+
+
+def test_explain_refusal_shows_a_pasted_traceback_on_one_line():
+    r = run_cli("explain", "Traceback (most recent call last):\n  File x\nValueError: bad", columns="300")
+    assert r.returncode == 2
+    assert r.stderr.startswith("error MESSAGE: 'Traceback (most recent call last): File x ValueError: bad' is not "
+                               "valid"), r.stderr
+
+
+def test_explain_reads_an_existing_file_and_says_so(tmp_path, monkeypatch):
+    (tmp_path / "oom_tb.txt").write_text(
+        "Traceback (most recent call last):\n  ...\ntorch.OutOfMemoryError: CUDA out of memory. Tried to allocate "
+        "20.00 MiB. GPU 0 has a total capacity of 23.65 GiB of which 10.06 MiB is free. Process 12345 has 4.10 GiB "
+        "memory in use. Including non-PyTorch memory, this process has 19.48 GiB memory in use. Of the allocated "
+        "memory 17.80 GiB is allocated by PyTorch, and 1.20 GiB is reserved by PyTorch but unallocated.\n")
+    monkeypatch.chdir(tmp_path)
+    r = run_cli("explain", "oom_tb.txt", "--format", "json", columns="300")
+    assert r.returncode == 0, r.stderr
+    assert r.stderr == "reading the message from the file oom_tb.txt\n"
+    e = json.loads(r.stdout)
+    # 1.20 GiB reserved but unallocated >= the 20 MiB request: fragmentation; the other process is still named
+    assert e["kind"] == "fragmentation"
+    assert "other processes hold memory on this card: pid 12345 4.10 GiB (nvidia-smi lists them)" in e["evidence"]
