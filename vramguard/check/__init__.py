@@ -81,13 +81,7 @@ def check(model: str | None = None, settings: Settings | None = None, *, dtype: 
     ckpt = read_checkpoint(folder) if folder else hub_ckpt or (
         CheckpointInfo("", (), None, None, spec.checkpoint_dtype, False) if spec else None)
     if loader_defaults and not unquantized and (dtype is None or compute_dtype is None):
-        from vramguard.runtime.load import choose_dtypes
-        # a bf16 given is checked as given (the bf16 finding says where it is not native): the one left unset
-        # pairs with it, not with the fp16 a load would put in its place on such a card
-        asked_bf16 = "bf16" in (dtype, compute_dtype)
-        cd, dt = choose_dtypes(None if asked_bf16 else card, s.quant, compute_dtype, dtype, None, False)
-        compute_dtype = compute_dtype or (cd if s.is_4bit else None)
-        dtype = dtype or dt
+        compute_dtype, dtype = _loader_dtypes(card, s, compute_dtype, dtype)
     param_dtype, why = resolve_param_dtype(dtype, ckpt, env.transformers_version,
                                            "none" if unquantized else s.quant)
     if unquantized:
@@ -119,6 +113,16 @@ def check(model: str | None = None, settings: Settings | None = None, *, dtype: 
     if verify and folder is not None and env.cuda_available:
         findings.extend(_verify_kernel(str(folder), s, param_dtype, report))
     return report
+
+
+def _loader_dtypes(card, s: Settings, compute_dtype: str | None, dtype: str | None) -> tuple[str | None, str]:
+    """(compute dtype, dtype) with what is unset taken as :func:`vramguard.runtime.load.choose_dtypes` chooses it.
+    A bf16 given is checked as given (the bf16 finding says where it is not native): the one left unset pairs with
+    it, not with the fp16 a load would put in its place on such a card."""
+    from vramguard.runtime.load import choose_dtypes
+    asked_bf16 = "bf16" in (dtype, compute_dtype)
+    cd, dt = choose_dtypes(None if asked_bf16 else card, s.quant, compute_dtype, dtype, None, False)
+    return compute_dtype or (cd if s.is_4bit else None), dtype or dt
 
 
 def _plan_findings(model, spec, s: Settings, card, env, device_map) -> list[Finding]:
