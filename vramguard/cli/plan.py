@@ -16,6 +16,7 @@ from vramguard.cli.render import console
 
 
 def plan(
+    ctx: typer.Context,
     model: str = typer.Argument("llama-2-7b", metavar="MODEL",
                                  help="model folder, config.json, catalog name or Hub id (owner/name)"),
     revision: Optional[str] = revision_option(),
@@ -63,6 +64,7 @@ def plan(
     vllm_args = eng.EngineArgs(tp or 1, pp, gpu_memory_utilization, max_model_len, kv_cache_dtype.value, max_num_seqs,
                                max_num_batched_tokens, dtype.value if dtype else None)
     if engine == eng.Engine['vllm'] and not (list_models or list_gpus):
+        run_guarded(eng.refuse_transformers_options, _given(ctx))
         return _plan_vllm(model, gpu, vram, vllm_args, fmt == Format['json'], exit_code)
     run_guarded(eng.refuse_vllm_options, vllm_args)
     from vramguard.plan import plan as plan_fn
@@ -94,6 +96,13 @@ def plan(
         return plan_fn(spec, s, gpu=gpu, vram=vram, context=context, alloc_conf=_alloc_conf(alloc_conf))
 
     _emit(run_guarded(build, as_json=fmt == Format['json']), several, fmt == Format['json'], exit_code)
+
+
+def _given(ctx: typer.Context) -> dict[str, object]:
+    """The options given on the command line (or in the environment), by parameter name, with their values."""
+    given = ("COMMANDLINE", "ENVIRONMENT")  # by name: typer may vendor its own click and its ParameterSource
+    return {name: value for name, value in ctx.params.items()
+            if getattr(ctx.get_parameter_source(name), "name", None) in given}
 
 
 def _card_defaults(gpu, vram, attn, dtype, compute_dtype, several: bool) -> tuple[str, str | None]:
