@@ -371,8 +371,8 @@ def _plan(spec: ModelSpec, gpu: GpuSpec, s: VllmSettings) -> VllmPlan:
     largest = kv.largest_model_len(groups, max(available, 0), max_len, tokens, s.block_size)
     over = spec.max_position_embeddings if max_len > spec.max_position_embeddings and \
         not s.allow_long_max_model_len else 0
-    refused_by, refusal = _refusal(gpu, s, _Start(free, requested, max(p.total_bytes for p in b.weights), available, need), max_len, largest,
-                                   over)
+    start = _Start(free, requested, max(r.total_bytes for r in b.weights), available, need)
+    refused_by, refusal = _refusal(gpu, s, start, max_len, largest, over)
     return VllmPlan(
         model=spec.name, gpu=gpu, settings=s, dtype=dtype, max_model_len=max_len, max_num_seqs=seqs,
         max_num_batched_tokens=tokens, total_bytes=gpu.total_bytes, requested_bytes=requested,
