@@ -200,7 +200,8 @@ def resolve_gpus(gpu: str | None = None, vram: str | None = None) -> tuple[list[
         UnknownGpu: an unknown card name.
     """
     if gpu and vram is not None:
-        raise InvalidValue("gpu/vram", (gpu, vram), "one of the two", "drop one of them")
+        raise InvalidValue("gpu/vram", f"{gpu} and {vram}", "one of the two: they conflict (a catalog card has its "
+                           "own memory, vram= sets the memory)", f"pass one: gpu={gpu} or vram={vram}")
     if gpu:
         card = gpu_from_catalog(gpu)
         named = "" if gpu.strip().lower() == card.name else f": {gpu.strip()!r} is the catalog card {card.name}"
