@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from vramguard.catalog.gpus import GPU_ALIASES, GPUS, SEVERAL_MEMORY_SIZES, GpuSpec
+from vramguard.catalog.gpus import GPU_ALIASES, GPUS, NVIDIA_SMI_MEMORY_QUERY, SEVERAL_MEMORY_SIZES, GpuSpec
 from vramguard.errors import InvalidValue, UnknownGpu
 from vramguard.units import GiB, parse_size
 
@@ -76,7 +76,7 @@ def _one_size(name: str, family: str, sizes: dict[int, str | None], gb: int | No
     if gb is not None and sizes.get(gb):
         return GPUS[sizes[gb]]
     by_size = " and ".join(f"{g} GB" for g in sizes)
-    tell = "`nvidia-smi --query-gpu=name,memory.total --format=csv` shows the card's memory"
+    tell = f"`{NVIDIA_SMI_MEMORY_QUERY}` shows the card's memory"
     exact = "pass its total as vram= (what torch.cuda.mem_get_info()[1] gives on the card)"
     if gb is not None:  # a size the catalog does not hold
         raise UnknownGpu("gpu", name, accepted, f"the {gb} GB {family} is not in the catalog"

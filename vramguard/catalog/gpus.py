@@ -184,6 +184,8 @@ GPU_ALIASES = {"4090": "rtx-4090", "3090": "rtx-3090", "4080": "rtx-4080", "h100
 #   rtx-2060: nvidia.com/en-us/geforce/graphics-cards/rtx-2060/ (6 GB; the 12 GB model of December 2021)
 #   a100: nvidia.com/en-us/data-center/a100/ (40 GB HBM2 or 80 GB HBM2e)
 #   v100: nvidia.com/en-us/data-center/v100/ (16 GB or 32 GB HBM2)
+# nvidia-smi's command line that prints each card's name and memory: it tells the sizes of one name apart
+NVIDIA_SMI_MEMORY_QUERY = "nvidia-smi --query-gpu=name,memory.total --format=csv"
 SEVERAL_MEMORY_SIZES: dict[str, dict[int, str | None]] = {
     "rtx-4060-ti": {8: None, 16: "rtx-4060-ti-16gb"},
     "rtx-3060": {8: None, 12: "rtx-3060-12gb"},

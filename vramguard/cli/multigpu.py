@@ -91,7 +91,8 @@ def resolve_cards(gpus: int | None, tp: int | None, gpu: str | None, vram: str |
     count = gpus or tp
     if gpu and vram is not None:
         raise InvalidValue("--gpu/--vram", f"--gpu {gpu} --vram {vram}", "one of the two: they conflict (a --gpu "
-                           "card has its own memory, --vram sets the memory)", f"pass one: --gpu {gpu} or --vram {vram}")
+                           "card has its own memory, --vram sets the memory)",
+                           f"pass one: --gpu {gpu} or --vram {vram}")
     if gpu or vram is not None:
         flag, text = ("--gpu", gpu) if gpu else ("--vram", vram)
         make = gpu_from_catalog if gpu else (lambda v: gpu_from_vram(v))
