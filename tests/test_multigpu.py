@@ -409,3 +409,5 @@ def test_the_printed_plan_names_the_device_map_it_used():
     assert d["device_map_mode"] == "sequential" and set(d["device_map"].values()) == {0}
     auto = run_cli(*args[:-4], "--max-memory", "36045MiB,7373MiB")  # the same cards, balanced
     assert "device_map='auto' over 2 cards" in auto.stdout and "card 1: layers" in auto.stdout
+    # its fix is the sequential map above, which uses card 0 alone: said so
+    assert "card 1: no layer, unused, needs 0.00 GiB of 12.00 GiB" in " ".join(auto.stdout.split())

@@ -233,7 +233,8 @@ def fix_text(fix) -> str:
     """The fix as the arguments to pass, and where the layers then go."""
     from vramguard.units import MiB
     mm = ", ".join(f"{i}: '{b // MiB}MiB'" for i, b in enumerate(fix.max_memory_bytes))
-    where = "; ".join(f"card {i}: " + (f"layers {ls[0]}-{ls[-1]}" if ls else "no layer")
+    where = "; ".join(f"card {i}: " + (f"layers {ls[0]}-{ls[-1]}" if ls else "no layer, unused" if not c.need_bytes
+                                       else "no layer")
                       + f", needs {fmt_gib(c.need_bytes)} of {fmt_gib(c.usable_bytes)}"
                       for i, (ls, c) in enumerate(zip(fix.layers, fix.cards)))
     return (f"fix: from_pretrained(..., device_map='{fix.device_map}', max_memory={{{mm}}}) fits every card "
