@@ -64,6 +64,30 @@ def refuse_vllm_options(a: EngineArgs) -> None:
                                f"add --engine vllm to plan vLLM with it, or leave {flag} out")
 
 
+# options of the transformers plan -> what stands for them in vLLM's plan ("" where nothing does)
+TRANSFORMERS_ONLY = {
+    "revision": "", "quant": "a quantized checkpoint (vLLM reads the weight format from it)",
+    "double_quant": "", "compute_dtype": "", "attn": "", "kv_dtype": "--kv-cache-dtype", "cache": "", "batch":
+    "--max-num-seqs", "num_beams": "", "num_return_sequences": "", "prompt_tokens": "--max-model-len",
+    "max_new_tokens": "--max-model-len", "prefill_chunk": "--max-num-batched-tokens", "logits": "",
+    "output_attentions": "", "padded": "", "do_sample": "", "context": "--max-model-len", "gpus": "--tp",
+    "device_map": "", "max_memory": "", "alloc_conf": "",
+}
+
+
+def refuse_transformers_options(given: dict[str, object]) -> None:
+    """Raise InvalidValue for the first option of ``given`` (parameter name -> value, the options set on the
+    command line) that only the transformers plan reads: vLLM's plan would drop it silently."""
+    from vramguard.errors import InvalidValue
+    for name, instead in TRANSFORMERS_ONLY.items():
+        if name in given:
+            value = given[name]
+            flag = "--" + name.replace("_", "-")
+            use = f"use {instead} with --engine vllm, or leave {flag} out" if instead else f"leave {flag} out"
+            raise InvalidValue(flag, getattr(value, "value", value), "with the transformers engine only (vLLM's "
+                               "plan does not read it)", use)
+
+
 @dataclass(frozen=True)
 class EngineArgs:
     """The vLLM options as the CLI got them."""
@@ -90,15 +114,19 @@ def model_ref(model: str) -> str:
 def vllm_settings(a: EngineArgs):
     """The :class:`~vramguard.engines.vllm.VllmSettings` of the options; raises InvalidValue for a bad one (checked
     before the model or the cards are read, so nothing else is printed)."""
+    import os
+
     from vramguard.engines.vllm import VllmSettings
     from vramguard.units import parse_size
+    # vllm/envs.py reads the variable as "1" or "true", case-insensitive
+    allow_long = os.environ.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "0").strip().lower() in ("1", "true")
     offload = parse_size(a.kv_offload, "kv_offloading_size_bytes", "16GiB") if a.kv_offload else 0
     return VllmSettings(tensor_parallel_size=a.tp, pipeline_parallel_size=a.pp,
                         gpu_memory_utilization=a.gpu_memory_utilization, max_model_len=a.max_model_len,
                         kv_cache_dtype=a.kv_cache_dtype, max_num_seqs=a.max_num_seqs,
                         max_num_batched_tokens=a.max_num_batched_tokens,
                         dtype=TORCH_DTYPE_NAMES.get(a.dtype, "auto") if a.dtype else "auto",
-                        kv_offloading_size_bytes=offload)
+                        kv_offloading_size_bytes=offload, allow_long_max_model_len=allow_long)
 
 
 def build_plans(model: str, gpu: str | None, vram: str | None, a: EngineArgs, one_card: bool = False):

@@ -16,6 +16,7 @@ from vramguard.cli.render import console
 
 
 def plan(
+    ctx: typer.Context,
     model: str = typer.Argument("llama-2-7b", metavar="MODEL",
                                  help="model folder, config.json, catalog name or Hub id (owner/name)"),
     revision: Optional[str] = revision_option(),
@@ -63,7 +64,7 @@ def plan(
     vllm_args = eng.EngineArgs(tp or 1, pp, gpu_memory_utilization, max_model_len, kv_cache_dtype.value, max_num_seqs,
                                max_num_batched_tokens, dtype.value if dtype else None)
     if engine == eng.Engine['vllm'] and not (list_models or list_gpus):
-        return _plan_vllm(model, gpu, vram, vllm_args, fmt == Format['json'], exit_code)
+        return _plan_vllm(model, gpu, vram, vllm_args, fmt == Format['json'], exit_code, _given(ctx))
     run_guarded(eng.refuse_vllm_options, vllm_args)
     from vramguard.plan import plan as plan_fn
     from vramguard.settings import Settings
@@ -96,6 +97,13 @@ def plan(
     _emit(run_guarded(build, as_json=fmt == Format['json']), several, fmt == Format['json'], exit_code)
 
 
+def _given(ctx: typer.Context) -> dict[str, object]:
+    """The options given on the command line (or in the environment), by parameter name, with their values."""
+    given = ("COMMANDLINE", "ENVIRONMENT")  # by name: typer may vendor its own click and its ParameterSource
+    return {name: value for name, value in ctx.params.items()
+            if getattr(ctx.get_parameter_source(name), "name", None) in given}
+
+
 def _card_defaults(gpu, vram, attn, dtype, compute_dtype, several: bool) -> tuple[str, str | None]:
     """The attention and dtype the named card runs by default (each default said on stderr), and the note on a
     decimal --vram size."""
@@ -112,8 +120,11 @@ def _card_defaults(gpu, vram, attn, dtype, compute_dtype, several: bool) -> tupl
     return chosen_attn, chosen_dtype
 
 
-def _plan_vllm(model: str, gpu: str | None, vram: str | None, args, as_json: bool, exit_code: bool) -> None:
-    """``plan --engine vllm``: vLLM's plan per card, printed; exit 1 with ``--exit-code`` when none starts."""
+def _plan_vllm(model: str, gpu: str | None, vram: str | None, args, as_json: bool, exit_code: bool,
+               given: dict[str, object]) -> None:
+    """``plan --engine vllm``: vLLM's plan per card, printed; exit 1 with ``--exit-code`` when none starts.
+    ``given``: the options set on the command line (those only the transformers plan reads are refused)."""
+    run_guarded(eng.refuse_transformers_options, given)
     plans = run_guarded(eng.build_plans, model, gpu, vram, args, as_json=as_json)
     eng.print_plans(plans, model, as_json)
     if exit_code and not any(p.starts for p in plans):

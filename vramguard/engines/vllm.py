@@ -38,7 +38,7 @@ graph pool.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from vramguard.catalog.gpus import GpuSpec
 from vramguard.engines import vllm_kv as kv
@@ -93,6 +93,9 @@ class VllmSettings:
             (0.10 with FlashInfer's sampler).
         nccl_in_budget: NCCL's buffers come out of the KV cache (V1 before the distributed init moved ahead of the
             start snapshot); False (0.33.0): they only lower the free memory at start.
+        allow_long_max_model_len: ``VLLM_ALLOW_LONG_MAX_MODEL_LEN=1`` is set: vLLM accepts a ``max_model_len``
+            above the model's ``max_position_embeddings`` (``vllm/config/model.py::_get_and_verify_max_len``
+            raises otherwise).
     """
 
     tensor_parallel_size: int = 1
@@ -110,6 +113,7 @@ class VllmSettings:
     kv_offloading_size_bytes: int = 0
     sampler: str = "triton"
     nccl_in_budget: bool = False
+    allow_long_max_model_len: bool = False
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "block_size"):
@@ -143,7 +147,13 @@ class VllmPlan:
     for the pipeline stage with the fewest blocks (its weights are ``weights_bytes``; every stage's in
     ``weights_by_stage``); ``free_at_start_bytes`` has ``nccl_bytes`` taken off when not ``nccl_in_budget``.
     ``kv_tokens`` and ``max_concurrency`` are the two startup log lines (``kv_tokens_by_blocks``: the tokens line of
-    V1 releases before 0.33). ``refusal`` is the error vLLM would stop with (None when it starts).
+    V1 releases before 0.33). ``refusal`` is the error vLLM would stop with (None when it starts); ``refused_by``
+    its kind: ``max_model_len_limit`` (above the model's positions without ``VLLM_ALLOW_LONG_MAX_MODEL_LEN``),
+    ``free_memory`` (less free than the budget at start), ``weights_load`` (the weights per GPU exceed the free
+    memory: an out-of-memory while loading), ``weights_budget`` (the weights alone exceed the budget),
+    ``kv_cache`` (nothing left for KV blocks) or ``max_model_len`` (one request does not fit the KV cache).
+    ``fit_tp`` / ``fit_card``: for the memory refusals, the plan at the smallest valid tensor parallel size and on
+    the smallest catalog card with room for the KV cache (None when none does).
     """
 
     model: str
@@ -175,10 +185,20 @@ class VllmPlan:
     largest_model_len: int
     refusal: str | None
     notes: tuple[str, ...] = field(default=())
+    refused_by: str | None = None
+    model_max_len: int = 0
+    fit_tp: VllmPlan | None = None
+    fit_card: VllmPlan | None = None
 
     @property
     def starts(self) -> bool:
         return self.refusal is None
+
+    def env(self) -> dict[str, str]:
+        """The environment variables ``vllm serve`` needs for these flags (``VLLM_ALLOW_LONG_MAX_MODEL_LEN=1`` for
+        a ``max_model_len`` above the model's, when the settings allow it)."""
+        long = self.model_max_len and self.max_model_len > self.model_max_len
+        return {"VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"} if long and self.settings.allow_long_max_model_len else {}
 
     def flags(self) -> dict[str, object]:
         """The engine arguments to pass (``vllm serve`` names without ``--``), every one that sets memory."""
@@ -273,13 +293,50 @@ def _budget_terms(spec: ModelSpec, s: VllmSettings, dt: int, tokens: int, seqs: 
 
 
 def plan_vllm(spec: ModelSpec, gpu: GpuSpec, settings: VllmSettings | None = None) -> VllmPlan:
-    """Plan ``spec`` served by vLLM on GPUs like ``gpu`` (one per worker).
+    """Plan ``spec`` served by vLLM on GPUs like ``gpu`` (one per worker); a plan refused for memory carries the
+    plans that fit (:attr:`VllmPlan.fit_tp`, :attr:`VllmPlan.fit_card`).
 
     Raises:
         InvalidValue: a parallel size vLLM refuses for this model (heads or vocabulary not divisible).
         ConfigError: a quantized checkpoint, or a family without a hand-written model.
     """
     s = settings or VllmSettings()
+    p = _plan(spec, gpu, s)
+    if p.refused_by not in ("weights_load", "weights_budget", "kv_cache"):
+        return p
+    return replace(p, fit_tp=_fit_tp(spec, gpu, s), fit_card=_fit_card(spec, gpu, s))
+
+
+def _room(p: VllmPlan) -> bool:
+    return p.refused_by in (None, "max_model_len")
+
+
+def _fit_tp(spec: ModelSpec, gpu: GpuSpec, s: VllmSettings) -> VllmPlan | None:
+    """The plan at the smallest tensor parallel size above ``s``'s that vLLM accepts for the model's heads and
+    that leaves room for KV blocks (up to 64 GPUs per stage)."""
+    for tp in range(s.tensor_parallel_size + 1, 65):
+        try:
+            w.check_tensor_parallel(spec, tp)
+        except InvalidValue:
+            continue
+        alt = _plan(spec, gpu, replace(s, tensor_parallel_size=tp))
+        if _room(alt):
+            return alt
+    return None
+
+
+def _fit_card(spec: ModelSpec, gpu: GpuSpec, s: VllmSettings) -> VllmPlan | None:
+    """The plan on the smallest catalog card larger than ``gpu`` that leaves room for KV blocks."""
+    from vramguard.catalog.gpus import GPUS
+    for card in sorted(GPUS.values(), key=lambda g: g.total_bytes):
+        if card.total_bytes > gpu.total_bytes:
+            alt = _plan(spec, card, s)
+            if _room(alt):
+                return alt
+    return None
+
+
+def _plan(spec: ModelSpec, gpu: GpuSpec, s: VllmSettings) -> VllmPlan:
     _check_spec(spec)
     dtype, notes = model_dtype(spec, s, gpu)
     dt = _DTYPE_BYTES[dtype]
@@ -290,9 +347,9 @@ def plan_vllm(spec: ModelSpec, gpu: GpuSpec, settings: VllmSettings | None = Non
     tokens = s.max_num_batched_tokens or default_tokens
     seqs = s.max_num_seqs or default_seqs
     max_len = s.max_model_len or spec.max_position_embeddings
-    if max_len > spec.max_position_embeddings:
-        notes.append(f"max_model_len {max_len:,} is above the model's {spec.max_position_embeddings:,}: vLLM "
-                     "refuses it unless VLLM_ALLOW_LONG_MAX_MODEL_LEN=1")
+    if max_len > spec.max_position_embeddings and s.allow_long_max_model_len:
+        notes.append(f"max_model_len {max_len:,} is above the model's {spec.max_position_embeddings:,}: allowed by "
+                     "VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 (positions past those the model was trained on)")
     b = _budget_terms(spec, s, dt, tokens, seqs)
     requested = int(gpu.total_bytes * s.gpu_memory_utilization)
     weights = max(r.total_bytes for r in b.weights)
@@ -312,7 +369,10 @@ def plan_vllm(spec: ModelSpec, gpu: GpuSpec, settings: VllmSettings | None = Non
     free = gpu.total_bytes - gpu.used_by_others_bytes - CUDA_CONTEXT_BYTES - (0 if s.nccl_in_budget else b.nccl)
     need = kv.request_kv_bytes(groups, max_len, tokens, s.block_size)
     largest = kv.largest_model_len(groups, max(available, 0), max_len, tokens, s.block_size)
-    refusal = _refusal(gpu, s, free, requested, available, need, max_len, largest)
+    over = spec.max_position_embeddings if max_len > spec.max_position_embeddings and \
+        not s.allow_long_max_model_len else 0
+    start = _Start(free, requested, max(r.total_bytes for r in b.weights), available, need)
+    refused_by, refusal = _refusal(gpu, s, start, max_len, largest, over)
     return VllmPlan(
         model=spec.name, gpu=gpu, settings=s, dtype=dtype, max_model_len=max_len, max_num_seqs=seqs,
         max_num_batched_tokens=tokens, total_bytes=gpu.total_bytes, requested_bytes=requested,
@@ -323,23 +383,46 @@ def plan_vllm(spec: ModelSpec, gpu: GpuSpec, settings: VllmSettings | None = Non
         kv_tokens=kv.kv_tokens(groups, blocks, max_len, tokens, s.block_size),
         kv_tokens_by_blocks=kv.kv_tokens_by_blocks(groups, blocks, s.block_size),
         max_concurrency=kv.max_concurrency(groups, blocks, max_len, tokens, s.block_size),
-        request_kv_bytes=need, largest_model_len=largest, refusal=refusal, notes=tuple(notes))
+        request_kv_bytes=need, largest_model_len=largest, refusal=refusal, notes=tuple(notes),
+        refused_by=refused_by, model_max_len=spec.max_position_embeddings)
 
 
 def _gib(n: int) -> str:
     return f"{n / GiB:.2f}"
 
 
-def _refusal(gpu: GpuSpec, s: VllmSettings, free: int, requested: int, available: int, need: int,
-             max_len: int, largest: int) -> str | None:
-    """The error vLLM stops with at start, in its words (None when it starts)."""
-    if free < requested:
-        return (f"Free memory on device ({_gib(free)}/{_gib(gpu.total_bytes)} GiB) on startup is less than desired "
-                f"GPU memory utilization ({s.gpu_memory_utilization}, {_gib(requested)} GiB)")
-    if available <= 0:
-        return "No available memory for the cache blocks"
-    if need > available:
-        return (f"To serve at least one request with the model's max seq len ({max_len}), ({_gib(need)} GiB KV "
-                f"cache is needed, which is larger than the available KV cache memory ({_gib(available)} GiB). "
-                f"Based on the available memory, the estimated maximum model length is {largest}")
-    return None
+@dataclass(frozen=True)
+class _Start:
+    free: int
+    requested: int
+    weights: int
+    available: int
+    need: int
+
+
+def _refusal(gpu: GpuSpec, s: VllmSettings, m: _Start, max_len: int, largest: int,
+             model_max: int) -> tuple[str | None, str | None]:
+    """``(kind, the error vLLM stops with at start, in its words)``, in the order vLLM meets them (the config's
+    check, the free memory at start, the weights' load, the profile run, one request); ``(None, None)`` when it
+    starts. ``model_max``: the model's positions when ``max_len`` is above them and not allowed, else 0."""
+    if model_max:
+        return "max_model_len_limit", (
+            f"User-specified max_model_len ({max_len}) is greater than the derived max_model_len "
+            f"(max_position_embeddings={model_max}). To allow overriding this maximum, set the env var "
+            "VLLM_ALLOW_LONG_MAX_MODEL_LEN=1")
+    if m.free < m.requested:
+        return "free_memory", (
+            f"Free memory on device ({_gib(m.free)}/{_gib(gpu.total_bytes)} GiB) on startup is less than "
+            f"desired GPU memory utilization ({s.gpu_memory_utilization}, {_gib(m.requested)} GiB)")
+    if m.weights > m.free:
+        return "weights_load", (f"CUDA out of memory while loading the weights ({_gib(m.weights)} GiB per GPU, "
+                                f"{_gib(m.free)} GiB free)")
+    if m.available <= 0:
+        return ("weights_budget" if m.weights >= m.requested else "kv_cache"), \
+            "No available memory for the cache blocks"
+    if m.need > m.available:
+        return "max_model_len", (
+            f"To serve at least one request with the model's max seq len ({max_len}), ({_gib(m.need)} GiB KV "
+            f"cache is needed, which is larger than the available KV cache memory ({_gib(m.available)} GiB). "
+            f"Based on the available memory, the estimated maximum model length is {largest}")
+    return None, None

@@ -14,24 +14,27 @@ def _g(n: int) -> str:
     return f"{n / GiB:.2f} GiB"
 
 
-def _command_words(p: VllmPlan, model_ref: str) -> list[str]:
-    """``vllm serve MODEL`` then one shell-quoted ``--flag value`` per flag of :meth:`VllmPlan.flags`."""
-    words = [" ".join(shlex.quote(x) for x in ("vllm", "serve", model_ref))]
+def _command_words(p: VllmPlan, model_ref: str, port: int | None = None) -> list[str]:
+    """``[NAME=value ...] vllm serve MODEL`` (the variables of :meth:`VllmPlan.env`) then one shell-quoted
+    ``--flag value`` per flag of :meth:`VllmPlan.flags`, then ``--port`` when given."""
+    env = [f"{k}={shlex.quote(v)}" for k, v in p.env().items()]
+    words = [" ".join(env + [shlex.quote(x) for x in ("vllm", "serve", model_ref)])]
     for flag, value in p.flags().items():
         words.append(f"--{flag}" if value is True else f"--{flag} {shlex.quote(str(value))}")
-    return words
+    return words + ([f"--port {port}"] if port is not None else [])
 
 
-def serve_command(p: VllmPlan, model_ref: str) -> str:
-    """``vllm serve MODEL --flag value ...`` with every flag of :meth:`VllmPlan.flags` (shell-quoted)."""
-    return " ".join(_command_words(p, model_ref))
+def serve_command(p: VllmPlan, model_ref: str, port: int | None = None) -> str:
+    """``vllm serve MODEL --flag value ...`` with every flag of :meth:`VllmPlan.flags` (shell-quoted), preceded by
+    the variables of :meth:`VllmPlan.env`."""
+    return " ".join(_command_words(p, model_ref, port))
 
 
-def command_lines(p: VllmPlan, model_ref: str, width: int) -> list[str]:
+def command_lines(p: VllmPlan, model_ref: str, width: int, port: int | None = None) -> list[str]:
     """:func:`serve_command` broken into shell lines of at most ``width`` characters (where a flag allows it),
     each but the last ending in `` \\`` and the ones after the first indented: it pastes into a shell as is."""
     lines, cur = [], ""
-    for word in _command_words(p, model_ref):
+    for word in _command_words(p, model_ref, port):
         pad = "    " if lines else ""
         if cur and len(pad + cur + " " + word) + 2 > width:
             lines.append(pad + cur)
@@ -81,7 +84,10 @@ def plan_to_json(p: VllmPlan, model_ref: str) -> dict:
                      "max_concurrency": round(p.max_concurrency, 4), "request_kv_bytes": p.request_kv_bytes,
                      "largest_max_model_len": p.largest_model_len},
         "max_num_seqs": p.max_num_seqs, "max_num_batched_tokens": p.max_num_batched_tokens,
-        "starts": p.starts, "refusal": p.refusal, "notes": list(p.notes),
+        "starts": p.starts, "refusal": p.refusal, "refused_by": p.refused_by, "notes": list(p.notes),
+        "env": p.env(), "fixes": _fixes(p) if p.refusal else [],
+        "fit_tensor_parallel_size": p.fit_tp.settings.tensor_parallel_size if p.fit_tp else None,
+        "fit_gpu": p.fit_card.gpu.name if p.fit_card else None,
     }
 
 
@@ -132,16 +138,53 @@ def plan_lines(p: VllmPlan, model_ref: str, width: int | None = None, words=None
     return wrapped(lines, width) + ["command:"] + ["  " + x for x in command_lines(p, model_ref, width - 2)]
 
 
+def _fit_text(alt: VllmPlan, what: str) -> str:
+    """``what`` then the weights and KV cache per GPU of the plan ``alt`` (and its longest request when the
+    asked one does not fit)."""
+    text = (f"{what} ({_g(alt.weights_bytes)} of weights per GPU, {_g(alt.available_kv_bytes)} left for the KV "
+            "cache")
+    if alt.refused_by == "max_model_len":
+        text += f"; with max_model_len={alt.largest_model_len} or less"
+    return text + ")"
+
+
+def _memory_fixes(p: VllmPlan) -> list[str]:
+    """The fixes of a plan whose weights, or weights and profile run, leave no KV cache: the parallel size and the
+    card that leave room (as found by the planner), a quantized checkpoint, and fewer batched tokens only when the
+    activation peak is what is short."""
+    s = p.settings
+    if p.refused_by in ("weights_load", "weights_budget"):
+        head = (f"fix: the weights alone take {_g(max(p.weights_by_stage))} per GPU, above the budget of "
+                f"{_g(p.requested_bytes)} ({p.gpu.label} x gpu_memory_utilization {s.gpu_memory_utilization}): ")
+    else:
+        head = "fix: "
+    ways = []
+    if p.fit_tp:
+        ways.append(_fit_text(p.fit_tp, f"tensor_parallel_size={p.fit_tp.settings.tensor_parallel_size}"))
+    ways.append("a quantized checkpoint (8-bit weights take about half, 4-bit about a quarter)")
+    if p.fit_card:
+        ways.append(_fit_text(p.fit_card, f"a larger card, the catalog's {p.fit_card.gpu.name} "
+                                          f"({p.fit_card.gpu.label}, {_g(p.fit_card.total_bytes)})"))
+    if p.refused_by == "kv_cache" and p.activation_bytes > -p.available_kv_bytes:
+        ways.append(f"max_num_batched_tokens={max(1, p.max_num_batched_tokens // 2)} or less (a smaller profile run)")
+    tail = "" if p.fit_card else " (no catalog card holds it at this tensor parallel size)"
+    return [head + "; or ".join(ways) + tail]
+
+
 def _fixes(p: VllmPlan) -> list[str]:
+    """The fix lines of a refused plan (``field=value`` in the library's words)."""
+    if p.refused_by == "max_model_len_limit":
+        return [f"fix: max_model_len={p.model_max_len} or less (the model's max_position_embeddings), or set "
+                "VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 in the environment to run past the positions the model was "
+                "trained on"]
+    if p.refused_by in ("weights_load", "weights_budget", "kv_cache"):
+        return _memory_fixes(p)
     out = []
     if p.free_at_start_bytes < p.requested_bytes:
         top = p.free_at_start_bytes / p.total_bytes
         out.append(f"fix: gpu_memory_utilization={int(top * 100) / 100:.2f} or less (free at start "
                    f"{_g(p.free_at_start_bytes)} after the CUDA context)")
-    elif p.largest_model_len:
+    else:
         out.append(f"fix: max_model_len={p.largest_model_len} (the longest one request that fits), "
                    f"tensor_parallel_size={2 * p.settings.tensor_parallel_size} or more, or kv_cache_dtype=fp8")
-    else:
-        out.append(f"fix: tensor_parallel_size={2 * p.settings.tensor_parallel_size} or more, a larger card, or "
-                   f"max_num_batched_tokens={max(1, p.max_num_batched_tokens // 2)} or less")
     return out

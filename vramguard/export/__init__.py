@@ -90,7 +90,8 @@ def _container(p: VllmPlan, model_ref: str, name: str, port: int) -> dict:
     c = {"name": name, "image": VLLM_IMAGE, "command": ["vllm", "serve"], "args": serve_args(p, model_ref, port),
          "ports": [{"containerPort": port, "name": "http", "protocol": "TCP"}],
          "env": [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf-token", "key": "token",
-                                                                      "optional": True}}}],
+                                                                      "optional": True}}},
+                 *({"name": k, "value": v} for k, v in p.env().items())],
          "resources": {"limits": {"nvidia.com/gpu": gpus, "memory": _host_memory(p)},
                        "requests": {"nvidia.com/gpu": gpus, "memory": _host_memory(p), "cpu": str(2 + 2 * int(gpus))}},
          # the load takes minutes: the startup probe allows 30 of them before liveness applies
@@ -168,22 +169,37 @@ def ray_serve(p: VllmPlan, model_ref: str, replicas: int = 1) -> dict:
     llm = {"model_loading_config": {"model_id": resource_name(model_ref), "model_source": model_ref},
            "engine_kwargs": engine,
            "deployment_config": {"autoscaling_config": {"min_replicas": replicas, "max_replicas": replicas}}}
+    if p.env():
+        llm["runtime_env"] = {"env_vars": p.env()}
     if p.gpu.name in RAY_ACCELERATORS:
         llm["accelerator_type"] = RAY_ACCELERATORS[p.gpu.name]
     return {"applications": [{"name": "llm", "route_prefix": "/", "import_path": "ray.serve.llm:build_openai_app",
                               "args": {"llm_configs": [llm]}}]}
 
 
+def check_model_source(model_ref: str, to: str) -> None:
+    """Raise InvalidValue when ``model_ref`` is a folder or file on this machine and ``to`` runs the server
+    elsewhere (ray-serve, kserve, kubernetes: a container or a Ray worker, where this path does not exist)."""
+    from pathlib import Path
+    if to != "vllm" and Path(model_ref).expanduser().exists():
+        raise InvalidValue("model", model_ref, f"a Hugging Face Hub id (owner/name) for {to}: the server runs in its "
+                           "own container or node, where a path on this machine does not exist",
+                           "pass the model's Hub id, or export to vllm for a command to run on this machine")
+
+
 def export(p: VllmPlan, model_ref: str, to: str, replicas: int = 1):
-    """The deployment for ``to`` (one of :data:`TARGETS`): a command string for ``vllm``, else data.
+    """The deployment for ``to`` (one of :data:`TARGETS`): a command string for ``vllm`` (one line, preceded by
+    the variables of :meth:`VllmPlan.env`), else data.
 
     Raises:
-        InvalidValue: an unknown target or a replica count below 1.
+        InvalidValue: an unknown target, a replica count below 1, or a local path for a target that runs
+            elsewhere (:func:`check_model_source`).
     """
     from vramguard.engines.vllm_text import serve_command
+    check_model_source(model_ref, to)
     if to == "vllm":
         check_replicas(replicas)
-        return serve_command(p, model_ref) + f" --port {PORT}"
+        return serve_command(p, model_ref, PORT)
     if to == "ray-serve":
         return ray_serve(p, model_ref, replicas)
     if to == "kserve":
