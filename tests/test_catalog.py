@@ -112,3 +112,82 @@ def test_l4_total_is_its_reported_capacity():
 def test_cards_found_this_time_carry_their_own_driver_report(name, total, where):
     g = GPUS[name]
     assert g.total_bytes == total and not g.total_estimated and where in g.total_source
+
+
+@pytest.mark.parametrize("printed,sizes,listed", [
+    ("NVIDIA GeForce RTX 4060 Ti", "8 GB and 16 GB", "rtx-4060-ti-16gb; not in the catalog: the 8 GB rtx-4060-ti"),
+    ("NVIDIA GeForce RTX 3060", "8 GB and 12 GB", "rtx-3060-12gb; not in the catalog: the 8 GB rtx-3060"),
+    ("NVIDIA GeForce RTX 3080", "10 GB and 12 GB", "rtx-3080-10gb; not in the catalog: the 12 GB rtx-3080"),
+    ("3060", "8 GB and 12 GB", "rtx-3060-12gb; not in the catalog: the 8 GB rtx-3060"),
+    ("4060-ti", "8 GB and 16 GB", "rtx-4060-ti-16gb; not in the catalog: the 8 GB rtx-4060-ti"),
+    ("rtx4060ti", "8 GB and 16 GB", "rtx-4060-ti-16gb; not in the catalog: the 8 GB rtx-4060-ti"),
+    ("NVIDIA A100-PCIE", "40 GB and 80 GB", "a100-40gb, a100-80gb"),
+    ("rtx-2060", "6 GB and 12 GB", "no catalog card; not in the catalog: the 6 GB and 12 GB rtx-2060"),
+])
+def test_a_name_sold_with_several_memory_sizes_is_refused_with_the_sizes(printed, sizes, listed):
+    """nvidia-smi prints "NVIDIA GeForce RTX 4060 Ti" for the 8 GB card and the 16 GB one: the name alone picks
+    neither; the error lists the sizes, the catalog cards of them, and the nvidia-smi query that tells."""
+    from vramguard.errors import UnknownGpu
+    from vramguard.hardware import gpu_from_catalog
+    with pytest.raises(UnknownGpu) as e:
+        gpu_from_catalog(printed)
+    assert e.value.accepted == listed
+    assert f"is sold with {sizes} under one name" in e.value.fix
+    assert "nvidia-smi --query-gpu=name,memory.total --format=csv" in e.value.fix
+
+
+@pytest.mark.parametrize("printed,card", [
+    ("NVIDIA GeForce RTX 4060 Ti 16GB", "rtx-4060-ti-16gb"), ("rtx-4060-ti-16g", "rtx-4060-ti-16gb"),
+    ("rtx-3060-12gb", "rtx-3060-12gb"), ("NVIDIA GeForce RTX 3060 12GB", "rtx-3060-12gb"),
+    ("rtx-3080-10gb", "rtx-3080-10gb"), ("NVIDIA A100 80GB PCIe", "a100-80gb"), ("rtx-4060", "rtx-4060"),
+])
+def test_a_name_with_its_memory_size_picks_that_card(printed, card):
+    from vramguard.hardware import gpu_from_catalog
+    assert gpu_from_catalog(printed).name == card
+
+
+def test_a_size_the_catalog_lacks_is_refused_with_the_way_to_plan_it():
+    from vramguard.errors import UnknownGpu
+    from vramguard.hardware import gpu_from_catalog
+    with pytest.raises(UnknownGpu) as e:
+        gpu_from_catalog("NVIDIA GeForce RTX 4060 Ti 8GB")
+    assert "the 8 GB rtx-4060-ti is not in the catalog" in e.value.fix and "vram=" in e.value.fix
+    with pytest.raises(UnknownGpu) as e:
+        gpu_from_catalog("a100-24gb")
+    assert "(a100 is sold with 40 GB and 80 GB)" in e.value.fix
+
+
+def test_the_several_sizes_table_agrees_with_the_catalog():
+    """Each catalog card of a name sold with several sizes is listed under its marketed size, and every card the
+    table names is in the catalog with that size."""
+    from vramguard.catalog.gpus import SEVERAL_MEMORY_SIZES
+    from vramguard.hardware import _sizes_of
+    for family, sizes in SEVERAL_MEMORY_SIZES.items():
+        assert len(sizes) >= 2, family
+        for gb, key in sizes.items():
+            assert key is None or GPUS[key].marketed_bytes == gb * GiB, (family, gb, key)
+    for name, g in GPUS.items():
+        found = _sizes_of(name)
+        if found is not None:
+            assert found[1][g.marketed_bytes // GiB] == name and found[2] == g.marketed_bytes // GiB
+
+
+def test_a_detected_card_of_a_several_sizes_name_is_told_by_its_total():
+    """A detected "NVIDIA GeForce RTX 4060 Ti" of 16,7xx MiB is the 16 GB card (its bandwidth, 288 GB/s); one of
+    8,188 MiB is the 8 GB card, which the catalog lacks: no bandwidth, its own total."""
+    from vramguard.hardware import _match_catalog
+    big = _match_catalog("NVIDIA GeForce RTX 4060 Ti", 16_380 * MiB, (8, 9), 0)
+    assert big.name == "rtx-4060-ti-16gb" and big.bandwidth_bytes_per_s == 288 * 10**9
+    assert big.total_bytes == 16_380 * MiB and big.source == "detected"
+    small = _match_catalog("NVIDIA GeForce RTX 4060 Ti", 8_188 * MiB, (8, 9), 0)
+    assert small.name == "rtx-4060-ti" and small.bandwidth_bytes_per_s is None
+
+
+def test_the_cli_refuses_an_ambiguous_card_name_with_the_query_that_tells():
+    from conftest import run_cli
+    r = run_cli("plan", "llama-3.1-8b", "--gpu", "NVIDIA GeForce RTX 4060 Ti")
+    assert r.returncode == 3 and not r.stdout.strip()
+    err = " ".join(r.stderr.split())
+    assert "error --gpu: 'NVIDIA GeForce RTX 4060 Ti' is not valid" in err
+    assert "nvidia-smi --query-gpu=name,memory.total --format=csv" in err
+    assert "e.g. --gpu rtx-4060-ti-16gb, or pass its total as --vram" in err

@@ -370,3 +370,44 @@ def test_when_a_card_is_short_and_another_has_room_the_fix_is_a_max_memory_that_
                       solve=False)
     assert again.fits and [c.need_bytes for c in again.cards] == [c.need_bytes for c in p.fix.cards]
     assert all(b % 2**20 == 0 for b in p.fix.max_memory_bytes)  # whole MiB, as printed
+
+
+@pytest.mark.parametrize("name", ["llama-3.1-8b", "qwen2.5-7b"])
+def test_sequential_fills_each_card_in_turn_as_accelerate_does(name):
+    """``device_map="sequential"``: transformers hands max_memory to accelerate's ``infer_auto_device_map`` without
+    balancing it (``_get_device_map``), so the first card takes layers up to its max_memory, the second the rest;
+    a first card of 40% of the model and a second of all of it."""
+    from accelerate.utils import infer_auto_device_map
+    from transformers.integrations.accelerate import compute_module_sizes
+
+    from vramguard.plan.multigpu.devicemap import split_weights
+    from vramguard.resolve import resolve_model
+    spec = resolve_model(name)  # catalog: real sizes, on meta
+    model = _meta(spec)
+    total = compute_module_sizes(model)[0][""]
+    mm = (int(total * 0.4), total)
+    split = split_weights(spec, Settings(quant="bf16"), mm, "sequential")
+    expected = infer_auto_device_map(model, max_memory={0: mm[0], 1: mm[1], "cpu": 2**60},
+                                     no_split_module_classes=model._no_split_modules)
+    assert split.device_map == dict(expected)
+    assert split.layers[0] and split.layers[1] and split.layers[0][-1] + 1 == split.layers[1][0]
+    assert split.weight_bytes[0] <= mm[0] and not split.offloaded
+
+
+def test_the_printed_plan_names_the_device_map_it_used():
+    """``--device-map sequential`` whose first card's max_memory holds all of Llama-3.1-8B in bf16 (14.96 GiB of
+    weights in 36,045 MiB): every layer on card 0, card 1 unused, and the text says sequential, not auto."""
+    from conftest import run_cli
+    args = ["plan", "llama-3.1-8b", "--quant", "bf16", "--prompt-tokens", "16384", "--vram", "40GiB,12GiB",
+            "--device-map", "sequential", "--max-memory", "36045MiB,7373MiB"]
+    r = run_cli(*args)
+    assert r.returncode == 0, r.stderr
+    assert "device_map='sequential' over 2 cards" in r.stdout and "device_map='auto'" not in r.stdout
+    assert "card 0: layers 0-31, input embeddings, lm_head" in r.stdout
+    assert "card 1: nothing: device_map='sequential' leaves it unused" in r.stdout
+    d = json.loads(run_cli(*args, "--format", "json").stdout)
+    assert d["device_map_mode"] == "sequential" and set(d["device_map"].values()) == {0}
+    auto = run_cli(*args[:-4], "--max-memory", "36045MiB,7373MiB")  # the same cards, balanced
+    assert "device_map='auto' over 2 cards" in auto.stdout and "card 1: layers" in auto.stdout
+    # its fix is the sequential map above, which uses card 0 alone: said so
+    assert "card 1: no layer, unused, needs 0.00 GiB of 12.00 GiB" in " ".join(auto.stdout.split())

@@ -427,9 +427,9 @@ def _cli_options() -> set[str]:
 
 
 # modules that write another program's command line: vLLM's (engines, export), vramguard's own for the router's
-# workers, dmesg's and journalctl's
+# workers, dmesg's and journalctl's, nvidia-smi's (the card catalog)
 COMMAND_LINE_WRITERS = ("vramguard.engines.vllm_text", "vramguard.export", "vramguard.serve.router",
-                        "vramguard.oomlog.sources")
+                        "vramguard.oomlog.sources", "vramguard.catalog.gpus")
 
 
 def test_library_texts_name_no_cli_option():

@@ -9,9 +9,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from vramguard.catalog.gpus import GPU_ALIASES, GPUS, GpuSpec
+from vramguard.catalog.gpus import GPU_ALIASES, GPUS, NVIDIA_SMI_MEMORY_QUERY, SEVERAL_MEMORY_SIZES, GpuSpec
 from vramguard.errors import InvalidValue, UnknownGpu
-from vramguard.units import parse_size
+from vramguard.units import GiB, parse_size
 
 # Tests set this to a callable returning a DetectedGpus to force a branch without hardware.
 DETECT_OVERRIDE = None
@@ -49,22 +49,62 @@ def _driver_key(name: str) -> str | None:
     return "-".join(words)
 
 
+def _flat(s: str) -> str:
+    return s.replace("-", "").replace(".", "")
+
+
+def _sizes_of(name: str) -> tuple[str, dict[int, str | None], int | None] | None:
+    """(the name of :data:`~vramguard.catalog.gpus.SEVERAL_MEMORY_SIZES`, its sizes, the GB the name gives or
+    None) when ``name`` is one sold with several memory sizes (``NVIDIA GeForce RTX 4060 Ti``, ``3060``,
+    ``a100-pcie``, ``NVIDIA A100-SXM4-80GB``); None for any other name."""
+    words = [w for w in _norm(name).split("-") if w and w not in _NOISE_WORDS]
+    mem = [w for w in words if re.fullmatch(r"\d+gb?", w)]
+    rest = _flat("".join(w for w in words if w not in mem))
+    for family, sizes in SEVERAL_MEMORY_SIZES.items():
+        if rest and rest in (_flat(family), _flat(family).removeprefix("rtx")) and len(mem) <= 1:
+            return family, sizes, int(mem[0].rstrip("gb")) if mem else None
+    return None
+
+
+def _one_size(name: str, family: str, sizes: dict[int, str | None], gb: int | None) -> GpuSpec:
+    """The catalog card of ``family`` with ``gb`` GB; raises UnknownGpu naming the sizes when ``gb`` is None (the
+    name alone does not tell) or the catalog has no card of that size."""
+    listed = [k for k in sizes.values() if k]
+    missing = [f"{g} GB" for g, k in sizes.items() if not k]
+    accepted = (", ".join(listed) or "no catalog card") + (
+        f"; not in the catalog: the {' and '.join(missing)} {family}" if missing else "")
+    if gb is not None and sizes.get(gb):
+        return GPUS[sizes[gb]]
+    by_size = " and ".join(f"{g} GB" for g in sizes)
+    tell = f"`{NVIDIA_SMI_MEMORY_QUERY}` shows the card's memory"
+    exact = "pass its total as vram= (what torch.cuda.mem_get_info()[1] gives on the card)"
+    if gb is not None:  # a size the catalog does not hold
+        raise UnknownGpu("gpu", name, accepted, f"the {gb} GB {family} is not in the catalog"
+                         + (f" ({family} is sold with {by_size})" if gb not in sizes else "") + f": {exact}")
+    example = f"name one of them, e.g. gpu={listed[-1]}, or " if listed else ""
+    raise UnknownGpu("gpu", name, accepted, f"{name.strip()!r} is sold with {by_size} under one name "
+                     f"({tell}): {example}{exact}")
+
+
 def gpu_from_catalog(name: str) -> GpuSpec:
     """A catalog GPU by name (``rtx-4090``, ``rtx4090``, ``4090``, ``NVIDIA GeForce RTX 4090``...), by the name
     nvidia-smi and torch print (``Tesla T4``, ``NVIDIA A100-SXM4-80GB``, ``NVIDIA H100 80GB HBM3``), or by the
     start of one name (``a100-40``).
 
     Raises:
-        UnknownGpu: no catalog card has that name, or it names several (``a100``: 40 GB and 80 GB); the message
-            lists the accepted names (or the matching ones).
+        UnknownGpu: no catalog card has that name, or it names several (``a100``: 40 GB and 80 GB), or a name sold
+            with several memory sizes without the size (``NVIDIA GeForce RTX 4060 Ti``: 8 GB or 16 GB,
+            :data:`~vramguard.catalog.gpus.SEVERAL_MEMORY_SIZES`); the message lists the accepted names (or the
+            matching ones) and how to tell the sizes apart.
     """
+    several = _sizes_of(name)
+    if several is not None:
+        return _one_size(name, *several)
     key = _norm(name)
     key = GPU_ALIASES.get(key, key)
     if key in GPUS:
         return GPUS[key]
-
-    def flat(s: str) -> str:
-        return s.replace("-", "").replace(".", "")
+    flat = _flat
     for g in GPUS.values():
         short = _norm(g.label).replace("nvidia-", "").replace("geforce-", "")
         if key in (_norm(g.label), short) or flat(key) in (flat(g.name), flat(short)):
@@ -101,10 +141,22 @@ def _match_catalog(label: str, total: int, cc: tuple[int, int] | None, used: int
     try:
         base = gpu_from_catalog(label)
     except UnknownGpu:
-        base = None
+        base = _by_total(label, total)
     key = base.name if base else _norm(label).replace("nvidia-", "").replace("geforce-", "")
     bw = base.bandwidth_bytes_per_s if base else None
     return GpuSpec(key, label, total, cc, bw, used, "detected", "reported by the driver (NVML)")
+
+
+def _by_total(label: str, total: int) -> GpuSpec | None:
+    """The catalog card of a name sold with several memory sizes that ``total`` bytes belong to: the smallest
+    marketed size not below it (a driver reports less than the marketed size); None when it is not in the
+    catalog."""
+    several = _sizes_of(label)
+    if several is None:
+        return None
+    fitting = [g for g in sorted(several[1]) if g * GiB >= total]
+    key = several[1][fitting[0]] if fitting else None
+    return GPUS[key] if key else None
 
 
 def detect_gpus() -> DetectedGpus:
@@ -148,7 +200,8 @@ def resolve_gpus(gpu: str | None = None, vram: str | None = None) -> tuple[list[
         UnknownGpu: an unknown card name.
     """
     if gpu and vram is not None:
-        raise InvalidValue("gpu/vram", (gpu, vram), "one of the two", "drop one of them")
+        raise InvalidValue("gpu/vram", f"{gpu} and {vram}", "one of the two: they conflict (a catalog card has its "
+                           "own memory, vram= sets the memory)", f"pass one: gpu={gpu} or vram={vram}")
     if gpu:
         card = gpu_from_catalog(gpu)
         named = "" if gpu.strip().lower() == card.name else f": {gpu.strip()!r} is the catalog card {card.name}"

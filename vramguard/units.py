@@ -41,12 +41,15 @@ def parse_size(text: str, field: str = "size", example: str = "24GiB") -> int:
         The size in bytes (int, rounded down to a whole byte).
 
     Raises:
-        InvalidValue: the text has no unit, an unknown unit, or is not positive.
+        InvalidValue: the text has no unit, an unknown unit, a decimal comma (``24,5GiB``), or is not positive.
     """
     t = str(text).strip()
     unit = example.lstrip("0123456789.")
     if t.startswith("-"):
         raise InvalidValue(field, text, "a size larger than 0 B", f"give a positive size such as {example}")
+    if re.fullmatch(r"\d+,\d+\s*[A-Za-z]*", t):
+        raise InvalidValue(field, text, ACCEPTED_SIZE_FORMS,
+                           f"a decimal comma is not accepted: write {t.replace(',', '.')}")
     if re.fullmatch(r"\d+(?:\.\d+)?", t):
         if float(t) >= MiB:  # a count of bytes, e.g. torch's total_memory: say so in GiB
             n = int(float(t))

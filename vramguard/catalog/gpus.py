@@ -120,11 +120,11 @@ GPUS: dict[str, GpuSpec] = {g.name: g for g in [
            "github.com/stanford-futuredata/ARES/blob/main/README.md)"),
     _reported("v100-32gb", "NVIDIA V100 32GB", "31.74", 32, (7, 0), 900,
               "github.com/liucongg/ChatGLM-Finetuning/issues/73 and github.com/haotian-liu/LLaVA/issues/812"),
-    _reported("rtx-3060", "NVIDIA GeForce RTX 3060 12GB", "11.75", 12, (8, 6), 360,
+    _reported("rtx-3060-12gb", "NVIDIA GeForce RTX 3060 12GB", "11.75", 12, (8, 6), 360,
               "github.com/smy20011/dreambooth-gui/issues/78 (11.76 GiB in github.com/TencentARC/PhotoMaker/issues/47)"),
     _reported("rtx-3070", "NVIDIA GeForce RTX 3070", "7.76", 8, (8, 6), 448,
               "github.com/sshan-zhao/GASDA/issues/19 (7.78 GiB in github.com/akshitac8/OW-DETR/issues/46)"),
-    _reported("rtx-3080", "NVIDIA GeForce RTX 3080 10GB", "9.78", 10, (8, 6), 760,
+    _reported("rtx-3080-10gb", "NVIDIA GeForce RTX 3080 10GB", "9.78", 10, (8, 6), 760,
               "github.com/zai-org/CogVideo/issues/34"),
     _reported("rtx-3090", "NVIDIA GeForce RTX 3090", "23.70", 24, (8, 6), 936,
               "github.com/GaoLii/DSP/issues/10; torch prints total_memory=24268MB (transformers' GPU docs)"),
@@ -172,9 +172,28 @@ GPUS: dict[str, GpuSpec] = {g.name: g for g in [
        "143,771 MiB)"),
 ]}
 
-# short names of one card only; "a100" and "v100" name two memory sizes each and are refused with both
-GPU_ALIASES = {"4090": "rtx-4090", "3090": "rtx-3090", "4080": "rtx-4080", "3060": "rtx-3060",
-               "h100": "h100-80gb", "4060-ti": "rtx-4060-ti-16gb", "5090": "rtx-5090"}
+# short names of one card only; a name sold with several memory sizes is in SEVERAL_MEMORY_SIZES instead
+GPU_ALIASES = {"4090": "rtx-4090", "3090": "rtx-3090", "4080": "rtx-4080", "h100": "h100-80gb", "5090": "rtx-5090"}
+
+# Names sold with several memory sizes, which nvidia-smi and torch print alike for each size (both RTX 4060 Ti
+# print "NVIDIA GeForce RTX 4060 Ti"): such a name alone never picks one. Marketed GB -> the catalog card of that
+# size, None where the catalog has none. Sizes from the vendor's spec pages:
+#   rtx-4060-ti: nvidia.com/en-us/geforce/graphics-cards/40-series/rtx-4060-4060ti/ (8 GB or 16 GB GDDR6)
+#   rtx-3060: nvidia.com/en-us/geforce/graphics-cards/30-series/rtx-3060-3060ti/ (12 GB or 8 GB GDDR6)
+#   rtx-3080: nvidia.com/en-us/geforce/graphics-cards/30-series/rtx-3080-3080ti/ (10 GB or 12 GB GDDR6X)
+#   rtx-2060: nvidia.com/en-us/geforce/graphics-cards/rtx-2060/ (6 GB; the 12 GB model of December 2021)
+#   a100: nvidia.com/en-us/data-center/a100/ (40 GB HBM2 or 80 GB HBM2e)
+#   v100: nvidia.com/en-us/data-center/v100/ (16 GB or 32 GB HBM2)
+# nvidia-smi's command line that prints each card's name and memory: it tells the sizes of one name apart
+NVIDIA_SMI_MEMORY_QUERY = "nvidia-smi --query-gpu=name,memory.total --format=csv"
+SEVERAL_MEMORY_SIZES: dict[str, dict[int, str | None]] = {
+    "rtx-4060-ti": {8: None, 16: "rtx-4060-ti-16gb"},
+    "rtx-3060": {8: None, 12: "rtx-3060-12gb"},
+    "rtx-3080": {10: "rtx-3080-10gb", 12: None},
+    "rtx-2060": {6: None, 12: None},
+    "a100": {40: "a100-40gb", 80: "a100-80gb"},
+    "v100": {16: "v100-16gb", 32: "v100-32gb"},
+}
 
 # cards planned against when no GPU is detected and none is named
 DEFAULT_CARD_SIZES_GIB = (8, 12, 16, 24)

@@ -37,8 +37,8 @@ OBJECT_COMMANDS = {"vramguard.catalog.models.MODELS": "vramguard plan --list-mod
                    "vramguard.catalog.gpus.GPUS": "vramguard plan --list-gpus"}
 # keyword arguments of from_pretrained that library texts name as such, never as vramguard's options of that name
 FROM_PRETRAINED_KWARGS = ("device_map", "max_memory")
-_KWARG = re.compile(r"(?<![\w.])([a-z_]+)=('[^']*'|[\w.\-/]+)")
-_BARE = re.compile(r"(?<![\w.])([a-z_]+)=(?=[\s,;:)]|$)")
+_KWARG = re.compile(r"(?<![\w.-])([a-z_]+)=('[^']*'|[\w.\-/]+)")
+_BARE = re.compile(r"(?<![\w.-])([a-z_]+)=(?=[\s,;:)]|$)")
 # library arguments a fix names as a word, without a value ("leave alloc_conf out"): the CLI says the option
 _WORDS = re.compile(r"(?<![\w.-])(alloc_conf)\b(?!=)")
 

@@ -60,6 +60,19 @@ def _items(text: str, flag: str) -> list[str]:
     return parts
 
 
+def _size_items(text: str, flag: str) -> list[str]:
+    """The sizes of a comma list (``--vram`` / ``--max-memory``); a bare number followed by a size with a unit
+    (``24,5GiB``) is a decimal comma, refused as one, with the text written with a decimal point."""
+    import re
+    parts = _items(text, flag)
+    for a, b in zip(parts, parts[1:]):
+        if re.fullmatch(r"\d+", a) and re.fullmatch(r"\d+\s*[A-Za-z]*", b):
+            point = f"{a}.{b}" + ("" if re.search("[A-Za-z]", b) else "GiB")
+            raise InvalidValue(flag, text, "sizes with a unit, one per card, separated by commas",
+                               f"a decimal comma is not accepted: write {text.replace(f'{a},{b}', point, 1)}")
+    return parts
+
+
 def resolve_cards(gpus: int | None, tp: int | None, gpu: str | None, vram: str | None) -> list[GpuSpec]:
     """The cards: ``--gpu`` / ``--vram`` as one value (repeated ``--gpus`` or ``--tp`` times) or one per card;
     without either, the first N detected GPUs.
@@ -77,11 +90,13 @@ def resolve_cards(gpus: int | None, tp: int | None, gpu: str | None, vram: str |
         raise InvalidValue("--tp", tp, f"--gpus ({gpus}): one tensor-parallel rank per card", f"pass --tp {gpus}")
     count = gpus or tp
     if gpu and vram is not None:
-        raise InvalidValue("--gpu/--vram", f"--gpu {gpu} --vram {vram}", "one of the two", "drop one of them")
+        raise InvalidValue("--gpu/--vram", f"--gpu {gpu} --vram {vram}", "one of the two: they conflict (a --gpu "
+                           "card has its own memory, --vram sets the memory)",
+                           f"pass one: --gpu {gpu} or --vram {vram}")
     if gpu or vram is not None:
         flag, text = ("--gpu", gpu) if gpu else ("--vram", vram)
         make = gpu_from_catalog if gpu else (lambda v: gpu_from_vram(v))
-        cards = [make(p) for p in _items(text, flag)]
+        cards = [make(p) for p in (_items(text, flag) if gpu else _size_items(text, flag))]
         if count is None:
             count = len(cards)
         if len(cards) == 1:
@@ -114,9 +129,14 @@ def plan_cards(model: str, s, cards: tuple, context: int | None, device_map: str
     if gpus is None and tp is None and max_memory and "," in max_memory and "," not in (gpu or "") + (vram or ""):
         gpus = len(max_memory.split(","))  # as many cards as sizes given
     found = resolve_cards(gpus, tp, gpu, vram)
+    if len(found) < 2 and tp is None:  # --max-memory or --device-map alone asked for the split
+        flag, value = ("--max-memory", max_memory) if max_memory is not None else ("--device-map", device_map)
+        two = f"--gpu {gpu},{gpu}" if gpu else f"--vram {vram},{vram}" if vram else "--gpus 2"
+        raise InvalidValue(flag, value, "a split over 2 or more cards (one card named)",
+                           f"name the cards ({two}), or leave {flag} out for one card")
     mm = None
     if max_memory is not None:
-        mm = [parse_size(x, "--max-memory", "30GiB") for x in _items(max_memory, "--max-memory")]
+        mm = [parse_size(x, "--max-memory", "30GiB") for x in _size_items(max_memory, "--max-memory")]
         mm = mm * len(found) if len(mm) == 1 else mm
         if len(mm) != len(found):
             raise InvalidValue("--max-memory", max_memory, f"one size, or {len(found)} (one per card)",
@@ -153,15 +173,16 @@ def plan_to_json(p) -> dict:
         out["tp"] = {"ranks": split.tp, "kv_heads_per_rank": split.kv_heads_per_rank, "plan": split.plan,
                      "replicated": list(split.replicated), "weight_bytes": list(split.weight_bytes)}
     else:
+        out["device_map_mode"] = p.device_map
         out["device_map"] = {k: v for k, v in split.device_map.items()}
         out["max_memory"] = list(split.max_memory)
         out["offloaded"] = dict(split.offloaded)
     return out
 
 
-def _where(c) -> str:
+def _where(c, device_map: str = "auto") -> str:
     if not c.layers:
-        return ", ".join(c.holds) or ("nothing: device_map='auto' leaves it unused" if not c.need_bytes
+        return ", ".join(c.holds) or (f"nothing: device_map='{device_map}' leaves it unused" if not c.need_bytes
                                       else "no decoder layer")
     span = f"layers {c.layers[0]}-{c.layers[-1]}" if len(c.layers) > 1 else f"layer {c.layers[0]}"
     if any("sharded" in h for h in c.holds):
@@ -177,7 +198,7 @@ def print_plan(p, out) -> None:
     from vramguard.cli.render import short_label
     s = p.settings
     how = (f"tp_plan='auto' over {len(p.cards)} ranks, {p.split.kv_heads_per_rank} KV heads per rank"
-           if p.layout == "tp" else f"device_map='auto' over {len(p.cards)} cards")
+           if p.layout == "tp" else f"device_map='{p.device_map}' over {len(p.cards)} cards")
     out.print(f"[bold]vramguard plan[/bold] - {p.model.name}: {s.quant}, prompt {s.prompt_tokens:,} + "
               f"{s.max_new_tokens:,} new tokens, batch {s.batch}; {how}")
     t = Table(title="Per card (GiB): weights, KV cache of its layers, activations, allocator reserve, CUDA context "
@@ -191,7 +212,7 @@ def print_plan(p, out) -> None:
             "[green]yes[/green]" if c.fits else "[red]no[/red]")
     out.print(t)
     for c in p.cards:
-        out.print(f"card {c.card}: {_where(c)}")
+        out.print(f"card {c.card}: {_where(c, p.device_map)}")
     lim = p.cards[p.limit_card]
     state = (f"{fmt_gib(lim.headroom_bytes)} left" if lim.fits else f"short by {fmt_gib(-lim.headroom_bytes)}")
     out.print(f"limit: card {lim.card} ({lim.gpu.label}) needs {fmt_gib(lim.need_bytes)} of "
@@ -212,7 +233,8 @@ def fix_text(fix) -> str:
     """The fix as the arguments to pass, and where the layers then go."""
     from vramguard.units import MiB
     mm = ", ".join(f"{i}: '{b // MiB}MiB'" for i, b in enumerate(fix.max_memory_bytes))
-    where = "; ".join(f"card {i}: " + (f"layers {ls[0]}-{ls[-1]}" if ls else "no layer")
+    where = "; ".join(f"card {i}: " + (f"layers {ls[0]}-{ls[-1]}" if ls else "no layer, unused" if not c.need_bytes
+                                       else "no layer")
                       + f", needs {fmt_gib(c.need_bytes)} of {fmt_gib(c.usable_bytes)}"
                       for i, (ls, c) in enumerate(zip(fix.layers, fix.cards)))
     return (f"fix: from_pretrained(..., device_map='{fix.device_map}', max_memory={{{mm}}}) fits every card "

@@ -55,18 +55,16 @@ def preflight_prompt(model: str, text: str, max_new_tokens: int, chat: bool | No
         UnknownModel: no local folder for ``model``. ConfigError: the folder has no tokenizer.
         InvalidValue: prompt + new tokens over the context (with the room that is left).
     """
-    from transformers import AutoTokenizer
-
     from vramguard.errors import ConfigError
     from vramguard.plan import check_context
     from vramguard.resolve import local_model_folder, resolve_model
+    from vramguard.runtime.tokenizer import folder_tokenizer
     from vramguard.settings import Settings
     folder = local_model_folder(model)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
-    except (OSError, ValueError) as e:
+    tokenizer, no_tokenizer = folder_tokenizer(folder)
+    if tokenizer is None:
         raise ConfigError("MODEL", model, "a model folder with tokenizer files",
-                          f"save the tokenizer with the model (tokenizer.save_pretrained(folder)); {e}") from None
+                          f"save the tokenizer with the model (tokenizer.save_pretrained(folder)); {no_tokenizer}")
     prepared = prepare_prompt(tokenizer, text, chat)
     spec = resolve_model(str(folder))
     check_context(spec, Settings(prompt_tokens=len(prepared.ids), max_new_tokens=max_new_tokens), beyond=None)

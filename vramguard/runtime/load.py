@@ -216,12 +216,10 @@ def load_model(model: str, *, quant: str = "nf4", double_quant: bool = True, com
     m = _from_pretrained(folder, spec, kwargs)
     report.baseline_allocated_bytes = baseline
     report.weights_bytes = torch.cuda.memory_allocated() - baseline - workspace if on_cuda else None
-    tok = None
-    try:
-        tok = transformers.AutoTokenizer.from_pretrained(str(folder), local_files_only=True,
-                                                        trust_remote_code=trust_remote_code)
-    except (OSError, ValueError, TypeError) as e:  # a folder with weights but no tokenizer files
-        report.notes.append(f"no tokenizer loaded: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
+    from vramguard.runtime.tokenizer import folder_tokenizer
+    tok, no_tokenizer = folder_tokenizer(folder, trust_remote_code)
+    if tok is None:  # a folder with weights but no tokenizer files
+        report.notes.append(f"no tokenizer loaded: {no_tokenizer}")
     if chosen_attn == "sdpa" and attn in ("auto", "sdpa", "flash_attention_2") and verify:
         _verify_sdpa_pin(m, report, on_cuda)
     elif verify:

@@ -117,7 +117,8 @@ def plan_gpus(model: str | ModelSpec, settings: Settings | None = None, *, gpus:
         split, layout = split_weights(spec, s, mm, device_map), "device_map"
         if split.offloaded:
             notes.append(f"{len(split.offloaded)} module(s) do not fit the cards' max_memory and go to CPU RAM "
-                         f"({sum(split.offloaded.values()):,} B): device_map='auto' runs them from the CPU, slowly"
+                         f"({sum(split.offloaded.values()):,} B): device_map='{device_map}' runs them from the CPU, "
+                         "slowly"
                          + ("; transformers refuses to load bitsandbytes weights so" if s.is_bnb else ""))
         if s.is_bnb:
             notes.append(LOAD_NOTE)

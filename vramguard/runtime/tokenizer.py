@@ -1,0 +1,42 @@
+"""The tokenizer of a model folder, or None with the reason when the folder has none.
+
+``AutoTokenizer.from_pretrained`` does not always fail on a folder without tokenizer files: for some model types
+(``gpt2``) transformers builds the config's tokenizer class with no vocabulary at all, a tokenizer of one or two
+special tokens that turns any text into no ids. Such a tokenizer is no tokenizer: a folder counts as having one when
+a file the tokenizer class reads its vocabulary from (``type(tokenizer).vocab_files_names``, transformers' own list,
+or ``tokenizer.json``) is in the folder, and the tokenizer holds more than :data:`MIN_VOCAB_TOKENS` tokens.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+# a tokenizer of at most this many tokens holds its special tokens only (an empty GPT2Tokenizer has 1: <|endoftext|>)
+MIN_VOCAB_TOKENS = 4
+FULL_TOKENIZER_FILE = "tokenizer.json"  # transformers.tokenization_utils_base.FULL_TOKENIZER_FILE
+
+
+def vocabulary_files(tokenizer, folder: str | Path) -> list[str]:
+    """Names of the files in ``folder`` that ``tokenizer``'s class reads its vocabulary from (``vocab.json``,
+    ``merges.txt``, ``tokenizer.model``, ``tokenizer.json``...); empty when the folder has none of them."""
+    names = {*getattr(type(tokenizer), "vocab_files_names", {}).values(), FULL_TOKENIZER_FILE}
+    return sorted(n for n in names if isinstance(n, str) and (Path(folder) / n).is_file())
+
+
+def folder_tokenizer(folder: str | Path, trust_remote_code: bool = False) -> tuple[object | None, str]:
+    """(the tokenizer of ``folder``, "") or (None, why there is none): transformers could not load one (its error
+    kept), or what it built has no vocabulary file in the folder or at most :data:`MIN_VOCAB_TOKENS` tokens.
+    Reads local files only; raises nothing for a folder without a tokenizer."""
+    import transformers
+    try:
+        tok = transformers.AutoTokenizer.from_pretrained(str(folder), local_files_only=True,
+                                                        trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, TypeError) as e:
+        return None, f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+    if not vocabulary_files(tok, folder):
+        wanted = sorted({*getattr(type(tok), "vocab_files_names", {}).values(), FULL_TOKENIZER_FILE})
+        return None, (f"the folder has none of the files {type(tok).__name__} reads its vocabulary from "
+                      f"({', '.join(wanted)}); transformers built it empty ({len(tok)} token(s))")
+    if len(tok) <= MIN_VOCAB_TOKENS:
+        return None, f"{type(tok).__name__} holds {len(tok)} token(s), no vocabulary"
+    return tok, ""
