@@ -50,7 +50,7 @@ def test_cli_export_refuses_a_long_max_model_len_and_sets_the_variable_when_the_
 
 
 def test_weights_above_the_card_fail_at_load_with_fixes_that_fit():
-    p = plan_vllm(QWEN, gpu_from_catalog("rtx-3060"))  # 11.74 GiB card: 14.19 GiB of weights do not load
+    p = plan_vllm(QWEN, gpu_from_catalog("rtx-3060-12gb"))  # 11.74 GiB card: 14.19 GiB of weights do not load
     assert p.refused_by == "weights_load" and p.refusal.startswith("CUDA out of memory while loading the weights")
     # TP 2 (4 KV heads, 28 query heads: 2 divides both) halves the layers: 7.36 GiB per GPU under 10.57 GiB
     assert p.fit_tp.settings.tensor_parallel_size == 2 and p.fit_tp.starts
