@@ -129,3 +129,16 @@ def test_local_folder_is_refused_for_targets_that_run_elsewhere(tmp_path, monkey
         assert r.stderr.startswith("error MODEL: './tiny'") and "Hub id" in r.stderr
     r = run_cli("export", "./tiny", "--to", "vllm", "--gpu", "h100")  # a command for this machine: the path is right
     assert r.returncode == 0 and r.stdout.startswith("vllm serve ./tiny ")
+
+
+def test_a_refused_plan_labels_its_command_and_a_load_failure_logs_no_kv_cache():
+    """Llama-3.1-70B on one RTX 4090: vLLM stops while loading 131.45 GiB of weights, so it never logs a KV cache
+    size; the command printed is the one planned, labelled as refused (it starts only after a fix)."""
+    from conftest import run_cli
+    r = run_cli("plan", "llama-3.1-70b", "--engine", "vllm", "--gpu", "rtx-4090", columns="80")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "vLLM will refuse to start: CUDA out of memory while loading the weights" in r.stdout
+    assert "GPU KV cache size" not in r.stdout
+    assert "command as planned (vLLM refuses it: apply a fix above first):" in r.stdout.splitlines()
+    ok = run_cli("plan", "llama-3.1-8b", "--engine", "vllm", "--gpu", "h100", columns="80")
+    assert "command:" in ok.stdout.splitlines() and "GPU KV cache size" in ok.stdout

@@ -124,18 +124,20 @@ def plan_lines(p: VllmPlan, model_ref: str, width: int | None = None, words=None
                  f"per block of {s.block_size}; {p.num_blocks:,} blocks" if p.kv_groups else "  no KV cache")
     if p.padding_layers:
         lines.append(f"  padding       {p.padding_layers} layers added to even the groups")
-    lines += [
-        f"vLLM will log:  GPU KV cache size: {p.kv_tokens:,} tokens",
-        (f"                Maximum concurrency for {p.max_model_len:,} tokens per request: "
-         f"{p.max_concurrency:.2f}x"),
-    ]
+    if p.refused_by != "weights_load":  # vLLM stops while loading: it never gets to log its KV cache
+        lines += [
+            f"vLLM will log:  GPU KV cache size: {p.kv_tokens:,} tokens",
+            (f"                Maximum concurrency for {p.max_model_len:,} tokens per request: "
+             f"{p.max_concurrency:.2f}x"),
+        ]
     if p.refusal:
         lines.append(f"vLLM will refuse to start: {p.refusal}")
         lines += [words(x) for x in _fixes(p)] if words else _fixes(p)
     lines += [f"note: {n}" for n in p.notes]
+    label = "command:" if not p.refusal else "command as planned (vLLM refuses it: apply a fix above first):"
     if width is None:
-        return lines + ["command: " + serve_command(p, model_ref)]
-    return wrapped(lines, width) + ["command:"] + ["  " + x for x in command_lines(p, model_ref, width - 2)]
+        return lines + [f"{label} " + serve_command(p, model_ref)]
+    return wrapped(lines, width) + [label] + ["  " + x for x in command_lines(p, model_ref, width - 2)]
 
 
 def _fit_text(alt: VllmPlan, what: str) -> str:
