@@ -36,3 +36,42 @@ def save_random(model_type: str, fields: dict, path: str) -> None:
     del model
     gc.collect()
     torch.cuda.empty_cache()
+
+
+def cuda_ms(fn, reps: int) -> float:
+    """GPU milliseconds per call of ``fn``: one call to warm up, then CUDA events around ``reps`` calls."""
+    import torch
+    fn()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(reps):
+        fn()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) / reps
+
+
+def add_serving_args(ap, new_tokens: int) -> None:
+    """The options of the serving benchmarks' model and load: --out, --arch, --ckpt, --budget (GiB), --prompt and
+    --new (tokens, default ``new_tokens``)."""
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--arch", default="llama-3.1-8b")
+    ap.add_argument("--ckpt", default="/tmp/ckpt-llama3-8b")
+    ap.add_argument("--budget", type=float, default=24)
+    ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--new", type=int, default=new_tokens)
+
+
+def load_nf4_under_budget(arch: str, ckpt: str, budget_bytes: int):
+    """The random-weight checkpoint of ``arch`` at ``ckpt`` (built when missing), this process capped at
+    ``budget_bytes`` of the GPU, loaded in NF4 by vramguard's loader; returns the LoadedModel."""
+    import os
+
+    import torch
+
+    from vramguard.runtime.load import load_model
+    if not os.path.exists(os.path.join(ckpt, "config.json")):
+        build_checkpoint(arch, ckpt)
+    torch.cuda.set_per_process_memory_fraction(budget_bytes / torch.cuda.get_device_properties(0).total_memory)
+    return load_model(ckpt, quant="nf4", verify=False)

@@ -28,7 +28,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from benchmarks.common import emit  # noqa: E402
+from benchmarks.common import cuda_ms, emit  # noqa: E402
 from benchmarks.gpu_speed import BANDWIDTH, Bench, decoder_run, env_record, hf_generate, load  # noqa: E402
 from benchmarks.gpu_speed_nf4 import fp32_records, graph_us, ttft_records  # noqa: E402
 
@@ -86,15 +86,7 @@ def fused_kernel_records(log, m) -> None:
 
 def replay_gpu_ms(dec, reps: int = 20) -> float:
     """GPU time of one replayed step (CUDA events around ``reps`` replays; the host's sampling left out)."""
-    dec._replay()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(reps):
-        dec._replay()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) / reps
+    return cuda_ms(dec._replay, reps)
 
 
 def profile_replay(log, dec, ctx: int, label: str) -> None:

@@ -21,10 +21,8 @@ import os
 import sys
 import time
 
-import torch
-
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from benchmarks.common import build_checkpoint, emit  # noqa: E402
+from benchmarks.common import add_serving_args, emit, load_nf4_under_budget  # noqa: E402
 from benchmarks.gpu_serve import prompts  # noqa: E402
 
 GiB = 2**30
@@ -59,27 +57,18 @@ def prefix(a, b) -> int:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--arch", default="llama-3.1-8b")
-    ap.add_argument("--ckpt", default="/tmp/ckpt-llama3-8b")
-    ap.add_argument("--budget", type=float, default=24)
-    ap.add_argument("--prompt", type=int, default=512)
-    ap.add_argument("--new", type=int, default=48)
+    add_serving_args(ap, new_tokens=48)
     ap.add_argument("--requests", type=int, default=6)
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     out = os.path.join(args.out, "check.jsonl")
     import transformers
 
-    from vramguard.runtime.load import load_model
     from vramguard.serve import attention, engine
     from vramguard.serve.server import build
     transformers.utils.logging.disable_progress_bar()
-    if not os.path.exists(os.path.join(args.ckpt, "config.json")):
-        build_checkpoint(args.arch, args.ckpt)
     budget = int(args.budget * GiB)
-    torch.cuda.set_per_process_memory_fraction(budget / torch.cuda.get_device_properties(0).total_memory)
-    loaded = load_model(args.ckpt, quant="nf4", verify=False)
+    loaded = load_nf4_under_budget(args.arch, args.ckpt, budget)
     m = loaded.model
     P = prompts(args.requests, args.prompt, m.config.vocab_size, seed=1)
     news = [args.new if i % 2 == 0 else args.new // 2 for i in range(args.requests)]

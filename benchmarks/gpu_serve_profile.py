@@ -22,7 +22,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from benchmarks.common import build_checkpoint, emit  # noqa: E402
+from benchmarks.common import add_serving_args, emit, load_nf4_under_budget  # noqa: E402
 from benchmarks.gpu_serve import body, fire, prompts  # noqa: E402
 
 GiB = 2**30
@@ -93,12 +93,7 @@ class StepLog:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--arch", default="llama-3.1-8b")
-    ap.add_argument("--ckpt", default="/tmp/ckpt-llama3-8b")
-    ap.add_argument("--budget", type=float, default=24)
-    ap.add_argument("--prompt", type=int, default=512)
-    ap.add_argument("--new", type=int, default=128)
+    add_serving_args(ap, new_tokens=128)
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--runs", type=int, default=2)
     ap.add_argument("--profile-steps", type=int, default=3)
@@ -108,19 +103,14 @@ def main():
     out = os.path.join(args.out, "profile.jsonl")
     import transformers
 
-    from vramguard.runtime.load import load_model
     from vramguard.serve import attention
     from vramguard.serve.server import build
     transformers.utils.logging.disable_progress_bar()
-    t0 = time.perf_counter()
-    if not os.path.exists(os.path.join(args.ckpt, "config.json")):
-        build_checkpoint(args.arch, args.ckpt)
-    emit(out, {"phase": "checkpoint", "s": round(time.perf_counter() - t0, 1)})
     budget = int(args.budget * GiB)
-    torch.cuda.set_per_process_memory_fraction(budget / torch.cuda.get_device_properties(0).total_memory)
     t0 = time.perf_counter()
-    loaded = load_model(args.ckpt, quant="nf4", verify=False)
-    emit(out, {"phase": "load", "s": round(time.perf_counter() - t0, 1), "transformers": transformers.__version__,
+    loaded = load_nf4_under_budget(args.arch, args.ckpt, budget)
+    emit(out, {"phase": "checkpoint_and_load", "s": round(time.perf_counter() - t0, 1),
+               "transformers": transformers.__version__,
                "torch": torch.__version__})
     m = loaded.model
     P = prompts(args.concurrency + 8, args.prompt, m.config.vocab_size)

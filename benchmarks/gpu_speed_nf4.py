@@ -34,7 +34,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from benchmarks.common import emit  # noqa: E402
+from benchmarks.common import cuda_ms, emit  # noqa: E402
 from benchmarks.gpu_speed import BANDWIDTH, Bench, decoder_run, env_record, hf_generate, load  # noqa: E402
 
 ROWS = (1, 4, 8)  # rows of x timed per shape (--rows)
@@ -59,15 +59,7 @@ def graph_us(fns, smoke: bool, reps: int = 20) -> float:
     with torch.cuda.graph(g):
         for f in fns:
             f()
-    g.replay()
-    torch.cuda.synchronize()
-    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    t0.record()
-    for _ in range(reps):
-        g.replay()
-    t1.record()
-    torch.cuda.synchronize()
-    return t0.elapsed_time(t1) * 1000 / (reps * len(fns))
+    return cuda_ms(g.replay, reps) * 1000 / len(fns)
 
 
 def projections(m, smoke: bool) -> dict:
