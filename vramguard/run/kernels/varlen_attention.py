@@ -90,6 +90,17 @@ if tl is not None:
         return m_new, l_i, acc
 
     @triton.jit
+    def _request_query(i, seq_ptr, cu_q_ptr, HAS_SEQ: tl.constexpr):
+        """Program ``i``'s request ``s`` (``seq_ptr[i]`` when HAS_SEQ, else ``i``), the row ``t`` of its last query
+        token, and whether it has one (a padding request's offsets plateau: none)."""
+        if HAS_SEQ:
+            s = tl.load(seq_ptr + i)
+        else:
+            s = i
+        t = tl.load(cu_q_ptr + s + 1) - 1
+        return s, t, t >= tl.load(cu_q_ptr + s)
+
+    @triton.jit
     def _varlen_split_kernel(q_ptr, k_ptr, v_ptr, ridx_ptr, cu_q_ptr, cu_k_ptr, seq_ptr, acc_ptr, ml_ptr, scaling,
                              chunk,
                              n_req, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
@@ -102,14 +113,9 @@ if tl is not None:
         i = tl.program_id(0)
         hk = tl.program_id(1)
         sp = tl.program_id(2)
-        if HAS_SEQ:
-            s = tl.load(seq_ptr + i)
-        else:
-            s = i
+        s, t, has_q = _request_query(i, seq_ptr, cu_q_ptr, HAS_SEQ)
         k_end = tl.load(cu_k_ptr + s + 1)
         start = tl.load(cu_k_ptr + s) + sp * chunk
-        t = tl.load(cu_q_ptr + s + 1) - 1
-        has_q = t >= tl.load(cu_q_ptr + s)
         end = tl.where(has_q, tl.minimum(k_end, start + chunk), start)
         rg = tl.arange(0, G_PAD)
         rd = tl.arange(0, D)
@@ -141,12 +147,7 @@ if tl is not None:
         -inf and sum 0 (weight 0). A request without query tokens writes nothing."""
         i = tl.program_id(0)
         h = tl.program_id(1)
-        if HAS_SEQ:
-            s = tl.load(seq_ptr + i)
-        else:
-            s = i
-        t = tl.load(cu_q_ptr + s + 1) - 1
-        has_q = t >= tl.load(cu_q_ptr + s)
+        s, t, has_q = _request_query(i, seq_ptr, cu_q_ptr, HAS_SEQ)
         rs = tl.arange(0, S_PAD)
         rd = tl.arange(0, D)
         ok = rs < splits
