@@ -249,11 +249,13 @@ def _require_bitsandbytes(quant: str) -> None:
         ConfigError: ``quant`` is nf4/fp4/int8 and ``importlib.util.find_spec("bitsandbytes")`` finds nothing.
     """
     import importlib.util
+
+    from vramguard.extras import extra_of
     if importlib.util.find_spec("bitsandbytes") is None:
         raise ConfigError("quant", quant, "a 16-bit or 32-bit dtype when bitsandbytes is not installed "
                           f"({quant} weights are quantized by bitsandbytes)",
-                          "pip install 'vramguard[gpu]' (it installs bitsandbytes), or load with quant='bf16' "
-                          "(twice the weight bytes of nf4)")
+                          f"pip install 'vramguard[{extra_of('bitsandbytes')}]' (it installs bitsandbytes), or load "
+                          "with quant='bf16' (twice the weight bytes of nf4)")
 
 
 def _bnb_config(quant: str, double_quant: bool, compute_dtype: str):
