@@ -142,3 +142,25 @@ def test_binary_input_is_named_not_echoed():
     with _pytest.raises(InvalidValue) as e:
         parse_oom_message("\x00\x1b\udce3" * 50)
     assert e.value.value == "150 characters of binary data"
+
+
+def test_unallocated_and_free_memory_together_are_fragmentation():
+    """2.00 GiB asked with 1.12 GiB free on the card and 1.90 GiB reserved but unallocated: PyTorch had released its
+    free segments and retried, so the 1.90 GiB are split inside segments in use; together with the free 1.12 GiB
+    they cover the request (3.02 >= 2.00, and 1.90 >= half of 2.00): fragmentation, with expandable segments."""
+    msg = ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of "
+           "23.64 GiB of which 1.12 GiB is free. Including non-PyTorch memory, this process has 22.50 GiB memory in "
+           "use. Of the allocated memory 20.10 GiB is allocated by PyTorch, and 1.90 GiB is reserved by PyTorch but "
+           "unallocated.")
+    e = explain(msg)
+    assert e.kind == "fragmentation" and "1.12 GiB still free" in e.summary
+    assert "expandable_segments:True" in e.fixes[0]
+    # the same figures with only 0.05 GiB free: 1.95 < 2.00, memory is simply short
+    assert explain(msg.replace("1.12 GiB is free", "0.05 GiB is free")).kind != "fragmentation"
+
+
+def test_explain_a_path_that_names_no_file_says_so(tmp_path):
+    from conftest import run_cli
+    missing = tmp_path / "oom.txt"
+    r = run_cli("explain", str(missing))
+    assert r.returncode == 2 and f"no such file: {missing}" in r.stdout + r.stderr

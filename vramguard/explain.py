@@ -14,8 +14,11 @@ Classification, in this order (a request larger than the whole card is never cal
 
 1. ``algorithmic``: the single request exceeds what the process may use (the card, or the per-process cap): an
    allocation that cannot fit on any state of the allocator (eager attention scores, full-prompt logits...).
-2. ``fragmentation``: reserved-but-unallocated memory is at least the request: the bytes exist inside PyTorch's
-   pool but not as one block.
+2. ``fragmentation``: reserved-but-unallocated memory is at least the request, or at least half of it and,
+   with the memory still free to the process (the card's free memory, under a per-process cap the cap less what
+   PyTorch reserved), all of it: the bytes exist but not as one block (PyTorch frees its cached segments and
+   retries ``cudaMalloc`` before it raises, ``CUDACachingAllocator.cpp`` ``release_cached_blocks``, so what stays
+   unallocated is split inside segments still in use).
 3. ``other_processes``: other processes hold at least the request and at least 1 GiB (the card's use minus
    what the message says this process holds).
 4. ``algorithmic``: one request of at least a quarter of the usable memory.
@@ -207,6 +210,18 @@ def _foreign_bytes(m: OomMessage) -> int:
     return 0
 
 
+def _room(m: OomMessage) -> int | None:
+    """What this process could still take from the driver: the card's free memory, under a per-process cap
+    (``allowed``) at most the cap less what PyTorch reserved; None when the message lacks the figures."""
+    if m.free_bytes is None:
+        return None
+    if m.allowed_bytes is not None:
+        if m.reserved_bytes is None:
+            return None
+        return max(min(m.free_bytes, m.allowed_bytes - m.reserved_bytes), 0)
+    return m.free_bytes
+
+
 def _classify(m: OomMessage, req: int, usable: int | None, matched: str | None,
               alloc_conf: str | None) -> tuple[str, str, list[str], list[str]]:
     """(kind, summary, fixes, further evidence) by the rules of the module docstring, in their order."""
@@ -220,6 +235,12 @@ def _classify(m: OomMessage, req: int, usable: int | None, matched: str | None,
     if frag is not None and req and frag >= req:
         summary = (f"{_size(frag)} are reserved but unallocated, {_ratio(frag, req)} the "
                    f"{fmt_bytes(req)} requested, but not as one block")
+        return "fragmentation", summary, _fragmentation_fixes(alloc_conf), []
+    room = _room(m)
+    if frag and req and room is not None and frag * 2 >= req and frag + room >= req:
+        summary = (f"{_size(frag)} reserved but unallocated and {_size(room)} still free to this process together "
+                   f"cover the {fmt_bytes(req)} requested, but not as one block: the unallocated part is split "
+                   "inside segments still in use")
         return "fragmentation", summary, _fragmentation_fixes(alloc_conf), []
     if (others and others >= req) or (foreign >= max(req, OTHER_PROCESSES_MIN_BYTES) and not m.allowed_bytes):
         held = others or foreign

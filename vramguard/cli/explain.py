@@ -35,12 +35,19 @@ def oom_log(
         raise typer.Exit(1)
 
 
+def _looks_like_a_path(text: str) -> bool:
+    """One word that names a file (a directory part or a log/text suffix) and no OOM message: no spaces, no colon
+    after the first character (``torch.OutOfMemoryError: ...``)."""
+    return (" " not in text and "\n" not in text and ":" not in text[1:]
+            and ("/" in text or text.endswith((".txt", ".log", ".out", ".err"))))
+
+
 def read_message(message: str | None, stdin=None) -> str:
     """The message argument, or stdin for none or ``-``; on a terminal, first say what is awaited (on stderr). An
     argument naming an existing file is that file's text, said on stderr.
 
     Raises:
-        InvalidValue: the file cannot be read.
+        InvalidValue: the file cannot be read, or the argument is one path-like word that names no file.
     """
     stdin = stdin or sys.stdin
     if message not in (None, "-") and "\n" not in message and os.path.isfile(message):
@@ -53,6 +60,11 @@ def read_message(message: str | None, stdin=None) -> str:
                                f"check the file ({e.strerror or e}), or pass - and pipe the message in") from None
         say(f"reading the message from the file {message}")
         return text
+    if message not in (None, "-") and _looks_like_a_path(message):
+        from vramguard.errors import InvalidValue
+        raise InvalidValue("MESSAGE", message, "a message, or a readable file that holds one",
+                           f"no such file: {os.path.abspath(os.path.expanduser(message))}; check the path, or pass "
+                           "the message itself (quoted), or - and pipe it in")
     if message not in (None, "-"):
         return message
     if stdin.isatty():
