@@ -19,9 +19,10 @@ def _rel(got, want) -> float:
     return float((got.float() - want.float()).norm() / want.float().norm().clamp_min(1e-30))
 
 
-def check_4bit_layers(model, kernels, dtype) -> None:
-    """One bitsandbytes 4-bit layer per distinct (in_features, double quant): its output for a random row with
-    ``kernels()`` active (the routed Triton matmul) against bitsandbytes' own.
+def check_4bit_layers(model, kernels, dtype, rows: int = 1, every_shape: bool = False) -> None:
+    """One bitsandbytes 4-bit layer per distinct (in_features, double quant), or with ``every_shape`` per distinct
+    (out_features, in_features, double quant): its output for ``rows`` random rows with ``kernels()`` active (the
+    routed Triton kernels) against bitsandbytes' own.
 
     Raises:
         RuntimeError: a relative difference of :data:`TOLERANCE` or more (or NaN).
@@ -30,15 +31,18 @@ def check_4bit_layers(model, kernels, dtype) -> None:
     seen = set()
     for m in model.modules():
         qs = getattr(getattr(m, "weight", None), "quant_state", None)
-        if qs is None or (qs.shape[1], qs.nested) in seen:
+        key = (tuple(qs.shape) if every_shape else qs.shape[1], qs.nested) if qs is not None else None
+        if qs is None or key in seen:
             continue
-        seen.add((qs.shape[1], qs.nested))
-        x = torch.randn((1, 1, qs.shape[1]), generator=_generator(m.weight.device), device=m.weight.device).to(dtype)
+        seen.add(key)
+        x = torch.randn((1, rows, qs.shape[1]), generator=_generator(m.weight.device),
+                        device=m.weight.device).to(dtype)
         with kernels():
             got = m(x)
         err = _rel(got, m(x))
         if not err < TOLERANCE:
-            raise RuntimeError(f"it differs from bitsandbytes by {err:.3g} (relative) on {list(qs.shape)}")
+            raise RuntimeError(f"it differs from bitsandbytes by {err:.3g} (relative) on {list(qs.shape)} at "
+                               f"{rows} row(s)")
 
 
 def check_decode_attention(keys, values, num_heads: int, filled: int) -> None:
@@ -63,10 +67,10 @@ def check_decode_attention(keys, values, num_heads: int, filled: int) -> None:
         raise RuntimeError(f"it differs from a float32 softmax by {err:.3g} (relative)")
 
 
-def check_4bit_layers_or_gather(model, kernels, dtype) -> str | None:
+def check_4bit_layers_or_gather(model, kernels, dtype, **kw) -> str | None:
     """:func:`check_4bit_layers` with the register lookup (:data:`vramguard.run.kernels.nf4.LUT`); if that fails, with
-    the gather from the table instead (``LUT`` is then switched off for this process). Returns a note when the
-    lookup was switched off, None otherwise.
+    the gather from the table instead (``LUT`` is then switched off for this process); ``kw``: ``rows`` and
+    ``every_shape`` of :func:`check_4bit_layers`. Returns a note when the lookup was switched off, None otherwise.
 
     Raises:
         RuntimeError (or the compile error): the gather version fails too.
@@ -75,14 +79,14 @@ def check_4bit_layers_or_gather(model, kernels, dtype) -> str | None:
 
     from vramguard.run.kernels import nf4
     if not nf4.LUT:
-        check_4bit_layers(model, kernels, dtype)
+        check_4bit_layers(model, kernels, dtype, **kw)
         return None
     try:
-        check_4bit_layers(model, kernels, dtype)
+        check_4bit_layers(model, kernels, dtype, **kw)
         return None
     except Exception as e:  # noqa: BLE001 -- a PTX or compile failure of the lookup: the gather version is tried
         if isinstance(e, torch.OutOfMemoryError):
             raise
         nf4.LUT = False
-        check_4bit_layers(model, kernels, dtype)
+        check_4bit_layers(model, kernels, dtype, **kw)
         return f"register lookup off ({type(e).__name__}: {str(e).strip()[:200]}), values gathered from the table"

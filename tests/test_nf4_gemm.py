@@ -1,0 +1,113 @@
+"""The small-batch 4-bit GEMM on the CPU, through Triton's interpreter: against bitsandbytes' own dequantize and
+matmul (NF4 and FP4, with and without double quant, split K, a bias, rows that do not fill a tile), and the
+``gemm_4bit`` route sending 9 to 64 rows to it while larger calls stay with bitsandbytes."""
+
+import importlib
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():  # before triton decorates the kernels (checked in _gemm below)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+BF = pytest.importorskip("bitsandbytes.functional")
+
+
+def _gemm():
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton's interpreter runs these on machines without CUDA; the serving check covers the GPU")
+    pytest.importorskip("triton")
+    from vramguard.run.kernels import nf4, nf4_gemm
+    if type(nf4_gemm._gemm_4bit_kernel).__name__ != "InterpretedFunction":
+        importlib.reload(nf4_gemm)
+    if type(nf4._matmul_4bit_kernel).__name__ != "InterpretedFunction":
+        importlib.reload(nf4)
+    return nf4, nf4_gemm
+
+
+def _quantized(n, k, quant_type="nf4", nested=True, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return BF.quantize_4bit(torch.randn(n, k, generator=g), blocksize=64, quant_type=quant_type,
+                            compress_statistics=nested)
+
+
+def _scales(st):
+    return (st.absmax, st.state2.absmax, st.state2.code, st.offset) if st.nested else (st.absmax,)
+
+
+def _rel(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+@pytest.mark.parametrize("rows,n,k,qt,nested,config", [
+    (9, 40, 192, "nf4", True, None),  # 40 features: one tile of 64, masked; 3 blocks of K
+    (33, 72, 256, "nf4", False, (16, 2, 4, 1)),  # 33 rows in a tile of 64; 5 tiles of 16 features, K split in 2
+    (16, 24, 512, "fp4", True, (16, 4, 4, 1)),  # 4 splits of 2 blocks each
+])
+def test_gemm_4bit_matches_bitsandbytes_float32(rows, n, k, qt, nested, config):
+    """float32 compute (exact products): the kernel equals bitsandbytes' dequantized weight times x, to float32
+    summation order (1e-5 relative), with and without a bias."""
+    nf4, gemm = _gemm()
+    q, st = _quantized(n, k, qt, nested, seed=rows)
+    g = torch.Generator().manual_seed(rows + 1)
+    x, bias = torch.randn(rows, k, generator=g), torch.randn(n, generator=g)
+    w = BF.dequantize_4bit(q, st)  # bitsandbytes' own float32 weight
+    code = nf4.code_table(qt, "cpu")
+    got = gemm.gemm_4bit(x, q, (n, k), 64, code, *_scales(st), bias=bias, config=config)
+    assert got.shape == (rows, n) and got.dtype == torch.float32
+    assert _rel(got, x.double() @ w.double().T + bias.double()) < 1e-5
+    plain = gemm.gemm_4bit(x.view(1, rows, k), q, (n, k), 64, code, *_scales(st), config=config)
+    assert plain.shape == (1, rows, n) and _rel(plain[0], x.double() @ w.double().T) < 1e-5
+    ref = gemm.reference_gemm(x, q, (n, k), 64, code, *_scales(st), bias=bias)
+    assert torch.allclose(ref, x @ w.T + bias, rtol=1e-5, atol=1e-5)  # the reference is bitsandbytes' arithmetic
+
+
+def test_gemm_4bit_bfloat16_and_refusals():
+    nf4, gemm = _gemm()
+    q, st = _quantized(64, 128, seed=3)
+    x = torch.randn(20, 128, generator=torch.Generator().manual_seed(4)).bfloat16()
+    code = nf4.code_table("nf4", "cpu")
+    got = gemm.gemm_4bit(x, q, (64, 128), 64, code, *_scales(st))
+    want = x.double() @ BF.dequantize_4bit(q, st).double().T
+    assert got.dtype == torch.bfloat16 and _rel(got, want) < 1e-2  # bf16 weights and output (the interpreter
+    # truncates to bfloat16 where CUDA rounds: 6e-3 here)
+    with pytest.raises(ValueError, match="65 rows, at most 64"):
+        gemm.gemm_4bit(torch.randn(65, 128), q, (64, 128), 64, code, *_scales(st))
+    with pytest.raises(ValueError, match="need x"):
+        gemm.gemm_4bit(torch.randn(9, 64), q, (64, 128), 64, code, *_scales(st))
+
+
+def test_default_config_splits_k_to_fill_the_device():
+    _, gemm = _gemm()
+    # Llama-3.1-8B on 132 SMs (2 waves = 264 programs), 128 features a program:
+    gemm._sm_count.cache_clear()
+    gemm._sm_count.__wrapped__  # the cached function itself stays; the value below is given by the cache
+    gemm._sm_count.cache_clear()
+    orig = gemm._sm_count
+    try:
+        gemm._sm_count = lambda _d: 132
+        gemm.default_config.cache_clear()
+        assert gemm.default_config(1024, 4096, 64, 64, "cuda:0")[:2] == (128, 8)  # 8 x 8 = 64 ... x 8 = 64 <= 264
+        assert gemm.default_config(4096, 4096, 64, 64, "cuda:0")[:2] == (128, 8)  # 32 x 8 = 256 <= 264
+        assert gemm.default_config(14336, 4096, 64, 64, "cuda:0")[:2] == (128, 2)  # 112 x 2 = 224; x 4 > 264
+        assert gemm.default_config(4096, 14336, 64, 64, "cuda:0")[:2] == (128, 8)  # 224 blocks / 8 = 28 >= 8
+    finally:
+        gemm._sm_count = orig
+        gemm.default_config.cache_clear()
+
+
+def test_route_sends_9_to_64_rows_to_the_gemm():
+    nf4, _ = _gemm()
+    q, st = _quantized(32, 256, seed=5)
+    op = torch.ops.bitsandbytes.gemm_4bit.default
+    kw = dict(bias=None, absmax_8bit=st.absmax, absmax_code=st.state2.code, absmax_offset=st.offset)
+    xs = [torch.randn(r, 256, generator=torch.Generator().manual_seed(r)) for r in (2, 40, 65)]
+    want = [op(x, q, [32, 256], st.state2.absmax, 64, "nf4", **kw) for x in xs]
+    mode = nf4.gemm_4bit_route(max_rows=64)
+    with mode:
+        got = [op(x, q, [32, 256], st.state2.absmax, 64, "nf4", **kw) for x in xs]
+    assert mode.counts == {"routed": 2, "declined": 1, "declined_why": "65 rows (more than 64)"}
+    assert _rel(got[0], want[0]) < 1e-5 and _rel(got[1], want[1]) < 1e-5  # GEMV (2 rows), GEMM (40 rows)
+    assert torch.equal(got[2], want[2])  # bitsandbytes' own result
+    with pytest.raises(ValueError, match="max_rows: 65"):
+        nf4.gemm_4bit_route(max_rows=65)
