@@ -3,7 +3,8 @@ Llama-3.1-8B's four projection shapes (NF4, double quant, bfloat16, random weigh
 
 Each call is replayed from a CUDA graph of ``--calls`` calls (as the serving engine's decode steps run it), so the
 times are GPU time without Python. Per shape and rows: bitsandbytes, the default config, and with ``--sweep`` the
-best (BN, splits, warps, stages) of a small grid (within ``--sweep-s`` seconds in all); the relative difference from bitsandbytes' own output; and the
+best (BN, splits, warps, stages) of a small grid
+(within ``--sweep-s`` seconds in all); the relative difference from bitsandbytes' own output; and the
 bytes each path must move (packed weight + absmax against that plus the bf16 weight written and read back).
 
     PYTHONPATH=/tmp/site:$PWD python benchmarks/gpu_nf4_gemm.py --out OUTDIR [--sweep]
@@ -110,7 +111,11 @@ def main():
             rec.update(default_config=cfg, rel_err=float((got - want).norm() / want.norm()),
                        ours_us=round(graph_us(lambda: nf4_gemm.gemm_4bit(x, q, (n, k), 64, code, *scales),
                                               args.calls), 2))
-            rec["speedup"] = round(rec["bnb_us"] / rec["ours_us"], 2)
+            lut = nf4_gemm.gemm_4bit(x, q, (n, k), 64, code, *scales, lut=True).float()
+            rec.update(lut_rel_err=float((lut - want).norm() / want.norm()),
+                       lut_us=round(graph_us(lambda: nf4_gemm.gemm_4bit(x, q, (n, k), 64, code, *scales, lut=True),
+                                             args.calls), 2))
+            rec["speedup"] = round(rec["bnb_us"] / min(rec["ours_us"], rec["lut_us"]), 2)
             rec["ours_GBps"] = round(nf4_bytes / rec["ours_us"] / 1e3, 1)
             if args.sweep and rows in sweep_rows and time.perf_counter() < sweep_end:
                 rec.update(sweep(nf4_gemm, x, q, (n, k), code, scales, args.calls, sweep_end, out, name))

@@ -103,11 +103,44 @@ def test_route_sends_9_to_64_rows_to_the_gemm():
     kw = dict(bias=None, absmax_8bit=st.absmax, absmax_code=st.state2.code, absmax_offset=st.offset)
     xs = [torch.randn(r, 256, generator=torch.Generator().manual_seed(r)) for r in (2, 40, 65)]
     want = [op(x, q, [32, 256], st.state2.absmax, 64, "nf4", **kw) for x in xs]
-    mode = nf4.gemm_4bit_route(max_rows=64)
+    from vramguard.run.kernels.route import gemm_4bit_route
+    mode = gemm_4bit_route(max_rows=64)
     with mode:
         got = [op(x, q, [32, 256], st.state2.absmax, 64, "nf4", **kw) for x in xs]
     assert mode.counts == {"routed": 2, "declined": 1, "declined_why": "65 rows (more than 64)"}
     assert _rel(got[0], want[0]) < 1e-5 and _rel(got[1], want[1]) < 1e-5  # GEMV (2 rows), GEMM (40 rows)
     assert torch.equal(got[2], want[2])  # bitsandbytes' own result
     with pytest.raises(ValueError, match="max_rows: 65"):
-        nf4.gemm_4bit_route(max_rows=65)
+        gemm_4bit_route(max_rows=65)
+
+
+def test_decode_graphs_take_the_checked_route_and_fall_back_when_it_disagrees(monkeypatch):
+    """choose_gemm on a tiny NF4 Llama (float32 compute; on the CPU nothing is timed, so every shape is routed):
+    its factory routes a 40-row call of each projection to the GEMM with bitsandbytes' result; a GEMM that
+    disagrees (zeros) leaves bitsandbytes in place with the reason; switched off, it says so."""
+    _, gemm = _gemm()
+    from test_fused_step import _nf4_llama
+
+    from vramguard.run.kernels import route
+    from vramguard.serve import decode_graphs
+    model = _nf4_llama()
+    factory, note = decode_graphs.choose_gemm(model)
+    assert factory is not None and "checked against bitsandbytes on every projection shape at 2, 4, 8, 16, 32, " \
+                                   "64 rows" in note
+    proj = model.model.layers[0].mlp.gate_proj  # 128 x 64, NF4 with double quant
+    x = torch.randn(1, 40, 64, generator=torch.Generator().manual_seed(7))
+    with torch.inference_mode():
+        want = proj(x)
+        mode = factory()
+        with mode:
+            got = proj(x)
+    assert mode.counts == {"routed": 1} and _rel(got, want) < 1e-5
+    monkeypatch.setattr(route.nf4_gemm, "gemm_4bit", lambda x, *a, **k: torch.zeros(*x.shape[:-1], a[1][0]))
+    factory, note = decode_graphs.choose_gemm(model)
+    assert factory is None and note.startswith("decode steps: bitsandbytes' 4-bit matmul (vramguard's failed its "
+                                               "check: RuntimeError: it differs from bitsandbytes by 1 (relative)")
+    monkeypatch.setattr(decode_graphs, "GEMM", False)
+    assert decode_graphs.choose_gemm(model) == (None, "decode steps: bitsandbytes' 4-bit matmul (vramguard's "
+                                                      "switched off)")
+    plain = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    assert decode_graphs.choose_gemm(plain) == (None, None)  # no 4-bit layer: nothing to say

@@ -34,6 +34,7 @@ MIN_KEYS = 1024  # the smallest longest-request key bucket (keys per request a g
 MAX_GRAPHS = 48  # captured graphs kept per engine (each pair of buckets once)
 GEMM = True  # False: decode steps keep bitsandbytes' own 4-bit matmul (for comparisons)
 CHECK_ROWS = (2, 4, 8, 16, 32, 64)  # rows at which choose_gemm compares the 4-bit kernels with bitsandbytes
+TIMED_ROWS = {"gemv": 8, "gemm": 64}  # rows at which choose_gemm times them against bitsandbytes, per kind
 _IO_FIELDS = ("input_ids", "position_ids", "cumulative_seqlens_q", "cumulative_seqlens_k", "logits_indices",
               "write_index_storage", "read_index_storage", "compute_stream", "num_q_tokens", "num_request_in_batch",
               "total_seqlen_k", "get_model_kwargs", "get_cb_kwargs", "retrieve_device_outputs", "_write_trash_index")
@@ -55,10 +56,12 @@ def unsupported(bp) -> str | None:
 
 
 def choose_gemm(model) -> tuple[object | None, str | None]:
-    """The 4-bit matmul of decode steps: a factory of :func:`vramguard.run.kernels.nf4.gemm_4bit_route` (the fused
+    """The 4-bit matmul of decode steps: a factory of :func:`vramguard.run.kernels.route.gemm_4bit_route` (the fused
     GEMV up to 8 rows, :mod:`vramguard.run.kernels.nf4_gemm` up to 64) when every bitsandbytes 4-bit projection
     shape of ``model`` agrees with bitsandbytes' own output at each of :data:`CHECK_ROWS` rows
-    (:func:`~vramguard.run.kernels.selftest.check_4bit_layers_or_gather`); else None (bitsandbytes' own runs).
+    (:func:`~vramguard.run.kernels.selftest.check_4bit_layers_or_gather`), each shape and kind (GEMV, GEMM)
+    running the path its GPU timing at :data:`TIMED_ROWS` rows finds fastest, bitsandbytes' own included
+    (:func:`~vramguard.run.kernels.selftest.fastest_4bit_paths`). None: bitsandbytes' own runs everywhere.
     Returns (the factory or None, a note for the engine's notes, None when the model has no 4-bit layer)."""
     import functools
 
@@ -68,25 +71,34 @@ def choose_gemm(model) -> tuple[object | None, str | None]:
     if not GEMM:
         return None, "decode steps: bitsandbytes' 4-bit matmul (vramguard's switched off)"
     from vramguard.run.kernels import nf4_gemm
-    from vramguard.run.kernels.nf4 import gemm_4bit_route
-    from vramguard.run.kernels.selftest import check_4bit_layers_or_gather
-    factory = functools.partial(gemm_4bit_route, nf4_gemm.MAX_ROWS)
+    from vramguard.run.kernels.route import gemm_4bit_route
+    from vramguard.run.kernels.selftest import check_4bit_layers_or_gather, fastest_4bit_paths
+    route = functools.partial(gemm_4bit_route, nf4_gemm.MAX_ROWS)
     p = next(model.parameters())
     dtype = model.dtype if model.dtype.is_floating_point else p.dtype
-    notes = []
+    choice, times = {}, []
     try:
         with torch.inference_mode():
-            for rows in CHECK_ROWS:
-                notes.append(check_4bit_layers_or_gather(model, factory, dtype, rows=rows, every_shape=True))
+            if p.is_cuda:  # the fastest path per shape and kind first, then a check of those paths at every size
+                choice, times = fastest_4bit_paths(model, route, dtype, TIMED_ROWS)
+            notes = [check_4bit_layers_or_gather(model, functools.partial(route, choice), dtype, rows=rows,
+                                                 every_shape=True) for rows in CHECK_ROWS]
     except Exception as e:  # noqa: BLE001 - a kernel that fails to compile or disagrees is not used: say why
         if isinstance(e, torch.OutOfMemoryError):
             raise
         return None, (f"decode steps: bitsandbytes' 4-bit matmul (vramguard's failed its check: "
                       f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})")
+    timed = "; ".join(f"{t['shape'][0]}x{t['shape'][1]} at {t['rows']} rows: "
+                      + ", ".join(f"{k[:-3]} {v:g}" for k, v in t.items() if k.endswith("_us"))
+                      + (f" (failed: {t['failed']})" if "failed" in t else "") for t in times)
+    if times and all(v == "bnb" for v in choice.values()):
+        return None, f"decode steps: bitsandbytes' 4-bit matmul (the fastest here for every shape, us a call: {timed})"
     extra = "; ".join(n for n in notes if n)
-    return factory, ("decode steps: vramguard's 4-bit matmul for 2 to 64 rows (Triton, checked against "
-                     f"bitsandbytes on every projection shape at {', '.join(map(str, CHECK_ROWS))} rows)"
-                     + (f"; {extra}" if extra else ""))
+    return functools.partial(route, choice), (
+        "decode steps: vramguard's 4-bit matmul for 2 to 64 rows (Triton), the fastest path per shape and kind, "
+        f"checked against bitsandbytes on every projection shape at {', '.join(map(str, CHECK_ROWS))} rows "
+        f"({', '.join(f'{n}x{k} {kind}: {v}' for (n, k, kind), v in choice.items())}; GPU us per call: {timed})"
+        + (f"; {extra}" if extra else ""))
 
 
 def _bucket(n: int, floor: int = 1) -> int:

@@ -46,43 +46,53 @@ if tl is not None:
     def _gemm_4bit_kernel(x_ptr, w_ptr, am_ptr, am2_ptr, code2_ptr, off_ptr, code_ptr, bias_ptr, out_ptr,
                           M, N, K, K_SPLIT, stride_xm, stride_os, stride_om, BS: tl.constexpr, ITERS: tl.constexpr,
                           NESTED: tl.constexpr, HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                          PRECISION: tl.constexpr, DOT_F32: tl.constexpr):
+                          PRECISION: tl.constexpr, DOT_F32: tl.constexpr, LUT_ASM: tl.constexpr):
         """Program (i, s): output features ``i*BN ..`` for every row of x over ``K[s*K_SPLIT : (s+1)*K_SPLIT]``
         (``ITERS`` blocks); writes ``out[s, m, n]`` (the final output when there is one split)."""
         rn = tl.program_id(0) * BN + tl.arange(0, BN)
         rm = tl.arange(0, BM)
         rp = tl.arange(0, BS // 2)  # byte p of a block: elements 2p (high nibble) and 2p + 1 (low nibble)
+        rk = tl.arange(0, BS)
         n_ok = rn < N
         m_ok = rm < M
-        w_rows = w_ptr + rn.to(tl.int64)[:, None] * (K // 2) + rp[None, :]  # [BN, BS/2]
-        x_cols = x_ptr + rm[None, :] * stride_xm + 2 * rp[:, None]  # [BS/2, BM]: x transposed, even columns
-        blk_rows = rn.to(tl.int64) * (K // BS)
+        w_cols = w_ptr + rn.to(tl.int64)[None, :] * (K // 2) + rp[:, None]  # [BS/2, BN], bytes contiguous along K
+        x_rows = x_ptr + rm[:, None] * stride_xm + rk[None, :]  # [BM, BS], contiguous along K
+        blk_cols = rn.to(tl.int64) * (K // BS)
         dt = x_ptr.dtype.element_ty
-        acc = tl.zeros((BN, BM), dtype=tl.float32)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
         k_first = tl.program_id(1) * K_SPLIT
         for i in range(ITERS):
             k0 = k_first + i * BS
-            q = tl.load(w_rows + k0 // 2, mask=n_ok[:, None], other=0).to(tl.int32)
-            blk = blk_rows + k0 // BS
+            q8 = tl.load(w_cols + k0 // 2, mask=n_ok[None, :], other=0)
+            blk = blk_cols + k0 // BS
             if NESTED:
                 a8 = tl.load(am_ptr + blk, mask=n_ok, other=0).to(tl.int32)
                 scale = tl.load(code2_ptr + a8) * tl.load(am2_ptr + blk // 256, mask=n_ok, other=0.0)
                 scale = scale + tl.load(off_ptr)
             else:
                 scale = tl.load(am_ptr + blk, mask=n_ok, other=0.0)
-            w_hi = (tl.load(code_ptr + (q >> 4)) * scale[:, None]).to(dt)
-            w_lo = (tl.load(code_ptr + (q & 15)) * scale[:, None]).to(dt)
-            x_even = tl.load(x_cols + k0, mask=m_ok[None, :], other=0.0)
-            x_odd = tl.load(x_cols + k0 + 1, mask=m_ok[None, :], other=0.0)
+            if LUT_ASM == "":
+                q = q8.to(tl.int32)
+                c_hi = tl.load(code_ptr + (q >> 4))
+                c_lo = tl.load(code_ptr + (q & 15))
+            else:  # one bfloat16 pair per byte (vramguard.run.kernels.nf4.lut_asm), high half = element 2p
+                wp = tl.inline_asm_elementwise(LUT_ASM, "=r,=r,=r,=r,r", [q8], dtype=tl.int32, is_pure=True,
+                                               pack=4)
+                c_hi = (wp & -65536).to(tl.float32, bitcast=True)
+                c_lo = (wp << 16).to(tl.float32, bitcast=True)
+            w_hi = (c_hi * scale[None, :]).to(dt)
+            w_lo = (c_lo * scale[None, :]).to(dt)
+            x = tl.load(x_rows + k0, mask=m_ok[:, None], other=0.0)
+            x_even, x_odd = tl.split(tl.reshape(x, (BM, BS // 2, 2)))
             if DOT_F32:  # the same rounded values, multiplied in float32 (Triton's interpreter has no 16-bit dot)
                 w_hi, w_lo = w_hi.to(tl.float32), w_lo.to(tl.float32)
                 x_even, x_odd = x_even.to(tl.float32), x_odd.to(tl.float32)
-            acc = tl.dot(w_hi, x_even, acc, input_precision=PRECISION)
-            acc = tl.dot(w_lo, x_odd, acc, input_precision=PRECISION)
+            acc = tl.dot(x_even, w_hi, acc, input_precision=PRECISION)
+            acc = tl.dot(x_odd, w_lo, acc, input_precision=PRECISION)
         if HAS_BIAS:
-            acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-        ptrs = out_ptr + tl.program_id(1) * stride_os + rm[None, :] * stride_om + rn[:, None]
-        tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=n_ok[:, None] & m_ok[None, :])
+            acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        ptrs = out_ptr + tl.program_id(1) * stride_os + rm[:, None] * stride_om + rn[None, :]
+        tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
     @triton.jit
     def _sum_splits_kernel(part_ptr, bias_ptr, out_ptr, MN, N, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -105,13 +115,14 @@ def _sm_count(device_str: str) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def default_config(n: int, k: int, blocksize: int, rows: int, device_str: str) -> tuple[int, int, int, int]:
-    """(BN, splits, warps, stages) for ``N x K`` at ``rows`` rows: 128 output features per program, ``K`` split
-    in powers of two until the programs fill :data:`TARGET_WAVES` per SM (each split keeping at least
-    :data:`MIN_BLOCKS_PER_SPLIT` blocks). On the CPU (Triton's interpreter) one split of 64 features."""
+def default_config(n: int, k: int, blocksize: int, rows: int, device_str: str,
+                   bn: int = 128) -> tuple[int, int, int, int]:
+    """(BN, splits, warps, stages) for ``N x K`` at ``rows`` rows: ``bn`` output features per program (4 warps at
+    128, 8 above), ``K`` split in powers of two until the programs fill :data:`TARGET_WAVES` per SM (each split
+    keeping at least :data:`MIN_BLOCKS_PER_SPLIT` blocks). On the CPU (Triton's interpreter) one split of 64
+    features."""
     if not device_str.startswith("cuda"):
         return 64 if n >= 64 else 16, 1, 4, 1
-    bn = 128
     programs = -(-n // bn)
     want = TARGET_WAVES * _sm_count(device_str)
     blocks = k // blocksize
@@ -119,18 +130,29 @@ def default_config(n: int, k: int, blocksize: int, rows: int, device_str: str) -
     while programs * splits * 2 <= want and blocks % (splits * 2) == 0 and blocks // (splits * 2) >= \
             MIN_BLOCKS_PER_SPLIT:
         splits *= 2
-    return bn, splits, 4, 3
+    return bn, splits, 4 if bn <= 128 else 8, 3
+
+
+def _lut(code, x, lut: bool) -> str:
+    import torch
+    if not (lut and x.is_cuda and x.dtype == torch.bfloat16):
+        return ""
+    from vramguard.run.kernels.nf4 import _lut_string
+    return _lut_string(code)
 
 
 def gemm_4bit(x, packed, shape, blocksize: int, code, absmax, absmax2=None, code2=None, offset=None, bias=None,
-              config: tuple[int, int, int, int] | None = None):
+              config: tuple[int, int, int, int] | None = None, lut: bool = False, bn: int = 128):
     """``x @ W.T (+ bias)`` for up to :data:`MAX_ROWS` rows, ``W`` ``[N, K]`` in bitsandbytes' 4-bit layout.
 
     Args:
         x: ``[..., K]`` bfloat16 / float16 / float32 (float32: exact products, ``input_precision="ieee"``).
         packed, shape, blocksize, code, absmax, absmax2, code2, offset, bias: as for
             :func:`vramguard.run.kernels.nf4.matmul_4bit`.
-        config: (BN, splits, warps, stages), default :func:`default_config` (for benchmarks).
+        config: (BN, splits, warps, stages) (for benchmarks); default :func:`default_config` with ``bn``.
+        lut: look the 4-bit values up in registers (:func:`vramguard.run.kernels.nf4.lut_asm`: the code rounded to
+            bfloat16 before the scale, so not bitsandbytes' exact values; CUDA and bfloat16 ``x`` only) rather
+            than gather them from the float32 code.
 
     Returns:
         ``[..., N]`` in ``x.dtype``.
@@ -152,7 +174,7 @@ def gemm_4bit(x, packed, shape, blocksize: int, code, absmax, absmax2=None, code
         raise ValueError(f"4-bit GEMM: {rows} rows, at most {MAX_ROWS} per launch")
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    bn, splits, warps, stages = config or default_config(n, k, blocksize, rows, str(x.device))
+    bn, splits, warps, stages = config or default_config(n, k, blocksize, rows, str(x.device), bn)
     bm = max(MIN_TILE, triton.next_power_of_2(rows))
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     part = out if splits == 1 else torch.empty((splits, rows, n), dtype=torch.float32, device=x.device)
@@ -166,7 +188,7 @@ def gemm_4bit(x, packed, shape, blocksize: int, code, absmax, absmax2=None, code
         NESTED=nested,
         HAS_BIAS=bias is not None and splits == 1, BM=bm, BN=bn,
         PRECISION="ieee" if x2.dtype == torch.float32 or not x.is_cuda else None, DOT_F32=not x.is_cuda,
-        num_warps=warps, num_stages=stages)
+        LUT_ASM=_lut(code, x2, lut), num_warps=warps, num_stages=stages)
     if splits > 1:
         block = 1024
         _sum_splits_kernel[(triton.cdiv(rows * n, block),)](

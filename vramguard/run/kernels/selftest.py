@@ -90,3 +90,61 @@ def check_4bit_layers_or_gather(model, kernels, dtype, **kw) -> str | None:
         nf4.LUT = False
         check_4bit_layers(model, kernels, dtype, **kw)
         return f"register lookup off ({type(e).__name__}: {str(e).strip()[:200]}), values gathered from the table"
+
+
+def graph_us(fn, calls: int = 5, reps: int = 3) -> float:
+    """GPU microseconds per call of ``fn`` replayed from one CUDA graph of ``calls`` calls (no Python in the time,
+    as in a captured decode step); ``fn`` must have run once (compiled) before."""
+    import torch
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(reps):
+        graph.replay()
+    b.record()
+    torch.cuda.synchronize()
+    del graph
+    return 1000 * a.elapsed_time(b) / reps / calls
+
+
+GEMM_PATHS = ("gather", "gather/256", "lut", "lut/256")  # vramguard.run.kernels.route._route_gemm_4bit's paths
+
+
+def fastest_4bit_paths(model, route, dtype, rows_by_kind: dict) -> tuple[dict, list[dict]]:
+    """For each distinct ``(N, K)`` of ``model``'s bitsandbytes 4-bit layers and kind ("gemv", "gemm") timed at
+    ``rows_by_kind[kind]`` rows (:func:`graph_us`): the fastest of bitsandbytes ("bnb") and ``route(choice)``'s
+    paths (the GEMV; the GEMM's :data:`GEMM_PATHS`, "lut" for bfloat16 only). Returns (``{(N, K, kind): path}``,
+    the timings ``[{"shape", "rows", "<path>_us"..., "failed": {path: why} where one did not run}]``)."""
+    import torch
+    choice, times, seen = {}, [], set()
+    for m in model.modules():
+        qs = getattr(getattr(m, "weight", None), "quant_state", None)
+        if qs is None or tuple(qs.shape) in seen:
+            continue
+        seen.add(tuple(qs.shape))
+        n, k = int(qs.shape[0]), int(qs.shape[1])
+        for kind, rows in rows_by_kind.items():
+            x = torch.randn((1, rows, k), generator=_generator(m.weight.device), device=m.weight.device).to(dtype)
+            us = {"bnb": graph_us(lambda: m(x))}
+            paths = ("gather",) if kind == "gemv" else [p for p in GEMM_PATHS
+                                                        if dtype == torch.bfloat16 or not p.startswith("lut")]
+            failed = {}
+            for path in paths:
+                try:
+                    with route({(n, k, kind): path}):
+                        m(x)  # compiled outside the capture
+                        us[path] = graph_us(lambda: m(x))
+                except Exception as e:  # noqa: BLE001 - a path that does not compile here is left out, with why
+                    if isinstance(e, torch.OutOfMemoryError):
+                        raise
+                    failed[path] = f"{type(e).__name__}: {str(e).strip()[:120]}"
+            choice[(n, k, kind)] = min(us, key=us.get)
+            times.append({"shape": [n, k], "rows": rows, **{f"{p}_us": round(t, 1) for p, t in us.items()},
+                          **({"failed": failed} if failed else {})})
+    return choice, times
