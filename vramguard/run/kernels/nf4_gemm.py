@@ -5,13 +5,13 @@ bitsandbytes 0.50 on an H100/H200 runs such a call (``bitsandbytes::gemm_4bit``,
 Llama-3.1-8B projection, ``_gemm_4bit_use_custom_cuda``) as a dequantize of the whole weight to the compute dtype
 followed by a cuBLAS GEMM: it writes and reads back 2 bytes per weight on top of reading the 0.5 packed byte. Here
 one Triton program owns ``BN`` output features and a range of ``K`` (split-K when ``N / BN`` alone would leave
-SMs idle): per quantization block it loads the packed bytes ``[BN, blocksize / 2]``, looks their 4-bit values up in
-the float32 code table, scales them by the block's absmax (double quant: ``code2[a8] * absmax2 + offset``) and
-rounds them to the compute dtype - the same value bitsandbytes' dequantize writes - then multiplies the even and
-the odd elements with the matching columns of ``x`` on the tensor cores (``tl.dot``, float32 accumulation). The
-weight tile is the dot's left operand (``[BN, BS / 2] x [BS / 2, rows]``, the "swap AB" arrangement of small-batch
-GEMMs), so the few rows of ``x`` are the narrow side. Split-K partial sums go through a float32 buffer and one
-reduction kernel (deterministic, no atomics).
+SMs idle): per quantization block it loads the packed bytes ``[blocksize / 2, BN]`` (contiguous along ``K``),
+looks their 4-bit values up (gathered from the float32 code table, or with ``lut`` from registers), scales them by
+the block's absmax (double quant: ``code2[a8] * absmax2 + offset``) and rounds them to the compute dtype - with the
+gather, the value bitsandbytes' dequantize writes - then multiplies the even and the odd columns of the
+``[rows, blocksize]`` tile of ``x`` (loaded contiguously, split in registers) with them on the tensor cores
+(``tl.dot``, float32 accumulation). Split-K partial sums go through a float32 buffer and one reduction kernel
+(deterministic, no atomics).
 
 :func:`reference_gemm` is bitsandbytes' own arithmetic in torch (dequantize, then a matmul) for the tests.
 """
