@@ -75,24 +75,24 @@ def test_gemm_4bit_bfloat16_and_refusals():
         gemm.gemm_4bit(torch.randn(65, 128), q, (64, 128), 64, code, *_scales(st))
     with pytest.raises(ValueError, match="need x"):
         gemm.gemm_4bit(torch.randn(9, 64), q, (64, 128), 64, code, *_scales(st))
+    with pytest.raises(ValueError, match="3 splits of K 128 do not divide its 2 blocks"):
+        gemm.gemm_4bit(torch.randn(9, 128), q, (64, 128), 64, code, *_scales(st), config=(16, 3, 4, 1))
 
 
-def test_default_config_splits_k_to_fill_the_device():
+def test_default_config_splits_k_to_fill_the_device(monkeypatch):
+    """Llama-3.1-8B's shapes on 132 SMs: K is halved while the programs stay within 2 x 132 = 264 and each split
+    keeps at least 8 blocks of 64."""
     _, gemm = _gemm()
-    # Llama-3.1-8B on 132 SMs (2 waves = 264 programs), 128 features a program:
-    gemm._sm_count.cache_clear()
-    gemm._sm_count.__wrapped__  # the cached function itself stays; the value below is given by the cache
-    gemm._sm_count.cache_clear()
-    orig = gemm._sm_count
+    monkeypatch.setattr(gemm, "_sm_count", lambda _device: 132)
+    gemm.default_config.cache_clear()
     try:
-        gemm._sm_count = lambda _d: 132
-        gemm.default_config.cache_clear()
-        assert gemm.default_config(1024, 4096, 64, 64, "cuda:0")[:2] == (128, 8)  # 8 x 8 = 64 ... x 8 = 64 <= 264
-        assert gemm.default_config(4096, 4096, 64, 64, "cuda:0")[:2] == (128, 8)  # 32 x 8 = 256 <= 264
-        assert gemm.default_config(14336, 4096, 64, 64, "cuda:0")[:2] == (128, 2)  # 112 x 2 = 224; x 4 > 264
-        assert gemm.default_config(4096, 14336, 64, 64, "cuda:0")[:2] == (128, 8)  # 224 blocks / 8 = 28 >= 8
+        assert gemm.default_config(1024, 4096, 64, 64, "cuda:0") == (128, 8, 4, 3)  # 8 x 8; 16 splits: 4 blocks
+        assert gemm.default_config(4096, 4096, 64, 64, "cuda:0") == (128, 8, 4, 3)  # 32 x 8 = 256; x 16 = 512 > 264
+        assert gemm.default_config(14336, 4096, 64, 64, "cuda:0") == (128, 2, 4, 3)  # 112 x 2 = 224; x 4 = 448
+        assert gemm.default_config(4096, 14336, 64, 64, "cuda:0") == (128, 8, 4, 3)  # 32 x 8 = 256, 28 blocks each
+        assert gemm.default_config(14336, 4096, 64, 64, "cuda:0", 256) == (256, 4, 8, 3)  # 56 x 4 = 224
+        assert gemm.default_config(40, 192, 64, 9, "cpu") == (16, 1, 4, 1)  # the interpreter: one split
     finally:
-        gemm._sm_count = orig
         gemm.default_config.cache_clear()
 
 

@@ -1,17 +1,17 @@
 """``kernels.nf4_gemm``: ``x @ W.T`` for up to :data:`MAX_ROWS` rows of ``x`` (a continuous-batching decode step)
 with ``W`` in bitsandbytes' 4-bit layout (:mod:`vramguard.run.kernels.nf4` describes it), each packed byte read once.
 
-bitsandbytes 0.50 on an H100/H200 runs such a call (``bitsandbytes::gemm_4bit``, 33 to 64 rows for every
-Llama-3.1-8B projection, ``_gemm_4bit_use_custom_cuda``) as a dequantize of the whole weight to the compute dtype
-followed by a cuBLAS GEMM: it writes and reads back 2 bytes per weight on top of reading the 0.5 packed byte. Here
-one Triton program owns ``BN`` output features and a range of ``K`` (split-K when ``N / BN`` alone would leave
-SMs idle): per quantization block it loads the packed bytes ``[blocksize / 2, BN]`` (contiguous along ``K``),
-looks their 4-bit values up (gathered from the float32 code table, or with ``lut`` from registers), scales them by
-the block's absmax (double quant: ``code2[a8] * absmax2 + offset``) and rounds them to the compute dtype - with the
-gather, the value bitsandbytes' dequantize writes - then multiplies the even and the odd columns of the
-``[rows, blocksize]`` tile of ``x`` (loaded contiguously, split in registers) with them on the tensor cores
-(``tl.dot``, float32 accumulation). Split-K partial sums go through a float32 buffer and one reduction kernel
-(deterministic, no atomics).
+bitsandbytes 0.50 on an H100/H200 runs such a call (``bitsandbytes::gemm_4bit`` of 33 to 64 rows for every
+Llama-3.1-8B projection, from 8 rows for all but gate/up: ``_gemm_4bit_use_custom_cuda``) as a dequantize of the
+whole weight to the compute dtype followed by a cuBLAS GEMM: it writes and reads back 2 bytes per weight on top of
+reading the 0.5 packed byte. Here one Triton program owns ``BN`` output features and a range of ``K`` (split-K
+when ``N / BN`` alone would leave SMs idle): per quantization block it loads the packed bytes
+``[blocksize / 2, BN]`` (contiguous along ``K``), looks their 4-bit values up (gathered from the float32 code
+table, or with ``lut`` from registers), scales them by the block's absmax (double quant:
+``code2[a8] * absmax2 + offset``) and rounds them to the compute dtype - with the gather, the value bitsandbytes'
+dequantize writes - then multiplies the even and the odd columns of the ``[rows, blocksize]`` tile of ``x``
+(loaded contiguously, split in registers) with them on the tensor cores (``tl.dot``, float32 accumulation).
+Split-K partial sums go through a float32 buffer and one reduction kernel (deterministic, no atomics).
 
 :func:`reference_gemm` is bitsandbytes' own arithmetic in torch (dequantize, then a matmul) for the tests.
 """
@@ -158,8 +158,8 @@ def gemm_4bit(x, packed, shape, blocksize: int, code, absmax, absmax2=None, code
         ``[..., N]`` in ``x.dtype``.
 
     Raises:
-        ValueError: more than :data:`MAX_ROWS` rows, a ``K`` or ``blocksize`` this layout cannot take, or a size
-            mismatch.
+        ValueError: more than :data:`MAX_ROWS` rows, a ``K`` or ``blocksize`` this layout cannot take, a size
+            mismatch, or a ``config`` whose splits do not divide K's blocks.
     """
     import torch
     n, k = int(shape[0]), int(shape[1])
@@ -175,6 +175,8 @@ def gemm_4bit(x, packed, shape, blocksize: int, code, absmax, absmax2=None, code
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     bn, splits, warps, stages = config or default_config(n, k, blocksize, rows, str(x.device), bn)
+    if (k // blocksize) % splits:
+        raise ValueError(f"4-bit GEMM: {splits} splits of K {k} do not divide its {k // blocksize} blocks")
     bm = max(MIN_TILE, triton.next_power_of_2(rows))
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     part = out if splits == 1 else torch.empty((splits, rows, n), dtype=torch.float32, device=x.device)
