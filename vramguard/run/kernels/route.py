@@ -33,7 +33,7 @@ def _route_gemm_4bit(args, kwargs, counts: dict, max_rows: int = MAX_ROWS, choic
     """Run one ``bitsandbytes::gemm_4bit`` call's arguments through the GEMV (at most :data:`MAX_ROWS` rows) or
     :func:`vramguard.run.kernels.nf4_gemm.gemm_4bit` (up to ``max_rows``), or return None. ``choice``:
     ``(N, K, "gemv" | "gemm")`` -> "bnb" (return None) or a GEMM path: "gather" or "lut" (how the GEMM reads
-    the 4-bit values), with "/256" for 256 output features a program; a kind not in it is routed ("gather")."""
+    the 4-bit values); a kind not in it is routed ("gather")."""
     names = ("A", "B", "shapeB", "absmax", "blocksize", "quant_type", "bias", "absmax_8bit", "absmax_code",
              "absmax_offset")
     v = dict(zip(names, args))
@@ -52,7 +52,7 @@ def _route_gemm_4bit(args, kwargs, counts: dict, max_rows: int = MAX_ROWS, choic
     scales = (a8, absmax, v["absmax_code"], v["absmax_offset"]) if a8 is not None else (absmax,)
     if gemm:
         out = nf4_gemm.gemm_4bit(a, v["B"], v["shapeB"], v["blocksize"], code, *scales, bias=v.get("bias"),
-                                 lut=how.startswith("lut"), bn=256 if how.endswith("/256") else 128)
+                                 lut=how == "lut")
     else:
         out = nf4.matmul_4bit(a, v["B"], v["shapeB"], v["blocksize"], code, *scales, bias=v.get("bias"))
     counts["routed"] = counts.get("routed", 0) + 1

@@ -113,7 +113,7 @@ def graph_us(fn, calls: int = 5, reps: int = 3) -> float:
     return 1000 * a.elapsed_time(b) / reps / calls
 
 
-GEMM_PATHS = ("gather", "gather/256", "lut", "lut/256")  # vramguard.run.kernels.route._route_gemm_4bit's paths
+GEMM_PATHS = ("gather", "lut")  # vramguard.run.kernels.route._route_gemm_4bit's paths (how the 4-bit values are read)
 
 
 def fastest_4bit_paths(model, route, dtype, rows_by_kind: dict) -> tuple[dict, list[dict]]:
