@@ -23,6 +23,8 @@ def pytest_cmdline_main(config):
                       MAX_WORKERS)
         if workers > 1:
             config.option.numprocesses = workers
+            if config.option.dist == "no":  # an idle worker takes half the queue of a busy one (the long tests)
+                config.option.dist = "worksteal"
             # one PyTorch thread a worker: two workers of two threads each on two cores took 9% more CPU time
             os.environ.setdefault("OMP_NUM_THREADS", "1")
 
