@@ -19,10 +19,12 @@ from pathlib import Path
 from benchmarks.common import build_checkpoint
 from vramguard.catalog.models import MODELS
 arch = sys.argv[1]
-build_checkpoint(arch, f"/dev/shm/{arch}")
+tmp = Path(f"/dev/shm/building_{arch}")
+build_checkpoint(arch, str(tmp))
 if len(sys.argv) > 2:
     from tests.conftest import save_word_tokenizer
-    save_word_tokenizer(Path(f"/dev/shm/{arch}"), MODELS[arch]["vocab_size"])
+    save_word_tokenizer(tmp, MODELS[arch]["vocab_size"])
+tmp.rename(f"/dev/shm/{arch}")  # whole, before a reader sees it
 PY
   at "built $1 rc=$?"
 }
@@ -47,13 +49,15 @@ fit() {  # fit NAME ARCH NEW: vramguard fit --vary prompt under 24 GiB, at most 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > $OUT/nvidia_smi.txt
 python3 -c "import torch, transformers, bitsandbytes as b; print(torch.__version__, transformers.__version__, \
 b.__version__)" > $OUT/versions.txt 2>&1
-build llama-3.1-8b tok & build qwen2.5-7b & build phi-3-mini-128k & build llama-2-7b & wait
-matrix p1 llama-3.1-8b llama-2-7b &
+# two builds at a time: each holds its weights in host memory while writing them to /dev/shm
+build llama-3.1-8b tok & build qwen2.5-7b & wait
+matrix p1 llama-3.1-8b llama-2-7b &  # Llama-2-7B and Phi-3 are built before their process reaches them
 matrix p2 qwen2.5-7b phi-3-mini-128k &
-( fresh f1 llama-3.1-8b nf4 eager 4096 512x4 & fresh f2 qwen2.5-7b nf4 sdpa 16384x4 4096@eager &
-  fresh f3 phi-3-mini-128k nf4 eager 512x4 & fresh f4 llama-2-7b bf16 sdpa 512x4 & wait
+( ( fresh f1 llama-3.1-8b nf4 eager 4096 512x4 & fresh f2 qwen2.5-7b nf4 sdpa 16384x4 4096@eager &
+    build phi-3-mini-128k & build llama-2-7b & wait
+    fresh f3 phi-3-mini-128k nf4 eager 512x4 & fresh f4 llama-2-7b bf16 sdpa 512x4 & wait )
   fit llama-3.1-8b 64 ) &
-( build llama-3.2-1b tok; fit llama-3.2-1b 16 ) &
+( sleep 30; build llama-3.2-1b tok; fit llama-3.2-1b 16 ) &
 wait
 rm -rf /dev/shm/llama-3.1-8b /dev/shm/qwen2.5-7b /dev/shm/phi-3-mini-128k /dev/shm/llama-2-7b /dev/shm/llama-3.2-1b
 at total
