@@ -40,9 +40,9 @@ fresh() {  # fresh NAME ARCH QUANT ATTN PROBE...: the probes in a fresh process 
     > $OUT/$name/log.txt 2>&1
   at "fresh $name rc=$?"
 }
-fit() {  # fit NAME ARCH NEW: vramguard fit --vary prompt under 24 GiB, at most 3 runs
+fit() {  # fit ARCH NEW: vramguard fit --vary prompt under 24 GiB, at most 3 runs
   local t0=$(date +%s)
-  timeout $(left) python3 -m vramguard fit /dev/shm/$2 --vary prompt --vram-budget 24GiB --max-new-tokens $3 \
+  timeout $(left) python3 -m vramguard fit /dev/shm/$1 --vary prompt --vram-budget 24GiB --max-new-tokens $2 \
     --max-runs 3 --format json > $OUT/fit/$1.json 2> $OUT/fit/$1_stderr.txt
   at "fit $1 rc=$? wall $(( $(date +%s) - t0 )) s"
 }
