@@ -94,7 +94,8 @@ def edge_cases() -> list[dict]:
             elif r["kind"] == "run":
                 m = meta[r["tag"]]
                 arch, quant, _ = r["tag"].rsplit("_", 2)
-                out.append(dict(src="fresh" if "misses" in path else "edge", model=arch, quant=quant, attn=r.get("attn", EDGE_ATTN[arch]),
+                attn = r["attn"] if "attn" in r else EDGE_ATTN[arch]
+                out.append(dict(src="fresh" if "misses" in path else "edge", model=arch, quant=quant, attn=attn,
                                 batch=r.get("batch", 1), prompt=r["prompt"], new=r["new"], cap=m["allowed"],
                                 conf=m["alloc_conf"], ok=r["ok"], reserved=r["peak_reserved"] if r["ok"] else None))
     for arch, quant, conf, prompt in EDGE_INFERRED_OOM:
