@@ -133,10 +133,12 @@ def planned_fits(c: dict, base_reserved: int) -> bool | None:
 
 # the measured edges: (source, arch, quant, PYTORCH_CUDA_ALLOC_CONF) -> (largest completed prompt, smallest failed
 # prompt). "fit": results/h200_profile_fit (vramguard's own load; fit and the linear search); "edge": h200_edge (plain
-# transformers; run2 closed the Qwen brackets and the Gemma default one)
+# transformers; run2 closed the Qwen brackets and the Gemma default one); "fit again": h200_reserved_misses/fit (fit
+# at 24 GiB with expandable segments, 3 runs)
 MEASURED_EDGES = {("fit", "llama-3.1-8b", "nf4", ""): (65280, 65536),
                   ("edge", "llama-3.1-8b", "nf4", ""): (65536, 65678),
                   ("edge", "llama-3.1-8b", "nf4", EXP): (78509, 79260),
+                  ("fit again", "llama-3.1-8b", "nf4", EXP): (78464, 79616),
                   ("edge", "qwen2.5-7b", "bf16", ""): (28248, 28426),
                   ("edge", "qwen2.5-7b", "bf16", EXP): (29352, 29537),
                   ("edge", "gemma-2-9b", "bf16", ""): (4588, 4774),
@@ -163,12 +165,12 @@ def edges() -> list[dict]:
 
 
 def print_edges(rows: list[dict]) -> None:
-    print(f"\n{'source':6} {'model':14} {'quant':5} {'allocator':10} {'cap GiB':>7} {'measured ok':>11} {'measured OOM':>12} "
+    print(f"\n{'source':9} {'model':14} {'quant':5} {'allocator':10} {'cap GiB':>7} {'measured ok':>11} {'measured OOM':>12} "
           f"{'planned':>8} {'vs ok':>7} {'formula':>8}")
     for r in rows:
         vs = f"{(r['planned'] - r['measured_ok']) / r['measured_ok'] * 100:+.2f}%" if r["measured_ok"] else ""
         ok = f"{r['measured_ok']:,}" if r["measured_ok"] else "-"
-        print(f"{r['src']:6} {r['model']:14} {r['quant']:5} {'expandable' if r['conf'] else 'default':10} "
+        print(f"{r['src']:9} {r['model']:14} {r['quant']:5} {'expandable' if r['conf'] else 'default':10} "
               f"{r['cap'] / GiB:7.0f} "
               f"{ok:>11} {r['measured_fail']:>12,} {r['planned']:>8,} {vs:>7} {r['formula']:>8,}")
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from vramguard.memory.allocator import AllocatorConfig, CachingAllocator, OutOfMemory
-from vramguard.memory.forward import BNB_4BIT_FUSED_MAX_ROWS
+from vramguard.memory.common import BNB_4BIT_FUSED_MAX_ROWS
 from vramguard.memory.runtime import CUBLAS_WORKSPACE_BYTES
 from vramguard.settings import DTYPE_BYTES, Settings
 
@@ -307,10 +307,11 @@ def _fused_sdpa_mode():
 def _bnb_kernels(model, quantized: set[str], s: Settings):
     """While a converted layer runs, the tensors its bitsandbytes kernel allocates, in the order the caching
     allocator's trace of bitsandbytes 0.50 under torch 2.11 on an H200 records them (``benchmarks/results/h200_edge/
-    run2``): for more than :data:`~vramguard.memory.forward.BNB_4BIT_FUSED_MAX_ROWS` rows (``dequantize_4bit``, then
+    run2``): for more than :data:`~vramguard.memory.common.BNB_4BIT_FUSED_MAX_ROWS` rows (``dequantize_4bit``, then
     ``linear``), with double quant two float32 copies of the absmax (``ceil(numel / 64) x 4`` B each), then the
     weight in the compute dtype, all held until the layer's output is allocated and freed in that order; for up to
-    that many rows (the fused kernel) nothing of 1 MiB or more; int8 holds its int8 input and int32 product (as :func:`vramguard.memory.forward._Forward.linear`).
+    that many rows (the fused kernel) nothing of 1 MiB or more; int8 holds its int8 input and int32 product (as
+    :func:`vramguard.memory.forward._Forward.linear`).
     """
     import torch
 

@@ -32,7 +32,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from vramguard.introspect.tracker import DataPolicy, StorageTracker
-from vramguard.memory.forward import BNB_4BIT_FUSED_MAX_ROWS
+from vramguard.memory.common import BNB_4BIT_FUSED_MAX_ROWS
 from vramguard.settings import DTYPE_BYTES, Settings
 
 FA2_REPLAY = "vramguard_fa2"  # registered in transformers' AttentionInterface for the replay

@@ -17,9 +17,9 @@ whose constants and ``malloc`` path are the same):
   H200 traces in ``benchmarks/results/h200_edge/run2`` lies below the one before), so a tie goes to the newest
   segment; the model places its segments the same way. In a process that has freed segments before (another
   model loaded and deleted), cudaMalloc reuses the freed address ranges, so a new segment can lie above older
-  ones and a tie goes the other way; ``CachingAllocator.segment_addresses`` replays recorded placements. With ``max_split_size`` set, a request below it never
-  takes a block of at least that size, and a request above it takes only a block less than ``kLargeBuffer``
-  larger.
+  ones and a tie goes the other way; ``CachingAllocator.segment_addresses`` replays recorded placements. With
+  ``max_split_size`` set, a request below it never takes a block of at least that size, and a request above it
+  takes only a block less than ``kLargeBuffer`` larger.
 * ``should_split``: the remainder of a found block becomes a free block if it is at least 512 B (small pool, or
   expandable segments), or more than ``kSmallSize`` = 1 MiB (large pool, request under ``max_split_size``);
   otherwise the whole block is handed out.
