@@ -327,3 +327,57 @@ def test_explain_reads_an_existing_file_and_says_so(tmp_path, monkeypatch):
     # 1.20 GiB reserved but unallocated >= the 20 MiB request: fragmentation; the other process is still named
     assert e["kind"] == "fragmentation"
     assert "other processes hold memory on this card: pid 12345 4.10 GiB (nvidia-smi lists them)" in e["evidence"]
+
+
+def test_tp_with_nf4_is_a_usage_error_naming_both_options():
+    # no card named and none detected: the two options that do not go together are said first, as exit 2
+    lines = _only_error(run_cli("plan", "llama-3.1-8b", "--tp", "2", columns="300"), "--quant + --tp")
+    assert lines == ["error --quant + --tp: 'nf4 with --tp 2' is not valid; accepted: bf16, fp16 or fp32 weights "
+                     "with tensor parallelism (transformers' tp_plan='auto').",
+                     "fix: pass --quant bf16 with --tp 2, or split the nf4 model's layers over the cards instead "
+                     "(--gpus 2 in place of --tp 2)"]
+    assert _only_error(run_cli("plan", "llama-3.1-8b", "--tp", "2", "--gpu", "h100"), "--quant + --tp")
+    from vramguard.errors import InvalidValue
+    from vramguard.plan.multigpu.tensorparallel import check_tp_quant
+    from vramguard.settings import Settings
+    check_tp_quant(Settings(quant="bf16"), 2)  # 16-bit weights and no tp with nf4 pass
+    check_tp_quant(Settings(quant="nf4"), None)
+    with pytest.raises(InvalidValue) as e:
+        check_tp_quant(Settings(quant="int8"), 4)
+    assert (e.value.field, e.value.value, e.value.exit_code) == ("quant + tp", "int8 with tp=4", 2)
+
+
+def test_plan_without_a_model_asks_for_one_with_examples():
+    lines = _only_error(run_cli("plan", columns="300"), "MODEL")
+    assert lines == ["error MODEL: 'none given' is not valid; accepted: a model folder, its config.json, a catalog "
+                     "name or a Hub id.",
+                     "fix: name the model to plan, e.g. vramguard plan meta-llama/Llama-3.1-8B-Instruct, vramguard "
+                     "plan ./my-model or vramguard plan llama-3.1-8b (vramguard plan --list-models lists the "
+                     "catalog)"]
+    assert _only_error(run_cli("plan", "--engine", "vllm", "--gpu", "h100", columns="300"), "MODEL")
+    assert run_cli("plan", "--list-gpus").returncode == 0  # the listings need no model
+
+
+@pytest.mark.parametrize("args,flag,text,value", [
+    (("--vram", "24TB"), "--vram", "24TB", 24 * 10**12),
+    (("--vram", "24GiB,30TB"), "--vram", "30TB", 30 * 10**12),
+    (("--gpus", "2", "--gpu", "h100", "--max-memory", "300GiB"), "--max-memory", "300GiB", 300 * 2**30),
+])
+def test_a_size_above_any_card_is_refused_before_any_note(args, flag, text, value):
+    lines = _only_error(run_cli("plan", "llama-3.1-8b", *args, columns="300"), flag)
+    # 288 GB = 288 x 10**9 B = 268.22 GiB: NVIDIA's B300, the largest memory of one GPU
+    assert lines == [f"error {flag}: {text!r} is not valid; accepted: at most 288 GB (268.22 GiB) per card, the "
+                     "memory of the largest GPU sold (NVIDIA B300).",
+                     f"fix: {text} is {value:,} B: give the memory of one card, such as "
+                     f"{'30GiB' if flag == '--max-memory' else '24GiB'}"]
+
+
+def test_card_size_bound_is_inclusive_and_applies_to_budgets():
+    from vramguard.errors import InvalidValue
+    from vramguard.units import MAX_CARD_BYTES, parse_card_size
+    assert parse_card_size("288GB") == MAX_CARD_BYTES == 288_000_000_000
+    with pytest.raises(InvalidValue):
+        parse_card_size("288000000001B")
+    lines = _only_error(run_cli("serve", "/no/such/folder", "--vram-budget", "1TB", columns="300"),
+                        "--vram-budget")
+    assert lines[1] == "fix: 1TB is 1,000,000,000,000 B: give the memory of one card, such as 24GiB"

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from vramguard.catalog.gpus import GPU_ALIASES, GPUS, NVIDIA_SMI_MEMORY_QUERY, SEVERAL_MEMORY_SIZES, GpuSpec
 from vramguard.errors import InvalidValue, UnknownGpu
-from vramguard.units import GiB, parse_size
+from vramguard.units import GiB, parse_card_size
 
 # Tests set this to a callable returning a DetectedGpus to force a branch without hardware.
 DETECT_OVERRIDE = None
@@ -129,9 +129,9 @@ def gpu_from_vram(text: str) -> GpuSpec:
     """A card of the given memory (``24GiB``), compute capability unknown.
 
     Raises:
-        InvalidValue: the size is malformed.
+        InvalidValue: the size is malformed, or above any card (:func:`~vramguard.units.parse_card_size`).
     """
-    size = parse_size(text, "vram")
+    size = parse_card_size(text, "vram")
     label = f"{size / 2**30:g} GiB card" if size % 2**20 == 0 else f"{text.strip()} card"
     return GpuSpec(label.replace(" ", "-").lower(), label, size, None, source="vram")
 

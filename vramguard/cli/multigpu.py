@@ -122,10 +122,11 @@ def plan_cards(model: str, s, cards: tuple, context: int | None, device_map: str
     """
     from vramguard.plan.multigpu import plan_gpus
     from vramguard.plan.planner import plan as plan_one
-    from vramguard.units import parse_size
-    from vramguard.plan.multigpu.tensorparallel import check_tp_heads
+    from vramguard.units import parse_card_size
+    from vramguard.plan.multigpu.tensorparallel import check_tp_heads, check_tp_quant
     gpus, tp, gpu, vram = cards
     check_tp_heads(model, tp)  # a model fact: said before the cards are looked for
+    check_tp_quant(s, tp)  # two options that do not go together: said before the cards too
     if gpus is None and tp is None and max_memory and "," in max_memory and "," not in (gpu or "") + (vram or ""):
         gpus = len(max_memory.split(","))  # as many cards as sizes given
     found = resolve_cards(gpus, tp, gpu, vram)
@@ -136,7 +137,7 @@ def plan_cards(model: str, s, cards: tuple, context: int | None, device_map: str
                            f"name the cards ({two}), or leave {flag} out for one card")
     mm = None
     if max_memory is not None:
-        mm = [parse_size(x, "--max-memory", "30GiB") for x in _size_items(max_memory, "--max-memory")]
+        mm = [parse_card_size(x, "--max-memory", "30GiB") for x in _size_items(max_memory, "--max-memory")]
         mm = mm * len(found) if len(mm) == 1 else mm
         if len(mm) != len(found):
             raise InvalidValue("--max-memory", max_memory, f"one size, or {len(found)} (one per card)",

@@ -17,8 +17,8 @@ from vramguard.cli.render import console
 
 def plan(
     ctx: typer.Context,
-    model: str = typer.Argument("llama-2-7b", metavar="MODEL",
-                                 help="model folder, config.json, catalog name or Hub id (owner/name)"),
+    model: Optional[str] = typer.Argument(None, metavar="MODEL", show_default=False,
+                                          help="model folder, config.json, catalog name or Hub id (owner/name)"),
     revision: Optional[str] = revision_option(),
     quant: Quant = quant_option(),
     double_quant: bool = typer.Option(True, "--double-quant/--no-double-quant", help="4-bit double quantization"),
@@ -85,7 +85,7 @@ def plan(
                      max_new_tokens=max_new_tokens, prefill_chunk=prefill_chunk, logits=logits.value,
                      output_attentions=output_attentions, padded=padded, do_sample=do_sample)
         from vramguard.resolve import resolve_model
-        spec = resolve_model(model, revision)
+        spec = resolve_model(_required_model(model), revision)
         say_fetched(spec)
         if several:
             from vramguard.cli.multigpu import plan_cards
@@ -95,6 +95,17 @@ def plan(
         return plan_fn(spec, s, gpu=gpu, vram=vram, context=context, alloc_conf=_alloc_conf(alloc_conf))
 
     _emit(run_guarded(build, as_json=fmt == Format['json']), several, fmt == Format['json'], exit_code)
+
+
+def _required_model(model: str | None) -> str:
+    """``model``, or the usage error of a plan with none named, with examples of each accepted form."""
+    if model is not None:
+        return model
+    from vramguard.errors import InvalidValue
+    raise InvalidValue("MODEL", "none given", "a model folder, its config.json, a catalog name or a Hub id",
+                       "name the model to plan, e.g. vramguard plan meta-llama/Llama-3.1-8B-Instruct, vramguard "
+                       "plan ./my-model or vramguard plan llama-3.1-8b (vramguard plan --list-models lists the "
+                       "catalog)")
 
 
 def _given(ctx: typer.Context) -> dict[str, object]:
@@ -114,10 +125,26 @@ def _card_defaults(gpu, vram, attn, dtype, compute_dtype, several: bool) -> tupl
                                                      dtype.value if dtype else None, compute_dtype is not None)
     for note in notes:
         say(note)
-    for size in (vram or "").split(",") if several else [vram]:
-        if size and decimal_size_note(size.strip()):
+    sizes = [x for x in ((vram or "").split(",") if several else [vram]) if x and x.strip()]
+    _refuse_sizes_above_any_card(sizes)
+    for size in sizes:
+        if decimal_size_note(size.strip()):
             say("note: " + decimal_size_note(size.strip()))
     return chosen_attn, chosen_dtype
+
+
+def _refuse_sizes_above_any_card(sizes: list[str]) -> None:
+    """Raise for a size above any card (:func:`~vramguard.units.parse_card_size`) before any note is said; a size
+    that does not parse is left to the cards' own reading, whose error knows the whole list."""
+    from vramguard.errors import InvalidValue
+    from vramguard.units import MAX_CARD_BYTES, parse_card_size, parse_size
+    for size in sizes:
+        try:
+            value = parse_size(size.strip(), "vram")
+        except InvalidValue:
+            continue
+        if value > MAX_CARD_BYTES:
+            parse_card_size(size.strip(), "vram")
 
 
 def _plan_vllm(model: str, gpu: str | None, vram: str | None, args, as_json: bool, exit_code: bool,
@@ -125,7 +152,7 @@ def _plan_vllm(model: str, gpu: str | None, vram: str | None, args, as_json: boo
     """``plan --engine vllm``: vLLM's plan per card, printed; exit 1 with ``--exit-code`` when none starts.
     ``given``: the options set on the command line (those only the transformers plan reads are refused)."""
     run_guarded(eng.refuse_transformers_options, given)
-    plans = run_guarded(eng.build_plans, model, gpu, vram, args, as_json=as_json)
+    plans = run_guarded(lambda: eng.build_plans(_required_model(model), gpu, vram, args), as_json=as_json)
     eng.print_plans(plans, model, as_json)
     if exit_code and not any(p.starts for p in plans):
         raise typer.Exit(1)
