@@ -381,3 +381,74 @@ def test_card_size_bound_is_inclusive_and_applies_to_budgets():
     lines = _only_error(run_cli("serve", "/no/such/folder", "--vram-budget", "1TB", columns="300"),
                         "--vram-budget")
     assert lines[1] == "fix: 1TB is 1,000,000,000,000 B: give the memory of one card, such as 24GiB"
+
+
+class _TemplateTokenizer:
+    """A tokenizer whose chat template would turn even an empty text into a prompt of several ids."""
+
+    chat_template = "{{ messages }}"
+
+    def apply_chat_template(self, messages, **kwargs):
+        return "<|user|>" + messages[0]["content"] + "<|assistant|>"
+
+    def __call__(self, text, add_special_tokens=True):
+        return {"input_ids": list(range(len(text)))}
+
+
+@pytest.mark.parametrize("text", ["", "  \n"])
+def test_an_empty_prompt_is_refused_by_the_library_and_the_cli(text, tiny_llama, tmp_path):
+    from vramguard.errors import InvalidValue
+    from vramguard.run.prompt import prepare_prompt
+    assert len(prepare_prompt(_TemplateTokenizer(), "hi").ids) == 23  # <|user|> 8 + hi 2 + <|assistant|> 13
+    with pytest.raises(InvalidValue) as e:
+        prepare_prompt(_TemplateTokenizer(), text)  # the template alone would have been 21 ids of no prompt
+    assert (e.value.field, e.value.value) == ("prompt", text)
+    lines = _only_error(run_cli("run", str(tiny_llama), "--prompt", text, columns="300"), "--prompt")
+    assert lines == [f"error --prompt: {text!r} is not valid; accepted: text with at least one character other "
+                     "than white space.", "fix: pass the text to answer, e.g. --prompt 'Hello'"]
+    (tmp_path / "p.txt").write_text(text)
+    lines = _only_error(run_cli("run", str(tiny_llama), "--prompt-file", str(tmp_path / "p.txt"), columns="300"),
+                        "--prompt-file")
+    assert lines[1] == "fix: write the prompt into the file, or pass --prompt TEXT"
+
+
+@pytest.fixture(scope="module")
+def no_tokenizer(tiny_llama, tmp_path_factory):
+    """The tiny Llama's config and weights, without its tokenizer files."""
+    import shutil
+    folder = tmp_path_factory.mktemp("first_hour") / "no_tokenizer"
+    folder.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(tiny_llama / name, folder / name)
+    return folder
+
+
+def test_run_without_a_tokenizer_says_what_is_missing_and_the_fix(no_tokenizer):
+    r = run_cli("run", str(no_tokenizer), "--prompt", "hi", columns="400")
+    assert r.returncode == 3 and r.stdout == "", r.stderr
+    assert r.stderr.splitlines() == [
+        f"error MODEL: {str(no_tokenizer)!r} is not valid; accepted: a model folder with tokenizer files.",
+        "fix: the folder has no tokenizer files (no tokenizer.json, tokenizer_config.json or vocabulary file): save "
+        "the tokenizer of the checkpoint these weights come from into the folder "
+        "(AutoTokenizer.from_pretrained(ID).save_pretrained(folder)); vramguard.generate takes token ids without one"]
+
+
+def test_a_tokenizer_transformers_cannot_read_keeps_its_whole_error_on_one_line(tmp_path):
+    from vramguard.runtime.tokenizer import ERROR_CHARS, load_failure
+    (tmp_path / "tokenizer.json").write_text("{")
+    long = ValueError("Couldn't instantiate the backend tokenizer from one of:\n(1) a `tokenizers` library "
+                      "serialization file,\n(2) a slow tokenizer instance to convert" + " or more" * 60)
+    why = load_failure(tmp_path, long)
+    assert why.startswith("transformers could not load the tokenizer files it has (ValueError: Couldn't "
+                          "instantiate the backend tokenizer from one of: (1) a `tokenizers` library serialization "
+                          "file, (2) a slow")
+    assert "\n" not in why and why.endswith(" ...)") and len(why) <= ERROR_CHARS + 80
+
+
+def test_check_names_a_missing_tokenizer_as_a_finding(no_tokenizer, tiny_llama):
+    f = _findings(run_cli("check", str(no_tokenizer), "--no-verify", "--format", "json"))["tokenizer"]
+    assert (f["level"], f["value"]) == ("warn", "none in the folder")
+    assert f["message"].startswith("the folder has no tokenizer files") and "save_pretrained(folder)" in f["fix"]
+    f = _findings(run_cli("check", str(tiny_llama), "--no-verify", "--format", "json"))["tokenizer"]
+    assert (f["level"], f["message"]) == ("ok", "no chat template (raw prompts)")
+    assert f["value"].endswith(", 300 tokens")  # the word-level tokenizer of vocab_size=300
