@@ -452,3 +452,42 @@ def test_check_names_a_missing_tokenizer_as_a_finding(no_tokenizer, tiny_llama):
     f = _findings(run_cli("check", str(tiny_llama), "--no-verify", "--format", "json"))["tokenizer"]
     assert (f["level"], f["message"]) == ("ok", "no chat template (raw prompts)")
     assert f["value"].endswith(", 300 tokens")  # the word-level tokenizer of vocab_size=300
+
+
+def test_a_misspelt_field_is_an_unknown_parameter_not_a_missing_one():
+    pytest.importorskip("fastapi")
+    from vramguard.serve.apierrors import ApiError
+    from vramguard.serve.schemas import ChatRequest, CompletionRequest
+    from vramguard.serve.validate import to_request
+    with pytest.raises(ApiError) as e:  # "promt" is unknown and "prompt" missing: the unknown name is the fix
+        to_request({"model": "tiny", "promt": "hi"}, CompletionRequest)
+    body = e.value.body()["error"]
+    assert (e.value.status, body["code"], body["param"]) == (400, "unknown_parameter", "promt")
+    assert body["message"].startswith('"promt": unknown parameter (did you mean "prompt"?); accepted: model, ')
+    with pytest.raises(ApiError) as e:
+        to_request({"model": "tiny", "mesages": [{"role": "user", "content": "hi"}]}, ChatRequest)
+    assert e.value.message.startswith('"mesages": unknown parameter (did you mean "messages"?); accepted: ')
+    with pytest.raises(ApiError) as e:  # nothing close: no guess
+        to_request({"model": "tiny", "prompt": "hi", "zzz": 1}, CompletionRequest)
+    assert e.value.message.startswith('"zzz": unknown parameter; accepted: model, ')
+    with pytest.raises(ApiError) as e:  # a field really missing is still said as missing
+        to_request({"model": "tiny"}, CompletionRequest)
+    assert (e.value.param, e.value.code) == ("prompt", "invalid_value") and "Field required" in e.value.message
+
+
+def test_serve_log_lines_wrap_at_120_columns_under_their_time():
+    import logging
+
+    from vramguard.serve.access import LOG_COLUMNS, WrappedFormatter
+    words = ", ".join(f"field_{i}" for i in range(40))  # 40 names: 398 characters
+    record = logging.LogRecord("vramguard.serve", logging.WARNING, __file__, 1, "refused (400 x): %s", (words,), None)
+    lines = WrappedFormatter().format(record).splitlines()
+    assert LOG_COLUMNS == 120 and len(lines) == 4 and all(len(x) <= 120 for x in lines)
+    assert re.fullmatch(r"\d\d:\d\d:\d\d refused \(400 x\): field_0, .*", lines[0])
+    assert all(x.startswith(" " * 11) and x[11] != " " for x in lines[1:])  # "HH:MM:SS " + 2: under the text
+    assert " ".join(x.strip() for x in lines).split(" ", 1)[1] == "refused (400 x): " + words
+    record.args = ("short",)
+    assert len(WrappedFormatter().format(record).splitlines()) == 1
+    path = "/very/long/" + "x" * 150  # a word longer than the line is kept whole, on its own line
+    record.args = (path,)
+    assert path in WrappedFormatter().format(record).splitlines()[1]
