@@ -491,3 +491,33 @@ def test_serve_log_lines_wrap_at_120_columns_under_their_time():
     path = "/very/long/" + "x" * 150  # a word longer than the line is kept whole, on its own line
     record.args = (path,)
     assert path in WrappedFormatter().format(record).splitlines()[1]
+
+
+def test_oom_log_continuation_lines_are_indented_under_their_item():
+    r = run_cli("oom-log", "--file", "tests/data/oomlog/cgroup_6.5_dmesg_T.log", "--year", "2024", columns="80")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert max(map(len, lines)) <= 80
+    at = lines.index("  memory at death: RSS 15.93 GiB, anon 15.91 GiB, file 24.00 MiB, shmem 0 B,")
+    assert lines[at + 1] == "    virtual 37.68 GiB, page tables 32.54 MiB"
+    # every line of a kill is its heading, an item at 2 spaces, or an item's continuation at 4: none at column 0
+    body = lines[2:]
+    assert all(x.startswith("  ") for x in body), [x for x in body if not x.startswith("  ")]
+    assert [x for x in body if x.startswith("    ")] == [lines[at + 1], "    16.00 GiB; python held 15.93 GiB",
+                                                          "    resources.limits.memory), or load with less RAM: "
+                                                          "shards smaller than the",
+                                                          "    limit, device_map={'': 0} so weights go straight to "
+                                                          "the GPU"]
+
+
+def test_oom_log_since_counts_the_lines_of_its_window(tmp_path):
+    log = tmp_path / "kern.log"
+    log.write_text("".join(f"{t} host kernel: line {i}\n" for i, t in enumerate(
+        ["2026-11-29T22:41:07+0000"] * 3 + ["2026-11-30T10:00:00+0000"] * 2)) + "[   12.5] raw dmesg line\n")
+    r = run_cli("oom-log", "--file", str(log), "--since", "2026-11-30T00:00+00:00", columns="300")
+    assert r.returncode == 0, r.stderr
+    # 6 lines read: 3 on the 29th (before the window), 2 on the 30th (in it), 1 with seconds since boot only
+    assert r.stdout.splitlines() == [f"no OOM-killer record in {log} since 2026-11-30T00:00+00:00 (2 lines since "
+                                     "then, of 6 read; 1 line without a date)"]
+    r = run_cli("oom-log", "--file", str(log), columns="300")
+    assert r.stdout.splitlines() == [f"no OOM-killer record in {log} (6 lines)"]
