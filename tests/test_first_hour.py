@@ -169,11 +169,12 @@ def test_export_without_a_card_and_a_bad_vllm_tp_print_their_error_alone():
     lines = _only_error(run_cli("export", "qwen2.5-7b", "--to", "vllm", columns="300"), "--gpu/--vram")
     assert lines[0] == "error --gpu/--vram: 'none given' is not valid; accepted: one card, named or detected."
     assert lines[1].startswith("fix: name the card the deployment runs on, e.g. --gpu h100 or --vram 80GiB (0 GPUs")
-    # Qwen2.5-7B has 28 attention heads: vLLM's tensor parallelism must divide them (1, 2 or 4 of 1, 2, 4, 8, 16)
+    # Qwen2.5-7B has 28 attention heads, 4 KV heads and an MLP of 18,944: of the divisors of 28, vLLM takes 1, 2, 4
     lines = _only_error(run_cli("plan", "qwen2.5-7b", "--engine", "vllm", "--gpu", "h100", "--tp", "3",
                                 columns="300"), "--tp")
     assert lines == ["error --tp: 3 is not valid; accepted: a divisor of num_attention_heads (28).",
-                     "fix: pass --tp 1, 2 or 4"]
+                     "fix: pass --tp 1, 2 or 4 (the other divisors of the 28 heads: 7, 14: over the 4 KV heads and not "
+                     "a multiple of them; 28: not dividing the MLP's 18,944)"]
 
 
 def test_a_vllm_option_without_engine_vllm_is_refused_not_dropped():
@@ -521,3 +522,26 @@ def test_oom_log_since_counts_the_lines_of_its_window(tmp_path):
                                      "then, of 6 read; 1 line without a date)"]
     r = run_cli("oom-log", "--file", str(log), columns="300")
     assert r.stdout.splitlines() == [f"no OOM-killer record in {log} (6 lines)"]
+
+
+def test_vllm_tensor_parallel_sizes_are_every_divisor_that_meets_its_rules():
+    from dataclasses import replace
+
+    from vramguard.engines.vllm_weights import check_tensor_parallel, tensor_parallel_sizes
+    from vramguard.errors import InvalidValue
+    from vramguard.resolve import resolve_model
+    qwen = resolve_model("qwen2.5-7b")
+    # 28 heads: 7 and 14 are over the 4 KV heads and no multiples of 4; 28 is, but 18,944 = 2**9 x 37 is not
+    # divisible by 7
+    assert tensor_parallel_sizes(qwen) == [1, 2, 4]
+    # 32 heads, 8 KV heads, MLP 14,336 = 2**11 x 7, vocabulary 128,256 = 2**8 x 501: every power of two to 32
+    assert tensor_parallel_sizes(resolve_model("llama-3.1-8b")) == [1, 2, 4, 8, 16, 32]
+    # GPT-2's shape: 12 heads (no GQA), MLP 3,072 = 2**10 x 3, vocabulary 50,257 padded to 50,304 = 2**7 x 3 x 131:
+    # 3, 6 and 12 divide all of them
+    gpt2 = replace(qwen, num_heads=12, num_kv_heads=12, intermediate_size=3072, vocab_size=50257)
+    assert tensor_parallel_sizes(gpt2) == [1, 2, 3, 4, 6, 12]
+    for tp in tensor_parallel_sizes(gpt2):
+        check_tensor_parallel(gpt2, tp)
+    with pytest.raises(InvalidValue) as e:
+        check_tensor_parallel(gpt2, 5)
+    assert e.value.fix == "pass tensor_parallel_size=1, 2, 3, 4, 6 or 12"  # every divisor of 12 works
