@@ -54,7 +54,7 @@ def test_json_carries_integer_bytes():
     (("plan", "llama-2-7b", "--prompt-tokens", "5000"), 2, ["max_position_embeddings=4096"]),
     (("plan", "llama-2-7b", "--gpu", "t4", "--vram", "16GiB"), 2, ["--gpu/--vram", "one of the two"]),
     (("plan", "--quant", "int3"), 2, ["--quant", "int3", "fix:"]),
-    (("plan", "--batch", "x"), 2, ["--batch", "valid integer", "fix:"]),
+    (("plan", "--batch", "x"), 2, ["--batch", "an integer", "fix:"]),
     (("plan", "--no-such-option"), 2, ["--no-such-option", "fix:"]),
     (("check", "--quant", "none", "--compute-dtype", "bf16"), 2, ["--compute-dtype", "--quant none"]),
     (("check", "llama-7b", "--prompt-tokens", "5000"), 2, ["max_position_embeddings=2048"]),

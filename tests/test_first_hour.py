@@ -545,3 +545,33 @@ def test_vllm_tensor_parallel_sizes_are_every_divisor_that_meets_its_rules():
     with pytest.raises(InvalidValue) as e:
         check_tensor_parallel(gpt2, 5)
     assert e.value.fix == "pass tensor_parallel_size=1, 2, 3, 4, 6 or 12"  # every divisor of 12 works
+
+
+@pytest.mark.parametrize("args,lines", [
+    (("plan", "llama-3.1-8b", "--prompt-tokens", "abc"),
+     ["error --prompt-tokens: 'abc' is not valid; accepted: an integer.",
+      "fix: pass --prompt-tokens with an integer (`vramguard plan --help`)"]),
+    (("plan", "llama-3.1-8b", "--gpu-memory-utilization=x"),
+     ["error --gpu-memory-utilization: 'x' is not valid; accepted: a number.",
+      "fix: pass --gpu-memory-utilization with a number (`vramguard plan --help`)"]),
+    (("plan", "llama-3.1-8b", "--quant", "int3"),
+     ["error --quant: 'int3' is not valid; accepted: nf4, fp4, int8, bf16, fp16, fp32.",
+      "fix: pass one of them, e.g. --quant nf4"]),
+    (("plan", "llama-3.1-8b", "--no-exit-code"),
+     ["error OPTION: '--no-exit-code' is not valid; accepted: an option of vramguard plan (`vramguard plan --help` "
+      "lists them).", "fix: did you mean --exit-code?"]),
+    (("plan", "llama-3.1-8b", "--prompt-tokens"),
+     ["error --prompt-tokens: 'none given' is not valid; accepted: a value after the option.",
+      "fix: pass --prompt-tokens VALUE (`vramguard plan --help` says which values)"]),
+    (("run",), ["error MODEL: 'none given' is not valid; accepted: a MODEL (`vramguard run --help` says which).",
+                "fix: pass it: vramguard run MODEL ..."]),
+    (("plan", "llama-3.1-8b", "24", "GB"),
+     ["error ARGUMENT: '24 GB' is not valid; accepted: the arguments of vramguard plan (`vramguard plan --help`).",
+      "fix: quote a value that holds spaces, and give each option its name"]),
+    (("nosuch",), ["error COMMAND: 'nosuch' is not valid; accepted: plan, check, oom-log, explain, profile, fit, run, "
+                   "serve, export.", "fix: see `vramguard --help` for what each does"]),
+])
+def test_click_usage_errors_read_as_vramguard_errors(args, lines):
+    r = run_cli(*args, columns="300")
+    assert (r.returncode, r.stdout) == (2, ""), r.stderr
+    assert r.stderr.splitlines() == lines
