@@ -72,7 +72,8 @@ def _tp_rule_broken(spec: ModelSpec, tp: int) -> tuple[str, str] | None:
         return f"a divisor of the MLP intermediate size ({inter:,})", f"not dividing the MLP's {inter:,}"
     padded = pad_vocab(spec.vocab_size)
     if padded % tp:
-        return f"a divisor of the vocabulary padded to 64 ({padded:,})", f"not dividing the padded vocabulary {padded:,}"
+        return (f"a divisor of the vocabulary padded to 64 ({padded:,})",
+                f"not dividing the padded vocabulary {padded:,}")
     return None
 
 
