@@ -575,3 +575,30 @@ def test_click_usage_errors_read_as_vramguard_errors(args, lines):
     r = run_cli(*args, columns="300")
     assert (r.returncode, r.stdout) == (2, ""), r.stderr
     assert r.stderr.splitlines() == lines
+
+
+def test_plan_attention_default_follows_the_card_and_says_when_none_is_named():
+    from vramguard.hardware import card_defaults
+    attn, dtype, notes = card_defaults(None, None, None, False)
+    assert (attn, dtype) == ("sdpa", None) and len(notes) == 1 and "FlashAttention-2 is not assumed" in notes[0]
+    assert card_defaults(None, "flash_attention_2", None, False) == ("flash_attention_2", None, [])  # given: kept
+    assert card_defaults("rtx-4090", None, None, False) == ("flash_attention_2", None, [])  # 8.9: the loader's FA2
+    assert card_defaults("t4", None, None, False)[:2] == ("sdpa", "fp16")  # 7.5: no FA2, no native bf16
+    r = run_cli("plan", "llama-3.1-8b", columns="300")
+    assert r.returncode == 0 and "attention sdpa," in r.stdout
+    assert r.stderr.splitlines() == ["note: attention sdpa (transformers' default): no card named, so "
+                                     "FlashAttention-2 is not assumed; --gpu NAME plans the card's default, --attn "
+                                     "flash_attention_2 plans it"]
+
+
+def test_export_concurrency_has_thousands_separators():
+    args = ("llama-3.2-1b", "--gpu", "h200", "--max-model-len", "1024")
+    kv = json.loads(run_cli("plan", *args, "--engine", "vllm", "--format", "json").stdout)["kv_cache"]
+    # 248,583 blocks of 16 tokens for 16 layers: 3,977,328 tokens, over 1,024 tokens per request 3,884.11 requests
+    assert (kv["num_blocks"] * 16, kv["kv_tokens"]) == (kv["kv_tokens"], int(kv["max_concurrency"] * 1024))
+    assert kv["max_concurrency"] >= 1000  # a figure with a thousands separator to print
+    r = run_cli("export", *args, "--to", "vllm", columns="300")
+    assert r.returncode == 0, r.stderr
+    assert (f"planned: GPU KV cache size {kv['kv_tokens']:,} tokens, maximum concurrency {kv['max_concurrency']:,.2f}x "
+            "for 1,024 tokens per request") in r.stderr
+    assert f"{kv['max_concurrency']:,.2f}".count(",") == 1

@@ -260,7 +260,7 @@ def _cli(*args):
 
 def test_cli_plans_different_cards_and_tp():
     code, out = _cli("llama-3.1-8b", "--quant", "bf16", "--prompt-tokens", "16384", "--vram", "40GiB,12GiB",
-                     "--format", "json")
+                     "--attn", "sdpa", "--format", "json")  # the attention given: no note on the default's reason
     assert code == 0, out
     d = json.loads(out)
     assert d["layout"] == "device_map" and d["limit_card"] == 1 and d["fits"] is False

@@ -24,8 +24,8 @@ def plan(
     double_quant: bool = typer.Option(True, "--double-quant/--no-double-quant", help="4-bit double quantization"),
     compute_dtype: Optional[Dtype] = typer.Option(None, help="4-bit compute dtype (default: the model dtype)"),
     dtype: Optional[Dtype] = typer.Option(None, help="model dtype (default bf16; fp16/fp32 for those quants)"),
-    attn: Optional[Attn] = typer.Option(None, help="attn_implementation (default: flash_attention_2; sdpa on a "
-                                        "--gpu card below compute capability 8.0, which cannot run it)"),
+    attn: Optional[Attn] = typer.Option(None, help="attn_implementation (default: flash_attention_2 on a --gpu card "
+                                        "of compute capability 8.0 or more, sdpa below it or with no card named)"),
     kv_dtype: Optional[KvDtype] = typer.Option(None, help="KV cache type (int8/int4: quantized cache)"),
     cache: Cache = typer.Option(Cache['dynamic'], help="KV cache kind"),
     batch: int = batch_option(),
@@ -75,8 +75,10 @@ def plan(
     from vramguard.cli.multigpu import wants_cards
     several = wants_cards(gpus, tp, gpu, vram) or max_memory is not None or device_map != "auto"
 
+    notes: list[str] = []  # said once the plan is made: an error comes alone
+
     def build():
-        chosen_attn, chosen_dtype = _card_defaults(gpu, vram, attn, dtype, compute_dtype, several)
+        chosen_attn, chosen_dtype = _card_defaults(gpu, vram, attn, dtype, compute_dtype, several, notes)
         s = Settings(quant=quant.value, double_quant=double_quant,
                      compute_dtype=compute_dtype.value if compute_dtype else None,
                      dtype=chosen_dtype, attn=chosen_attn,
@@ -94,7 +96,10 @@ def plan(
             return plan_cards(spec, s, (gpus, tp, gpu, vram), context, device_map, max_memory)
         return plan_fn(spec, s, gpu=gpu, vram=vram, context=context, alloc_conf=_alloc_conf(alloc_conf))
 
-    _emit(run_guarded(build, as_json=fmt == Format['json']), several, fmt == Format['json'], exit_code)
+    made = run_guarded(build, as_json=fmt == Format['json'])
+    for note in notes:
+        say(note)
+    _emit(made, several, fmt == Format['json'], exit_code)
 
 
 def _required_model(model: str | None) -> str:
@@ -115,21 +120,20 @@ def _given(ctx: typer.Context) -> dict[str, object]:
             if getattr(ctx.get_parameter_source(name), "name", None) in given}
 
 
-def _card_defaults(gpu, vram, attn, dtype, compute_dtype, several: bool) -> tuple[str, str | None]:
-    """The attention and dtype the named card runs by default (each default said on stderr), and the note on a
-    decimal --vram size."""
+def _card_defaults(gpu, vram, attn, dtype, compute_dtype, several: bool, notes: list[str]) -> tuple[str, str | None]:
+    """The attention and dtype the named card runs by default (each default added to ``notes``, to be said on
+    stderr), and the note on a decimal --vram size."""
     from vramguard.cli.multigpu import defaults_card
     from vramguard.hardware import card_defaults
     from vramguard.units import decimal_size_note
-    chosen_attn, chosen_dtype, notes = card_defaults(defaults_card(gpu), attn.value if attn else None,
+    chosen_attn, chosen_dtype, found = card_defaults(defaults_card(gpu), attn.value if attn else None,
                                                      dtype.value if dtype else None, compute_dtype is not None)
-    for note in notes:
-        say(note)
+    notes += found
     sizes = [x for x in ((vram or "").split(",") if several else [vram]) if x and x.strip()]
     _refuse_sizes_above_any_card(sizes)
     for size in sizes:
         if decimal_size_note(size.strip()):
-            say("note: " + decimal_size_note(size.strip()))
+            notes.append("note: " + decimal_size_note(size.strip()))
     return chosen_attn, chosen_dtype
 
 
