@@ -602,3 +602,17 @@ def test_export_concurrency_has_thousands_separators():
     assert (f"planned: GPU KV cache size {kv['kv_tokens']:,} tokens, maximum concurrency {kv['max_concurrency']:,.2f}x "
             "for 1,024 tokens per request") in r.stderr
     assert f"{kv['max_concurrency']:,.2f}".count(",") == 1
+
+
+def test_kubernetes_memory_limit_holds_the_checkpoint_while_loading():
+    from vramguard.engines.vllm import VllmSettings, plan_vllm
+    from vramguard.export import HOST_MEMORY_BYTES, host_memory_bytes, kubernetes
+    from vramguard.hardware import gpu_from_catalog
+    from vramguard.resolve import resolve_model
+    p = plan_vllm(resolve_model("llama-3.1-8b"), gpu_from_catalog("h100"), VllmSettings(max_model_len=8192))
+    # Llama-3.1-8B in bf16: 32 layers x 436,224,000 B + embeddings and LM head 2 x 128,256 x 4,096 x 2 B + final norm
+    # 8,192 B = 16,060,522,496 B (its safetensors), then the engine's 16 GiB: 33,240,391,680 B = 31,700.5 MiB
+    assert p.checkpoint_bytes == 32 * 436_224_000 + 2 * 128_256 * 4_096 * 2 + 8_192 == 16_060_522_496
+    assert host_memory_bytes(p) == HOST_MEMORY_BYTES + 16_060_522_496 == 33_240_391_680
+    dep, _ = kubernetes(p, "meta-llama/Llama-3.1-8B-Instruct")
+    assert dep["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["memory"] == "31701Mi"
