@@ -616,3 +616,16 @@ def test_kubernetes_memory_limit_holds_the_checkpoint_while_loading():
     assert host_memory_bytes(p) == HOST_MEMORY_BYTES + 16_060_522_496 == 33_240_391_680
     dep, _ = kubernetes(p, "meta-llama/Llama-3.1-8B-Instruct")
     assert dep["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["memory"] == "31701Mi"
+
+
+@pytest.mark.parametrize("name,says", [
+    ("llama-3.1-8b", "catalog: the config of meta-llama/Llama-3.1-8B-Instruct, an instruction-tuned checkpoint"),
+    ("gemma-2-9b", "catalog: the config of google/gemma-2-9b-it, an instruction-tuned checkpoint"),
+    ("mistral-7b-v0.1", "catalog: the config of mistralai/Mistral-7B-v0.1, a base checkpoint"),
+])
+def test_a_catalog_name_says_which_checkpoint_it_plans(name, says):
+    r = run_cli("plan", name, "--gpu", "h100", columns="300")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines()[0] == f"vramguard plan - {name}  ({says}; pass a Hub id for another)"
+    r = run_cli("plan", name, "--gpus", "2", "--gpu", "h100", columns="300")
+    assert r.stdout.splitlines()[1] == f"({says}; pass a Hub id for another)"

@@ -196,12 +196,14 @@ def print_plan(p, out) -> None:
     from rich import box
     from rich.table import Table
 
-    from vramguard.cli.render import short_label
+    from vramguard.cli.render import short_label, source_label
     s = p.settings
     how = (f"tp_plan='auto' over {len(p.cards)} ranks, {p.split.kv_heads_per_rank} KV heads per rank"
            if p.layout == "tp" else f"device_map='{p.device_map}' over {len(p.cards)} cards")
     out.print(f"[bold]vramguard plan[/bold] - {p.model.name}: {s.quant}, prompt {s.prompt_tokens:,} + "
               f"{s.max_new_tokens:,} new tokens, batch {s.batch}; {how}")
+    if source_label(p.model) != p.model.name:
+        out.print(f"({source_label(p.model)})", highlight=False)
     t = Table(title="Per card (GiB): weights, KV cache of its layers, activations, allocator reserve, CUDA context "
               "+ cuBLAS workspace", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
     for col in ("card", "weights", "KV", "act.", "resv.", "ctx.", "need", "memory", "fits"):

@@ -269,12 +269,32 @@ def allocator_line(est) -> str:
             "1/100 of the room above it free")
 
 
+_TUNED = ("instruct", "chat", "-it")  # how the catalog's repositories name an instruction-tuned checkpoint
+
+
+def source_label(spec) -> str:
+    """Where a plan's config comes from, in words: for a catalog name, the repository whose config the catalog
+    holds and whether that is an instruction-tuned (Instruct, chat, -it) or a base checkpoint, since the name
+    (``llama-3.1-8b``) says neither; any other source as it is."""
+    import re
+    m = re.fullmatch(r"catalog \((.+)\)", spec.source or "")
+    if not m:
+        return spec.source
+    repo = m.group(1)
+    if repo == spec.name:
+        return "the catalog's copy"
+    tuned = any(t in repo.lower() for t in _TUNED)
+    kind = "an instruction-tuned checkpoint" if tuned else "a base checkpoint"
+    return f"catalog: the config of {repo}, {kind}; pass a Hub id for another"
+
+
 def print_plan(p: Plan, console: Console | None = None) -> None:
     """Human-readable plan on stdout: components, cards, findings and ranked changes."""
     c = console or Console()
     est, spec = p.estimate, p.model
-    src = "the catalog's copy" if spec.source == f"catalog ({spec.name})" else spec.source
-    c.print(f"[bold]vramguard plan[/bold] - {spec.name}" + ("" if src == spec.name else f"  ({src})"))
+    src = source_label(spec)
+    c.print(f"[bold]vramguard plan[/bold] - {spec.name}" + ("" if src == spec.name else f"  ({src})"),
+            highlight=False)
     n = est.weights.parameter_count
     params = f"{n / 1e9:.2f} B" if n >= 1e8 else f"{n / 1e6:.2f} M"
     c.print(f"{spec.num_layers} layers, hidden {spec.hidden_size}, {spec.num_heads} heads / {spec.num_kv_heads} KV "
