@@ -68,13 +68,10 @@ def plan(
     run_guarded(eng.refuse_vllm_options, vllm_args)
     from vramguard.plan import plan as plan_fn
     from vramguard.settings import Settings
-
     if list_models or list_gpus:
         return _print_catalog(list_models, list_gpus)
-
     from vramguard.cli.multigpu import wants_cards
     several = wants_cards(gpus, tp, gpu, vram) or max_memory is not None or device_map != "auto"
-
     notes: list[str] = []  # said once the plan is made: an error comes alone
 
     def build():
@@ -96,10 +93,7 @@ def plan(
             return plan_cards(spec, s, (gpus, tp, gpu, vram), context, device_map, max_memory)
         return plan_fn(spec, s, gpu=gpu, vram=vram, context=context, alloc_conf=_alloc_conf(alloc_conf))
 
-    made = run_guarded(build, as_json=fmt == Format['json'])
-    for note in notes:
-        say(note)
-    _emit(made, several, fmt == Format['json'], exit_code)
+    _emit(run_guarded(build, as_json=fmt == Format['json']), several, fmt == Format['json'], exit_code, notes)
 
 
 def _required_model(model: str | None) -> str:
@@ -162,8 +156,11 @@ def _plan_vllm(model: str, gpu: str | None, vram: str | None, args, as_json: boo
         raise typer.Exit(1)
 
 
-def _emit(p, several: bool, as_json: bool, exit_code: bool) -> None:
-    """Print a plan (JSON or the tables); exit 1 with ``--exit-code`` when it fits none of the cards."""
+def _emit(p, several: bool, as_json: bool, exit_code: bool, notes: list[str]) -> None:
+    """Say ``notes`` on stderr, print a plan (JSON or the tables); exit 1 with ``--exit-code`` when it fits none of
+    the cards."""
+    for note in notes:
+        say(note)
     from vramguard.cli.render import plan_to_json, print_plan
     if several:
         from vramguard.cli.multigpu import emit

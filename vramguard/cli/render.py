@@ -293,8 +293,7 @@ def print_plan(p: Plan, console: Console | None = None) -> None:
     c = console or Console()
     est, spec = p.estimate, p.model
     src = source_label(spec)
-    c.print(f"[bold]vramguard plan[/bold] - {spec.name}" + ("" if src == spec.name else f"  ({src})"),
-            highlight=False)
+    c.print(f"[bold]vramguard plan[/bold] - {spec.name}" + ("" if src == spec.name else f"  ({src})"))
     n = est.weights.parameter_count
     params = f"{n / 1e9:.2f} B" if n >= 1e8 else f"{n / 1e6:.2f} M"
     c.print(f"{spec.num_layers} layers, hidden {spec.hidden_size}, {spec.num_heads} heads / {spec.num_kv_heads} KV "
