@@ -14,8 +14,9 @@ Every target runs the same engine arguments (:meth:`VllmPlan.flags`). Shapes fol
 
 Pods get ``nvidia.com/gpu`` = tensor x pipeline parallel GPUs (one node), host memory for the engine, the whole
 checkpoint and the KV offloaded to the CPU (:func:`host_memory_bytes`), a memory-backed ``/dev/shm`` at TP/PP >= 2
-(NCCL and vLLM's shared-memory broadcast), a node selector on ``nvidia.com/gpu.product`` (the label GPU Feature Discovery sets: the NVML product name with spaces
-replaced by ``-``), and startup/readiness/liveness probes on vLLM's ``/health``.
+(NCCL and vLLM's shared-memory broadcast), a node selector on ``nvidia.com/gpu.product`` (the label GPU Feature
+Discovery sets: the NVML product name with spaces replaced by ``-``), and startup/readiness/liveness probes on
+vLLM's ``/health``.
 """
 
 from __future__ import annotations
