@@ -629,3 +629,24 @@ def test_a_catalog_name_says_which_checkpoint_it_plans(name, says):
     assert r.stdout.splitlines()[0] == f"vramguard plan - {name}  ({says}; pass a Hub id for another)"
     r = run_cli("plan", name, "--gpus", "2", "--gpu", "h100", columns="300")
     assert r.stdout.splitlines()[1] == f"({says}; pass a Hub id for another)"
+
+
+def test_cublas_not_initialized_is_explained_as_a_shortage_but_not_retried():
+    pytest.importorskip("torch")
+    from vramguard.explain import explain
+    from vramguard.runtime.device import OOM_MARKERS, is_oom
+    text = "RuntimeError: CUDA error: CUBLAS_STATUS_NOT_INITIALIZED when calling `cublasCreate(handle)`"
+    assert explain(text).kind == "cublas_alloc"  # a person is told the likely shortage
+    assert not is_oom(RuntimeError(text))  # a run does not retry on it: it can be a driver or context fault
+    assert is_oom(RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"))
+    assert "CUBLAS_STATUS_NOT_INITIALIZED" not in " ".join(OOM_MARKERS)
+
+
+def test_check_says_the_verbs_set_expandable_segments_themselves(monkeypatch):
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    r = run_cli("check", "--format", "json", columns="300")
+    f = _findings(r)["PYTORCH_CUDA_ALLOC_CONF"]
+    assert (f["level"], f["value"]) == ("info", "unset")
+    assert "vramguard run, profile, fit and serve turn them on for their own process" in f["message"]
+    assert f["fix"] == "for your own scripts only: export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
