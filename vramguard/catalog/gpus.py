@@ -149,10 +149,9 @@ GPUS: dict[str, GpuSpec] = {g.name: g for g in [
            "has about 1/16 less, as the RTX 6000 Ada below: plan with its own total then)"),
     _reported("rtx-6000-ada", "NVIDIA RTX 6000 Ada Generation", "44.43", 48, (8, 9), 960,
               "github.com/DINGYANB/MTVCrafter/issues/21 (ECC on; nvidia-smi 46,068 MiB)"),
-    _g("a10", "NVIDIA A10", "22.00", 24, (8, 6), 600,
-       "no report of this card's total found; planned at 22.00 GiB like its cloud twin, the A10G (about 22 GB with "
-       "ECC on: github.com/huggingface/local-gemma/pull/25); its nvidia-smi total, 23,028 MiB, is 6 MiB below the "
-       "L4's, which CUDA reports as 22.03 GiB (both: github.com/modal-labs/modal-client/pull/2797)"),
+    _reported("a10", "NVIDIA A10", "21.99", 24, (8, 6), 600,
+              "github.com/zai-org/CogVLM/issues/236 (Lambda's A10 instance, ECC on; the lowest found: 22.18 GiB in "
+              "github.com/OpenBMB/MiniCPM-V/issues/640)"),
     _g("a10g", "NVIDIA A10G", "22.00", 24, (8, 6), 600,
        "about 22 GB with ECC on by default (github.com/huggingface/local-gemma/pull/25); 22.49 GiB with ECC off "
        "(github.com/AUTOMATIC1111/stable-diffusion-webui/issues/1259); planned at 22.00 GiB, the low end"),
@@ -167,6 +166,9 @@ GPUS: dict[str, GpuSpec] = {g.name: g for g in [
               "github.com/levihsu/OOTDiffusion/issues/235 and github.com/HiDream-ai/VAREdit/issues/6"),
     _reported("h100-80gb", "NVIDIA H100 80GB", "79.11", 80, (9, 0), 3350,
               "github.com/vllm-project/vllm/issues/27508 (an H100 80GB HBM3)"),
+    _reported("h100-nvl", "NVIDIA H100 NVL", "93.00", 94, (9, 0), 3900,
+              "github.com/ali-vilab/VACE/issues/56 (an H100 NVL 94GB on RunPod; its NVML total, 99,961,274,368 B, "
+              "in github.com/fastfetch-cli/fastfetch/issues/1658)"),
     _g("h200", "NVIDIA H200", 150_109_880_320, 141, (9, 0), 4800,
        "torch total_memory measured on an H200 (143,156 MiB; benchmarks/results/h200_matrix; nvidia-smi shows "
        "143,771 MiB)"),

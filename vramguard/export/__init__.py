@@ -36,6 +36,7 @@ SHM_BYTES = 2 * GiB
 # catalog card -> the nvidia.com/gpu.product values its variants carry (NVML names, spaces as "-")
 GPU_PRODUCTS: dict[str, tuple[str, ...]] = {
     "h200": ("NVIDIA-H200",), "h100-80gb": ("NVIDIA-H100-80GB-HBM3", "NVIDIA-H100-PCIe"),
+    "h100-nvl": ("NVIDIA-H100-NVL",),
     "a100-80gb": ("NVIDIA-A100-SXM4-80GB", "NVIDIA-A100-80GB-PCIe"),
     "a100-40gb": ("NVIDIA-A100-SXM4-40GB", "NVIDIA-A100-PCIE-40GB"), "l40s": ("NVIDIA-L40S",), "l4": ("NVIDIA-L4",),
     "a10g": ("NVIDIA-A10G",), "a10": ("NVIDIA-A10",), "t4": ("Tesla-T4",),
