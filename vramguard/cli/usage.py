@@ -11,8 +11,8 @@ import re
 from vramguard.errors import InvalidValue
 
 # click's and pydantic's words for a value of the wrong type -> what is accepted
-_TYPE_WORDS = (("valid integer", "an integer"), ("valid number", "a number"), ("valid boolean", "true or false"),
-               ("is not a valid integer", "an integer"), ("is not a valid float", "a number"))
+_TYPE_WORDS = (("valid integer", "an integer"), ("valid number", "a number"), ("valid float", "a number"),
+               ("valid boolean", "true or false"))
 _CHOICES = re.compile(r"'([^']*)' is not one of (.+?)\.?$")
 
 
