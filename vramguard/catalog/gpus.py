@@ -94,9 +94,6 @@ def _props(name: str, label: str, mib: int, marketed_gib: int, cc: tuple[int, in
 
 
 _OOM = "PyTorch's out-of-memory message ('{} GiB total capacity') in "
-_16GB_GDDR = ("no report of this card's total found; planned at 15.61 GiB, what the 16 GB GDDR6 RTX A4000 reports "
-              "(" + _OOM.format("15.61") + "github.com/DengKaiCQ/VGGT-Long/issues/6), as its driver reserves "
-              "memory the same way")
 
 
 def _reported(name: str, label: str, gib: str, marketed_gib: int, cc: tuple[int, int], bw_gbs: int,
@@ -130,7 +127,8 @@ GPUS: dict[str, GpuSpec] = {g.name: g for g in [
               "github.com/GaoLii/DSP/issues/10; torch prints total_memory=24268MB (transformers' GPU docs)"),
     _reported("rtx-4060", "NVIDIA GeForce RTX 4060", "7.75", 8, (8, 9), 272,
               "github.com/ESRSchao/EdgeRegNet/issues/2"),
-    _g("rtx-4060-ti-16gb", "NVIDIA GeForce RTX 4060 Ti 16GB", "15.61", 16, (8, 9), 288, _16GB_GDDR),
+    _reported("rtx-4060-ti-16gb", "NVIDIA GeForce RTX 4060 Ti 16GB", "15.55", 16, (8, 9), 288,
+              "github.com/boson-ai/higgs-audio/issues/48 (an RTX 4060 Ti 16GB, no other process on the card)"),
     _g("rtx-4070", "NVIDIA GeForce RTX 4070", "11.72", 12, (8, 9), 504,
        "no CUDA total found; nvidia-smi shows 12,282 MiB (github.com/meta-llama/llama/issues/466), 6 MiB less than "
        "the RTX 3060's 12,288 MiB that CUDA reports as 11.75 GiB; planned at 11.72 GiB, that gap and 6 MiB less"),
