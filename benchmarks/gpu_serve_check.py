@@ -4,9 +4,10 @@
 * "eager": the same attention, every step run eagerly (``vramguard.serve.engine.GRAPHS = False``);
 * "stock": transformers' paged SDPA (``vramguard.serve.attention.ENABLED = False``), as before.
 
-"graphs" must equal "eager" token for token (same kernels, same split of the keys; the graphs pad the step to a
-power of two of requests, and the padding rows are never read). Against "stock" (another attention kernel, other
-bfloat16 rounding) the record gives the shared prefix of each request. Requests: ``--requests`` prompts of
+"graphs" also runs the 4-bit projections of decode steps through vramguard's kernels where the engine's start-up
+timing chose them (``vramguard.serve.decode_graphs.choose_gemm``; the register lookup rounds the NF4 code to
+bfloat16), so like "stock" (another attention kernel) it may round differently from "eager": the record gives the
+shared prefix of each request for both (on random weights any two paths diverge after a few greedy tokens). Requests: ``--requests`` prompts of
 ``--prompt`` random token ids, with max_tokens alternating ``--new`` and ``--new // 2`` so the batch shrinks mid-way
 (graphs of two sizes, with padding rows).
 

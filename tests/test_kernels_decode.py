@@ -96,7 +96,8 @@ def test_gemm_4bit_route_takes_small_calls_and_leaves_the_rest():
     x1, x9 = torch.randn(1, 1, 256).bfloat16(), torch.randn(9, 256).bfloat16()
     want1, want9 = op(x1, q, [32, 256], st.state2.absmax, 64, "nf4", **kw), op(x9, q, [32, 256], st.state2.absmax,
                                                                                64, "nf4", **kw)
-    mode = nf4.gemm_4bit_route()
+    from vramguard.run.kernels.route import gemm_4bit_route
+    mode = gemm_4bit_route()
     with mode:
         got1 = op(x1, q, [32, 256], st.state2.absmax, 64, "nf4", **kw)
         got9 = op(x9, q, [32, 256], st.state2.absmax, 64, "nf4", **kw)

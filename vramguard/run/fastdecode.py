@@ -253,7 +253,7 @@ class GraphDecoder:
                 self.model.set_attn_implementation(register())
                 stack.callback(self.model.set_attn_implementation, before)
             if self._nf4:
-                from vramguard.run.kernels.nf4 import gemm_4bit_route
+                from vramguard.run.kernels.route import gemm_4bit_route
                 self._route = stack.enter_context(gemm_4bit_route())
             yield
 

@@ -11,6 +11,11 @@ also need the block-diagonal mask. Here only decode-only steps are captured, pad
 A padding request has no query token (its offsets plateau), writes its key and value to the cache's trash row and
 reuses a real request's sampling arguments; its token is never read. Steps with a prefill run as before.
 
+Inside a decode step bitsandbytes' ``gemm_4bit`` calls of 2 to 64 rows go to vramguard's 4-bit kernels
+(:func:`choose_gemm`: the fused GEMV up to 8 rows, the small-batch GEMM of :mod:`vramguard.run.kernels.nf4_gemm`
+above), which read the packed weights once instead of dequantizing each weight to bfloat16 first; they are checked
+against bitsandbytes' own output at start, and bitsandbytes' own kernels run when the check fails.
+
 It needs the varlen attention (:mod:`vramguard.serve.attention`), which reads nothing back to the host in a decode
 step, and transformers 5.17's batch layout (``ContinuousBatchingIOs``: the static bulk tensors, ``write_index`` /
 ``read_index`` storage, ``compute_stream``); :func:`unsupported` says why not when they are missing. A capture that
@@ -19,6 +24,7 @@ fails turns the graphs off for the engine (the step's result comes from the eage
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 log = logging.getLogger("vramguard.serve")
@@ -26,6 +32,9 @@ log = logging.getLogger("vramguard.serve")
 SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # requests a decode graph is padded to
 MIN_KEYS = 1024  # the smallest longest-request key bucket (keys per request a graph's split plan covers)
 MAX_GRAPHS = 48  # captured graphs kept per engine (each pair of buckets once)
+GEMM = True  # False: decode steps keep bitsandbytes' own 4-bit matmul (for comparisons)
+CHECK_ROWS = (2, 4, 8, 16, 32, 64)  # rows at which choose_gemm compares the 4-bit kernels with bitsandbytes
+TIMED_ROWS = {"gemv": 8, "gemm": 64}  # rows at which choose_gemm times them against bitsandbytes, per kind
 _IO_FIELDS = ("input_ids", "position_ids", "cumulative_seqlens_q", "cumulative_seqlens_k", "logits_indices",
               "write_index_storage", "read_index_storage", "compute_stream", "num_q_tokens", "num_request_in_batch",
               "total_seqlen_k", "get_model_kwargs", "get_cb_kwargs", "retrieve_device_outputs", "_write_trash_index")
@@ -46,6 +55,52 @@ def unsupported(bp) -> str | None:
     return None
 
 
+def choose_gemm(model) -> tuple[object | None, str | None]:
+    """The 4-bit matmul of decode steps: a factory of :func:`vramguard.run.kernels.route.gemm_4bit_route` (the fused
+    GEMV up to 8 rows, :mod:`vramguard.run.kernels.nf4_gemm` up to 64) when every bitsandbytes 4-bit projection
+    shape of ``model`` agrees with bitsandbytes' own output at each of :data:`CHECK_ROWS` rows
+    (:func:`~vramguard.run.kernels.selftest.check_4bit_layers_or_gather`), each shape and kind (GEMV, GEMM)
+    running the path its GPU timing at :data:`TIMED_ROWS` rows finds fastest, bitsandbytes' own included
+    (:func:`~vramguard.run.kernels.selftest.fastest_4bit_paths`). None: bitsandbytes' own runs everywhere.
+    Returns (the factory or None, a note for the engine's notes, None when the model has no 4-bit layer)."""
+    import functools
+
+    import torch
+    if not any(getattr(getattr(m, "weight", None), "quant_state", None) is not None for m in model.modules()):
+        return None, None
+    if not GEMM:
+        return None, "decode steps: bitsandbytes' 4-bit matmul (vramguard's switched off)"
+    from vramguard.run.kernels import nf4_gemm
+    from vramguard.run.kernels.route import gemm_4bit_route
+    from vramguard.run.kernels.selftest import check_4bit_layers_or_gather, fastest_4bit_paths
+    route = functools.partial(gemm_4bit_route, nf4_gemm.MAX_ROWS)
+    p = next(model.parameters())
+    dtype = model.dtype if model.dtype.is_floating_point else p.dtype
+    choice, times = {}, []
+    try:
+        with torch.inference_mode():
+            if p.is_cuda:  # the fastest path per shape and kind first, then a check of those paths at every size
+                choice, times = fastest_4bit_paths(model, route, dtype, TIMED_ROWS)
+            notes = [check_4bit_layers_or_gather(model, functools.partial(route, choice), dtype, rows=rows,
+                                                 every_shape=True) for rows in CHECK_ROWS]
+    except Exception as e:  # noqa: BLE001 - a kernel that fails to compile or disagrees is not used: say why
+        if isinstance(e, torch.OutOfMemoryError):
+            raise
+        return None, (f"decode steps: bitsandbytes' 4-bit matmul (vramguard's failed its check: "
+                      f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})")
+    timed = "; ".join(f"{t['shape'][0]}x{t['shape'][1]} at {t['rows']} rows: "
+                      + ", ".join(f"{k[:-3]} {v:g}" for k, v in t.items() if k.endswith("_us"))
+                      + (f" (failed: {t['failed']})" if "failed" in t else "") for t in times)
+    if times and all(v == "bnb" for v in choice.values()):
+        return None, f"decode steps: bitsandbytes' 4-bit matmul (the fastest here for every shape, us a call: {timed})"
+    extra = "; ".join(n for n in notes if n)
+    return functools.partial(route, choice), (
+        "decode steps: vramguard's 4-bit matmul for 2 to 64 rows (Triton), the fastest path per shape and kind, "
+        f"checked against bitsandbytes on every projection shape at {', '.join(map(str, CHECK_ROWS))} rows "
+        f"({', '.join(f'{n}x{k} {kind}: {v}' for (n, k, kind), v in choice.items())}; GPU us per call: {timed})"
+        + (f"; {extra}" if extra else ""))
+
+
 def _bucket(n: int, floor: int = 1) -> int:
     b = floor
     while b < n:
@@ -56,8 +111,9 @@ def _bucket(n: int, floor: int = 1) -> int:
 class DecodeGraphs:
     """The captured decode steps of one engine and the static inputs they read (sized for ``max_requests``)."""
 
-    def __init__(self, bp, max_requests: int):
+    def __init__(self, bp, max_requests: int, route=None):
         import torch
+        self.route = route  # None, or a factory of the context that routes the 4-bit matmul (choose_gemm)
         io = bp.inputs_and_outputs
         self.size_max = next((s for s in SIZES if s >= max_requests), SIZES[-1])
         dev = io.input_ids.device
@@ -149,11 +205,14 @@ class DecodeGraphs:
                 graph.replay()
             self.replays += 1
         else:
-            with torch.cuda.stream(stream):
+            with torch.cuda.stream(stream), self._routed():
                 runner._forward_process_and_sample(*args)
             if len(self.graphs) < MAX_GRAPHS:
                 self._capture(runner, args, stream, (size, keys))
         io.retrieve_device_outputs()
+
+    def _routed(self):
+        return self.route() if self.route is not None else contextlib.nullcontext()
 
     def _capture(self, runner, args, stream, key) -> None:
         import torch
@@ -162,7 +221,8 @@ class DecodeGraphs:
             if self.pool is None:
                 self.pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool, stream=stream, capture_error_mode="thread_local"):
+            with torch.cuda.graph(graph, pool=self.pool, stream=stream, capture_error_mode="thread_local"), \
+                    self._routed():
                 runner._forward_process_and_sample(*args)
             self.graphs[key] = graph
             log.info("decode graph captured for %d requests, %d keys per request", *key)

@@ -181,6 +181,7 @@ class Engine:
         self._cache = None
         self._graphs = None  # DecodeGraphs, made in the engine thread at the first step (None: not (yet) made)
         self.graphs_wanted = False  # decode-only steps from CUDA graphs (set when the varlen attention runs)
+        self._gemm_route = None  # the decode graphs' 4-bit matmul route (decode_graphs.choose_gemm), or None
         self.vocab_size = int(model.config.get_text_config().vocab_size)
 
     # ------------------------------------------------------------------ lifecycle
@@ -232,6 +233,11 @@ class Engine:
         if note is not None:
             self.notes.append(note)
         self.graphs_wanted = switched_from is not None and GRAPHS
+        if self.graphs_wanted:
+            from vramguard.serve.decode_graphs import choose_gemm
+            self._gemm_route, note = choose_gemm(self.model)
+            if note is not None:
+                self.notes.append(note)
         self._manager.vg_engine = self
         self.attn_implementation = self.model.config._attn_implementation
         if self.attn_implementation != before and switched_from is None:
@@ -507,7 +513,7 @@ class Engine:
                 self.graphs_wanted = False
                 self.notes.append(f"decode steps: eager, without CUDA graphs ({why})")
                 return None
-            self._graphs = (bp, DecodeGraphs(bp, self.pool.max_requests))
+            self._graphs = (bp, DecodeGraphs(bp, self.pool.max_requests, self._gemm_route))
             self.notes.append("decode steps: CUDA graphs (vramguard.serve.decode_graphs), captured at the first "
                               "step of each size")
         return self._graphs[1]

@@ -1,8 +1,10 @@
 """``kernels``: Triton kernels for batch-1 and small-batch decoding, each beside a pure-torch reference of its math.
 
 * :mod:`vramguard.run.kernels.nf4`: bitsandbytes 4-bit weights (NF4 / FP4, double quant included) times a few rows of
-  activations, read from the packed bytes as bitsandbytes stores them; and a dispatch mode that routes
-  bitsandbytes' ``gemm_4bit`` op to it.
+  activations, read from the packed bytes as bitsandbytes stores them.
+* :mod:`vramguard.run.kernels.nf4_gemm`: the same weights times 9 to 64 rows (a continuous-batching decode step) on
+  the tensor cores, each packed byte read once; :mod:`vramguard.run.kernels.route` sends bitsandbytes' ``gemm_4bit``
+  calls to the GEMV or the GEMM.
 * :mod:`vramguard.run.kernels.decode_attention`: one query token against a static KV cache, GQA without copying the
   cache, over the filled length only (read on the device, so one CUDA graph serves every length).
 

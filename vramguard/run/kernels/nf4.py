@@ -19,8 +19,8 @@ byte permutes (:func:`lut_asm`, the table rounded to bfloat16, for 16-bit ``x`` 
 float32 table (float32 ``x``, Triton's interpreter, or :data:`LUT` off). :func:`reference_matmul` is the same math
 in torch (float64 on request) for the tests and the GPU check.
 
-:func:`gemm_4bit_route` gives a ``TorchDispatchMode`` that sends bitsandbytes' ``gemm_4bit`` calls with at most
-:data:`MAX_ROWS` rows to :func:`matmul_4bit` and leaves every other call to bitsandbytes, counting both.
+:func:`vramguard.run.kernels.route.gemm_4bit_route` sends bitsandbytes' ``gemm_4bit`` calls with at most
+:data:`MAX_ROWS` rows to :func:`matmul_4bit`.
 """
 
 from __future__ import annotations
@@ -264,73 +264,3 @@ def matmul_4bit(x, packed, shape, blocksize: int, code, absmax, absmax2=None, co
         M_PAD=triton.next_power_of_2(rows), num_warps=num_warps or default_warps(k, rows),
         LUT_ASM=_lut_string(code) if (LUT if lut is None else lut) and pairs and x.device.type == "cuda" else "")
     return out.view(*x.shape[:-1], n)
-
-
-def _route_reason(a, shape, blocksize: int, quant_type: str, absmax, absmax_8bit) -> str | None:
-    """Why a ``gemm_4bit`` call stays with bitsandbytes (None: :func:`matmul_4bit` takes it)."""
-    k = int(shape[1])
-    rows = a.numel() // max(k, 1)
-    if rows > MAX_ROWS:
-        return f"{rows} rows (more than {MAX_ROWS})"
-    if quant_type not in ("nf4", "fp4"):
-        return f"quant_type {quant_type!r}"
-    if k % blocksize or blocksize % 2:
-        return f"K {k} not a multiple of blocksize {blocksize}"
-    if absmax_8bit is not None and absmax.numel() * SECOND_LEVEL_BLOCK < absmax_8bit.numel():
-        return "second-level absmax shorter than 256 blocks each"
-    return None
-
-
-def _route_gemm_4bit(args, kwargs, counts: dict):
-    """Run one ``bitsandbytes::gemm_4bit`` call's arguments through :func:`matmul_4bit`, or return None."""
-    names = ("A", "B", "shapeB", "absmax", "blocksize", "quant_type", "bias", "absmax_8bit", "absmax_code",
-             "absmax_offset")
-    v = dict(zip(names, args))
-    v.update(kwargs)
-    a, absmax, a8 = v["A"], v["absmax"], v.get("absmax_8bit")
-    why = _route_reason(a, v["shapeB"], v["blocksize"], v["quant_type"], absmax, a8)
-    if why is not None:
-        counts["declined"] = counts.get("declined", 0) + 1
-        counts.setdefault("declined_why", why)
-        return None
-    code = code_table(v["quant_type"], a.device)
-    if a8 is not None:
-        out = matmul_4bit(a, v["B"], v["shapeB"], v["blocksize"], code, a8, absmax, v["absmax_code"],
-                          v["absmax_offset"], bias=v.get("bias"))
-    else:
-        out = matmul_4bit(a, v["B"], v["shapeB"], v["blocksize"], code, absmax, bias=v.get("bias"))
-    counts["routed"] = counts.get("routed", 0) + 1
-    return out
-
-
-def gemm_4bit_route():
-    """A ``TorchDispatchMode`` (a context manager) that sends bitsandbytes' ``gemm_4bit`` calls of at most
-    :data:`MAX_ROWS` rows to :func:`matmul_4bit`; every other op, and larger calls, run unchanged. Its ``counts``
-    dict says how many calls were routed and declined (with the first reason). bitsandbytes' ``Linear4bit``
-    reaches ``gemm_4bit`` from ``bitsandbytes.matmul_4bit`` in inference (bitsandbytes >= 0.50).
-
-    Raises:
-        RuntimeError: bitsandbytes has no ``gemm_4bit`` op (an older version), so nothing could be routed.
-    """
-    import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
-    try:
-        import bitsandbytes  # noqa: F401 -- registers the bitsandbytes ops
-        target = torch.ops.bitsandbytes.gemm_4bit.default
-    except (ImportError, AttributeError, RuntimeError) as e:
-        raise RuntimeError(f"bitsandbytes has no gemm_4bit op to route ({type(e).__name__}: {e})") from e
-
-    class Gemm4bitRoute(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.counts: dict = {}
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            kwargs = kwargs or {}
-            if func is target:
-                out = _route_gemm_4bit(args, kwargs, self.counts)
-                if out is not None:
-                    return out
-            return func(*args, **kwargs)
-
-    return Gemm4bitRoute()

@@ -210,6 +210,17 @@ def decode_attention_varlen(q, k, v, cu_q, cu_k, out, max_len: int, scaling: flo
                                  S_PAD=max(2, triton.next_power_of_2(splits)), HAS_SEQ=has_seq, num_warps=4)
 
 
+def _prefill_backends(q):
+    """On CUDA, SDPA limited to its flash, memory-efficient and math backends for the step's prefills: the cuDNN
+    backend (first in PyTorch's order on an H100/H200) builds an execution plan at the first call of each new
+    (query, key) length pair, and a prefill chunk's lengths change with the step's mix of requests."""
+    import contextlib
+    if not q.is_cuda:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+
 def prefill_attention(q, k, v, out, scaling: float) -> None:
     """One request's causal attention (bottom-right aligned) by PyTorch's SDPA, written into ``out``.
     ``q``/``out`` ``[lq, H, D]``, ``k``/``v`` ``[lk, Hkv, D]`` with ``lk >= lq``."""
@@ -249,14 +260,15 @@ def varlen_attention(q, k, v, cu_q, cu_k, max_q: int, max_k: int, scaling: float
         return out
     lq, lk, seqs = host if host is not None else host_offsets(cu_q, cu_k, use_triton)
     decodes = []
-    for s in range(len(lq) - 1):
-        if lq[s + 1] - lq[s] == 1 and use_triton:
-            decodes.append(s)
-        elif lq[s + 1] > lq[s]:
-            keys = slice(lk[s], lk[s + 1])
-            ks, vs = (k[keys], v[keys]) if read_index is None else (k.index_select(0, read_index[keys]),
-                                                                    v.index_select(0, read_index[keys]))
-            prefill_attention(q[lq[s]:lq[s + 1]], ks, vs, out[lq[s]:lq[s + 1]], scaling)
+    with _prefill_backends(q):
+        for s in range(len(lq) - 1):
+            if lq[s + 1] - lq[s] == 1 and use_triton:
+                decodes.append(s)
+            elif lq[s + 1] > lq[s]:
+                keys = slice(lk[s], lk[s + 1])
+                ks, vs = (k[keys], v[keys]) if read_index is None else (k.index_select(0, read_index[keys]),
+                                                                        v.index_select(0, read_index[keys]))
+                prefill_attention(q[lq[s]:lq[s + 1]], ks, vs, out[lq[s]:lq[s + 1]], scaling)
     if decodes:
         longest = max(lk[s + 1] - lk[s] for s in decodes)
         decode_attention_varlen(q, k, v, cu_q, cu_k, out, longest, scaling, read_index=read_index, seqs=seqs,
