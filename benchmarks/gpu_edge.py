@@ -9,7 +9,8 @@ bracket is at most ``--step`` tokens or ``--run-seconds`` have passed (``--probe
 the batch or switch the attention). Written to ``--out`` (JSON lines): the segments after load and after warm-up,
 each run (peak allocated and reserved, OOM message), and for every run the allocator's trace
 (``torch.cuda.memory._record_memory_history``: alloc, free_completed, segment_alloc/free/map/unmap and oom, each
-with address and size; an ``oom`` entry carries the free device bytes instead of an address) gzipped beside it.
+with address and size; an ``oom`` entry carries the free device bytes instead of an address) gzipped beside it,
+and the trace of the load and warm-up (``trace_TAG_load.json.gz``).
 
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python benchmarks/gpu_edge.py --ckpt /dev/shm/llama \\
         --arch llama-3.1-8b --quant nf4 --attn sdpa --cap-gib 24 --lo 65280 --hi 80012 --out edge.jsonl
@@ -41,7 +42,8 @@ def segments() -> list[dict]:
     """The allocator's segments: total and allocated bytes, pool, and the (size, state) of each block."""
     out = []
     for seg in torch.cuda.memory_snapshot():
-        out.append({"total": seg["total_size"], "allocated": seg["allocated_size"], "type": seg["segment_type"],
+        out.append({"address": seg["address"], "total": seg["total_size"], "allocated": seg["allocated_size"],
+                    "type": seg["segment_type"],
                     "blocks": [[b["size"], b["state"][0]] for b in seg["blocks"]]})
     return out
 
@@ -122,6 +124,7 @@ def main() -> None:
     emit(args.out, {"kind": "versions", "tag": tag, "torch": torch.__version__, "transformers":
                     transformers.__version__, "alloc_conf": conf, "cap_gib": args.cap_gib, "total": total,
                     "allowed": int(args.cap_gib * GiB / total * total)})
+    torch.cuda.memory._record_memory_history(max_entries=900000, context=None)  # the load and warm-up, too
     model = load(args.ckpt, args.quant, args.attn)
     emit(args.out, {"kind": "loaded", "tag": tag, "allocated": torch.cuda.memory_allocated(),
                     "reserved": torch.cuda.memory_reserved(), "peak_reserved": torch.cuda.max_memory_reserved(),
@@ -132,6 +135,9 @@ def main() -> None:
     torch.cuda.empty_cache()
     emit(args.out, {"kind": "warm", "tag": tag, "allocated": torch.cuda.memory_allocated(),
                     "reserved": torch.cuda.memory_reserved(), "segments": segments()})
+    with gzip.open(os.path.join(os.path.dirname(args.out), f"trace_{tag}_load.json.gz"), "wt") as f:
+        json.dump(trace(), f, separators=(",", ":"))
+    torch.cuda.memory._record_memory_history(enabled=None)
     vocab = model.config.get_text_config().vocab_size
     lo, hi, n = args.lo, args.hi, 0
     todo = [parse_probe(p) for p in args.probe]

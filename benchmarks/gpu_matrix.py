@@ -7,6 +7,11 @@ for every (attention, prompt, batch) under a per-process cap (``torch.cuda.set_p
 One JSON line per event is appended to ``--out``: the load (weights bytes and a breakdown), and every case
 (peak allocated during prefill and during decode, peak reserved, non-PyTorch memory, OOM message).
 
+``--trace-dir``: for every case, the large pool's part of the caching allocator's own record
+(``torch.cuda.memory._record_memory_history``: every alloc, free and segment event above 1 MiB, and the segments
+at the case's start with their addresses), gzipped JSON beside the results. ``--keep-ckpt``: a checkpoint already
+at ``--ckpt-dir``/ARCH is used as it is and kept.
+
 Run on the GPU machine (see benchmarks/README.md for the exact command and the recorded results)::
 
     python benchmarks/gpu_matrix.py --archs llama-3.1-8b llama-2-7b --out results.jsonl
@@ -88,7 +93,26 @@ class PhaseTracker:
         pass
 
 
-def run_case(model, vocab, batch, prompt, new, seed=0):
+K_SMALL = 1 << 20  # c10/cuda/CUDACachingAllocator.cpp kSmallSize: larger requests go to the large pool
+
+
+def large_segments() -> list[list]:
+    """The large pool's segments: [address, total, [[address, size, state], ...]] (state "a"ctive or "i"nactive)."""
+    return [[s["address"], s["total_size"], [[b.get("address"), b["size"], b["state"][0]] for b in s["blocks"]]]
+            for s in torch.cuda.memory_snapshot() if s["segment_type"] == "large"]
+
+
+def large_trace() -> list[list]:
+    """[action, address, size] of the recorded trace above 1 MiB (an "oom" entry carries the free device bytes);
+    small-pool segments are 2 MiB, so segment events of 2 MiB are left out too."""
+    snap = torch.cuda.memory._snapshot()
+    keep = ("alloc", "free_completed", "segment_alloc", "segment_free", "segment_map", "segment_unmap", "oom")
+    return [[e["action"], e.get("addr", e.get("device_free")), e["size"]] for t in snap.get("device_traces", [])
+            for e in t if e["action"] in keep
+            and (e["size"] > (2 * K_SMALL if e["action"].startswith("segment") else K_SMALL) or e["action"] == "oom")]
+
+
+def run_case(model, vocab, batch, prompt, new, seed=0, trace_path=None):
     g = torch.Generator(device="cpu").manual_seed(seed)
     ids = torch.randint(100, vocab - 100, (batch, prompt), generator=g).cuda()
     mask = torch.ones_like(ids)
@@ -97,6 +121,9 @@ def run_case(model, vocab, batch, prompt, new, seed=0):
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
+    start_segments = large_segments() if trace_path else None
+    if trace_path:
+        torch.cuda.memory._record_memory_history(max_entries=2_000_000, context=None)
     t0 = time.perf_counter()
     rec = {"batch": batch, "prompt": prompt, "new": new, "base_allocated": base}
     try:
@@ -116,6 +143,13 @@ def run_case(model, vocab, batch, prompt, new, seed=0):
         rec.update(ok=False, oom=True, secs=round(time.perf_counter() - t0, 3),
                    peak_total=torch.cuda.max_memory_allocated(), prefill_done=tracker.prefill_peak is not None,
                    reserved_peak=torch.cuda.max_memory_reserved(), err=str(e).split("\n")[0][:400])
+    if trace_path:
+        import gzip
+        import json
+        trace = large_trace()
+        torch.cuda.memory._record_memory_history(enabled=None)
+        with gzip.open(trace_path, "wt") as f:
+            json.dump({"segments": start_segments, "trace": trace}, f, separators=(",", ":"))
     del ids, mask
     gc.collect()
     torch.cuda.empty_cache()
@@ -133,6 +167,8 @@ def main():
     ap.add_argument("--quants", nargs="+", default=["bf16", "nf4"])
     ap.add_argument("--attns", nargs="+", default=["sdpa", "eager"])
     ap.add_argument("--ckpt-dir", default="/dev/shm/vg_ckpt")
+    ap.add_argument("--keep-ckpt", action="store_true", help="use a checkpoint already there, and keep it")
+    ap.add_argument("--trace-dir", default=None, help="write each case's large-pool allocator trace here")
     args = ap.parse_args()
 
     import transformers
@@ -147,7 +183,8 @@ def main():
             measure_arch(args, arch)
         except Exception as e:  # keep measuring the other architectures; the record says what failed
             emit(args.out, {"kind": "arch_error", "model": arch, "err": repr(e)[:800]})
-        shutil.rmtree(os.path.join(args.ckpt_dir, arch), ignore_errors=True)
+        if not args.keep_ckpt:
+            shutil.rmtree(os.path.join(args.ckpt_dir, arch), ignore_errors=True)
         gc.collect()
         torch.cuda.empty_cache()
 
@@ -156,7 +193,8 @@ def measure_arch(args, arch):
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
     path = os.path.join(args.ckpt_dir, arch)
     t0 = time.perf_counter()
-    build_checkpoint(arch, path)
+    if not (args.keep_ckpt and os.path.exists(os.path.join(path, "config.json"))):
+        build_checkpoint(arch, path)
     emit(args.out, {"kind": "checkpoint", "model": arch, "secs": round(time.perf_counter() - t0, 1)})
     ctx = MODELS[arch]["max_position_embeddings"]
     for quant in args.quants:
@@ -190,7 +228,9 @@ def measure_arch(args, arch):
                 if prompt + args.new > ctx:
                     continue
                 for batch in args.batches:
-                    rec = run_case(model, MODELS[arch]["vocab_size"], batch, prompt, args.new)
+                    name = f"trace_{arch}_{quant}_{attn}_{prompt}x{batch}.json.gz"
+                    rec = run_case(model, MODELS[arch]["vocab_size"], batch, prompt, args.new,
+                                   trace_path=os.path.join(args.trace_dir, name) if args.trace_dir else None)
                     rec.update(kind="gen", model=arch, quant=quant, attn=attn, weights=weights)
                     emit(args.out, rec)
         del model

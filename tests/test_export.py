@@ -120,15 +120,18 @@ def _k8s_validator(kind: str):
 
 
 def test_kubernetes_deployment_and_service_validate_against_the_kubernetes_schemas():
-    dep, svc = kubernetes(_plan(tensor_parallel_size=4, kv_offloading_size_bytes=32 * GiB), REF, replicas=2)
+    p4 = _plan(tensor_parallel_size=4, kv_offloading_size_bytes=32 * GiB)
+    dep, svc = kubernetes(p4, REF, replicas=2)
     _k8s_validator("Deployment").validate(dep)
     _k8s_validator("Service").validate(svc)
     pod = dep["spec"]["template"]["spec"]
     c = pod["containers"][0]
     assert dep["spec"]["replicas"] == 2
     assert c["resources"]["limits"]["nvidia.com/gpu"] == "4"
-    # 16 GiB for the engine + 32 GiB of offloaded KV = 49,152 MiB
-    assert c["resources"]["requests"]["memory"] == "49152Mi"
+    # 16 GiB for the engine + Qwen2.5-7B's bf16 checkpoint 15,231,233,024 B + 32 GiB of offloaded KV
+    # = 66,770,840,576 B = 63,677.6 MiB, rounded up
+    assert p4.checkpoint_bytes == 15_231_233_024
+    assert c["resources"]["requests"]["memory"] == c["resources"]["limits"]["memory"] == "63678Mi"
     assert {v["name"] for v in pod["volumes"]} == {"dshm"} and c["volumeMounts"][0]["mountPath"] == "/dev/shm"
     assert c["readinessProbe"]["httpGet"]["path"] == c["livenessProbe"]["httpGet"]["path"] == "/health"
     terms = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]

@@ -169,11 +169,12 @@ def test_export_without_a_card_and_a_bad_vllm_tp_print_their_error_alone():
     lines = _only_error(run_cli("export", "qwen2.5-7b", "--to", "vllm", columns="300"), "--gpu/--vram")
     assert lines[0] == "error --gpu/--vram: 'none given' is not valid; accepted: one card, named or detected."
     assert lines[1].startswith("fix: name the card the deployment runs on, e.g. --gpu h100 or --vram 80GiB (0 GPUs")
-    # Qwen2.5-7B has 28 attention heads: vLLM's tensor parallelism must divide them (1, 2 or 4 of 1, 2, 4, 8, 16)
+    # Qwen2.5-7B has 28 attention heads, 4 KV heads and an MLP of 18,944: of the divisors of 28, vLLM takes 1, 2, 4
     lines = _only_error(run_cli("plan", "qwen2.5-7b", "--engine", "vllm", "--gpu", "h100", "--tp", "3",
                                 columns="300"), "--tp")
     assert lines == ["error --tp: 3 is not valid; accepted: a divisor of num_attention_heads (28).",
-                     "fix: pass --tp 1, 2 or 4"]
+                     "fix: pass --tp 1, 2 or 4 (the other divisors of the 28 heads: 7, 14: over the 4 KV heads and not "
+                     "a multiple of them; 28: not dividing the MLP's 18,944)"]
 
 
 def test_a_vllm_option_without_engine_vllm_is_refused_not_dropped():

@@ -118,6 +118,28 @@ def test_fit_search_is_seeded_by_the_plan():
         assert best <= true < fail and (true - best) / true <= 0.02 and len(runs) <= 8
 
 
+def test_fit_search_stops_when_the_whole_context_fits(monkeypatch):
+    """Llama-3.2-1B NF4 under 24 GiB completes its whole context (131,072 - 16 new = 131,056 prompt tokens): the
+    search used to retry the clamped value forever without a run. Runs are rounded down to 128 tokens, so the
+    largest value it runs is 131,056 // 128 * 128 = 130,944; one run, no failure."""
+    spec = resolve_model("llama-3.2-1b")
+    s = Settings(quant="nf4", attn="sdpa", max_new_tokens=16)
+    import vramguard.profile.fit as fit_module
+    slopes = []
+
+    def slope(*args):  # the search asks for the plan's slope once per step it takes
+        slopes.append(args)
+        if len(slopes) > 20:
+            raise RuntimeError("the search repeats itself without a run")
+        return 300_000.0
+    monkeypatch.setattr(fit_module, "_reserved_slope", slope)
+
+    def run(v):
+        return FitRun(v, True, 10 * GiB, 11 * GiB, 1.0)
+    best, fail, runs = search(spec, s, "prompt", 24 * GiB, run, max_runs=3)
+    assert (best, fail, [r.value for r in runs]) == (130_944, None, [130_944])
+
+
 def test_binding_component_at_the_boundary():
     spec = resolve_model("llama-3.1-8b")
     s = Settings(quant="nf4", attn="sdpa", max_new_tokens=64)

@@ -62,7 +62,7 @@ def test_a_size_split_in_two_words_is_a_clear_error():
     from conftest import run_cli
     r = run_cli("plan", "--vram", "24", "GiB")
     assert r.returncode == 2 and "two arguments" in r.stderr and "--vram 24GiB" in r.stderr, r.stderr
-    r = run_cli("plan", "--vram", "24gb")
+    r = run_cli("plan", "llama-2-7b", "--vram", "24gb")
     assert r.returncode == 0 and "22.35 GiB" in r.stderr
 
 

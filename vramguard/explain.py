@@ -27,7 +27,8 @@ Classification, in this order (a request larger than the whole card is never cal
 Three other messages mean the same shortage and are recognised by their own text (:func:`_other_messages`):
 cuBLAS failing to create its handle or workspace (``CUBLAS_STATUS_ALLOC_FAILED``, or
 ``CUBLAS_STATUS_NOT_INITIALIZED when calling cublasCreate(handle)``: the cuBLAS documentation of ``cublasCreate``
-gives that status when the CUDA runtime's initialization for the handle failed, which a full card causes), Apple's
+gives that status when the CUDA runtime's initialization for the handle failed, which a full card causes; a run
+does not retry on it, see :data:`vramguard.runtime.device.OOM_MARKERS`), Apple's
 MPS backend out of
 memory (``MPS backend out of memory (MPS allocated: ..., other allocations: ..., max allowed: ...)``, sizes that
 its allocator prints in 1024-based units), and accelerate/transformers refusing a quantized model whose

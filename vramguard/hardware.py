@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from vramguard.catalog.gpus import GPU_ALIASES, GPUS, NVIDIA_SMI_MEMORY_QUERY, SEVERAL_MEMORY_SIZES, GpuSpec
 from vramguard.errors import InvalidValue, UnknownGpu
-from vramguard.units import GiB, parse_size
+from vramguard.units import GiB, parse_card_size
 
 # Tests set this to a callable returning a DetectedGpus to force a branch without hardware.
 DETECT_OVERRIDE = None
@@ -129,9 +129,9 @@ def gpu_from_vram(text: str) -> GpuSpec:
     """A card of the given memory (``24GiB``), compute capability unknown.
 
     Raises:
-        InvalidValue: the size is malformed.
+        InvalidValue: the size is malformed, or above any card (:func:`~vramguard.units.parse_card_size`).
     """
-    size = parse_size(text, "vram")
+    size = parse_card_size(text, "vram")
     label = f"{size / 2**30:g} GiB card" if size % 2**20 == 0 else f"{text.strip()} card"
     return GpuSpec(label.replace(" ", "-").lower(), label, size, None, source="vram")
 
@@ -224,8 +224,10 @@ def card_defaults(gpu: str | None, attn: str | None, dtype: str | None,
                   compute_dtype_given: bool) -> tuple[str, str | None, list[str]]:
     """Attention implementation and dtype for planning on the catalog card ``gpu`` when the user gave none: what
     vramguard's loader would run there. FlashAttention-2 and native bf16 need compute capability >= 8.0 (the
-    FlashAttention-2 README; CUDA's bf16 arithmetic), so below it the defaults are sdpa and fp16. A value the user
-    passed is kept (the plan's findings flag it if it cannot run).
+    FlashAttention-2 README; CUDA's bf16 arithmetic), so below it the defaults are sdpa and fp16; on a card of 8.0
+    or more, flash_attention_2 (the loader's choice where flash_attn is installed). With no card named (``gpu``
+    None) the attention is sdpa, transformers' default, and a note says why. A value the user passed is kept (the
+    plan's findings flag it if it cannot run).
 
     Returns:
         (attn, dtype or None for the default, notes naming each default chosen for the card).
@@ -233,8 +235,13 @@ def card_defaults(gpu: str | None, attn: str | None, dtype: str | None,
     Raises:
         UnknownGpu: ``gpu`` is not a catalog card.
     """
+    if gpu is None:  # no card named: its compute capability is unknown, so is whether FlashAttention-2 runs
+        if attn is not None:
+            return attn, dtype, []
+        return "sdpa", dtype, ["note: attention sdpa (transformers' default): no card named, so FlashAttention-2 "
+                               "is not assumed; gpu=NAME plans the card's default, attn=flash_attention_2 plans it"]
     card = None
-    if gpu is not None and (attn is None or (dtype is None and not compute_dtype_given)):
+    if attn is None or (dtype is None and not compute_dtype_given):
         card = gpu_from_catalog(gpu)
     if card is None or card.supports_flash_attn2:
         return attn or "flash_attention_2", dtype, []

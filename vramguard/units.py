@@ -66,6 +66,27 @@ def parse_size(text: str, field: str = "size", example: str = "24GiB") -> int:
     return value
 
 
+# the most memory one GPU is sold with: NVIDIA's Blackwell Ultra B300, 288 GB of HBM3e per GPU
+# (https://www.nvidia.com/en-us/data-center/dgx-b300/: 2.3 TB over 8 GPUs); a driver reports less than that
+MAX_CARD_BYTES = 288 * GB
+
+
+def parse_card_size(text: str, field: str = "vram", example: str = "24GiB") -> int:
+    """:func:`parse_size` of one card's memory (a card's total, a budget on it, a ``max_memory`` entry), at most
+    :data:`MAX_CARD_BYTES`: ``"24TB"`` (24,000,000,000,000 B) and ``"300GiB"`` (322,122,547,200 B) are refused,
+    ``"288GB"`` is taken.
+
+    Raises:
+        InvalidValue: as :func:`parse_size`, or a size above :data:`MAX_CARD_BYTES`.
+    """
+    value = parse_size(text, field, example)
+    if value > MAX_CARD_BYTES:
+        raise InvalidValue(field, text, f"at most {MAX_CARD_BYTES // GB} GB ({MAX_CARD_BYTES / GiB:.2f} GiB) per card, "
+                           "the memory of the largest GPU sold (NVIDIA B300)",
+                           f"{text.strip()} is {value:,} B: give the memory of one card, such as {example}")
+    return value
+
+
 def decimal_size_note(text: str, field: str = "vram") -> str | None:
     """What a size in decimal GB/TB was read as, and what a card sold as that size has: ``24gb`` is 24 x 10**9 B
     = 22.35 GiB, while a card sold as "24 GB" has 24 GiB (25,769,803,776 B) before its driver's reservation.

@@ -94,9 +94,6 @@ def _props(name: str, label: str, mib: int, marketed_gib: int, cc: tuple[int, in
 
 
 _OOM = "PyTorch's out-of-memory message ('{} GiB total capacity') in "
-_16GB_GDDR = ("no report of this card's total found; planned at 15.61 GiB, what the 16 GB GDDR6 RTX A4000 reports "
-              "(" + _OOM.format("15.61") + "github.com/DengKaiCQ/VGGT-Long/issues/6), as its driver reserves "
-              "memory the same way")
 
 
 def _reported(name: str, label: str, gib: str, marketed_gib: int, cc: tuple[int, int], bw_gbs: int,
@@ -130,7 +127,8 @@ GPUS: dict[str, GpuSpec] = {g.name: g for g in [
               "github.com/GaoLii/DSP/issues/10; torch prints total_memory=24268MB (transformers' GPU docs)"),
     _reported("rtx-4060", "NVIDIA GeForce RTX 4060", "7.75", 8, (8, 9), 272,
               "github.com/ESRSchao/EdgeRegNet/issues/2"),
-    _g("rtx-4060-ti-16gb", "NVIDIA GeForce RTX 4060 Ti 16GB", "15.61", 16, (8, 9), 288, _16GB_GDDR),
+    _reported("rtx-4060-ti-16gb", "NVIDIA GeForce RTX 4060 Ti 16GB", "15.55", 16, (8, 9), 288,
+              "github.com/boson-ai/higgs-audio/issues/48 (an RTX 4060 Ti 16GB, no other process on the card)"),
     _g("rtx-4070", "NVIDIA GeForce RTX 4070", "11.72", 12, (8, 9), 504,
        "no CUDA total found; nvidia-smi shows 12,282 MiB (github.com/meta-llama/llama/issues/466), 6 MiB less than "
        "the RTX 3060's 12,288 MiB that CUDA reports as 11.75 GiB; planned at 11.72 GiB, that gap and 6 MiB less"),
@@ -149,10 +147,9 @@ GPUS: dict[str, GpuSpec] = {g.name: g for g in [
            "has about 1/16 less, as the RTX 6000 Ada below: plan with its own total then)"),
     _reported("rtx-6000-ada", "NVIDIA RTX 6000 Ada Generation", "44.43", 48, (8, 9), 960,
               "github.com/DINGYANB/MTVCrafter/issues/21 (ECC on; nvidia-smi 46,068 MiB)"),
-    _g("a10", "NVIDIA A10", "22.00", 24, (8, 6), 600,
-       "no report of this card's total found; planned at 22.00 GiB like its cloud twin, the A10G (about 22 GB with "
-       "ECC on: github.com/huggingface/local-gemma/pull/25); its nvidia-smi total, 23,028 MiB, is 6 MiB below the "
-       "L4's, which CUDA reports as 22.03 GiB (both: github.com/modal-labs/modal-client/pull/2797)"),
+    _reported("a10", "NVIDIA A10", "21.99", 24, (8, 6), 600,
+              "github.com/zai-org/CogVLM/issues/236 (Lambda's A10 instance, ECC on; the lowest found: 22.18 GiB in "
+              "github.com/OpenBMB/MiniCPM-V/issues/640)"),
     _g("a10g", "NVIDIA A10G", "22.00", 24, (8, 6), 600,
        "about 22 GB with ECC on by default (github.com/huggingface/local-gemma/pull/25); 22.49 GiB with ECC off "
        "(github.com/AUTOMATIC1111/stable-diffusion-webui/issues/1259); planned at 22.00 GiB, the low end"),
@@ -167,6 +164,9 @@ GPUS: dict[str, GpuSpec] = {g.name: g for g in [
               "github.com/levihsu/OOTDiffusion/issues/235 and github.com/HiDream-ai/VAREdit/issues/6"),
     _reported("h100-80gb", "NVIDIA H100 80GB", "79.11", 80, (9, 0), 3350,
               "github.com/vllm-project/vllm/issues/27508 (an H100 80GB HBM3)"),
+    _reported("h100-nvl", "NVIDIA H100 NVL", "93.00", 94, (9, 0), 3900,
+              "github.com/ali-vilab/VACE/issues/56 (an H100 NVL 94GB on RunPod; its NVML total, 99,961,274,368 B, "
+              "in github.com/fastfetch-cli/fastfetch/issues/1658)"),
     _g("h200", "NVIDIA H200", 150_109_880_320, 141, (9, 0), 4800,
        "torch total_memory measured on an H200 (143,156 MiB; benchmarks/results/h200_matrix; nvidia-smi shows "
        "143,771 MiB)"),

@@ -138,4 +138,3 @@ ALIASES: dict[str, str] = {
     "qwen2.5-7b-instruct": "qwen2.5-7b", "phi-3-mini": "phi-3-mini-4k", "gemma2-9b": "gemma-2-9b",
 }
 
-DEFAULT_MODEL = "llama-2-7b"

@@ -98,6 +98,8 @@ def check(model: str | None = None, settings: Settings | None = None, *, dtype: 
     findings += model_findings(spec, ckpt if folder or hub_ckpt else None, s, env, param_dtype, why, card,
                                dtype_passed=dtype not in (None, "auto"))  # auto: as stored
     findings += _attention_support_findings(spec, s)
+    if folder is not None:
+        findings += _tokenizer_findings(folder)
     if hub_ckpt is not None:
         from vramguard.hub import fetched_line
         findings.append(finding_line("checkpoint_read", "info", f"{spec.checkpoint.format}, "
@@ -113,6 +115,23 @@ def check(model: str | None = None, settings: Settings | None = None, *, dtype: 
     if verify and folder is not None and env.cuda_available:
         findings.extend(_verify_kernel(str(folder), s, param_dtype, report))
     return report
+
+
+def _tokenizer_findings(folder) -> list[Finding]:
+    """Whether the model folder has a tokenizer (:func:`vramguard.runtime.tokenizer.folder_tokenizer`): text
+    prompts need one (``run``, the server's chat endpoint); none without transformers installed (the environment
+    findings say so)."""
+    try:
+        from vramguard.runtime.tokenizer import folder_tokenizer
+        tok, why = folder_tokenizer(folder)
+    except ModuleNotFoundError:
+        return []
+    if tok is None:
+        return [finding_line("tokenizer", "warn", "none in the folder", f"{why}; a text prompt needs one, token "
+                             "ids do not", "save the tokenizer of the checkpoint these weights come from into the "
+                             "folder (AutoTokenizer.from_pretrained(ID).save_pretrained(folder))")]
+    template = "with a chat template" if getattr(tok, "chat_template", None) else "no chat template (raw prompts)"
+    return [finding_line("tokenizer", "ok", f"{type(tok).__name__}, {len(tok):,} tokens", template)]
 
 
 def _loader_dtypes(card, s: Settings, compute_dtype: str | None, dtype: str | None) -> tuple[str | None, str]:

@@ -98,8 +98,12 @@ def runtime_findings(env: Env, gpu: GpuSpec | None, s: Settings, spec: ModelSpec
                               "fragmentation"))
     else:
         f.append(finding_line("PYTORCH_CUDA_ALLOC_CONF", "info", env.alloc_conf or "unset",
-                              "without expandable segments, reserved-but-unused blocks can fragment the pool",
-                              "export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"))
+                              "without expandable segments, reserved-but-unused blocks can fragment the pool; "
+                              "vramguard run, profile, fit and serve turn them on for their own process when it "
+                              "is unset (vramguard.allocconf)",
+                              "for your own scripts only: export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
+                              if not env.alloc_conf else "for your own scripts: add expandable_segments:True to "
+                              "the setting (vramguard keeps a setting you made as it is)"))
     return f
 
 

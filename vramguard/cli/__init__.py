@@ -114,10 +114,8 @@ def _dispatch() -> int | None:
         print(e.ctx.get_help() if e.ctx else str(e))
         return 0
     except usage as e:
-        where = f"`vramguard {e.ctx.info_name} --help`" if e.ctx and e.ctx.info_name != "vramguard" else \
-            "`vramguard --help`"
-        msg = e.format_message().replace("Value error, ", "")
-        say(f"error {msg}\nfix: see {where} for the accepted values")
+        from vramguard.cli.usage import usage_error_text
+        say("error " + usage_error_text(e, sys.argv[1:]))
         return 2
     except typer.Exit as e:
         return e.exit_code

@@ -114,9 +114,10 @@ def quiet_known_warnings() -> None:
 
 def size_option(text: str, field: str) -> int:
     """A size option parsed into bytes; a decimal GB/TB size gets a note on stderr saying what it was read as and
-    what a card sold as that size has (:func:`vramguard.units.decimal_size_note`)."""
-    from vramguard.units import decimal_size_note, parse_size
-    value = parse_size(text, field)
+    what a card sold as that size has (:func:`vramguard.units.decimal_size_note`); a size above any card is
+    refused (:func:`vramguard.units.parse_card_size`)."""
+    from vramguard.units import decimal_size_note, parse_card_size
+    value = parse_card_size(text, field)
     note = decimal_size_note(text, field)
     if note:
         say("note: " + note)

@@ -88,7 +88,7 @@ def _build(model, gpu, vram, a, to, replicas):
     p = eng.build_plans(model, gpu, vram, a, one_card=True)[0]
     if p.refusal:
         raise _refusal_error(p, model)
-    say(f"planned: GPU KV cache size {p.kv_tokens:,} tokens, maximum concurrency {p.max_concurrency:.2f}x for "
+    say(f"planned: GPU KV cache size {p.kv_tokens:,} tokens, maximum concurrency {p.max_concurrency:,.2f}x for "
         f"{p.max_model_len:,} tokens per request")
     for name, value in p.env().items():
         say(f"note: {name}={value} is set in this environment: the deployment sets it too (max_model_len "

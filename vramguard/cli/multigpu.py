@@ -122,10 +122,11 @@ def plan_cards(model: str, s, cards: tuple, context: int | None, device_map: str
     """
     from vramguard.plan.multigpu import plan_gpus
     from vramguard.plan.planner import plan as plan_one
-    from vramguard.units import parse_size
-    from vramguard.plan.multigpu.tensorparallel import check_tp_heads
+    from vramguard.units import parse_card_size
+    from vramguard.plan.multigpu.tensorparallel import check_tp_heads, check_tp_quant
     gpus, tp, gpu, vram = cards
     check_tp_heads(model, tp)  # a model fact: said before the cards are looked for
+    check_tp_quant(s, tp)  # two options that do not go together: said before the cards too
     if gpus is None and tp is None and max_memory and "," in max_memory and "," not in (gpu or "") + (vram or ""):
         gpus = len(max_memory.split(","))  # as many cards as sizes given
     found = resolve_cards(gpus, tp, gpu, vram)
@@ -136,7 +137,7 @@ def plan_cards(model: str, s, cards: tuple, context: int | None, device_map: str
                            f"name the cards ({two}), or leave {flag} out for one card")
     mm = None
     if max_memory is not None:
-        mm = [parse_size(x, "--max-memory", "30GiB") for x in _size_items(max_memory, "--max-memory")]
+        mm = [parse_card_size(x, "--max-memory", "30GiB") for x in _size_items(max_memory, "--max-memory")]
         mm = mm * len(found) if len(mm) == 1 else mm
         if len(mm) != len(found):
             raise InvalidValue("--max-memory", max_memory, f"one size, or {len(found)} (one per card)",
@@ -195,12 +196,14 @@ def print_plan(p, out) -> None:
     from rich import box
     from rich.table import Table
 
-    from vramguard.cli.render import short_label
+    from vramguard.cli.render import short_label, source_label
     s = p.settings
     how = (f"tp_plan='auto' over {len(p.cards)} ranks, {p.split.kv_heads_per_rank} KV heads per rank"
            if p.layout == "tp" else f"device_map='{p.device_map}' over {len(p.cards)} cards")
     out.print(f"[bold]vramguard plan[/bold] - {p.model.name}: {s.quant}, prompt {s.prompt_tokens:,} + "
               f"{s.max_new_tokens:,} new tokens, batch {s.batch}; {how}")
+    if source_label(p.model) != p.model.name:
+        out.print(f"({source_label(p.model)})", highlight=False)
     t = Table(title="Per card (GiB): weights, KV cache of its layers, activations, allocator reserve, CUDA context "
               "+ cuBLAS workspace", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
     for col in ("card", "weights", "KV", "act.", "resv.", "ctx.", "need", "memory", "fits"):

@@ -17,15 +17,15 @@ from vramguard.cli.render import console
 
 def plan(
     ctx: typer.Context,
-    model: str = typer.Argument("llama-2-7b", metavar="MODEL",
-                                 help="model folder, config.json, catalog name or Hub id (owner/name)"),
+    model: Optional[str] = typer.Argument(None, metavar="MODEL", show_default=False,
+                                          help="model folder, config.json, catalog name or Hub id (owner/name)"),
     revision: Optional[str] = revision_option(),
     quant: Quant = quant_option(),
     double_quant: bool = typer.Option(True, "--double-quant/--no-double-quant", help="4-bit double quantization"),
     compute_dtype: Optional[Dtype] = typer.Option(None, help="4-bit compute dtype (default: the model dtype)"),
     dtype: Optional[Dtype] = typer.Option(None, help="model dtype (default bf16; fp16/fp32 for those quants)"),
-    attn: Optional[Attn] = typer.Option(None, help="attn_implementation (default: flash_attention_2; sdpa on a "
-                                        "--gpu card below compute capability 8.0, which cannot run it)"),
+    attn: Optional[Attn] = typer.Option(None, help="attn_implementation (default: flash_attention_2 on a --gpu card "
+                                        "of compute capability 8.0 or more, sdpa below it or with no card named)"),
     kv_dtype: Optional[KvDtype] = typer.Option(None, help="KV cache type (int8/int4: quantized cache)"),
     cache: Cache = typer.Option(Cache['dynamic'], help="KV cache kind"),
     batch: int = batch_option(),
@@ -68,15 +68,14 @@ def plan(
     run_guarded(eng.refuse_vllm_options, vllm_args)
     from vramguard.plan import plan as plan_fn
     from vramguard.settings import Settings
-
     if list_models or list_gpus:
         return _print_catalog(list_models, list_gpus)
-
     from vramguard.cli.multigpu import wants_cards
     several = wants_cards(gpus, tp, gpu, vram) or max_memory is not None or device_map != "auto"
+    notes: list[str] = []  # said once the plan is made: an error comes alone
 
     def build():
-        chosen_attn, chosen_dtype = _card_defaults(gpu, vram, attn, dtype, compute_dtype, several)
+        chosen_attn, chosen_dtype = _card_defaults(gpu, vram, attn, dtype, compute_dtype, several, notes)
         s = Settings(quant=quant.value, double_quant=double_quant,
                      compute_dtype=compute_dtype.value if compute_dtype else None,
                      dtype=chosen_dtype, attn=chosen_attn,
@@ -85,7 +84,7 @@ def plan(
                      max_new_tokens=max_new_tokens, prefill_chunk=prefill_chunk, logits=logits.value,
                      output_attentions=output_attentions, padded=padded, do_sample=do_sample)
         from vramguard.resolve import resolve_model
-        spec = resolve_model(model, revision)
+        spec = resolve_model(_required_model(model), revision)
         say_fetched(spec)
         if several:
             from vramguard.cli.multigpu import plan_cards
@@ -94,7 +93,18 @@ def plan(
             return plan_cards(spec, s, (gpus, tp, gpu, vram), context, device_map, max_memory)
         return plan_fn(spec, s, gpu=gpu, vram=vram, context=context, alloc_conf=_alloc_conf(alloc_conf))
 
-    _emit(run_guarded(build, as_json=fmt == Format['json']), several, fmt == Format['json'], exit_code)
+    _emit(run_guarded(build, as_json=fmt == Format['json']), several, fmt == Format['json'], exit_code, notes)
+
+
+def _required_model(model: str | None) -> str:
+    """``model``, or the usage error of a plan with none named, with examples of each accepted form."""
+    if model is not None:
+        return model
+    from vramguard.errors import InvalidValue
+    raise InvalidValue("MODEL", "none given", "a model folder, its config.json, a catalog name or a Hub id",
+                       "name the model to plan, e.g. vramguard plan meta-llama/Llama-3.1-8B-Instruct, vramguard "
+                       "plan ./my-model or vramguard plan llama-3.1-8b (vramguard plan --list-models lists the "
+                       "catalog)")
 
 
 def _given(ctx: typer.Context) -> dict[str, object]:
@@ -104,20 +114,35 @@ def _given(ctx: typer.Context) -> dict[str, object]:
             if getattr(ctx.get_parameter_source(name), "name", None) in given}
 
 
-def _card_defaults(gpu, vram, attn, dtype, compute_dtype, several: bool) -> tuple[str, str | None]:
-    """The attention and dtype the named card runs by default (each default said on stderr), and the note on a
-    decimal --vram size."""
+def _card_defaults(gpu, vram, attn, dtype, compute_dtype, several: bool, notes: list[str]) -> tuple[str, str | None]:
+    """The attention and dtype the named card runs by default (each default added to ``notes``, to be said on
+    stderr), and the note on a decimal --vram size."""
     from vramguard.cli.multigpu import defaults_card
     from vramguard.hardware import card_defaults
     from vramguard.units import decimal_size_note
-    chosen_attn, chosen_dtype, notes = card_defaults(defaults_card(gpu), attn.value if attn else None,
+    chosen_attn, chosen_dtype, found = card_defaults(defaults_card(gpu), attn.value if attn else None,
                                                      dtype.value if dtype else None, compute_dtype is not None)
-    for note in notes:
-        say(note)
-    for size in (vram or "").split(",") if several else [vram]:
-        if size and decimal_size_note(size.strip()):
-            say("note: " + decimal_size_note(size.strip()))
+    notes += found
+    sizes = [x for x in ((vram or "").split(",") if several else [vram]) if x and x.strip()]
+    _refuse_sizes_above_any_card(sizes)
+    for size in sizes:
+        if decimal_size_note(size.strip()):
+            notes.append("note: " + decimal_size_note(size.strip()))
     return chosen_attn, chosen_dtype
+
+
+def _refuse_sizes_above_any_card(sizes: list[str]) -> None:
+    """Raise for a size above any card (:func:`~vramguard.units.parse_card_size`) before any note is said; a size
+    that does not parse is left to the cards' own reading, whose error knows the whole list."""
+    from vramguard.errors import InvalidValue
+    from vramguard.units import MAX_CARD_BYTES, parse_card_size, parse_size
+    for size in sizes:
+        try:
+            value = parse_size(size.strip(), "vram")
+        except InvalidValue:
+            continue
+        if value > MAX_CARD_BYTES:
+            parse_card_size(size.strip(), "vram")
 
 
 def _plan_vllm(model: str, gpu: str | None, vram: str | None, args, as_json: bool, exit_code: bool,
@@ -125,14 +150,17 @@ def _plan_vllm(model: str, gpu: str | None, vram: str | None, args, as_json: boo
     """``plan --engine vllm``: vLLM's plan per card, printed; exit 1 with ``--exit-code`` when none starts.
     ``given``: the options set on the command line (those only the transformers plan reads are refused)."""
     run_guarded(eng.refuse_transformers_options, given)
-    plans = run_guarded(eng.build_plans, model, gpu, vram, args, as_json=as_json)
+    plans = run_guarded(lambda: eng.build_plans(_required_model(model), gpu, vram, args), as_json=as_json)
     eng.print_plans(plans, model, as_json)
     if exit_code and not any(p.starts for p in plans):
         raise typer.Exit(1)
 
 
-def _emit(p, several: bool, as_json: bool, exit_code: bool) -> None:
-    """Print a plan (JSON or the tables); exit 1 with ``--exit-code`` when it fits none of the cards."""
+def _emit(p, several: bool, as_json: bool, exit_code: bool, notes: list[str]) -> None:
+    """Say ``notes`` on stderr, print a plan (JSON or the tables); exit 1 with ``--exit-code`` when it fits none of
+    the cards."""
+    for note in notes:
+        say(note)
     from vramguard.cli.render import plan_to_json, print_plan
     if several:
         from vramguard.cli.multigpu import emit

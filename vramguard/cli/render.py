@@ -105,6 +105,16 @@ def indented(c: Console, text: str, indent: int = 5) -> None:
     c.print(Padding(Text(text), (0, 0, 0, indent)))
 
 
+def hanging(c: Console, text: str, indent: int = 2, hang: int = 4) -> None:
+    """Print ``text`` at ``indent`` spaces, its wrapped lines at ``hang``, so that each item's continuation reads as
+    part of it: wrapped at the console's width at spaces (a word longer than a line, a path, stays whole)."""
+    import textwrap
+    lines = textwrap.wrap(text, max(c.width, 40), initial_indent=" " * indent, subsequent_indent=" " * hang,
+                          break_long_words=False, break_on_hyphens=False)
+    for line in lines:
+        c.print(Text(line), crop=False, overflow="ignore", no_wrap=True)
+
+
 def short_label(label: str) -> str:
     """A card's name without the vendor's prefixes, for narrow tables ("NVIDIA GeForce RTX 4090" -> "RTX 4090")."""
     return label.replace("NVIDIA ", "").replace("GeForce ", "").replace(" Generation", "")
@@ -259,11 +269,30 @@ def allocator_line(est) -> str:
             "1/100 of the room above it free")
 
 
+_TUNED = ("instruct", "chat", "-it")  # how the catalog's repositories name an instruction-tuned checkpoint
+
+
+def source_label(spec) -> str:
+    """Where a plan's config comes from, in words: for a catalog name, the repository whose config the catalog
+    holds and whether that is an instruction-tuned (Instruct, chat, -it) or a base checkpoint, since the name
+    (``llama-3.1-8b``) says neither; any other source as it is."""
+    import re
+    m = re.fullmatch(r"catalog \((.+)\)", spec.source or "")
+    if not m:
+        return spec.source
+    repo = m.group(1)
+    if repo == spec.name:
+        return "the catalog's copy"
+    tuned = any(t in repo.lower() for t in _TUNED)
+    kind = "an instruction-tuned checkpoint" if tuned else "a base checkpoint"
+    return f"catalog: the config of {repo}, {kind}; pass a Hub id for another"
+
+
 def print_plan(p: Plan, console: Console | None = None) -> None:
     """Human-readable plan on stdout: components, cards, findings and ranked changes."""
     c = console or Console()
     est, spec = p.estimate, p.model
-    src = "the catalog's copy" if spec.source == f"catalog ({spec.name})" else spec.source
+    src = source_label(spec)
     c.print(f"[bold]vramguard plan[/bold] - {spec.name}" + ("" if src == spec.name else f"  ({src})"))
     n = est.weights.parameter_count
     params = f"{n / 1e9:.2f} B" if n >= 1e8 else f"{n / 1e6:.2f} M"
@@ -406,23 +435,23 @@ def print_oomlog(r, console: Console | None = None) -> None:
         where = f"cgroup {k.cgroup}" if k.constraint == "cgroup" and k.cgroup else k.constraint
         c.print(f"[bold]OOM kill {i} of {n}[/bold]: {when} ({where})", highlight=False)
         if k.pid is not None:
-            c.print(f"  process: {k.name} (pid {k.pid}" + (f", uid {k.uid}" if k.uid is not None else "") + ")"
-                    + (f"; command line: {k.cmdline}" if k.cmdline else ""), highlight=False)
+            hanging(c, f"process: {k.name} (pid {k.pid}" + (f", uid {k.uid}" if k.uid is not None else "") + ")"
+                    + (f"; command line: {k.cmdline}" if k.cmdline else ""))
             parts = [f"RSS {fmt_bytes(k.rss_bytes)}" if k.rss_bytes is not None else "RSS unknown"]
             for label, v in (("anon", k.anon_rss_bytes), ("file", k.file_rss_bytes), ("shmem", k.shmem_rss_bytes),
                              ("virtual", k.total_vm_bytes), ("page tables", k.pgtables_bytes)):
                 if v is not None:
                     parts.append(f"{label} {fmt_bytes(v)}")
-            c.print("  memory at death: " + ", ".join(parts), highlight=False)
+            hanging(c, "memory at death: " + ", ".join(parts))
         if k.cgroup_limit_bytes:
-            c.print(f"  cgroup limit: {fmt_bytes(k.cgroup_limit_bytes)}", highlight=False)
+            hanging(c, f"cgroup limit: {fmt_bytes(k.cgroup_limit_bytes)}")
         if k.invoked_by:
-            c.print(f"  invoked by: {k.invoked_by} (gfp_mask {k.gfp_mask}, order {k.order})", highlight=False)
+            hanging(c, f"invoked by: {k.invoked_by} (gfp_mask {k.gfp_mask}, order {k.order})")
         if k.top_others:
-            c.print("  largest other memory users then: " + ", ".join(
-                f"{o['name']} (pid {o['pid']}) {fmt_bytes(o['rss_bytes'])}" for o in k.top_others), highlight=False)
-        indented(c, f"likely cause: {as_flags(k.cause)}", 2)
-        indented(c, f"fix: {as_flags(k.fix)}", 2)
+            hanging(c, "largest other memory users then: " + ", ".join(
+                f"{o['name']} (pid {o['pid']}) {fmt_bytes(o['rss_bytes'])}" for o in k.top_others))
+        hanging(c, f"likely cause: {as_flags(k.cause)}")
+        hanging(c, f"fix: {as_flags(k.fix)}")
     if r.skipped_lines:
         c.print(f"{r.skipped_lines} OOM record line(s) could not be parsed and were skipped", highlight=False)
 

@@ -9,7 +9,7 @@ import typer
 
 from vramguard.cli.common import err, run_guarded, say, size_option, write_json
 from vramguard.cli.options import Format, Quant, format_option, max_new_tokens_option, quant_option
-from vramguard.errors import ConfigError, InvalidValue
+from vramguard.errors import InvalidValue
 from vramguard.units import plural
 
 
@@ -52,9 +52,9 @@ def run(
         from vramguard.run.generate import check_generation_args
         # what can be refused without loading anything, before anything is printed
         check_generation_args(max_new_tokens, do_sample, temperature, top_p, top_k)
+        text = _read_prompt(prompt, prompt_file)
         local_model_folder(model)
         _allocator_note()
-        text = _read_prompt(prompt, prompt_file)
         budget = size_option(vram_budget, "vram_budget") if vram_budget else None
         import torch
         import transformers
@@ -65,8 +65,8 @@ def run(
         _, prepared, _ = preflight_prompt(model, text, max_new_tokens, chat_template)
         loaded = load_model(model, quant=quant.value, verify=torch.cuda.is_available())
         if loaded.tokenizer is None:
-            raise ConfigError("MODEL", model, "a model folder with tokenizer files", "save the tokenizer with the "
-                              "model (tokenizer.save_pretrained(folder))")
+            from vramguard.runtime.tokenizer import no_tokenizer_error
+            raise no_tokenizer_error(model, "the loaded model has no tokenizer")
         stream = None if fmt == Format['json'] else (lambda t: (sys.stdout.write(t), sys.stdout.flush()))
         if context:
             text = _with_context(loaded, text, context, summarize, chunk_tokens, max_new_tokens, budget, auto)
@@ -91,12 +91,19 @@ def _read_prompt(prompt: str | None, prompt_file: str | None) -> str:
         raise InvalidValue("--prompt/--prompt-file", "both" if prompt else "neither", "exactly one of the two",
                            "pass --prompt TEXT or --prompt-file FILE")
     if prompt_file is None:
+        if not prompt.strip():
+            raise InvalidValue("--prompt", prompt, "text with at least one character other than white space",
+                               "pass the text to answer, e.g. --prompt 'Hello'")
         return prompt
     try:
-        return sys.stdin.read() if prompt_file == "-" else open(prompt_file, encoding="utf-8").read()
+        text = sys.stdin.read() if prompt_file == "-" else open(prompt_file, encoding="utf-8").read()
     except OSError as e:
         raise InvalidValue("--prompt-file", prompt_file, "a readable text file",
                            f"check the path ({e.strerror or e}), or pass - and pipe the prompt in") from None
+    if not text.strip():
+        raise InvalidValue("--prompt-file", prompt_file, "a file holding text other than white space",
+                           "write the prompt into the file, or pass --prompt TEXT")
+    return text
 
 
 def _with_context(loaded, question, files, summarize, chunk_tokens, max_new_tokens, budget, auto) -> str:

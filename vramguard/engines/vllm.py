@@ -153,7 +153,9 @@ class VllmPlan:
     memory: an out-of-memory while loading), ``weights_budget`` (the weights alone exceed the budget),
     ``kv_cache`` (nothing left for KV blocks) or ``max_model_len`` (one request does not fit the KV cache).
     ``fit_tp`` / ``fit_card``: for the memory refusals, the plan at the smallest valid tensor parallel size and on
-    the smallest catalog card with room for the KV cache (None when none does).
+    the smallest catalog card with room for the KV cache (None when none does). ``checkpoint_bytes``: the whole
+    checkpoint the workers read (its safetensors' stored bytes when they were read, else the weights of one GPU at
+    tensor and pipeline parallel 1 less the rope cache vLLM builds on the GPU).
     """
 
     model: str
@@ -189,6 +191,7 @@ class VllmPlan:
     model_max_len: int = 0
     fit_tp: VllmPlan | None = None
     fit_card: VllmPlan | None = None
+    checkpoint_bytes: int = 0
 
     @property
     def starts(self) -> bool:
@@ -384,7 +387,18 @@ def _plan(spec: ModelSpec, gpu: GpuSpec, s: VllmSettings) -> VllmPlan:
         kv_tokens_by_blocks=kv.kv_tokens_by_blocks(groups, blocks, s.block_size),
         max_concurrency=kv.max_concurrency(groups, blocks, max_len, tokens, s.block_size),
         request_kv_bytes=need, largest_model_len=largest, refusal=refusal, notes=tuple(notes),
-        refused_by=refused_by, model_max_len=spec.max_position_embeddings)
+        refused_by=refused_by, model_max_len=spec.max_position_embeddings,
+        checkpoint_bytes=_checkpoint_bytes(spec, dt))
+
+
+def _checkpoint_bytes(spec: ModelSpec, dt: int) -> int:
+    """The bytes of the checkpoint the workers read: the stored bytes of its safetensors headers, or the
+    unsharded weights in the model dtype without the rope cache (Llama-3.1-8B in bf16: 16,094,076,928 B -
+    33,554,432 B = 16,060,522,496 B, the size of its safetensors)."""
+    stored = getattr(spec.checkpoint, "total_bytes", None)
+    if stored:
+        return int(stored)
+    return sum(r.total_bytes - r.rope_cache_bytes for r in w.rank_weights(spec, 1, 1, dt))
 
 
 def _gib(n: int) -> str:

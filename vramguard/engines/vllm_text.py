@@ -125,6 +125,8 @@ def plan_lines(p: VllmPlan, model_ref: str, width: int | None = None, words=None
     if p.padding_layers:
         lines.append(f"  padding       {p.padding_layers} layers added to even the groups")
     if p.refused_by != "weights_load":  # vLLM stops while loading: it never gets to log its KV cache
+        # vLLM's own words and format (kv_cache_utils: "%s tokens" of f"{n:,}", "%.2fx" without separators), so that
+        # its log can be compared line for line
         lines += [
             f"vLLM will log:  GPU KV cache size: {p.kv_tokens:,} tokens",
             (f"                Maximum concurrency for {p.max_model_len:,} tokens per request: "

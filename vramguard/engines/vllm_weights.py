@@ -56,26 +56,52 @@ def config_dict(spec: ModelSpec) -> dict:
         return {}
 
 
+def _tp_rule_broken(spec: ModelSpec, tp: int) -> tuple[str, str] | None:
+    """The first of vLLM's tensor-parallel rules ``tp`` breaks for ``spec``, as (what ``accepted`` says, why the
+    size is left out of the sizes that work), or None when vLLM accepts it (see :func:`check_tensor_parallel`)."""
+    kv = spec.num_kv_heads
+    if spec.num_heads % tp:
+        return f"a divisor of num_attention_heads ({spec.num_heads:,})", "num_attention_heads"
+    if kv >= tp and kv % tp:
+        return f"a divisor of num_key_value_heads ({kv:,})", f"not dividing the {kv} KV heads"
+    if kv < tp and tp % kv:
+        return (f"a multiple of num_key_value_heads ({kv}) when larger than it",
+                f"over the {kv} KV heads and not a multiple of them")
+    inter = spec.moe_intermediate_size if spec.is_moe else spec.intermediate_size
+    if inter % tp:
+        return f"a divisor of the MLP intermediate size ({inter:,})", f"not dividing the MLP's {inter:,}"
+    padded = pad_vocab(spec.vocab_size)
+    if padded % tp:
+        return (f"a divisor of the vocabulary padded to 64 ({padded:,})",
+                f"not dividing the padded vocabulary {padded:,}")
+    return None
+
+
+def tensor_parallel_sizes(spec: ModelSpec) -> list[int]:
+    """Every ``tensor_parallel_size`` vLLM accepts for ``spec``: the divisors of ``num_attention_heads`` that break
+    none of :func:`check_tensor_parallel`'s rules. Qwen2.5-7B (28 heads, 4 KV heads, MLP 18,944): 1, 2 and 4; 7 and
+    14 are over the 4 KV heads and not multiples of them, 28 does not divide 18,944."""
+    return [d for d in range(1, spec.num_heads + 1) if spec.num_heads % d == 0 and _tp_rule_broken(spec, d) is None]
+
+
 def check_tensor_parallel(spec: ModelSpec, tp: int) -> None:
     """Raise :class:`InvalidValue` for a ``tp`` vLLM refuses: heads, KV heads, intermediate sizes and the padded
     vocabulary must divide (``vllm/model_executor/models/llama.py`` asserts ``num_heads % tp == 0`` and
-    ``num_kv_heads % tp == 0`` or ``tp % num_kv_heads == 0``; ``divide`` asserts the rest)."""
-    def bad(what: str, n: int) -> InvalidValue:
-        ok = [str(d) for d in (1, 2, 4, 8, 16) if n % d == 0]
-        return InvalidValue("tensor_parallel_size", tp, f"a divisor of {what} ({n:,})",
-                            f"pass tensor_parallel_size={', '.join(ok[:-1]) + ' or ' if len(ok) > 1 else ''}{ok[-1]}")
-    if spec.num_heads % tp:
-        raise bad("num_attention_heads", spec.num_heads)
-    if spec.num_kv_heads >= tp and spec.num_kv_heads % tp:
-        raise bad("num_key_value_heads", spec.num_kv_heads)
-    if spec.num_kv_heads < tp and tp % spec.num_kv_heads:
-        raise InvalidValue("tensor_parallel_size", tp, f"a multiple of num_key_value_heads ({spec.num_kv_heads}) "
-                           "when larger than it", f"pass tensor_parallel_size={spec.num_kv_heads} or a multiple of it")
-    inter = spec.moe_intermediate_size if spec.is_moe else spec.intermediate_size
-    if inter % tp:
-        raise bad("the MLP intermediate size", inter)
-    if pad_vocab(spec.vocab_size) % tp:
-        raise bad("the vocabulary padded to 64", pad_vocab(spec.vocab_size))
+    ``num_kv_heads % tp == 0`` or ``tp % num_kv_heads == 0``; ``divide`` asserts the rest). The fix lists every
+    size that works (:func:`tensor_parallel_sizes`) and why the other divisors of the heads do not."""
+    broken = _tp_rule_broken(spec, tp)
+    if broken is None:
+        return
+    ok = [str(d) for d in tensor_parallel_sizes(spec)]
+    why: dict[str, list[str]] = {}
+    for d in range(2, spec.num_heads + 1):
+        rule = _tp_rule_broken(spec, d) if spec.num_heads % d == 0 else None
+        if rule is not None:
+            why.setdefault(rule[1], []).append(str(d))
+    left_out = "; ".join(f"{', '.join(ds)}: {reason}" for reason, ds in why.items())
+    raise InvalidValue("tensor_parallel_size", tp, broken[0],
+                       f"pass tensor_parallel_size={', '.join(ok[:-1]) + ' or ' if len(ok) > 1 else ''}{ok[-1]}"
+                       + (f" (the other divisors of the {spec.num_heads} heads: {left_out})" if left_out else ""))
 
 
 def kv_heads_per_rank(spec: ModelSpec, tp: int) -> int:

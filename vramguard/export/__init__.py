@@ -12,10 +12,11 @@ Every target runs the same engine arguments (:meth:`VllmPlan.flags`). Shapes fol
   validated against the CRD's ``openAPIV3Schema``.
 * Kubernetes ``apps/v1`` Deployment and ``v1`` Service; validated against the Kubernetes 1.33 JSON schemas.
 
-Pods get ``nvidia.com/gpu`` = tensor x pipeline parallel GPUs (one node), host memory for the engine plus the KV
-offloaded to the CPU, a memory-backed ``/dev/shm`` at TP/PP >= 2 (NCCL and vLLM's shared-memory broadcast), a node
-selector on ``nvidia.com/gpu.product`` (the label GPU Feature Discovery sets: the NVML product name with spaces
-replaced by ``-``), and startup/readiness/liveness probes on vLLM's ``/health``.
+Pods get ``nvidia.com/gpu`` = tensor x pipeline parallel GPUs (one node), host memory for the engine, the whole
+checkpoint and the KV offloaded to the CPU (:func:`host_memory_bytes`), a memory-backed ``/dev/shm`` at TP/PP >= 2
+(NCCL and vLLM's shared-memory broadcast), a node selector on ``nvidia.com/gpu.product`` (the label GPU Feature
+Discovery sets: the NVML product name with spaces replaced by ``-``), and startup/readiness/liveness probes on
+vLLM's ``/health``.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ SHM_BYTES = 2 * GiB
 # catalog card -> the nvidia.com/gpu.product values its variants carry (NVML names, spaces as "-")
 GPU_PRODUCTS: dict[str, tuple[str, ...]] = {
     "h200": ("NVIDIA-H200",), "h100-80gb": ("NVIDIA-H100-80GB-HBM3", "NVIDIA-H100-PCIe"),
+    "h100-nvl": ("NVIDIA-H100-NVL",),
     "a100-80gb": ("NVIDIA-A100-SXM4-80GB", "NVIDIA-A100-80GB-PCIe"),
     "a100-40gb": ("NVIDIA-A100-SXM4-40GB", "NVIDIA-A100-PCIE-40GB"), "l40s": ("NVIDIA-L40S",), "l4": ("NVIDIA-L4",),
     "a10g": ("NVIDIA-A10G",), "a10": ("NVIDIA-A10",), "t4": ("Tesla-T4",),
@@ -69,8 +71,22 @@ def serve_args(p: VllmPlan, model_ref: str, port: int = PORT) -> list[str]:
     return out + ["--port", str(port)]
 
 
+def host_memory_bytes(p: VllmPlan) -> int:
+    """The container's memory (request and limit): the engine's :data:`HOST_MEMORY_BYTES`, plus the whole
+    checkpoint, plus the KV offloaded to the CPU. vLLM reads the checkpoint through safetensors' ``safe_open``
+    (a memory map: ``vllm/model_executor/model_loader/weight_utils.py::safetensors_weights_iterator``), and the
+    page cache of those files is charged to the container's memory cgroup (the kernel's cgroup-v2 documentation,
+    Documentation/admin-guide/cgroup-v2.rst: the memory controller accounts file-backed page cache), so a limit
+    below engine + checkpoint ends with the pod killed while loading, as in
+    https://github.com/vllm-project/vllm/issues/28923 ("Container is killed by Kubernetes when memory crosses the
+    defined limit while model is loading"). Llama-3.1-8B in bf16: 16 GiB + 16,060,522,496 B = 33,240,391,680 B.
+    """
+    return HOST_MEMORY_BYTES + p.checkpoint_bytes + p.settings.kv_offloading_size_bytes
+
+
 def _host_memory(p: VllmPlan) -> str:
-    return f"{(HOST_MEMORY_BYTES + p.settings.kv_offloading_size_bytes) // 2**20}Mi"
+    """:func:`host_memory_bytes` in whole MiB, rounded up (Kubernetes' ``Mi``)."""
+    return f"{-(-host_memory_bytes(p) // 2**20)}Mi"
 
 
 def _node_placement(p: VllmPlan) -> dict:

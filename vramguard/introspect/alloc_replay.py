@@ -29,11 +29,9 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from vramguard.memory.allocator import AllocatorConfig, CachingAllocator, OutOfMemory
+from vramguard.memory.common import BNB_4BIT_FUSED_MAX_ROWS
 from vramguard.memory.runtime import CUBLAS_WORKSPACE_BYTES
 from vramguard.settings import DTYPE_BYTES, Settings
-
-K_SMALL = 1 << 20
-
 
 @dataclass(frozen=True)
 class AllocatorReplay:
@@ -58,27 +56,64 @@ def supported(s: Settings) -> bool:
             and s.prefill_chunk is None and s.logits == "last" and not s.output_attentions)
 
 
-def weight_allocations(spec, s: Settings) -> list[int]:
-    """Bytes of every tensor the load allocates, in the order the model lists them: each parameter and buffer, a
-    quantized weight as its packed data then its quantization state (:func:`quantized_tensor_bytes`)."""
+def load_events(spec, s: Settings) -> tuple[int, list[tuple[int, int]]]:
+    """The load as transformers 5 and bitsandbytes 0.50 allocate it (H200 traces, benchmarks/README.md): the bytes
+    of ``caching_allocator_warmup``'s block (``get_total_byte_count``: every parameter, a 4-bit weight at half a
+    byte a value, then ``byte_count // 2`` float16 values), and the tape ``(key, bytes)`` / ``(key, -1)`` of every
+    tensor in the checkpoint's key order (names sorted, as safetensors lists them). A 4-bit weight of n values is
+    read in the activation dtype, then bitsandbytes' ``quantize_4bit`` allocates the float32 absmax
+    (``ceil(n / 64) x 4`` B), the packed weight (``ceil(n / 2)`` B) and, with double quant, a second float32 absmax
+    and the 8-bit state (:func:`~vramguard.memory.weights.quantized_tensor_bytes`) before it frees both float32
+    copies and the 16-bit weight (without double quant the first absmax is the state). An 8-bit weight is read,
+    quantized to its ``numel`` bytes and state, and freed."""
     from vramguard.introspect.generic import structure_of
+    from vramguard.memory.common import BNB_4BIT_BLOCKSIZE, rounded
     from vramguard.memory.weights import quantized_tensor_bytes
-    out = []
-    for t in structure_of(spec, s).tensors:
-        if t.kind == "quantized":
-            w, state = quantized_tensor_bytes(t.numel, t.dtype, s.double_quant, t.out_features)
-            out += [w, state]
-        elif t.nbytes:
-            out.append(t.nbytes)
-    return out
+    act = DTYPE_BYTES[s.act_dtype]
+    tensors = sorted((t for t in structure_of(spec, s).tensors if t.nbytes or t.kind == "quantized"),
+                     key=lambda t: t.name)
+    warm = sum(-(-t.numel // 2) if t.kind == "quantized" and t.dtype in ("nf4", "fp4") else
+               (t.numel if t.kind == "quantized" else t.nbytes) for t in tensors if t.kind != "buffer")
+    events: list[tuple[int, int]] = []
+    key = 0
+
+    def alloc(nbytes: int) -> int:
+        nonlocal key
+        key += 1
+        events.append((key, nbytes))
+        return key
+    for t in tensors:
+        if t.kind != "quantized":
+            alloc(t.nbytes)
+            continue
+        w, state = quantized_tensor_bytes(t.numel, t.dtype, s.double_quant, t.out_features)
+        full = alloc(t.numel * act)
+        if t.dtype not in ("nf4", "fp4"):
+            alloc(w), alloc(state)
+            events.append((full, -1))
+            continue
+        absmax = -(-t.numel // BNB_4BIT_BLOCKSIZE) * 4
+        temps = [alloc(absmax)]
+        alloc(w)
+        if s.double_quant:  # the 8-bit absmax (the only part of the state that can pass 1 MiB), then the rest
+            temps.append(alloc(absmax))
+            alloc(rounded(absmax // 4))
+        alloc(state - rounded(absmax // 4) if s.double_quant else state - absmax)
+        events += [(k, -1) for k in (*temps[1:][::-1], *(temps[:1] if s.double_quant else []), full)]
+    return (warm // 2) * 2, events
 
 
-def _load(alloc: CachingAllocator, sizes: list[int]) -> None:
-    large = sum(-(-n // 512) * 512 for n in sizes if n > K_SMALL)
-    if large:
-        alloc.free(alloc.malloc(large))  # caching_allocator_warmup
-    for n in sizes:
-        alloc.malloc(n)
+def _load(alloc: CachingAllocator, spec, s: Settings) -> None:
+    """The load (:func:`load_events`), then the warm-up ``generate``'s cuBLAS workspace and ``empty_cache``."""
+    warm, events = load_events(spec, s)
+    if warm:
+        alloc.free(alloc.malloc(warm))  # caching_allocator_warmup
+    live: dict[int, object] = {}
+    for key, nbytes in events:
+        if nbytes < 0:
+            alloc.free(live.pop(key))
+        else:
+            live[key] = alloc.malloc(nbytes)
     alloc.malloc(CUBLAS_WORKSPACE_BYTES)
     alloc.malloc(512)
     alloc.empty_cache()
@@ -93,7 +128,7 @@ def replay_generate(spec, s: Settings, config: AllocatorConfig, rescale: bool = 
     if not supported(s) or not spec.config_json:
         return None
     alloc = CachingAllocator(AllocatorConfig(config.expandable_segments, config.max_split_size, None))
-    _load(alloc, weight_allocations(spec, s))
+    _load(alloc, spec, s)
     base = alloc.reserved_bytes
     alloc.config = config
     alloc.peak_reserved_bytes, alloc.peak_allocated_bytes = alloc.reserved_bytes, alloc.allocated_bytes
@@ -272,10 +307,11 @@ def _fused_sdpa_mode():
 def _bnb_kernels(model, quantized: set[str], s: Settings):
     """While a converted layer runs, the tensors its bitsandbytes kernel allocates, in the order the caching
     allocator's trace of bitsandbytes 0.50 under torch 2.11 on an H200 records them (``benchmarks/results/h200_edge/
-    run2``): for more than one row (``dequantize_4bit``, then ``MatMul4Bit.forward``'s matmul), with double quant
-    two float32 copies of the absmax (``ceil(numel / 64) x 4`` B each), then the weight in the compute dtype, all
-    held until the layer's output is allocated and freed in that order; for one row (``gemv_4bit``) nothing of
-    1 MiB or more; int8 holds its int8 input and int32 product (as :func:`vramguard.memory.forward._Forward.linear`).
+    run2``): for more than :data:`~vramguard.memory.common.BNB_4BIT_FUSED_MAX_ROWS` rows (``dequantize_4bit``, then
+    ``linear``), with double quant two float32 copies of the absmax (``ceil(numel / 64) x 4`` B each), then the
+    weight in the compute dtype, all held until the layer's output is allocated and freed in that order; for up to
+    that many rows (the fused kernel) nothing of 1 MiB or more; int8 holds its int8 input and int32 product (as
+    :func:`vramguard.memory.forward._Forward.linear`).
     """
     import torch
 
@@ -295,7 +331,7 @@ def _bnb_kernels(model, quantized: set[str], s: Settings):
         if s.quant == "int8":
             return empty(rows * fin + rows * fout * 4)
         cast = [empty(rows * fin * comp)] if comp != act else []
-        if rows == 1:
+        if rows <= BNB_4BIT_FUSED_MAX_ROWS:
             return cast
         absmax = [empty(-(-fin * fout // 64) * 4) for _ in range(2)] if s.double_quant else []
         weight = empty(fin * fout * comp)

@@ -14,7 +14,8 @@ tensor is the one the real forward allocates. Three things the meta device canno
   function (``flash_attention_mask``), allocating the same output and log-sum-exp.
 * bitsandbytes layers. The replay model keeps ``nn.Linear`` layers; each layer the quantizer converts adds, for the
   duration of its call, the memory :meth:`vramguard.memory.forward._Forward.linear` documents (the weight
-  dequantized to the compute dtype for more than one row, cast copies when compute and activation dtypes differ).
+  dequantized to the compute dtype for more than ``BNB_4BIT_FUSED_MAX_ROWS`` rows, cast copies when compute and
+  activation dtypes differ).
 * generate's float32 copy of the last position's logits (``generation/utils.py``:
   ``logits[:, -1, :].to(copy=True, dtype=torch.float32)``).
 
@@ -31,6 +32,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from vramguard.introspect.tracker import DataPolicy, StorageTracker
+from vramguard.memory.common import BNB_4BIT_FUSED_MAX_ROWS
 from vramguard.settings import DTYPE_BYTES, Settings
 
 FA2_REPLAY = "vramguard_fa2"  # registered in transformers' AttentionInterface for the replay
@@ -146,7 +148,7 @@ def _bnb_transients(model, quantized: set[str], s: Settings, labels: _Labels):
             n = rows * fin + rows * fout * 4
         else:
             n = (rows * fin * comp if comp != act else 0) + (rows * fout * comp if comp != act else 0)
-            if rows > 1:
+            if rows > BNB_4BIT_FUSED_MAX_ROWS:
                 n += fout * fin * comp
         if not n:
             return None

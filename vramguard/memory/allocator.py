@@ -15,9 +15,11 @@ whose constants and ``malloc`` path are the same):
 * ``get_free_block``: best fit: the smallest free block of the pool at least as large as the request (ties: the
   lowest address, ``BlockComparatorSize``). cudaMalloc hands out addresses downwards (each new segment of the
   H200 traces in ``benchmarks/results/h200_edge/run2`` lies below the one before), so a tie goes to the newest
-  segment; the model places its segments the same way. With ``max_split_size`` set, a request below it never
-  takes a block of at least that size, and a request above it takes only a block less than ``kLargeBuffer``
-  larger.
+  segment; the model places its segments the same way. In a process that has freed segments before (another
+  model loaded and deleted), cudaMalloc reuses the freed address ranges, so a new segment can lie above older
+  ones and a tie goes the other way; ``CachingAllocator.segment_addresses`` replays recorded placements. With
+  ``max_split_size`` set, a request below it never takes a block of at least that size, and a request above it
+  takes only a block less than ``kLargeBuffer`` larger.
 * ``should_split``: the remainder of a found block becomes a free block if it is at least 512 B (small pool, or
   expandable segments), or more than ``kSmallSize`` = 1 MiB (large pool, request under ``max_split_size``);
   otherwise the whole block is handed out.
@@ -182,6 +184,9 @@ class CachingAllocator:
     _free: dict[bool, list] = field(default_factory=lambda: {True: [], False: []})
     _next_addr: int = 1 << 60  # segments are placed downwards from here (see _alloc_block)
     _expandable: dict[bool, Segment] = field(default_factory=dict)
+    # where the driver put each new segment, in order (a recorded trace's segment_alloc addresses); None: each new
+    # segment below the last, as cudaMalloc places them in a process that has freed no memory yet
+    segment_addresses: object = None
 
     # ---- public ------------------------------------------------------------------------------------------------
     def malloc(self, nbytes: int) -> Block | None:
@@ -212,6 +217,31 @@ class CachingAllocator:
                 self._unlist(other)
                 self._merge(block, other)
         self._list(block)
+
+    @classmethod
+    def from_segments(cls, config: AllocatorConfig, segments: list[tuple[int, bool, list[tuple[int, bool]]]]):
+        """The state ``torch.cuda.memory_snapshot()`` recorded: per segment its address, whether it is in the small
+        pool, and its blocks in address order as (bytes, in use). New segments go below the lowest one."""
+        a = cls(config)
+        for addr, small, blocks in sorted(segments):
+            seg, prev, at = Segment(addr, small), None, addr
+            for size, used in blocks:
+                b = Block(seg, at, size, "used" if used else "free")
+                b.prev, at = prev, at + size
+                if prev is None:
+                    seg.head = b
+                else:
+                    prev.next = b
+                prev = b
+                if used:
+                    a.allocated_bytes += size
+                else:
+                    a._list(b)
+            a.segments.append(seg)
+            a.reserved_bytes += at - addr
+        a._next_addr = min((s.addr for s in a.segments), default=a._next_addr)
+        a.peak_reserved_bytes, a.peak_allocated_bytes = a.reserved_bytes, a.allocated_bytes
+        return a
 
     def empty_cache(self) -> None:
         """``torch.cuda.empty_cache()``: release every free segment (unmap free pages of expandable ones)."""
@@ -295,7 +325,8 @@ class CachingAllocator:
         if self.config.expandable_segments:
             return self._expand(size, small)
         self._next_addr -= alloc  # cudaMalloc hands out addresses downwards: a newer segment is lower
-        seg = Segment(self._next_addr, small)
+        addr = self._next_addr if self.segment_addresses is None else next(self.segment_addresses)
+        seg = Segment(addr, small)
         seg.head = Block(seg, seg.addr, alloc)
         self.segments.append(seg)
         self._grow(alloc)

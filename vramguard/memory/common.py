@@ -14,6 +14,11 @@ from vramguard.settings import Settings
 ALLOC_ROUND = 512  # bytes; CUDA caching allocator minimum block (kMinBlockSize)
 BNB_4BIT_BLOCKSIZE = 64  # weights per absmax (bitsandbytes Params4bit default on CUDA)
 BNB_DQ_BLOCKSIZE = 256  # absmax values per second-level absmax (quantize_blockwise in double quant)
+# bitsandbytes 0.50 ``gemm_4bit`` on CUDA (``bitsandbytes/backends/cuda/ops.py``: ``_GEMM_4BIT_CUSTOM_FLOOR_M``): up to
+# this many rows of input the fused 4-bit kernel runs on every CUDA GPU and no weight is dequantized; above it a
+# per-architecture rule picks the kernel or ``dequantize_4bit`` + ``linear`` (up to 1,536 rows), then always the
+# latter, which the model assumes. H200 traces (benchmarks/README.md): no dequantized weight in batch-4 decode.
+BNB_4BIT_FUSED_MAX_ROWS = 4
 SCALE_ZERO_BYTES = 2 * 2  # one 16-bit scale and one 16-bit zero-point per group (quantized KV cache)
 
 

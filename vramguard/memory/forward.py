@@ -17,14 +17,15 @@ Per-element costs that decide long prompts (``sc = seqs x heads x q_len x k_len`
   log-sum-exp of ``seqs x heads x q_len`` (no score matrix).
 * SDPA math: q, k, v upcast to float32 and float32 scores and probabilities, 8 B per score.
 * RMSNorm upcasts to float32: ``x.float()`` and ``x * rsqrt(var)`` are both alive, 8 B per hidden value.
-* bitsandbytes 4-bit linears dequantize the whole weight to the compute dtype for more than one row of input
-  (``out x in x compute bytes``), but use the gemv kernel without dequantizing for a single row (batch-1 decode).
+* bitsandbytes 4-bit linears dequantize the whole weight to the compute dtype for more than
+  :data:`~vramguard.memory.common.BNB_4BIT_FUSED_MAX_ROWS` rows of input (``out x in x compute bytes``), but run
+  the fused 4-bit kernel without dequantizing for up to that many (decode at batch 1 to 4).
   A compute dtype different from the activation dtype adds a cast copy of the input and of the output.
 """
 
 from __future__ import annotations
 
-from vramguard.memory.common import ForwardPeak, sdpa_runs_math
+from vramguard.memory.common import BNB_4BIT_FUSED_MAX_ROWS, ForwardPeak, sdpa_runs_math
 from vramguard.memory.kv import kv_cache_bytes, kv_tensor_bytes
 from vramguard.memory.tape import Tape
 from vramguard.settings import DTYPE_BYTES, Settings
@@ -75,7 +76,7 @@ class _Forward:
             t.transient(name, dequant=rows * fin + rows * fout * 4)
             return
         cast_in = rows * fin * self.cz if self.cz != self.sz else 0
-        if rows == 1:  # bitsandbytes gemv_4bit: no dequantized weight
+        if rows <= BNB_4BIT_FUSED_MAX_ROWS:  # bitsandbytes' fused 4-bit kernel: no dequantized weight
             t.alloc(out, rows * fout * self.sz, label)
             t.transient(name, dequant=cast_in + (rows * fout * self.cz if self.cz != self.sz else 0))
             return

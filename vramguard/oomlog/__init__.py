@@ -158,6 +158,27 @@ def _sort_key(k: OomKill) -> tuple:
     return (k.time or "", k.uptime_s or 0.0)
 
 
+def lines_in_window(lines: list[str], cutoff: datetime, year: int | None = None) -> tuple[int, int]:
+    """(lines dated at or after ``cutoff``, lines that carry no wall-clock time) of a kernel log: what a report
+    "since" a time has read in its window. A time without a zone is local, as the kills' times are read."""
+    from vramguard.oomlog.parse import split_line
+    inside = undated = 0
+    for line in lines:
+        when = split_line(line, year)[0]
+        if when is None:
+            undated += 1
+        elif when.astimezone() >= cutoff:
+            inside += 1
+    return inside, undated
+
+
+def _window(lines: list[str], cutoff: datetime, year: int | None, read: int) -> str:
+    """``3 lines since then, of 12 read`` (and how many carry no date)."""
+    inside, undated = lines_in_window(lines, cutoff, year)
+    text = f"{plural(inside, 'line')} since then, of {read:,} read"
+    return text + (f"; {plural(undated, 'line')} without a date" if undated else "")
+
+
 def oom_log(file: str | None = None, since: str | None = None, year: int | None = None) -> OomLogReport:
     """Read the kernel log (``file``, ``-`` for stdin, or the system's) and explain every OOM kill.
 
@@ -186,8 +207,10 @@ def oom_log(file: str | None = None, since: str | None = None, year: int | None 
     if src.name is None:
         msg = (PERMISSION_HELP if src.permission_denied else "no kernel log could be read: " + "; ".join(src.attempts))
     elif not kills:
-        msg = (f"no OOM-killer record in {src.name} ({plural(parsed.lines_read, 'line')}"
-               + (f" since {cutoff.isoformat(timespec='minutes')}" if cutoff else "") + ")")
+        msg = f"no OOM-killer record in {src.name} ({plural(parsed.lines_read, 'line')})"
+        if cutoff is not None:
+            window = _window(src.lines, cutoff, year, parsed.lines_read)
+            msg = f"no OOM-killer record in {src.name} since {cutoff.isoformat(timespec='minutes')} ({window})"
         counted = {k: v for k, v in src.cgroup_oom_kills.items() if k.endswith("oom_kill") and v}
         if counted:
             msg += "; but this container's cgroup counted OOM kills: " + ", ".join(f"{k}={v}" for k, v in

@@ -132,17 +132,21 @@ def search(spec: ModelSpec, s: Settings, vary: str, budget: int, run: Callable[[
     from the caching-allocator model (:func:`seeds`), whose two seeds are close, so the search runs the margined
     seed, the unmargined one and one just past the edge before anything else.
 
-    Returns (largest completed value, smallest failed value, the runs in order).
+    Returns (largest completed value, smallest failed value, the runs in order); the search stops once the
+    largest value the model allows (:func:`limits`) completes, with no failed value (None).
     """
     lo_lim, hi_lim = limits(spec, s, vary)
     cons, opt = seeds(spec, s, vary, budget, use_allocator)
+
+    def clamp(v: int) -> int:  # the value a run is made at: rounded, within the limits
+        return min(max(_round(v, vary), lo_lim), hi_lim)
     runs: list[FitRun] = []
     ok_runs: dict[int, FitRun] = {}
     first_fail: int | None = None
 
     def go(v: int) -> bool:
         nonlocal first_fail
-        v = min(max(_round(v, vary), lo_lim), hi_lim)
+        v = clamp(v)
         prior = next((r for r in runs if r.value == v), None)
         r = prior or run(v)
         if prior is None:
@@ -171,7 +175,7 @@ def search(spec: ModelSpec, s: Settings, vary: str, budget: int, run: Callable[[
         go(opt if _round(opt, vary) > max(ok_runs) else past(max(ok_runs)))
         if first_fail is None and not closed() and len(runs) < max_runs:
             go(past(max(ok_runs)))
-    while len(runs) < max_runs and ok_runs and not closed():
+    while len(runs) < max_runs and ok_runs and not closed() and max(ok_runs) < clamp(hi_lim):
         best = max(ok_runs)
         r = ok_runs[best]
         ceiling = first_fail if first_fail is not None else hi_lim + 1
@@ -185,10 +189,10 @@ def search(spec: ModelSpec, s: Settings, vary: str, budget: int, run: Callable[[
             # 3. no measurement to extrapolate from, or it points outside the bracket: bisect or expand
             target = ((best + ceiling) // 2 if first_fail is not None
                       else max(int(best * 1.05), best + 1, (opt or 0) if (opt or 0) > best else 0))
-        if _round(target, vary) in (r2.value for r2 in runs):
+        if clamp(target) in (r2.value for r2 in runs):
             target = past(best) if first_fail is None else (best + ceiling) // 2
-            if _round(target, vary) in (r2.value for r2 in runs):
-                break
+            if clamp(target) in (r2.value for r2 in runs):
+                break  # every value left to try has been run: nothing narrows the bracket further
         go(target)
     return max(ok_runs, default=None), first_fail, runs
 

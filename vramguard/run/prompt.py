@@ -23,8 +23,12 @@ def prepare_prompt(tokenizer, text: str, chat: bool | None = None) -> PreparedPr
     None (the default) and the tokenizer has a template; else the raw text with the tokenizer's special tokens.
 
     Raises:
-        InvalidValue: ``chat`` is True and the tokenizer has no chat template; the text gives no tokens.
+        InvalidValue: the text is empty or white space only (a chat template would wrap it into a prompt of its
+            own); ``chat`` is True and the tokenizer has no chat template; the text gives no tokens.
     """
+    if not isinstance(text, str) or not text.strip():
+        raise InvalidValue("prompt", text, "text with at least one character other than white space",
+                           "pass the text to answer, e.g. prompt='Hello'")
     template = getattr(tokenizer, "chat_template", None)
     if chat and not template:
         raise InvalidValue("chat", True, "a tokenizer with a chat_template",
@@ -55,16 +59,14 @@ def preflight_prompt(model: str, text: str, max_new_tokens: int, chat: bool | No
         UnknownModel: no local folder for ``model``. ConfigError: the folder has no tokenizer.
         InvalidValue: prompt + new tokens over the context (with the room that is left).
     """
-    from vramguard.errors import ConfigError
     from vramguard.plan import check_context
     from vramguard.resolve import local_model_folder, resolve_model
-    from vramguard.runtime.tokenizer import folder_tokenizer
+    from vramguard.runtime.tokenizer import folder_tokenizer, no_tokenizer_error
     from vramguard.settings import Settings
     folder = local_model_folder(model)
     tokenizer, no_tokenizer = folder_tokenizer(folder)
     if tokenizer is None:
-        raise ConfigError("MODEL", model, "a model folder with tokenizer files",
-                          f"save the tokenizer with the model (tokenizer.save_pretrained(folder)); {no_tokenizer}")
+        raise no_tokenizer_error(model, no_tokenizer)
     prepared = prepare_prompt(tokenizer, text, chat)
     spec = resolve_model(str(folder))
     check_context(spec, Settings(prompt_tokens=len(prepared.ids), max_new_tokens=max_new_tokens), beyond=None)

@@ -14,6 +14,11 @@ from pathlib import Path
 # a tokenizer of at most this many tokens holds its special tokens only (an empty GPT2Tokenizer has 1: <|endoftext|>)
 MIN_VOCAB_TOKENS = 4
 FULL_TOKENIZER_FILE = "tokenizer.json"  # transformers.tokenization_utils_base.FULL_TOKENIZER_FILE
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"  # transformers.tokenization_utils_base.TOKENIZER_CONFIG_FILE
+# what transformers' tokenizers save besides those two: vocab.json/vocab.txt, merges.txt, tokenizer.model (the
+# sentencepiece model), spiece.model
+_VOCABULARY_PREFIXES = ("tokenizer", "vocab", "merges", "spiece", "sentencepiece")
+ERROR_CHARS = 400  # the most of transformers' error kept in a reason (it can run to pages)
 
 
 def vocabulary_files(tokenizer, folder: str | Path) -> list[str]:
@@ -21,6 +26,31 @@ def vocabulary_files(tokenizer, folder: str | Path) -> list[str]:
     ``merges.txt``, ``tokenizer.model``, ``tokenizer.json``...); empty when the folder has none of them."""
     names = {*getattr(type(tokenizer), "vocab_files_names", {}).values(), FULL_TOKENIZER_FILE}
     return sorted(n for n in names if isinstance(n, str) and (Path(folder) / n).is_file())
+
+
+def load_failure(folder: str | Path, e: Exception) -> str:
+    """Why ``AutoTokenizer.from_pretrained(folder)`` raised ``e``, in one line: the folder has no tokenizer files
+    at all (no file named ``tokenizer*``, ``vocab*``, ``merges*``, ``spiece*`` or ``sentencepiece*``), or
+    transformers' error on the files it has, on one line, whole up to :data:`ERROR_CHARS` characters and then cut
+    at a word with `` ...``."""
+    files = [p.name for p in Path(folder).iterdir() if p.is_file()] if Path(folder).is_dir() else []
+    if not any(n.lower().startswith(_VOCABULARY_PREFIXES) for n in files):
+        return (f"the folder has no tokenizer files (no {FULL_TOKENIZER_FILE}, {TOKENIZER_CONFIG_FILE} or "
+                "vocabulary file)")
+    text = " ".join(str(e).split())
+    if len(text) > ERROR_CHARS:
+        text = text[:ERROR_CHARS].rsplit(" ", 1)[0] + " ..."
+    return f"transformers could not load the tokenizer files it has ({type(e).__name__}: {text})"
+
+
+def no_tokenizer_error(model: str, reason: str):
+    """The :class:`~vramguard.errors.ConfigError` of a model folder without a usable tokenizer: ``reason`` (from
+    :func:`folder_tokenizer`) and the fix."""
+    from vramguard.errors import ConfigError
+    return ConfigError("MODEL", model, "a model folder with tokenizer files",
+                       f"{reason}: save the tokenizer of the checkpoint these weights come from into the folder "
+                       "(AutoTokenizer.from_pretrained(ID).save_pretrained(folder)); vramguard.generate takes "
+                       "token ids without one")
 
 
 def folder_tokenizer(folder: str | Path, trust_remote_code: bool = False) -> tuple[object | None, str]:
@@ -32,7 +62,7 @@ def folder_tokenizer(folder: str | Path, trust_remote_code: bool = False) -> tup
         tok = transformers.AutoTokenizer.from_pretrained(str(folder), local_files_only=True,
                                                         trust_remote_code=trust_remote_code)
     except (OSError, ValueError, TypeError) as e:
-        return None, f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+        return None, load_failure(folder, e)
     if not vocabulary_files(tok, folder):
         wanted = sorted({*getattr(type(tok), "vocab_files_names", {}).values(), FULL_TOKENIZER_FILE})
         return None, (f"the folder has none of the files {type(tok).__name__} reads its vocabulary from "

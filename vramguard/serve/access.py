@@ -26,13 +26,49 @@ class _Stderr(logging.Handler):
             self.handleError(record)
 
 
+class WrappedFormatter(logging.Formatter):
+    """``HH:MM:SS message``, wrapped at word boundaries to :data:`LOG_COLUMNS` columns; each continuation line is
+    indented past the time by two more spaces, so that it reads as part of the line above. A word longer than a
+    line (a path, a URL) is kept whole."""
+
+    def __init__(self, columns: int = None):
+        super().__init__("%(asctime)s %(message)s", "%H:%M:%S")
+        self.columns = columns or LOG_COLUMNS
+
+    def format(self, record: logging.LogRecord) -> str:
+        import textwrap
+        text = super().format(record)
+        if len(text) <= self.columns and "\n" not in text:
+            return text
+        indent = " " * (len(self.formatTime(record, self.datefmt)) + 3)
+        lines = []
+        for i, part in enumerate(text.splitlines()):
+            lines += textwrap.wrap(part, self.columns, subsequent_indent=indent, initial_indent="" if i == 0 else
+                                   indent, break_long_words=False, break_on_hyphens=False) or [""]
+        return "\n".join(lines)
+
+
+LOG_COLUMNS = 120  # the widest log line (the project's line limit, readable in a terminal or a log viewer)
+SERVE_LOG = "vramguard.serve"  # the server's own lines (refusals, recovery, notes) log under it
+
+
 def _ensure_handler() -> None:
+    """One stderr handler on the server's loggers: the access and throughput lines (this module's, INFO) and the
+    server's own (:data:`SERVE_LOG`: refusals, recovery, notes), each line with its time and wrapped
+    (:class:`WrappedFormatter`). The server's records still propagate, so a caller's handlers see them too."""
     if not any(isinstance(h, _Stderr) for h in log.handlers):
         h = _Stderr()
-        h.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
+        h.setFormatter(WrappedFormatter())
         log.addHandler(h)
         log.setLevel(logging.INFO)
         log.propagate = False
+    serve = logging.getLogger(SERVE_LOG)
+    if not any(isinstance(h, _Stderr) for h in serve.handlers):
+        h = _Stderr()
+        h.setFormatter(WrappedFormatter())
+        serve.addHandler(h)
+        if serve.level == logging.NOTSET:
+            serve.setLevel(logging.INFO)
 
 
 class AccessLog:

@@ -119,14 +119,28 @@ def to_request(data: dict, schema):
     try:
         return schema.model_validate(data)
     except ValidationError as e:
-        first = e.errors()[0]
+        errors = e.errors()
+        # an unknown name is said before a missing one: a misspelt field ("promt") is both, and its name is the fix
+        first = next((x for x in errors if x["type"] == "extra_forbidden"), errors[0])
         param = _param(first["loc"])
         if first["type"] == "extra_forbidden":
-            known = ", ".join(schema.model_fields) if param and "." not in param else "OpenAI's fields"
-            raise ApiError.of("unknown_parameter", f"{shown(param)}: unknown parameter; accepted: {known}",
-                              param=param) from None
+            raise _unknown_parameter(param, schema, errors) from None
         raise ApiError.of("invalid_value", f"{param}: {first['msg']} (got {shown(first.get('input'))})",
                           param=param) from None
+
+
+def _unknown_parameter(param: str | None, schema, errors: list[dict]) -> ApiError:
+    """The 400 of a field the schema does not have: its name, the field it most likely meant (a missing required
+    field, else a close name: :func:`difflib.get_close_matches`) and, at the top level, the accepted names."""
+    import difflib
+    top = bool(param) and "." not in param
+    missing = [_param(x["loc"]) for x in errors if x["type"] == "missing"]
+    names = [m for m in missing if m and "." not in m] if top else []
+    near = difflib.get_close_matches(param, names or list(schema.model_fields), n=1) if top else []
+    meant = f" (did you mean {shown(near[0])}?)" if near else ""
+    known = ", ".join(schema.model_fields) if top else "OpenAI's fields"
+    return ApiError.of("unknown_parameter", f"{shown(param)}: unknown parameter{meant}; accepted: {known}",
+                       param=param)
 
 
 def check_fields(req, limits: Limits) -> None:

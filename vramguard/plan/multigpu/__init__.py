@@ -83,15 +83,16 @@ def plan_gpus(model: str | ModelSpec, settings: Settings | None = None, *, gpus:
 
     Raises:
         InvalidValue: fewer than 2 cards, ``tp`` not the number of cards or not dividing the KV heads,
-            ``max_memory`` not one positive size per card.
-        NotPlannable: no tensor-parallel plan for the architecture, or quantized weights with ``tp``.
+            ``max_memory`` not one positive size per card, or bitsandbytes weights with ``tp``.
+        NotPlannable: no tensor-parallel plan for the architecture.
         UnknownModel, ConfigError: the model cannot be read.
     """
     from vramguard.plan.planner import check_context
     from vramguard.resolve import resolve_model
     spec = model if isinstance(model, ModelSpec) else resolve_model(model)
-    from vramguard.plan.multigpu.tensorparallel import check_tp_heads
+    from vramguard.plan.multigpu.tensorparallel import check_tp_heads, check_tp_quant
     check_tp_heads(spec, tp)
+    check_tp_quant(settings or Settings(), tp)
     if tp is not None or spec.generic:  # a hand family's device_map split also runs without them
         _require_libraries("tp" if tp is not None else "gpus")
     s = settings or Settings()

@@ -150,17 +150,27 @@ def tp_shards(spec, s: Settings, tp: int) -> TpShards:
     """The shard of every parameter on each of ``tp`` ranks and the bytes per rank (see the module docstring).
 
     Raises:
-        InvalidValue: ``tp`` below 2, or ``num_key_value_heads`` not divisible by it.
-        NotPlannable: quantized weights (transformers' tensor parallelism is planned for 16/32-bit weights here), or
-            no plan for the architecture.
+        InvalidValue: ``tp`` below 2, ``num_key_value_heads`` not divisible by it, or bitsandbytes weights
+            (transformers' tensor parallelism is planned for 16/32-bit weights here: :func:`check_tp_quant`).
+        NotPlannable: no plan for the architecture.
     """
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 2:
         raise InvalidValue("tp", tp, "a number of ranks >= 2", "pass tp=2 or more (one card is a single-GPU plan)")
-    if s.is_bnb:
-        raise NotPlannable("quant", s.quant, "bf16, fp16 or fp32 weights with tensor parallelism",
-                           "plan tp_plan='auto' with 16-bit weights (quant='bf16'), or a device_map split for "
-                           f"{s.quant}")
+    check_tp_quant(s, tp)
     return _tp_shards(spec, s.act_dtype, tp)
+
+
+def check_tp_quant(s: Settings, tp: int | None) -> None:
+    """Raise InvalidValue when ``tp`` ranks are asked for with bitsandbytes weights: a combination of two settings
+    (transformers' tensor parallelism is planned here for 16/32-bit weights only), said before any card is read.
+
+    Example: ``quant='nf4'`` with ``tp=2`` -> field ``quant + tp``, fix ``quant='bf16'`` or a layer split."""
+    if tp is None or isinstance(tp, bool) or not isinstance(tp, int) or tp < 2 or not s.is_bnb:
+        return
+    raise InvalidValue("quant + tp", f"{s.quant} with tp={tp}",
+                       "bf16, fp16 or fp32 weights with tensor parallelism (transformers' tp_plan='auto')",
+                       f"pass quant='bf16' with tp={tp}, or split the {s.quant} model's layers over the cards instead "
+                       f"(gpus={tp} in place of tp={tp})")
 
 
 @lru_cache(maxsize=16)

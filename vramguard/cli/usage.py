@@ -1,0 +1,83 @@
+"""click's own usage errors (a value of the wrong type, an unknown choice or option, a missing value or argument) in
+vramguard's two-line form: ``error FIELD: 'VALUE' is not valid; accepted: ...`` then ``fix: ...``, the form of
+:meth:`vramguard.errors.VramguardError.render`. Reads the exception's documented attributes only (``param``,
+``option_name``, ``possibilities``, ``ctx``), each looked up with a default, so that the click typer vendors and the
+click package read the same; anything else keeps click's own message."""
+
+from __future__ import annotations
+
+import re
+
+from vramguard.errors import InvalidValue
+
+# click's and pydantic's words for a value of the wrong type -> what is accepted
+_TYPE_WORDS = (("valid integer", "an integer"), ("valid number", "a number"), ("valid float", "a number"),
+               ("valid boolean", "true or false"))
+_CHOICES = re.compile(r"'([^']*)' is not one of (.+?)\.?$")
+
+
+def usage_error_text(e, argv: list[str]) -> str:
+    """The two lines (without ``error ``) for click's usage error ``e`` of the command line ``argv``."""
+    ctx = getattr(e, "ctx", None)
+    if ctx is not None and getattr(ctx, "parent", None) is not None:
+        command = f"vramguard {ctx.info_name}"
+    else:  # some errors carry no context (an option's missing value): the command is the first word of argv
+        command = "vramguard" + next((f" {a}" for a in argv[:1] if not a.startswith("-")), "")
+    help_hint = f"`{command} --help`"
+    name = type(e).__name__
+    message = e.format_message().replace("Value error, ", "")
+    param = getattr(e, "param", None)
+    m = re.match(r"No such command '(.*)'", message)
+    if m:
+        names = ctx.command.list_commands(ctx) if ctx is not None and hasattr(ctx.command, "list_commands") else []
+        return InvalidValue("COMMAND", m.group(1), ", ".join(names) or "a command `vramguard --help` lists",
+                            "see `vramguard --help` for what each does").render()
+    m = re.match(r"Got unexpected extra argument(?:s|\(s\))? \((.*)\)", message)
+    if m:
+        return InvalidValue("ARGUMENT", m.group(1), f"the arguments of {command} ({help_hint})",
+                            "quote a value that holds spaces, and give each option its name").render()
+    if name == "NoSuchOption":
+        near = list(getattr(e, "possibilities", None) or [])
+        fix = f"did you mean {' or '.join(near[:3])}?" if near else f"check the spelling in {help_hint}"
+        return InvalidValue("OPTION", getattr(e, "option_name", None) or "?",
+                            f"an option of {command} ({help_hint} lists them)", fix).render()
+    if name == "BadOptionUsage" and "requires an argument" in message:
+        flag = getattr(e, "option_name", None) or "the option"
+        return InvalidValue(flag, "none given", "a value after the option",
+                            f"pass {flag} VALUE ({help_hint} says which values)").render()
+    if name == "MissingParameter" and param is not None:
+        field = _field(param)
+        return InvalidValue(field, "none given", f"a {field} ({help_hint} says which)",
+                            f"pass it: {command} {field} ...").render()
+    if name == "BadParameter" and param is not None:
+        field = _field(param)
+        detail = message.split(": ", 1)[1] if message.startswith("Invalid value for ") else message
+        m = _CHOICES.search(detail)
+        if m:
+            choices = [c.strip().strip("'") for c in m.group(2).split(",")]
+            return InvalidValue(field, m.group(1), ", ".join(choices), f"pass one of them, e.g. {field} "
+                                f"{choices[0]}").render()
+        accepted = next((words for key, words in _TYPE_WORDS if key in detail), detail.rstrip("."))
+        value = _given(field, argv)
+        return InvalidValue(field, value if value is not None else "?", accepted,
+                            f"pass {field} with {accepted} ({help_hint})").render()
+    return f"{message}\nfix: see {help_hint} for the accepted values"
+
+
+def _field(param) -> str:
+    """The option (``--batch``) or argument (``MODEL``) a parameter is written as."""
+    opts = [o for o in getattr(param, "opts", None) or [] if o.startswith("-")]
+    if opts:
+        return max(opts, key=len)
+    return getattr(param, "metavar", None) or str(getattr(param, "name", "ARGUMENT")).upper()
+
+
+def _given(flag: str, argv: list[str]) -> str | None:
+    """The value given to ``flag`` on the command line (``--batch x`` or ``--batch=x``; the last one), or None."""
+    value = None
+    for i, a in enumerate(argv):
+        if a == flag and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif a.startswith(flag + "="):
+            value = a[len(flag) + 1:]
+    return value
