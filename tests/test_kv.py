@@ -172,22 +172,27 @@ def test_plan_shows_the_growth_a_sliding_window_model_really_has():
 
 
 def _paged_cache_bytes(cfg, num_blocks: int, page_size: int) -> int:
-    """The bytes transformers' own PagedAttentionCache allocates for ``num_blocks`` (on the CPU, bf16)."""
+    """The bytes transformers' own PagedAttentionCache allocates for a pool of ``num_blocks`` whole-model blocks
+    (on the CPU, bf16), given the block count the serving engine gives it (``blocks_per_pool_block``): 5.24's one
+    tensor, or the sum of 5.17's tensors (one K and one V tensor per layer of a group)."""
     import inspect
 
     import torch
-    from transformers import ContinuousBatchingConfig
     from transformers.generation.continuous_batching.cache import PagedAttentionCache
-    cb = ContinuousBatchingConfig(num_blocks=num_blocks, page_size=page_size, max_batch_tokens=64,
-                                  max_memory_percent=0.9)
+
+    from vramguard.serve._compat import blocks_per_pool_block, cb_config
+    cb = cb_config(num_blocks=num_blocks * blocks_per_pool_block(cfg), page_size=page_size, max_batch_tokens=64,
+                   max_memory_percent=0.9)
+    params = inspect.signature(PagedAttentionCache.__init__).parameters
     extra = {}
-    if "distributed_helper" in inspect.signature(PagedAttentionCache.__init__).parameters:
+    if "distributed_helper" in params:
         from transformers.generation.continuous_batching.distributed import DistributedHelper
         extra["distributed_helper"] = DistributedHelper(None, None)
+    if "tp_plan" in params:
+        extra["tp_plan"] = {}
     cache = PagedAttentionCache(cfg, cb, "cpu", dtype=torch.bfloat16, **extra)
-    if not hasattr(cache, "cache_tensor"):
-        pytest.skip("transformers before the one-tensor pool (5.24) keeps one tensor per layer of a group")
-    return cache.cache_tensor.numel() * cache.cache_tensor.element_size()
+    tensors = [cache.cache_tensor] if hasattr(cache, "cache_tensor") else [*cache.key_cache, *cache.value_cache]
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 @pytest.mark.parametrize("cls, extra, block, pool", [

@@ -779,3 +779,34 @@ def test_sigterm_ends_every_accepted_stream_with_an_error_event(folder):
         assert end[0] == 200, (i, end)
         last, done = end[1]
         assert done == "[DONE]" and json.loads(last)["error"]["code"] == "shutting_down", (i, end)
+
+
+def test_a_hybrid_models_pool_holds_the_planned_blocks_on_every_transformers(tmp_path):
+    """Gemma-2 (2 sliding + 2 full layers): transformers 5.17 counts blocks of one layer group (2 groups here), 5.24
+    blocks of every layer; either way the engine's pool is the 20 whole-model blocks planned, of PAGE tokens, and a
+    request's blocks are counted in them (48 + 8 tokens: ceil(56 / 16) = 4 blocks at most)."""
+    import httpx
+
+    from conftest import save_tiny
+    from vramguard.serve._compat import blocks_per_pool_block
+    folder, model = save_tiny(tmp_path, "Gemma2Config", hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=32,
+                              vocab_size=300, max_position_embeddings=512, bos_token_id=1, eos_token_id=2)
+    groups = blocks_per_pool_block(model.config)
+    for s, url in serving(_build(folder)):
+        e = s.engine
+        assert e.pool.num_blocks == 20 and e._cache.num_blocks == 20 * groups
+        _slow(e, 0.02)
+        seen = []
+        t = threading.Thread(target=lambda: seen.append(httpx.post(url + "/v1/completions", timeout=60, json={
+            "model": "tiny", "prompt": list(range(3, 51)), "max_tokens": 8, "temperature": 0, "ignore_eos": True})))
+        t.start()
+        held = 0
+        deadline = time.time() + 30
+        while t.is_alive() and time.time() < deadline:
+            held = max(held, e.kv_blocks_used())
+            time.sleep(0.005)
+        t.join(30)
+        e.before_step = None
+        assert seen and seen[0].status_code == 200 and seen[0].json()["usage"]["completion_tokens"] == 8
+        assert 1 <= held <= 4 and e.kv_blocks_used() == 0

@@ -1,7 +1,8 @@
 """The two places the serving engine touches transformers' continuous batching beyond its public calls.
 
 Tested with transformers 5.17 and 5.24: ``ContinuousBatchingConfig`` renamed ``block_size`` to ``page_size`` in 5.17
-(5.17's field is ``block_size``), and the manager's ``_generation_step`` / ``_generation_loop_body`` are the hooks
+(5.17's field is ``block_size``); a block of 5.17's ``PagedAttentionCache`` holds one group of layers, not every layer
+(:func:`blocks_per_pool_block`); and the manager's ``_generation_step`` / ``_generation_loop_body`` are the hooks
 where a step's requests are known and where an exception inside a step can be caught before the engine's
 ``_handle_critical_error`` fails every request (what happens to it instead: :mod:`vramguard.serve.recovery`).
 """
@@ -20,6 +21,27 @@ def cb_config(page_size: int, **kw):
     size_field = "page_size" if "page_size" in names else "block_size"
     kw[size_field] = page_size
     return ContinuousBatchingConfig(**{k: v for k, v in kw.items() if k in names})
+
+
+def blocks_per_pool_block(config) -> int:
+    """How many of this transformers' KV blocks make one vramguard pool block (``page_size`` tokens of every layer,
+    :func:`vramguard.memory.kv.paged_block_bytes`): 1 where ``PagedAttentionCache`` counts blocks of every layer
+    (5.24: ``bytes_per_block = num_hidden_layers x FullAttentionCacheAllocator.get_bytes_per_page(...)``), else the
+    number of layer groups of ``group_layers_by_attn_type(config)`` (5.17: each group of ``gcd`` layers of one
+    attention type takes its own block for a page of a request, so ``num_blocks`` blocks hold ``num_blocks / groups``
+    pages of the whole model; Gemma-2's 2 sliding + 2 full layers are 2 groups).
+
+    Args:
+        config: the model's (text) config, as transformers' continuous batching reads it.
+    Returns:
+        the factor (>= 1): give transformers ``num_blocks x factor``, read its counts back divided by it.
+    """
+    from transformers.generation.continuous_batching import cache
+    alloc = getattr(cache, "FullAttentionCacheAllocator", None)
+    if alloc is not None and hasattr(alloc, "get_bytes_per_page"):
+        return 1
+    layer_groups, _ = cache.group_layers_by_attn_type(config)
+    return max(len(layer_groups), 1)
 
 
 @lru_cache(maxsize=1)

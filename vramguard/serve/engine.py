@@ -150,6 +150,7 @@ class Engine:
     def __init__(self, model, tokenizer, pool: PoolPlan, *, max_queue: int = 64, seed: int | None = 0,
                  metrics=None, greedy_only: bool = False, own_kernels: bool = True):
         self.model, self.tokenizer, self.pool = model, tokenizer, pool
+        self._cb_blocks_per_block = 1  # transformers' KV blocks per pool block, known at start
         self.own_kernels = own_kernels
         self.max_queue = max_queue
         self.greedy_only = greedy_only
@@ -204,8 +205,9 @@ class Engine:
         import torch
         from transformers import GenerationConfig
 
-        from vramguard.serve._compat import cb_config, guarded_manager_class
+        from vramguard.serve._compat import blocks_per_pool_block, cb_config, guarded_manager_class
         text_cfg = self.model.config.get_text_config()
+        self._cb_blocks_per_block = blocks_per_pool_block(text_cfg)
         eos = getattr(self.model.generation_config, "eos_token_id", None)
         if eos is None and self.tokenizer is not None:
             eos = self.tokenizer.eos_token_id
@@ -213,7 +215,7 @@ class Engine:
         gen = GenerationConfig(max_new_tokens=16, eos_token_id=eos if eos is not None else -1,
                                pad_token_id=getattr(text_cfg, "pad_token_id", None) or 0,
                                **(sampling or {"do_sample": False}))
-        cfg = cb_config(num_blocks=self.pool.num_blocks, page_size=self.pool.page_size,
+        cfg = cb_config(num_blocks=self.pool.num_blocks * self._cb_blocks_per_block, page_size=self.pool.page_size,
                         max_batch_tokens=self.pool.max_batch_tokens, max_requests_per_batch=self.pool.max_requests,
                         use_async_batching=False, per_request_processors=not self.greedy_only,
                         drop_unsupported_processors=False,
@@ -268,7 +270,8 @@ class Engine:
                 raise self._refused(err)
             raise RuntimeError(f"the continuous-batching engine did not start: {err!r}")
         self._cache = bp.cache
-        actual = int(getattr(self._cache, "num_blocks", self.pool.num_blocks))
+        per = self._cb_blocks_per_block
+        actual = int(getattr(self._cache, "num_blocks", self.pool.num_blocks * per)) // per
         if actual != self.pool.num_blocks:
             self.notes.append(f"the engine made {actual} blocks of the {self.pool.num_blocks} planned")
         self.pool.num_blocks = actual
@@ -366,8 +369,8 @@ class Engine:
         total = self.pool.num_blocks
         if hasattr(c, "compute_free_capacity"):
             return total - int(round(c.compute_free_capacity(relative=True) * total))
-        if hasattr(c, "get_num_free_blocks"):
-            return total - int(c.get_num_free_blocks())
+        if hasattr(c, "get_num_free_blocks"):  # transformers 5.17: blocks of one layer group
+            return total - int(c.get_num_free_blocks()) // self._cb_blocks_per_block
         return 0
 
     def kv_tokens_reserved(self) -> int:
