@@ -236,7 +236,21 @@ def _rescaled_events(config_json: str, name: str, key: Settings, prompt: int, ne
 @lru_cache(maxsize=64)
 def _cached_events(config_json: str, name: str, key: Settings, prompt: int, new: int, steps: int = 3) -> tuple:
     """The events of the first ``min(new, steps)`` forwards (the prefill, decode step 1, 2...) replayed on the meta
-    device, one tuple per forward (empty tuples up to three)."""
+    device, one tuple per forward (empty tuples up to three); read from the tape cache on disk where a plan of the
+    same model, settings and code recorded them (:mod:`vramguard.introspect.tape_cache`)."""
+    from vramguard.introspect import tape_cache
+    if not tape_cache.enabled():
+        return _record_events(config_json, name, key, prompt, new, steps)
+    path = tape_cache.tape_path(config_json, name, key, prompt, new, steps)
+    found = tape_cache.read(path)
+    if found is None:
+        found = _record_events(config_json, name, key, prompt, new, steps)
+        tape_cache.write(path, found)
+    return found
+
+
+def _record_events(config_json: str, name: str, key: Settings, prompt: int, new: int, steps: int = 3) -> tuple:
+    """:func:`_cached_events` recorded: transformers' forward on the meta device under the storage tracker."""
     import torch
 
     from vramguard.introspect.build import _quiet, cached_config, text_config
