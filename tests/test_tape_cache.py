@@ -68,3 +68,17 @@ def test_unwritable_folder_still_plans(tiny, monkeypatch, tmp_path):
     (tmp_path / "file").write_text("x")
     monkeypatch.setenv("VRAMGUARD_CACHE_DIR", str(tmp_path / "file"))  # a file where the folder should be
     assert _cached_events(spec.config_json, spec.name, key, 40, 3)
+
+
+def test_unreadable_recording_code_caches_nothing(tiny, monkeypatch):
+    from vramguard.introspect import tape_cache
+    from vramguard.introspect.alloc_replay import _cached_events
+    spec, key, folder = tiny
+    monkeypatch.setattr(tape_cache, "_SOURCES", ("no_such_module.py",))
+    tape_cache._code_version.cache_clear()
+    try:
+        assert tape_cache.tape_path("x") is None
+        assert _cached_events(spec.config_json, spec.name, key, 40, 3)
+        assert not folder.exists()
+    finally:
+        tape_cache._code_version.cache_clear()

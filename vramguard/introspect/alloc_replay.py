@@ -239,9 +239,9 @@ def _cached_events(config_json: str, name: str, key: Settings, prompt: int, new:
     device, one tuple per forward (empty tuples up to three); read from the tape cache on disk where a plan of the
     same model, settings and code recorded them (:mod:`vramguard.introspect.tape_cache`)."""
     from vramguard.introspect import tape_cache
-    if not tape_cache.enabled():
-        return _record_events(config_json, name, key, prompt, new, steps)
     path = tape_cache.tape_path(config_json, name, key, prompt, new, steps)
+    if path is None:
+        return _record_events(config_json, name, key, prompt, new, steps)
     found = tape_cache.read(path)
     if found is None:
         found = _record_events(config_json, name, key, prompt, new, steps)

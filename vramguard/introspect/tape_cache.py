@@ -34,20 +34,28 @@ def tape_cache_dir() -> Path:
 
 
 @lru_cache(maxsize=1)
-def _code_version() -> str:
-    """SHA-256 of the tape-recording modules' source, and the torch and transformers versions."""
+def _code_version() -> str | None:
+    """SHA-256 of the tape-recording modules' source, and the torch and transformers versions; None when a source
+    file cannot be read (an install without sources: no tape is cached)."""
     import torch
     import transformers
     h = hashlib.sha256(f"{torch.__version__}|{transformers.__version__}".encode())
     here = Path(__file__).parent
-    for name in _SOURCES:
-        h.update((here / name).read_bytes())
+    try:
+        for name in _SOURCES:
+            h.update((here / name).read_bytes())
+    except OSError:
+        return None
     return h.hexdigest()
 
 
-def tape_path(*key: object) -> Path:
-    """The file of the tape recorded for ``key`` (the arguments of the recording, each written with ``repr``)."""
-    h = hashlib.sha256(_code_version().encode())
+def tape_path(*key: object) -> Path | None:
+    """The file of the tape recorded for ``key`` (the arguments of the recording, each written with ``repr``);
+    None when the cache is off (:func:`enabled`) or the recording code cannot be read."""
+    version = _code_version() if enabled() else None
+    if version is None:
+        return None
+    h = hashlib.sha256(version.encode())
     for part in key:
         h.update(b"\0" + repr(part).encode())
     return tape_cache_dir() / f"{h.hexdigest()}.json.gz"
