@@ -3,8 +3,8 @@ on the GPU's random 8B model (benchmarks/gpu_identity.py) a property of random w
 
 Two 4-layer random Llamas, a small one (hidden 512, head_dim 64, 2 KV heads, vocabulary 2,000) and one with
 Llama-3-8B's dimensions (hidden 4,096, head_dim 128, 8 KV heads, vocabulary 128,256); prompt 512, greedy. For each,
-the teacher-forced top-1 agreement (``gpu_identity.teacher_forced``) of the int4 quanto and int8 HQQ caches (the
-settings of vramguard's strategies) with the float32 cache, and of the float32 cache with itself.
+the teacher-forced top-1 agreement (``gpu_identity.teacher_forced``) of the int4 and int8 caches (the settings of
+vramguard's strategies, each line names its backend) with the float32 cache, and of the float32 cache with itself.
 
     python benchmarks/cpu_kv_agreement.py OUTDIR        # about 3 minutes on 2 cores
 """

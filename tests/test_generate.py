@@ -34,7 +34,7 @@ def cpu_strategies():
 
 
 def test_the_cpu_runs_every_strategy_it_can(model):
-    names = [s.name for s in cpu_strategies()]  # the test extras install hqq and optimum-quanto: none is skipped
+    names = [s.name for s in cpu_strategies()]  # the test extras install hqq (int8 and int4): none is skipped
     assert names == ["dynamic", "chunked prefill 2048", "static cache + chunked prefill 512",
                      "int8 KV cache + chunked prefill 512", "int4 KV cache + chunked prefill 512"]
     assert [st.name for st, _ in G.strategy_order(model, len(PROMPT), 16)[0]] == names  # no budget on the CPU
@@ -45,6 +45,17 @@ def test_the_cpu_runs_every_strategy_it_can(model):
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, min_new_tokens=16,
                              do_sample=False, pad_token_id=0, **copy.deepcopy(st.kwargs))
         assert out[0, len(PROMPT):].tolist() == base, st.name
+
+
+def test_int4_kv_runs_on_hqq_and_on_quanto_only_without_it():
+    """hqq's quantizer is PyTorch code; optimum-quanto compiles C++ kernels at first use, so it is the int4 backend
+    only where it is installed and hqq is not (transformers' quanto backend takes 2 or 4 bits)."""
+    hqq, quanto = G.int4_kv_strategy("hqq"), G.int4_kv_strategy("quanto")
+    assert (hqq.kwargs["cache_config"], hqq.needs_module) == ({"backend": "hqq", "nbits": 4}, "hqq")
+    assert (quanto.kwargs["cache_config"], quanto.needs_module) == ({"backend": "quanto", "nbits": 4}, "optimum.quanto")
+    assert hqq.name == quanto.name and hqq.plan == quanto.plan == {"kv_dtype": "int4", "prefill_chunk": 512}
+    assert G.INT4_KV_BACKEND == "hqq" and G.STRATEGIES[4] == hqq  # the test extras install hqq
+    assert not G._installed("no_such_package.quanto")
 
 
 @pytest.mark.parametrize("phase,step", [("prefill", 0), ("decode", 1), ("decode", 7), ("decode", 15)])

@@ -1,5 +1,7 @@
 """KV cache: exact bytes for GQA, head_dim overrides, sliding and hybrid layers, quantized and static caches."""
 
+import copy
+
 import pytest
 
 from vramguard.memory.kv import kv_bytes_per_token, kv_cache_bytes, layer_tokens
@@ -33,6 +35,45 @@ def test_c6_quantized_kv_with_group_scales():
     # about half (1.0625 / 2 = 0.53) and about a quarter (0.5625 / 2 = 0.28) of the 40 GiB
     assert 0.52 < int8.gpu_bytes / (40 * GiB) < 0.54
     assert 0.27 < int4.gpu_bytes / (40 * GiB) < 0.29
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
+def test_quantized_cache_of_the_strategies_holds_the_planned_format(kv_dtype):
+    """The cache transformers builds for generate's int8 and int4 strategies (their own cache_config) holds the
+    bytes of kv_tensor_bytes for the tokens it has quantized and those still in 16-bit; the plan's bound (the whole
+    residual window in 16-bit) is above it. Tiny bf16 Llama: 2 layers, 1 KV head x head_dim 64 = 64 values a token."""
+    import torch
+    import transformers
+
+    from vramguard.memory.kv import kv_tensor_bytes
+    from vramguard.run.generate import STRATEGIES
+    from vramguard.spec import spec_from_config
+    st = next(st for st in STRATEGIES if st.plan.get("kv_dtype") == kv_dtype)
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+                                   num_key_value_heads=1, vocab_size=300, max_position_embeddings=512)
+    m = transformers.AutoModelForCausalLM.from_config(cfg).eval().to(torch.bfloat16)
+    ids = torch.randint(5, 300, (1, 256))
+    out = m.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=9, min_new_tokens=9, do_sample=False,
+                     pad_token_id=0, return_dict_in_generate=True, **copy.deepcopy(st.kwargs))
+
+    def tensors(x):
+        if isinstance(x, torch.Tensor):
+            return [x]
+        if isinstance(x, (tuple, list, dict)):
+            return [t for e in (x.values() if isinstance(x, dict) else x) for t in tensors(e)]
+        return [t for e in vars(x).values() for t in tensors(e)] if hasattr(x, "__dict__") else []
+    layers = out.past_key_values.layers
+    assert [la.keys.shape[-2] for la in layers] == [8, 8]  # the prefill quantized all 256; 8 decode tokens since
+    real = [sum(-(-t.numel() * t.element_size() // 512) * 512 for t in tensors(getattr(la, attr)))
+            for la in layers for attr in ("_quantized_keys", "keys", "_quantized_values", "values")]
+    # one K tensor: 256 x 64 values at 1 B (int8) or 0.5 B (int4) + 256 x 64 / 64 groups x (2 B scale + 2 B zero)
+    # + 8 x 64 x 2 B residual = 16,384 + 1,024 + 1,024 = 18,432 B (int8), 8,192 + 1,024 + 1,024 = 10,240 B (int4)
+    spec, s = spec_from_config(m.config.to_dict()), Settings(kv_dtype=kv_dtype, prompt_tokens=256, max_new_tokens=9)
+    per_tensor = kv_tensor_bytes(spec, s, 264, residual=8)
+    assert per_tensor == {"int8": 18_432, "int4": 10_240}[kv_dtype]
+    assert sum(real) == 2 * 2 * per_tensor  # 2 layers x (K, V)
+    assert kv_cache_bytes(spec, s, 264).gpu_bytes > sum(real)
 
 
 def test_gqa_and_mha():

@@ -8,11 +8,11 @@ import importlib.util
 
 # import name -> (the extra that installs it, what needs it): "load" is every verb that builds or loads a model
 # (plan's multi-card split, check's kernel, run, profile, fit, serve), "serve" the HTTP server; None is one feature
-# that imports it where it runs (NF4 through bitsandbytes, a quantized KV cache through hqq or quanto, charts)
+# that imports it where it runs (NF4 through bitsandbytes, a quantized KV cache through hqq, charts)
 OPTIONAL_PACKAGES: dict[str, tuple[str, str | None]] = {
     "torch": ("gpu", "load"), "transformers": ("gpu", "load"), "accelerate": ("gpu", "load"),
     "safetensors": ("gpu", None), "bitsandbytes": ("gpu", None), "matplotlib": ("gpu", None),
-    "optimum": ("gpu", None), "hqq": ("gpu", None),
+    "hqq": ("gpu", None),
     "fastapi": ("serve", "serve"), "uvicorn": ("serve", "serve"), "sse_starlette": ("serve", "serve"),
     "prometheus_client": ("serve", "serve"), "httpx": ("serve", "serve"), "pydantic": ("serve", None),
 }

@@ -57,6 +57,28 @@ class Strategy:
         return True, ""
 
 
+def int4_kv_strategy(backend: str) -> Strategy:
+    """The int4 KV rung: transformers' ``QuantizedCache`` (``nbits=4``, groups of 64, the format of
+    :mod:`vramguard.memory.kv`) through ``backend``: ``"hqq"`` (HQQ's quantizer, PyTorch code on any device, the
+    int8 rung's package) or ``"quanto"`` (optimum-quanto, whose CPU and CUDA kernels are C++ extensions compiled at
+    their first use: a compiler is needed, and the first int4 step waits for the build, 80 to 110 s on two CPU
+    cores). :data:`STRATEGIES` takes quanto only where it is installed and hqq is not."""
+    module = {"hqq": "hqq", "quanto": "optimum.quanto"}[backend]
+    return Strategy("int4 KV cache + chunked prefill 512",
+                    {"cache_implementation": "quantized", "cache_config": {"backend": backend, "nbits": 4},
+                     "prefill_chunk_size": 512}, {"kv_dtype": "int4", "prefill_chunk": 512}, needs_module=module)
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # a submodule of a package that is not installed
+        return False
+
+
+INT4_KV_BACKEND = "quanto" if not _installed("hqq") and _installed("optimum.quanto") else "hqq"
+
+
 STRATEGIES: tuple[Strategy, ...] = (
     Strategy("dynamic", {}, {}),
     Strategy("chunked prefill 2048", {"prefill_chunk_size": 2048}, {"prefill_chunk": 2048}),
@@ -66,12 +88,10 @@ STRATEGIES: tuple[Strategy, ...] = (
     Strategy("static cache + chunked prefill 512", {"cache_implementation": "static", "prefill_chunk_size": 512,
                                                     "disable_compile": True},
              {"cache": "static", "prefill_chunk": 512}),
-    Strategy("int8 KV cache + chunked prefill 512",  # quanto takes 2 or 4 bits only; HQQ takes 8
+    Strategy("int8 KV cache + chunked prefill 512",  # HQQ takes 8 bits (quanto 2 or 4 only)
              {"cache_implementation": "quantized", "cache_config": {"backend": "hqq", "nbits": 8},
               "prefill_chunk_size": 512}, {"kv_dtype": "int8", "prefill_chunk": 512}, needs_module="hqq"),
-    Strategy("int4 KV cache + chunked prefill 512",
-             {"cache_implementation": "quantized", "cache_config": {"backend": "quanto", "nbits": 4},
-              "prefill_chunk_size": 512}, {"kv_dtype": "int4", "prefill_chunk": 512}, needs_module="optimum.quanto"),
+    int4_kv_strategy(INT4_KV_BACKEND),
     Strategy("offloaded KV cache + chunked prefill 512",
              {"cache_implementation": "offloaded", "prefill_chunk_size": 512},
              {"cache": "offloaded", "prefill_chunk": 512}, needs_cuda=True),
