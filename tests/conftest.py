@@ -52,6 +52,7 @@ def _no_gpu_detection(monkeypatch):
     from vramguard import hardware
     monkeypatch.setattr(hardware, "DETECT_OVERRIDE", lambda: hardware.DetectedGpus((), "forced by the test"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("VRAMGUARD_TAPE_CACHE", "0")  # no tape on the user's disk; tests/test_tape_cache.py turns it on
 
 
 def save_tiny(tmp_path: Path, config_cls_name: str, **kw) -> tuple[Path, object]:

@@ -48,8 +48,8 @@ def plan(
     max_memory: Optional[str] = max_memory_option(),
     alloc_conf: Optional[str] = typer.Option(
         None, help="plan reserved memory, fit and the largest prompt with a model of PyTorch's caching allocator "
-        "under this PYTORCH_CUDA_ALLOC_CONF ('default', or e.g. expandable_segments:True; without it: the "
-        "reserve formula)"),
+        "under this PYTORCH_CUDA_ALLOC_CONF ('default', or e.g. expandable_segments:True, what run, serve, profile "
+        "and fit set when the variable is unset; without it: the reserve formula; adds seconds of CPU)"),
     fmt: Format = format_option(),
     list_models: bool = typer.Option(False, "--list-models", help="list the catalog architectures and exit"),
     list_gpus: bool = typer.Option(False, "--list-gpus", help="list the catalog cards and exit"),

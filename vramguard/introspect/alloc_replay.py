@@ -16,7 +16,9 @@ The tape, in program order:
    and 2 are replayed and each later step's sizes are extrapolated from them (every size is linear in the
    position); a step whose structure differs from the one before is replayed instead. Over many prompts (the
    search for the largest one) the three forwards are rescaled from four sample replays instead
-   (:func:`_rescaled_events`): between the config's breakpoints every size is a quadratic in the prompt.
+   (:func:`_rescaled_events`): between the config's breakpoints every size is a quadratic in the prompt. Each
+   replay traces a few decoder layers and repeats them (:mod:`vramguard.introspect.layer_trim`), and is kept on
+   disk (:mod:`vramguard.introspect.tape_cache`).
 
 Settings the tape does not cover (a quantized or offloaded KV cache, chunked prefill, all-position logits,
 attention maps in the output) answer None, and the plan keeps its formula for them.
@@ -236,7 +238,41 @@ def _rescaled_events(config_json: str, name: str, key: Settings, prompt: int, ne
 @lru_cache(maxsize=64)
 def _cached_events(config_json: str, name: str, key: Settings, prompt: int, new: int, steps: int = 3) -> tuple:
     """The events of the first ``min(new, steps)`` forwards (the prefill, decode step 1, 2...) replayed on the meta
-    device, one tuple per forward (empty tuples up to three)."""
+    device, one tuple per forward (empty tuples up to three); read from the tape cache on disk where a plan of the
+    same model, settings and code recorded them (:mod:`vramguard.introspect.tape_cache`)."""
+    from vramguard.introspect import tape_cache
+    path = tape_cache.tape_path(config_json, name, key, prompt, new, steps)
+    if path is None:
+        return _record_events(config_json, name, key, prompt, new, steps)
+    found = tape_cache.read(path)
+    if found is None:
+        found = _record_events(config_json, name, key, prompt, new, steps)
+        tape_cache.write(path, found)
+    return found
+
+
+def _record_events(config_json: str, name: str, key: Settings, prompt: int, new: int, steps: int = 3) -> tuple:
+    """:func:`_cached_events` recorded: transformers' forward on the meta device under the storage tracker, on a
+    decoder of a few layers whose blocks are repeated where its layers repeat
+    (:mod:`vramguard.introspect.layer_trim`: the same tape, keys included), else on every layer."""
+    from vramguard.introspect.layer_trim import expand, trim_plan
+    s = key
+    plan = trim_plan(config_json, name, s.act_dtype, s.quant, s.double_quant, s.resolved_compute_dtype)
+    if plan is not None:
+        trimmed, layers, period, copies = plan
+        traced = _trace(trimmed, name, key, prompt, new, steps, layers)
+        ran = [i for i, fw in enumerate(traced[0]) if fw] if traced is not None else []
+        found = expand(tuple(traced[0][i] for i in ran), [traced[1][i] for i in ran], period, copies) \
+            if traced is not None else None
+        if found is not None:
+            return found + ((),) * (len(traced[0]) - len(found))
+    return _trace(config_json, name, key, prompt, new, steps)[0]
+
+
+def _trace(config_json: str, name: str, key: Settings, prompt: int, new: int, steps: int,
+           layers: int | None = None) -> tuple | None:
+    """The forwards' events, and with ``layers`` (the decoder's layer count) the index of each layer's first event
+    in its forward (None where no one list of that many decoder layers is found)."""
     import torch
 
     from vramguard.introspect.build import _quiet, cached_config, text_config
@@ -254,8 +290,11 @@ def _cached_events(config_json: str, name: str, key: Settings, prompt: int, new:
     tracker = StorageTracker(policy=DataPolicy(), events=events)
     flash = model.config._attn_implementation == "sdpa" and not sdpa_runs_math(s)
     seqs, meta = s.sequences, torch.device("meta")
-    with _quiet(), torch.no_grad(), tracker, _bnb_kernels(model, quantized, s), \
-            (_fused_sdpa_mode() if flash else contextlib.nullcontext()):
+    starts: list[int] = []
+    with _layer_starts(model, layers, lambda: starts.append(len(events))) as found, _quiet(), torch.no_grad(), \
+            tracker, _bnb_kernels(model, quantized, s), (_fused_sdpa_mode() if flash else contextlib.nullcontext()):
+        if not found:
+            return None
         cache = _new_cache(model, cfg, s)
         ids = torch.zeros((seqs, prompt), dtype=torch.long, device=meta)
         mask = torch.ones((seqs, prompt), dtype=torch.long, device=meta)
@@ -277,7 +316,28 @@ def _cached_events(config_json: str, name: str, key: Settings, prompt: int, new:
             marks.append(len(events))
         del cache, ids, mask, step_ids
     marks += [len(events)] * (3 - len(marks))
-    return tuple(tuple(events[a:b]) for a, b in zip([0] + marks, marks))
+    forwards = tuple(tuple(events[a:b]) for a, b in zip([0] + marks, marks))
+    per = [[x - a for x in starts if a <= x < b] for a, b in zip([0] + marks, marks)]
+    return forwards, per
+
+
+@contextlib.contextmanager
+def _layer_starts(model, layers: int | None, mark):
+    """Call ``mark`` as each decoder layer starts (a forward pre-hook on each layer of the one ``ModuleList`` of
+    ``layers`` modules named ``...layers``); yields whether that list was found (True without ``layers``)."""
+    import torch
+    if layers is None:
+        yield True
+        return
+    found = [m for n, m in model.named_modules() if isinstance(m, torch.nn.ModuleList) and n.endswith("layers")
+             and len(m) == layers]
+    handles = [layer.register_forward_pre_hook(lambda _m, _a: mark()) for layer in found[0]] if len(found) == 1 \
+        else []
+    try:
+        yield len(found) == 1
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def _fused_sdpa_mode():

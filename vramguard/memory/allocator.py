@@ -41,7 +41,7 @@ tapes have one stream and the threshold is off by default.
 
 from __future__ import annotations
 
-import bisect
+from bisect import bisect_left, insort
 from dataclasses import dataclass, field
 
 K_MIN_BLOCK = 512
@@ -192,7 +192,7 @@ class CachingAllocator:
     def malloc(self, nbytes: int) -> Block | None:
         """Place a request of ``nbytes`` (``DeviceCachingAllocator::malloc``); None when it cannot be placed."""
         self.requests += 1
-        size = round_size(nbytes)
+        size = -(-nbytes // K_MIN_BLOCK) * K_MIN_BLOCK if nbytes > K_MIN_BLOCK else K_MIN_BLOCK  # round_size
         small = size <= K_SMALL_SIZE
         block = self._get_free_block(size, small)
         if block is None:
@@ -212,11 +212,15 @@ class CachingAllocator:
             return
         self.allocated_bytes -= block.size
         block.state = "free"
-        for other in (block.prev, block.next):
-            if other is not None and other.state == "free":
-                self._unlist(other)
-                self._merge(block, other)
-        self._list(block)
+        other = block.prev
+        if other is not None and other.state == "free":
+            self._unlist(other)
+            self._merge(block, other)
+        other = block.next
+        if other is not None and other.state == "free":
+            self._unlist(other)
+            self._merge(block, other)
+        insort(self._free[block.seg.small], (block.size, block.addr, block))
 
     @classmethod
     def from_segments(cls, config: AllocatorConfig, segments: list[tuple[int, bool, list[tuple[int, bool]]]]):
@@ -256,13 +260,15 @@ class CachingAllocator:
         return [sum(b.size for b in s.blocks() if b.state != "unmapped") for s in self.segments]
 
     # ---- the free lists -----------------------------------------------------------------------------------------
+    # a free list holds (size, addr, block), sorted: free blocks of one pool never share an address, so the
+    # comparison never reaches the block
     def _list(self, b: Block) -> None:
-        bisect.insort(self._free[b.seg.small], (b.size, b.addr, id(b), b))
+        insort(self._free[b.seg.small], (b.size, b.addr, b))
 
     def _unlist(self, b: Block) -> None:
         lst = self._free[b.seg.small]
-        i = bisect.bisect_left(lst, (b.size, b.addr, id(b)))
-        if i < len(lst) and lst[i][3] is b:
+        i = bisect_left(lst, (b.size, b.addr))
+        if i < len(lst) and lst[i][2] is b:
             lst.pop(i)
 
     @staticmethod
@@ -281,13 +287,13 @@ class CachingAllocator:
 
     def _get_free_block(self, size: int, small: bool) -> Block | None:
         lst = self._free[small]
-        i = bisect.bisect_left(lst, (size,))
+        i = bisect_left(lst, (size,))
         if i == len(lst):
             return None
-        block = lst[i][3]
+        block = lst[i][2]
         if block.next is not None and block.next.state == "unmapped" and i + 1 < len(lst):
             i += 1  # get_free_block: the block that can grow counts as larger than any other that fits
-            block = lst[i][3]
+            block = lst[i][2]
         split_limit = self.config.max_split_size
         if size < split_limit <= block.size:
             return None
@@ -296,24 +302,22 @@ class CachingAllocator:
         lst.pop(i)
         return block
 
-    def _should_split(self, block: Block, size: int) -> bool:
-        remaining = block.size - size
-        if block.seg.small or self.config.expandable_segments:
-            return remaining >= K_MIN_BLOCK
-        return size < self.config.max_split_size and remaining > K_SMALL_SIZE
-
     def _take(self, block: Block, size: int, small: bool) -> Block:
-        if self._should_split(block, size):
-            rest = Block(block.seg, block.addr + size, block.size - size)
-            rest.prev, rest.next = block, block.next
-            if block.next is not None:
-                block.next.prev = rest
+        remaining = block.size - size
+        if (remaining >= K_MIN_BLOCK if small or self.config.expandable_segments else  # _should_split
+                remaining > K_SMALL_SIZE and size < self.config.max_split_size):
+            rest = Block(block.seg, block.addr + size, remaining)
+            nxt = rest.next = block.next
+            rest.prev = block
+            if nxt is not None:
+                nxt.prev = rest
             block.next = rest
             block.size = size
-            self._list(rest)
+            insort(self._free[small], (remaining, rest.addr, rest))
         block.state = "used"
         self.allocated_bytes += block.size
-        self.peak_allocated_bytes = max(self.peak_allocated_bytes, self.allocated_bytes)
+        if self.allocated_bytes > self.peak_allocated_bytes:
+            self.peak_allocated_bytes = self.allocated_bytes
         return block
 
     # ---- new memory ---------------------------------------------------------------------------------------------

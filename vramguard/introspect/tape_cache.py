@@ -1,0 +1,87 @@
+"""The allocation tapes of the meta-device forwards, kept on disk: a later plan of the same model, settings and
+prompt reads them instead of running transformers' forward again. Knows nothing about the allocator.
+
+One gzipped JSON file per tape under ``$VRAMGUARD_CACHE_DIR/tapes`` (else ``tapes/`` beside the Hub headers,
+:func:`vramguard.hub.fetch.header_cache_dir`). Its name is the SHA-256 of everything the tape depends on: the
+config text, the model name, the settings, the prompt, the number of forwards, the versions of torch and
+transformers, and the source of the modules that record the tape (so a changed tracker never reads an old tape).
+``VRAMGUARD_TAPE_CACHE=0`` turns it off. A file that cannot be read or written is recomputed and the plan goes on.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import os
+from functools import lru_cache
+from pathlib import Path
+
+# the modules whose code decides what a tape holds (vramguard/introspect/*, and the memory rules they read)
+_SOURCES = ("alloc_replay.py", "build.py", "generic.py", "keys.py", "layer_trim.py", "replay.py", "tracker.py",
+            "../memory/forward.py", "../memory/common.py", "../settings.py")
+
+
+def enabled() -> bool:
+    """False when ``VRAMGUARD_TAPE_CACHE`` is ``0``, ``false``, ``no`` or ``off``."""
+    return os.environ.get("VRAMGUARD_TAPE_CACHE", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def tape_cache_dir() -> Path:
+    """``$VRAMGUARD_CACHE_DIR/tapes``, else ``tapes/`` beside the Hub header cache."""
+    from vramguard.hub.fetch import header_cache_dir
+    return header_cache_dir().parent / "tapes"
+
+
+@lru_cache(maxsize=1)
+def _code_version() -> str | None:
+    """SHA-256 of the tape-recording modules' source, and the torch and transformers versions; None when a source
+    file cannot be read (an install without sources: no tape is cached)."""
+    import torch
+    import transformers
+    h = hashlib.sha256(f"{torch.__version__}|{transformers.__version__}".encode())
+    here = Path(__file__).parent
+    try:
+        for name in _SOURCES:
+            h.update((here / name).read_bytes())
+    except OSError:
+        return None
+    return h.hexdigest()
+
+
+def tape_path(*key: object) -> Path | None:
+    """The file of the tape recorded for ``key`` (the arguments of the recording, each written with ``repr``);
+    None when the cache is off (:func:`enabled`) or the recording code cannot be read."""
+    version = _code_version() if enabled() else None
+    if version is None:
+        return None
+    h = hashlib.sha256(version.encode())
+    for part in key:
+        h.update(b"\0" + repr(part).encode())
+    return tape_cache_dir() / f"{h.hexdigest()}.json.gz"
+
+
+def read(path: Path) -> tuple | None:
+    """The tape in ``path``: a tuple per forward of ``(key, bytes)`` pairs; None when absent or unreadable."""
+    try:
+        with gzip.open(path, "rt", encoding="utf-8") as f:
+            forwards = json.load(f)["forwards"]
+        return tuple(tuple((int(k), int(n)) for k, n in fw) for fw in forwards)
+    except (OSError, ValueError, KeyError, TypeError, EOFError):
+        return None
+
+
+def write(path: Path, forwards: tuple) -> None:
+    """Store ``forwards`` in ``path`` (written beside it, then renamed: a reader never sees half a file);
+    nothing when the folder cannot be written."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with gzip.open(tmp, "wt", encoding="utf-8", compresslevel=3) as f:
+            json.dump({"forwards": [list(map(list, fw)) for fw in forwards]}, f, separators=(",", ":"))
+        os.replace(tmp, path)
+    except OSError:
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
