@@ -193,3 +193,18 @@ def test_cli_export_yaml_has_no_aliases():
     dep, svc = list(yaml.safe_load_all(out))
     _k8s_validator("Deployment").validate(dep)
     assert dep["spec"]["replicas"] == 2 and svc["kind"] == "Service"
+
+
+def test_cli_export_vllm_json_is_the_argv_and_env():
+    from conftest import run_cli
+    r = run_cli("export", "qwen2.5-7b", "--to", "vllm", "--gpu", "h100", "--max-model-len", "16384", "--format", "json")
+    assert r.returncode == 0, r.stderr
+    data = json.loads(r.stdout)  # JSON, not the shell line
+    assert set(data) == {"command", "env"} and data["env"] == {}
+    argv = data["command"]
+    assert argv[:3] == ["vllm", "serve", REF] and argv[-2:] == ["--port", "8000"]
+    ns = vllm_parser().parse_args(argv[2:])
+    assert ns.max_model_len == "16384" and ns.gpu_memory_utilization == 0.9
+    # the default is still the shell line, pasted as is
+    plain = run_cli("export", "qwen2.5-7b", "--to", "vllm", "--gpu", "h100", "--max-model-len", "16384")
+    assert shlex.split(plain.stdout.replace("\\\n", " ")) == argv

@@ -31,12 +31,14 @@ def export(
     dtype: Optional[Dtype] = typer.Option(None, help="model dtype (default: the checkpoint's, as vLLM's auto)"),
     kv_offload: Optional[str] = typer.Option(None, "--kv-offload", help="host memory for KV offloaded to the CPU, "
                                              "e.g. 16GiB (vLLM --kv-offloading-size; added to the pod's memory)"),
-    fmt: OutFormat = typer.Option(OutFormat['yaml'], "--format", help="yaml or json (ray-serve, kserve, kubernetes)"),
+    fmt: Optional[OutFormat] = typer.Option(None, "--format", help="yaml (the default) or json; for vllm, the "
+                                            "command as {command: [argv], env: {...}} (default: shell lines)"),
 ) -> None:
     """Write a vLLM deployment (command, Ray Serve LLM, KServe or Kubernetes) with the planned flags."""
     a = eng.EngineArgs(tp, pp, gpu_memory_utilization, max_model_len, kv_cache_dtype.value, max_num_seqs,
                        max_num_batched_tokens, dtype.value if dtype else None, kv_offload)
-    out = run_guarded(_build, model, gpu, vram, a, to.value, replicas, as_json=fmt == OutFormat['json'])
+    out = run_guarded(_build, model, gpu, vram, a, to.value, replicas, fmt is not None,
+                      as_json=fmt == OutFormat['json'])
     if isinstance(out, list) and to == Target['vllm']:  # the command as shell lines, as plan prints it
         print("\n".join(out))
         return
@@ -81,8 +83,9 @@ def _refusal_error(p, model: str):
                       f"the KV cache; {why})", fix + f"; see `vramguard plan {model} --engine vllm`")
 
 
-def _build(model, gpu, vram, a, to, replicas):
-    from vramguard.export import PORT, check_model_source, check_replicas, export as export_fn
+def _build(model, gpu, vram, a, to, replicas, as_data=False):
+    """The deployment for ``to``; for vllm, shell lines, or with ``as_data`` the argv and environment as a dict."""
+    from vramguard.export import PORT, check_model_source, check_replicas, export as export_fn, serve_args
     check_replicas(replicas)  # before planning: a bad value prints its error alone
     check_model_source(eng.model_ref(model), to)
     p = eng.build_plans(model, gpu, vram, a, one_card=True)[0]
@@ -97,5 +100,7 @@ def _build(model, gpu, vram, a, to, replicas):
         from vramguard.cli.render import console
         from vramguard.engines.vllm_text import command_lines
         check_replicas(replicas)
+        if as_data:
+            return {"command": ["vllm", "serve", *serve_args(p, eng.model_ref(model), PORT)], "env": p.env()}
         return command_lines(p, eng.model_ref(model), console().width, PORT)
     return export_fn(p, eng.model_ref(model), to, replicas)
