@@ -6,7 +6,7 @@ import pytest
 
 from vramguard.errors import ConfigError, UnknownModel
 from vramguard.catalog.models import MODELS
-from vramguard.resolve import resolve_model
+from vramguard.resolve import is_gguf, resolve_model
 
 
 def test_local_folder_and_config_json(tiny):
@@ -101,3 +101,18 @@ def test_an_unknown_model_id_is_pointed_at_the_closest_catalog_architecture():
     with pytest.raises(UnknownModel) as e:
         resolve_model("nobody-here/Llama-3.1-8B-Extended")
     assert "llama-3.1-8b is the closest (check that its shapes" in e.value.fix
+
+
+def test_a_gguf_file_is_named_with_the_conversion(tmp_path):
+    from conftest import run_cli
+    gguf = tmp_path / "m.Q4_1.gguf"
+    gguf.write_bytes(b"GGUF" + (3).to_bytes(4, "little") + b"\xff\xfe\x00not json")  # magic, version 3, binary
+    runs = (("plan", str(gguf)), ("check", str(gguf)), ("run", str(gguf), "--prompt", "Hi"), ("plan", str(tmp_path)))
+    for args in runs:
+        r = run_cli(*args, columns="400")
+        assert r.returncode == 3, (args, r.stderr)
+        assert "m.Q4_1.gguf is a GGUF file" in r.stderr and "a transformers model folder" in r.stderr, args
+        assert "gguf_file='m.Q4_1.gguf'" in r.stderr and "c.save_pretrained(OUT)" in r.stderr, args
+        assert "UnicodeDecodeError" not in r.stderr and "tokenizer files" not in r.stderr, args
+    (tmp_path / "notes.gguf").write_bytes(b"text, not GGUF")  # the magic decides, not the name
+    assert not is_gguf(tmp_path / "notes.gguf") and is_gguf(gguf)

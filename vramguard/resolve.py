@@ -35,6 +35,44 @@ def _read_json(path: Path, field: str) -> dict:
     return data
 
 
+GGUF_MAGIC = b"GGUF"  # the first 4 bytes of a GGUF file (llama.cpp's format; ggml's docs/gguf.md)
+
+
+def is_gguf(path: Path) -> bool:
+    """True when ``path`` is a file that starts with the GGUF magic bytes."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == GGUF_MAGIC
+    except OSError:
+        return False
+
+
+def gguf_error(path: Path, model: str) -> UnknownModel:
+    """The error for a GGUF file given where a transformers model is expected: what it is, and how to convert it
+    (transformers reads GGUF dequantized with ``from_pretrained(folder, gguf_file=name)``; a model loaded that way
+    refuses ``save_pretrained``, so its state_dict goes into a ``from_config`` model that is saved)."""
+    folder, name = path.parent, path.name
+    return UnknownModel(
+        "MODEL", model, "a transformers model folder (config.json and safetensors weights); "
+        f"{name} is a GGUF file (llama.cpp's format), which vramguard does not read",
+        "plan the model's Hub id, or convert the file to a folder OUT with transformers (needs the gguf package; "
+        f"the weights come out dequantized): m = AutoModelForCausalLM.from_pretrained({str(folder)!r}, "
+        f"gguf_file={name!r}); m.save_pretrained refuses a model loaded from GGUF, so save a copy: "
+        "c = AutoModelForCausalLM.from_config(m.config).to(m.dtype); c.load_state_dict(m.state_dict()); "
+        f"c.save_pretrained(OUT); AutoTokenizer.from_pretrained({str(folder)!r}, gguf_file={name!r})"
+        ".save_pretrained(OUT); then pass OUT")
+
+
+def _refuse_gguf(p: Path, model: str) -> None:
+    """Raise :func:`gguf_error` when ``p`` is a GGUF file, or a folder with no config.json that holds one."""
+    if p.is_file() and is_gguf(p):
+        raise gguf_error(p, model)
+    if p.is_dir() and not (p / "config.json").is_file():
+        hit = next((f for f in sorted(p.glob("*.gguf")) if is_gguf(f)), None)
+        if hit is not None:
+            raise gguf_error(hit, model)
+
+
 def catalog_name(name: str) -> str | None:
     """The catalog key for ``name`` (case-insensitive, aliases allowed), or None."""
     key = name.strip().lower()
@@ -106,6 +144,7 @@ def resolve_model(model: str, revision: str | None = None) -> ModelSpec:
     p = Path(model).expanduser()
     if revision is not None:
         _check_revision_target(model, revision, p, looks_like_repo_id(model) and not model.startswith((".", "/", "~")))
+    _refuse_gguf(p, model)
     if p.is_dir():
         cfg_path = p / "config.json"
         if not cfg_path.is_file():
@@ -185,8 +224,13 @@ def local_model_folder(model: str) -> Path:
 
 
 def model_folder(model: str) -> Path | None:
-    """The local folder of ``model`` (a folder, the folder of a config.json, or its HF cache snapshot)."""
+    """The local folder of ``model`` (a folder, the folder of a config.json, or its HF cache snapshot).
+
+    Raises:
+        UnknownModel: ``model`` is a GGUF file, or a folder without config.json holding one (:func:`gguf_error`).
+    """
     p = Path(model).expanduser()
+    _refuse_gguf(p, model)
     if p.is_dir():
         return p
     if p.is_file():
