@@ -106,6 +106,8 @@ def test_families_without_a_vllm_model_are_refused():
     with pytest.raises(ConfigError) as e:
         plan_vllm(dataclasses.replace(LLAMA31, generic=True, model_type="olmoe"), card(80 * GiB))
     assert e.value.field == "config.json:model_type"
+    assert e.value.fix.startswith("plan it for transformers, the default engine (vramguard.plan); vLLM itself may "
+                                  "serve olmoe")
     with pytest.raises(ConfigError) as e:
         plan_vllm(dataclasses.replace(LLAMA31, prequantized="awq"), card(80 * GiB))
     assert "quantization_config" in e.value.field

@@ -142,3 +142,18 @@ def test_a_refused_plan_labels_its_command_and_a_load_failure_logs_no_kv_cache()
     assert "command as planned (vLLM refuses it: apply a fix above first):" in r.stdout.splitlines()
     ok = run_cli("plan", "llama-3.1-8b", "--engine", "vllm", "--gpu", "h100", columns="80")
     assert "command:" in ok.stdout.splitlines() and "GPU KV cache size" in ok.stdout
+
+
+def test_a_family_without_a_vllm_model_points_to_the_transformers_plan(tmp_path):
+    from archs import ARCHS
+    from transformers import AutoConfig
+    AutoConfig.for_model("gpt2", **ARCHS["gpt2"]).save_pretrained(tmp_path)  # config.json only: plan reads no weights
+    for cmd in (("plan", str(tmp_path), "--engine", "vllm"), ("export", str(tmp_path), "--to", "vllm")):
+        r = run_cli(*cmd, "--gpu", "h100", columns="400")
+        assert r.returncode == 3, r.stderr  # ConfigError
+        assert "config.json:model_type: 'gpt2' is not valid" in r.stderr
+        assert f"plan it for transformers, the default engine (`vramguard plan {tmp_path}` without --engine vllm)" \
+            in r.stderr
+        assert "vLLM itself may serve gpt2" in r.stderr and "plan one of those" not in r.stderr
+    # the transformers plan of the same folder works
+    assert run_cli("plan", str(tmp_path), "--gpu", "h100").returncode == 0

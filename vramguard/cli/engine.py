@@ -140,7 +140,7 @@ def build_plans(model: str, gpu: str | None, vram: str | None, a: EngineArgs, on
     """
     from vramguard.engines.vllm import plan_vllm
     from vramguard.engines.vllm_weights import check_tensor_parallel
-    from vramguard.errors import InvalidValue
+    from vramguard.errors import ConfigError, InvalidValue
     from vramguard.hardware import resolve_gpus
     from vramguard.resolve import resolve_model
     s = vllm_settings(a)
@@ -155,7 +155,15 @@ def build_plans(model: str, gpu: str | None, vram: str | None, a: EngineArgs, on
                                f"({len(det.gpus)} GPUs detected" + (f": {det.reason})" if det.reason else ")"))
     cards, why = resolve_gpus(gpu, vram)
     say(f"cards: {why}")
-    return [plan_vllm(spec, card, s) for card in cards]
+    try:
+        return [plan_vllm(spec, card, s) for card in cards]
+    except ConfigError as e:
+        if e.field != "config.json:model_type":
+            raise
+        from vramguard.engines.vllm import NO_VLLM_MODEL_FIX
+        plan = f"`vramguard plan {model}` without --engine vllm"
+        raise ConfigError(e.field, e.value, e.accepted, NO_VLLM_MODEL_FIX.format(model_type=spec.model_type,
+                                                                                 plan=plan)) from None
 
 
 def print_plans(plans, model: str, as_json: bool) -> None:

@@ -261,12 +261,17 @@ def _stage_layer_kinds(spec: ModelSpec, pp: int) -> list[list[str]]:
     return out
 
 
+NO_VLLM_MODEL_FIX = ("plan it for transformers, the default engine ({plan}); vLLM itself may serve {model_type} (its "
+                     "list of supported models says), but vramguard's vLLM model does not cover it yet")
+
+
 def _check_spec(spec: ModelSpec) -> None:
     w.linear_format(spec)  # raises ConfigError for a quantized layout that is not modelled
     if spec.generic:  # the per-rank shards are modelled for the hand-written families only (MLA's are not)
         raise ConfigError("config.json:model_type", spec.model_type, "a family with a hand-written vLLM model "
                           "(llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe, gemma, gemma2, "
-                          "gemma3_text, phi3)", "plan one of those families")
+                          "gemma3_text, phi3)", NO_VLLM_MODEL_FIX.format(model_type=spec.model_type,
+                                                                        plan="vramguard.plan"))
 
 
 @dataclass(frozen=True)
