@@ -148,22 +148,29 @@ def test_binding_component_at_the_boundary():
     assert binding_component(spec, s, "prompt", 80_000, 50 * GiB)[0] == "fragmentation"
 
 
-def test_profile_and_fit_need_a_model_and_a_gpu(tiny):
-    from vramguard.errors import InvalidValue, UnknownModel
+def test_profile_and_fit_need_a_model_and_a_gpu(tiny, monkeypatch):
+    from conftest import run_cli
+    from vramguard.errors import InvalidValue, NoCudaGpu, UnknownModel
     from vramguard.profile.fit import fit
     from vramguard.profile.profiler import profile
     torch = pytest.importorskip("torch")
-    if torch.cuda.is_available():
-        pytest.skip("this machine has a GPU")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a machine without a GPU
     with pytest.raises(UnknownModel):
         profile("/no/such/model", Settings())
     with pytest.raises(UnknownModel):
         fit("llama-2-7b", Settings(), "prompt", GiB)  # a catalog name has no weights
     folder, _ = tiny("LlamaConfig", hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                      num_attention_heads=4, vocab_size=300, max_position_embeddings=128)
-    with pytest.raises(InvalidValue, match="CUDA GPU"):
+    with pytest.raises(NoCudaGpu, match="needs a CUDA GPU; none found"):
         profile(str(folder), Settings())
-    with pytest.raises(InvalidValue, match="CUDA GPU"):
+    with pytest.raises(NoCudaGpu, match="needs a CUDA GPU; none found"):
         fit(str(folder), Settings(), "prompt", GiB)
     with pytest.raises(InvalidValue, match="vary"):
         fit(str(folder), Settings(), "tokens", GiB)
+    # the CLI: no option was wrong, so not exit 2 (a bad value) but 3, what a missing environment gives
+    for cmd in (("profile", str(folder)), ("fit", str(folder), "--vary", "batch")):
+        r = run_cli(*cmd, columns="400")
+        assert r.returncode == 3 == NoCudaGpu.exit_code, r.stderr
+        assert f"error {cmd[0]}: needs a CUDA GPU; none found (" in r.stderr
+        assert "run it on a machine with an NVIDIA GPU (vramguard plan predicts without one)" in r.stderr
+        assert "is not valid" not in r.stderr

@@ -2,8 +2,9 @@
 
 The library raises these; the CLI prints them and exits with the class's ``exit_code``. The exit codes, in one
 place: 1 a check or plan that failed (``--exit-code``); 2 a bad value (:class:`InvalidValue`); 3 an unknown model or
-card or an unreadable config (:class:`UnknownModel`, :class:`UnknownGpu`, :class:`ConfigError`), or a server whose
-device failed (:data:`EXIT_DEVICE_ERROR`); 4 a request that cannot fit (:class:`Infeasible`); 70 an internal error
+card or an unreadable config (:class:`UnknownModel`, :class:`UnknownGpu`, :class:`ConfigError`), a command that
+needs a CUDA GPU on a machine without one (:class:`NoCudaGpu`), or a server whose device failed
+(:data:`EXIT_DEVICE_ERROR`); 4 a request that cannot fit (:class:`Infeasible`); 70 an internal error
 (:data:`EXIT_INTERNAL`, ``EX_SOFTWARE`` of sysexits.h); 141 the reader of the output went away, as ``| head`` does
 (:data:`EXIT_CLOSED_PIPE`).
 """
@@ -66,6 +67,17 @@ class ConfigError(VramguardError):
     """A config.json lacks a field memory depends on, or holds a value that cannot be right."""
 
     exit_code = 3
+
+
+class NoCudaGpu(VramguardError):
+    """The work needs a CUDA GPU and this machine has none that torch can use: nothing the user gave is wrong.
+    ``field`` names the work (``profile``), ``accepted`` why none was found, ``fix`` what to do."""
+
+    exit_code = 3
+
+    def render(self, field: str | None = None) -> str:
+        msg = f"{field or self.field}: needs a CUDA GPU; none found ({self.accepted})."
+        return msg + (f"\nfix: {self.fix}" if self.fix else "")
 
 
 class Infeasible(VramguardError):

@@ -13,15 +13,15 @@ import sys
 
 import typer
 
-from vramguard.errors import (EXIT_CLOSED_PIPE, EXIT_INTERNAL, ConfigError, Infeasible, InvalidValue, UnknownGpu,
-                              UnknownModel, VramguardError)
+from vramguard.errors import (EXIT_CLOSED_PIPE, EXIT_INTERNAL, ConfigError, Infeasible, InvalidValue, NoCudaGpu,
+                              UnknownGpu, UnknownModel, VramguardError)
 from vramguard.cli.render import console  # rich only: no torch import
 from vramguard.extras import extra_of
 from vramguard.cli.flags import FIELD_FLAGS, as_flags
 
 # each error's exit code, as its class defines it (vramguard.errors says what each code means)
 EXIT_CODES: dict[type, int] = {c: c.exit_code for c in (InvalidValue, ConfigError, UnknownModel, UnknownGpu,
-                                                        Infeasible)}
+                                                        NoCudaGpu, Infeasible)}
 err = console(stderr=True)
 
 def say(text: str) -> None:

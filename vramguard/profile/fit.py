@@ -224,21 +224,20 @@ def fit(model, s: Settings, vary: str, budget_bytes: int, out_dir: str | None = 
         budget_bytes: the memory PyTorch may reserve (the emulated card, context excluded).
 
     Raises:
-        InvalidValue: unknown ``vary``, a budget above the card, or no CUDA device.
+        InvalidValue: unknown ``vary``, or a budget above the card.
+        NoCudaGpu: no CUDA device (fit makes real runs).
     """
-    import torch
-
     from vramguard.explain import explain
     from vramguard.runtime.load import LoadedModel, load_model
-    from vramguard.runtime.device import memory_cap, total_bytes
+    from vramguard.runtime.device import memory_cap, require_cuda, total_bytes
     from vramguard.profile.measured_run import free_memory, run_generate
     from vramguard.resolve import local_model_folder
     if vary not in VARY:
         raise InvalidValue("vary", vary, " | ".join(VARY), "vary one of those")
     if not isinstance(model, LoadedModel):
         local_model_folder(model)  # a missing path or a name with no weights is said before anything else
-    if not torch.cuda.is_available():
-        raise InvalidValue("device", "cpu", "a CUDA GPU", "fit makes real runs: run it on a machine with a GPU")
+    require_cuda("fit", "fit makes real runs on the GPU: run it on a machine with an NVIDIA GPU (vramguard plan "
+                 "predicts without one)")
     total = total_bytes()
     if budget_bytes > total:
         raise InvalidValue("budget_bytes", budget_bytes, f"at most the card's {total:,} B", "give a smaller budget")

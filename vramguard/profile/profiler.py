@@ -95,17 +95,16 @@ def profile(model: str | LoadedModel, s: Settings, out_dir: str | None = None, m
     """Load ``model`` (or use a loaded one), warm up, run ``generate`` once under measurement, compare with the plan.
 
     Raises:
-        InvalidValue: no CUDA device (profile measures GPU memory). Loading errors of :func:`load_model`.
+        NoCudaGpu: no CUDA device (profile measures GPU memory). Loading errors of :func:`load_model`.
     """
     import torch
 
-    from vramguard.errors import InvalidValue
     from vramguard.resolve import local_model_folder
+    from vramguard.runtime.device import require_cuda
     if not isinstance(model, LoadedModel):
         local_model_folder(model)  # a missing path or a name with no weights is said before anything else
-    if not torch.cuda.is_available():
-        raise InvalidValue("device", "cpu", "a CUDA GPU", "profile measures GPU memory: run it on a machine with one "
-                           "(vramguard plan predicts without a GPU)")
+    require_cuda("profile", "profile measures GPU memory: run it on a machine with an NVIDIA GPU (vramguard plan "
+                 "predicts without one)")
     loaded = model if isinstance(model, LoadedModel) else load_model(
         model, quant=s.quant, double_quant=s.double_quant, compute_dtype=s.compute_dtype,
         attn="sdpa" if s.attn == "sdpa" else s.attn)

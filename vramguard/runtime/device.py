@@ -159,6 +159,18 @@ def usable_bytes(budget_bytes: int | None) -> tuple[int | None, int]:
     return free + torch.cuda.memory_reserved() - allocated, allocated
 
 
+def require_cuda(work: str, fix: str) -> None:
+    """Raise :class:`~vramguard.errors.NoCudaGpu` naming ``work`` (e.g. ``profile``) when torch has no CUDA device,
+    with why (a CPU build of torch, or no device seen by the CUDA build) and ``fix``."""
+    import torch
+    if torch.cuda.is_available():
+        return
+    from vramguard.errors import NoCudaGpu
+    why = ("this torch is a CPU build" if torch.version.cuda is None else
+           f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees no CUDA device")
+    raise NoCudaGpu(work, "none", why, fix)
+
+
 def free_bytes(device: int | None = None) -> int:
     """What the driver reports free on ``device``, in bytes (``torch.cuda.mem_get_info(device)[0]``)."""
     import torch
