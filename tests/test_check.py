@@ -149,10 +149,12 @@ def test_c11_largest_shard_against_free_ram(tmp_path):
                 f.truncate(size)  # sparse: the size is what matters
     e = env(ram_available_bytes=12_700_000_000)
     f = by_name(check(str(big), Settings(), env=e, verify=False, device_map="auto"), "ram_vs_shard")[0]
-    assert f.level == "fail" and "14.10 GB > 12.70 GB" in f.value and "Killed" in f.message
+    # in the project's binary units, as every size: 14.1e9 / 2**30 = 13.13 GiB, 12.7e9 / 2**30 = 11.83 GiB
+    assert f.level == "fail" and "13.13 GiB > 11.83 GiB free RAM" in f.value and "Killed" in f.message
     assert "max_shard_size" in f.fix
     ok = by_name(check(str(split), Settings(), env=e, verify=False), "ram_vs_shard")[0]
-    assert ok.level == "ok" and "9.95 GB" in ok.value
+    assert ok.level == "ok" and ok.value == "largest shard model-00000.safetensors is 9.27 GiB, 11.83 GiB free RAM"
+    assert " GB" not in f.value + ok.value  # 9.95e9 / 2**30 = 9.27
 
 
 def test_c13_output_attentions_forces_eager():
@@ -180,6 +182,12 @@ def test_environment_branches():
     nogpu = check(None, base, env=env(cuda_available=False, cuda_reason="torch was built without CUDA"))
     assert by_name(nogpu, "cuda")[0].level == "warn" and "--gpu" in as_flags(by_name(nogpu, "cuda")[0].fix)
     assert not nogpu.failed
+    # a catalog card's free memory was never measured: its total alone (T4: 15,843,721,216 B = 14.76 GiB)
+    named = by_name(check(None, base, gpu="t4", env=env(cuda_available=False, gpus=())), "gpu")[0]
+    assert named.value == "NVIDIA T4, compute capability 7.5, 14.76 GiB total (catalog card, not measured)"
+    # a detected card's is: 24 - 6 GiB held by others = 18 GiB
+    assert by_name(r, "gpu")[0].value == "NVIDIA GeForce RTX 3090, compute capability 8.6, 24.00 GiB total, " \
+        "18.00 GiB free"
 
 
 def test_device_map_auto_offloads_although_the_plan_fits():

@@ -27,11 +27,6 @@ def finding_line(code: str, level: str, value: str, message: str, fix: str | Non
     return Finding(code, level, message, fix, bytes, value)
 
 
-def _gb(n: int) -> str:
-    """Decimal GB with two decimals (how shard sizes and RAM are usually quoted), bytes units when tiny."""
-    return f"{n / 1e9:.2f} GB" if n >= 10**7 else fmt_bytes(n)
-
-
 def _cc(g: GpuSpec | None) -> str:
     return ".".join(map(str, g.compute_capability)) if g and g.compute_capability else "unknown"
 
@@ -54,9 +49,11 @@ def environment_findings(env: Env, gpu: GpuSpec | None, gpu_source: str) -> list
                               None if gpu else "name the card you will run on with gpu=NAME"))
     if gpu is not None:
         used = gpu.used_by_others_bytes
+        # free memory is measured on a detected card only; a catalog card or a --vram size has its total alone
+        free = (f", {fmt_gib(gpu.total_bytes - used)} free" if gpu.source == "detected" else
+                f" ({'catalog card' if gpu.source == 'catalog' else 'a size given'}, not measured)")
         f.append(finding_line("gpu", "ok", f"{gpu.label}, compute capability {_cc(gpu)}, "
-                              f"{fmt_gib(gpu.total_bytes)} total, {fmt_gib(gpu.total_bytes - used)} free",
-                              gpu_source))
+                              f"{fmt_gib(gpu.total_bytes)} total{free}", gpu_source))
         if used > gpu.total_bytes // 10:
             f.append(finding_line("other_processes", "warn", f"{fmt_gib(used)} held by other processes",
                                   "memory in use before this process starts (other programs, a display, an "
@@ -150,18 +147,18 @@ def checkpoint_findings(ckpt: CheckpointInfo | None, env: Env) -> list[Finding]:
                                   "free RAM unknown (psutil missing)"))
         elif size > avail:
             f.append(finding_line("ram_vs_shard", "fail",
-                                  f"largest shard {name} is {_gb(size)} > {_gb(avail)} free RAM",
+                                  f"largest shard {name} is {fmt_bytes(size)} > {fmt_bytes(avail)} free RAM",
                                   "a shard is read whole into RAM while loading: the kernel's OOM killer will "
                                   "likely end the process ('Killed')",
                                   "re-shard the checkpoint with smaller shards (save_pretrained(..., "
                                   "max_shard_size='2GB')), or free RAM / add swap"))
         elif size > avail * RAM_WARN_FRACTION:
             f.append(finding_line("ram_vs_shard", "warn",
-                                  f"largest shard {name} is {_gb(size)} of {_gb(avail)} free RAM",
+                                  f"largest shard {name} is {fmt_bytes(size)} of {fmt_bytes(avail)} free RAM",
                                   "little RAM left while the shard is loaded", "re-shard with a smaller shard size"))
         else:
             f.append(finding_line("ram_vs_shard", "ok",
-                                  f"largest shard {name} is {_gb(size)}, {_gb(avail)} free RAM",
+                                  f"largest shard {name} is {fmt_bytes(size)}, {fmt_bytes(avail)} free RAM",
                                   "the shard fits in free RAM"))
     if ckpt is not None and ckpt.format == "pickle":
         f.append(finding_line("checkpoint_format", "warn", "pickle (.bin) weights only",
