@@ -75,6 +75,7 @@ def plan(
     notes: list[str] = []  # said once the plan is made: an error comes alone
 
     def build():
+        _refuse_no_new_tokens(max_new_tokens)
         chosen_attn, chosen_dtype = _card_defaults(gpu, vram, attn, dtype, compute_dtype, several, notes)
         s = Settings(quant=quant.value, double_quant=double_quant,
                      compute_dtype=compute_dtype.value if compute_dtype else None,
@@ -86,6 +87,7 @@ def plan(
         from vramguard.resolve import resolve_model
         spec = resolve_model(_required_model(model), revision)
         say_fetched(spec)
+        s = _defaults_in_context(spec, s, _given(ctx), context, notes)
         if several:
             from vramguard.cli.multigpu import plan_cards
             if alloc_conf is not None:
@@ -94,6 +96,31 @@ def plan(
         return plan_fn(spec, s, gpu=gpu, vram=vram, context=context, alloc_conf=_alloc_conf(alloc_conf))
 
     _emit(run_guarded(build, as_json=fmt == Format['json']), several, fmt == Format['json'], exit_code, notes)
+
+
+def _refuse_no_new_tokens(max_new_tokens: int) -> None:
+    """The usage error of a plan of no new tokens, worded as ``run``'s (a plan is of generate, which makes one)."""
+    from vramguard.settings import require_count
+    require_count("max_new_tokens", max_new_tokens, 1)
+
+
+def _defaults_in_context(spec, s, given: dict, context: int | None, notes: list[str]):
+    """``s``, or, when neither --prompt-tokens nor --max-new-tokens was given and their defaults exceed the
+    model's context ``ctx`` (``context`` when given, else ``max_position_embeddings``), ``s`` with a prompt of
+    ``ctx // 3`` and ``2 * (ctx // 3)`` new tokens (the defaults' 1:2 ratio), the change added to ``notes``.
+    A length the user gave is kept, and over the context it stays an error."""
+    from dataclasses import replace
+
+    from vramguard.cli.options import DEFAULT_MAX_NEW_TOKENS, DEFAULT_PROMPT_TOKENS
+    ctx_tokens = context if isinstance(context, int) and context > 0 else spec.max_position_embeddings
+    if {"prompt_tokens", "max_new_tokens"} & set(given) or s.total_tokens <= ctx_tokens or ctx_tokens < 3:
+        return s
+    prompt, new = ctx_tokens // 3, 2 * (ctx_tokens // 3)
+    notes.append(f"note: the default --prompt-tokens {DEFAULT_PROMPT_TOKENS} + --max-new-tokens "
+                 f"{DEFAULT_MAX_NEW_TOKENS} exceed the model's context of {ctx_tokens:,} tokens; planned with "
+                 f"{prompt:,} + {new:,} (a third and two thirds of it); pass --prompt-tokens and --max-new-tokens "
+                 "to choose")
+    return replace(s, prompt_tokens=prompt, max_new_tokens=new)
 
 
 def _required_model(model: str | None) -> str:

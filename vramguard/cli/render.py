@@ -14,6 +14,7 @@ from rich.text import Text
 from vramguard.catalog.gpus import GPUS
 from vramguard.cli.flags import as_flags
 from vramguard.plan import Plan
+from vramguard.plan.solve import MAX_BATCH_SEARCH
 from vramguard.units import fmt_bytes, fmt_tokens, plural
 
 LABELS = {
@@ -38,6 +39,8 @@ PEAK_AT = {
     "logits": "logits", "logits_fp32": "logits float32 copy", "expert": "MoE expert", "final_norm": "final norm",
     "retained_attentions": "retained attention maps", "input_layernorm": "RMSNorm (float32 upcast)",
     "post_attention_layernorm": "RMSNorm (float32 upcast)", "o_proj": "attention output projection",
+    "in_attention": "in attention", "in_activations": "in the MLP / hidden states", "in_logits": "in lm_head / logits",
+    "in_kv_cache": "in the KV cache update",
 }
 
 
@@ -124,6 +127,11 @@ def _n(v: int | None) -> str:
     return "none" if v is None else f"{v:,}"
 
 
+def _batch_cell(v: int | None) -> str:
+    """The largest batch that fits, as a bound at the solver's search cap (the batch may be larger)."""
+    return f"≥{v:,}" if v == MAX_BATCH_SEARCH else _n(v)
+
+
 def to_jsonable(obj: Any) -> Any:
     """Dataclasses, tuples and dicts to JSON-ready values; ints stay ints, None stays null."""
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
@@ -170,7 +178,8 @@ def plan_to_json(p: Plan) -> dict:
         "decode": to_jsonable(est.decode),
         "logits_case": p.logits_case,
         "cards_reason": as_flags(p.cards_reason),
-        "cards": [{**to_jsonable(c), "gpu": to_jsonable(c.gpu)} for c in p.cards],
+        "cards": [{**to_jsonable(c), "gpu": to_jsonable(c.gpu), "max_batch_search_cap": MAX_BATCH_SEARCH,
+                   "max_batch_at_cap": c.max_batch == MAX_BATCH_SEARCH} for c in p.cards],
         "findings": [finding_to_json(f) for f in p.findings],
         "changes": to_jsonable(p.changes),
     }
@@ -346,8 +355,11 @@ def print_plan(p: Plan, console: Console | None = None) -> None:
     for v in p.cards:
         ct.add_row(short_label(v.gpu.label), f"{v.usable_bytes / 2**30:.2f}", f"{v.need_bytes / 2**30:.2f}",
                    "[green]yes[/green]" if v.fits else "[red]no[/red]", f"{v.headroom_bytes / 2**30:.2f}",
-                   _n(v.max_prompt_tokens), _n(v.max_new_tokens), _n(v.max_batch))
+                   _n(v.max_prompt_tokens), _n(v.max_new_tokens), _batch_cell(v.max_batch))
     c.print(ct)
+    if any(v.max_batch == MAX_BATCH_SEARCH for v in p.cards):
+        c.print(f"batch: ≥{MAX_BATCH_SEARCH:,} is the search's cap; a larger batch may fit too (plan it with "
+                "--batch N)")
     if p.findings:
         c.print("[bold]Findings[/bold]")
         for f in p.findings:
