@@ -389,7 +389,10 @@ def test_generic_peak_is_named_by_the_module_not_the_operator(gpt2_256):
 def test_plan_refuses_zero_new_tokens_as_run_does(tiny_llama):
     lines = _only_error(run_cli("plan", str(tiny_llama), "--max-new-tokens", "0", columns="300"), "--max-new-tokens")
     assert lines == ["error --max-new-tokens: 0 is not valid; accepted: an integer >= 1.",
-                     "fix: pass a whole number of at least 1"]
+                     "fix: pass a whole number of at least 1 (or --logits all for a forward without generating)"]
+    # a forward over every position generates nothing: 0 new tokens stays accepted there
+    r = run_cli("plan", str(tiny_llama), "--max-new-tokens", "0", "--logits", "all", "--format", "json")
+    assert r.returncode == 0 and json.loads(r.stdout)["settings"]["max_new_tokens"] == 0, r.stderr
 
 
 def test_changes_that_fit_come_first_then_by_saving():

@@ -11,7 +11,7 @@ from vramguard.cli.common import run_guarded, say, write_json
 from vramguard.cli.options import (Attn, Cache, Dtype, Format, KvDtype, Logits, Quant, batch_option, format_option,
                                    max_new_tokens_option, prompt_tokens_option, quant_option, revision_option,
                                    say_fetched)
-from vramguard.cli.multigpu import device_map_option, gpus_option, max_memory_option, tp_option
+from vramguard.cli.multigpu import device_map_option, gpus_option, max_memory_option, tp_option, wants_cards
 from vramguard.cli.render import console
 
 
@@ -70,12 +70,11 @@ def plan(
     from vramguard.settings import Settings
     if list_models or list_gpus:
         return _print_catalog(list_models, list_gpus)
-    from vramguard.cli.multigpu import wants_cards
     several = wants_cards(gpus, tp, gpu, vram) or max_memory is not None or device_map != "auto"
     notes: list[str] = []  # said once the plan is made: an error comes alone
 
     def build():
-        _refuse_no_new_tokens(max_new_tokens)
+        _refuse_no_new_tokens(max_new_tokens, logits.value)
         chosen_attn, chosen_dtype = _card_defaults(gpu, vram, attn, dtype, compute_dtype, several, notes)
         s = Settings(quant=quant.value, double_quant=double_quant,
                      compute_dtype=compute_dtype.value if compute_dtype else None,
@@ -98,10 +97,13 @@ def plan(
     _emit(run_guarded(build, as_json=fmt == Format['json']), several, fmt == Format['json'], exit_code, notes)
 
 
-def _refuse_no_new_tokens(max_new_tokens: int) -> None:
-    """The usage error of a plan of no new tokens, worded as ``run``'s (a plan is of generate, which makes one)."""
+def _refuse_no_new_tokens(max_new_tokens: int, logits: str) -> None:
+    """The usage error of a plan of generate (``logits="last"``) with no new tokens, worded as ``run``'s; a forward
+    over every position (``logits="all"``) may generate none."""
     from vramguard.settings import require_count
-    require_count("max_new_tokens", max_new_tokens, 1)
+    if logits == "last":
+        require_count("max_new_tokens", max_new_tokens, 1, "pass a whole number of at least 1 (or --logits all "
+                      "for a forward without generating)")
 
 
 def _defaults_in_context(spec, s, given: dict, context: int | None, notes: list[str]):

@@ -297,6 +297,23 @@ def source_label(spec) -> str:
     return f"catalog: the config of {repo}, {kind}; pass a Hub id for another"
 
 
+def _print_cards(c: Console, p: Plan) -> None:
+    """The cards table: one line per card in 80 columns (sizes in GiB without the unit in each cell, no vertical
+    rules), and the note on a batch at the solver's search cap."""
+    ct = Table(title="Cards (GiB); the largest prompt, new tokens, batch that fit",
+               title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    for col in ("card", "memory", "need", "fits", "headroom", "prompt", "new", "batch"):
+        ct.add_column(col, justify="left" if col == "card" else "right", no_wrap=True)
+    for v in p.cards:
+        ct.add_row(short_label(v.gpu.label), f"{v.usable_bytes / 2**30:.2f}", f"{v.need_bytes / 2**30:.2f}",
+                   "[green]yes[/green]" if v.fits else "[red]no[/red]", f"{v.headroom_bytes / 2**30:.2f}",
+                   _n(v.max_prompt_tokens), _n(v.max_new_tokens), _batch_cell(v.max_batch))
+    c.print(ct)
+    if any(v.max_batch == MAX_BATCH_SEARCH for v in p.cards):
+        c.print(f"batch: ≥{MAX_BATCH_SEARCH:,} is the search's cap; a larger batch may fit too (plan it with "
+                "--batch N)")
+
+
 def print_plan(p: Plan, console: Console | None = None) -> None:
     """Human-readable plan on stdout: components, cards, findings and ranked changes."""
     c = console or Console()
@@ -347,19 +364,7 @@ def print_plan(p: Plan, console: Console | None = None) -> None:
         c.print(load_text(est))
     c.print(f"logits: {p.logits_case}")
     c.print(f"cards: {as_flags(p.cards_reason)}")
-    # one line per card in 80 columns: sizes in GiB without the unit in each cell, no vertical rules
-    ct = Table(title="Cards (GiB); the largest prompt, new tokens, batch that fit",
-               title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
-    for col in ("card", "memory", "need", "fits", "headroom", "prompt", "new", "batch"):
-        ct.add_column(col, justify="left" if col == "card" else "right", no_wrap=True)
-    for v in p.cards:
-        ct.add_row(short_label(v.gpu.label), f"{v.usable_bytes / 2**30:.2f}", f"{v.need_bytes / 2**30:.2f}",
-                   "[green]yes[/green]" if v.fits else "[red]no[/red]", f"{v.headroom_bytes / 2**30:.2f}",
-                   _n(v.max_prompt_tokens), _n(v.max_new_tokens), _batch_cell(v.max_batch))
-    c.print(ct)
-    if any(v.max_batch == MAX_BATCH_SEARCH for v in p.cards):
-        c.print(f"batch: ≥{MAX_BATCH_SEARCH:,} is the search's cap; a larger batch may fit too (plan it with "
-                "--batch N)")
+    _print_cards(c, p)
     if p.findings:
         c.print("[bold]Findings[/bold]")
         for f in p.findings:
