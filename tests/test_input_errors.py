@@ -49,3 +49,34 @@ def test_a_split_option_with_one_card_names_that_option(args, flag, value):
     err = _err(r)
     assert r.returncode == 2 and f"error {flag}: '{value}' is not valid" in err and "--gpus" not in err
     assert f"leave {flag} out for one card" in err
+
+
+@pytest.mark.parametrize("args", [
+    ["run", "no-such-folder", "--prompt", "hi", "--seed", str(2**64), "--do-sample"],
+    ["run", "no-such-folder", "--prompt", "hi", "--seed", "-1"],
+])
+def test_a_seed_outside_torchs_range_is_refused_before_loading(args):
+    # torch.manual_seed unpacks a signed 64-bit integer: 2**64 used to end in "internal error ValueError: Overflow"
+    r = run_cli(*args)
+    assert r.returncode == 2 and "internal error" not in r.stderr
+    assert "error --seed:" in r.stderr and "9,223,372,036,854,775,807" in _err(r)
+
+
+def test_the_library_and_the_server_refuse_a_seed_beyond_64_bits():
+    from vramguard.run.generate import MAX_SEED, check_seed
+    from vramguard.serve.server import build
+    check_seed(MAX_SEED)
+    check_seed(None)
+    with pytest.raises(InvalidValue) as e:
+        check_seed(MAX_SEED + 1)
+    assert e.value.field == "seed"
+    with pytest.raises(InvalidValue) as e:  # before the model is read: the folder does not exist
+        build("no-such-folder", seed=2**64)
+    assert e.value.field == "seed"
+
+
+def test_a_mistyped_command_names_it_and_the_likely_one():
+    r = run_cli("plna", "llama-3.1-8b")
+    assert r.returncode == 2
+    assert _err(r).startswith("error COMMAND: 'plna' is not valid; accepted: plan, check,")
+    assert "fix: did you mean plan?" in _err(r)

@@ -51,7 +51,7 @@ def run(
         from vramguard.resolve import local_model_folder
         from vramguard.run.generate import check_generation_args
         # what can be refused without loading anything, before anything is printed
-        check_generation_args(max_new_tokens, do_sample, temperature, top_p, top_k)
+        check_generation_args(max_new_tokens, do_sample, temperature, top_p, top_k, seed)
         text = _read_prompt(prompt, prompt_file)
         local_model_folder(model)
         _allocator_note()

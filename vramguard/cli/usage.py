@@ -27,11 +27,12 @@ def usage_error_text(e, argv: list[str]) -> str:
     name = type(e).__name__
     message = e.format_message().replace("Value error, ", "")
     param = getattr(e, "param", None)
-    m = re.match(r"No such command '(.*)'", message)
+    m = re.match(r"No such command '([^']*)'\.?(?: Did you mean '([^']*)'\?)?", message)
     if m:
         names = ctx.command.list_commands(ctx) if ctx is not None and hasattr(ctx.command, "list_commands") else []
+        fix = f"did you mean {m.group(2)}?" if m.group(2) else "see `vramguard --help` for what each does"
         return InvalidValue("COMMAND", m.group(1), ", ".join(names) or "a command `vramguard --help` lists",
-                            "see `vramguard --help` for what each does").render()
+                            fix).render()
     m = re.match(r"Got unexpected extra argument(?:s|\(s\))? \((.*)\)", message)
     if m:
         return InvalidValue("ARGUMENT", m.group(1), f"the arguments of {command} ({help_hint})",

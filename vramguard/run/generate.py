@@ -285,7 +285,7 @@ def _attempts(model, tokenizer, prompt_ids: list[int], max_new_tokens: int, orde
         ids = torch.tensor([prompt_ids + generated], device=next(model.parameters()).device)
         remaining = max_new_tokens - len(generated)
         if seed is not None:
-            torch.manual_seed(seed + len(generated))
+            torch.manual_seed((seed + len(generated)) % (MAX_SEED + 1))
         sdpa_note = None
         try:
             dec = None
@@ -367,13 +367,27 @@ def strategy_order(model, prompt_tokens: int, max_new_tokens: int, *, budget_byt
 
 
 
+MAX_SEED = 2**63 - 1  # torch.manual_seed takes a signed 64-bit seed ("Overflow when unpacking long long" above)
+
+
+def check_seed(seed: int | None) -> None:
+    """Raise InvalidValue for a sampling seed outside ``0 .. MAX_SEED`` (``torch.manual_seed`` unpacks it as a
+    signed 64-bit integer and fails above it); None (no seed) passes."""
+    from vramguard.errors import InvalidValue
+    if seed is not None and not (isinstance(seed, int) and 0 <= seed <= MAX_SEED):
+        raise InvalidValue("seed", seed, f"an integer from 0 to {MAX_SEED:,} (2**63 - 1)",
+                           "pass a smaller seed, e.g. seed=0")
+
+
 def check_generation_args(max_new_tokens: int, do_sample: bool = False, temperature: float | None = None,
-                          top_p: float | None = None, top_k: int | None = None) -> None:
+                          top_p: float | None = None, top_k: int | None = None, seed: int | None = None) -> None:
     """Raise InvalidValue for a generation argument :func:`generate` refuses (checked before any loading):
     ``max_new_tokens`` below 1, ``temperature`` not above 0, ``top_p`` outside (0, 1], ``top_k`` below 1, or
-    any of the three without ``do_sample`` (greedy decoding would ignore it: refused rather than dropped)."""
+    any of the three without ``do_sample`` (greedy decoding would ignore it: refused rather than dropped), and a
+    ``seed`` outside :func:`check_seed`'s range."""
     from vramguard.errors import InvalidValue
     require_count("max_new_tokens", max_new_tokens, 1)
+    check_seed(seed)
     if temperature is not None and not temperature > 0:
         raise InvalidValue("temperature", temperature, "a number > 0", "use temperature=0.7, or greedy decoding")
     if top_p is not None and not 0 < top_p <= 1:
@@ -412,7 +426,7 @@ def generate(model, tokenizer, prompt: str | list[int], max_new_tokens: int = 25
     """
     import torch
 
-    check_generation_args(max_new_tokens, do_sample, temperature, top_p, top_k)
+    check_generation_args(max_new_tokens, do_sample, temperature, top_p, top_k, seed)
     if isinstance(model, LoadedModel) and tokenizer is None:
         tokenizer = model.tokenizer
     prompt_ids = _prompt_ids(tokenizer, prompt)

@@ -513,6 +513,8 @@ def build(model: str, *, vram_budget: int | None = None, max_queue: int = 64, ma
     from vramguard.serve.generate_engine import ENGINES
     if engine_choice not in ENGINES:
         raise InvalidValue("engine", engine_choice, " | ".join(ENGINES), "pass one of: " + ", ".join(ENGINES))
+    from vramguard.run.generate import check_seed
+    check_seed(seed)
     _check_limits(body_timeout_s, max_queue=(max_queue, 0), max_running=(max_running, 1),
                   max_batch_tokens=(max_batch_tokens, 16), page_size=(page_size, 4), n_max=(n_max, 1),
                   default_max_tokens=(default_max_tokens, 1))
