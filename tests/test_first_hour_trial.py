@@ -332,3 +332,92 @@ def test_check_says_the_verbs_set_expandable_segments_themselves(monkeypatch):
     assert (f["level"], f["value"]) == ("info", "unset")
     assert "vramguard run, profile, fit and serve turn them on for their own process" in f["message"]
     assert f["fix"] == "for your own scripts only: export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
+
+
+def test_batch_at_the_solvers_cap_is_said_as_a_bound(tiny_llama):
+    from vramguard.plan.solve import MAX_BATCH_SEARCH
+    assert MAX_BATCH_SEARCH == 65_536  # 1 << 16
+    r = run_cli("plan", str(tiny_llama), "--vram", "48GiB", "--format", "json")
+    assert r.returncode == 0, r.stderr
+    card = json.loads(r.stdout)["cards"][0]
+    # a 0.78 GiB need on 48 GiB: the search stops at its cap, and the JSON says so
+    assert (card["max_batch"], card["max_batch_search_cap"], card["max_batch_at_cap"]) == (65_536, 65_536, True)
+    text = run_cli("plan", str(tiny_llama), "--vram", "48GiB", "--batch", "100000", columns="200").stdout
+    assert re.search(r"48 GiB card .* yes .* ≥65,536\n", text), text
+    assert "batch: ≥65,536 is the search's cap; a larger batch may fit too (plan it with --batch N)" in text
+    small = json.loads(run_cli("plan", str(tiny_llama), "--vram", "1GiB", "--format", "json").stdout)["cards"][0]
+    assert small["max_batch_at_cap"] is False and 1 <= small["max_batch"] < 65_536
+
+
+@pytest.fixture(scope="module")
+def gpt2_256(tmp_path_factory):
+    pytest.importorskip("torch")
+    from conftest import save_tiny
+    folder, _ = save_tiny(tmp_path_factory.mktemp("gpt2_256"), "GPT2Config", n_embd=64, n_layer=2, n_head=4,
+                          vocab_size=256, n_positions=256)
+    return folder
+
+
+def test_default_lengths_are_fitted_into_a_short_context_and_said(gpt2_256):
+    r = run_cli("plan", str(gpt2_256), "--max-new-tokens", "64", "--format", "json")
+    assert r.returncode == 0, r.stderr  # a length given: the defaults are not touched (128 + 64 fits 256)
+    assert "default --prompt-tokens" not in r.stderr
+    r = run_cli("plan", str(gpt2_256), "--format", "json", columns="300")
+    assert r.returncode == 0, r.stderr
+    s = json.loads(r.stdout)["settings"]
+    # 128 + 256 = 384 > 256: prompt 256 // 3 = 85, new 2 x 85 = 170 (85 + 170 = 255 <= 256)
+    assert (s["prompt_tokens"], s["max_new_tokens"]) == (85, 170)
+    assert ("note: the default --prompt-tokens 128 + --max-new-tokens 256 exceed the model's context of 256 tokens; "
+            "planned with 85 + 170 (a third and two thirds of it); pass --prompt-tokens and --max-new-tokens to "
+            "choose") in r.stderr.splitlines()
+    lines = _only_error(run_cli("plan", str(gpt2_256), "--prompt-tokens", "128", columns="300"),
+                        "--prompt + new tokens")
+    assert lines[0].startswith("error --prompt + new tokens: '128 + 256 = 384' is not valid")
+
+
+def test_generic_peak_is_named_by_the_module_not_the_operator(gpt2_256):
+    r = run_cli("plan", str(gpt2_256), "--max-new-tokens", "64", columns="200")
+    assert r.returncode == 0, r.stderr
+    assert "aten." not in r.stdout
+    # GPT-2's prefill peaks in its MLP (the GELU's products); the replay's label of that allocation is activations
+    assert "Memory at the peak of generate: prefill, in the MLP / hidden states" in r.stdout
+    from vramguard.cli.render import _where
+    assert (_where("in_attention"), _where("in_logits"), _where("prod")) == (
+        "in attention", "in lm_head / logits", "MLP (activation x up projection)")
+
+
+def test_plan_refuses_zero_new_tokens_as_run_does(tiny_llama):
+    lines = _only_error(run_cli("plan", str(tiny_llama), "--max-new-tokens", "0", columns="300"), "--max-new-tokens")
+    assert lines == ["error --max-new-tokens: 0 is not valid; accepted: an integer >= 1.",
+                     "fix: pass a whole number of at least 1 (or --logits all for a forward without generating)"]
+    # a forward over every position generates nothing: 0 new tokens stays accepted there
+    r = run_cli("plan", str(tiny_llama), "--max-new-tokens", "0", "--logits", "all", "--format", "json")
+    assert r.returncode == 0 and json.loads(r.stdout)["settings"]["max_new_tokens"] == 0, r.stderr
+
+
+def test_changes_that_fit_come_first_then_by_saving():
+    r = run_cli("plan", "llama-3.1-8b", "--context", "1000000", "--prompt-tokens", "500000", "--vram", "24GiB",
+                "--format", "json")
+    assert r.returncode == 0, r.stderr
+    changes = json.loads(r.stdout)["changes"]
+    keep = [c for c in changes if not c["reduces_request"]]
+    fitting = [c for c in keep if c["fits_on"]]
+    assert changes[:len(fitting)] == fitting  # those that fit as asked lead
+    rest = keep[len(fitting):]
+    assert [c["saved_bytes"] for c in rest] == sorted((c["saved_bytes"] for c in rest), reverse=True)
+    names = [c["description"].split(":")[0] for c in changes]
+    second = names.index("a second 24 GiB card")
+    # the second card fits no card (each would still hold half of a 500,000-token KV cache), and saves less
+    # than offloading the KV cache, which now comes first
+    assert changes[second]["fits_on"] == [] and names[0] == "KV cache offloaded to CPU RAM (OffloadedCache)"
+    assert changes[0]["saved_bytes"] > changes[second]["saved_bytes"]
+    assert changes[-1]["reduces_request"] and changes[-1]["fits_on"] == ["24-gib-card"]
+
+
+def test_vllm_plan_says_no_kv_cache_instead_of_a_negative_size():
+    r = run_cli("plan", "llama-3.1-70b", "--engine", "vllm", "--gpu", "rtx-4090", columns="300")
+    out = r.stdout + r.stderr
+    # budget 21.14 GiB - weights 131.45 - activation 0.46 - non-torch 0.25 - CUDA graphs 0.20 = -111.23 GiB
+    assert ("= KV cache    none: the terms above exceed the budget by 111.23 GiB ('Available KV cache memory' "
+            "below zero)") in out
+    assert "-111.23" not in out

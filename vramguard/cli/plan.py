@@ -11,7 +11,7 @@ from vramguard.cli.common import run_guarded, say, write_json
 from vramguard.cli.options import (Attn, Cache, Dtype, Format, KvDtype, Logits, Quant, batch_option, format_option,
                                    max_new_tokens_option, prompt_tokens_option, quant_option, revision_option,
                                    say_fetched)
-from vramguard.cli.multigpu import device_map_option, gpus_option, max_memory_option, tp_option
+from vramguard.cli.multigpu import device_map_option, gpus_option, max_memory_option, tp_option, wants_cards
 from vramguard.cli.render import console
 
 
@@ -70,11 +70,11 @@ def plan(
     from vramguard.settings import Settings
     if list_models or list_gpus:
         return _print_catalog(list_models, list_gpus)
-    from vramguard.cli.multigpu import wants_cards
     several = wants_cards(gpus, tp, gpu, vram) or max_memory is not None or device_map != "auto"
     notes: list[str] = []  # said once the plan is made: an error comes alone
 
     def build():
+        _refuse_no_new_tokens(max_new_tokens, logits.value)
         chosen_attn, chosen_dtype = _card_defaults(gpu, vram, attn, dtype, compute_dtype, several, notes)
         s = Settings(quant=quant.value, double_quant=double_quant,
                      compute_dtype=compute_dtype.value if compute_dtype else None,
@@ -86,6 +86,7 @@ def plan(
         from vramguard.resolve import resolve_model
         spec = resolve_model(_required_model(model), revision)
         say_fetched(spec)
+        s = _defaults_in_context(spec, s, _given(ctx), context, notes)
         if several:
             from vramguard.cli.multigpu import plan_cards
             if alloc_conf is not None:
@@ -94,6 +95,34 @@ def plan(
         return plan_fn(spec, s, gpu=gpu, vram=vram, context=context, alloc_conf=_alloc_conf(alloc_conf))
 
     _emit(run_guarded(build, as_json=fmt == Format['json']), several, fmt == Format['json'], exit_code, notes)
+
+
+def _refuse_no_new_tokens(max_new_tokens: int, logits: str) -> None:
+    """The usage error of a plan of generate (``logits="last"``) with no new tokens, worded as ``run``'s; a forward
+    over every position (``logits="all"``) may generate none."""
+    from vramguard.settings import require_count
+    if logits == "last":
+        require_count("max_new_tokens", max_new_tokens, 1, "pass a whole number of at least 1 (or --logits all "
+                      "for a forward without generating)")
+
+
+def _defaults_in_context(spec, s, given: dict, context: int | None, notes: list[str]):
+    """``s``, or, when neither --prompt-tokens nor --max-new-tokens was given and their defaults exceed the
+    model's context ``ctx`` (``context`` when given, else ``max_position_embeddings``), ``s`` with a prompt of
+    ``ctx // 3`` and ``2 * (ctx // 3)`` new tokens (the defaults' 1:2 ratio), the change added to ``notes``.
+    A length the user gave is kept, and over the context it stays an error."""
+    from dataclasses import replace
+
+    from vramguard.cli.options import DEFAULT_MAX_NEW_TOKENS, DEFAULT_PROMPT_TOKENS
+    ctx_tokens = context if isinstance(context, int) and context > 0 else spec.max_position_embeddings
+    if {"prompt_tokens", "max_new_tokens"} & set(given) or s.total_tokens <= ctx_tokens or ctx_tokens < 3:
+        return s
+    prompt, new = ctx_tokens // 3, 2 * (ctx_tokens // 3)
+    notes.append(f"note: the default --prompt-tokens {DEFAULT_PROMPT_TOKENS} + --max-new-tokens "
+                 f"{DEFAULT_MAX_NEW_TOKENS} exceed the model's context of {ctx_tokens:,} tokens; planned with "
+                 f"{prompt:,} + {new:,} (a third and two thirds of it); pass --prompt-tokens and --max-new-tokens "
+                 "to choose")
+    return replace(s, prompt_tokens=prompt, max_new_tokens=new)
 
 
 def _required_model(model: str | None) -> str:

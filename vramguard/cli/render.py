@@ -14,6 +14,7 @@ from rich.text import Text
 from vramguard.catalog.gpus import GPUS
 from vramguard.cli.flags import as_flags
 from vramguard.plan import Plan
+from vramguard.plan.solve import MAX_BATCH_SEARCH
 from vramguard.units import fmt_bytes, fmt_tokens, plural
 
 LABELS = {
@@ -38,6 +39,8 @@ PEAK_AT = {
     "logits": "logits", "logits_fp32": "logits float32 copy", "expert": "MoE expert", "final_norm": "final norm",
     "retained_attentions": "retained attention maps", "input_layernorm": "RMSNorm (float32 upcast)",
     "post_attention_layernorm": "RMSNorm (float32 upcast)", "o_proj": "attention output projection",
+    "in_attention": "in attention", "in_activations": "in the MLP / hidden states", "in_logits": "in lm_head / logits",
+    "in_kv_cache": "in the KV cache update",
 }
 
 
@@ -124,6 +127,11 @@ def _n(v: int | None) -> str:
     return "none" if v is None else f"{v:,}"
 
 
+def _batch_cell(v: int | None) -> str:
+    """The largest batch that fits, as a bound at the solver's search cap (the batch may be larger)."""
+    return f"≥{v:,}" if v == MAX_BATCH_SEARCH else _n(v)
+
+
 def to_jsonable(obj: Any) -> Any:
     """Dataclasses, tuples and dicts to JSON-ready values; ints stay ints, None stays null."""
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
@@ -170,7 +178,8 @@ def plan_to_json(p: Plan) -> dict:
         "decode": to_jsonable(est.decode),
         "logits_case": p.logits_case,
         "cards_reason": as_flags(p.cards_reason),
-        "cards": [{**to_jsonable(c), "gpu": to_jsonable(c.gpu)} for c in p.cards],
+        "cards": [{**to_jsonable(c), "gpu": to_jsonable(c.gpu), "max_batch_search_cap": MAX_BATCH_SEARCH,
+                   "max_batch_at_cap": c.max_batch == MAX_BATCH_SEARCH} for c in p.cards],
         "findings": [finding_to_json(f) for f in p.findings],
         "changes": to_jsonable(p.changes),
     }
@@ -288,6 +297,23 @@ def source_label(spec) -> str:
     return f"catalog: the config of {repo}, {kind}; pass a Hub id for another"
 
 
+def _print_cards(c: Console, p: Plan) -> None:
+    """The cards table: one line per card in 80 columns (sizes in GiB without the unit in each cell, no vertical
+    rules), and the note on a batch at the solver's search cap."""
+    ct = Table(title="Cards (GiB); the largest prompt, new tokens, batch that fit",
+               title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    for col in ("card", "memory", "need", "fits", "headroom", "prompt", "new", "batch"):
+        ct.add_column(col, justify="left" if col == "card" else "right", no_wrap=True)
+    for v in p.cards:
+        ct.add_row(short_label(v.gpu.label), f"{v.usable_bytes / 2**30:.2f}", f"{v.need_bytes / 2**30:.2f}",
+                   "[green]yes[/green]" if v.fits else "[red]no[/red]", f"{v.headroom_bytes / 2**30:.2f}",
+                   _n(v.max_prompt_tokens), _n(v.max_new_tokens), _batch_cell(v.max_batch))
+    c.print(ct)
+    if any(v.max_batch == MAX_BATCH_SEARCH for v in p.cards):
+        c.print(f"batch: ≥{MAX_BATCH_SEARCH:,} is the search's cap; a larger batch may fit too (plan it with "
+                "--batch N)")
+
+
 def print_plan(p: Plan, console: Console | None = None) -> None:
     """Human-readable plan on stdout: components, cards, findings and ranked changes."""
     c = console or Console()
@@ -338,16 +364,7 @@ def print_plan(p: Plan, console: Console | None = None) -> None:
         c.print(load_text(est))
     c.print(f"logits: {p.logits_case}")
     c.print(f"cards: {as_flags(p.cards_reason)}")
-    # one line per card in 80 columns: sizes in GiB without the unit in each cell, no vertical rules
-    ct = Table(title="Cards (GiB); the largest prompt, new tokens, batch that fit",
-               title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
-    for col in ("card", "memory", "need", "fits", "headroom", "prompt", "new", "batch"):
-        ct.add_column(col, justify="left" if col == "card" else "right", no_wrap=True)
-    for v in p.cards:
-        ct.add_row(short_label(v.gpu.label), f"{v.usable_bytes / 2**30:.2f}", f"{v.need_bytes / 2**30:.2f}",
-                   "[green]yes[/green]" if v.fits else "[red]no[/red]", f"{v.headroom_bytes / 2**30:.2f}",
-                   _n(v.max_prompt_tokens), _n(v.max_new_tokens), _n(v.max_batch))
-    c.print(ct)
+    _print_cards(c, p)
     if p.findings:
         c.print("[bold]Findings[/bold]")
         for f in p.findings:

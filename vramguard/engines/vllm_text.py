@@ -117,7 +117,11 @@ def plan_lines(p: VllmPlan, model_ref: str, width: int | None = None, words=None
                          "start snapshot, outside the budget)")
     sign = "-" if s.cudagraph_in_budget else " "
     lines.append(f"  {sign} CUDA graphs {_g(p.cudagraph_bytes)}  ({graphs})")
-    lines.append(f"  = KV cache    {_g(p.available_kv_bytes)}  ('Available KV cache memory')")
+    if p.available_kv_bytes < 0:  # a size below zero is no size: say by how much the terms above overrun
+        lines.append(f"  = KV cache    none: the terms above exceed the budget by {_g(-p.available_kv_bytes)} "
+                     "('Available KV cache memory' below zero)")
+    else:
+        lines.append(f"  = KV cache    {_g(p.available_kv_bytes)}  ('Available KV cache memory')")
     groups = ", ".join(f"{g.num_layers} x {g.kind}" + (f" (window {g.sliding_window:,})" if g.sliding_window else "")
                        for g in p.kv_groups)
     lines.append(f"  KV groups     {len(p.kv_groups)}: {groups}; page {p.kv_groups[0].page_bytes:,} B per layer "

@@ -297,9 +297,19 @@ def _replay(model, config, s: Settings, past: int, chunk: int, quantized, policy
         from vramguard.memory.common import rounded
         per_layer[layer] = per_layer.get(layer, 0) + (rounded(t.untyped_storage().nbytes()) if t.numel() else 0)
     n_layers = max(per_layer) + 1 if per_layer else 0
-    return Replayed(tracker.peak.bytes, components, tracker.peak.at, tracker.largest_alloc,
+    return Replayed(tracker.peak.bytes, components, _peak_where(tracker.peak, relabel), tracker.largest_alloc,
                     tuple(per_layer.get(i, 0) for i in range(n_layers)),
                     tuple((layer, attr, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for layer, attr, t in kv))
+
+
+def _peak_where(peak, relabel: dict[int, str]) -> str:
+    """Where the peak was reached, in the model's terms: ``in_<component>`` of the allocation that made it (the
+    component of the module it ran in: attention, activations, logits, kv_cache), for an operator name
+    (``aten.mul.Tensor``) that would tell a user nothing; another name (a step of vramguard's own) as is."""
+    if not peak.at.startswith("aten.") or not peak.live:
+        return peak.at
+    serial = max(peak.live)  # the allocation just made: the peak is checked as each one is added
+    return "in_" + relabel.get(serial, peak.live[serial][1])
 
 
 def replay_model(config, s: Settings):

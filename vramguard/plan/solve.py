@@ -79,7 +79,8 @@ def max_new_tokens(spec: ModelSpec, s: Settings, usable_bytes: int) -> int | Non
 
 
 def max_batch(spec: ModelSpec, s: Settings, usable_bytes: int) -> int | None:
-    """Largest batch that fits (up to 65,536), or None when 1 does not. The need is nearly linear in the batch:
+    """Largest batch that fits, up to :data:`MAX_BATCH_SEARCH` (a bound: a larger one may fit too), or None when
+    1 does not. The need is nearly linear in the batch:
     the line through batch 1 and 2 gives the first upper end of the bracket (doubled while it still fits), then
     :func:`_largest` finds the exact boundary inside it."""
     def need(b: int) -> int:
@@ -162,7 +163,8 @@ def ranked_changes(spec: ModelSpec, s: Settings, gpus: list[GpuSpec]) -> list[Ch
     batch, fewer beams), by bytes saved. The length and batch changes are solved for the largest card the run
     does not fit (the smallest change that makes it fit somewhere); when it fits every card they are omitted.
     When a card is too small, the settings changes that make it fit there come first, then
-    :func:`hardware_changes`, then the rest in the order above.
+    :func:`hardware_changes` that fit a card, then the rest in the order above (a change of hardware that fits no
+    card among those that keep the request).
     """
     need = _need(spec, s)
     usable = {g.name: g.total_bytes - g.used_by_others_bytes for g in gpus}
@@ -186,9 +188,12 @@ def ranked_changes(spec: ModelSpec, s: Settings, gpus: list[GpuSpec]) -> list[Ch
     if target is None:
         return out
     # what makes the run fit the target as asked: settings that fit it, then other hardware, then the rest
+    # (a change of hardware that fits no card, e.g. a second card still too small, goes with the rest by saving)
     hw = hardware_changes(spec, s, target, need)
     fit = [c for c in out if target.name in c.fits_on and not c.reduces_request]
-    return fit + hw + [c for c in out if c not in fit]
+    rest = [c for c in out if c not in fit] + [c for c in hw if not c.fits_on]
+    rest.sort(key=lambda c: (c.reduces_request, -c.saved_bytes))
+    return fit + [c for c in hw if c.fits_on] + rest
 
 
 HARDWARE_KEYS = ("cpu_offload_bytes", "gpus", "gpu")  # Change.settings keys of changes of hardware, not settings
