@@ -28,25 +28,12 @@ SHAPES = {"gate_proj/up_proj": (14336, 4096), "down_proj": (4096, 14336), "q_pro
 
 
 def graph_us(fn, calls: int, reps: int = 20) -> float:
-    """Microseconds per call of ``fn``, replayed from one CUDA graph of ``calls`` calls."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
-    g.replay()
+    """Microseconds per call of ``fn``, replayed from one CUDA graph of ``calls`` calls
+    (:func:`vramguard.run.kernels.selftest.graph_us`, the engine's own timer, after one eager call)."""
+    from vramguard.run.kernels.selftest import graph_us as engine_graph_us
+    fn()
     torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(reps):
-        g.replay()
-    b.record()
-    torch.cuda.synchronize()
-    return 1000 * a.elapsed_time(b) / reps / calls
+    return engine_graph_us(fn, calls, reps)
 
 
 def sweep(nf4_gemm, x, q, shape, code, scales, calls, end, out, name) -> dict:

@@ -67,6 +67,23 @@ def save_tiny(tmp_path: Path, config_cls_name: str, **kw) -> tuple[Path, object]
     return folder, model
 
 
+def interpreted_kernels(*names: tuple[str, str]) -> list:
+    """The ``vramguard.run.kernels`` modules named by ``(module, kernel)`` pairs, each reloaded if another test
+    imported it without ``TRITON_INTERPRET=1`` (its ``kernel`` is then not Triton's ``InterpretedFunction``); the
+    test is skipped where the interpreter is off (with CUDA the session keeps compiled kernels for the gpu tests)."""
+    import importlib
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton's interpreter runs these on machines without CUDA; the gpu tests cover the GPU")
+    pytest.importorskip("triton")
+    mods = []
+    for module, kernel in names:
+        mod = importlib.import_module(f"vramguard.run.kernels.{module}")
+        if type(getattr(mod, kernel)).__name__ != "InterpretedFunction":
+            mod = importlib.reload(mod)
+        mods.append(mod)
+    return mods
+
+
 def save_word_tokenizer(folder: Path, vocab_size: int = 300) -> None:
     """A word-level tokenizer of ``[UNK] [BOS] [EOS] w0 w1 ...`` (``vocab_size`` words, split on whitespace),
     saved in ``folder`` so that ``AutoTokenizer.from_pretrained(folder)`` loads it offline."""

@@ -242,28 +242,13 @@ def test_a_size_tie_goes_to_the_newest_segment():
 
 def _from_snapshot(segments: list[dict]) -> CachingAllocator:
     """An allocator holding the segments of ``torch.cuda.memory_snapshot()`` (size and state of each block, in
-    address order), placed as cudaMalloc placed them: each later one lower."""
-    from vramguard.memory.allocator import Block, Segment
-    a = CachingAllocator()
+    address order), placed as cudaMalloc placed them: each later one lower (``CachingAllocator.from_segments``)."""
+    from vramguard.memory.allocator import AllocatorConfig
+    addr, placed = CachingAllocator()._next_addr, []
     for sd in segments:
-        a._next_addr -= sd["total"]
-        seg = Segment(a._next_addr, sd["type"] == "small")
-        addr, prev = seg.addr, None
-        for size, state in sd["blocks"]:
-            b = Block(seg, addr, size, "used" if state == "a" else "free")
-            b.prev, addr = prev, addr + size
-            if prev is None:
-                seg.head = b
-            else:
-                prev.next = b
-            prev = b
-            if b.state == "free":
-                a._list(b)
-            else:
-                a.allocated_bytes += size
-        a.segments.append(seg)
-        a.reserved_bytes += sd["total"]
-    return a
+        addr -= sd["total"]
+        placed.append((addr, sd["type"] == "small", [(size, state == "a") for size, state in sd["blocks"]]))
+    return CachingAllocator.from_segments(AllocatorConfig(), placed)
 
 
 def test_replays_an_h200_trace_segment_for_segment():

@@ -3,10 +3,10 @@ bitsandbytes' own dequantization, and the graph decoder with the fused step agai
 (greedy, float32) on a tiny Llama whose projections are bitsandbytes NF4 layers, plus the fallback when a check
 fails."""
 
-import importlib
 import os
 
 import pytest
+from conftest import interpreted_kernels
 
 torch = pytest.importorskip("torch")
 if not torch.cuda.is_available():  # before triton decorates the kernels
@@ -18,13 +18,8 @@ transformers = pytest.importorskip("transformers")
 
 def _kernels():
     """The kernel modules with interpreted kernels (reloaded if imported before without the variable)."""
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("Triton's interpreter runs these on machines without CUDA; the gpu tests cover the GPU")
-    pytest.importorskip("triton")
-    from vramguard.run.kernels import decode_attention, fused, nf4
-    for mod, name in ((nf4, "_matmul_4bit_kernel"), (decode_attention, "_split_kernel"), (fused, "_glu_kernel")):
-        if type(getattr(mod, name)).__name__ != "InterpretedFunction":
-            importlib.reload(mod)
+    nf4, _, fused = interpreted_kernels(("nf4", "_matmul_4bit_kernel"), ("decode_attention", "_split_kernel"),
+                                        ("fused", "_glu_kernel"))
     return nf4, fused
 
 

@@ -2,10 +2,10 @@
 kernels through Triton's interpreter against float64 references, the routing of bitsandbytes' ``gemm_4bit`` op, and
 the graph decoder with the decode-attention kernel against transformers' ``generate`` (greedy, float32)."""
 
-import importlib
 import os
 
 import pytest
+from conftest import interpreted_kernels
 
 torch = pytest.importorskip("torch")
 if not torch.cuda.is_available():  # before triton decorates the kernels (checked in _kernels below)
@@ -14,17 +14,8 @@ BF = pytest.importorskip("bitsandbytes.functional")
 
 
 def _kernels():
-    """The kernel modules with interpreted kernels (reloaded if another test imported them without the variable).
-    With CUDA the session keeps compiled kernels (the gpu tests use them), so these CPU tests are skipped there."""
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("Triton's interpreter runs these on machines without CUDA; the gpu tests cover the GPU")
-    pytest.importorskip("triton")
-    from vramguard.run.kernels import decode_attention, nf4
-    for mod in (nf4, decode_attention):
-        if type(getattr(mod, "_matmul_4bit_kernel", getattr(mod, "_split_kernel", None))).__name__ != \
-                "InterpretedFunction":
-            importlib.reload(mod)
-    return nf4, decode_attention
+    """The kernel modules with interpreted kernels (reloaded if another test imported them without the variable)."""
+    return interpreted_kernels(("nf4", "_matmul_4bit_kernel"), ("decode_attention", "_split_kernel"))
 
 
 def _quantized(n, k, quant_type="nf4", nested=True, seed=0):

@@ -2,10 +2,10 @@
 matmul (NF4 and FP4, with and without double quant, split K, a bias, rows that do not fill a tile), and the
 ``gemm_4bit`` route sending 9 to 64 rows to it while larger calls stay with bitsandbytes."""
 
-import importlib
 import os
 
 import pytest
+from conftest import interpreted_kernels
 
 torch = pytest.importorskip("torch")
 if not torch.cuda.is_available():  # before triton decorates the kernels (checked in _gemm below)
@@ -14,14 +14,8 @@ BF = pytest.importorskip("bitsandbytes.functional")
 
 
 def _gemm():
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("Triton's interpreter runs these on machines without CUDA; the serving check covers the GPU")
-    pytest.importorskip("triton")
-    from vramguard.run.kernels import nf4, nf4_gemm
-    if type(nf4_gemm._gemm_4bit_kernel).__name__ != "InterpretedFunction":
-        importlib.reload(nf4_gemm)
-    if type(nf4._matmul_4bit_kernel).__name__ != "InterpretedFunction":
-        importlib.reload(nf4)
+    """nf4 and nf4_gemm with interpreted kernels (reloaded if imported before without the variable)."""
+    nf4_gemm, nf4 = interpreted_kernels(("nf4_gemm", "_gemm_4bit_kernel"), ("nf4", "_matmul_4bit_kernel"))
     return nf4, nf4_gemm
 
 

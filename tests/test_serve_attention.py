@@ -3,10 +3,10 @@ Triton decode kernel through Triton's interpreter (packed keys, the paged cache'
 its split plan, and the engine with it switched on against the engine without it (greedy, float32)."""
 
 import asyncio
-import importlib
 import os
 
 import pytest
+from conftest import interpreted_kernels
 
 torch = pytest.importorskip("torch")
 if not torch.cuda.is_available():  # before triton decorates the kernels (checked in _kernel below)
@@ -33,13 +33,7 @@ def _rel(a, b):
 
 
 def _kernel():
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("Triton's interpreter runs these on machines without CUDA; the engine's check covers the GPU")
-    pytest.importorskip("triton")
-    from vramguard.run.kernels import varlen_attention as V
-    if type(V._varlen_split_kernel).__name__ != "InterpretedFunction":
-        importlib.reload(V)
-    return V
+    return interpreted_kernels(("varlen_attention", "_varlen_split_kernel"))[0]
 
 
 def test_reference_is_causal_bottom_right():

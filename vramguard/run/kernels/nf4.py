@@ -214,6 +214,27 @@ def lut_asm(code) -> str:
             + half.format(q="qh", s="sh", o0="$2", o1="$3") + "}")
 
 
+
+def checked_rows(x, packed, shape, blocksize: int, max_rows: int, what: str):
+    """``(N, K, x as [rows, K] with unit stride, rows)`` for a 4-bit matmul of ``x [..., K]`` by the packed
+    ``N x K`` weight (``N*K/2`` bytes, blocks of ``blocksize``, a multiple of 32, dividing K).
+
+    Raises:
+        ValueError: a size mismatch, a ``blocksize`` this layout cannot take, or more than ``max_rows`` rows
+            (``what`` names the kernel in the message).
+    """
+    n, k = int(shape[0]), int(shape[1])
+    if (x.shape[-1] != k or blocksize % 32 or k % blocksize
+            or packed.numel() * packed.element_size() != n * k // 2):
+        raise ValueError(f"{what}: x {tuple(x.shape)}, W {n}x{k} with blocksize {blocksize}, packed "
+                         f"{packed.numel() * packed.element_size()} bytes: need x[..., {k}], blocksize a multiple "
+                         "of 32, K % blocksize == 0 and N*K/2 bytes")
+    x2 = x.reshape(-1, k)
+    rows = x2.shape[0]
+    if rows > max_rows:
+        raise ValueError(f"{what}: {rows} rows, at most {max_rows} per launch")
+    return n, k, (x2 if x2.stride(-1) == 1 else x2.contiguous()), rows
+
 def matmul_4bit(x, packed, shape, blocksize: int, code, absmax, absmax2=None, code2=None, offset=None, bias=None,
                 num_warps: int | None = None, lut: bool | None = None):
     """``x @ W.T (+ bias)`` with ``W`` ``[N, K]`` in bitsandbytes' 4-bit layout (module docstring), by Triton.
@@ -237,18 +258,7 @@ def matmul_4bit(x, packed, shape, blocksize: int, code, absmax, absmax2=None, co
             mismatch.
     """
     import torch
-    n, k = int(shape[0]), int(shape[1])
-    if (x.shape[-1] != k or blocksize % 32 or k % blocksize
-            or packed.numel() * packed.element_size() != n * k // 2):
-        raise ValueError(f"4-bit matmul: x {tuple(x.shape)}, W {n}x{k} with blocksize {blocksize}, packed "
-                         f"{packed.numel() * packed.element_size()} bytes: need x[..., {k}], blocksize a multiple "
-                         "of 32, K % blocksize == 0 and N*K/2 bytes")
-    x2 = x.reshape(-1, k)
-    rows = x2.shape[0]
-    if rows > MAX_ROWS:
-        raise ValueError(f"4-bit matmul: {rows} rows, at most {MAX_ROWS} per launch")
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    n, k, x2, rows = checked_rows(x, packed, shape, blocksize, MAX_ROWS, "4-bit matmul")
     pairs = x2.dtype in (torch.bfloat16, torch.float16) and x2.data_ptr() % 4 == 0 and x2.stride(0) % 2 == 0
     xs = x2.view(torch.int32) if pairs else x2
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)

@@ -162,18 +162,9 @@ def gemm_4bit(x, packed, shape, blocksize: int, code, absmax, absmax2=None, code
             mismatch, or a ``config`` whose splits do not divide K's blocks.
     """
     import torch
-    n, k = int(shape[0]), int(shape[1])
-    if (x.shape[-1] != k or blocksize % 32 or k % blocksize
-            or packed.numel() * packed.element_size() != n * k // 2):
-        raise ValueError(f"4-bit GEMM: x {tuple(x.shape)}, W {n}x{k} with blocksize {blocksize}, packed "
-                         f"{packed.numel() * packed.element_size()} bytes: need x[..., {k}], blocksize a multiple "
-                         "of 32, K % blocksize == 0 and N*K/2 bytes")
-    x2 = x.reshape(-1, k)
-    rows = x2.shape[0]
-    if rows > MAX_ROWS:
-        raise ValueError(f"4-bit GEMM: {rows} rows, at most {MAX_ROWS} per launch")
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+
+    from vramguard.run.kernels.nf4 import checked_rows
+    n, k, x2, rows = checked_rows(x, packed, shape, blocksize, MAX_ROWS, "4-bit GEMM")
     bn, splits, warps, stages = config or default_config(n, k, blocksize, rows, str(x.device), bn)
     if (k // blocksize) % splits:
         raise ValueError(f"4-bit GEMM: {splits} splits of K {k} do not divide its {k // blocksize} blocks")
