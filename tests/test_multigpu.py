@@ -412,3 +412,16 @@ def test_the_printed_plan_names_the_device_map_it_used():
     assert "device_map='auto' over 2 cards" in auto.stdout and "card 1: layers" in auto.stdout
     # its fix is the sequential map above, which uses card 0 alone: said so
     assert "card 1: no layer, unused, needs 0.00 GiB of 12.00 GiB" in " ".join(auto.stdout.split())
+
+
+def test_a_plan_with_a_module_left_for_cpu_ram_says_it_does_not_fit():
+    # Llama-3.1-70B NF4 on two 21 GiB cards: both cards hold their share (yes, yes), but the device map leaves
+    # lm_head (128,256 x 8,192 x 2 B = 2,101,346,304 B = 1.96 GiB) for CPU RAM; the JSON said fits false, the
+    # text did not, and the bitsandbytes note stopped mid-sentence
+    from conftest import run_cli
+    r = run_cli("plan", "llama-3.1-70b", "--vram", "21GiB,21GiB", columns="200")
+    text = " ".join(r.stdout.split())
+    assert r.returncode == 0
+    assert "does not fit: 1 module(s), 1.96 GiB (lm_head), are left for CPU RAM by the device map" in text
+    assert "llm_int8_enable_fp32_cpu_offload=True), and those modules then run unquantized" in text
+    assert run_cli("plan", "llama-3.1-70b", "--vram", "21GiB,21GiB", "--exit-code").returncode == 1

@@ -221,6 +221,10 @@ def print_plan(p, out) -> None:
     out.print(f"limit: card {lim.card} ({lim.gpu.label}) needs {fmt_gib(lim.need_bytes)} of "
               f"{fmt_gib(lim.usable_bytes)} at its {lim.phase} peak ({state}); each card's need is checked against "
               "that card, not summed")
+    offloaded = sum(p.split.offloaded.values()) if p.layout == "device_map" else 0
+    if offloaded:  # every card holds its share, but not all of the model is on the cards
+        out.print(f"[red]does not fit[/red]: {len(p.split.offloaded)} module(s), {fmt_gib(offloaded)} "
+                  f"({', '.join(p.split.offloaded)}), are left for CPU RAM by the device map")
     if p.max_prompt_tokens is not None:
         out.print(f"largest prompt that fits every card with {s.max_new_tokens:,} new tokens: "
                   f"{p.max_prompt_tokens:,} tokens")

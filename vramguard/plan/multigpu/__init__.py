@@ -120,7 +120,9 @@ def plan_gpus(model: str | ModelSpec, settings: Settings | None = None, *, gpus:
             notes.append(f"{len(split.offloaded)} module(s) do not fit the cards' max_memory and go to CPU RAM "
                          f"({sum(split.offloaded.values()):,} B): device_map='{device_map}' runs them from the CPU, "
                          "slowly"
-                         + ("; transformers refuses to load bitsandbytes weights so" if s.is_bnb else ""))
+                         + ("; transformers refuses to load bitsandbytes weights so placed unless "
+                            "BitsAndBytesConfig(llm_int8_enable_fp32_cpu_offload=True), and those modules then run "
+                            "unquantized in float32 on the CPU" if s.is_bnb else ""))
         if s.is_bnb:
             notes.append(LOAD_NOTE)
     cards = _needs(spec, s, split, gpus, layout)
