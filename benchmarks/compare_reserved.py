@@ -80,13 +80,14 @@ def cases() -> list[dict]:
 
 def edge_cases() -> list[dict]:
     """The runs of ``gpu_edge.py`` (``results/h200_edge/edge.jsonl``, then ``run2/edge.jsonl``, whose runs name
-    their attention and batch). A process of the first set that stopped with ``KeyError: 'addr'`` in ``trace()`` had
-    just recorded an out-of-memory error (the allocator's ``oom`` trace entry has no address): that run is taken as
+    their attention and batch, the fresh processes of ``h200_reserved_misses`` and the Gemma-2 edge of
+    ``h200_verify/edge_gemma.jsonl``). A process of the first set that stopped with ``KeyError: 'addr'`` in
+    ``trace()`` had just recorded an out-of-memory error (the allocator's ``oom`` trace entry has no address): that run is taken as
     failed at the next bisection point (benchmarks/README.md says which)."""
     out = []
     fresh = sorted(glob.glob(os.path.join(HERE, "h200_reserved_misses", "f*", "edge.jsonl")))
     for path in [os.path.join(HERE, "h200_edge", "edge.jsonl"), os.path.join(HERE, "h200_edge", "run2", "edge.jsonl"),
-                 *fresh]:
+                 *fresh, os.path.join(HERE, "h200_verify", "edge_gemma.jsonl")]:
         meta = {}
         for r in _jsonl(path):
             if r["kind"] == "versions":

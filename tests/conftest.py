@@ -52,7 +52,22 @@ def _no_gpu_detection(monkeypatch):
     from vramguard import hardware
     monkeypatch.setattr(hardware, "DETECT_OVERRIDE", lambda: hardware.DetectedGpus((), "forced by the test"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("VRAMGUARD_TAPE_CACHE", "0")  # no tape on the user's disk; tests/test_tape_cache.py turns it on
+    # no tape on the user's disk: one folder for the session's workers (tests/test_tape_cache.py sets its own)
+    monkeypatch.setenv("VRAMGUARD_TAPE_CACHE", os.environ[SESSION_TAPES])
+
+
+SESSION_TAPES = "VRAMGUARD_TEST_SESSION_TAPES"
+
+
+def pytest_configure(config):
+    """One temporary tape folder for the whole run, made by the first process (the xdist workers inherit it)."""
+    if SESSION_TAPES not in os.environ:
+        import atexit
+        import shutil
+        import tempfile
+        folder = tempfile.mkdtemp(prefix="vramguard-test-tapes-")
+        os.environ[SESSION_TAPES] = folder
+        atexit.register(shutil.rmtree, folder, True)
 
 
 def save_tiny(tmp_path: Path, config_cls_name: str, **kw) -> tuple[Path, object]:

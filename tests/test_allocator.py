@@ -106,15 +106,17 @@ def test_alloc_conf_parse_errors():
 
 def test_extrapolated_decode_step_equals_its_replay(tmp_path):
     from tests.conftest import save_tiny_llama
-    from vramguard.introspect.alloc_replay import _cached_events, _extrapolate
+    from vramguard.introspect.alloc_replay import _cached_events
+    from vramguard.memory.decode_steps import DecodeSteps
     from vramguard.resolve import resolve_model
     from vramguard.settings import Settings
     spec = resolve_model(str(save_tiny_llama(tmp_path, **TINY)))
     key = Settings(quant="bf16", attn="sdpa", prompt_tokens=1, max_new_tokens=1)
     _, step1, step2, step3 = _cached_events(spec.config_json, spec.name, key, 40, 8, steps=4)
     sizes = [n for _, n in step3 if n >= 0]
-    assert [n for _, n in _extrapolate(step1, step2, 1) if n >= 0] == sizes
-    assert len(_extrapolate(step1, step2, 1)) == len(step3)
+    extrapolated = DecodeSteps.from_steps(step1, step2, 1).events(0)
+    assert [n for _, n in extrapolated if n >= 0] == sizes
+    assert len(extrapolated) == len(step3)
 
 
 def _recorded(src: str, model: str, prompt: int, conf: str) -> dict:
@@ -148,10 +150,50 @@ def test_plan_with_the_allocator_model(tmp_path):
     assert est.allocator is not None and est.allocator.expandable_segments
     assert est.peak_reserved_bytes == max(est.allocator.peak_reserved_bytes, est.peak_allocated_bytes)
     assert est.device_used_bytes >= est.peak_reserved_bytes + est.cuda_context_bytes
-    formula = plan(path, s, vram="1GiB")
+    formula = plan(path, s, vram="1GiB", alloc_conf=None)
     assert formula.estimate.allocator is None
+    assert not any(f.code == "reserve_formula" for f in formula.findings)  # asked for: nothing to explain
     with pytest.raises(Exception, match="alloc_conf"):
         plan(path, s, vram="1GiB", alloc_conf="expandable_segments:maybe")
+
+
+def test_a_default_plan_models_the_allocator_of_its_environment(tmp_path, monkeypatch):
+    from tests.conftest import save_tiny_llama
+    from vramguard.plan import plan
+    from vramguard.settings import Settings
+    path = str(save_tiny_llama(tmp_path, **TINY))
+    s = Settings(quant="bf16", attn="sdpa", prompt_tokens=64, max_new_tokens=8)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    p = plan(path, s, vram="1GiB")
+    assert p.estimate.alloc_conf == "" and not p.estimate.allocator.expandable_segments
+    assert p.estimate == plan(path, s, vram="1GiB", alloc_conf="").estimate
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    assert plan(path, s, vram="1GiB").estimate.allocator.expandable_segments
+
+
+@pytest.mark.parametrize("why", ["kv", "env", "torch"])
+def test_a_default_plan_says_why_it_used_the_reserve_formula(tmp_path, monkeypatch, why):
+    import importlib.util
+
+    from tests.conftest import save_tiny_llama
+    from vramguard.plan import plan
+    from vramguard.settings import Settings
+    path = str(save_tiny_llama(tmp_path, **TINY))
+    s = Settings(quant="bf16", attn="sdpa", prompt_tokens=64, max_new_tokens=8, kv_dtype="int8" if why == "kv"
+                 else None)
+    if why == "env":
+        monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:maybe")
+    if why == "torch":
+        real = importlib.util.find_spec
+        monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "torch" else real(n, *a))
+    p = plan(path, s, vram="1GiB")
+    assert p.estimate.allocator is None
+    (f,) = [f for f in p.findings if f.code == "reserve_formula"]
+    assert f.level == "info"
+    assert {"kv": "its tape does not cover an int8 KV cache", "env": "'expandable_segments:maybe' is not allocator options",
+            "torch": "torch is not installed"}[why] in f.message
+    assert (f.fix is not None and "pip install torch" in f.fix) == (why == "torch")
 
 
 def test_expandable_segments_only_when_the_user_set_nothing():

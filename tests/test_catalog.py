@@ -42,13 +42,17 @@ def test_measured_totals():
     assert versions["gpu"] == "NVIDIA H200" and GPUS["h200"].total_bytes == versions["total"]
 
 
-def test_llama31_8b_30k_prompt_does_not_fit_a_t4():
+def test_llama31_8b_30k_prompt_on_a_t4_is_planned_against_its_driver_total():
     from vramguard.plan import plan
     from vramguard.settings import Settings
-    p = plan("llama-3.1-8b", Settings(prompt_tokens=30_000), gpu="t4")
-    v = p.cards[0]
+    # the reserve formula: 1.07 GiB short of the T4's 15,843,721,216 B (with the 16 GiB of its name: "fits")
+    v = plan("llama-3.1-8b", Settings(prompt_tokens=30_000), gpu="t4", alloc_conf=None).cards[0]
     assert not v.fits and v.usable_bytes == 15_843_721_216
     assert round(v.headroom_bytes / GiB, 2) == -1.07
+    # the caching-allocator model (the default plan) places it, just: 0.09 GiB left, 30,060 tokens at most
+    v = plan("llama-3.1-8b", Settings(prompt_tokens=30_000), gpu="t4", alloc_conf="").cards[0]
+    assert v.fits and v.usable_bytes == 15_843_721_216
+    assert round(v.headroom_bytes / GiB, 2) == 0.09 and v.max_prompt_tokens == 30_060
 
 
 @pytest.mark.parametrize("printed,card", [

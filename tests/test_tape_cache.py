@@ -82,3 +82,11 @@ def test_unreadable_recording_code_caches_nothing(tiny, monkeypatch):
         assert not folder.exists()
     finally:
         tape_cache._code_version.cache_clear()
+
+
+def test_a_folder_in_the_variable_keeps_the_tapes_there(tiny, monkeypatch, tmp_path):
+    from vramguard.introspect.alloc_replay import _cached_events
+    spec, key, default_folder = tiny
+    monkeypatch.setenv("VRAMGUARD_TAPE_CACHE", str(tmp_path / "mine"))
+    assert _cached_events(spec.config_json, spec.name, key, 40, 3)
+    assert len(list((tmp_path / "mine").glob("*.json.gz"))) == 1 and not default_folder.exists()

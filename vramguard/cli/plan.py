@@ -47,9 +47,9 @@ def plan(
     device_map: str = device_map_option(),
     max_memory: Optional[str] = max_memory_option(),
     alloc_conf: Optional[str] = typer.Option(
-        None, help="plan reserved memory, fit and the largest prompt with a model of PyTorch's caching allocator "
-        "under this PYTORCH_CUDA_ALLOC_CONF ('default', or e.g. expandable_segments:True, what run, serve, profile "
-        "and fit set when the variable is unset; without it: the reserve formula; adds seconds of CPU)"),
+        None, help="PYTORCH_CUDA_ALLOC_CONF for the caching-allocator model of reserved memory, fit and largest "
+        "prompt ('default', or e.g. expandable_segments:True, what run, serve, profile and fit set when it is unset; "
+        "'formula': the reserve formula, faster, short of the edge); without it: this shell's, with torch installed"),
     fmt: Format = format_option(),
     list_models: bool = typer.Option(False, "--list-models", help="list the catalog architectures and exit"),
     list_gpus: bool = typer.Option(False, "--list-gpus", help="list the catalog cards and exit"),
@@ -203,11 +203,13 @@ def _emit(p, several: bool, as_json: bool, exit_code: bool, notes: list[str]) ->
 
 
 def _alloc_conf(given: str | None) -> str | None:
-    """The allocator setting to plan with: the option ('default' is the default allocator), or None (the
-    reserve formula)."""
+    """The allocator setting to plan with: the option ('default' is the default allocator, 'formula' the reserve
+    formula), or, without it, the plan's own default (the allocator model where it can run)."""
+    from vramguard.plan.planner import AUTO
     if given is None:
-        return None
-    return "" if given.strip().lower() == "default" else given
+        return AUTO
+    word = given.strip().lower()
+    return "" if word == "default" else None if word == "formula" else given
 
 
 def _print_catalog(models: bool, gpus: bool) -> None:

@@ -14,7 +14,10 @@ The tape, in program order:
    the replay rules of :mod:`vramguard.introspect.replay`), each decode step's new ids and mask, and the float32
    copy of the last logits. Decode steps differ only in tensor lengths, which grow by one token a step: steps 1
    and 2 are replayed and each later step's sizes are extrapolated from them (every size is linear in the
-   position); a step whose structure differs from the one before is replayed instead. Over many prompts (the
+   position; a sliding-window layer's cache stops growing at its window, so past it the steps are planned
+   high by at most the new tokens' rows of those layers). While the small pool
+   cycles through the same states, later steps place only their large requests (:mod:`vramguard.memory.
+   decode_steps`, exact: the same peaks and out-of-memory point as placing every request). Over many prompts (the
    search for the largest one) the three forwards are rescaled from four sample replays instead
    (:func:`_rescaled_events`): between the config's breakpoints every size is a quadratic in the prompt. Each
    replay traces a few decoder layers and repeats them (:mod:`vramguard.introspect.layer_trim`), and is kept on
@@ -32,6 +35,7 @@ from functools import lru_cache
 
 from vramguard.memory.allocator import AllocatorConfig, CachingAllocator, OutOfMemory
 from vramguard.memory.common import BNB_4BIT_FUSED_MAX_ROWS
+from vramguard.memory.decode_steps import DecodeSteps, Placer
 from vramguard.memory.runtime import CUBLAS_WORKSPACE_BYTES
 from vramguard.settings import DTYPE_BYTES, Settings
 
@@ -54,8 +58,20 @@ class AllocatorReplay:
 
 def supported(s: Settings) -> bool:
     """Whether the tape covers ``s`` (see the module docstring)."""
-    return (s.cache in ("dynamic", "static") and s.resolved_kv_dtype not in ("int8", "int4")
-            and s.prefill_chunk is None and s.logits == "last" and not s.output_attentions)
+    return not_covered(s) is None
+
+
+def not_covered(s: Settings) -> str | None:
+    """The setting of ``s`` the tape does not cover, in words (``"an int8 KV cache"``); None where it covers all."""
+    if s.cache not in ("dynamic", "static"):
+        return f"an {s.cache} KV cache"
+    if s.resolved_kv_dtype in ("int8", "int4"):
+        return f"an {s.resolved_kv_dtype} KV cache"
+    if s.prefill_chunk is not None:
+        return "chunked prefill"
+    if s.logits != "last":
+        return "logits of every position"
+    return "returned attention maps" if s.output_attentions else None
 
 
 def load_events(spec, s: Settings) -> tuple[int, list[tuple[int, int]]]:
@@ -121,48 +137,65 @@ def _load(alloc: CachingAllocator, spec, s: Settings) -> None:
     alloc.empty_cache()
 
 
-def replay_generate(spec, s: Settings, config: AllocatorConfig, rescale: bool = False) -> AllocatorReplay | None:
+def replay_generate(spec, s: Settings, config: AllocatorConfig, rescale: bool = False,
+                    later_steps: bool = True) -> AllocatorReplay | None:
     """Replay load, warm-up and ``generate`` for ``spec`` with ``s`` through the allocator model under ``config``
     (its ``allowed_bytes`` is the cap on reserved memory). None where :func:`supported` is false. ``rescale``: the
     tape's sizes from the prompt's stretch (:func:`generate_events`): the same replay, cheaper over many prompts.
+    ``later_steps=False``: only up to the second decode step (a prefix of the call: what does not fit there does
+    not fit at all).
 
     Raises NotPlannable where transformers' forward cannot run for these settings (as the planner's replay)."""
     if not supported(s) or not spec.config_json:
         return None
+    from vramguard.introspect import tape_cache
+    path = tape_cache.tape_path("replay", repr(spec), s, config, rescale, later_steps)
+    found = tape_cache.read_record(path) if path is not None else None
+    if found is not None:
+        try:
+            oom = found.pop("oom")
+            return AllocatorReplay(**found, oom=None if oom is None else OutOfMemory(**oom))
+        except TypeError:
+            pass
+    r = _replay(spec, s, config, rescale, later_steps)
+    if path is not None:
+        from dataclasses import asdict
+        tape_cache.write_record(path, asdict(r))
+    return r
+
+
+def _replay(spec, s: Settings, config: AllocatorConfig, rescale: bool, later_steps: bool) -> AllocatorReplay:
+    """:func:`replay_generate`, replayed."""
     alloc = CachingAllocator(AllocatorConfig(config.expandable_segments, config.max_split_size, None))
     _load(alloc, spec, s)
     base = alloc.reserved_bytes
     alloc.config = config
     alloc.peak_reserved_bytes, alloc.peak_allocated_bytes = alloc.reserved_bytes, alloc.allocated_bytes
-    events = generate_events(spec, s, rescale)
-    live: dict[int, object] = {}
-    peak_segments = len(alloc.segments)
-    for key, nbytes in events:
-        if nbytes < 0:
-            alloc.free(live.pop(key, None))
-            continue
-        before = alloc.peak_reserved_bytes
-        live[key] = alloc.malloc(nbytes)
-        if alloc.oom is not None:
-            break
-        if alloc.peak_reserved_bytes > before:
-            peak_segments = len(alloc.segments)
-    return AllocatorReplay(alloc.peak_allocated_bytes, alloc.peak_reserved_bytes, base, peak_segments, alloc.oom,
-                           config.expandable_segments)
+    head, steps = _tape(spec, s, rescale)
+    placer = Placer(alloc)
+    if placer.place(head) and steps is not None and later_steps:
+        placer.decode(steps)
+    return AllocatorReplay(alloc.peak_allocated_bytes, alloc.peak_reserved_bytes, base, placer.segments_at_peak,
+                           alloc.oom, config.expandable_segments)
 
 
 def generate_events(spec, s: Settings, rescale: bool = False) -> list[tuple[int, int]]:
     """The allocation tape of ``generate`` above the loaded model: ``(key, bytes)`` per allocation and
     ``(key, -1)`` per free, in program order (see the module docstring). ``rescale``: take the first three
     forwards from :func:`_rescaled_events` where it applies (the same tape, without a replay per prompt)."""
+    head, steps = _tape(spec, s, rescale)
+    return head + ([] if steps is None else [e for j in range(steps.n) for e in steps.events(j)])
+
+
+def _tape(spec, s: Settings, rescale: bool) -> tuple[list[tuple[int, int]], DecodeSteps | None]:
+    """:func:`generate_events` as the prefill and decode steps 1 and 2, then the later steps (None: none)."""
     new = s.max_new_tokens if s.cache == "static" else min(s.max_new_tokens, 3)
     key = s.with_(prompt_tokens=1, max_new_tokens=1)
     found = _rescaled_events(spec.config_json, spec.name, key, s.prompt_tokens, new) if rescale else None
     head, step1, step2 = found or _cached_events(spec.config_json, spec.name, key, s.prompt_tokens, new)
     events = list(head) + list(step1) + list(step2)
-    if s.max_new_tokens > 3:
-        events += _extrapolate(step1, step2, s.max_new_tokens - 3)
-    return events
+    more = s.max_new_tokens - 3
+    return events, (DecodeSteps.from_steps(step1, step2, more) if more > 0 else None)
 
 
 SAMPLE_OFFSETS = (8, 45, 109, 181)  # prompts lo + offset sample a stretch; a quadratic through 3, checked at the 4th
@@ -399,38 +432,6 @@ def _bnb_kernels(model, quantized: set[str], s: Settings):
 
     with hold_while_running(model, quantized, pre):
         yield
-
-
-def _extrapolate(step1: tuple, step2: tuple, n_more: int) -> list[tuple[int, int]]:
-    """Steps 3 .. 2 + ``n_more`` from steps 1 and 2: every allocation of step 2 grows by its growth from step 1,
-    and a free of a tensor the previous step allocated frees the matching tensor of the step before."""
-    a1 = [k for k, n in step1 if n >= 0]
-    a2 = [k for k, n in step2 if n >= 0]
-    if len(a1) != len(a2):
-        raise ValueError("decode steps 1 and 2 differ in structure")
-    idx1 = {k: i for i, k in enumerate(a1)}
-    idx2 = {k: i for i, k in enumerate(a2)}
-    size1 = [n for _, n in step1 if n >= 0]
-    size2 = [n for _, n in step2 if n >= 0]
-    out: list[tuple[int, int]] = []
-    prev_keys = list(a2)
-    next_key = max(max(a2, default=0), max(a1, default=0)) + 1
-    for j in range(n_more):
-        keys = list(range(next_key, next_key + len(a2)))
-        next_key += len(a2)
-        grow = j + 1
-        for k, n in step2:
-            if n >= 0:
-                i = idx2[k]
-                out.append((keys[i], size2[i] + (size2[i] - size1[i]) * grow))
-            elif k in idx2:
-                out.append((keys[idx2[k]], -1))
-            elif k in idx1:
-                out.append((prev_keys[idx1[k]], -1))
-            else:
-                out.append((k, -1))
-        prev_keys = keys
-    return out
 
 
 EDGE_MARGIN_NUM, EDGE_MARGIN_DEN = 1, 100  # of the memory above the loaded model: what the edge keeps free

@@ -1,11 +1,13 @@
 """The allocation tapes of the meta-device forwards, kept on disk: a later plan of the same model, settings and
-prompt reads them instead of running transformers' forward again. Knows nothing about the allocator.
+prompt reads them instead of running transformers' forward again; and, beside them, the result of each replay
+through the allocator model (a JSON object), which depends on nothing else.
 
 One gzipped JSON file per tape under ``$VRAMGUARD_CACHE_DIR/tapes`` (else ``tapes/`` beside the Hub headers,
 :func:`vramguard.hub.fetch.header_cache_dir`). Its name is the SHA-256 of everything the tape depends on: the
 config text, the model name, the settings, the prompt, the number of forwards, the versions of torch and
 transformers, and the source of the modules that record the tape (so a changed tracker never reads an old tape).
-``VRAMGUARD_TAPE_CACHE=0`` turns it off. A file that cannot be read or written is recomputed and the plan goes on.
+``VRAMGUARD_TAPE_CACHE=0`` turns it off; ``VRAMGUARD_TAPE_CACHE=/a/folder`` keeps the tapes there. A file that
+cannot be read or written is recomputed and the plan goes on.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from pathlib import Path
 
 # the modules whose code decides what a tape holds (vramguard/introspect/*, and the memory rules they read)
 _SOURCES = ("alloc_replay.py", "build.py", "generic.py", "keys.py", "layer_trim.py", "replay.py", "tracker.py",
-            "../memory/forward.py", "../memory/common.py", "../settings.py")
+            "../memory/forward.py", "../memory/common.py", "../settings.py", "../memory/allocator.py",
+            "../memory/decode_steps.py", "../memory/weights.py")
 
 
 def enabled() -> bool:
@@ -28,7 +31,11 @@ def enabled() -> bool:
 
 
 def tape_cache_dir() -> Path:
-    """``$VRAMGUARD_CACHE_DIR/tapes``, else ``tapes/`` beside the Hub header cache."""
+    """``VRAMGUARD_TAPE_CACHE`` where it names a folder (a value with a path separator), else
+    ``$VRAMGUARD_CACHE_DIR/tapes``, else ``tapes/`` beside the Hub header cache."""
+    given = os.environ.get("VRAMGUARD_TAPE_CACHE", "").strip()
+    if os.sep in given or "/" in given:
+        return Path(given).expanduser()
     from vramguard.hub.fetch import header_cache_dir
     return header_cache_dir().parent / "tapes"
 
@@ -71,14 +78,29 @@ def read(path: Path) -> tuple | None:
         return None
 
 
+def read_record(path: Path) -> dict | None:
+    """The JSON object :func:`write_record` stored in ``path``; None when absent or unreadable."""
+    try:
+        with gzip.open(path, "rt", encoding="utf-8") as f:
+            found = json.load(f)
+        return found if isinstance(found, dict) else None
+    except (OSError, ValueError, EOFError):
+        return None
+
+
 def write(path: Path, forwards: tuple) -> None:
     """Store ``forwards`` in ``path`` (written beside it, then renamed: a reader never sees half a file);
     nothing when the folder cannot be written."""
+    write_record(path, {"forwards": [list(map(list, fw)) for fw in forwards]})
+
+
+def write_record(path: Path, record: dict) -> None:
+    """Store the JSON object ``record`` in ``path`` as :func:`write` stores a tape."""
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with gzip.open(tmp, "wt", encoding="utf-8", compresslevel=3) as f:
-            json.dump({"forwards": [list(map(list, fw)) for fw in forwards]}, f, separators=(",", ":"))
+            json.dump(record, f, separators=(",", ":"))
         os.replace(tmp, path)
     except OSError:
         try:

@@ -187,17 +187,22 @@ class CachingAllocator:
     # where the driver put each new segment, in order (a recorded trace's segment_alloc addresses); None: each new
     # segment below the last, as cudaMalloc places them in a process that has freed no memory yet
     segment_addresses: object = None
+    small_segments_opened: int = 0  # small-pool segments opened (or expandable pages mapped) so far
 
     # ---- public ------------------------------------------------------------------------------------------------
-    def malloc(self, nbytes: int) -> Block | None:
-        """Place a request of ``nbytes`` (``DeviceCachingAllocator::malloc``); None when it cannot be placed."""
-        self.requests += 1
+    def malloc(self, nbytes: int, release: bool = True) -> Block | None:
+        """Place a request of ``nbytes`` (``DeviceCachingAllocator::malloc``); None when it cannot be placed.
+        ``release=False``: None, with nothing changed or recorded, where it would need ``release_cached_blocks``."""
         size = -(-nbytes // K_MIN_BLOCK) * K_MIN_BLOCK if nbytes > K_MIN_BLOCK else K_MIN_BLOCK  # round_size
         small = size <= K_SMALL_SIZE
         block = self._get_free_block(size, small)
         if block is None:
             block = self._alloc_block(size, small)
-            if block is None and self._release_cached_blocks():
+            if block is None and not release:
+                return None
+        self.requests += 1
+        if block is None:
+            if self._release_cached_blocks():
                 block = self._alloc_block(size, small)
             if block is None:
                 if self.oom is None:
@@ -332,6 +337,7 @@ class CachingAllocator:
         addr = self._next_addr if self.segment_addresses is None else next(self.segment_addresses)
         seg = Segment(addr, small)
         seg.head = Block(seg, seg.addr, alloc)
+        self.small_segments_opened += small
         self.segments.append(seg)
         self._grow(alloc)
         return seg.head
@@ -377,6 +383,7 @@ class CachingAllocator:
             b.size = nbytes
         b.state = "free"
         self._grow(nbytes)
+        self.small_segments_opened += b.seg.small
         nxt = b.next
         if nxt is not None and nxt.state == "free":
             self._unlist(nxt)

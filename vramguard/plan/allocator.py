@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from vramguard.introspect.alloc_replay import allowed_bytes, replay_generate
+from vramguard.finding import Finding
+from vramguard.introspect.alloc_replay import allowed_bytes, not_covered, replay_generate
 from vramguard.memory.allocator import AllocatorConfig
 from vramguard.settings import Settings
 
@@ -42,31 +43,81 @@ def with_allocator(spec, s: Settings, est, cards: list, alloc_conf: str, solve: 
     return est, out
 
 
+def auto_alloc_conf(spec, s: Settings) -> tuple[str | None, str | None]:
+    """The ``PYTORCH_CUDA_ALLOC_CONF`` a default plan models (this process's environment, ``""`` when unset) and
+    None; or (None, why the reserve formula is used instead): no config.json, settings the tape does not cover
+    (:func:`~vramguard.introspect.alloc_replay.not_covered`), torch or transformers not installed, or an environment
+    value that is not allocator options."""
+    import importlib.util
+    import os
+    env = os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF") or ""
+    if not spec.config_json:
+        return None, "the model has no config.json to build its forward from"
+    if not_covered(s):
+        return None, f"its tape does not cover {not_covered(s)}"
+    missing = [m for m in ("torch", "transformers") if importlib.util.find_spec(m) is None]
+    if missing:
+        return None, f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not installed"
+    try:
+        AllocatorConfig.parse(env)
+    except ValueError as e:
+        return None, f"PYTORCH_CUDA_ALLOC_CONF={env!r} is not allocator options ({e})"
+    return env, None
+
+
+def reserve_formula_finding(why: str) -> Finding:
+    """The ``info`` finding of a default plan that used the reserve formula (largest allocation plus 30% of the
+    rest, :mod:`vramguard.memory.runtime`) for ``why``: it is high, so the largest prompt is short (12% for
+    Llama-3.1-8B NF4 at 24 GiB, benchmarks/README.md)."""
+    fix = ("pip install torch transformers (PyTorch's CPU build is enough: pip install torch --index-url "
+           "https://download.pytorch.org/whl/cpu)") if "not installed" in why else None
+    return Finding("reserve_formula", "info", "reserved memory from the reserve formula (largest allocation plus 30% "
+                   "of the rest; it plans the largest prompt short), not the caching-allocator model: " + why, fix)
+
+
 PROBE_TOKENS = 4096  # the second point of the slope when no start is given
 
 
 def edge_prompt_tokens(spec, s: Settings, config: AllocatorConfig, formula_tokens: int | None) -> int | None:
     """The largest prompt the allocator model places under ``config.allowed_bytes`` (None when a 1-token prompt
-    does not fit), found from the formula's answer ``formula_tokens`` (None: start from one token). A first guess:
-    the prompt at which the formula's need (:func:`vramguard.plan.estimator.need_bytes`, which grows with the
-    square of the prompt where attention scores do) has grown by the room the replay at the start leaves under the
-    cap; from no start, the line through the modelled peaks at 1 and 4,096 tokens. Then steps from the guess that
-    double until the edge is bracketed (up while the prompt fits, down while it does not), then bisection to
-    0.25%. A guess off by a factor k costs about log2(k * 100) replays, not k * 50."""
+    does not fit), found from the formula's answer ``formula_tokens`` (None: start from one token).
+
+    The search (:func:`_edge`) replays the call up to the second decode step, a prefix of it: a prompt whose
+    prefix does not fit does not fit, so the bracket's upper end is exact. Its lower end is then replayed in full,
+    and where the later decode steps do not fit, steps down from it that double, then bisection, find the edge
+    with full replays (:func:`_gallop`)."""
+    ctx = spec.max_position_embeddings - s.max_new_tokens
+
+    def replay(p: int, full: bool):
+        return replay_generate(spec, s.with_(prompt_tokens=p), config, rescale=True, later_steps=full)
+
+    edge = _edge(lambda p: replay(p, s.max_new_tokens <= 3), spec, s, config, formula_tokens, ctx)
+    if edge is None or s.max_new_tokens <= 3 or replay(edge, True).fits:
+        return edge
+    a, b = _gallop(lambda p: p > 0 and replay(p, True).fits, 0, edge, ctx)
+    return _bisect(lambda p: replay(p, True).fits, a, b) if b is not None else a
+
+
+def _edge(replay, spec, s: Settings, config: AllocatorConfig, formula_tokens: int | None, ctx: int) -> int | None:
+    """The largest prompt for which ``replay(p)`` fits, to 0.25%: a first guess, the prompt at which the formula's
+    need (:func:`vramguard.plan.estimator.need_bytes`, which grows with the square of the prompt where attention
+    scores do) has grown by the room the replay at the start leaves under the cap; from no start, the line through
+    the modelled peaks at 1 and 4,096 tokens. Then steps from the guess that double until the edge is bracketed
+    (up while the prompt fits, down while it does not), then bisection to 0.25%. A guess off by a factor k costs
+    about log2(k * 100) replays, not k * 50."""
     from vramguard.plan.estimator import need_bytes
     from vramguard.plan.solve import _largest
-    ctx = spec.max_position_embeddings - s.max_new_tokens
     lo = max(1, min(formula_tokens or 1, ctx))
 
     def fits(p: int) -> bool:
-        return replay_generate(spec, s.with_(prompt_tokens=p), config, rescale=True).fits
+        return replay(p).fits
 
-    first = replay_generate(spec, s.with_(prompt_tokens=lo), config, rescale=True)
+    first = replay(lo)
     if not first.fits:
         return _bisect(fits, 0, lo) if lo > 1 else None
     room = max(0, config.allowed_bytes - first.peak_reserved_bytes)
     if formula_tokens is None and lo < PROBE_TOKENS < ctx:  # the line through the modelled peaks up to a probe
-        probe = replay_generate(spec, s.with_(prompt_tokens=PROBE_TOKENS), config, rescale=True)
+        probe = replay(PROBE_TOKENS)
         if not probe.fits:
             return _bisect(fits, lo, PROBE_TOKENS)
         slope = max(1, (probe.peak_reserved_bytes - first.peak_reserved_bytes) // (PROBE_TOKENS - lo))

@@ -13,10 +13,12 @@ from vramguard.plan.solve import ranked_changes, solve_card
 from vramguard.settings import Settings
 from vramguard.spec import ModelSpec
 
+AUTO = "auto"  # plan's alloc_conf default: the allocator model where it can run, else the reserve formula
+
 
 def plan(model: str | ModelSpec, settings: Settings | None = None, *, gpu: str | None = None,
          vram: str | None = None, gpus: list[GpuSpec] | None = None, solve: bool = True,
-         context: int | None = None, alloc_conf: str | None = None) -> Plan:
+         context: int | None = None, alloc_conf: str | None = AUTO) -> Plan:
     """Plan the memory of running ``model`` with ``settings`` on a GPU.
 
     Args:
@@ -29,8 +31,11 @@ def plan(model: str | ModelSpec, settings: Settings | None = None, *, gpu: str |
             beyond its config, e.g. Qwen2-7B with YaRN at 131,072 tokens).
         alloc_conf: ``PYTORCH_CUDA_ALLOC_CONF`` text (``""``: the default allocator,
             ``"expandable_segments:True"``): reserved memory, the fit and the largest prompt of each card come from
-            the caching-allocator model (:mod:`vramguard.introspect.alloc_replay`, needs transformers) instead of
-            the reserve formula of :mod:`vramguard.memory.runtime`. None: the formula.
+            the caching-allocator model (:mod:`vramguard.introspect.alloc_replay`, needs torch and transformers)
+            instead of the reserve formula of :mod:`vramguard.memory.runtime`. None: the formula. ``"auto"`` (the
+            default): the allocator model under the ``PYTORCH_CUDA_ALLOC_CONF`` of this process's environment
+            where it can run (torch and transformers installed, a config, settings its tape covers), else the
+            formula with an ``info`` finding ``reserve_formula`` that says why.
 
     Raises:
         UnknownModel, ConfigError: the model cannot be read. UnknownGpu, InvalidValue: bad card or size.
@@ -74,8 +79,7 @@ def plan(model: str | ModelSpec, settings: Settings | None = None, *, gpu: str |
     cards = [verdict(est, g) for g in gpus]
     if solve:
         cards = [solve_card(spec, s, c) for c in cards]
-    if alloc_conf is not None:
-        est, cards = _with_allocator(spec, s, est, cards, alloc_conf, solve)
+    est, cards, formula_why = _reserved(spec, s, est, cards, alloc_conf, solve)
     logits_case = ("all positions: a forward over the whole prompt (scoring, output_logits), with a float32 copy"
                    if s.logits == "all" else
                    "last position only: generate() passes logits_to_keep=1 and copies that row to float32")
@@ -83,9 +87,31 @@ def plan(model: str | ModelSpec, settings: Settings | None = None, *, gpu: str |
     p.findings.extend(plan_findings(p))
     from vramguard.hub.prequant import prequant_findings
     p.findings.extend(prequant_findings(p))
+    if formula_why is not None:
+        from vramguard.plan.allocator import reserve_formula_finding
+        p.findings.append(reserve_formula_finding(formula_why))
     if solve:
         p.changes.extend(ranked_changes(spec, s, gpus))
     return p
+
+
+def _reserved(spec: ModelSpec, s: Settings, est: MemoryEstimate, cards: list[CardVerdict], alloc_conf: str | None,
+              solve: bool) -> tuple[MemoryEstimate, list[CardVerdict], str | None]:
+    """(est, cards) with reserved memory from the allocator model under ``alloc_conf`` (``AUTO``: where it can run),
+    and why the reserve formula was used instead where ``AUTO`` fell back to it (else None)."""
+    auto, formula_why = alloc_conf == AUTO, None
+    if auto:
+        from vramguard.plan.allocator import auto_alloc_conf
+        alloc_conf, formula_why = auto_alloc_conf(spec, s)
+    if alloc_conf is None:
+        return est, cards, formula_why
+    from vramguard.errors import NotPlannable
+    try:
+        return (*_with_allocator(spec, s, est, cards, alloc_conf, solve), None)
+    except NotPlannable as e:
+        if not auto:
+            raise
+        return est, cards, f"transformers' forward could not be recorded for it ({e})"
 
 
 def _with_allocator(spec: ModelSpec, s: Settings, est: MemoryEstimate, cards: list[CardVerdict], alloc_conf: str,

@@ -1,0 +1,251 @@
+"""Decode steps through the caching-allocator model, with the small pool skipped while it repeats itself exactly.
+
+A decode step of ``generate`` makes the same small requests (at most 1 MiB: the one token's activations) step after
+step, while a few grow with the position: the KV cache's concatenations (the large pool) and the mask and ids
+(8 B and 1 B a token). In a replay of 256 new tokens, the small pool's requests are about 95% of all requests.
+
+The shortcut, exact by construction:
+
+* The small and large pools never share memory (``get_pool`` in ``c10/cuda/CUDACachingAllocator.cpp``), so a small
+  request is placed from the small pool's state alone, except when a large request fails the cap check and
+  ``release_cached_blocks`` frees every entirely free segment of both pools.
+* A step whose small pool starts in state S, whose small requests are the same (rounded sizes, in order, frees of
+  the same tensors) as the step before's, and that step having started in S and ended in S without opening a small
+  segment, ends in S again: the allocator is deterministic. Its small requests are then only counted (requests,
+  allocated bytes, the allocated peak in program order); its large requests are placed as always.
+* Should a large request of a skipped step need ``release_cached_blocks``, the small requests of that step up to it
+  are placed after all (the small pool still holds S: nothing was placed), and the rest of the step is replayed.
+
+The state S is the small pool's segments (address, and each block's size and state, in address order) and where
+the previous step's small tensors that are still alive lie.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vramguard.memory.allocator import K_MIN_BLOCK, K_SMALL_SIZE, CachingAllocator
+
+ALLOC, FREE_SAME, FREE_PREV, FREE_OTHER = range(4)
+MAX_PERIOD = 12  # the longest cycle of steps looked for (Llama-3.1-8B repeats every 6 steps, Qwen2.5-7B every 1)
+
+
+def _rounded(nbytes: int) -> int:
+    return -(-nbytes // K_MIN_BLOCK) * K_MIN_BLOCK if nbytes > K_MIN_BLOCK else K_MIN_BLOCK
+
+
+@dataclass(frozen=True)
+class DecodeSteps:
+    """Decode steps 3 .. 2 + ``n`` from the tapes ``(key, bytes)`` / ``(key, -1)`` of steps 1 and 2: every
+    allocation of step 2 grows each step by its growth from step 1 (sizes are linear in the position); a free of a
+    tensor of step 2 frees the same tensor of the step, a free of a tensor of step 1 frees the previous step's.
+    Step ``j`` (0: step 3) numbers its allocations from ``first_key + j * allocs``."""
+
+    pattern: tuple[tuple[int, int], ...]  # per event of step 2: (ALLOC, i) / (FREE_SAME, i) / (FREE_PREV, i) /
+    # (FREE_OTHER, key)
+    size2: tuple[int, ...]
+    growth: tuple[int, ...]
+    step2_keys: tuple[int, ...]
+    first_key: int
+    n: int
+
+    @classmethod
+    def from_steps(cls, step1, step2, n: int) -> DecodeSteps:
+        """Raises ValueError when steps 1 and 2 do not allocate the same number of tensors."""
+        a1 = [k for k, b in step1 if b >= 0]
+        a2 = [k for k, b in step2 if b >= 0]
+        if len(a1) != len(a2):
+            raise ValueError("decode steps 1 and 2 differ in structure")
+        idx1 = {k: i for i, k in enumerate(a1)}
+        idx2 = {k: i for i, k in enumerate(a2)}
+        size1 = [b for _, b in step1 if b >= 0]
+        size2 = [b for _, b in step2 if b >= 0]
+        pattern = []
+        for k, b in step2:
+            if b >= 0:
+                pattern.append((ALLOC, idx2[k]))
+            elif k in idx2:
+                pattern.append((FREE_SAME, idx2[k]))
+            elif k in idx1:
+                pattern.append((FREE_PREV, idx1[k]))
+            else:
+                pattern.append((FREE_OTHER, k))
+        first = max(max(a2, default=0), max(a1, default=0)) + 1
+        return cls(tuple(pattern), tuple(size2), tuple(y - x for x, y in zip(size1, size2)), tuple(a2), first, n)
+
+    @property
+    def allocs(self) -> int:
+        return len(self.size2)
+
+    def key(self, j: int, i: int) -> int:
+        """The key of allocation ``i`` of step ``j``."""
+        return self.first_key + j * len(self.size2) + i
+
+    def prev_key(self, j: int, i: int) -> int:
+        """The key of allocation ``i`` of the step before step ``j`` (step 2's own key for ``j`` = 0)."""
+        return self.step2_keys[i] if j == 0 else self.key(j - 1, i)
+
+    def size(self, j: int, i: int) -> int:
+        """Bytes of allocation ``i`` in step ``j``: step 2's size plus ``j + 1`` growths."""
+        return self.size2[i] + self.growth[i] * (j + 1)
+
+    def events(self, j: int) -> list[tuple[int, int]]:
+        """Step ``j``'s tape, ``(key, bytes)`` and ``(key, -1)``."""
+        base, grow, size2, growth = self.first_key + j * len(self.size2), j + 1, self.size2, self.growth
+        prev = (lambda i: self.step2_keys[i]) if j == 0 else (lambda i: base - len(size2) + i)
+        return [(base + i, size2[i] + growth[i] * grow) if op == ALLOC else
+                (base + i, -1) if op == FREE_SAME else (prev(i), -1) if op == FREE_PREV else (i, -1)
+                for op, i in self.pattern]
+
+    def small_requests(self, j: int) -> tuple[int, ...]:
+        """What decides step ``j``'s small requests beyond the constant ones: each growing allocation's rounded
+        size while it is small, -1 once it is large."""
+        return tuple(-1 if r > K_SMALL_SIZE else r for r in
+                     (_rounded(self.size(j, i)) for i, g in enumerate(self.growth) if g))
+
+
+@dataclass(frozen=True)
+class _Template:
+    """A skipped step: ``items`` in program order, ``("run", requests, net, peak)`` for small requests (bytes
+    allocated less freed, and the highest point of that sum) and ``(position, op, i)`` for a large one;
+    ``carried``: the small allocations that live on into the next step."""
+
+    requests: tuple[int, ...]
+    items: tuple
+    carried: tuple[int, ...]
+
+
+class Placer:
+    """Places a tape on ``alloc``: ``live`` maps keys to blocks; ``segments_at_peak``: the segment count when the
+    reserved peak was last raised."""
+
+    def __init__(self, alloc: CachingAllocator):
+        self.alloc, self.live = alloc, {}
+        self.segments_at_peak = len(alloc.segments)
+        self.skipped_steps = 0  # decode steps whose small requests were only counted
+        self.placed_in_full = 0  # cycles a large request's release_cached_blocks made place in full
+
+    def place(self, events) -> bool:
+        """Place ``events``; False (and stop) at the first request that cannot be placed."""
+        alloc, live = self.alloc, self.live
+        for key, nbytes in events:
+            if nbytes < 0:
+                alloc.free(live.pop(key, None))
+                continue
+            before = alloc.peak_reserved_bytes
+            live[key] = alloc.malloc(nbytes)
+            if alloc.oom is not None:
+                return False
+            if alloc.peak_reserved_bytes > before:
+                self.segments_at_peak = len(alloc.segments)
+        return True
+
+    def decode(self, steps: DecodeSteps) -> None:
+        """Place decode steps ``0 .. steps.n - 1``, skipping the small pool of cycles of steps that repeat (module
+        docstring); the result is that of ``place(steps.events(j))`` for every step."""
+        alloc, template, period, seen, j = self.alloc, None, 0, [], 0
+        while j < steps.n:
+            if template is not None and j + period <= steps.n and all(
+                    steps.small_requests(j + m) == template.requests for m in range(period)):
+                done = self._skip(steps, j, period, template)
+                if done is None:
+                    return
+                j += abs(done)
+                self.skipped_steps += max(done, 0)
+                if done < 0:  # placed in full: find the cycle again
+                    template, seen = None, []
+                    self.placed_in_full += 1
+                continue
+            template = None
+            seen = [*seen, (self._state(steps, j), alloc.small_segments_opened, steps.small_requests(j))][-MAX_PERIOD:]
+            if not self.place(steps.events(j)):
+                return
+            j += 1
+            now = (self._state(steps, j), alloc.small_segments_opened, steps.small_requests(j))
+            for period in range(1, len(seen) + 1):
+                if seen[-period] == now and all(q == now[2] for _, _, q in seen[-period:]):
+                    template = self._template(steps, j, now[2])
+                    break
+
+    def _state(self, steps: DecodeSteps, j: int):
+        """The small pool before step ``j``: its segments' blocks, and where the previous step's tensors lie."""
+        pool = tuple((s.addr, tuple((b.size, b.state) for b in s.blocks())) for s in self.alloc.segments if s.small)
+        get = self.live.get
+        keys = steps.step2_keys if j == 0 else range(steps.key(j - 1, 0), steps.key(j, 0))
+        carried = tuple((i, b.addr) for i, k in enumerate(keys) if (b := get(k)) is not None and b.seg.small)
+        return pool, carried
+
+    def _template(self, steps: DecodeSteps, j: int, requests: tuple) -> _Template | None:
+        """How step ``j`` is skipped; None where it frees a tensor of an earlier step that is still alive."""
+        small = [_rounded(steps.size(j, i)) <= K_SMALL_SIZE for i in range(steps.allocs)]
+        freed = {i for op, i in steps.pattern if op == FREE_SAME}
+        carried = tuple(i for op, i in steps.pattern if op == ALLOC and small[i] and i not in freed)
+        alive = set(carried)  # a free of the previous step's tensor i frees something only if it lived on
+        items, run = [], [0, 0, 0]
+        for pos, (op, i) in enumerate(steps.pattern):
+            if op == FREE_OTHER:
+                if i in self.live:
+                    return None
+                continue
+            if not small[i]:
+                if run[0] or run[1] or run[2]:
+                    items.append(("run", *run))
+                    run = [0, 0, 0]
+                items.append((pos, op, i))
+                continue
+            nbytes = _rounded(steps.size(j, i))
+            if op == ALLOC:
+                run[0] += 1
+                run[1] += nbytes
+                run[2] = max(run[2], run[1])
+            elif op == FREE_SAME or i in alive:
+                run[1] -= nbytes
+        if run[0] or run[1] or run[2]:
+            items.append(("run", *run))
+        return _Template(requests, tuple(items), carried)
+
+    def _skip(self, steps: DecodeSteps, j: int, period: int, t: _Template) -> int | None:
+        """Steps ``j .. j + period - 1`` by template ``t``, a cycle that ends where it started: ``period`` when
+        skipped; ``-m`` when a large request of step ``j + m - 1`` needed the small pool (steps ``j`` to there were
+        then placed in full); None at a request that cannot be placed."""
+        alloc, live = self.alloc, self.live
+        counted, net = 0, 0
+        for m in range(period):
+            for item in t.items:
+                if item[0] == "run":
+                    _, requests, delta, high = item
+                    alloc.requests += requests
+                    counted += requests
+                    alloc.peak_allocated_bytes = max(alloc.peak_allocated_bytes, alloc.allocated_bytes + high)
+                    alloc.allocated_bytes += delta
+                    net += delta
+                    continue
+                pos, op, i = item
+                if op != ALLOC:
+                    alloc.free(live.pop(steps.key(j + m, i) if op == FREE_SAME else steps.prev_key(j + m, i), None))
+                    continue
+                before = alloc.peak_reserved_bytes
+                block = alloc.malloc(steps.size(j + m, i), release=False)
+                if block is None:  # release_cached_blocks would see the small pool mid-cycle: place it in full
+                    alloc.requests -= counted
+                    alloc.allocated_bytes -= net
+                    return -(m + 1) if self._place_from(steps, j, m, pos) else None
+                live[steps.key(j + m, i)] = block
+                if alloc.peak_reserved_bytes > before:
+                    self.segments_at_peak = len(alloc.segments)
+        for i in t.carried:
+            live[steps.key(j + period - 1, i)] = live.pop(steps.prev_key(j, i))
+        return period
+
+    def _place_from(self, steps: DecodeSteps, j: int, m: int, pos: int) -> bool:
+        """Steps ``j .. j + m`` with their large requests before step ``j + m``'s event ``pos`` already placed: the
+        small requests of those steps before that point, then the rest of step ``j + m``. False at a request that
+        cannot be placed."""
+        for step in range(j, j + m + 1):
+            events = steps.events(step)
+            end = pos if step == j + m else len(events)
+            small = [ev for (op, i), ev in zip(steps.pattern[:end], events[:end])
+                     if op != FREE_OTHER and _rounded(steps.size(step, i)) <= K_SMALL_SIZE]
+            if not self.place(small):
+                return False
+        return self.place(steps.events(j + m)[pos:])
