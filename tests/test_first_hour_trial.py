@@ -421,3 +421,23 @@ def test_vllm_plan_says_no_kv_cache_instead_of_a_negative_size():
     assert ("= KV cache    none: the terms above exceed the budget by 111.23 GiB ('Available KV cache memory' "
             "below zero)") in out
     assert "-111.23" not in out
+
+
+def test_a_second_card_fits_only_when_the_two_card_plan_fits():
+    """Llama-3.1-70B NF4 on an RTX 4090: device_map='auto' puts layers 0-35 and the input embeddings on card 0,
+    36-79 and lm_head on card 1, so card 1 holds more than half. At a 4,072-token prompt half of the model on each
+    card would fit (the old suggestion), but the two-card plan's card 1 is short: the suggestion must say no."""
+    from vramguard.plan import plan
+    from vramguard.plan.multigpu import plan_gpus
+    from vramguard.settings import Settings
+    for prompt, fits in ((4071, True), (4072, False)):  # 4,071: the two-card plan's largest prompt
+        p = plan("llama-3.1-70b", Settings(prompt_tokens=prompt), gpu="rtx-4090")
+        card, est = p.cards[0], p.estimate
+        second = next(c for c in p.changes if c.settings == {"gpus": 2})
+        two = plan_gpus(p.model, p.settings, gpus=[card.gpu, card.gpu], solve=False)
+        needs = [c.need_bytes for c in two.cards]
+        assert two.fits is fits and second.fits_on == (("rtx-4090",) if fits else ())
+        assert second.need_bytes == max(needs) == needs[1] and second.saved_bytes == est.device_used_bytes - needs[1]
+        assert f"{needs[0] / 2**30:.2f} GiB on card 0 and {needs[1] / 2**30:.2f} GiB on card 1" in second.description
+        even = est.device_used_bytes - (est.weights.total_bytes + est.kv_full.gpu_bytes) // 2
+        assert even <= card.usable_bytes  # an even split would have said "fits" both times
