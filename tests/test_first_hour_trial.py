@@ -342,9 +342,16 @@ def test_batch_at_the_solvers_cap_is_said_as_a_bound(tiny_llama):
     card = json.loads(r.stdout)["cards"][0]
     # a 0.78 GiB need on 48 GiB: the search stops at its cap, and the JSON says so
     assert (card["max_batch"], card["max_batch_search_cap"], card["max_batch_at_cap"]) == (65_536, 65_536, True)
-    text = run_cli("plan", str(tiny_llama), "--vram", "48GiB", "--batch", "100000", columns="200").stdout
+    text = run_cli("plan", str(tiny_llama), "--vram", "48GiB", columns="200").stdout
     assert re.search(r"48 GiB card .* yes .* ≥65,536\n", text), text
     assert "batch: ≥65,536 is the search's cap; a larger batch may fit too (plan it with --batch N)" in text
+    # a batch asked above the cap that fits is searched up to: the table says that batch, not the cap below it
+    r = run_cli("plan", str(tiny_llama), "--vram", "48GiB", "--batch", "100000", "--format", "json")
+    card = json.loads(r.stdout)["cards"][0]
+    assert (card["max_batch"], card["max_batch_search_cap"], card["max_batch_at_cap"]) == (100_000, 100_000, True)
+    text = run_cli("plan", str(tiny_llama), "--vram", "48GiB", "--batch", "100000", columns="200").stdout
+    assert re.search(r"48 GiB card .* yes .* ≥100,000\n", text) and "65,536" not in text, text
+    assert "batch: ≥100,000 is the batch asked; a larger batch may fit too (plan it with --batch N)" in text
     small = json.loads(run_cli("plan", str(tiny_llama), "--vram", "1GiB", "--format", "json").stdout)["cards"][0]
     assert small["max_batch_at_cap"] is False and 1 <= small["max_batch"] < 65_536
 
@@ -441,3 +448,29 @@ def test_a_second_card_fits_only_when_the_two_card_plan_fits():
         assert f"{needs[0] / 2**30:.2f} GiB on card 0 and {needs[1] / 2**30:.2f} GiB on card 1" in second.description
         even = est.device_used_bytes - (est.weights.total_bytes + est.kv_full.gpu_bytes) // 2
         assert even <= card.usable_bytes  # an even split would have said "fits" both times
+
+
+@pytest.mark.parametrize("args", [
+    # two 80 GiB cards, 120,000 tokens: needs of 130.01 GiB cut "fits" to "fi…" at 80 columns before
+    ("llama-3.1-70b", "--quant", "bf16", "--vram", "80GiB,80GiB", "--prompt-tokens", "120000", "--context", "131072"),
+    # 1,000,000 tokens x 64: needs of 33,944 GiB per card, five digits before the point
+    ("llama-3.1-70b", "--quant", "bf16", "--vram", "80GiB,80GiB", "--prompt-tokens", "1000000", "--context",
+     "1048576", "--batch", "64"),
+    ("llama-3.1-70b", "--quant", "bf16", "--gpu", "rtx-6000-ada", "--prompt-tokens", "1000000", "--context",
+     "1048576", "--batch", "64"),
+])
+def test_no_header_or_cell_of_the_card_tables_is_cut_at_80_columns(args):
+    r = run_cli("plan", *args, columns="80")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert "…" not in r.stdout and all(len(line) <= 80 for line in lines), max(lines, key=len)
+    head = next(i for i, line in enumerate(lines) if line.split()[:1] == ["card"])
+    assert lines[head].split()[-1] == ("fits" if "," in args[4] else "batch"), lines[head]
+    from vramguard.cli.render import gib_cell
+    # the first card's row holds its need whole, as the JSON has it
+    card = json.loads(run_cli("plan", *args, "--format", "json").stdout)["cards"][0]
+    row = lines[head + 2].split()
+    assert row[-1 if "," in args[4] else -5] in ("yes", "no") and gib_cell(card["need_bytes"]) in row, row
+    # 33,944.05 GiB: whole GiB with separators; below 1,000 GiB two decimals
+    assert (gib_cell(int(33944.05 * 2**30)), gib_cell(int(999.99 * 2**30)), gib_cell(-int(1500 * 2**30))) == (
+        "33,944", "999.99", "-1,500")

@@ -46,8 +46,14 @@ def max_new_tokens(spec: ModelSpec, s: Settings, usable_bytes: int) -> int | Non
     return _largest(0, hi, lambda n: _need(spec, _with(s, max_new_tokens=n)), usable_bytes)
 
 
+def batch_search_cap(s: Settings) -> int:
+    """Where the batch search stops: :data:`MAX_BATCH_SEARCH`, or the batch of ``s`` when it is larger (so that a
+    batch asked for that fits is found). A result equal to it is a bound: a larger batch may fit too."""
+    return max(MAX_BATCH_SEARCH, s.batch)
+
+
 def max_batch(spec: ModelSpec, s: Settings, usable_bytes: int) -> int | None:
-    """Largest batch that fits, up to :data:`MAX_BATCH_SEARCH` (a bound: a larger one may fit too), or None when
+    """Largest batch that fits, up to :func:`batch_search_cap` (a bound: a larger one may fit too), or None when
     1 does not. The need is nearly linear in the batch:
     the line through batch 1 and 2 gives the first upper end of the bracket (doubled while it still fits), then
     :func:`_largest` finds the exact boundary inside it."""
@@ -59,9 +65,10 @@ def max_batch(spec: ModelSpec, s: Settings, usable_bytes: int) -> int | None:
     f2 = need(2)
     if f2 > usable_bytes:
         return 1
-    lo, hi = 2, _linear_guess(1, f1, 2, f2, usable_bytes, MAX_BATCH_SEARCH)
-    while hi < MAX_BATCH_SEARCH and need(hi) <= usable_bytes:
-        lo, hi = hi, min(hi * 2, MAX_BATCH_SEARCH)
+    cap = batch_search_cap(s)
+    lo, hi = 2, _linear_guess(1, f1, 2, f2, usable_bytes, cap)
+    while hi < cap and need(hi) <= usable_bytes:
+        lo, hi = hi, min(hi * 2, cap)
     return _largest(lo, hi, need, usable_bytes)
 
 
