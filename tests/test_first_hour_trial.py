@@ -247,6 +247,11 @@ def test_vllm_tensor_parallel_sizes_are_every_divisor_that_meets_its_rules():
       "fix: pass --prompt-tokens VALUE (`vramguard plan --help` says which values)"]),
     (("run",), ["error MODEL: 'none given' is not valid; accepted: a MODEL (`vramguard run --help` says which).",
                 "fix: pass it: vramguard run MODEL ..."]),
+    # a required option of choices lists them (typer's parameter carries no click type: read from the command)
+    (("fit", "llama-3.2-1b"), ["error --vary: 'none given' is not valid; accepted: prompt, new-tokens, batch.",
+                               "fix: pass one of them, e.g. vramguard fit ... --vary prompt"]),
+    (("export", "llama-3.2-1b"), ["error --to: 'none given' is not valid; accepted: vllm, ray-serve, kserve, "
+                                  "kubernetes.", "fix: pass one of them, e.g. vramguard export ... --to vllm"]),
     (("plan", "llama-3.1-8b", "24", "GB"),
      ["error ARGUMENT: '24 GB' is not valid; accepted: the arguments of vramguard plan (`vramguard plan --help`).",
       "fix: quote a value that holds spaces, and give each option its name"]),
@@ -474,3 +479,22 @@ def test_no_header_or_cell_of_the_card_tables_is_cut_at_80_columns(args):
     # 33,944.05 GiB: whole GiB with separators; below 1,000 GiB two decimals
     assert (gib_cell(int(33944.05 * 2**30)), gib_cell(int(999.99 * 2**30)), gib_cell(-int(1500 * 2**30))) == (
         "33,944", "999.99", "-1,500")
+
+
+def test_missing_choices_come_from_a_click_choice_type_too():
+    """The click package's options carry their Choice type (``type.choices``); typer's vendored one has none, and
+    the choices come from the annotation of the command's function."""
+    import enum
+    from types import SimpleNamespace
+
+    from vramguard.cli.usage import _choices
+
+    class Color(enum.Enum):
+        red = "red"
+        blue = "blue"
+
+    def command(color: Color) -> None: ...
+    ctx = SimpleNamespace(command=SimpleNamespace(callback=command))
+    assert _choices(SimpleNamespace(name="color", type=SimpleNamespace(choices=("a", "b"))), None) == ["a", "b"]
+    assert _choices(SimpleNamespace(name="color"), ctx) == ["red", "blue"]
+    assert _choices(SimpleNamespace(name="other"), ctx) == [] and _choices(SimpleNamespace(name="x"), None) == []

@@ -1,8 +1,9 @@
 """click's own usage errors (a value of the wrong type, an unknown choice or option, a missing value or argument) in
 vramguard's two-line form: ``error FIELD: 'VALUE' is not valid; accepted: ...`` then ``fix: ...``, the form of
 :meth:`vramguard.errors.VramguardError.render`. Reads the exception's documented attributes only (``param``,
-``option_name``, ``possibilities``, ``ctx``), each looked up with a default, so that the click typer vendors and the
-click package read the same; anything else keeps click's own message."""
+``option_name``, ``possibilities``, ``ctx``; a missing parameter's choices from its command's ``callback``), each
+looked up with a default, so that the click typer vendors and the click package read the same; anything else keeps
+click's own message."""
 
 from __future__ import annotations
 
@@ -48,6 +49,10 @@ def usage_error_text(e, argv: list[str]) -> str:
                             f"pass {flag} VALUE ({help_hint} says which values)").render()
     if name == "MissingParameter" and param is not None:
         field = _field(param)
+        choices = _choices(param, ctx)
+        if choices:
+            return InvalidValue(field, "none given", ", ".join(choices),
+                                f"pass one of them, e.g. {command} ... {field} {choices[0]}").render()
         return InvalidValue(field, "none given", f"a {field} ({help_hint} says which)",
                             f"pass it: {command} {field} ...").render()
     if name == "BadParameter" and param is not None:
@@ -63,6 +68,24 @@ def usage_error_text(e, argv: list[str]) -> str:
         return InvalidValue(field, value if value is not None else "?", accepted,
                             f"pass {field} with {accepted} ({help_hint})").render()
     return f"{message}\nfix: see {help_hint} for the accepted values"
+
+
+def _choices(param, ctx) -> list[str]:
+    """The values a parameter accepts, or []: its click ``Choice`` type's ``choices`` where it has one, else the
+    members of the Enum its command's function is annotated with (``ctx.command.callback``, unwrapped; the
+    parameter objects of typer >= 0.20 carry no click type)."""
+    import enum
+    import inspect
+    import typing
+    choices = getattr(getattr(param, "type", None), "choices", None)
+    if choices:
+        return [str(getattr(c, "value", c)) for c in choices]
+    callback = getattr(getattr(ctx, "command", None), "callback", None)
+    try:
+        hint = typing.get_type_hints(inspect.unwrap(callback)).get(getattr(param, "name", None)) if callback else None
+    except (NameError, TypeError):
+        return []
+    return [str(m.value) for m in hint] if isinstance(hint, type) and issubclass(hint, enum.Enum) else []
 
 
 def _field(param) -> str:
