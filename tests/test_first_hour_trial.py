@@ -252,6 +252,13 @@ def test_vllm_tensor_parallel_sizes_are_every_divisor_that_meets_its_rules():
                                "fix: pass one of them, e.g. vramguard fit ... --vary prompt"]),
     (("export", "llama-3.2-1b"), ["error --to: 'none given' is not valid; accepted: vllm, ray-serve, kserve, "
                                   "kubernetes.", "fix: pass one of them, e.g. vramguard export ... --to vllm"]),
+    # the seed's range, from the library's own check, whether the value is out of it or no integer at all
+    (("run", "no-such-folder", "--prompt", "hi", "--seed", "-1"),
+     ["error --seed: -1 is not valid; accepted: an integer from 0 to 9,223,372,036,854,775,807 (2**63 - 1).",
+      "fix: pass a seed from 0 to 2**63 - 1, e.g. --seed 0"]),
+    (("run", "no-such-folder", "--seed", "abc"),
+     ["error --seed: 'abc' is not valid; accepted: an integer from 0 to 9,223,372,036,854,775,807 (2**63 - 1).",
+      "fix: pass a whole number in that range, e.g. --seed 0"]),
     (("plan", "llama-3.1-8b", "24", "GB"),
      ["error ARGUMENT: '24 GB' is not valid; accepted: the arguments of vramguard plan (`vramguard plan --help`).",
       "fix: quote a value that holds spaces, and give each option its name"]),
@@ -498,3 +505,9 @@ def test_missing_choices_come_from_a_click_choice_type_too():
     assert _choices(SimpleNamespace(name="color", type=SimpleNamespace(choices=("a", "b"))), None) == ["a", "b"]
     assert _choices(SimpleNamespace(name="color"), ctx) == ["red", "blue"]
     assert _choices(SimpleNamespace(name="other"), ctx) == [] and _choices(SimpleNamespace(name="x"), None) == []
+
+
+def test_a_line_of_code_in_a_library_text_stays_as_written():
+    from vramguard.cli.flags import as_flags
+    # the prose takes the CLI's words; the indented line of code keeps the library's keyword arguments
+    assert as_flags("pass seed=0, e.g.:\n    generate(m, seed=0)") == "pass --seed 0, e.g.:\n    generate(m, seed=0)"

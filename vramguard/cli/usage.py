@@ -65,8 +65,11 @@ def usage_error_text(e, argv: list[str]) -> str:
                                 f"{choices[0]}").render()
         accepted = next((words for key, words in _TYPE_WORDS if key in detail), detail.rstrip("."))
         value = _given(field, argv)
-        return InvalidValue(field, value if value is not None else "?", accepted,
-                            f"pass {field} with {accepted} ({help_hint})").render()
+        value = value if value is not None else "?"
+        if accepted == "an integer" and _integer_range(field):
+            return InvalidValue(field, value, _integer_range(field),
+                                f"pass a whole number in that range, e.g. {field} 0").render()
+        return InvalidValue(field, value, accepted, f"pass {field} with {accepted} ({help_hint})").render()
     return f"{message}\nfix: see {help_hint} for the accepted values"
 
 
@@ -86,6 +89,14 @@ def _choices(param, ctx) -> list[str]:
     except (NameError, TypeError):
         return []
     return [str(m.value) for m in hint] if isinstance(hint, type) and issubclass(hint, enum.Enum) else []
+
+
+def _integer_range(field: str) -> str | None:
+    """What an integer option accepts, where the library's own check has a range to say (the sampling seed's)."""
+    if field == "--seed":
+        from vramguard.run.generate import SEED_ACCEPTED
+        return SEED_ACCEPTED
+    return None
 
 
 def _field(param) -> str:
