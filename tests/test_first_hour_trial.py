@@ -511,3 +511,14 @@ def test_a_line_of_code_in_a_library_text_stays_as_written():
     from vramguard.cli.flags import as_flags
     # the prose takes the CLI's words; the indented line of code keeps the library's keyword arguments
     assert as_flags("pass seed=0, e.g.:\n    generate(m, seed=0)") == "pass --seed 0, e.g.:\n    generate(m, seed=0)"
+
+
+def test_the_kv_as_large_as_the_weights_warning_shows_a_tiny_models_real_sizes(tiny_llama):
+    from vramguard.plan import plan
+    from vramguard.settings import Settings
+    p = plan(str(tiny_llama), Settings(prompt_tokens=768), vram="24GiB")
+    # KV: 2 (K, V) x 2 layers x 2 KV heads x head_dim 16 x 2 B (bf16) x 1,024 tokens = 262,144 B = 256.00 KiB;
+    # the weights are 159,232 B (155.50 KiB): both were "0.00 GiB"
+    assert p.estimate.kv_full.gpu_bytes == 262_144 and p.estimate.weights.total_bytes == 159_232
+    f = next(f for f in p.findings if f.code == "kv_as_large_as_weights")
+    assert f.message == "the KV cache at 1,024 tokens (256.00 KiB) is as large as the weights (155.50 KiB)"
