@@ -522,3 +522,29 @@ def test_the_kv_as_large_as_the_weights_warning_shows_a_tiny_models_real_sizes(t
     assert p.estimate.kv_full.gpu_bytes == 262_144 and p.estimate.weights.total_bytes == 159_232
     f = next(f for f in p.findings if f.code == "kv_as_large_as_weights")
     assert f.message == "the KV cache at 1,024 tokens (256.00 KiB) is as large as the weights (155.50 KiB)"
+
+
+def test_check_says_why_a_dtype_nobody_passed_is_checked(tiny_llama):
+    r = run_cli("check", str(tiny_llama), "--gpu", "t4", "--no-verify", "--format", "json")
+    f = _findings(r)["param_dtype"]
+    assert f["value"].startswith("fp16") and f["message"] == (
+        "none given: vramguard run and serve pass fp16 to from_pretrained; bfloat16 is not native on compute "
+        "capability 7.5 (t4); float16 is")
+    f = _findings(run_cli("check", str(tiny_llama), "--gpu", "a100-80gb", "--no-verify", "--format", "json"))
+    assert f["param_dtype"]["message"] == ("none given: vramguard run and serve pass bf16 to from_pretrained "
+                                           "(bfloat16 where the card supports it, else float16)")
+    # a dtype the user passes is said as passed
+    f = _findings(run_cli("check", str(tiny_llama), "--gpu", "t4", "--dtype", "fp16", "--no-verify", "--format",
+                          "json"))
+    assert f["param_dtype"]["message"] == "--dtype fp16 passed to from_pretrained"
+
+
+def test_check_lines_that_wrap_stay_under_their_item(tiny_llama):
+    r = run_cli("check", str(tiny_llama), "--gpu", "t4", "--no-verify", columns="80")
+    lines = r.stdout.splitlines()
+    body = lines[1:-1]  # between the title and the count of failures and warnings
+    starts = ("OK   ", "WARN ", "FAIL ", "INFO ", "     ")
+    assert body and all(line.startswith(starts) for line in body), [x for x in body if not x.startswith(starts)]
+    # the card's line is longer than 80 columns: its continuation is indented under the check's name
+    gpu = next(i for i, line in enumerate(lines) if line.startswith("OK   gpu: NVIDIA T4"))
+    assert lines[gpu + 1].startswith("     ") and "measured)" in lines[gpu + 1]

@@ -80,10 +80,13 @@ def check(model: str | None = None, settings: Settings | None = None, *, dtype: 
     hub_ckpt = checkpoint_info(spec) if spec is not None and folder is None else None
     ckpt = read_checkpoint(folder) if folder else hub_ckpt or (
         CheckpointInfo("", (), None, None, spec.checkpoint_dtype, False) if spec else None)
+    given_dtype = dtype
     if loader_defaults and not unquantized and (dtype is None or compute_dtype is None):
         compute_dtype, dtype = _loader_dtypes(card, s, compute_dtype, dtype)
     param_dtype, why = resolve_param_dtype(dtype, ckpt, env.transformers_version,
                                            "none" if unquantized else s.quant)
+    if given_dtype is None and dtype is not None and why.startswith(f"dtype={dtype} passed"):
+        why = _default_dtype_why(card, dtype)
     if unquantized:
         s = s.with_(quant=param_dtype, compute_dtype=None, dtype=None)
     compute = compute_dtype or ("fp32" if s.is_4bit else None)
@@ -142,6 +145,15 @@ def _loader_dtypes(card, s: Settings, compute_dtype: str | None, dtype: str | No
     asked_bf16 = "bf16" in (dtype, compute_dtype)
     cd, dt = choose_dtypes(None if asked_bf16 else card, s.quant, compute_dtype, dtype, None, False)
     return compute_dtype or (cd if s.is_4bit else None), dtype or dt
+
+
+def _default_dtype_why(card, dtype: str) -> str:
+    """Why a dtype nobody passed is checked: what :func:`vramguard.runtime.load.choose_dtypes` passes, and why."""
+    from vramguard.runtime.load import _not_native
+    head = f"none given: vramguard run and serve pass {dtype} to from_pretrained"
+    if card is not None and card.supports_bf16 is False:
+        return f"{head}; {_not_native(card)}"
+    return f"{head} (bfloat16 where the card supports it, else float16)"
 
 
 def _plan_findings(model, spec, s: Settings, card, env, device_map) -> list[Finding]:

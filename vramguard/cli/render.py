@@ -418,13 +418,16 @@ def check_to_json(r) -> dict:
 
 
 def print_check(r, console: Console | None = None) -> None:
-    """Human-readable check: one line per finding (status, check, value), then its reason and fix, indented."""
+    """Human-readable check: one line per finding (status, check, value; wrapped lines under the check's name),
+    then its reason and fix, indented."""
     c = console or Console()
     color = {"ok": "green", "warn": "yellow", "fail": "red", "info": "cyan"}
     c.print("[bold]vramguard check[/bold]" + (f" - {r.model}" if getattr(r, "model", None) else ""))
     for f in r.findings:
-        c.print(f"[{color.get(f.level, 'white')}]{f.level.upper():4}[/] [bold]{f.code}[/bold]: {f.value}",
-                highlight=False)
+        head = Text.assemble((f"{f.level.upper():4}", color.get(f.level, "white")), " ", (f.code, "bold"),
+                             f": {f.value}")
+        for i, line in enumerate(head.wrap(c, max(c.width - 5, 40))):
+            c.print(Text(" " * 5) + line if i else line, highlight=False)
         if f.message:
             c.print(Padding(Text(as_flags(f.message), style="dim" if f.level == "ok" else ""), (0, 0, 0, 5)))
         if f.fix:
