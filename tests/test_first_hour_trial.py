@@ -247,6 +247,10 @@ def test_vllm_tensor_parallel_sizes_are_every_divisor_that_meets_its_rules():
       "fix: pass --prompt-tokens VALUE (`vramguard plan --help` says which values)"]),
     (("run",), ["error MODEL: 'none given' is not valid; accepted: a MODEL (`vramguard run --help` says which).",
                 "fix: pass it: vramguard run MODEL ..."]),
+    # one swap from --vram, far from --format (which click also finds close): only --vram is suggested
+    (("plan", "llama-3.1-8b", "--vrma", "24GiB"),
+     ["error OPTION: '--vrma' is not valid; accepted: an option of vramguard plan (`vramguard plan --help` lists "
+      "them).", "fix: did you mean --vram?"]),
     # a required option of choices lists them (typer's parameter carries no click type: read from the command)
     (("fit", "llama-3.2-1b"), ["error --vary: 'none given' is not valid; accepted: prompt, new-tokens, batch.",
                                "fix: pass one of them, e.g. vramguard fit ... --vary prompt"]),
@@ -548,3 +552,11 @@ def test_check_lines_that_wrap_stay_under_their_item(tiny_llama):
     # the card's line is longer than 80 columns: its continuation is indented under the check's name
     gpu = next(i for i, line in enumerate(lines) if line.startswith("OK   gpu: NVIDIA T4"))
     assert lines[gpu + 1].startswith("     ") and "measured)" in lines[gpu + 1]
+
+
+def test_edit_distance_counts_a_swap_as_one_edit():
+    from vramguard.cli.usage import _nearest, edit_distance
+    # --vrma -> --vram: one swap (m, a); -> --format: 3 (v by f, insert o, insert t)
+    assert (edit_distance("--vrma", "--vram"), edit_distance("abc", "abc"), edit_distance("", "ab")) == (1, 0, 2)
+    assert edit_distance("--vrma", "--format") == 3 and edit_distance("kitten", "sitting") == 3
+    assert _nearest("--vrma", ["--vram", "--format"]) == ["--vram"] and _nearest("--x", []) == []

@@ -39,10 +39,10 @@ def usage_error_text(e, argv: list[str]) -> str:
         return InvalidValue("ARGUMENT", m.group(1), f"the arguments of {command} ({help_hint})",
                             "quote a value that holds spaces, and give each option its name").render()
     if name == "NoSuchOption":
-        near = list(getattr(e, "possibilities", None) or [])
+        given = getattr(e, "option_name", None) or "?"
+        near = _nearest(given, list(getattr(e, "possibilities", None) or []))
         fix = f"did you mean {' or '.join(near[:3])}?" if near else f"check the spelling in {help_hint}"
-        return InvalidValue("OPTION", getattr(e, "option_name", None) or "?",
-                            f"an option of {command} ({help_hint} lists them)", fix).render()
+        return InvalidValue("OPTION", given, f"an option of {command} ({help_hint} lists them)", fix).render()
     if name == "BadOptionUsage" and "requires an argument" in message:
         flag = getattr(e, "option_name", None) or "the option"
         return InvalidValue(flag, "none given", "a value after the option",
@@ -71,6 +71,27 @@ def usage_error_text(e, argv: list[str]) -> str:
                                 f"pass a whole number in that range, e.g. {field} 0").render()
         return InvalidValue(field, value, accepted, f"pass {field} with {accepted} ({help_hint})").render()
     return f"{message}\nfix: see {help_hint} for the accepted values"
+
+
+def edit_distance(a: str, b: str) -> int:
+    """Edits (insert, delete, replace, swap of two neighbours) that turn ``a`` into ``b``: the optimal string
+    alignment distance (Damerau-Levenshtein without repeated edits of a substring)."""
+    d = [[i + j if i * j == 0 else 0 for j in range(len(b) + 1)] for i in range(len(a) + 1)]
+    for i in range(1, len(a) + 1):
+        for j in range(1, len(b) + 1):
+            d[i][j] = min(d[i - 1][j] + 1, d[i][j - 1] + 1, d[i - 1][j - 1] + (a[i - 1] != b[j - 1]))
+            if i > 1 and j > 1 and a[i - 1] == b[j - 2] and a[i - 2] == b[j - 1]:
+                d[i][j] = min(d[i][j], d[i - 2][j - 2] + 1)
+    return d[len(a)][len(b)]
+
+
+def _nearest(given: str, possibilities: list[str]) -> list[str]:
+    """Of click's close matches, those fewest edits away from ``given`` (``--vrma``: ``--vram``, one swap, and
+    not ``--format``), in click's order."""
+    if not possibilities:
+        return []
+    best = min(edit_distance(given, p) for p in possibilities)
+    return [p for p in possibilities if edit_distance(given, p) == best]
 
 
 def _choices(param, ctx) -> list[str]:
