@@ -85,8 +85,7 @@ def check(model: str | None = None, settings: Settings | None = None, *, dtype: 
         compute_dtype, dtype = _loader_dtypes(card, s, compute_dtype, dtype)
     param_dtype, why = resolve_param_dtype(dtype, ckpt, env.transformers_version,
                                            "none" if unquantized else s.quant)
-    if given_dtype is None and dtype is not None and why.startswith(f"dtype={dtype} passed"):
-        why = _default_dtype_why(card, dtype)
+    why = _default_dtype_why(card, dtype, why) if given_dtype is None and dtype is not None else why
     if unquantized:
         s = s.with_(quant=param_dtype, compute_dtype=None, dtype=None)
     compute = compute_dtype or ("fp32" if s.is_4bit else None)
@@ -147,9 +146,12 @@ def _loader_dtypes(card, s: Settings, compute_dtype: str | None, dtype: str | No
     return compute_dtype or (cd if s.is_4bit else None), dtype or dt
 
 
-def _default_dtype_why(card, dtype: str) -> str:
-    """Why a dtype nobody passed is checked: what :func:`vramguard.runtime.load.choose_dtypes` passes, and why."""
+def _default_dtype_why(card, dtype: str, why: str) -> str:
+    """Why a dtype nobody passed is checked (``why``: the reason :func:`resolve_param_dtype` gives for ``dtype``):
+    what :func:`vramguard.runtime.load.choose_dtypes` passes, and why."""
     from vramguard.runtime.load import _not_native
+    if not why.startswith(f"dtype={dtype} passed"):
+        return why  # the dtype is not what decides (e.g. quant=bf16 weights)
     head = f"none given: vramguard run and serve pass {dtype} to from_pretrained"
     if card is not None and card.supports_bf16 is False:
         return f"{head}; {_not_native(card)}"
