@@ -1,7 +1,10 @@
 """The second new-user trial's items, each refused or said as a new user expects: options that do not go together,
 a plan without a model, sizes above any card, an empty prompt, a folder without a tokenizer, the server's field
 errors and log lines, oom-log's wrapping and window, vLLM's tensor-parallel sizes, click's own usage errors, the
-plan's attention and source, the pod's memory, and where ``is_oom`` and ``explain`` differ."""
+plan's attention and source, the pod's memory, and where ``is_oom`` and ``explain`` differ; then the next trial's:
+a second card as the two-card plan splits it, card tables whole at 80 columns, a batch above the search's cap, the
+choices of a missing option, the seed's range, a GGUF command on one line, a tiny model's KV warning, check's dtype
+reason and wrapped lines, and a mistyped option's one suggestion."""
 
 import json
 import re
@@ -560,59 +563,3 @@ def test_edit_distance_counts_a_swap_as_one_edit():
     assert (edit_distance("--vrma", "--vram"), edit_distance("abc", "abc"), edit_distance("", "ab")) == (1, 0, 2)
     assert edit_distance("--vrma", "--format") == 3 and edit_distance("kitten", "sitting") == 3
     assert _nearest("--vrma", ["--vram", "--format"]) == ["--vram"] and _nearest("--x", []) == []
-
-
-OFF_VALUES = {"seed": 1, "presence_penalty": 0.5, "frequency_penalty": 0.5, "logit_bias": {"1": 1.0}, "logprobs": True,
-              "echo": True, "suffix": "x", "best_of": 2, "tools": [{"type": "function"}], "tool_choice": "auto",
-              "top_logprobs": 2}
-
-
-@pytest.mark.parametrize("schema_name,body", [
-    ("CompletionRequest", {"model": "tiny", "prompt": "hi"}),
-    ("ChatRequest", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}),
-])
-def test_the_unknown_parameter_error_lists_as_accepted_only_what_is(schema_name, body):
-    pytest.importorskip("fastapi")
-    from vramguard.serve import schemas
-    from vramguard.serve.apierrors import ApiError
-    from vramguard.serve.validate import check_fields, to_request
-    schema = getattr(schemas, schema_name)
-    with pytest.raises(ApiError) as e:
-        to_request({**body, "zzz": 1}, schema)
-    accepted, off = e.value.message.split("; accepted: ", 1)[1].split("; not implemented, ")
-    accepted = accepted.split(", ")
-    assert "seed" not in accepted and "logprobs" not in accepted and "model" in accepted and "stop" in accepted
-    assert not set(accepted) & set(schema.OFF_ONLY) and off.endswith(": " + ", ".join(schema.OFF_ONLY))
-    # each field said "off only" is refused at any other value, and accepted at its default
-    for name in schema.OFF_ONLY:
-        with pytest.raises(ApiError) as e:
-            check_fields(to_request({**body, name: OFF_VALUES[name]}, schema), None)
-        assert (e.value.code, e.value.param) == ("unsupported_parameter", name)
-    assert to_request(body, schema).unsupported() is None
-
-
-def test_serve_log_lines_wrap_at_the_terminals_width_on_a_terminal(monkeypatch):
-    import io
-    import logging
-    import sys
-
-    from vramguard.serve.access import LOG_COLUMNS, WrappedFormatter, log_columns
-
-    class Terminal(io.StringIO):
-        def isatty(self):
-            return True
-
-    words = ", ".join(f"field_{i}" for i in range(40))  # 398 characters
-    record = logging.LogRecord("vramguard.serve", logging.WARNING, __file__, 1, "refused: %s", (words,), None)
-    monkeypatch.setenv("COLUMNS", "80")
-    monkeypatch.setattr(sys, "stderr", Terminal())
-    assert log_columns() == 80
-    lines = WrappedFormatter().format(record).splitlines()
-    assert max(len(x) for x in lines) <= 80 and max(len(x) for x in lines) > 70 and len(lines) == 6
-    monkeypatch.setenv("COLUMNS", "20")  # a very narrow terminal: lines of 40
-    assert log_columns() == 40
-    monkeypatch.setattr(sys, "stderr", io.StringIO())  # a file or a pipe: 120, whatever COLUMNS says
-    assert log_columns() == LOG_COLUMNS == 120
-    assert max(len(x) for x in WrappedFormatter().format(record).splitlines()) > 80
-    monkeypatch.delenv("COLUMNS")  # a terminal whose size cannot be read (no file descriptor): 120
-    assert log_columns(Terminal()) == 120
