@@ -25,7 +25,7 @@ def test_default_plan_without_gpu():
     assert "llama-2-7b" in out and "NF4" in out and "attention sdpa" in out
     assert "no card named, so FlashAttention-2 is not assumed" in " ".join(r.stderr.split())
     assert "256 new tokens" in out
-    for size in ("8 GiB card      8.00", "12 GiB card    12.00", "16 GiB card    16.00", "24 GiB card    24.00"):
+    for size in ("8 GiB card     8.00", "12 GiB card   12.00", "16 GiB card   16.00", "24 GiB card   24.00"):
         assert size in out
     assert "Traceback" not in r.stderr
 

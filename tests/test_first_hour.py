@@ -148,7 +148,9 @@ def test_a_missing_folder_is_named_by_every_verb_that_loads(verb, tmp_path):
              "serve": []}[verb]
     r = run_cli(verb, "./no-such-model", *extra, columns="300")
     assert r.returncode == 3, r.stderr
-    assert r.stderr.splitlines()[-1] == f"fix: no such file or folder: {Path('no-such-model').absolute()}"
+    # an action first, then the absolute path that was looked for
+    assert r.stderr.splitlines()[-1] == ("fix: check the path, or pass the folder that holds config.json (no such "
+                                         f"file or folder: {Path('no-such-model').absolute()})")
 
 
 def test_check_names_a_missing_folder_before_probing_the_machine(monkeypatch):
@@ -162,7 +164,8 @@ def test_check_names_a_missing_folder_before_probing_the_machine(monkeypatch):
     monkeypatch.setattr(chk, "probe_env", probe)
     r = run_cli("check", "./no-such-model", columns="300")
     assert r.returncode == 3 and r.stdout == "" and r.stderr.splitlines()[-1] == (
-        f"fix: no such file or folder: {Path('no-such-model').absolute()}")
+        "fix: check the path, or pass the folder that holds config.json (no such file or folder: "
+        f"{Path('no-such-model').absolute()})")
 
 
 def test_export_without_a_card_and_a_bad_vllm_tp_print_their_error_alone():

@@ -1,7 +1,10 @@
 """The second new-user trial's items, each refused or said as a new user expects: options that do not go together,
 a plan without a model, sizes above any card, an empty prompt, a folder without a tokenizer, the server's field
 errors and log lines, oom-log's wrapping and window, vLLM's tensor-parallel sizes, click's own usage errors, the
-plan's attention and source, the pod's memory, and where ``is_oom`` and ``explain`` differ."""
+plan's attention and source, the pod's memory, and where ``is_oom`` and ``explain`` differ; then the next trial's:
+a second card as the two-card plan splits it, card tables whole at 80 columns, a batch above the search's cap, the
+choices of a missing option, the seed's range, a GGUF command on one line, a tiny model's KV warning, check's dtype
+reason and wrapped lines, and a mistyped option's one suggestion."""
 
 import json
 import re
@@ -247,6 +250,22 @@ def test_vllm_tensor_parallel_sizes_are_every_divisor_that_meets_its_rules():
       "fix: pass --prompt-tokens VALUE (`vramguard plan --help` says which values)"]),
     (("run",), ["error MODEL: 'none given' is not valid; accepted: a MODEL (`vramguard run --help` says which).",
                 "fix: pass it: vramguard run MODEL ..."]),
+    # one swap from --vram, far from --format (which click also finds close): only --vram is suggested
+    (("plan", "llama-3.1-8b", "--vrma", "24GiB"),
+     ["error OPTION: '--vrma' is not valid; accepted: an option of vramguard plan (`vramguard plan --help` lists "
+      "them).", "fix: did you mean --vram?"]),
+    # a required option of choices lists them (typer's parameter carries no click type: read from the command)
+    (("fit", "llama-3.2-1b"), ["error --vary: 'none given' is not valid; accepted: prompt, new-tokens, batch.",
+                               "fix: pass one of them, e.g. vramguard fit ... --vary prompt"]),
+    (("export", "llama-3.2-1b"), ["error --to: 'none given' is not valid; accepted: vllm, ray-serve, kserve, "
+                                  "kubernetes.", "fix: pass one of them, e.g. vramguard export ... --to vllm"]),
+    # the seed's range, from the library's own check, whether the value is out of it or no integer at all
+    (("run", "no-such-folder", "--prompt", "hi", "--seed", "-1"),
+     ["error --seed: -1 is not valid; accepted: an integer from 0 to 9,223,372,036,854,775,807 (2**63 - 1).",
+      "fix: pass a seed from 0 to 2**63 - 1, e.g. --seed 0"]),
+    (("run", "no-such-folder", "--seed", "abc"),
+     ["error --seed: 'abc' is not valid; accepted: an integer from 0 to 9,223,372,036,854,775,807 (2**63 - 1).",
+      "fix: pass a whole number in that range, e.g. --seed 0"]),
     (("plan", "llama-3.1-8b", "24", "GB"),
      ["error ARGUMENT: '24 GB' is not valid; accepted: the arguments of vramguard plan (`vramguard plan --help`).",
       "fix: quote a value that holds spaces, and give each option its name"]),
@@ -342,9 +361,16 @@ def test_batch_at_the_solvers_cap_is_said_as_a_bound(tiny_llama):
     card = json.loads(r.stdout)["cards"][0]
     # a 0.78 GiB need on 48 GiB: the search stops at its cap, and the JSON says so
     assert (card["max_batch"], card["max_batch_search_cap"], card["max_batch_at_cap"]) == (65_536, 65_536, True)
-    text = run_cli("plan", str(tiny_llama), "--vram", "48GiB", "--batch", "100000", columns="200").stdout
+    text = run_cli("plan", str(tiny_llama), "--vram", "48GiB", columns="200").stdout
     assert re.search(r"48 GiB card .* yes .* ≥65,536\n", text), text
     assert "batch: ≥65,536 is the search's cap; a larger batch may fit too (plan it with --batch N)" in text
+    # a batch asked above the cap that fits is searched up to: the table says that batch, not the cap below it
+    r = run_cli("plan", str(tiny_llama), "--vram", "48GiB", "--batch", "100000", "--format", "json")
+    card = json.loads(r.stdout)["cards"][0]
+    assert (card["max_batch"], card["max_batch_search_cap"], card["max_batch_at_cap"]) == (100_000, 100_000, True)
+    text = run_cli("plan", str(tiny_llama), "--vram", "48GiB", "--batch", "100000", columns="200").stdout
+    assert re.search(r"48 GiB card .* yes .* ≥100,000\n", text) and "65,536" not in text, text
+    assert "batch: ≥100,000 is the batch asked; a larger batch may fit too (plan it with --batch N)" in text
     small = json.loads(run_cli("plan", str(tiny_llama), "--vram", "1GiB", "--format", "json").stdout)["cards"][0]
     assert small["max_batch_at_cap"] is False and 1 <= small["max_batch"] < 65_536
 
@@ -421,3 +447,119 @@ def test_vllm_plan_says_no_kv_cache_instead_of_a_negative_size():
     assert ("= KV cache    none: the terms above exceed the budget by 111.23 GiB ('Available KV cache memory' "
             "below zero)") in out
     assert "-111.23" not in out
+
+
+def test_a_second_card_fits_only_when_the_two_card_plan_fits():
+    """Llama-3.1-70B NF4 on an RTX 4090: device_map='auto' puts layers 0-35 and the input embeddings on card 0,
+    36-79 and lm_head on card 1, so card 1 holds more than half. At a 4,072-token prompt half of the model on each
+    card would fit (the old suggestion), but the two-card plan's card 1 is short: the suggestion must say no."""
+    from vramguard.plan import plan
+    from vramguard.plan.multigpu import plan_gpus
+    from vramguard.settings import Settings
+    for prompt, fits in ((4071, True), (4072, False)):  # 4,071: the two-card plan's largest prompt
+        p = plan("llama-3.1-70b", Settings(prompt_tokens=prompt), gpu="rtx-4090")
+        card, est = p.cards[0], p.estimate
+        second = next(c for c in p.changes if c.settings == {"gpus": 2})
+        two = plan_gpus(p.model, p.settings, gpus=[card.gpu, card.gpu], solve=False)
+        needs = [c.need_bytes for c in two.cards]
+        assert two.fits is fits and second.fits_on == (("rtx-4090",) if fits else ())
+        assert second.need_bytes == max(needs) == needs[1] and second.saved_bytes == est.device_used_bytes - needs[1]
+        assert f"{needs[0] / 2**30:.2f} GiB on card 0 and {needs[1] / 2**30:.2f} GiB on card 1" in second.description
+        even = est.device_used_bytes - (est.weights.total_bytes + est.kv_full.gpu_bytes) // 2
+        assert even <= card.usable_bytes  # an even split would have said "fits" both times
+
+
+@pytest.mark.parametrize("args", [
+    # two 80 GiB cards, 120,000 tokens: needs of 130.01 GiB cut "fits" to "fi…" at 80 columns before
+    ("llama-3.1-70b", "--quant", "bf16", "--vram", "80GiB,80GiB", "--prompt-tokens", "120000", "--context", "131072"),
+    # 1,000,000 tokens x 64: needs of 33,944 GiB per card, five digits before the point
+    ("llama-3.1-70b", "--quant", "bf16", "--vram", "80GiB,80GiB", "--prompt-tokens", "1000000", "--context",
+     "1048576", "--batch", "64"),
+    ("llama-3.1-70b", "--quant", "bf16", "--gpu", "rtx-6000-ada", "--prompt-tokens", "1000000", "--context",
+     "1048576", "--batch", "64"),
+])
+def test_no_header_or_cell_of_the_card_tables_is_cut_at_80_columns(args):
+    r = run_cli("plan", *args, columns="80")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert "…" not in r.stdout and all(len(line) <= 80 for line in lines), max(lines, key=len)
+    head = next(i for i, line in enumerate(lines) if line.split()[:1] == ["card"])
+    assert lines[head].split()[-1] == ("fits" if "," in args[4] else "batch"), lines[head]
+    from vramguard.cli.render import gib_cell
+    # the first card's row holds its need whole, as the JSON has it
+    card = json.loads(run_cli("plan", *args, "--format", "json").stdout)["cards"][0]
+    row = lines[head + 2].split()
+    assert row[-1 if "," in args[4] else -5] in ("yes", "no") and gib_cell(card["need_bytes"]) in row, row
+    # 33,944.05 GiB: whole GiB with separators; below 1,000 GiB two decimals
+    assert (gib_cell(int(33944.05 * 2**30)), gib_cell(int(999.99 * 2**30)), gib_cell(-int(1500 * 2**30))) == (
+        "33,944", "999.99", "-1,500")
+
+
+def test_missing_choices_come_from_a_click_choice_type_too():
+    """The click package's options carry their Choice type (``type.choices``); typer's vendored one has none, and
+    the choices come from the annotation of the command's function."""
+    import enum
+    from types import SimpleNamespace
+
+    from vramguard.cli.usage import _choices
+
+    class Color(enum.Enum):
+        red = "red"
+        blue = "blue"
+
+    def command(color: Color) -> None: ...
+    ctx = SimpleNamespace(command=SimpleNamespace(callback=command))
+    assert _choices(SimpleNamespace(name="color", type=SimpleNamespace(choices=("a", "b"))), None) == ["a", "b"]
+    assert _choices(SimpleNamespace(name="color"), ctx) == ["red", "blue"]
+    assert _choices(SimpleNamespace(name="other"), ctx) == [] and _choices(SimpleNamespace(name="x"), None) == []
+
+
+def test_a_line_of_code_in_a_library_text_stays_as_written():
+    from vramguard.cli.flags import as_flags
+    # the prose takes the CLI's words; the indented line of code keeps the library's keyword arguments
+    assert as_flags("pass seed=0, e.g.:\n    generate(m, seed=0)") == "pass --seed 0, e.g.:\n    generate(m, seed=0)"
+
+
+def test_the_kv_as_large_as_the_weights_warning_shows_a_tiny_models_real_sizes(tiny_llama):
+    from vramguard.plan import plan
+    from vramguard.settings import Settings
+    p = plan(str(tiny_llama), Settings(prompt_tokens=768), vram="24GiB")
+    # KV: 2 (K, V) x 2 layers x 2 KV heads x head_dim 16 x 2 B (bf16) x 1,024 tokens = 262,144 B = 256.00 KiB;
+    # the weights are 159,232 B (155.50 KiB): both were "0.00 GiB"
+    assert p.estimate.kv_full.gpu_bytes == 262_144 and p.estimate.weights.total_bytes == 159_232
+    f = next(f for f in p.findings if f.code == "kv_as_large_as_weights")
+    assert f.message == "the KV cache at 1,024 tokens (256.00 KiB) is as large as the weights (155.50 KiB)"
+
+
+def test_check_says_why_a_dtype_nobody_passed_is_checked(tiny_llama):
+    r = run_cli("check", str(tiny_llama), "--gpu", "t4", "--no-verify", "--format", "json")
+    f = _findings(r)["param_dtype"]
+    assert f["value"].startswith("fp16") and f["message"] == (
+        "none given: vramguard run and serve pass fp16 to from_pretrained; bfloat16 is not native on compute "
+        "capability 7.5 (t4); float16 is")
+    f = _findings(run_cli("check", str(tiny_llama), "--gpu", "a100-80gb", "--no-verify", "--format", "json"))
+    assert f["param_dtype"]["message"] == ("none given: vramguard run and serve pass bf16 to from_pretrained "
+                                           "(bfloat16 where the card supports it, else float16)")
+    # a dtype the user passes is said as passed
+    f = _findings(run_cli("check", str(tiny_llama), "--gpu", "t4", "--dtype", "fp16", "--no-verify", "--format",
+                          "json"))
+    assert f["param_dtype"]["message"] == "--dtype fp16 passed to from_pretrained"
+
+
+def test_check_lines_that_wrap_stay_under_their_item(tiny_llama):
+    r = run_cli("check", str(tiny_llama), "--gpu", "t4", "--no-verify", columns="80")
+    lines = r.stdout.splitlines()
+    body = lines[1:-1]  # between the title and the count of failures and warnings
+    starts = ("OK   ", "WARN ", "FAIL ", "INFO ", "     ")
+    assert body and all(line.startswith(starts) for line in body), [x for x in body if not x.startswith(starts)]
+    # the card's line is longer than 80 columns: its continuation is indented under the check's name
+    gpu = next(i for i, line in enumerate(lines) if line.startswith("OK   gpu: NVIDIA T4"))
+    assert lines[gpu + 1].startswith("     ") and "measured)" in lines[gpu + 1]
+
+
+def test_edit_distance_counts_a_swap_as_one_edit():
+    from vramguard.cli.usage import _nearest, edit_distance
+    # --vrma -> --vram: one swap (m, a); -> --format: 3 (v by f, insert o, insert t)
+    assert (edit_distance("--vrma", "--vram"), edit_distance("abc", "abc"), edit_distance("", "ab")) == (1, 0, 2)
+    assert edit_distance("--vrma", "--format") == 3 and edit_distance("kitten", "sitting") == 3
+    assert _nearest("--vrma", ["--vram", "--format"]) == ["--vram"] and _nearest("--x", []) == []

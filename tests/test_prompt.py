@@ -74,3 +74,24 @@ def test_cli_run_says_which_prompt_form_it_used(tmp_path):
     assert "prompt: 7 tokens, the tokenizer's chat template applied" in r.stderr
     r = run("--raw")
     assert r.returncode == 0 and "prompt: 2 tokens, raw text (--raw)" in r.stderr, r.stderr
+
+
+def test_run_with_context_counts_the_prompt_as_sent_in_both_lines(tmp_path):
+    """The context line's prompt and the prompt line count the same ids: those after the chat template (the
+    template adds [BOS] w1 ... [EOS] w2 w3: 5 tokens), or the raw text with --raw."""
+    import re
+    folder = save_tiny_llama(tmp_path / "m", hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                             num_attention_heads=4, num_key_value_heads=2, vocab_size=300)
+    _with_template(folder)
+    doc = tmp_path / "doc.txt"
+    doc.write_text("\n\n".join(" ".join(f"w{(i * 5 + j) % 290 + 3}" for j in range(20)) for i in range(4)))
+    counts = {}
+    for extra in ((), ("--raw",)):
+        r = run_cli("run", str(folder), "--prompt", "w7 w8", "--context", str(doc), "--max-new-tokens", "2", *extra,
+                    columns="300")
+        assert r.returncode == 0, r.stderr
+        packed = int(re.search(r"context: \d+ of \d+ chunks, prompt ([\d,]+) of", r.stderr).group(1).replace(",", ""))
+        sent = int(re.search(r"prompt: ([\d,]+) tokens, ", r.stderr).group(1).replace(",", ""))
+        assert packed == sent, r.stderr
+        counts[extra] = sent
+    assert counts[()] == counts[("--raw",)] + 5  # the same chunks, with the template's 5 tokens around them

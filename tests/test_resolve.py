@@ -108,11 +108,20 @@ def test_a_gguf_file_is_named_with_the_conversion(tmp_path):
     gguf = tmp_path / "m.Q4_1.gguf"
     gguf.write_bytes(b"GGUF" + (3).to_bytes(4, "little") + b"\xff\xfe\x00not json")  # magic, version 3, binary
     runs = (("plan", str(gguf)), ("check", str(gguf)), ("run", str(gguf), "--prompt", "Hi"), ("plan", str(tmp_path)))
+    import shlex
     for args in runs:
-        r = run_cli(*args, columns="400")
+        r = run_cli(*args, columns="80")
         assert r.returncode == 3, (args, r.stderr)
-        assert "m.Q4_1.gguf is a GGUF file" in r.stderr and "a transformers model folder" in r.stderr, args
-        assert "gguf_file='m.Q4_1.gguf'" in r.stderr and "c.save_pretrained(OUT)" in r.stderr, args
+        text = " ".join(r.stderr.split())
+        assert "m.Q4_1.gguf is a GGUF file" in text and "a transformers model folder" in text, args
         assert "UnicodeDecodeError" not in r.stderr and "tokenizer files" not in r.stderr, args
+        # the conversion is the last line, whole at 80 columns (indented, never wrapped), and runs as a command
+        code = r.stderr.splitlines()[-1]
+        assert code.startswith("    python -c '") and len(code) > 80, r.stderr
+        argv = shlex.split(code)
+        assert argv[:2] == ["python", "-c"] and len(argv) == 3
+        compile(argv[2], "<conversion>", "exec")
+        assert f'from_pretrained("{tmp_path}", gguf_file="m.Q4_1.gguf")' in argv[2]
+        assert 'c.save_pretrained("OUT")' in argv[2] and 'save_pretrained("OUT")' in argv[2].rsplit(";", 1)[1]
     (tmp_path / "notes.gguf").write_bytes(b"text, not GGUF")  # the magic decides, not the name
     assert not is_gguf(tmp_path / "notes.gguf") and is_gguf(gguf)

@@ -1,5 +1,6 @@
 """serve's small things: a log line per request and a throughput line, /v1/models' created, the fields current
-OpenAI clients send, /health without the key (no folder path) and HEAD /health."""
+OpenAI clients send, /health without the key (no folder path) and HEAD /health, the log's width on a terminal, and
+the unknown-parameter error's list of what is accepted."""
 
 from __future__ import annotations
 
@@ -41,6 +42,9 @@ def test_log_lines_created_new_fields_and_health(folder, capsys):
         msg = bad.json()["error"]["message"]
         assert bad.status_code == 400 and "README" not in msg and "service_tier" in msg and "prompt" in msg
         models = httpx.get(url + "/v1/models", headers=auth).json()["data"][0]
+        missing = httpx.get(url + "/v1/models/it's-gpt-4", headers=auth)  # quoted as JSON, as every error is
+        assert missing.status_code == 404 and missing.json()["error"]["message"] == (
+            f'model: "it\'s-gpt-4" is not served here; this server serves "{models["id"]}"')
         assert t0 - 5 <= models["created"] <= int(time.time())
         open_health = httpx.get(url + "/health").json()  # no key: no folder path, no notes
         assert open_health["status"] == "ok" and open_health["model"] == "tiny-llama" and open_health["notes"] == []
@@ -56,3 +60,59 @@ def test_log_lines_created_new_fields_and_health(folder, capsys):
     lines = re.findall(r"throughput: (\d+) tokens in \d+\.\d s \(\d+\.\d tokens/s\); \d running, \d waiting; "
                        r"KV blocks \d+ of 20", err)
     assert lines and sum(map(int, lines)) == 4, err  # the 4 generated tokens, in one line or split over two
+
+
+def test_serve_log_lines_wrap_at_the_terminals_width_on_a_terminal(monkeypatch):
+    import io
+    import logging
+    import sys
+
+    from vramguard.serve.access import LOG_COLUMNS, WrappedFormatter, log_columns
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    words = ", ".join(f"field_{i}" for i in range(40))  # 398 characters
+    record = logging.LogRecord("vramguard.serve", logging.WARNING, __file__, 1, "refused: %s", (words,), None)
+    monkeypatch.setenv("COLUMNS", "80")
+    monkeypatch.setattr(sys, "stderr", Terminal())
+    assert log_columns() == 80
+    lines = WrappedFormatter().format(record).splitlines()
+    assert max(len(x) for x in lines) <= 80 and max(len(x) for x in lines) > 70 and len(lines) == 6
+    monkeypatch.setenv("COLUMNS", "20")  # a very narrow terminal: lines of 40
+    assert log_columns() == 40
+    monkeypatch.setattr(sys, "stderr", io.StringIO())  # a file or a pipe: 120, whatever COLUMNS says
+    assert log_columns() == LOG_COLUMNS == 120
+    assert max(len(x) for x in WrappedFormatter().format(record).splitlines()) > 80
+    monkeypatch.delenv("COLUMNS")  # a terminal whose size cannot be read (no file descriptor): 120
+    assert log_columns(Terminal()) == 120
+
+
+OFF_VALUES = {"seed": 1, "presence_penalty": 0.5, "frequency_penalty": 0.5, "logit_bias": {"1": 1.0}, "logprobs": True,
+              "echo": True, "suffix": "x", "best_of": 2, "tools": [{"type": "function"}], "tool_choice": "auto",
+              "top_logprobs": 2}
+
+
+@pytest.mark.parametrize("schema_name,body", [
+    ("CompletionRequest", {"model": "tiny", "prompt": "hi"}),
+    ("ChatRequest", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}),
+])
+def test_the_unknown_parameter_error_lists_as_accepted_only_what_is(schema_name, body):
+    pytest.importorskip("fastapi")
+    from vramguard.serve import schemas
+    from vramguard.serve.apierrors import ApiError
+    from vramguard.serve.validate import check_fields, to_request
+    schema = getattr(schemas, schema_name)
+    with pytest.raises(ApiError) as e:
+        to_request({**body, "zzz": 1}, schema)
+    accepted, off = e.value.message.split("; accepted: ", 1)[1].split("; not implemented, ")
+    accepted = accepted.split(", ")
+    assert "seed" not in accepted and "logprobs" not in accepted and "model" in accepted and "stop" in accepted
+    assert not set(accepted) & set(schema.OFF_ONLY) and off.endswith(": " + ", ".join(schema.OFF_ONLY))
+    # each field said "off only" is refused at any other value, and accepted at its default
+    for name in schema.OFF_ONLY:
+        with pytest.raises(ApiError) as e:
+            check_fields(to_request({**body, name: OFF_VALUES[name]}, schema), None)
+        assert (e.value.code, e.value.param) == ("unsupported_parameter", name)
+    assert to_request(body, schema).unsupported() is None

@@ -91,7 +91,7 @@ def test_weights_larger_than_the_card_are_said_plainly():
 
 def test_when_no_setting_fits_the_changes_of_hardware_come_with_the_bytes_they_need():
     """Llama-3.1-70B in NF4 on an RTX 4090: the weights alone exceed it, so KV changes cannot help; what fits is
-    weights in CPU RAM (the shortfall), a second card (half the weights and KV on each) or a larger card."""
+    weights in CPU RAM (the shortfall), a second card (the two-card plan's split) or a larger card."""
     p = plan("llama-3.1-70b", Settings(), gpu="rtx-4090", alloc_conf=None)  # the changes are the formula's
     card, need = p.cards[0], p.estimate.device_used_bytes
     assert not card.fits
@@ -101,8 +101,10 @@ def test_when_no_setting_fits_the_changes_of_hardware_come_with_the_bytes_they_n
     offload, second, larger = top
     assert offload.settings["cpu_offload_bytes"] == need - card.usable_bytes == offload.saved_bytes
     assert offload.need_bytes == card.usable_bytes and "rtx-4090" in offload.fits_on
-    half = (p.estimate.weights.total_bytes + p.estimate.kv_full.gpu_bytes) // 2
-    assert second.need_bytes == need - half and "rtx-4090" in second.fits_on
+    # the second card is the two-card plan's split (its fuller card), not half the model on each
+    from vramguard.plan.multigpu import plan_gpus
+    two = plan_gpus(p.model, p.settings, gpus=[card.gpu, card.gpu], solve=False)
+    assert second.need_bytes == max(c.need_bytes for c in two.cards) and two.fits and "rtx-4090" in second.fits_on
     # the smallest catalog card whose reported total holds the need
     smallest = min((g for g in GPUS.values() if g.total_bytes >= need), key=lambda g: g.total_bytes)
     assert larger.settings == {"gpu": smallest.name} and larger.fits_on == (smallest.name,)

@@ -50,17 +50,21 @@ def is_gguf(path: Path) -> bool:
 def gguf_error(path: Path, model: str) -> UnknownModel:
     """The error for a GGUF file given where a transformers model is expected: what it is, and how to convert it
     (transformers reads GGUF dequantized with ``from_pretrained(folder, gguf_file=name)``; a model loaded that way
-    refuses ``save_pretrained``, so its state_dict goes into a ``from_config`` model that is saved)."""
-    folder, name = path.parent, path.name
+    refuses ``save_pretrained``, so its state_dict goes into a ``from_config`` model that is saved). The conversion
+    is one shell command on a line of its own, indented by 4 spaces (a line of code, never wrapped)."""
+    import json
+    import shlex
+    folder, name = json.dumps(str(path.parent)), json.dumps(path.name)
+    program = (f"from transformers import AutoModelForCausalLM as M, AutoTokenizer as T; "
+               f"m = M.from_pretrained({folder}, gguf_file={name}); c = M.from_config(m.config).to(m.dtype); "
+               'c.load_state_dict(m.state_dict()); c.save_pretrained("OUT"); '
+               f'T.from_pretrained({folder}, gguf_file={name}).save_pretrained("OUT")')
     return UnknownModel(
         "MODEL", model, "a transformers model folder (config.json and safetensors weights); "
-        f"{name} is a GGUF file (llama.cpp's format), which vramguard does not read",
-        "plan the model's Hub id, or convert the file to a folder OUT with transformers (needs the gguf package; "
-        f"the weights come out dequantized): m = AutoModelForCausalLM.from_pretrained({str(folder)!r}, "
-        f"gguf_file={name!r}); m.save_pretrained refuses a model loaded from GGUF, so save a copy: "
-        "c = AutoModelForCausalLM.from_config(m.config).to(m.dtype); c.load_state_dict(m.state_dict()); "
-        f"c.save_pretrained(OUT); AutoTokenizer.from_pretrained({str(folder)!r}, gguf_file={name!r})"
-        ".save_pretrained(OUT); then pass OUT")
+        f"{path.name} is a GGUF file (llama.cpp's format), which vramguard does not read",
+        "plan the model's Hub id, or convert the file to a folder OUT with transformers, then pass OUT (needs the "
+        "gguf package; the weights come out dequantized; a model loaded from GGUF refuses save_pretrained, so a copy "
+        f"is saved):\n    python -c {shlex.quote(program)}")
 
 
 def _refuse_gguf(p: Path, model: str) -> None:
@@ -169,7 +173,7 @@ def resolve_model(model: str, revision: str | None = None) -> ModelSpec:
                 raise HubError(e.field, e.value, e.accepted, f"{e.fix}; or plan a catalog name: {hint}") from None
             raise
     if model.startswith((".", "/", "~")) or model.endswith(".json"):
-        raise UnknownModel("MODEL", model, ACCEPTED_MODEL_FORMS, f"no such file or folder: {p.absolute()}")
+        raise UnknownModel("MODEL", model, ACCEPTED_MODEL_FORMS, missing_path_fix(model))
     raise UnknownModel("MODEL", model, ACCEPTED_MODEL_FORMS, "pass a Hub id (owner/name), a model folder, or a "
                        "catalog name: " + (_catalog_hint(model) or "vramguard.catalog.models.MODELS lists them"))
 
@@ -206,6 +210,12 @@ def _catalog_hint(model: str) -> str | None:
     return f"{near} is this architecture" if same else f"{near} is the closest (check that its shapes are your model's)"
 
 
+def missing_path_fix(model: str) -> str:
+    """The fix for a path that does not exist: what to do, and the absolute path that was looked for."""
+    return (f"check the path, or pass the folder that holds config.json (no such file or folder: "
+            f"{Path(model).expanduser().absolute()})")
+
+
 def local_model_folder(model: str) -> Path:
     """:func:`model_folder`, for the commands that load weights.
 
@@ -217,7 +227,7 @@ def local_model_folder(model: str) -> Path:
     if folder is not None:
         return folder
     if str(model).startswith((".", "/", "~")) or str(model).endswith(".json"):
-        fix = f"no such file or folder: {Path(model).expanduser().absolute()}"
+        fix = missing_path_fix(model)
     else:
         fix = "download the model first (a catalog name has no weights: use it with plan)"
     raise UnknownModel("MODEL", model, "a local model folder or a cached model id with weights", fix)

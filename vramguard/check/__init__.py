@@ -80,10 +80,12 @@ def check(model: str | None = None, settings: Settings | None = None, *, dtype: 
     hub_ckpt = checkpoint_info(spec) if spec is not None and folder is None else None
     ckpt = read_checkpoint(folder) if folder else hub_ckpt or (
         CheckpointInfo("", (), None, None, spec.checkpoint_dtype, False) if spec else None)
+    given_dtype = dtype
     if loader_defaults and not unquantized and (dtype is None or compute_dtype is None):
         compute_dtype, dtype = _loader_dtypes(card, s, compute_dtype, dtype)
     param_dtype, why = resolve_param_dtype(dtype, ckpt, env.transformers_version,
                                            "none" if unquantized else s.quant)
+    why = _default_dtype_why(card, dtype, why) if given_dtype is None and dtype is not None else why
     if unquantized:
         s = s.with_(quant=param_dtype, compute_dtype=None, dtype=None)
     compute = compute_dtype or ("fp32" if s.is_4bit else None)
@@ -142,6 +144,18 @@ def _loader_dtypes(card, s: Settings, compute_dtype: str | None, dtype: str | No
     asked_bf16 = "bf16" in (dtype, compute_dtype)
     cd, dt = choose_dtypes(None if asked_bf16 else card, s.quant, compute_dtype, dtype, None, False)
     return compute_dtype or (cd if s.is_4bit else None), dtype or dt
+
+
+def _default_dtype_why(card, dtype: str, why: str) -> str:
+    """Why a dtype nobody passed is checked (``why``: the reason :func:`resolve_param_dtype` gives for ``dtype``):
+    what :func:`vramguard.runtime.load.choose_dtypes` passes, and why."""
+    from vramguard.runtime.load import _not_native
+    if not why.startswith(f"dtype={dtype} passed"):
+        return why  # the dtype is not what decides (e.g. quant=bf16 weights)
+    head = f"none given: vramguard run and serve pass {dtype} to from_pretrained"
+    if card is not None and card.supports_bf16 is False:
+        return f"{head}; {_not_native(card)}"
+    return f"{head} (bfloat16 where the card supports it, else float16)"
 
 
 def _plan_findings(model, spec, s: Settings, card, env, device_map) -> list[Finding]:

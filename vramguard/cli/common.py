@@ -26,8 +26,10 @@ err = console(stderr=True)
 
 def say(text: str) -> None:
     """``text`` on stderr in the CLI's words (:func:`~vramguard.cli.flags.as_flags`: a library field becomes its
-    option), with no rich markup or highlighting."""
-    err.print(as_flags(text), markup=False, highlight=False)
+    option), with no rich markup or highlighting; a line indented by 4 spaces is code, printed whole (never
+    wrapped: it can be copied as one line)."""
+    for line in as_flags(text).split("\n"):
+        err.print(line, markup=False, highlight=False, soft_wrap=line.startswith("    "))
 
 
 def write_json(data) -> None:

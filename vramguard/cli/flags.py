@@ -48,7 +48,8 @@ def as_flags(text: str | None) -> str | None:
     ``chunk_tokens=200`` -> ``--chunk-tokens 200``, ``file='-'`` -> ``--file -``, ``chat=False`` -> ``--raw``; a
     bare ``vram_budget=`` (the parameter, no value) -> ``--vram-budget``; a Python value (``dtype=torch.float16``)
     and from_pretrained's own ``device_map=`` / ``max_memory=`` stay as written; a bare ``alloc_conf`` ->
-    ``--alloc-conf``; a library object becomes the command that lists it."""
+    ``--alloc-conf``; a library object becomes the command that lists it. A line indented by 4 spaces is code
+    and stays as written."""
     def flag(m: re.Match) -> str:
         name, value = m.group(1), m.group(2).strip("'")
         if f"{name}={value}" in KWARG_FLAGS:
@@ -64,6 +65,8 @@ def as_flags(text: str | None) -> str | None:
         return m.group(0) if keep else opt
     if text is None:
         return None
+    if "\n    " in text or text.startswith("    "):  # a line of code (indented by 4 spaces) stays as written
+        return "\n".join(line if line.startswith("    ") else as_flags(line) for line in text.split("\n"))
     for obj, command in OBJECT_COMMANDS.items():
         text = text.replace(obj, command)
     return _WORDS.sub(lambda m: FIELD_FLAGS[m.group(1)], _BARE.sub(bare, _KWARG.sub(flag, text)))

@@ -192,11 +192,12 @@ def _where(c, device_map: str = "auto") -> str:
 
 
 def print_plan(p, out) -> None:
-    """The per-card table (GiB, one line per card in 80 columns), the limiting card and the largest prompt."""
+    """The per-card table (GiB, :func:`~vramguard.cli.render.gib_cell`; one line per card in 80 columns, no cell
+    cut), the limiting card and the largest prompt."""
     from rich import box
     from rich.table import Table
 
-    from vramguard.cli.render import short_label, source_label
+    from vramguard.cli.render import gib_cell, short_label, source_label
     s = p.settings
     how = (f"tp_plan='auto' over {len(p.cards)} ranks, {p.split.kv_heads_per_rank} KV heads per rank"
            if p.layout == "tp" else f"device_map='{p.device_map}' over {len(p.cards)} cards")
@@ -205,14 +206,14 @@ def print_plan(p, out) -> None:
     if source_label(p.model) != p.model.name:
         out.print(f"({source_label(p.model)})", highlight=False)
     t = Table(title="Per card (GiB): weights, KV cache of its layers, activations, allocator reserve, CUDA context "
-              "+ cuBLAS workspace", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+              "+ cuBLAS workspace", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
     for col in ("card", "weights", "KV", "act.", "resv.", "ctx.", "need", "memory", "fits"):
-        t.add_column(col, justify="left" if col == "card" else "right", no_wrap=True)
+        t.add_column(col, justify="left" if col == "card" else "right", no_wrap=col != "card")
     for c in p.cards:
-        t.add_row(f"{c.card} {short_label(c.gpu.label)[:11]}", *(f"{v / 2**30:.2f}" for v in (
+        t.add_row(f"{c.card} {short_label(c.gpu.label)[:11]}", *(gib_cell(v) for v in (
             c.weights_bytes, c.kv_cache_bytes, c.activation_bytes, c.reserve_bytes,
             c.cuda_context_bytes + c.cublas_workspace_bytes, c.need_bytes, c.usable_bytes)),
-            "[green]yes[/green]" if c.fits else "[red]no[/red]")
+                  "[green]yes[/green]" if c.fits else "[red]no[/red]")
     out.print(t)
     for c in p.cards:
         out.print(f"card {c.card}: {_where(c, p.device_map)}")

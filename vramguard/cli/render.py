@@ -14,7 +14,7 @@ from rich.text import Text
 from vramguard.catalog.gpus import GPUS
 from vramguard.cli.flags import as_flags
 from vramguard.plan import Plan
-from vramguard.plan.solve import MAX_BATCH_SEARCH
+from vramguard.plan.solve import batch_search_cap
 from vramguard.units import fmt_bytes, fmt_tokens, plural
 
 LABELS = {
@@ -127,9 +127,17 @@ def _n(v: int | None) -> str:
     return "none" if v is None else f"{v:,}"
 
 
-def _batch_cell(v: int | None) -> str:
-    """The largest batch that fits, as a bound at the solver's search cap (the batch may be larger)."""
-    return f"≥{v:,}" if v == MAX_BATCH_SEARCH else _n(v)
+def _batch_cell(v: int | None, cap: int) -> str:
+    """The largest batch that fits, as a bound at the solver's search cap ``cap`` (the batch may be larger)."""
+    return f"≥{v:,}" if v == cap else _n(v)
+
+
+def gib_cell(n: int) -> str:
+    """``n`` bytes in GiB for a table cell without the unit: two decimals below 1,000 GiB, whole GiB with
+    thousands separators above (so that a cell stays within 7 characters up to 9,999,999 GiB and a row of sizes
+    keeps to 80 columns)."""
+    gib = n / 2**30
+    return f"{gib:.2f}" if abs(gib) < 1000 else f"{gib:,.0f}"
 
 
 def to_jsonable(obj: Any) -> Any:
@@ -178,8 +186,8 @@ def plan_to_json(p: Plan) -> dict:
         "decode": to_jsonable(est.decode),
         "logits_case": p.logits_case,
         "cards_reason": as_flags(p.cards_reason),
-        "cards": [{**to_jsonable(c), "gpu": to_jsonable(c.gpu), "max_batch_search_cap": MAX_BATCH_SEARCH,
-                   "max_batch_at_cap": c.max_batch == MAX_BATCH_SEARCH} for c in p.cards],
+        "cards": [{**to_jsonable(c), "gpu": to_jsonable(c.gpu), "max_batch_search_cap": batch_search_cap(p.settings),
+                   "max_batch_at_cap": c.max_batch == batch_search_cap(p.settings)} for c in p.cards],
         "findings": [finding_to_json(f) for f in p.findings],
         "changes": to_jsonable(p.changes),
     }
@@ -298,20 +306,22 @@ def source_label(spec) -> str:
 
 
 def _print_cards(c: Console, p: Plan) -> None:
-    """The cards table: one line per card in 80 columns (sizes in GiB without the unit in each cell, no vertical
-    rules), and the note on a batch at the solver's search cap."""
+    """The cards table: one line per card in 80 columns (sizes in GiB without the unit in each cell,
+    :func:`gib_cell`; no vertical rules; a card name too long wraps in its cell, no cell is cut), and the note on a
+    batch at the solver's search cap."""
     ct = Table(title="Cards (GiB); the largest prompt, new tokens, batch that fit",
-               title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+               title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
     for col in ("card", "memory", "need", "fits", "headroom", "prompt", "new", "batch"):
-        ct.add_column(col, justify="left" if col == "card" else "right", no_wrap=True)
+        ct.add_column(col, justify="left" if col == "card" else "right", no_wrap=col != "card")
+    cap = batch_search_cap(p.settings)
     for v in p.cards:
-        ct.add_row(short_label(v.gpu.label), f"{v.usable_bytes / 2**30:.2f}", f"{v.need_bytes / 2**30:.2f}",
-                   "[green]yes[/green]" if v.fits else "[red]no[/red]", f"{v.headroom_bytes / 2**30:.2f}",
-                   _n(v.max_prompt_tokens), _n(v.max_new_tokens), _batch_cell(v.max_batch))
+        ct.add_row(short_label(v.gpu.label), gib_cell(v.usable_bytes), gib_cell(v.need_bytes),
+                   "[green]yes[/green]" if v.fits else "[red]no[/red]", gib_cell(v.headroom_bytes),
+                   _n(v.max_prompt_tokens), _n(v.max_new_tokens), _batch_cell(v.max_batch, cap))
     c.print(ct)
-    if any(v.max_batch == MAX_BATCH_SEARCH for v in p.cards):
-        c.print(f"batch: ≥{MAX_BATCH_SEARCH:,} is the search's cap; a larger batch may fit too (plan it with "
-                "--batch N)")
+    if any(v.max_batch == cap for v in p.cards):
+        where = "the batch asked" if cap == p.settings.batch else "the search's cap"
+        c.print(f"batch: ≥{cap:,} is {where}; a larger batch may fit too (plan it with --batch N)")
 
 
 def print_plan(p: Plan, console: Console | None = None) -> None:
@@ -408,13 +418,16 @@ def check_to_json(r) -> dict:
 
 
 def print_check(r, console: Console | None = None) -> None:
-    """Human-readable check: one line per finding (status, check, value), then its reason and fix, indented."""
+    """Human-readable check: one line per finding (status, check, value; wrapped lines under the check's name),
+    then its reason and fix, indented."""
     c = console or Console()
     color = {"ok": "green", "warn": "yellow", "fail": "red", "info": "cyan"}
     c.print("[bold]vramguard check[/bold]" + (f" - {r.model}" if getattr(r, "model", None) else ""))
     for f in r.findings:
-        c.print(f"[{color.get(f.level, 'white')}]{f.level.upper():4}[/] [bold]{f.code}[/bold]: {f.value}",
-                highlight=False)
+        head = Text.assemble((f"{f.level.upper():4}", color.get(f.level, "white")), " ", (f.code, "bold"),
+                             f": {f.value}")
+        for i, line in enumerate(head.wrap(c, max(c.width - 5, 40))):
+            c.print(Text(" " * 5) + line if i else line, highlight=False)
         if f.message:
             c.print(Padding(Text(as_flags(f.message), style="dim" if f.level == "ok" else ""), (0, 0, 0, 5)))
         if f.fix:

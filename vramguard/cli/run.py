@@ -69,7 +69,8 @@ def run(
             raise no_tokenizer_error(model, "the loaded model has no tokenizer")
         stream = None if fmt == Format['json'] else (lambda t: (sys.stdout.write(t), sys.stdout.flush()))
         if context:
-            text = _with_context(loaded, text, context, summarize, chunk_tokens, max_new_tokens, budget, auto)
+            text = _with_context(loaded, text, context, summarize, chunk_tokens, max_new_tokens, budget, auto,
+                                 chat_template)
             prepared = prepare_prompt(loaded.tokenizer, text, chat_template)
         say(f"prompt: {plural(len(prepared.ids), 'token')}, {prepared.reason}")
         return generate_fn(loaded.model, loaded.tokenizer, prepared.ids, max_new_tokens, budget_bytes=budget,
@@ -106,12 +107,13 @@ def _read_prompt(prompt: str | None, prompt_file: str | None) -> str:
     return text
 
 
-def _with_context(loaded, question, files, summarize, chunk_tokens, max_new_tokens, budget, auto) -> str:
-    """:func:`vramguard.run.context.context_prompt`, its summary line on stderr."""
+def _with_context(loaded, question, files, summarize, chunk_tokens, max_new_tokens, budget, auto, chat) -> str:
+    """:func:`vramguard.run.context.context_prompt` (the prompt counted as it is sent, with ``chat``), its summary
+    line on stderr."""
     from vramguard.run.context import context_prompt
     packed, limit = context_prompt(loaded.model, loaded.tokenizer, question, files, chunk_tokens=chunk_tokens,
                                    max_new_tokens=max_new_tokens, budget_bytes=budget, auto=auto,
-                                   summarize=summarize)
+                                   summarize=summarize, chat=chat)
     say(f"context: {len(packed.used)} of {packed.total_chunks} chunks"
         + (" (summarized)" if packed.summarized else "") + f", prompt {packed.prompt_tokens:,} of "
         f"{limit:,} tokens the plan allows" + ("; " + "; ".join(packed.notes) if packed.notes else ""))

@@ -1,8 +1,9 @@
 """click's own usage errors (a value of the wrong type, an unknown choice or option, a missing value or argument) in
 vramguard's two-line form: ``error FIELD: 'VALUE' is not valid; accepted: ...`` then ``fix: ...``, the form of
 :meth:`vramguard.errors.VramguardError.render`. Reads the exception's documented attributes only (``param``,
-``option_name``, ``possibilities``, ``ctx``), each looked up with a default, so that the click typer vendors and the
-click package read the same; anything else keeps click's own message."""
+``option_name``, ``possibilities``, ``ctx``; a missing parameter's choices from its command's ``callback``), each
+looked up with a default, so that the click typer vendors and the click package read the same; anything else keeps
+click's own message."""
 
 from __future__ import annotations
 
@@ -38,16 +39,20 @@ def usage_error_text(e, argv: list[str]) -> str:
         return InvalidValue("ARGUMENT", m.group(1), f"the arguments of {command} ({help_hint})",
                             "quote a value that holds spaces, and give each option its name").render()
     if name == "NoSuchOption":
-        near = list(getattr(e, "possibilities", None) or [])
+        given = getattr(e, "option_name", None) or "?"
+        near = _nearest(given, list(getattr(e, "possibilities", None) or []))
         fix = f"did you mean {' or '.join(near[:3])}?" if near else f"check the spelling in {help_hint}"
-        return InvalidValue("OPTION", getattr(e, "option_name", None) or "?",
-                            f"an option of {command} ({help_hint} lists them)", fix).render()
+        return InvalidValue("OPTION", given, f"an option of {command} ({help_hint} lists them)", fix).render()
     if name == "BadOptionUsage" and "requires an argument" in message:
         flag = getattr(e, "option_name", None) or "the option"
         return InvalidValue(flag, "none given", "a value after the option",
                             f"pass {flag} VALUE ({help_hint} says which values)").render()
     if name == "MissingParameter" and param is not None:
         field = _field(param)
+        choices = _choices(param, ctx)
+        if choices:
+            return InvalidValue(field, "none given", ", ".join(choices),
+                                f"pass one of them, e.g. {command} ... {field} {choices[0]}").render()
         return InvalidValue(field, "none given", f"a {field} ({help_hint} says which)",
                             f"pass it: {command} {field} ...").render()
     if name == "BadParameter" and param is not None:
@@ -60,9 +65,59 @@ def usage_error_text(e, argv: list[str]) -> str:
                                 f"{choices[0]}").render()
         accepted = next((words for key, words in _TYPE_WORDS if key in detail), detail.rstrip("."))
         value = _given(field, argv)
-        return InvalidValue(field, value if value is not None else "?", accepted,
-                            f"pass {field} with {accepted} ({help_hint})").render()
+        value = value if value is not None else "?"
+        if accepted == "an integer" and _integer_range(field):
+            return InvalidValue(field, value, _integer_range(field),
+                                f"pass a whole number in that range, e.g. {field} 0").render()
+        return InvalidValue(field, value, accepted, f"pass {field} with {accepted} ({help_hint})").render()
     return f"{message}\nfix: see {help_hint} for the accepted values"
+
+
+def edit_distance(a: str, b: str) -> int:
+    """Edits (insert, delete, replace, swap of two neighbours) that turn ``a`` into ``b``: the optimal string
+    alignment distance (Damerau-Levenshtein without repeated edits of a substring)."""
+    d = [[i + j if i * j == 0 else 0 for j in range(len(b) + 1)] for i in range(len(a) + 1)]
+    for i in range(1, len(a) + 1):
+        for j in range(1, len(b) + 1):
+            d[i][j] = min(d[i - 1][j] + 1, d[i][j - 1] + 1, d[i - 1][j - 1] + (a[i - 1] != b[j - 1]))
+            if i > 1 and j > 1 and a[i - 1] == b[j - 2] and a[i - 2] == b[j - 1]:
+                d[i][j] = min(d[i][j], d[i - 2][j - 2] + 1)
+    return d[len(a)][len(b)]
+
+
+def _nearest(given: str, possibilities: list[str]) -> list[str]:
+    """Of click's close matches, those fewest edits away from ``given`` (``--vrma``: ``--vram``, one swap, and
+    not ``--format``), in click's order."""
+    if not possibilities:
+        return []
+    best = min(edit_distance(given, p) for p in possibilities)
+    return [p for p in possibilities if edit_distance(given, p) == best]
+
+
+def _choices(param, ctx) -> list[str]:
+    """The values a parameter accepts, or []: its click ``Choice`` type's ``choices`` where it has one, else the
+    members of the Enum its command's function is annotated with (``ctx.command.callback``, unwrapped; the
+    parameter objects of typer >= 0.20 carry no click type)."""
+    import enum
+    import inspect
+    import typing
+    choices = getattr(getattr(param, "type", None), "choices", None)
+    if choices:
+        return [str(getattr(c, "value", c)) for c in choices]
+    callback = getattr(getattr(ctx, "command", None), "callback", None)
+    try:
+        hint = typing.get_type_hints(inspect.unwrap(callback)).get(getattr(param, "name", None)) if callback else None
+    except (NameError, TypeError):
+        return []
+    return [str(m.value) for m in hint] if isinstance(hint, type) and issubclass(hint, enum.Enum) else []
+
+
+def _integer_range(field: str) -> str | None:
+    """What an integer option accepts, where the library's own check has a range to say (the sampling seed's)."""
+    if field == "--seed":
+        from vramguard.run.generate import SEED_ACCEPTED
+        return SEED_ACCEPTED
+    return None
 
 
 def _field(param) -> str:

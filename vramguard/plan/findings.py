@@ -119,8 +119,8 @@ def _memory_findings(p: Plan, out: list) -> None:
     if est.kv_full.gpu_bytes + est.kv_full.cpu_bytes >= est.weights.total_bytes:
         kv = est.kv_full.gpu_bytes + est.kv_full.cpu_bytes
         out.append(Finding("kv_as_large_as_weights", "warn",
-                           f"the KV cache at {s.total_tokens:,} tokens ({fmt_gib(kv)}) is as large as the weights "
-                           f"({fmt_gib(est.weights.total_bytes)})",
+                           f"the KV cache at {s.total_tokens:,} tokens ({fmt_bytes(kv)}) is as large as the weights "
+                           f"({fmt_bytes(est.weights.total_bytes)})",
                            "quantize the KV cache (kv_dtype=int8/int4) or shorten the context", kv))
     if s.resolved_kv_dtype in ("int8", "int4"):
         from vramguard.memory.kv import SCALE_ZERO_BYTES
@@ -128,7 +128,7 @@ def _memory_findings(p: Plan, out: list) -> None:
         packed, extra = KV_BITS[s.resolved_kv_dtype] / 8, SCALE_ZERO_BYTES / s.kv_group_size
         kv = est.kv_full.gpu_bytes + est.kv_full.cpu_bytes
         out.append(Finding("kv_quantized_format", "info",
-                           f"{s.resolved_kv_dtype} KV cache ({fmt_gib(kv)} at {s.total_tokens:,} tokens): "
+                           f"{s.resolved_kv_dtype} KV cache ({fmt_bytes(kv)} at {s.total_tokens:,} tokens): "
                            f"{packed:g} B per value plus a 16-bit scale and a 16-bit zero-point per group of "
                            f"{s.kv_group_size} values ({extra:g} B per value, +{100 * extra / packed:.1f}% over the "
                            f"packed values); the last {s.kv_residual_length} tokens stay in 16-bit "

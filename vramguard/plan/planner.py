@@ -9,6 +9,7 @@ from __future__ import annotations
 from vramguard.catalog.gpus import GpuSpec
 from vramguard.plan.estimator import CardVerdict, MemoryEstimate, Plan, estimate, verdict
 from vramguard.plan.findings import plan_findings
+from vramguard.plan.limits import check_context
 from vramguard.plan.solve import ranked_changes, solve_card
 from vramguard.settings import Settings
 from vramguard.spec import ModelSpec
@@ -140,24 +141,3 @@ def _with_allocator(spec: ModelSpec, s: Settings, est: MemoryEstimate, cards: li
                            f"pip install 'vramguard[gpu]', or leave alloc_conf out ({e})") from None
     from vramguard.plan.allocator import with_allocator
     return with_allocator(spec, s, est, cards, alloc_conf, solve)
-
-
-def check_context(spec: ModelSpec, s: Settings,
-                  beyond: str | None = " (a RoPE-scaled model may allow more: plan with context=N)") -> None:
-    """Raise InvalidValue when ``prompt + new tokens`` exceeds the model's ``max_position_embeddings``; ``beyond``
-    ends the fix (how to plan past the config's context; None where that is not possible, e.g. a loaded model)."""
-    from vramguard.errors import InvalidValue
-    ctx, prompt, new = spec.max_position_embeddings, s.prompt_tokens, s.max_new_tokens
-    if s.total_tokens > ctx:
-        def tokens(n: int, kind: str = "") -> str:
-            return f"{n:,} {kind}token" + ("" if n == 1 else "s")
-        ways = []
-        if prompt < ctx:
-            ways.append(f"at most {tokens(ctx - prompt, 'new ')} with this prompt")
-        if new < ctx:
-            ways.append(f"a prompt of at most {tokens(ctx - new)} with {tokens(new, 'new ')}")
-        if not ways:
-            ways.append(f"prompt and new tokens together at most {ctx:,} (e.g. {ctx - ctx // 2:,} + {ctx // 2:,})")
-        raise InvalidValue("prompt + new tokens", f"{prompt:,} + {new:,} = {s.total_tokens:,}",
-                           f"at most the model's context, max_position_embeddings={ctx}",
-                           " or ".join(ways) + (beyond or ""))

@@ -10,11 +10,11 @@ replay of transformers' forward (a generic spec).
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Callable
 
 from vramguard.catalog.gpus import GpuSpec
 from vramguard.errors import VramguardError
 from vramguard.plan.estimator import CardVerdict, Change, estimate, need_bytes
+from vramguard.plan.limits import largest as _largest
 from vramguard.settings import Settings
 from vramguard.spec import ModelSpec
 
@@ -24,38 +24,6 @@ MIN_USEFUL_TOKENS = 64  # a shorter prompt or generation below this is no answer
 
 def _need(spec: ModelSpec, s: Settings) -> int:
     return need_bytes(spec, s)
-
-
-def _largest(lo: int, hi: int, need: Callable[[int], int], usable: int) -> int | None:
-    """Largest ``v`` in ``[lo, hi]`` with ``need(v) <= usable``, for a non-decreasing ``need``; None if none.
-
-    Keeps a bracket ``need(a) <= usable < need(b)`` and tries the point where the straight line between its ends
-    crosses ``usable``; a step that leaves more than half of the bracket is followed by a bisection.
-    """
-    if hi < lo:
-        return None
-    f_lo = need(lo)
-    if f_lo > usable:
-        return None
-    f_hi = need(hi)
-    if f_hi <= usable:
-        return hi
-    a, b, fa, fb = lo, hi, f_lo, f_hi
-    bisect = False
-    while b - a > 1:
-        if bisect or fb <= fa:
-            mid = (a + b) // 2
-        else:
-            mid = a + int((usable - fa) * (b - a) / (fb - fa))
-            mid = min(max(mid, a + 1), b - 1)
-        width = b - a
-        f = need(mid)
-        if f <= usable:
-            a, fa = mid, f
-        else:
-            b, fb = mid, f
-        bisect = (b - a) * 2 > width and not bisect
-    return a
 
 
 def _linear_guess(x0: int, f0: int, x1: int, f1: int, usable: int, hi: int) -> int:
@@ -78,8 +46,14 @@ def max_new_tokens(spec: ModelSpec, s: Settings, usable_bytes: int) -> int | Non
     return _largest(0, hi, lambda n: _need(spec, _with(s, max_new_tokens=n)), usable_bytes)
 
 
+def batch_search_cap(s: Settings) -> int:
+    """Where the batch search stops: :data:`MAX_BATCH_SEARCH`, or the batch of ``s`` when it is larger (so that a
+    batch asked for that fits is found). A result equal to it is a bound: a larger batch may fit too."""
+    return max(MAX_BATCH_SEARCH, s.batch)
+
+
 def max_batch(spec: ModelSpec, s: Settings, usable_bytes: int) -> int | None:
-    """Largest batch that fits, up to :data:`MAX_BATCH_SEARCH` (a bound: a larger one may fit too), or None when
+    """Largest batch that fits, up to :func:`batch_search_cap` (a bound: a larger one may fit too), or None when
     1 does not. The need is nearly linear in the batch:
     the line through batch 1 and 2 gives the first upper end of the bracket (doubled while it still fits), then
     :func:`_largest` finds the exact boundary inside it."""
@@ -91,9 +65,10 @@ def max_batch(spec: ModelSpec, s: Settings, usable_bytes: int) -> int | None:
     f2 = need(2)
     if f2 > usable_bytes:
         return 1
-    lo, hi = 2, _linear_guess(1, f1, 2, f2, usable_bytes, MAX_BATCH_SEARCH)
-    while hi < MAX_BATCH_SEARCH and need(hi) <= usable_bytes:
-        lo, hi = hi, min(hi * 2, MAX_BATCH_SEARCH)
+    cap = batch_search_cap(s)
+    lo, hi = 2, _linear_guess(1, f1, 2, f2, usable_bytes, cap)
+    while hi < cap and need(hi) <= usable_bytes:
+        lo, hi = hi, min(hi * 2, cap)
     return _largest(lo, hi, need, usable_bytes)
 
 
@@ -201,8 +176,8 @@ HARDWARE_KEYS = ("cpu_offload_bytes", "gpus", "gpu")  # Change.settings keys of 
 
 def hardware_changes(spec: ModelSpec, s: Settings, target: GpuSpec, need: int) -> list[Change]:
     """Changes of hardware that make the run fit as asked when ``target`` is too small, each with the bytes it
-    needs: weights offloaded to CPU RAM (the shortfall), a second such card (the layers split over two: each holds
-    half the weights and KV cache), the smallest catalog card whose reported total holds ``need``."""
+    needs: weights offloaded to CPU RAM (the shortfall), a second such card (:func:`_second_card`: the two-card
+    plan's split, its fuller card's need), the smallest catalog card whose reported total holds ``need``."""
     from vramguard.catalog.gpus import GPUS
     from vramguard.units import fmt_bytes
     usable = target.total_bytes - target.used_by_others_bytes
@@ -216,11 +191,9 @@ def hardware_changes(spec: ModelSpec, s: Settings, target: GpuSpec, need: int) -
                           "slower: offloaded layers cross PCIe each forward)", {"device_map": "auto",
                                                                                 "cpu_offload_bytes": short},
                           usable, short, (target.name,)))
-    per_card = need - (est.weights.total_bytes + est.kv_full.gpu_bytes) // 2
-    name = target.label.replace("NVIDIA ", "").replace("GeForce ", "")
-    out.append(Change(f"a second {name}: the layers split over two cards (device_map='auto'), "
-                      f"{fmt_bytes(per_card)} on each", {"gpus": 2}, per_card, need - per_card,
-                      (target.name,) if per_card <= usable else ()))
+    second = _second_card(spec, s, target, need)
+    if second is not None:
+        out.append(second)
     bigger = sorted((g for g in GPUS.values() if g.total_bytes >= need), key=lambda g: g.total_bytes)
     if bigger:
         g = bigger[0]
@@ -228,6 +201,25 @@ def hardware_changes(spec: ModelSpec, s: Settings, target: GpuSpec, need: int) -
         out.append(Change(f"a larger card: {short} ({fmt_bytes(g.total_bytes)} as its driver reports, "
                           f"{fmt_bytes(g.total_bytes - need)} to spare)", {"gpu": g.name}, need, 0, (g.name,)))
     return sorted(out, key=lambda c: (not c.fits_on, c.need_bytes > usable))
+
+
+def _second_card(spec: ModelSpec, s: Settings, target: GpuSpec, need: int) -> Change | None:
+    """A second card like ``target``, planned as the two-card plan plans it (the split of
+    :func:`vramguard.plan.multigpu.plan_gpus`, ``device_map='auto'``): the need of its fuller card, and fits only
+    when every card fits and no module is left for CPU RAM. None when that split cannot be computed here (a
+    package it needs is missing)."""
+    from vramguard.plan.multigpu import plan_gpus
+    from vramguard.units import fmt_bytes
+    try:
+        two = plan_gpus(spec, s, gpus=[target, target], solve=False)
+    except VramguardError:
+        return None
+    worst = max(c.need_bytes for c in two.cards)
+    name = target.label.replace("NVIDIA ", "").replace("GeForce ", "")
+    each = " and ".join(f"{fmt_bytes(c.need_bytes)} on card {c.card}" for c in two.cards)
+    left = (f"; {fmt_bytes(two.offloaded_bytes)} of weights still left for CPU RAM" if two.offloaded_bytes else "")
+    return Change(f"a second {name}: the layers split over two cards (device_map='auto'), {each}{left}",
+                  {"gpus": 2}, worst, need - worst, (target.name,) if two.fits else ())
 
 
 def _combined(spec: ModelSpec, s: Settings, changes: list[Change], usable: dict, need: int,

@@ -368,6 +368,7 @@ def strategy_order(model, prompt_tokens: int, max_new_tokens: int, *, budget_byt
 
 
 MAX_SEED = 2**63 - 1  # torch.manual_seed takes a signed 64-bit seed ("Overflow when unpacking long long" above)
+SEED_ACCEPTED = f"an integer from 0 to {MAX_SEED:,} (2**63 - 1)"
 
 
 def check_seed(seed: int | None) -> None:
@@ -375,8 +376,7 @@ def check_seed(seed: int | None) -> None:
     signed 64-bit integer and fails above it); None (no seed) passes."""
     from vramguard.errors import InvalidValue
     if seed is not None and not (isinstance(seed, int) and 0 <= seed <= MAX_SEED):
-        raise InvalidValue("seed", seed, f"an integer from 0 to {MAX_SEED:,} (2**63 - 1)",
-                           "pass a smaller seed, e.g. seed=0")
+        raise InvalidValue("seed", seed, SEED_ACCEPTED, "pass a seed from 0 to 2**63 - 1, e.g. seed=0")
 
 
 def check_generation_args(max_new_tokens: int, do_sample: bool = False, temperature: float | None = None,

@@ -27,28 +27,46 @@ class _Stderr(logging.Handler):
 
 
 class WrappedFormatter(logging.Formatter):
-    """``HH:MM:SS message``, wrapped at word boundaries to :data:`LOG_COLUMNS` columns; each continuation line is
-    indented past the time by two more spaces, so that it reads as part of the line above. A word longer than a
-    line (a path, a URL) is kept whole."""
+    """``HH:MM:SS message``, wrapped at word boundaries to ``columns`` (default :func:`log_columns`, read at each
+    record); each continuation line is indented past the time by two more spaces, so that it reads as part of the
+    line above. A word longer than a line (a path, a URL) is kept whole."""
 
-    def __init__(self, columns: int = None):
+    def __init__(self, columns: int | None = None):
         super().__init__("%(asctime)s %(message)s", "%H:%M:%S")
-        self.columns = columns or LOG_COLUMNS
+        self.columns = columns
 
     def format(self, record: logging.LogRecord) -> str:
         import textwrap
         text = super().format(record)
-        if len(text) <= self.columns and "\n" not in text:
+        columns = self.columns or log_columns()
+        if len(text) <= columns and "\n" not in text:
             return text
         indent = " " * (len(self.formatTime(record, self.datefmt)) + 3)
         lines = []
         for i, part in enumerate(text.splitlines()):
-            lines += textwrap.wrap(part, self.columns, subsequent_indent=indent, initial_indent="" if i == 0 else
+            lines += textwrap.wrap(part, columns, subsequent_indent=indent, initial_indent="" if i == 0 else
                                    indent, break_long_words=False, break_on_hyphens=False) or [""]
         return "\n".join(lines)
 
 
-LOG_COLUMNS = 120  # the widest log line (the project's line limit, readable in a terminal or a log viewer)
+def log_columns(stream=None) -> int:
+    """The width log lines wrap at: the terminal's when ``stream`` (default: the current ``sys.stderr``) is one
+    (``COLUMNS`` first, as :func:`shutil.get_terminal_size` reads it; at least :data:`MIN_LOG_COLUMNS`), else
+    :data:`LOG_COLUMNS` (a file or a pipe, read in a log viewer)."""
+    import os
+    stream = stream if stream is not None else sys.stderr
+    try:
+        if not stream.isatty():
+            return LOG_COLUMNS
+        env = os.environ.get("COLUMNS", "")
+        columns = int(env) if env.isdigit() and int(env) > 0 else os.get_terminal_size(stream.fileno()).columns
+    except (AttributeError, OSError, ValueError):
+        return LOG_COLUMNS
+    return max(columns, MIN_LOG_COLUMNS)
+
+
+LOG_COLUMNS = 120  # the widest log line off a terminal (the project's line limit, readable in a log viewer)
+MIN_LOG_COLUMNS = 40  # a narrower terminal still gets lines of 40 (the time and a few words each)
 SERVE_LOG = "vramguard.serve"  # the server's own lines (refusals, recovery, notes) log under it
 
 

@@ -29,7 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from vramguard.serve.admission import Admission, RefusalLog, read_body, shutting_down
-from vramguard.serve.apierrors import ApiError  # also imported from here by the router
+from vramguard.serve.apierrors import ApiError, shown  # ApiError: also imported from here by the router
 from vramguard.serve.engine import Engine, EngineStopped, Sampling
 from vramguard.serve.metrics import Metrics
 from vramguard.serve.schemas import ChatRequest, CompletionRequest
@@ -355,8 +355,8 @@ def _routes(app: FastAPI, api: _Api) -> None:
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
         if not api.serves(model_id):
-            return ApiError.of("model_not_found", f"model: {model_id[:80]!r} is not served here; this server "
-                                                  f"serves {options.model_id!r}", param="model").response()
+            return ApiError.of("model_not_found", f"model: {shown(model_id)} is not served here; this server "
+                                                  f"serves {shown(options.model_id)}", param="model").response()
         return api.model_card()
 
     @app.post("/v1/completions")

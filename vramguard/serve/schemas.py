@@ -8,7 +8,7 @@ OpenAI clients send, are accepted with any value and have no effect: nothing is 
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -24,6 +24,8 @@ class StreamOptions(BaseModel):
 
 class _Common(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)  # "3" is not 3 and true is not 1: JSON types as sent
+    # the fields accepted only at their "off" value (:meth:`unsupported` refuses any other)
+    OFF_ONLY: ClassVar[tuple[str, ...]] = ("seed", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs")
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
@@ -70,6 +72,7 @@ class _Common(BaseModel):
 class CompletionRequest(_Common):
     """Body of POST /v1/completions: ``prompt`` is one string, a list of one string, or a list of token ids."""
 
+    OFF_ONLY: ClassVar[tuple[str, ...]] = ("echo", "suffix", "best_of") + _Common.OFF_ONLY
     prompt: str | list[int] | list[str]
     echo: bool = False
     suffix: str | None = None
@@ -116,6 +119,7 @@ class ResponseFormat(BaseModel):
 class ChatRequest(_Common):
     """Body of POST /v1/chat/completions. ``max_completion_tokens`` wins over ``max_tokens`` when both are given."""
 
+    OFF_ONLY: ClassVar[tuple[str, ...]] = ("tools", "tool_choice", "top_logprobs") + _Common.OFF_ONLY
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     top_logprobs: int | None = None

@@ -131,15 +131,19 @@ def to_request(data: dict, schema):
 
 def _unknown_parameter(param: str | None, schema, errors: list[dict]) -> ApiError:
     """The 400 of a field the schema does not have: its name, the field it most likely meant (a missing required
-    field, else a close name: :func:`difflib.get_close_matches`) and, at the top level, the accepted names."""
+    field, else a close name: :func:`difflib.get_close_matches`) and, at the top level, the accepted names, apart
+    from those accepted only at their "off" value (the schema's ``OFF_ONLY``)."""
     import difflib
     top = bool(param) and "." not in param
     missing = [_param(x["loc"]) for x in errors if x["type"] == "missing"]
     names = [m for m in missing if m and "." not in m] if top else []
     near = difflib.get_close_matches(param, names or list(schema.model_fields), n=1) if top else []
     meant = f" (did you mean {shown(near[0])}?)" if near else ""
-    known = ", ".join(schema.model_fields) if top else "OpenAI's fields"
-    return ApiError.of("unknown_parameter", f"{shown(param)}: unknown parameter{meant}; accepted: {known}",
+    off = getattr(schema, "OFF_ONLY", ())
+    known = ", ".join(f for f in schema.model_fields if f not in off) if top else "OpenAI's fields"
+    also = f"; not implemented, so accepted only at their off value (null, 0, false): {', '.join(off)}" \
+        if top and off else ""
+    return ApiError.of("unknown_parameter", f"{shown(param)}: unknown parameter{meant}; accepted: {known}{also}",
                        param=param)
 
 

@@ -52,12 +52,12 @@ def _needs(spec: ModelSpec, s: Settings, split, gpus: list[GpuSpec], layout: str
 
 def _largest_prompt(spec: ModelSpec, s: Settings, split, gpus: list[GpuSpec], layout: str) -> int | None:
     """The largest prompt with which every card fits (``s.max_new_tokens`` new tokens), or None."""
-    from vramguard.plan.solve import _largest
+    from vramguard.plan.limits import largest
 
     def worst(p: int) -> int:
         return max(c.need_bytes - c.usable_bytes for c in _needs(spec, replace(s, prompt_tokens=p), split, gpus,
                                                                   layout))
-    return _largest(1, spec.max_position_embeddings - s.max_new_tokens, worst, 0)
+    return largest(1, spec.max_position_embeddings - s.max_new_tokens, worst, 0)
 
 
 def plan_gpus(model: str | ModelSpec, settings: Settings | None = None, *, gpus: list[GpuSpec], tp: int | None = None,
@@ -87,7 +87,7 @@ def plan_gpus(model: str | ModelSpec, settings: Settings | None = None, *, gpus:
         NotPlannable: no tensor-parallel plan for the architecture.
         UnknownModel, ConfigError: the model cannot be read.
     """
-    from vramguard.plan.planner import check_context
+    from vramguard.plan.limits import check_context
     from vramguard.resolve import resolve_model
     spec = model if isinstance(model, ModelSpec) else resolve_model(model)
     from vramguard.plan.multigpu.tensorparallel import check_tp_heads, check_tp_quant
