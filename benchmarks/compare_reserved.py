@@ -87,7 +87,9 @@ def edge_cases() -> list[dict]:
     out = []
     fresh = sorted(glob.glob(os.path.join(HERE, "h200_reserved_misses", "f*", "edge.jsonl")))
     for path in [os.path.join(HERE, "h200_edge", "edge.jsonl"), os.path.join(HERE, "h200_edge", "run2", "edge.jsonl"),
-                 *fresh, os.path.join(HERE, "h200_verify", "edge_gemma.jsonl")]:
+                 *fresh, os.path.join(HERE, "h200_verify", "edge_gemma.jsonl"),
+                 os.path.join(HERE, "h200_default_plan", "edge_default.jsonl"),
+                 os.path.join(HERE, "h200_default_plan", "edge_exp.jsonl")]:
         meta = {}
         for r in _jsonl(path):
             if r["kind"] == "versions":
@@ -136,14 +138,17 @@ def planned_fits(c: dict, base_reserved: int) -> bool | None:
 # prompt). "fit": results/h200_profile_fit (vramguard's own load; fit and the linear search); "edge": h200_edge (plain
 # transformers; run2 closed the Qwen brackets and the Gemma default one); "fit again": h200_reserved_misses/fit (fit
 # at 24 GiB with expandable segments, 3 runs)
-MEASURED_EDGES = {("fit", "llama-3.1-8b", "nf4", ""): (65280, 65536),
-                  ("edge", "llama-3.1-8b", "nf4", ""): (65536, 65678),
-                  ("edge", "llama-3.1-8b", "nf4", EXP): (78509, 79260),
-                  ("fit again", "llama-3.1-8b", "nf4", EXP): (78464, 79616),
-                  ("edge", "qwen2.5-7b", "bf16", ""): (28248, 28426),
-                  ("edge", "qwen2.5-7b", "bf16", EXP): (29352, 29537),
-                  ("edge", "gemma-2-9b", "bf16", ""): (4588, 4774),
-                  ("edge", "gemma-2-9b", "bf16", EXP): (5252, 5398)}
+# (source, arch, quant, PYTORCH_CUDA_ALLOC_CONF, new tokens): (largest completed, smallest out of memory)
+MEASURED_EDGES = {("fit", "llama-3.1-8b", "nf4", "", 64): (65280, 65536),
+                  ("edge", "llama-3.1-8b", "nf4", "", 64): (65536, 65678),
+                  ("edge", "llama-3.1-8b", "nf4", EXP, 64): (78509, 79260),
+                  ("fit again", "llama-3.1-8b", "nf4", EXP, 64): (78464, 79616),
+                  ("edge", "llama-3.1-8b", "nf4", "", 256): (65531, 65595),  # h200_default_plan
+                  ("edge", "llama-3.1-8b", "nf4", EXP, 256): (78857, 79009),
+                  ("edge", "qwen2.5-7b", "bf16", "", 64): (28248, 28426),
+                  ("edge", "qwen2.5-7b", "bf16", EXP, 64): (29352, 29537),
+                  ("edge", "gemma-2-9b", "bf16", "", 64): (4613, 4636),  # h200_verify/edge_gemma.jsonl
+                  ("edge", "gemma-2-9b", "bf16", EXP, 64): (5252, 5398)}
 FORMULA_EDGES = {"llama-3.1-8b": 57428, "qwen2.5-7b": 21581, "gemma-2-9b": 4376}  # the reserve formula's answers
 
 
@@ -153,25 +158,26 @@ def edges() -> list[dict]:
     from vramguard.introspect.alloc_replay import allowed_bytes
     from vramguard.plan.allocator import edge_prompt_tokens
     out = []
-    for (src, arch, quant, conf), (ok, fail) in MEASURED_EDGES.items():
+    for (src, arch, quant, conf, new), (ok, fail) in MEASURED_EDGES.items():
         spec = resolve_model(arch)
-        s = Settings(quant=quant, attn=EDGE_ATTN[arch], max_new_tokens=64)
+        s = Settings(quant=quant, attn=EDGE_ATTN[arch], max_new_tokens=new)
         cfg = AllocatorConfig.parse(conf)
         base = replay_generate(spec, s.with_(prompt_tokens=1), cfg).base_reserved_bytes
         cfg = AllocatorConfig.parse(conf, allowed_bytes(EDGE_CAP[arch], base))
         planned = edge_prompt_tokens(spec, s, cfg, FORMULA_EDGES[arch])
-        out.append(dict(src=src, model=arch, quant=quant, conf=conf, cap=EDGE_CAP[arch], measured_ok=ok,
+        out.append(dict(src=src, model=arch, quant=quant, conf=conf, new=new, cap=EDGE_CAP[arch], measured_ok=ok,
                         measured_fail=fail, planned=planned, formula=FORMULA_EDGES[arch]))
     return out
 
 
 def print_edges(rows: list[dict]) -> None:
-    print(f"\n{'source':9} {'model':14} {'quant':5} {'allocator':10} {'cap GiB':>7} {'measured ok':>11} {'measured OOM':>12} "
+    print(f"\n{'source':9} {'model':14} {'quant':5} {'allocator':10} {'new':>4} {'cap GiB':>7} {'measured ok':>11} "
+          f"{'measured OOM':>12} "
           f"{'planned':>8} {'vs ok':>7} {'formula':>8}")
     for r in rows:
         vs = f"{(r['planned'] - r['measured_ok']) / r['measured_ok'] * 100:+.2f}%" if r["measured_ok"] else ""
         ok = f"{r['measured_ok']:,}" if r["measured_ok"] else "-"
-        print(f"{r['src']:9} {r['model']:14} {r['quant']:5} {'expandable' if r['conf'] else 'default':10} "
+        print(f"{r['src']:9} {r['model']:14} {r['quant']:5} {'expandable' if r['conf'] else 'default':10} {r['new']:>4} "
               f"{r['cap'] / GiB:7.0f} "
               f"{ok:>11} {r['measured_fail']:>12,} {r['planned']:>8,} {vs:>7} {r['formula']:>8,}")
 

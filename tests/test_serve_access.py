@@ -43,8 +43,9 @@ def test_log_lines_created_new_fields_and_health(folder, capsys):
         assert bad.status_code == 400 and "README" not in msg and "service_tier" in msg and "prompt" in msg
         models = httpx.get(url + "/v1/models", headers=auth).json()["data"][0]
         missing = httpx.get(url + "/v1/models/it's-gpt-4", headers=auth)  # quoted as JSON, as every error is
+        from vramguard.serve.apierrors import shown  # a long folder path is cut to 60 characters
         assert missing.status_code == 404 and missing.json()["error"]["message"] == (
-            f'model: "it\'s-gpt-4" is not served here; this server serves "{models["id"]}"')
+            f'model: "it\'s-gpt-4" is not served here; this server serves {shown(models["id"])}')
         assert t0 - 5 <= models["created"] <= int(time.time())
         open_health = httpx.get(url + "/health").json()  # no key: no folder path, no notes
         assert open_health["status"] == "ok" and open_health["model"] == "tiny-llama" and open_health["notes"] == []
