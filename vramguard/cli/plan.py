@@ -89,7 +89,7 @@ def plan(
         s = _defaults_in_context(spec, s, _given(ctx), context, notes)
         if several:
             from vramguard.cli.multigpu import plan_cards
-            if alloc_conf is not None:
+            if alloc_conf is not None and _alloc_conf(alloc_conf) is not None:
                 say("note: --alloc-conf plans one card; cards used together are planned with the reserve formula")
             return plan_cards(spec, s, (gpus, tp, gpu, vram), context, device_map, max_memory)
         return plan_fn(spec, s, gpu=gpu, vram=vram, context=context, alloc_conf=_alloc_conf(alloc_conf))
