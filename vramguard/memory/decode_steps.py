@@ -91,11 +91,15 @@ class DecodeSteps:
 
     def events(self, j: int) -> list[tuple[int, int]]:
         """Step ``j``'s tape, ``(key, bytes)`` and ``(key, -1)``."""
-        base, grow, size2, growth = self.first_key + j * len(self.size2), j + 1, self.size2, self.growth
-        prev = (lambda i: self.step2_keys[i]) if j == 0 else (lambda i: base - len(size2) + i)
-        return [(base + i, size2[i] + growth[i] * grow) if op == ALLOC else
-                (base + i, -1) if op == FREE_SAME else (prev(i), -1) if op == FREE_PREV else (i, -1)
-                for op, i in self.pattern]
+        n = len(self.size2)
+        base, grow, size2, growth = self.first_key + j * n, j + 1, self.size2, self.growth
+        if j == 0:
+            prev = self.step2_keys
+            return [(base + i, size2[i] + growth[i] * grow) if op == ALLOC else (base + i, -1) if op == FREE_SAME
+                    else (prev[i], -1) if op == FREE_PREV else (i, -1) for op, i in self.pattern]
+        pb = base - n
+        return [(base + i, size2[i] + growth[i] * grow) if op == ALLOC else (base + i, -1) if op == FREE_SAME
+                else (pb + i, -1) if op == FREE_PREV else (i, -1) for op, i in self.pattern]
 
     def small_requests(self, j: int) -> tuple[int, ...]:
         """What decides step ``j``'s small requests beyond the constant ones: each growing allocation's rounded
@@ -128,16 +132,19 @@ class Placer:
     def place(self, events) -> bool:
         """Place ``events``; False (and stop) at the first request that cannot be placed."""
         alloc, live = self.alloc, self.live
+        malloc, free, pop = alloc.malloc, alloc.free, live.pop
         for key, nbytes in events:
             if nbytes < 0:
-                alloc.free(live.pop(key, None))
+                free(pop(key, None))
                 continue
             before = alloc.peak_reserved_bytes
-            live[key] = alloc.malloc(nbytes)
-            if alloc.oom is not None:
-                return False
+            live[key] = malloc(nbytes)
             if alloc.peak_reserved_bytes > before:
+                if alloc.oom is not None:
+                    return False
                 self.segments_at_peak = len(alloc.segments)
+            elif alloc.oom is not None:
+                return False
         return True
 
     def decode(self, steps: DecodeSteps) -> None:
@@ -152,16 +159,23 @@ class Placer:
                     return
                 j += abs(done)
                 self.skipped_steps += max(done, 0)
+                seen = []
                 if done < 0:  # placed in full: find the cycle again
-                    template, seen = None, []
+                    template = None
                     self.placed_in_full += 1
                 continue
             template = None
-            seen = [*seen, (self._state(steps, j), alloc.small_segments_opened, steps.small_requests(j))][-MAX_PERIOD:]
+            now_q, ahead = steps.small_requests(j), steps.small_requests(j + 1)
+            if ahead != now_q or (seen and seen[-1][2] != now_q):  # a cycle has the same small requests throughout
+                seen = []
+            if ahead == now_q:  # only such steps can start a cycle: no state is read for the others
+                seen = [*seen, (self._state(steps, j), alloc.small_segments_opened, now_q)][-MAX_PERIOD:]
             if not self.place(steps.events(j)):
                 return
             j += 1
-            now = (self._state(steps, j), alloc.small_segments_opened, steps.small_requests(j))
+            if ahead != now_q:
+                continue
+            now = (self._state(steps, j), alloc.small_segments_opened, ahead)
             for period in range(1, len(seen) + 1):
                 if seen[-period] == now and all(q == now[2] for _, _, q in seen[-period:]):
                     template = self._template(steps, j, now[2])
