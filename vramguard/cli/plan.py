@@ -47,8 +47,7 @@ def plan(
     device_map: str = device_map_option(),
     max_memory: Optional[str] = max_memory_option(),
     alloc_conf: Optional[str] = typer.Option(
-        None, help="PYTORCH_CUDA_ALLOC_CONF for the caching-allocator model of reserved memory, fit and largest "
-        "prompt ('default', or e.g. expandable_segments:True, what run, serve, profile and fit set when it is unset; "
+        None, help="PYTORCH_CUDA_ALLOC_CONF of the caching-allocator model ('default', expandable_segments:True...; "
         "'formula': the reserve formula, faster, short of the edge); without it: this shell's, with torch installed"),
     fmt: Format = format_option(),
     list_models: bool = typer.Option(False, "--list-models", help="list the catalog architectures and exit"),
