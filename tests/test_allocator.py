@@ -190,10 +190,62 @@ def test_a_default_plan_says_why_it_used_the_reserve_formula(tmp_path, monkeypat
     p = plan(path, s, vram="1GiB")
     assert p.estimate.allocator is None
     (f,) = [f for f in p.findings if f.code == "reserve_formula"]
-    assert f.level == "info"
-    assert {"kv": "its tape does not cover an int8 KV cache", "env": "'expandable_segments:maybe' is not allocator options",
+    assert f.level == ("warn" if why == "env" else "info")  # PyTorch would refuse that setting in run and serve
+    assert {"kv": "its tape does not cover an int8 KV cache",
+            "env": "'expandable_segments:maybe' is not allocator options",
             "torch": "torch is not installed"}[why] in f.message
     assert (f.fix is not None and "pip install torch" in f.fix) == (why == "torch")
+
+
+def test_asked_for_on_settings_its_tape_does_not_cover_the_plan_says_so(tmp_path):
+    from tests.conftest import save_tiny_llama
+    from vramguard.plan import plan
+    from vramguard.settings import Settings
+    path = str(save_tiny_llama(tmp_path, **TINY))
+    p = plan(path, Settings(quant="bf16", prompt_tokens=64, max_new_tokens=8, kv_dtype="int8"), vram="1GiB",
+             alloc_conf="expandable_segments:True")
+    assert p.estimate.allocator is None
+    assert [f.message.endswith("its tape does not cover an int8 KV cache") for f in p.findings
+            if f.code == "reserve_formula"] == [True]
+
+
+def test_a_long_generation_is_planned_with_the_formula_unless_asked(tmp_path):
+    from tests.conftest import save_tiny_llama
+    from vramguard.plan import plan
+    from vramguard.plan.allocator import AUTO_MAX_NEW_TOKENS
+    from vramguard.settings import Settings
+    path = str(save_tiny_llama(tmp_path, **{**TINY, "max_position_embeddings": 4096}))
+    s = Settings(quant="bf16", prompt_tokens=8, max_new_tokens=AUTO_MAX_NEW_TOKENS + 1)
+    p = plan(path, s, vram="1GiB", solve=False)
+    assert p.estimate.allocator is None
+    (f,) = [f for f in p.findings if f.code == "reserve_formula"]
+    assert "above 2,048 new tokens" in f.message
+
+
+def test_need_fit_and_headroom_of_a_card_agree(tmp_path):
+    """Each card's need is its own capped replay's peak where that fits: never "fits" beside a negative headroom,
+    however much an unlimited allocator would have reserved."""
+    from tests.conftest import save_tiny_llama
+    from vramguard.plan import plan
+    from vramguard.settings import Settings
+    path = str(save_tiny_llama(tmp_path, **TINY))
+    verdicts = set()
+    for conf in ("", "expandable_segments:True", "max_split_size_mb:20"):
+        for vram in ("1GiB", "40MiB"):
+            p = plan(path, Settings(quant="bf16", prompt_tokens=200, max_new_tokens=200), vram=vram,
+                     alloc_conf=conf, solve=False)
+            c = p.cards[0]
+            assert c.fits == (c.headroom_bytes >= 0) and c.headroom_bytes == c.usable_bytes - c.need_bytes
+            verdicts.add(c.fits)
+    assert verdicts == {True, False}
+
+
+@pytest.mark.parametrize("conf,word", [("max_split_size_mb:1", "at least 20"), ("max_split_size_mb:-5", "at least 20"),
+                                       ("backend:cudaMallocAsync", "not the caching allocator")])
+def test_allocator_settings_pytorch_refuses_or_the_model_does_not_follow_are_refused(conf, word):
+    with pytest.raises(ValueError, match=word):
+        AllocatorConfig.parse(conf)
+    assert AllocatorConfig.parse("max_split_size_mb:20,backend:native").max_split_size == 20 * MiB
 
 
 def test_expandable_segments_only_when_the_user_set_nothing():
@@ -242,7 +294,9 @@ def test_cli_plan_alloc_conf(tmp_path):
     r = plan("--alloc-conf", "expandable_segments:True", "--format", "json")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
-    assert out["allocator"]["expandable_segments"] is True and out["allocator"]["alloc_conf"] == "expandable_segments:True"
+    assert out["allocator"]["expandable_segments"] is True
+    assert out["allocator"]["alloc_conf"] == "expandable_segments:True" and out["reserved_from"] == \
+        "caching-allocator model"
     assert out["peak_reserved_bytes"] == max(out["allocator"]["peak_reserved_bytes"], out["peak_allocated_bytes"])
     bad = plan("--alloc-conf", "expandable_segments:maybe")
     assert bad.returncode == 2 and "error --alloc-conf: " in bad.stderr and "Traceback" not in bad.stderr
@@ -258,7 +312,7 @@ def test_alloc_conf_without_transformers_is_refused_not_skipped(monkeypatch):
     monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers raises ImportError
     with pytest.raises(NotPlannable) as e:
         plan("llama-3.1-8b", Settings(), vram="24GiB", alloc_conf="expandable_segments:True")
-    assert e.value.field == "alloc_conf" and "vramguard[gpu]" in e.value.fix
+    assert e.value.field == "alloc_conf" and "pip install torch transformers" in e.value.fix
 
 
 def test_tp_without_torch_names_tp(monkeypatch):

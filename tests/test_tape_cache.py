@@ -90,3 +90,17 @@ def test_a_folder_in_the_variable_keeps_the_tapes_there(tiny, monkeypatch, tmp_p
     monkeypatch.setenv("VRAMGUARD_TAPE_CACHE", str(tmp_path / "mine"))
     assert _cached_events(spec.config_json, spec.name, key, 40, 3)
     assert len(list((tmp_path / "mine").glob("*.json.gz"))) == 1 and not default_folder.exists()
+
+
+def test_a_replay_record_that_is_not_one_is_replayed_again(tiny, monkeypatch, tmp_path):
+    import gzip
+
+    from vramguard.introspect import alloc_replay, tape_cache
+    from vramguard.memory.allocator import AllocatorConfig
+    spec, key, folder = tiny
+    s, conf = key.with_(prompt_tokens=40, max_new_tokens=3), AllocatorConfig()
+    good = alloc_replay.replay_generate(spec, s, conf)
+    path = tape_cache.tape_path("replay", repr(spec), s, conf, False, True)
+    with gzip.open(path, "wt") as f:
+        f.write("{}")  # valid JSON, not a record
+    assert alloc_replay.replay_generate(spec, s, conf) == good

@@ -176,6 +176,7 @@ def plan_to_json(p: Plan) -> dict:
         "generate_device_bytes": est.generate_device_bytes,
         "load": to_jsonable(est.load),
         "allocator": None if est.allocator is None else dict(to_jsonable(est.allocator), alloc_conf=est.alloc_conf),
+        "reserved_from": "reserve formula" if est.allocator is None else "caching-allocator model",
         "weights": to_jsonable(est.weights),
         "kv_cache": {"full_length_tokens": est.kv_full.tokens, "gpu_bytes": est.kv_full.gpu_bytes,
                      "cpu_bytes": est.kv_full.cpu_bytes, "bytes_per_token": est.kv_bytes_per_token,
@@ -277,13 +278,20 @@ def load_text(est) -> str:
 
 
 def allocator_line(est) -> str:
-    """One line on where reserved memory came from: the caching-allocator model and its setting."""
+    """One line on where reserved memory came from: the caching-allocator model and its setting, or the formula."""
     a = est.allocator
+    if a is None:
+        return ("reserved memory: the reserve formula (largest allocation plus 30% of the rest), which plans the "
+                "largest prompt about 12% short of the caching-allocator model's")
+    from vramguard.memory.allocator import ignored_options
     how = "expandable segments" if a.expandable_segments else "default segments"
-    return (f"reserved memory: PyTorch's caching allocator replayed tensor by tensor ({how}, PYTORCH_CUDA_ALLOC_CONF="
-            f"{est.alloc_conf or '(unset)'}): {a.segments_at_peak} segments at the peak, "
-            f"{fmt_bytes(a.base_reserved_bytes)} reserved by the loaded model; each card's fit and largest prompt keep "
-            "1/100 of the room above it free")
+    conf = f"PYTORCH_CUDA_ALLOC_CONF={est.alloc_conf}" if est.alloc_conf else "the default allocator"
+    ignored = ignored_options(est.alloc_conf)
+    return (f"reserved memory: PyTorch's caching allocator replayed tensor by tensor ({how}, {conf}"
+            + (f"; not modelled: {', '.join(ignored)}" if ignored else "")
+            + f"): {a.segments_at_peak:,} segments at the peak, {fmt_bytes(a.base_reserved_bytes)} reserved by the "
+            "loaded model; each card's fit and largest prompt keep 1/100 of the room above it free (the largest new "
+            "tokens and batch: the reserve formula)")
 
 
 _TUNED = ("instruct", "chat", "-it")  # how the catalog's repositories name an instruction-tuned checkpoint
@@ -352,7 +360,7 @@ def print_plan(p: Plan, console: Console | None = None) -> None:
                      ("[bold]card memory in use[/bold]", est.generate_device_bytes or est.device_used_bytes)):
         t.add_row(label, f"{v:,}", f"{v / 2**30:.2f}")
     c.print(t)
-    if est.allocator is not None:
+    if est.allocator is not None or not any(f.code == "reserve_formula" for f in p.findings):
         c.print(allocator_line(est))
     w = est.weights
     parts = [f"{fmt_bytes(w.quantized_linear_bytes)} quantized linears ({w.quantized_parameter_count:,} params)"

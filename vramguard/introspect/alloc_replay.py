@@ -155,7 +155,7 @@ def replay_generate(spec, s: Settings, config: AllocatorConfig, rescale: bool = 
         try:
             oom = found.pop("oom")
             return AllocatorReplay(**found, oom=None if oom is None else OutOfMemory(**oom))
-        except TypeError:
+        except (TypeError, KeyError):  # not a record of this code: replayed again
             pass
     r = _replay(spec, s, config, rescale, later_steps)
     if path is not None:

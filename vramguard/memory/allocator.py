@@ -105,9 +105,11 @@ class AllocatorConfig:
     def parse(cls, conf: str | None, allowed_bytes: int | None = None) -> AllocatorConfig:
         """Read ``PYTORCH_CUDA_ALLOC_CONF`` text (``expandable_segments:True,max_split_size_mb:512``).
 
-        Raises ValueError naming the option for a value that is not a boolean or a number, and for an option
-        PyTorch does not know (:data:`ALLOC_CONF_KEYS`; PyTorch refuses it at start); the known options the model does
-        not follow (``garbage_collection_threshold``, ``roundup_power2_divisions``...) are ignored."""
+        Raises ValueError naming the option for a value that is not a boolean or a number, a ``max_split_size_mb``
+        under 20 (PyTorch refuses it), another ``backend`` than ``native`` (``cudaMallocAsync`` is not this
+        allocator), and an option PyTorch does not know (:data:`ALLOC_CONF_KEYS`; PyTorch refuses it at start); the
+        known options the model does not follow (``garbage_collection_threshold``, ``roundup_power2_divisions``...)
+        are ignored (:func:`ignored_options` names them)."""
         expandable, split = False, NO_LIMIT
         for part in _options(conf or ""):
             key, _, value = part.partition(":")
@@ -120,10 +122,20 @@ class AllocatorConfig:
                     raise ValueError(f"expandable_segments must be True or False, not {value!r}")
                 expandable = value in ("True", "true", "1")
             elif key == "max_split_size_mb":
-                if not value.isdigit():
-                    raise ValueError(f"max_split_size_mb must be a whole number of MiB, not {value!r}")
+                if not value.lstrip("-").isdigit() or int(value) < 20:
+                    raise ValueError(f"max_split_size_mb must be a whole number of MiB of at least 20 (PyTorch "
+                                     f"refuses a smaller one at start), not {value!r}")
                 split = int(value) << 20
+            elif key == "backend" and value != "native":
+                raise ValueError(f"backend:{value} is not the caching allocator this model follows (backend:native)")
         return cls(expandable, split, allowed_bytes)
+
+
+def ignored_options(conf: str | None) -> list[str]:
+    """The options of ``conf`` that the model does not follow (it follows ``expandable_segments``,
+    ``max_split_size_mb`` and ``backend:native``), e.g. ``["garbage_collection_threshold"]``."""
+    keys = [part.partition(":")[0].strip() for part in _options(conf or "")]
+    return [k for k in keys if k not in ("expandable_segments", "max_split_size_mb", "backend")]
 
 
 class Block:

@@ -12,15 +12,23 @@ from vramguard.settings import Settings
 def with_allocator(spec, s: Settings, est, cards: list, alloc_conf: str, solve: bool):
     """The estimate and card verdicts with reserved memory, fit and the largest prompt from the allocator model
     under ``alloc_conf`` (``PYTORCH_CUDA_ALLOC_CONF`` text); (est, cards) unchanged where the tape does not cover
-    ``s``. Raises ValueError for an ``alloc_conf`` value that is not a boolean or a number."""
+    ``s``. Raises ValueError for an ``alloc_conf`` value that is not allocator options.
+
+    A real card has a limit: when ``cudaMalloc`` fails, the allocator frees its cached segments and tries again.
+    So the estimate's replay runs under the largest card's memory (less the CUDA context), not without a limit (a
+    long generation would otherwise reserve a new segment for every step's larger KV tensor, terabytes). Where it
+    does not fit there, the formula's need stands. Each card's need is its own capped replay's peak where that
+    fits (so need, fit and headroom agree), else the estimate's."""
     from dataclasses import replace
     conf = AllocatorConfig.parse(alloc_conf)
-    r = replay_generate(spec, s, conf, rescale=solve)  # the edge search samples the same stretch: share its replays
+    ctx_bytes = est.cuda_context_bytes
+    device = replace(conf, allowed_bytes=max(c.usable_bytes for c in cards) - ctx_bytes) if cards else conf
+    r = replay_generate(spec, s, device, rescale=solve)  # the edge search samples the same stretch: share its replays
     if r is None:
         return est, cards
-    reserved = max(r.peak_reserved_bytes, est.peak_allocated_bytes)
-    run_need = reserved + est.cuda_context_bytes
-    load_need = est.load.peak_reserved_bytes + est.cuda_context_bytes if est.load is not None else 0
+    reserved = max(r.peak_reserved_bytes, est.peak_allocated_bytes) if r.fits else est.peak_reserved_bytes
+    run_need = reserved + ctx_bytes
+    load_need = est.load.peak_reserved_bytes + ctx_bytes if est.load is not None else 0
     gen_phase = ("prefill" if est.decode is None or est.prefill.peak_bytes >= est.decode.peak_bytes
                  else est.decode.phase)
     est = replace(est, allocator_reserve_bytes=reserved - est.peak_allocated_bytes, peak_reserved_bytes=reserved,
@@ -28,15 +36,15 @@ def with_allocator(spec, s: Settings, est, cards: list, alloc_conf: str, solve: 
                   alloc_conf=alloc_conf, peak_phase="load" if load_need > run_need else gen_phase)
     out = []
     for c in cards:
-        cap = c.usable_bytes - est.cuda_context_bytes
-        capped = replace(conf, allowed_bytes=allowed_bytes(cap, r.base_reserved_bytes))
+        capped = replace(conf, allowed_bytes=allowed_bytes(c.usable_bytes - ctx_bytes, r.base_reserved_bytes))
         # without expandable segments a new segment adds exactly what the cap check counts, so a replay that never
         # reserved past the cap runs the same under it: only a larger peak needs the capped replay
-        same = not conf.expandable_segments and r.peak_reserved_bytes <= capped.allowed_bytes
-        fits = same or replay_generate(spec, s, capped, rescale=solve).fits
-        fits = fits and load_need <= c.usable_bytes
-        c = replace(c, need_bytes=est.device_used_bytes, fits=fits,
-                    headroom_bytes=c.usable_bytes - est.device_used_bytes)
+        same = r.fits and not conf.expandable_segments and r.peak_reserved_bytes <= capped.allowed_bytes
+        mine = r if same else replay_generate(spec, s, capped, rescale=solve)
+        fits = mine.fits and load_need <= c.usable_bytes
+        need = max(max(mine.peak_reserved_bytes, est.peak_allocated_bytes) + ctx_bytes, load_need) if fits \
+            else max(est.device_used_bytes, c.usable_bytes + 1)
+        c = replace(c, need_bytes=need, fits=fits, headroom_bytes=c.usable_bytes - need)
         if solve:
             c = replace(c, max_prompt_tokens=edge_prompt_tokens(spec, s, capped, c.max_prompt_tokens))
         out.append(c)
@@ -55,24 +63,34 @@ def auto_alloc_conf(spec, s: Settings) -> tuple[str | None, str | None]:
         return None, "the model has no config.json to build its forward from"
     if not_covered(s):
         return None, f"its tape does not cover {not_covered(s)}"
+    if s.max_new_tokens > AUTO_MAX_NEW_TOKENS:
+        return None, (f"it replays every decode step, and above {AUTO_MAX_NEW_TOKENS:,} new tokens that takes "
+                      "minutes (alloc_conf='' asks for it)")
     missing = [m for m in ("torch", "transformers") if importlib.util.find_spec(m) is None]
     if missing:
         return None, f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not installed"
     try:
         AllocatorConfig.parse(env)
     except ValueError as e:
-        return None, f"PYTORCH_CUDA_ALLOC_CONF={env!r} is not allocator options ({e})"
+        return None, f"PYTORCH_CUDA_ALLOC_CONF={env!r} is not allocator options ({e}); {REFUSED_AT_START}"
     return env, None
+
+
+AUTO_MAX_NEW_TOKENS = 2048  # a default plan of a longer generation: the formula (2,048 takes ~10 s)
+REFUSED_AT_START = "PyTorch refuses it at the first CUDA allocation, so run and serve would fail with it too"
+GPU_EXTRA_FIX = ("pip install torch transformers (PyTorch's CPU build is enough: pip install torch --index-url "
+                 "https://download.pytorch.org/whl/cpu)")
 
 
 def reserve_formula_finding(why: str) -> Finding:
     """The ``info`` finding of a default plan that used the reserve formula (largest allocation plus 30% of the
     rest, :mod:`vramguard.memory.runtime`) for ``why``: it is high, so the largest prompt is short (12% for
     Llama-3.1-8B NF4 at 24 GiB, benchmarks/README.md)."""
-    fix = ("pip install torch transformers (PyTorch's CPU build is enough: pip install torch --index-url "
-           "https://download.pytorch.org/whl/cpu)") if "not installed" in why else None
-    return Finding("reserve_formula", "info", "reserved memory from the reserve formula (largest allocation plus 30% "
-                   "of the rest; it plans the largest prompt short), not the caching-allocator model: " + why, fix)
+    fix = GPU_EXTRA_FIX if "not installed" in why else \
+        "fix PYTORCH_CUDA_ALLOC_CONF (e.g. expandable_segments:True) or unset it" if REFUSED_AT_START in why else None
+    return Finding("reserve_formula", "warn" if REFUSED_AT_START in why else "info", "reserved memory from the "
+                   "reserve formula (largest allocation plus 30% of the rest; it plans the largest prompt short), "
+                   "not the caching-allocator model: " + why, fix)
 
 
 PROBE_TOKENS = 4096  # the second point of the slope when no start is given

@@ -107,6 +107,9 @@ def _reserved(spec: ModelSpec, s: Settings, est: MemoryEstimate, cards: list[Car
     if alloc_conf is None:
         return est, cards, formula_why
     from vramguard.errors import NotPlannable
+    from vramguard.introspect.alloc_replay import not_covered
+    if not_covered(s):  # asked for, and not possible: said, not skipped silently
+        return est, cards, f"its tape does not cover {not_covered(s)}"
     try:
         return (*_with_allocator(spec, s, est, cards, alloc_conf, solve), None)
     except NotPlannable as e:
@@ -129,15 +132,16 @@ def _with_allocator(spec: ModelSpec, s: Settings, est: MemoryEstimate, cards: li
         AllocatorConfig.parse(alloc_conf)
     except ValueError as e:
         raise InvalidValue("alloc_conf", alloc_conf, "PYTORCH_CUDA_ALLOC_CONF options, e.g. expandable_segments:True",
-                           str(e)) from None
+                           f"pass options the caching allocator takes ({e})") from None
     if not spec.config_json:
         raise NotPlannable("alloc_conf", alloc_conf, "a model with a config.json (the allocator tape is its forward)",
                            "plan a model folder, a catalog name or a Hub id, or leave alloc_conf out")
     try:
         import transformers  # noqa: F401
     except ImportError as e:
-        raise NotPlannable("alloc_conf", alloc_conf, "torch and transformers installed (the allocator tape is "
-                           "transformers' forward replayed on meta tensors)",
-                           f"pip install 'vramguard[gpu]', or leave alloc_conf out ({e})") from None
+        from vramguard.plan.allocator import GPU_EXTRA_FIX
+        raise NotPlannable("alloc_conf", alloc_conf or "default", "torch and transformers installed (the allocator "
+                           "tape is transformers' forward replayed on meta tensors)",
+                           f"{GPU_EXTRA_FIX}, or leave alloc_conf out ({e})") from None
     from vramguard.plan.allocator import with_allocator
     return with_allocator(spec, s, est, cards, alloc_conf, solve)
