@@ -275,8 +275,8 @@ class _ClosedPipe(io.StringIO):
         raise BrokenPipeError(errno.EPIPE, "Broken pipe")
 
 
-@pytest.mark.parametrize("args", [("plan", "llama-3.1-8b", "--gpu", "t4"),
-                                  ("plan", "llama-3.1-70b", "--gpu", "t4", "--exit-code"),  # would exit 1
+@pytest.mark.parametrize("args", [("plan", "llama-3.1-8b", "--gpu", "t4"),  # the pipe is the subject: the 70B, fast
+                                  ("plan", "llama-3.1-70b", "--gpu", "t4", "--exit-code", "--alloc-conf", "formula"),
                                   ("plan", "llama-3.1-8b", "--gpu", "t4", "--format", "json"),
                                   ("explain", "CUDA out of memory. Tried to allocate 2.00 GiB")])
 def test_a_closed_pipe_ends_quietly_with_141(args):

@@ -325,7 +325,7 @@ def test_kubernetes_memory_limit_holds_the_checkpoint_while_loading():
     ("mistral-7b-v0.1", "catalog: the config of mistralai/Mistral-7B-v0.1, a base checkpoint"),
 ])
 def test_a_catalog_name_says_which_checkpoint_it_plans(name, says):
-    r = run_cli("plan", name, "--gpu", "h100", columns="300")
+    r = run_cli("plan", name, "--gpu", "h100", "--alloc-conf", "formula", columns="300")  # the header is the subject
     assert r.returncode == 0, r.stderr
     assert r.stdout.splitlines()[0] == f"vramguard plan - {name}  ({says}; pass a Hub id for another)"
     r = run_cli("plan", name, "--gpus", "2", "--gpu", "h100", columns="300")
