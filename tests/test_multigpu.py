@@ -264,6 +264,7 @@ def test_cli_plans_different_cards_and_tp():
     assert code == 0, out
     d = json.loads(out)
     assert d["layout"] == "device_map" and d["limit_card"] == 1 and d["fits"] is False
+    assert d["reserved_from"] == "reserve formula"  # cards used together: the allocator model plans one card
     assert [c["gpu"]["total_bytes"] for c in d["cards"]] == [40 * 2**30, 12 * 2**30]
     assert all(isinstance(c["need_bytes"], int) for c in d["cards"]) and d["max_memory"][0] > 0
     code, out = _cli("llama-3.1-8b", "--quant", "bf16", "--prompt-tokens", "16384", "--tp", "2", "--gpu", "rtx-4090")

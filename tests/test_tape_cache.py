@@ -90,6 +90,10 @@ def test_a_folder_in_the_variable_keeps_the_tapes_there(tiny, monkeypatch, tmp_p
     monkeypatch.setenv("VRAMGUARD_TAPE_CACHE", str(tmp_path / "mine"))
     assert _cached_events(spec.config_json, spec.name, key, 40, 3)
     assert len(list((tmp_path / "mine").glob("*.json.gz"))) == 1 and not default_folder.exists()
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("VRAMGUARD_TAPE_CACHE", "tapes")  # a relative folder, no separator: still a folder
+    assert _cached_events(spec.config_json, spec.name, key, 41, 3)
+    assert len(list((tmp_path / "tapes").glob("*.json.gz"))) == 1 and not default_folder.exists()
 
 
 def test_a_replay_record_that_is_not_one_is_replayed_again(tiny, monkeypatch, tmp_path):

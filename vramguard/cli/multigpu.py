@@ -166,7 +166,8 @@ def plan_to_json(p) -> dict:
     split = p.split
     out = {"model": p.model.name, "settings": p.settings.as_dict(), "layout": p.layout, "fits": p.fits,
            "limit_card": p.limit_card, "max_prompt_tokens": p.max_prompt_tokens,
-           "cards": [{**to_jsonable(c), "gpu": to_jsonable(c.gpu)} for c in p.cards], "notes": p.notes}
+           "cards": [{**to_jsonable(c), "gpu": to_jsonable(c.gpu)} for c in p.cards], "notes": p.notes,
+           "reserved_from": "reserve formula"}  # cards used together: the caching-allocator model plans one card
     out["fix"] = None if p.fix is None else {
         "device_map": p.fix.device_map, "max_memory_bytes": list(p.fix.max_memory_bytes),
         "layers": [list(x) for x in p.fix.layers], "need_bytes": [c.need_bytes for c in p.fix.cards]}

@@ -31,10 +31,11 @@ def enabled() -> bool:
 
 
 def tape_cache_dir() -> Path:
-    """``VRAMGUARD_TAPE_CACHE`` where it names a folder (a value with a path separator), else
-    ``$VRAMGUARD_CACHE_DIR/tapes``, else ``tapes/`` beside the Hub header cache."""
+    """``VRAMGUARD_TAPE_CACHE`` where it names a folder (any value but ``1``, ``true``, ``yes``, ``on`` and the
+    values that turn the cache off), else ``$VRAMGUARD_CACHE_DIR/tapes``, else ``tapes/`` beside the Hub header
+    cache."""
     given = os.environ.get("VRAMGUARD_TAPE_CACHE", "").strip()
-    if os.sep in given or "/" in given:
+    if given and given.lower() not in ("1", "true", "yes", "on"):
         return Path(given).expanduser()
     from vramguard.hub.fetch import header_cache_dir
     return header_cache_dir().parent / "tapes"
