@@ -24,14 +24,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from vramguard.memory.allocator import K_MIN_BLOCK, K_SMALL_SIZE, CachingAllocator
+from vramguard.memory.allocator import K_SMALL_SIZE, CachingAllocator, round_size
 
 ALLOC, FREE_SAME, FREE_PREV, FREE_OTHER = range(4)
 MAX_PERIOD = 12  # the longest cycle of steps looked for (Llama-3.1-8B repeats every 6 steps, Qwen2.5-7B every 1)
-
-
-def _rounded(nbytes: int) -> int:
-    return -(-nbytes // K_MIN_BLOCK) * K_MIN_BLOCK if nbytes > K_MIN_BLOCK else K_MIN_BLOCK
 
 
 @dataclass(frozen=True)
@@ -105,7 +101,7 @@ class DecodeSteps:
         """What decides step ``j``'s small requests beyond the constant ones: each growing allocation's rounded
         size while it is small, -1 once it is large."""
         return tuple(-1 if r > K_SMALL_SIZE else r for r in
-                     (_rounded(self.size(j, i)) for i, g in enumerate(self.growth) if g))
+                     (round_size(self.size(j, i)) for i, g in enumerate(self.growth) if g))
 
 
 @dataclass(frozen=True)
@@ -191,7 +187,7 @@ class Placer:
 
     def _template(self, steps: DecodeSteps, j: int, requests: tuple) -> _Template | None:
         """How step ``j`` is skipped; None where it frees a tensor of an earlier step that is still alive."""
-        small = [_rounded(steps.size(j, i)) <= K_SMALL_SIZE for i in range(steps.allocs)]
+        small = [round_size(steps.size(j, i)) <= K_SMALL_SIZE for i in range(steps.allocs)]
         freed = {i for op, i in steps.pattern if op == FREE_SAME}
         carried = tuple(i for op, i in steps.pattern if op == ALLOC and small[i] and i not in freed)
         alive = set(carried)  # a free of the previous step's tensor i frees something only if it lived on
@@ -207,7 +203,7 @@ class Placer:
                     run = [0, 0, 0]
                 items.append((pos, op, i))
                 continue
-            nbytes = _rounded(steps.size(j, i))
+            nbytes = round_size(steps.size(j, i))
             if op == ALLOC:
                 run[0] += 1
                 run[1] += nbytes
@@ -259,7 +255,7 @@ class Placer:
             events = steps.events(step)
             end = pos if step == j + m else len(events)
             small = [ev for (op, i), ev in zip(steps.pattern[:end], events[:end])
-                     if op != FREE_OTHER and _rounded(steps.size(step, i)) <= K_SMALL_SIZE]
+                     if op != FREE_OTHER and round_size(steps.size(step, i)) <= K_SMALL_SIZE]
             if not self.place(small):
                 return False
         return self.place(steps.events(j + m)[pos:])

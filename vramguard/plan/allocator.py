@@ -51,46 +51,47 @@ def with_allocator(spec, s: Settings, est, cards: list, alloc_conf: str, solve: 
     return est, out
 
 
-def auto_alloc_conf(spec, s: Settings) -> tuple[str | None, str | None]:
+def auto_alloc_conf(spec, s: Settings) -> tuple[str | None, Finding | None]:
     """The ``PYTORCH_CUDA_ALLOC_CONF`` a default plan models (this process's environment, ``""`` when unset) and
-    None; or (None, why the reserve formula is used instead): no config.json, settings the tape does not cover
-    (:func:`~vramguard.introspect.alloc_replay.not_covered`), torch or transformers not installed, or an environment
-    value that is not allocator options."""
+    None; or (None, the :func:`reserve_formula_finding` that says why the formula is used instead): no config.json,
+    settings the tape does not cover (:func:`~vramguard.introspect.alloc_replay.not_covered`), a generation longer
+    than :data:`AUTO_MAX_NEW_TOKENS`, torch or transformers not installed (with the install command), or an
+    environment value that is not allocator options (a ``warn``: PyTorch refuses it at the first CUDA allocation)."""
     import importlib.util
     import os
     env = os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF") or ""
     if not spec.config_json:
-        return None, "the model has no config.json to build its forward from"
-    if not_covered(s):
-        return None, f"its tape does not cover {not_covered(s)}"
+        return None, reserve_formula_finding("the model has no config.json to build its forward from")
+    if (setting := not_covered(s)) is not None:
+        return None, reserve_formula_finding(f"its tape does not cover {setting}")
     if s.max_new_tokens > AUTO_MAX_NEW_TOKENS:
-        return None, (f"it replays every decode step, and above {AUTO_MAX_NEW_TOKENS:,} new tokens that takes "
-                      "minutes (alloc_conf='' asks for it)")
+        return None, reserve_formula_finding(f"it replays every decode step, and above {AUTO_MAX_NEW_TOKENS:,} new "
+                                             "tokens that takes minutes (alloc_conf='' asks for it)")
     missing = [m for m in ("torch", "transformers") if importlib.util.find_spec(m) is None]
     if missing:
-        return None, f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not installed"
+        return None, reserve_formula_finding(f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not "
+                                             "installed", fix=GPU_EXTRA_FIX)
     try:
         AllocatorConfig.parse(env)
     except ValueError as e:
-        return None, f"PYTORCH_CUDA_ALLOC_CONF={env!r} is not allocator options ({e}); {REFUSED_AT_START}"
+        return None, reserve_formula_finding(
+            f"PYTORCH_CUDA_ALLOC_CONF={env!r} is not allocator options ({e}); PyTorch refuses it at the first CUDA "
+            "allocation, so run and serve would fail with it too", "warn",
+            "fix PYTORCH_CUDA_ALLOC_CONF (e.g. expandable_segments:True) or unset it")
     return env, None
 
 
 AUTO_MAX_NEW_TOKENS = 2048  # a default plan of a longer generation: the formula (2,048 takes ~10 s)
-REFUSED_AT_START = "PyTorch refuses it at the first CUDA allocation, so run and serve would fail with it too"
 GPU_EXTRA_FIX = ("pip install torch transformers (PyTorch's CPU build is enough: pip install torch --index-url "
                  "https://download.pytorch.org/whl/cpu)")
 
 
-def reserve_formula_finding(why: str) -> Finding:
-    """The ``info`` finding of a default plan that used the reserve formula (largest allocation plus 30% of the
-    rest, :mod:`vramguard.memory.runtime`) for ``why``: it is high, so the largest prompt is short (12% for
-    Llama-3.1-8B NF4 at 24 GiB, benchmarks/README.md)."""
-    fix = GPU_EXTRA_FIX if "not installed" in why else \
-        "fix PYTORCH_CUDA_ALLOC_CONF (e.g. expandable_segments:True) or unset it" if REFUSED_AT_START in why else None
-    return Finding("reserve_formula", "warn" if REFUSED_AT_START in why else "info", "reserved memory from the "
-                   "reserve formula (largest allocation plus 30% of the rest; it plans the largest prompt short), "
-                   "not the caching-allocator model: " + why, fix)
+def reserve_formula_finding(why: str, level: str = "info", fix: str | None = None) -> Finding:
+    """The finding of a plan that used the reserve formula (largest allocation plus 30% of the rest,
+    :mod:`vramguard.memory.runtime`) instead of the allocator model, for ``why``: the formula is high, so the
+    largest prompt is short (12% for Llama-3.1-8B NF4 at 24 GiB, benchmarks/README.md)."""
+    return Finding("reserve_formula", level, "reserved memory from the reserve formula (largest allocation plus 30% "
+                   "of the rest; it plans the largest prompt short), not the caching-allocator model: " + why, fix)
 
 
 PROBE_TOKENS = 4096  # the second point of the slope when no start is given

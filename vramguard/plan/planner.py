@@ -80,7 +80,7 @@ def plan(model: str | ModelSpec, settings: Settings | None = None, *, gpu: str |
     cards = [verdict(est, g) for g in gpus]
     if solve:
         cards = [solve_card(spec, s, c) for c in cards]
-    est, cards, formula_why = _reserved(spec, s, est, cards, alloc_conf, solve)
+    est, cards, formula_finding = _reserved(spec, s, est, cards, alloc_conf, solve)
     logits_case = ("all positions: a forward over the whole prompt (scoring, output_logits), with a float32 copy"
                    if s.logits == "all" else
                    "last position only: generate() passes logits_to_keep=1 and copies that row to float32")
@@ -88,34 +88,34 @@ def plan(model: str | ModelSpec, settings: Settings | None = None, *, gpu: str |
     p.findings.extend(plan_findings(p))
     from vramguard.hub.prequant import prequant_findings
     p.findings.extend(prequant_findings(p))
-    if formula_why is not None:
-        from vramguard.plan.allocator import reserve_formula_finding
-        p.findings.append(reserve_formula_finding(formula_why))
+    if formula_finding is not None:
+        p.findings.append(formula_finding)
     if solve:
         p.changes.extend(ranked_changes(spec, s, gpus))
     return p
 
 
 def _reserved(spec: ModelSpec, s: Settings, est: MemoryEstimate, cards: list[CardVerdict], alloc_conf: str | None,
-              solve: bool) -> tuple[MemoryEstimate, list[CardVerdict], str | None]:
-    """(est, cards) with reserved memory from the allocator model under ``alloc_conf`` (``AUTO``: where it can run),
-    and why the reserve formula was used instead where ``AUTO`` fell back to it (else None)."""
-    auto, formula_why = alloc_conf == AUTO, None
+              solve: bool):
+    """(est, cards, finding): est and cards with reserved memory from the allocator model under ``alloc_conf``
+    (``AUTO``: where it can run), and the ``reserve_formula`` finding where the formula was used instead of a model
+    that was asked for or defaulted to (else None)."""
+    from vramguard.plan.allocator import auto_alloc_conf, reserve_formula_finding
+    auto, why = alloc_conf == AUTO, None
     if auto:
-        from vramguard.plan.allocator import auto_alloc_conf
-        alloc_conf, formula_why = auto_alloc_conf(spec, s)
+        alloc_conf, why = auto_alloc_conf(spec, s)
     if alloc_conf is None:
-        return est, cards, formula_why
+        return est, cards, why
     from vramguard.errors import NotPlannable
     from vramguard.introspect.alloc_replay import not_covered
-    if not_covered(s):  # asked for, and not possible: said, not skipped silently
-        return est, cards, f"its tape does not cover {not_covered(s)}"
+    if (setting := not_covered(s)) is not None:  # asked for, and not possible: said, not skipped silently
+        return est, cards, reserve_formula_finding(f"its tape does not cover {setting}")
     try:
         return (*_with_allocator(spec, s, est, cards, alloc_conf, solve), None)
     except NotPlannable as e:
         if not auto:
             raise
-        return est, cards, f"transformers' forward could not be recorded for it ({e})"
+        return est, cards, reserve_formula_finding(f"transformers' forward could not be recorded for it ({e})")
 
 
 def _with_allocator(spec: ModelSpec, s: Settings, est: MemoryEstimate, cards: list[CardVerdict], alloc_conf: str,
