@@ -19,6 +19,13 @@ EXPANDABLE = "expandable_segments:True"
 ENV_NAMES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 
 
+def env_alloc_conf(environ: MutableMapping[str, str] | None = None) -> str:
+    """The allocator options this process's environment gives PyTorch (``PYTORCH_CUDA_ALLOC_CONF``, else
+    ``PYTORCH_ALLOC_CONF``), ``""`` when neither is set."""
+    env = os.environ if environ is None else environ
+    return next((env[name] for name in ENV_NAMES if env.get(name)), "")
+
+
 def prefer_expandable_segments(environ: MutableMapping[str, str] | None = None,
                                cuda_available: bool | None = None) -> str | None:
     """Set ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` for this process when neither allocator variable

@@ -258,4 +258,4 @@ class Placer:
                      if op != FREE_OTHER and round_size(steps.size(step, i)) <= K_SMALL_SIZE]
             if not self.place(small):
                 return False
-        return self.place(steps.events(j + m)[pos:])
+        return self.place(events[pos:])  # the last step's events

@@ -58,8 +58,9 @@ def auto_alloc_conf(spec, s: Settings) -> tuple[str | None, Finding | None]:
     than :data:`AUTO_MAX_NEW_TOKENS`, torch or transformers not installed (with the install command), or an
     environment value that is not allocator options (a ``warn``: PyTorch refuses it at the first CUDA allocation)."""
     import importlib.util
-    import os
-    env = os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF") or ""
+
+    from vramguard.allocconf import env_alloc_conf
+    env = env_alloc_conf()
     if not spec.config_json:
         return None, reserve_formula_finding("the model has no config.json to build its forward from")
     if (setting := not_covered(s)) is not None:

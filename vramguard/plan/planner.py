@@ -108,7 +108,7 @@ def _reserved(spec: ModelSpec, s: Settings, est: MemoryEstimate, cards: list[Car
         return est, cards, why
     from vramguard.errors import NotPlannable
     from vramguard.introspect.alloc_replay import not_covered
-    if (setting := not_covered(s)) is not None:  # asked for, and not possible: said, not skipped silently
+    if not auto and (setting := not_covered(s)) is not None:  # asked for, not possible: said, not skipped silently
         return est, cards, reserve_formula_finding(f"its tape does not cover {setting}")
     try:
         return (*_with_allocator(spec, s, est, cards, alloc_conf, solve), None)

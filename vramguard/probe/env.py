@@ -6,9 +6,9 @@ Tests replace the whole probe through :data:`ENV_OVERRIDE`.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
+from vramguard.allocconf import env_alloc_conf
 from vramguard.catalog.gpus import GpuSpec
 from vramguard.hardware import detect_gpus
 
@@ -128,5 +128,5 @@ def probe_env() -> Env:
         **t, driver_version=_driver(), gpus=det.gpus, gpu_reason=det.reason,
         transformers_version=_version("transformers")[0], accelerate_version=_version("accelerate")[0],
         **_bnb(t.get("cuda_available", False)), flash_attn_version=fa_version, flash_attn_reason=fa_reason,
-        alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF"),
+        alloc_conf=env_alloc_conf() or None,
         ram_available_bytes=ram_avail, ram_total_bytes=ram_total)
