@@ -192,7 +192,7 @@ def test_a_default_plan_says_why_it_used_the_reserve_formula(tmp_path, monkeypat
     (f,) = [f for f in p.findings if f.code == "reserve_formula"]
     assert f.level == ("warn" if why == "env" else "info")  # PyTorch would refuse that setting in run and serve
     assert {"kv": "its tape does not cover an int8 KV cache",
-            "env": "'expandable_segments:maybe' is not allocator options",
+            "env": "'expandable_segments:maybe' is not valid allocator options",
             "torch": "torch is not installed"}[why] in f.message
     assert (f.fix is not None and "pip install torch" in f.fix) == (why == "torch")
 
@@ -451,3 +451,14 @@ def test_rescaled_static_cache_keeps_clear_of_the_window(tmp_path):
     assert _rescaled_events(spec.config_json, spec.name, key, 600, 64) is not None
     s = Settings(quant="bf16", attn="sdpa", cache="static", prompt_tokens=600, max_new_tokens=64)
     assert generate_events(spec, s, rescale=True) == generate_events(spec, s)
+
+
+def test_another_allocator_backend_in_the_shell_is_said_not_called_invalid(tmp_path, monkeypatch):
+    from tests.conftest import save_tiny_llama
+    from vramguard.plan import plan
+    from vramguard.settings import Settings
+    path = str(save_tiny_llama(tmp_path, **TINY))
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "backend:cudaMallocAsync")  # valid for PyTorch, not modelled
+    p = plan(path, Settings(quant="bf16", prompt_tokens=64, max_new_tokens=8), vram="1GiB")
+    (f,) = [f for f in p.findings if f.code == "reserve_formula"]
+    assert f.level == "info" and "selects the cudaMallocAsync backend" in f.message and "refuses" not in f.message

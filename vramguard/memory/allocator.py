@@ -131,6 +131,12 @@ class AllocatorConfig:
         return cls(expandable, split, allowed_bytes)
 
 
+def backend(conf: str | None) -> str:
+    """The ``backend`` option of ``conf`` (``native``, the caching allocator, when not given)."""
+    return next((v.strip() for k, _, v in (part.partition(":") for part in _options(conf or ""))
+                 if k.strip() == "backend"), "native")
+
+
 def ignored_options(conf: str | None) -> list[str]:
     """The options of ``conf`` that the model does not follow (it follows ``expandable_segments``,
     ``max_split_size_mb`` and ``backend:native``), e.g. ``["garbage_collection_threshold"]``."""

@@ -72,12 +72,16 @@ def auto_alloc_conf(spec, s: Settings) -> tuple[str | None, Finding | None]:
     if missing:
         return None, reserve_formula_finding(f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not "
                                              "installed", fix=GPU_EXTRA_FIX)
+    from vramguard.memory.allocator import backend
+    if backend(env) != "native":  # a valid setting, but another allocator than the one modelled
+        return None, reserve_formula_finding(f"PYTORCH_CUDA_ALLOC_CONF={env!r} selects the {backend(env)} backend, "
+                                             "not the caching allocator the model follows")
     try:
         AllocatorConfig.parse(env)
     except ValueError as e:
         return None, reserve_formula_finding(
-            f"PYTORCH_CUDA_ALLOC_CONF={env!r} is not allocator options ({e}); PyTorch refuses it at the first CUDA "
-            "allocation, so run and serve would fail with it too", "warn",
+            f"PYTORCH_CUDA_ALLOC_CONF={env!r} is not valid allocator options ({e}); PyTorch refuses it at the first "
+            "CUDA allocation, so run and serve would fail with it too", "warn",
             "fix PYTORCH_CUDA_ALLOC_CONF (e.g. expandable_segments:True) or unset it")
     return env, None
 
