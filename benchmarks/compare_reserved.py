@@ -5,9 +5,11 @@ edge (the largest prompt that fits) with the measured edges.
 Sources: ``results/h200_matrix`` (plain transformers, 24 GiB cap), ``results/h200_profile_fit`` (``profile`` and
 ``fit``, and the linear search beside it), ``results/h200_edge`` (``gpu_edge.py``: both allocator settings),
 ``results/h200_reserved_misses`` (the matrix again in the same order, its misses in fresh processes, and ``fit``).
-A matrix run made after its process had loaded and freed another model (``freed_model``) is counted apart as well:
-there cudaMalloc reuses the freed address ranges, so new segments are not placed below the older ones, which the
-model assumes (benchmarks/README.md).
+A matrix run made after its process had loaded and freed another model (``freed_model``) is modelled as the plan
+of such a process (``vramguard.plan(..., freed_before=True)``): cudaMalloc reuses the freed address range there and
+places new segments upwards, so the figure compared is that layout's, and the plan's verdict is the worse of that
+layout and the fresh process's; these runs are counted apart as well, and each one outside 3% is shown beside its
+twin (the same case in the other matrix process, same order) (benchmarks/README.md).
 
     python benchmarks/compare_reserved.py [--json OUT] [--no-edges]
 """
@@ -20,6 +22,7 @@ import json
 import os
 import statistics
 import sys
+from dataclasses import replace
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from vramguard.introspect.alloc_replay import replay_generate  # noqa: E402
@@ -39,13 +42,15 @@ def _jsonl(path: str) -> list[dict]:
 def cases() -> list[dict]:
     """Every recorded generate: model, settings, cap, allocator setting, ok, measured peak reserved (or None)."""
     out = []
-    for src, folder in (("matrix", "h200_matrix"), ("matrix again", "h200_reserved_misses")):
-        for path in sorted(glob.glob(os.path.join(HERE, folder, "p*", "matrix.jsonl"))):
+    for src, folder, pattern in (("matrix", "h200_matrix", "p*"), ("matrix again", "h200_reserved_misses", "p*"),
+                                 ("matrix repeat", "h200_freed_repeat", "call*/r*")):
+        for path in sorted(glob.glob(os.path.join(HERE, folder, pattern, "matrix.jsonl"))):
             loads = 0
             for r in _jsonl(path):
                 loads += r["kind"] == "loaded"
                 if r["kind"] == "gen":
-                    out.append(dict(src=src, model=r["model"], quant=r["quant"], attn=r["attn"], batch=r["batch"],
+                    out.append(dict(src=src, path=os.path.relpath(path, HERE), model=r["model"], quant=r["quant"],
+                                    attn=r["attn"], batch=r["batch"],
                                     prompt=r["prompt"], new=r["new"], cap=24 * GiB, conf="", ok=r["ok"],
                                     reserved=max(r["prefill_reserved_peak"], r["decode_reserved_peak"])
                                     if r["ok"] else None, freed_model=loads > 1))
@@ -70,7 +75,7 @@ def cases() -> list[dict]:
     seen, unique = set(), []
     for c in out:  # the same run recorded twice (fit's own record and the linear search) counts once
         c.setdefault("freed_model", False)
-        k = (c["src"] == "matrix again", c["model"], c["quant"], c["attn"], c["batch"], c["prompt"], c["new"],
+        k = (c.get("path"), c["model"], c["quant"], c["attn"], c["batch"], c["prompt"], c["new"],
              c["conf"], c["reserved"])
         if k not in seen:
             seen.add(k)
@@ -120,18 +125,23 @@ def settings(c: dict) -> Settings:
                     max_new_tokens=c["new"])
 
 
-def modelled(c: dict):
-    cfg = AllocatorConfig.parse(c["conf"], c["cap"])
+def modelled(c: dict, freed_before: bool | None = None):
+    """The replay of case ``c``; in the upward layout where its process had freed a model (``freed_before`` None)."""
+    cfg = replace(AllocatorConfig.parse(c["conf"], c["cap"]),
+                  freed_before=c["freed_model"] if freed_before is None else freed_before)
     return replay_generate(resolve_model(c["model"]), settings(c), cfg)
 
 
 def planned_fits(c: dict, base_reserved: int) -> bool | None:
-    """The plan's verdict under the case's cap: the replay under the cap less the plan's margin."""
+    """The plan's verdict under the case's cap: the replay under the cap less the plan's margin (after a freed
+    model: in both layouts)."""
     from vramguard.introspect.alloc_replay import allowed_bytes
     if c["cap"] is None:
         return None
     cfg = AllocatorConfig.parse(c["conf"], allowed_bytes(c["cap"], base_reserved))
-    return replay_generate(resolve_model(c["model"]), settings(c), cfg).fits
+    layouts = (False, True) if c["freed_model"] else (False,)
+    return all(replay_generate(resolve_model(c["model"]), settings(c), replace(cfg, freed_before=f)).fits
+               for f in layouts)
 
 
 # the measured edges: (source, arch, quant, PYTORCH_CUDA_ALLOC_CONF) -> (largest completed prompt, smallest failed
@@ -182,6 +192,21 @@ def print_edges(rows: list[dict]) -> None:
               f"{ok:>11} {r['measured_fail']:>12,} {r['planned']:>8,} {vs:>7} {r['formula']:>8,}")
 
 
+def print_twins(rows: list[dict]) -> None:
+    """Each run after a freed model outside 3%, beside its twin: the same case in the other matrix process."""
+    def key(r):
+        return r["model"], r["quant"], r["attn"], r["batch"], r["prompt"], r["new"]
+    freed = [r for r in rows if r["freed_model"] and "rel_err" in r]
+    for k in dict.fromkeys(key(r) for r in freed if abs(r["rel_err"]) > 0.03):
+        same = [r for r in freed if key(r) == k]
+        by = {}
+        for r in same:
+            by.setdefault((r["src"], r["reserved"]), []).append(r)
+        print(f"  outside 3% after a freed model: {' '.join(map(str, k))}, modelled {same[0]['modelled']:,} "
+              f"(fresh layout {same[0]['modelled_fresh']:,}); measured: "
+              + "; ".join(f"{src} x{len(v)} {res:,} ({v[0]['rel_err'] * 100:+.2f}%)" for (src, res), v in by.items()))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None)
@@ -193,6 +218,7 @@ def main() -> None:
     for c in cases():
         r = modelled(c)
         row = dict(c, modelled=r.peak_reserved_bytes, modelled_fits=r.fits,
+                   modelled_fresh=modelled(c, False).peak_reserved_bytes if c["freed_model"] else None,
                    planned_fits=r.fits if not r.fits else planned_fits(c, r.base_reserved_bytes))
         if c["ok"] and c["reserved"]:
             row["rel_err"] = (r.peak_reserved_bytes - c["reserved"]) / c["reserved"]
@@ -221,6 +247,7 @@ def main() -> None:
         print(f"peak reserved, {label}: {len(e)} completed runs, median |error| {statistics.median(e) * 100:.2f}%, "
               f"max {max(e) * 100:.2f}% (signed: min {min(s) * 100:+.2f}%, max {max(s) * 100:+.2f}%), "
               f"{sum(x <= 0.03 for x in e)} within 3%")
+    print_twins(rows)
     print(f"fit verdicts: {len(rows) - len(disagree)} of {len(rows)} agree; disagreeing: "
           + ", ".join(f"{r['model']} {r['quant']} {r['prompt']} {'exp' if r['conf'] else 'default'} "
                       f"(measured {'ok' if r['ok'] else 'OOM'})" for r in disagree))

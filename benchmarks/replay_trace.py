@@ -54,11 +54,12 @@ def recorded_peak(start_reserved: int, trace: list) -> int:
     return peak
 
 
-def matrix_case(path: str, at_recorded_addresses: bool) -> tuple[int, int]:
-    """(the model's large-pool peak replaying a ``matrix_*`` trace, the trace's own large-pool peak)."""
+def matrix_case(path: str, at_recorded_addresses: bool, freed_before: bool = False) -> tuple[int, int]:
+    """(the model's large-pool peak replaying a ``matrix_*`` trace, the trace's own large-pool peak); new segments
+    below the lowest (a fresh process), above the highest (``freed_before``) or at the recorded addresses."""
     d = json.load(gzip.open(path, "rt"))
     segs = [(addr, False, [(size, state == "a") for _, size, state in blocks]) for addr, _, blocks in d["segments"]]
-    a = CachingAllocator.from_segments(AllocatorConfig(allowed_bytes=CAP), segs)
+    a = CachingAllocator.from_segments(AllocatorConfig(allowed_bytes=CAP, freed_before=freed_before), segs)
     start = a.reserved_bytes
     if at_recorded_addresses:
         a.segment_addresses = iter([addr for action, addr, _ in d["trace"] if action == "segment_alloc"])
@@ -90,8 +91,9 @@ def main() -> None:
     for path in sorted(glob.glob(os.path.join(HERE, "traces", "matrix_*.json.gz"))):
         below, recorded = matrix_case(path, False)
         at, _ = matrix_case(path, True)
+        above, _ = matrix_case(path, False, freed_before=True)
         print(f"{os.path.basename(path):58} large pool: recorded {recorded:>15,}  at its addresses {at:>15,}  "
-              f"new segments below {below:>15,}")
+              f"new segments below {below:>15,}  above {above:>15,}")
 
 
 if __name__ == "__main__":

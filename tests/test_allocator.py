@@ -336,6 +336,16 @@ def test_a_size_tie_goes_to_the_newest_segment():
     assert z.seg is y.seg and z.addr == y.seg.addr and a.reserved_bytes == 64 * MiB
 
 
+def test_in_a_process_that_freed_memory_before_a_size_tie_goes_to_the_oldest_segment():
+    a = CachingAllocator(AllocatorConfig(freed_before=True))
+    x, y = a.malloc(32 * MiB), a.malloc(32 * MiB)  # two 32 MiB segments; cudaMalloc places the second above
+    assert y.seg.addr == x.seg.addr + 32 * MiB
+    a.free(x)
+    a.free(y)
+    z = a.malloc(8 * MiB)  # the tie goes to the lower address, now the older segment
+    assert z.seg is x.seg and z.addr == x.seg.addr and a.reserved_bytes == 64 * MiB
+
+
 def _from_snapshot(segments: list[dict]) -> CachingAllocator:
     """An allocator holding the segments of ``torch.cuda.memory_snapshot()`` (size and state of each block, in
     address order), placed as cudaMalloc placed them: each later one lower (``CachingAllocator.from_segments``)."""

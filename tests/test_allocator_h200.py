@@ -101,13 +101,30 @@ def test_after_a_freed_model_new_segments_lie_where_the_driver_put_them():
     at the case's start, the trace's large-pool peak is 12,375,293,952 B at the addresses cudaMalloc gave the new
     segments (above the weights, in the freed range) and exactly one 2 GiB float32 score segment more,
     14,522,777,600 B, with each new segment below the last (a fresh process, where the same run measured
-    14,640,218,112 B)."""
+    14,640,218,112 B). With each new segment above the last (``AllocatorConfig.freed_before``, as cudaMalloc
+    placed them in this process) the model gives the recorded peak without being told the addresses."""
     from benchmarks.replay_trace import matrix_case
     path = str(RESULTS / "traces" / "matrix_llama-3.1-8b_nf4_eager_4096x1.json.gz")
     at, recorded = matrix_case(path, True)
     below, _ = matrix_case(path, False)
-    assert at == recorded == 12_375_293_952
+    above, _ = matrix_case(path, False, freed_before=True)
+    assert at == recorded == above == 12_375_293_952
     assert below - recorded == 2 * GiB
+
+
+def test_two_processes_that_freed_a_model_place_the_same_run_differently():
+    """Qwen2.5-7B NF4 SDPA 16,384 x 4 after the process had freed its bf16 model: this trace's large pool peaked
+    at 22,368,223,232 B, the fresh process's layout (new segments below), while the same case in the same order
+    in the first matrix process measured 19,960,692,736 B in all, the layout with new segments above (the model:
+    19,885,195,264 B in the large pool). Which layout such a process gets is the driver's; a plan of it covers
+    both (``vramguard.plan(..., freed_before=True)``)."""
+    from benchmarks.replay_trace import matrix_case
+    path = str(RESULTS / "traces" / "matrix_qwen2.5-7b_nf4_sdpa_16384x4.json.gz")
+    at, recorded = matrix_case(path, True)
+    below, _ = matrix_case(path, False)
+    above, _ = matrix_case(path, False, freed_before=True)
+    assert at == recorded == below == 22_368_223_232
+    assert above == 19_885_195_264
 
 
 def test_recorded_segment_addresses_place_new_segments():
@@ -126,6 +143,10 @@ def test_recorded_segment_addresses_place_new_segments():
     b = a.malloc(30 * MiB)
     assert b.seg.addr == 0x2000_0000 and a.reserved_bytes == 50 * MiB
     assert a.malloc(10 * MiB).seg.addr == 0x1000_0000  # best fit: the 16 MiB hole of the old segment
+    a = CachingAllocator.from_segments(AllocatorConfig(freed_before=True), [(0x1000_0000, False, [(4 * MiB, True),
+                                                                                               (16 * MiB, False)])])
+    b = a.malloc(30 * MiB)  # in a process that freed memory before: above the old segment's end
+    assert b.seg.addr == 0x1000_0000 + 20 * MiB and a.reserved_bytes == 50 * MiB
 
 
 def test_no_dequantized_weight_for_up_to_four_rows(tmp_path):

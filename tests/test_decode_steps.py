@@ -50,15 +50,16 @@ def test_the_steps_follow_the_tape_of_steps_1_and_2():
 
 
 @pytest.mark.parametrize("cap_mib", [None, 200, 120, 90])
-@pytest.mark.parametrize("expandable", [False, True])
-def test_skipping_the_small_pool_changes_nothing(cap_mib, expandable):
-    conf = AllocatorConfig(expandable, allowed_bytes=None if cap_mib is None else cap_mib * MiB)
+@pytest.mark.parametrize("expandable, freed_before", [(False, False), (True, False), (False, True)])
+def test_skipping_the_small_pool_changes_nothing(cap_mib, expandable, freed_before):
+    conf = AllocatorConfig(expandable, allowed_bytes=None if cap_mib is None else cap_mib * MiB,
+                           freed_before=freed_before)
     short, placer = _placed(conf, 400, True)
     full, _ = _placed(conf, 400, False)
     assert short == full
     if cap_mib is None:  # the small pool repeats from the first steps on: at most 4 of 400 steps placed in full
         assert placer.skipped_steps >= 396
-    if (cap_mib, expandable) == (200, False):  # the cap makes release_cached_blocks free the 1 MiB segment mid-step
+    if (cap_mib, expandable, freed_before) == (200, False, False):  # the cap makes release_cached_blocks free the 1 MiB segment mid-step
         assert placer.placed_in_full > 0 and placer.skipped_steps > 300
 
 

@@ -15,6 +15,10 @@ from vramguard.cli.multigpu import device_map_option, gpus_option, max_memory_op
 from vramguard.cli.render import console
 
 
+FREED_BEFORE_HELP = ("plan for a process that has deleted a model and called torch.cuda.empty_cache() (a notebook): "
+                     "both segment layouts cudaMalloc gives there, judged on the worse")
+
+
 def plan(
     ctx: typer.Context,
     model: Optional[str] = typer.Argument(None, metavar="MODEL", show_default=False,
@@ -49,6 +53,7 @@ def plan(
     alloc_conf: Optional[str] = typer.Option(
         None, help="PYTORCH_CUDA_ALLOC_CONF of the caching-allocator model ('default', expandable_segments:True...; "
         "'formula': the reserve formula, faster, short of the edge); without it: this shell's, with torch installed"),
+    freed_before: bool = typer.Option(False, "--freed-before", help=FREED_BEFORE_HELP),
     fmt: Format = format_option(),
     list_models: bool = typer.Option(False, "--list-models", help="list the catalog architectures and exit"),
     list_gpus: bool = typer.Option(False, "--list-gpus", help="list the catalog cards and exit"),
@@ -76,9 +81,8 @@ def plan(
         _refuse_no_new_tokens(max_new_tokens, logits.value)
         chosen_attn, chosen_dtype = _card_defaults(gpu, vram, attn, dtype, compute_dtype, several, notes)
         s = Settings(quant=quant.value, double_quant=double_quant,
-                     compute_dtype=compute_dtype.value if compute_dtype else None,
-                     dtype=chosen_dtype, attn=chosen_attn,
-                     kv_dtype=kv_dtype.value if kv_dtype else None, cache=cache.value, batch=batch,
+                     compute_dtype=compute_dtype.value if compute_dtype else None, dtype=chosen_dtype,
+                     attn=chosen_attn, kv_dtype=kv_dtype.value if kv_dtype else None, cache=cache.value, batch=batch,
                      num_beams=num_beams, num_return_sequences=num_return_sequences, prompt_tokens=prompt_tokens,
                      max_new_tokens=max_new_tokens, prefill_chunk=prefill_chunk, logits=logits.value,
                      output_attentions=output_attentions, padded=padded, do_sample=do_sample)
@@ -91,7 +95,8 @@ def plan(
             if alloc_conf is not None and _alloc_conf(alloc_conf) is not None:
                 say("note: --alloc-conf plans one card; cards used together are planned with the reserve formula")
             return plan_cards(spec, s, (gpus, tp, gpu, vram), context, device_map, max_memory)
-        return plan_fn(spec, s, gpu=gpu, vram=vram, context=context, alloc_conf=_alloc_conf(alloc_conf))
+        return plan_fn(spec, s, gpu=gpu, vram=vram, context=context, alloc_conf=_alloc_conf(alloc_conf),
+                       freed_before=freed_before)
 
     _emit(run_guarded(build, as_json=fmt == Format['json']), several, fmt == Format['json'], exit_code, notes)
 

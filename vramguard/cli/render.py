@@ -177,6 +177,7 @@ def plan_to_json(p: Plan) -> dict:
         "load": to_jsonable(est.load),
         "allocator": None if est.allocator is None else dict(to_jsonable(est.allocator), alloc_conf=est.alloc_conf),
         "reserved_from": "reserve formula" if est.allocator is None else "caching-allocator model",
+        "freed_layout_reserved_bytes": est.freed_layout_reserved_bytes,
         "weights": to_jsonable(est.weights),
         "kv_cache": {"full_length_tokens": est.kv_full.tokens, "gpu_bytes": est.kv_full.gpu_bytes,
                      "cpu_bytes": est.kv_full.cpu_bytes, "bytes_per_token": est.kv_bytes_per_token,

@@ -30,7 +30,7 @@ attention maps in the output) answer None, and the plan keeps its formula for th
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from vramguard.memory.allocator import AllocatorConfig, CachingAllocator, OutOfMemory
@@ -166,7 +166,7 @@ def replay_generate(spec, s: Settings, config: AllocatorConfig, rescale: bool = 
 
 def _replay(spec, s: Settings, config: AllocatorConfig, rescale: bool, later_steps: bool) -> AllocatorReplay:
     """:func:`replay_generate`, replayed."""
-    alloc = CachingAllocator(AllocatorConfig(config.expandable_segments, config.max_split_size, None))
+    alloc = CachingAllocator(replace(config, allowed_bytes=None))
     _load(alloc, spec, s)
     base = alloc.reserved_bytes
     alloc.config = config

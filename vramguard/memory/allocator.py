@@ -15,9 +15,13 @@ whose constants and ``malloc`` path are the same):
 * ``get_free_block``: best fit: the smallest free block of the pool at least as large as the request (ties: the
   lowest address, ``BlockComparatorSize``). cudaMalloc hands out addresses downwards (each new segment of the
   H200 traces in ``benchmarks/results/h200_edge/run2`` lies below the one before), so a tie goes to the newest
-  segment; the model places its segments the same way. In a process that has freed segments before (another
-  model loaded and deleted), cudaMalloc reuses the freed address ranges, so a new segment can lie above older
-  ones and a tie goes the other way; ``CachingAllocator.segment_addresses`` replays recorded placements. With
+  segment; the model places its segments the same way. In a process that has given a model's memory back before
+  (a model loaded, deleted, then ``empty_cache``), cudaMalloc reuses the freed address range from its low end
+  upwards: in the H200 traces of such processes every new segment lies above the one before, so a tie goes to
+  the oldest segment (``AllocatorConfig.freed_before``). This is the driver's behaviour as observed, not a
+  documented rule: where a freed range has holes that fit, a new segment can land in one of them, and which it is
+  depends on the freed model's own segments (benchmarks/README.md, "After a freed model").
+  ``CachingAllocator.segment_addresses`` replays recorded placements. With
   ``max_split_size`` set, a request below it never takes a block of at least that size, and a request above it
   takes only a block less than ``kLargeBuffer`` larger.
 * ``should_split``: the remainder of a found block becomes a free block if it is at least 512 B (small pool, or
@@ -95,11 +99,13 @@ def _options(conf: str) -> list[str]:
 @dataclass(frozen=True)
 class AllocatorConfig:
     """The ``PYTORCH_CUDA_ALLOC_CONF`` settings the model follows; ``allowed_bytes``: the cap of
-    ``set_per_process_memory_fraction`` (or the card's free memory), None for none."""
+    ``set_per_process_memory_fraction`` (or the card's free memory), None for none; ``freed_before``: the process
+    has given a model's memory back to CUDA before, so cudaMalloc places new segments upwards (module docstring)."""
 
     expandable_segments: bool = False
     max_split_size: int = NO_LIMIT
     allowed_bytes: int | None = None
+    freed_before: bool = False
 
     @classmethod
     def parse(cls, conf: str | None, allowed_bytes: int | None = None) -> AllocatorConfig:
@@ -201,6 +207,7 @@ class CachingAllocator:
     requests: int = 0
     _free: dict[bool, list] = field(default_factory=lambda: {True: [], False: []})
     _next_addr: int = 1 << 60  # segments are placed downwards from here (see _alloc_block)
+    _top: int = 1 << 60  # or upwards from here, in a process that has freed memory before
     _expandable: dict[bool, Segment] = field(default_factory=dict)
     # where the driver put each new segment, in order (a recorded trace's segment_alloc addresses); None: each new
     # segment below the last, as cudaMalloc places them in a process that has freed no memory yet
@@ -267,6 +274,7 @@ class CachingAllocator:
             a.segments.append(seg)
             a.reserved_bytes += at - addr
         a._next_addr = min((s.addr for s in a.segments), default=a._next_addr)
+        a._top = max((s.addr + sum(b.size for b in s.blocks()) for s in a.segments), default=a._top)
         a.peak_reserved_bytes, a.peak_allocated_bytes = a.reserved_bytes, a.allocated_bytes
         return a
 
@@ -351,8 +359,12 @@ class CachingAllocator:
             return None
         if self.config.expandable_segments:
             return self._expand(size, small)
-        self._next_addr -= alloc  # cudaMalloc hands out addresses downwards: a newer segment is lower
-        addr = self._next_addr if self.segment_addresses is None else next(self.segment_addresses)
+        if self.config.freed_before:  # upwards: a newer segment is higher
+            addr, self._top = self._top, self._top + alloc
+        else:
+            self._next_addr -= alloc  # cudaMalloc hands out addresses downwards: a newer segment is lower
+            addr = self._next_addr
+        addr = addr if self.segment_addresses is None else next(self.segment_addresses)
         seg = Segment(addr, small)
         seg.head = Block(seg, seg.addr, alloc)
         self.small_segments_opened += small

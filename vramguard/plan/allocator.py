@@ -9,10 +9,15 @@ from vramguard.memory.allocator import AllocatorConfig
 from vramguard.settings import Settings
 
 
-def with_allocator(spec, s: Settings, est, cards: list, alloc_conf: str, solve: bool):
+def with_allocator(spec, s: Settings, est, cards: list, alloc_conf: str, solve: bool, freed_before: bool = False):
     """The estimate and card verdicts with reserved memory, fit and the largest prompt from the allocator model
     under ``alloc_conf`` (``PYTORCH_CUDA_ALLOC_CONF`` text); (est, cards) unchanged where the tape does not cover
     ``s``. Raises ValueError for an ``alloc_conf`` value that is not allocator options.
+
+    ``freed_before``: a process that has given a model's memory back to CUDA before, where cudaMalloc may place
+    new segments above the older ones or below them (:class:`~vramguard.memory.allocator.AllocatorConfig`): both
+    layouts are replayed, the estimate is the one that reserves more, and each card is judged on the worse of the
+    two (:func:`_worse`); ``est.freed_layout_reserved_bytes`` holds the upward layout's peak reserved.
 
     A real card has a limit: when ``cudaMalloc`` fails, the allocator frees its cached segments and tries again.
     So the estimate's replay runs under the largest card's memory (less the CUDA context), not without a limit (a
@@ -20,7 +25,32 @@ def with_allocator(spec, s: Settings, est, cards: list, alloc_conf: str, solve: 
     does not fit there, the formula's need stands. Each card's need is its own capped replay's peak where that
     fits (so need, fit and headroom agree), else the estimate's."""
     from dataclasses import replace
-    conf = AllocatorConfig.parse(alloc_conf)
+    if freed_before:
+        fresh_est, fresh_cards = with_allocator(spec, s, est, cards, alloc_conf, solve)
+        if fresh_est.allocator is None or fresh_est.allocator.expandable_segments:  # one segment a pool
+            return fresh_est, fresh_cards
+        up_est, up_cards = _with_conf(spec, s, est, cards, replace(AllocatorConfig.parse(alloc_conf),
+                                                                   freed_before=True), alloc_conf, solve)
+        worse = up_est if up_est.peak_reserved_bytes > fresh_est.peak_reserved_bytes else fresh_est
+        return (replace(worse, freed_layout_reserved_bytes=up_est.peak_reserved_bytes),
+                [_worse(a, b) for a, b in zip(fresh_cards, up_cards)])
+    return _with_conf(spec, s, est, cards, AllocatorConfig.parse(alloc_conf), alloc_conf, solve)
+
+
+def _worse(a, b):
+    """The card verdict of the two layouts that leaves less: the failing one, else the one with less headroom, with
+    the smaller largest prompt."""
+    from dataclasses import replace
+    if a.fits != b.fits:
+        return a if not a.fits else b
+    w = a if a.headroom_bytes <= b.headroom_bytes else b
+    prompts = [x.max_prompt_tokens for x in (a, b)]
+    return replace(w, max_prompt_tokens=None if None in prompts else min(prompts))
+
+
+def _with_conf(spec, s: Settings, est, cards: list, conf: AllocatorConfig, alloc_conf: str, solve: bool):
+    """:func:`with_allocator` under the parsed ``conf``."""
+    from dataclasses import replace
     ctx_bytes = est.cuda_context_bytes
     device = replace(conf, allowed_bytes=max(c.usable_bytes for c in cards) - ctx_bytes) if cards else conf
     r = replay_generate(spec, s, device, rescale=solve)  # the edge search samples the same stretch: share its replays
@@ -84,6 +114,39 @@ def auto_alloc_conf(spec, s: Settings) -> tuple[str | None, Finding | None]:
             "CUDA allocation, so run and serve would fail with it too", "warn",
             "fix PYTORCH_CUDA_ALLOC_CONF (e.g. expandable_segments:True) or unset it")
     return env, None
+
+
+FREED_MODEL_BYTES = 1 << 30  # given back to CUDA before: a model's memory, more than a warm-up releases
+
+
+def process_freed_memory() -> bool:
+    """Whether this process's caching allocator has given at least :data:`FREED_MODEL_BYTES` back to CUDA
+    (``torch.cuda.memory_stats()["reserved_bytes.all.freed"]`` on any GPU): a model deleted, then
+    ``torch.cuda.empty_cache()``. In the H200 traces (benchmarks/README.md) the warm-up of a fresh process released
+    8 to 132 MiB and new segments still went below the older ones. False where torch is not imported or CUDA not
+    initialized (this never initializes CUDA)."""
+    import sys
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_initialized():
+        return False
+    return any(torch.cuda.memory_stats(i).get("reserved_bytes.all.freed", 0) >= FREED_MODEL_BYTES
+               for i in range(torch.cuda.device_count()))
+
+
+def freed_before_finding(est) -> Finding | None:
+    """The ``freed_before`` info finding of a plan for a process that freed memory before: both layouts' peak
+    reserved bytes (None for another plan)."""
+    up = est.freed_layout_reserved_bytes
+    if up is None:
+        return None
+    from vramguard.units import fmt_bytes
+    fresh = est.peak_reserved_bytes if up != est.peak_reserved_bytes else None
+    return Finding("freed_before", "info",
+                   "planned for a process that has given a model's memory back to CUDA before: cudaMalloc may place "
+                   f"new segments above the older ones (peak reserved {fmt_bytes(up)}) or below them, as in a fresh "
+                   "process (" + (f"{fmt_bytes(est.peak_reserved_bytes)}" if fresh else "the same") +
+                   "); the fit and the largest prompt are those of the worse layout",
+                   "for one layout, load the model in a fresh process (vramguard run, or a script of its own)")
 
 
 AUTO_MAX_NEW_TOKENS = 2048  # a default plan of a longer generation: the formula (2,048 takes ~10 s)

@@ -68,6 +68,8 @@ class MemoryEstimate:
     allocator: object | None = None  # vramguard.introspect.alloc_replay.AllocatorReplay when reserved memory is
     # the caching-allocator model's, None where it is the formula of vramguard.memory.runtime
     alloc_conf: str | None = None  # the PYTORCH_CUDA_ALLOC_CONF the allocator model followed
+    freed_layout_reserved_bytes: int | None = None  # planned for a process that freed memory before: the peak
+    # reserved with new segments above the older ones (peak_reserved_bytes is the larger of the two layouts)
 
 
 def load_plan_or_none(spec: ModelSpec, s: Settings):

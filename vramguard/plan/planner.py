@@ -19,7 +19,7 @@ AUTO = "auto"  # plan's alloc_conf default: the allocator model where it can run
 
 def plan(model: str | ModelSpec, settings: Settings | None = None, *, gpu: str | None = None,
          vram: str | None = None, gpus: list[GpuSpec] | None = None, solve: bool = True,
-         context: int | None = None, alloc_conf: str | None = AUTO) -> Plan:
+         context: int | None = None, alloc_conf: str | None = AUTO, freed_before: bool | None = None) -> Plan:
     """Plan the memory of running ``model`` with ``settings`` on a GPU.
 
     Args:
@@ -37,6 +37,10 @@ def plan(model: str | ModelSpec, settings: Settings | None = None, *, gpu: str |
             default): the allocator model under the ``PYTORCH_CUDA_ALLOC_CONF`` of this process's environment
             where it can run (torch and transformers installed, a config, settings its tape covers), else the
             formula with an ``info`` finding ``reserve_formula`` that says why.
+        freed_before: a process that has given a model's memory back to CUDA (a model deleted, then
+            ``torch.cuda.empty_cache()``): both segment layouts cudaMalloc gives there are replayed, each card judged
+            on the worse (finding ``freed_before``). None: this process's own state
+            (:func:`vramguard.plan.allocator.process_freed_memory`).
 
     Raises:
         UnknownModel, ConfigError: the model cannot be read. UnknownGpu, InvalidValue: bad card or size.
@@ -80,7 +84,7 @@ def plan(model: str | ModelSpec, settings: Settings | None = None, *, gpu: str |
     cards = [verdict(est, g) for g in gpus]
     if solve:
         cards = [solve_card(spec, s, c) for c in cards]
-    est, cards, formula_finding = _reserved(spec, s, est, cards, alloc_conf, solve)
+    est, cards, formula_finding = _reserved(spec, s, est, cards, alloc_conf, solve, freed_before)
     logits_case = ("all positions: a forward over the whole prompt (scoring, output_logits), with a float32 copy"
                    if s.logits == "all" else
                    "last position only: generate() passes logits_to_keep=1 and copies that row to float32")
@@ -88,19 +92,21 @@ def plan(model: str | ModelSpec, settings: Settings | None = None, *, gpu: str |
     p.findings.extend(plan_findings(p))
     from vramguard.hub.prequant import prequant_findings
     p.findings.extend(prequant_findings(p))
-    if formula_finding is not None:
-        p.findings.append(formula_finding)
+    from vramguard.plan.allocator import freed_before_finding
+    p.findings.extend(f for f in (formula_finding, freed_before_finding(est)) if f is not None)
     if solve:
         p.changes.extend(ranked_changes(spec, s, gpus))
     return p
 
 
 def _reserved(spec: ModelSpec, s: Settings, est: MemoryEstimate, cards: list[CardVerdict], alloc_conf: str | None,
-              solve: bool):
+              solve: bool, freed_before: bool | None = False):
     """(est, cards, finding): est and cards with reserved memory from the allocator model under ``alloc_conf``
-    (``AUTO``: where it can run), and the ``reserve_formula`` finding where the formula was used instead of a model
-    that was asked for or defaulted to (else None)."""
-    from vramguard.plan.allocator import auto_alloc_conf, reserve_formula_finding
+    (``AUTO``: where it can run; ``freed_before``: as :func:`plan`), and the ``reserve_formula`` finding where the
+    formula was used instead of a model that was asked for or defaulted to (else None)."""
+    from vramguard.plan.allocator import auto_alloc_conf, process_freed_memory, reserve_formula_finding
+    if freed_before is None:
+        freed_before = process_freed_memory()
     auto, why = alloc_conf == AUTO, None
     if auto:
         alloc_conf, why = auto_alloc_conf(spec, s)
@@ -111,7 +117,7 @@ def _reserved(spec: ModelSpec, s: Settings, est: MemoryEstimate, cards: list[Car
     if not auto and (setting := not_covered(s)) is not None:  # asked for, not possible: said, not skipped silently
         return est, cards, reserve_formula_finding(f"its tape does not cover {setting}")
     try:
-        return (*_with_allocator(spec, s, est, cards, alloc_conf, solve), None)
+        return (*_with_allocator(spec, s, est, cards, alloc_conf, solve, freed_before), None)
     except NotPlannable as e:
         if not auto:
             raise
@@ -119,7 +125,7 @@ def _reserved(spec: ModelSpec, s: Settings, est: MemoryEstimate, cards: list[Car
 
 
 def _with_allocator(spec: ModelSpec, s: Settings, est: MemoryEstimate, cards: list[CardVerdict], alloc_conf: str,
-                    solve: bool) -> tuple[MemoryEstimate, list[CardVerdict]]:
+                    solve: bool, freed_before: bool = False) -> tuple[MemoryEstimate, list[CardVerdict]]:
     """(est, cards) with the caching-allocator model's figures.
 
     Raises:
@@ -144,4 +150,4 @@ def _with_allocator(spec: ModelSpec, s: Settings, est: MemoryEstimate, cards: li
                            "tape is transformers' forward replayed on meta tensors)",
                            f"{GPU_EXTRA_FIX}, or leave alloc_conf out ({e})") from None
     from vramguard.plan.allocator import with_allocator
-    return with_allocator(spec, s, est, cards, alloc_conf, solve)
+    return with_allocator(spec, s, est, cards, alloc_conf, solve, freed_before)
