@@ -7,10 +7,12 @@ figure comes from in ``total_source``. A report printed as GiB with two decimals
 low end of what rounds to it, floored to a whole MiB (:func:`reported_gib`), so a plan never counts memory that
 the card may not have; ``_CudaDeviceProperties``' ``total_memory=16049MB`` is ``totalGlobalMem // 2**20``
 (torch/csrc/cuda/Module.cpp), so it is taken as that many whole MiB, 1 MiB tight where two decimals of GiB are
-10.24 MiB wide. nvidia-smi's ``memory.total`` is not used: it is above CUDA's total by an amount that differs per
-card and driver (about 251 MiB on a T4, 615 MiB on an H200, 476 MiB on an L4). Drivers differ too (an RTX 4090
-reports 23.49 to 23.64 GiB): a card's source names the reports found, and its figure is the lowest of them unless
-the source says otherwise (the T4's is a measurement). The CUDA context is modelled separately in
+10.24 MiB wide; a report of the exact bytes (``total_memory / 2**20`` printed whole, ``11864.3125``) is taken as
+those bytes. nvidia-smi's ``memory.total`` is not used: it is above CUDA's total by an amount that differs per
+card and driver (about 251 MiB on a T4, 615 MiB on an H200, 476 MiB on an L4); Windows (WDDM) reports about
+nvidia-smi's figure to CUDA as well, so where a Linux report is found it is the one kept. Drivers differ too (an
+RTX 4090 reports 23.49 to 23.64 GiB): a card's source names the reports found, and its figure is the lowest of
+them unless the source says otherwise (the T4's is a measurement). The CUDA context is modelled separately in
 :mod:`vramguard.memory.runtime`. ``bandwidth_bytes_per_s`` is the datasheet memory bandwidth.
 """
 
@@ -129,9 +131,18 @@ GPUS: dict[str, GpuSpec] = {g.name: g for g in [
               "github.com/ESRSchao/EdgeRegNet/issues/2"),
     _reported("rtx-4060-ti-16gb", "NVIDIA GeForce RTX 4060 Ti 16GB", "15.55", 16, (8, 9), 288,
               "github.com/boson-ai/higgs-audio/issues/48 (an RTX 4060 Ti 16GB, no other process on the card)"),
-    _g("rtx-4070", "NVIDIA GeForce RTX 4070", "11.72", 12, (8, 9), 504,
-       "no CUDA total found; nvidia-smi shows 12,282 MiB (github.com/meta-llama/llama/issues/466), 6 MiB less than "
-       "the RTX 3060's 12,288 MiB that CUDA reports as 11.75 GiB; planned at 11.72 GiB, that gap and 6 MiB less"),
+    _g("rtx-4070", "NVIDIA GeForce RTX 4070", 12_440_633_344, 12, (8, 9), 504,
+       "torch total_memory of 12,440,633,344 B ('total_mb': 11864.3125, total_memory / 2**20) in "
+       "github.com/korayguzel/bio-inference-bench/blob/main/results/raw/capacity_compare_20260406T225314.json (the "
+       "lowest found; cuDeviceTotalMem 11,874 MiB with driver 575.51.03 in "
+       "github.com/reindertpelsma/nvkvm-pv/blob/main/tests/BOOT_MATRIX.md; Windows reports 12,877,955,072 B, "
+       "about nvidia-smi's 12,282 MiB: github.com/Lightricks/ComfyUI-LTXVideo/issues/337)"),
+    _reported("rtx-4070-ti", "NVIDIA GeForce RTX 4070 Ti", "11.70", 12, (8, 9), 504,
+              "github.com/Kwai-Kolors/Kolors/issues/11 (an RTX 4070 Ti, driver 545.23.08, nvidia-smi 12,282 MiB; "
+              "11.73 GiB in github.com/OpenLMLab/LOMO/issues/17)"),
+    _props("rtx-4070-ti-super", "NVIDIA GeForce RTX 4070 Ti SUPER", 15_974, 16, (8, 9), 672,
+           "github.com/mathisweil/minihack-ReMDM-planner/blob/c957115fbbfb502502aab7b5d28b6731bb2b83f4/"
+           "PERF_EXPERIMENTS_RESULTS_MINIHACK.md (driver 560.35.03; nvidia-smi 16,376 MiB)"),
     _props("rtx-4080", "NVIDIA GeForce RTX 4080", 16_049, 16, (8, 9), 717,
            "github.com/brainglobe/brainglobe.github.io/blob/main/docs/source/documentation/cellfinder/"
            "troubleshooting/speed-up.md (Windows reports 15.99 GiB: "
