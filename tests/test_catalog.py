@@ -28,6 +28,9 @@ def test_each_card_carries_a_sourced_driver_total_below_its_marketed_size(name):
     props = re.findall(r"'total_memory=(\d+)MB'", src)
     if props:  # torch prints totalGlobalMem // 2**20: the low end of that MiB
         assert g.total_bytes == int(props[0]) * MiB, (name, props[0], g.total_bytes)
+    rounded = re.findall(r", (\d+)MiB\)'", src)
+    if rounded:  # Ultralytics rounds total_memory / 2**20: the low end, N - 0.5 MiB, floored to N - 1 whole MiB
+        assert g.total_bytes == (int(rounded[0]) - 1) * MiB, (name, rounded[0], g.total_bytes)
     exact = re.findall(r"'total_mb': (\d+\.\d+)", src)
     if exact:  # total_memory / 2**20 printed whole: those bytes exactly
         assert g.total_bytes == round(float(exact[0]) * MiB), (name, exact[0], g.total_bytes)
@@ -66,12 +69,23 @@ def test_llama31_8b_30k_prompt_on_a_t4_is_planned_against_its_driver_total():
     ("NVIDIA H200", "h200"), ("NVIDIA A10G", "a10g"), ("NVIDIA RTX 6000 Ada Generation", "rtx-6000-ada"),
     ("NVIDIA H100 NVL", "h100-nvl"), ("NVIDIA A10", "a10"), ("NVIDIA GeForce RTX 4070", "rtx-4070"),
     ("NVIDIA GeForce RTX 4070 Ti", "rtx-4070-ti"), ("NVIDIA GeForce RTX 4070 Ti SUPER", "rtx-4070-ti-super"),
+    ("NVIDIA GeForce RTX 5080", "rtx-5080"), ("NVIDIA GeForce RTX 4090 D", "rtx-4090-d"),
+    ("NVIDIA GeForce RTX 3080 Ti", "rtx-3080-ti"),
 ])
 def test_names_printed_by_nvidia_smi_and_torch_are_catalog_cards(printed, card):
     from vramguard.hardware import gpu_from_catalog, resolve_gpus
     assert gpu_from_catalog(printed).name == card
     cards, why = resolve_gpus(printed)
     assert cards[0].name == card and f"{printed!r} is the catalog card {card}" in why
+
+
+def test_the_cli_plans_against_a_card_named_as_torch_prints_it():
+    from conftest import run_cli
+    r = run_cli("plan", "llama-3.1-8b", "--quant", "nf4", "--gpu", "NVIDIA GeForce RTX 5080")
+    assert r.returncode == 0, r.stderr
+    out = " ".join(r.stdout.split())
+    assert "is the catalog card rtx-5080 (NVIDIA GeForce RTX 5080, 16,608,395,264 B as its driver reports)" in out
+    assert any(line.split()[:3] == ["RTX", "5080", "15.47"] for line in r.stdout.splitlines())  # its row: 15.47 GiB
 
 
 def test_a_detected_card_takes_the_catalog_bandwidth_by_its_driver_name():
@@ -148,6 +162,14 @@ def test_l4_total_is_its_reported_capacity():
     ("rtx-4070-ti", 11_975 * MiB, "Kwai-Kolors/Kolors/issues/11"),
     # total_memory=15974MB on an RTX 4070 Ti SUPER: 15,974 x 2**20 = 16,749,953,024 B
     ("rtx-4070-ti-super", 15_974 * MiB, "mathisweil/minihack-ReMDM-planner"),
+    # Ultralytics' "CUDA:0 (NVIDIA GeForce RTX 5080, 15840MiB)" rounds total_memory / 2**20: at least 15,839.5 MiB,
+    # floored to 15,839 MiB = 16,608,395,264 B
+    ("rtx-5080", 15_839 * MiB, "neoluxis/anti-detr-x"),
+    # "CUDA:0 (NVIDIA GeForce RTX 4090 D, 24111MiB)": 24,110 MiB = 25,281,167,360 B (62 MiB above the RTX 4090's
+    # 23.49 GiB with driver 575: the same AD102 memory, another driver)
+    ("rtx-4090-d", 24_110 * MiB, "Vaenix/CVLearning"),
+    # YOLOv5's "CUDA:0 (NVIDIA GeForce RTX 3080 Ti, 12054MiB)" on driver 515.48.07: 12,053 MiB = 12,638,486,528 B
+    ("rtx-3080-ti", 12_053 * MiB, "UnderOC/CS4302YOLO-Project"),
 ])
 def test_cards_found_this_time_carry_their_own_driver_report(name, total, where):
     g = GPUS[name]

@@ -105,6 +105,17 @@ def _reported(name: str, label: str, gib: str, marketed_gib: int, cc: tuple[int,
     return _g(name, label, gib, marketed_gib, cc, bw_gbs, _OOM.format(gib) + where)
 
 
+_ROUNDED = "Ultralytics' device line ('({}, {}MiB)', total_memory / 2**20 rounded to a whole MiB) in "
+
+
+def _rounded(name: str, label: str, mib: int, marketed_gib: int, cc: tuple[int, int], bw_gbs: int,
+             where: str) -> GpuSpec:
+    """A card whose total is the ``CUDA:0 (<label>, <mib>MiB)`` that Ultralytics (YOLOv5, ultralytics) printed in the
+    report ``where``: ``total_memory / 2**20`` rounded, so taken at the low end of what rounds to it, ``mib - 0.5``
+    MiB, floored to ``mib - 1`` whole MiB (ultralytics/utils/torch_utils.py ``get_gpu_info``)."""
+    return _g(name, label, (mib - 1) * MiB, marketed_gib, cc, bw_gbs, _ROUNDED.format(label, mib) + where)
+
+
 GPUS: dict[str, GpuSpec] = {g.name: g for g in [
     _reported("gtx-1080-ti", "NVIDIA GeForce GTX 1080 Ti", "10.91", 11, (6, 1), 484,
               "github.com/ktorch/examples/blob/master/docs/gpt.rst (a GTX 1080 Ti; 10.92 GiB in other reports)"),
@@ -125,6 +136,8 @@ GPUS: dict[str, GpuSpec] = {g.name: g for g in [
               "github.com/sshan-zhao/GASDA/issues/19 (7.78 GiB in github.com/akshitac8/OW-DETR/issues/46)"),
     _reported("rtx-3080-10gb", "NVIDIA GeForce RTX 3080 10GB", "9.78", 10, (8, 6), 760,
               "github.com/zai-org/CogVideo/issues/34"),
+    _rounded("rtx-3080-ti", "NVIDIA GeForce RTX 3080 Ti", 12_054, 12, (8, 6), 912,
+             "github.com/UnderOC/CS4302YOLO-Project/blob/main/README.md (YOLOv5, Ubuntu 20.04, driver 515.48.07)"),
     _reported("rtx-3090", "NVIDIA GeForce RTX 3090", "23.70", 24, (8, 6), 936,
               "github.com/GaoLii/DSP/issues/10; torch prints total_memory=24268MB (transformers' GPU docs)"),
     _reported("rtx-4060", "NVIDIA GeForce RTX 4060", "7.75", 8, (8, 9), 272,
@@ -150,6 +163,10 @@ GPUS: dict[str, GpuSpec] = {g.name: g for g in [
     _reported("rtx-4090", "NVIDIA GeForce RTX 4090", "23.49", 24, (8, 9), 1008,
               "github.com/Sautenich/UAV-VLA/issues/7 (Ubuntu 22.04, driver 575; 23.52 GiB with driver 560 in "
               "github.com/pytorch/torchchat/issues/1341, 23.64 GiB in github.com/ali-vilab/VGen/issues/104)"),
+    _rounded("rtx-4090-d", "NVIDIA GeForce RTX 4090 D", 24_111, 24, (8, 9), 1008,
+             "github.com/Vaenix/CVLearning/blob/main/Yolo/README.md (torch 2.8.0+cu128 on AutoDL)"),
+    _rounded("rtx-5080", "NVIDIA GeForce RTX 5080", 15_840, 16, (12, 0), 960,
+             "github.com/neoluxis/anti-detr-x/blob/main/docs/rtdetr-nan_repair.md"),
     _reported("rtx-5090", "NVIDIA GeForce RTX 5090", "31.36", 32, (12, 0), 1792,
               "github.com/TrajectoryCrafter/TrajectoryCrafter/issues/20 (31.37 GiB in "
               "github.com/Wan-Video/Wan2.1/issues/465)"),
@@ -184,7 +201,8 @@ GPUS: dict[str, GpuSpec] = {g.name: g for g in [
 ]}
 
 # short names of one card only; a name sold with several memory sizes is in SEVERAL_MEMORY_SIZES instead
-GPU_ALIASES = {"4090": "rtx-4090", "3090": "rtx-3090", "4080": "rtx-4080", "h100": "h100-80gb", "5090": "rtx-5090"}
+GPU_ALIASES = {"4090": "rtx-4090", "3090": "rtx-3090", "4080": "rtx-4080", "h100": "h100-80gb", "5090": "rtx-5090",
+               "5080": "rtx-5080"}
 
 # Names sold with several memory sizes, which nvidia-smi and torch print alike for each size (both RTX 4060 Ti
 # print "NVIDIA GeForce RTX 4060 Ti"): such a name alone never picks one. Marketed GB -> the catalog card of that
