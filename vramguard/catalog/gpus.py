@@ -112,7 +112,8 @@ def _rounded(name: str, label: str, mib: int, marketed_gib: int, cc: tuple[int, 
              where: str) -> GpuSpec:
     """A card whose total is the ``CUDA:0 (<label>, <mib>MiB)`` that Ultralytics (YOLOv5, ultralytics) printed in the
     report ``where``: ``total_memory / 2**20`` rounded, so taken at the low end of what rounds to it, ``mib - 0.5``
-    MiB, floored to ``mib - 1`` whole MiB (ultralytics/utils/torch_utils.py ``get_gpu_info``)."""
+    MiB, floored to ``mib - 1`` whole MiB (ultralytics/utils/torch_utils.py ``get_gpu_info``, YOLOv5's
+    utils/torch_utils.py ``select_device``: ``f"{p.total_memory / (1 << 20):.0f}MiB"``)."""
     return _g(name, label, (mib - 1) * MiB, marketed_gib, cc, bw_gbs, _ROUNDED.format(label, mib) + where)
 
 
