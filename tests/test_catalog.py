@@ -15,8 +15,9 @@ def test_each_card_carries_a_sourced_driver_total_below_its_marketed_size(name):
     g = GPUS[name]
     # every driver keeps part of the memory (its reservation, the ECC share): CUDA's total is below the marketed size
     assert 0 < g.total_bytes < g.marketed_bytes, (name, g.total_bytes, g.marketed_bytes)
-    assert g.total_bytes % MiB == 0 or "measured" in g.total_source  # a report is floored to whole MiB
     src = g.total_source
+    # a report is floored to whole MiB, unless it gives the exact bytes, which the source then quotes
+    assert g.total_bytes % MiB == 0 or "measured" in src or f"{g.total_bytes:,} B" in src, (name, g.total_bytes)
     assert src and ("github.com/" in src or "measured" in src), (name, src)
     if src.startswith("no "):  # no report found: it says so, and what it planned at
         assert "planned at" in src, (name, src)
@@ -27,6 +28,12 @@ def test_each_card_carries_a_sourced_driver_total_below_its_marketed_size(name):
     props = re.findall(r"'total_memory=(\d+)MB'", src)
     if props:  # torch prints totalGlobalMem // 2**20: the low end of that MiB
         assert g.total_bytes == int(props[0]) * MiB, (name, props[0], g.total_bytes)
+    rounded = re.findall(r", (\d+)MiB\)'", src)
+    if rounded:  # Ultralytics rounds total_memory / 2**20: the low end, N - 0.5 MiB, floored to N - 1 whole MiB
+        assert g.total_bytes == (int(rounded[0]) - 1) * MiB, (name, rounded[0], g.total_bytes)
+    exact = re.findall(r"'total_mb': (\d+\.\d+)", src)
+    if exact:  # total_memory / 2**20 printed whole: those bytes exactly
+        assert g.total_bytes == round(float(exact[0]) * MiB), (name, exact[0], g.total_bytes)
 
 
 def test_reported_gib_takes_the_low_end_of_the_rounding():
@@ -60,13 +67,25 @@ def test_llama31_8b_30k_prompt_on_a_t4_is_planned_against_its_driver_total():
     ("NVIDIA H100 80GB HBM3", "h100-80gb"), ("Tesla V100-SXM2-16GB", "v100-16gb"),
     ("Tesla V100-PCIE-32GB", "v100-32gb"), ("NVIDIA GeForce RTX 4090", "rtx-4090"), ("NVIDIA RTX A6000", "rtx-a6000"),
     ("NVIDIA H200", "h200"), ("NVIDIA A10G", "a10g"), ("NVIDIA RTX 6000 Ada Generation", "rtx-6000-ada"),
-    ("NVIDIA H100 NVL", "h100-nvl"), ("NVIDIA A10", "a10"),
+    ("NVIDIA H100 NVL", "h100-nvl"), ("NVIDIA A10", "a10"), ("NVIDIA GeForce RTX 4070", "rtx-4070"),
+    ("NVIDIA GeForce RTX 4070 Ti", "rtx-4070-ti"), ("NVIDIA GeForce RTX 4070 Ti SUPER", "rtx-4070-ti-super"),
+    ("NVIDIA GeForce RTX 5080", "rtx-5080"), ("NVIDIA GeForce RTX 4090 D", "rtx-4090-d"),
+    ("NVIDIA GeForce RTX 3080 Ti", "rtx-3080-ti"),
 ])
 def test_names_printed_by_nvidia_smi_and_torch_are_catalog_cards(printed, card):
     from vramguard.hardware import gpu_from_catalog, resolve_gpus
     assert gpu_from_catalog(printed).name == card
     cards, why = resolve_gpus(printed)
     assert cards[0].name == card and f"{printed!r} is the catalog card {card}" in why
+
+
+def test_the_cli_plans_against_a_card_named_as_torch_prints_it():
+    from conftest import run_cli
+    r = run_cli("plan", "llama-3.1-8b", "--quant", "nf4", "--gpu", "NVIDIA GeForce RTX 5080")
+    assert r.returncode == 0, r.stderr
+    out = " ".join(r.stdout.split())
+    assert "is the catalog card rtx-5080 (NVIDIA GeForce RTX 5080, 16,608,395,264 B as its driver reports)" in out
+    assert any(line.split()[:3] == ["RTX", "5080", "15.47"] for line in r.stdout.splitlines())  # its row: 15.47 GiB
 
 
 def test_a_detected_card_takes_the_catalog_bandwidth_by_its_driver_name():
@@ -76,22 +95,35 @@ def test_a_detected_card_takes_the_catalog_bandwidth_by_its_driver_name():
     assert g.total_bytes == 85_000_000_000 and g.source == "detected"
 
 
-def test_cards_without_a_driver_report_are_marked_estimated_in_plan_and_list():
+def test_every_card_carries_a_driver_report_and_none_is_estimated():
+    # the last estimate (the RTX 4070, derived from the RTX 3060) now has a report of its own
+    assert sorted(n for n, g in GPUS.items() if g.total_estimated) == []
+    assert not any(g.total_source.startswith("no ") for g in GPUS.values())
+
+
+def test_a_card_without_a_driver_report_is_marked_estimated_in_plan_and_list(monkeypatch):
+    """A catalog card whose total is derived from a like card (none today): resolve says it is an estimate and how
+    to plan exactly; --list-gpus marks its total with ~ and explains the mark."""
     from typer.testing import CliRunner
+    from vramguard.catalog.gpus import GpuSpec
     from vramguard.cli import app
     from vramguard.hardware import resolve_gpus
-    estimated = sorted(n for n, g in GPUS.items() if g.total_estimated)
-    # the cards whose total is derived from a like card, not reported by their own driver
-    assert estimated == ["rtx-4070"]
-    assert all(GPUS[n].total_source.startswith("no ") for n in estimated)
+    guess = GpuSpec("rtx-9070", "NVIDIA GeForce RTX 9070", 12_001 * MiB, (8, 9), 504 * 10**9,
+                    total_source="no CUDA total found; planned at 11.72 GiB, the RTX 3060's total less 6 MiB",
+                    marketed_bytes=12 * GiB, total_estimated=True)
+    monkeypatch.setitem(GPUS, guess.name, guess)
+    _, why = resolve_gpus("rtx-9070")
+    assert "an estimate" in why and "mem_get_info" in why and f"{guess.total_bytes:,} B" in why
     _, why = resolve_gpus("rtx-4070")
-    assert "an estimate" in why and "mem_get_info" in why
-    _, why = resolve_gpus("rtx-4090")
     assert "as its driver reports" in why and "estimate" not in why
     out = CliRunner().invoke(app, ["plan", "--list-gpus"]).output
     rows = {line.split()[0]: line for line in out.splitlines() if line and line.split()[0] in GPUS}
-    assert "~11.71 GiB" in rows["rtx-4070"] and "~" not in rows["rtx-4080"] and "~" not in rows["a10"]
+    assert "~11.72 GiB" in rows["rtx-9070"] and "~" not in rows["rtx-4070"] and "~" not in rows["a10"]
+    assert "~ estimated: no driver report" in out
     assert all(len(line) <= 80 for line in out.splitlines())
+    monkeypatch.delitem(GPUS, guess.name)
+    out = CliRunner().invoke(app, ["plan", "--list-gpus"]).output
+    assert "~" not in out  # no estimated card: no mark and no footnote
 
 
 def test_l4_total_is_its_reported_capacity():
@@ -122,6 +154,22 @@ def test_l4_total_is_its_reported_capacity():
     # "GPU 0 has a total capacity of 15.55 GiB" on an RTX 4060 Ti 16GB: (2 x 1555 - 1) x 2**30 / 200
     # = 16,691,316,654.1 B -> floored to 15,918 MiB (the estimate it replaces, 15.61 GiB, overstated it by 61 MiB)
     ("rtx-4060-ti-16gb", 15_918 * MiB, "boson-ai/higgs-audio/issues/48"),
+    # 'total_mb': 11864.3125 (torch total_memory / 2**20) on an RTX 4070: 12,440,633,344 B exactly (the estimate it
+    # replaces, 11.72 GiB = 12,001 MiB, overstated it by 137 MiB)
+    ("rtx-4070", 12_440_633_344, "korayguzel/bio-inference-bench"),
+    # "(GPU 0; 11.70 GiB total capacity; ...)" on an RTX 4070 Ti: (2 x 1170 - 1) x 2**30 / 200 = 12,557,410,631.7 B
+    # -> floored to 11,975 MiB
+    ("rtx-4070-ti", 11_975 * MiB, "Kwai-Kolors/Kolors/issues/11"),
+    # total_memory=15974MB on an RTX 4070 Ti SUPER: 15,974 x 2**20 = 16,749,953,024 B
+    ("rtx-4070-ti-super", 15_974 * MiB, "mathisweil/minihack-ReMDM-planner"),
+    # Ultralytics' "CUDA:0 (NVIDIA GeForce RTX 5080, 15840MiB)" rounds total_memory / 2**20: at least 15,839.5 MiB,
+    # floored to 15,839 MiB = 16,608,395,264 B
+    ("rtx-5080", 15_839 * MiB, "neoluxis/anti-detr-x"),
+    # "CUDA:0 (NVIDIA GeForce RTX 4090 D, 24111MiB)": 24,110 MiB = 25,281,167,360 B (62 MiB above the RTX 4090's
+    # 23.49 GiB with driver 575: the same AD102 memory, another driver)
+    ("rtx-4090-d", 24_110 * MiB, "Vaenix/CVLearning"),
+    # YOLOv5's "CUDA:0 (NVIDIA GeForce RTX 3080 Ti, 12054MiB)" on driver 515.48.07: 12,053 MiB = 12,638,486,528 B
+    ("rtx-3080-ti", 12_053 * MiB, "UnderOC/CS4302YOLO-Project"),
 ])
 def test_cards_found_this_time_carry_their_own_driver_report(name, total, where):
     g = GPUS[name]

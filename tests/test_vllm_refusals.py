@@ -54,12 +54,13 @@ def test_weights_above_the_card_fail_at_load_with_fixes_that_fit():
     assert p.refused_by == "weights_load" and p.refusal.startswith("CUDA out of memory while loading the weights")
     # TP 2 (4 KV heads, 28 query heads: 2 divides both) halves the layers: 7.36 GiB per GPU under 10.57 GiB
     assert p.fit_tp.settings.tensor_parallel_size == 2 and p.fit_tp.starts
-    # budgets at 0.9 of the cards above 11.74 GiB: t4 13.28, rtx-4060-ti-16gb 13.99, rtx-4080 14.11, v100-16gb
-    # 14.18 GiB, all under 14.19 GiB of weights; a10 (21.99 GiB) gives 19.79 GiB
+    # budgets at 0.9 of the cards above 11.74 GiB: rtx-3080-ti 10.59, t4 13.28, rtx-5080 13.92, rtx-4060-ti-16gb 13.99,
+    # rtx-4070-ti-super 14.04, rtx-4080 14.11, v100-16gb 14.18 GiB, all under 14.19 GiB of weights; a10 (21.99 GiB)
+    # gives 19.79 GiB
     assert p.fit_card.gpu.name == "a10" and p.fit_card.starts
     smaller = [g for g in GPUS.values() if p.total_bytes < g.total_bytes < p.fit_card.total_bytes]
     assert [g.name for g in sorted(smaller, key=lambda g: g.total_bytes)] == [
-        "t4", "rtx-4060-ti-16gb", "rtx-4080", "v100-16gb"]
+        "rtx-3080-ti", "t4", "rtx-5080", "rtx-4060-ti-16gb", "rtx-4070-ti-super", "rtx-4080", "v100-16gb"]
     assert all(plan_vllm(QWEN, g).refused_by in ("weights_load", "weights_budget") for g in smaller)
     fix = [x for x in plan_lines(p, REF) if x.startswith("fix:")]
     assert len(fix) == 1 and "tensor_parallel_size=2 (" in fix[0] and "catalog's a10" in fix[0]

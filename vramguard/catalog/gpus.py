@@ -7,10 +7,12 @@ figure comes from in ``total_source``. A report printed as GiB with two decimals
 low end of what rounds to it, floored to a whole MiB (:func:`reported_gib`), so a plan never counts memory that
 the card may not have; ``_CudaDeviceProperties``' ``total_memory=16049MB`` is ``totalGlobalMem // 2**20``
 (torch/csrc/cuda/Module.cpp), so it is taken as that many whole MiB, 1 MiB tight where two decimals of GiB are
-10.24 MiB wide. nvidia-smi's ``memory.total`` is not used: it is above CUDA's total by an amount that differs per
-card and driver (about 251 MiB on a T4, 615 MiB on an H200, 476 MiB on an L4). Drivers differ too (an RTX 4090
-reports 23.49 to 23.64 GiB): a card's source names the reports found, and its figure is the lowest of them unless
-the source says otherwise (the T4's is a measurement). The CUDA context is modelled separately in
+10.24 MiB wide; a report of the exact bytes (``total_memory / 2**20`` printed whole, ``11864.3125``) is taken as
+those bytes. nvidia-smi's ``memory.total`` is not used: it is above CUDA's total by an amount that differs per
+card and driver (about 251 MiB on a T4, 615 MiB on an H200, 476 MiB on an L4); Windows (WDDM) reports about
+nvidia-smi's figure to CUDA as well, so where a Linux report is found it is the one kept. Drivers differ too (an
+RTX 4090 reports 23.49 to 23.64 GiB): a card's source names the reports found, and its figure is the lowest of
+them unless the source says otherwise (the T4's is a measurement). The CUDA context is modelled separately in
 :mod:`vramguard.memory.runtime`. ``bandwidth_bytes_per_s`` is the datasheet memory bandwidth.
 """
 
@@ -103,6 +105,18 @@ def _reported(name: str, label: str, gib: str, marketed_gib: int, cc: tuple[int,
     return _g(name, label, gib, marketed_gib, cc, bw_gbs, _OOM.format(gib) + where)
 
 
+_ROUNDED = "Ultralytics' device line ('({}, {}MiB)', total_memory / 2**20 rounded to a whole MiB) in "
+
+
+def _rounded(name: str, label: str, mib: int, marketed_gib: int, cc: tuple[int, int], bw_gbs: int,
+             where: str) -> GpuSpec:
+    """A card whose total is the ``CUDA:0 (<label>, <mib>MiB)`` that Ultralytics (YOLOv5, ultralytics) printed in the
+    report ``where``: ``total_memory / 2**20`` rounded, so taken at the low end of what rounds to it, ``mib - 0.5``
+    MiB, floored to ``mib - 1`` whole MiB (ultralytics/utils/torch_utils.py ``get_gpu_info``, YOLOv5's
+    utils/torch_utils.py ``select_device``: ``f"{p.total_memory / (1 << 20):.0f}MiB"``)."""
+    return _g(name, label, (mib - 1) * MiB, marketed_gib, cc, bw_gbs, _ROUNDED.format(label, mib) + where)
+
+
 GPUS: dict[str, GpuSpec] = {g.name: g for g in [
     _reported("gtx-1080-ti", "NVIDIA GeForce GTX 1080 Ti", "10.91", 11, (6, 1), 484,
               "github.com/ktorch/examples/blob/master/docs/gpt.rst (a GTX 1080 Ti; 10.92 GiB in other reports)"),
@@ -123,15 +137,26 @@ GPUS: dict[str, GpuSpec] = {g.name: g for g in [
               "github.com/sshan-zhao/GASDA/issues/19 (7.78 GiB in github.com/akshitac8/OW-DETR/issues/46)"),
     _reported("rtx-3080-10gb", "NVIDIA GeForce RTX 3080 10GB", "9.78", 10, (8, 6), 760,
               "github.com/zai-org/CogVideo/issues/34"),
+    _rounded("rtx-3080-ti", "NVIDIA GeForce RTX 3080 Ti", 12_054, 12, (8, 6), 912,
+             "github.com/UnderOC/CS4302YOLO-Project/blob/main/README.md (YOLOv5, Ubuntu 20.04, driver 515.48.07)"),
     _reported("rtx-3090", "NVIDIA GeForce RTX 3090", "23.70", 24, (8, 6), 936,
               "github.com/GaoLii/DSP/issues/10; torch prints total_memory=24268MB (transformers' GPU docs)"),
     _reported("rtx-4060", "NVIDIA GeForce RTX 4060", "7.75", 8, (8, 9), 272,
               "github.com/ESRSchao/EdgeRegNet/issues/2"),
     _reported("rtx-4060-ti-16gb", "NVIDIA GeForce RTX 4060 Ti 16GB", "15.55", 16, (8, 9), 288,
               "github.com/boson-ai/higgs-audio/issues/48 (an RTX 4060 Ti 16GB, no other process on the card)"),
-    _g("rtx-4070", "NVIDIA GeForce RTX 4070", "11.72", 12, (8, 9), 504,
-       "no CUDA total found; nvidia-smi shows 12,282 MiB (github.com/meta-llama/llama/issues/466), 6 MiB less than "
-       "the RTX 3060's 12,288 MiB that CUDA reports as 11.75 GiB; planned at 11.72 GiB, that gap and 6 MiB less"),
+    _g("rtx-4070", "NVIDIA GeForce RTX 4070", 12_440_633_344, 12, (8, 9), 504,
+       "torch total_memory of 12,440,633,344 B ('total_mb': 11864.3125, total_memory / 2**20) in "
+       "github.com/korayguzel/bio-inference-bench/blob/main/results/raw/capacity_compare_20260406T225314.json (the "
+       "lowest found; cuDeviceTotalMem 11,874 MiB with driver 575.51.03 in "
+       "github.com/reindertpelsma/nvkvm-pv/blob/main/tests/BOOT_MATRIX.md; Windows reports 12,877,955,072 B, "
+       "about nvidia-smi's 12,282 MiB: github.com/Lightricks/ComfyUI-LTXVideo/issues/337)"),
+    _reported("rtx-4070-ti", "NVIDIA GeForce RTX 4070 Ti", "11.70", 12, (8, 9), 504,
+              "github.com/Kwai-Kolors/Kolors/issues/11 (an RTX 4070 Ti, driver 545.23.08, nvidia-smi 12,282 MiB; "
+              "11.73 GiB in github.com/OpenLMLab/LOMO/issues/17)"),
+    _props("rtx-4070-ti-super", "NVIDIA GeForce RTX 4070 Ti SUPER", 15_974, 16, (8, 9), 672,
+           "github.com/mathisweil/minihack-ReMDM-planner/blob/c957115fbbfb502502aab7b5d28b6731bb2b83f4/"
+           "PERF_EXPERIMENTS_RESULTS_MINIHACK.md (driver 560.35.03; nvidia-smi 16,376 MiB)"),
     _props("rtx-4080", "NVIDIA GeForce RTX 4080", 16_049, 16, (8, 9), 717,
            "github.com/brainglobe/brainglobe.github.io/blob/main/docs/source/documentation/cellfinder/"
            "troubleshooting/speed-up.md (Windows reports 15.99 GiB: "
@@ -139,6 +164,10 @@ GPUS: dict[str, GpuSpec] = {g.name: g for g in [
     _reported("rtx-4090", "NVIDIA GeForce RTX 4090", "23.49", 24, (8, 9), 1008,
               "github.com/Sautenich/UAV-VLA/issues/7 (Ubuntu 22.04, driver 575; 23.52 GiB with driver 560 in "
               "github.com/pytorch/torchchat/issues/1341, 23.64 GiB in github.com/ali-vilab/VGen/issues/104)"),
+    _rounded("rtx-4090-d", "NVIDIA GeForce RTX 4090 D", 24_111, 24, (8, 9), 1008,
+             "github.com/Vaenix/CVLearning/blob/main/Yolo/README.md (torch 2.8.0+cu128 on AutoDL)"),
+    _rounded("rtx-5080", "NVIDIA GeForce RTX 5080", 15_840, 16, (12, 0), 960,
+             "github.com/neoluxis/anti-detr-x/blob/main/docs/rtdetr-nan_repair.md"),
     _reported("rtx-5090", "NVIDIA GeForce RTX 5090", "31.36", 32, (12, 0), 1792,
               "github.com/TrajectoryCrafter/TrajectoryCrafter/issues/20 (31.37 GiB in "
               "github.com/Wan-Video/Wan2.1/issues/465)"),
@@ -173,7 +202,8 @@ GPUS: dict[str, GpuSpec] = {g.name: g for g in [
 ]}
 
 # short names of one card only; a name sold with several memory sizes is in SEVERAL_MEMORY_SIZES instead
-GPU_ALIASES = {"4090": "rtx-4090", "3090": "rtx-3090", "4080": "rtx-4080", "h100": "h100-80gb", "5090": "rtx-5090"}
+GPU_ALIASES = {"4090": "rtx-4090", "3090": "rtx-3090", "4080": "rtx-4080", "h100": "h100-80gb", "5090": "rtx-5090",
+               "5080": "rtx-5080"}
 
 # Names sold with several memory sizes, which nvidia-smi and torch print alike for each size (both RTX 4060 Ti
 # print "NVIDIA GeForce RTX 4060 Ti"): such a name alone never picks one. Marketed GB -> the catalog card of that
