@@ -66,3 +66,50 @@ def test_without_torch_imported_the_process_has_freed_nothing(monkeypatch):
     from vramguard.plan.allocator import process_freed_memory
     monkeypatch.delitem(sys.modules, "torch", raising=False)
     assert process_freed_memory() is False
+
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            vocab_size=300, max_position_embeddings=512)
+
+
+@pytest.mark.parametrize("alloc_conf, says", [(None, "reserve formula's"),
+                                              ("expandable_segments:True", "one segment that grows in place")])
+def test_a_plan_with_one_layout_says_why(tmp_path, alloc_conf, says):
+    """The formula models no segment layout, and expandable segments have one: a plan for a process that freed
+    memory before says so and has no second figure."""
+    from tests.conftest import save_tiny_llama
+    from vramguard.plan import plan
+    path = str(save_tiny_llama(tmp_path, **TINY))
+    s = Settings(quant="bf16", attn="sdpa", prompt_tokens=64, max_new_tokens=8)
+    p = plan(path, s, vram="1GiB", alloc_conf=alloc_conf, freed_before=True, solve=False)
+    f = [f for f in p.findings if f.code == "freed_before"]
+    assert len(f) == 1 and says in f[0].message and p.estimate.freed_layout_reserved_bytes is None
+    fresh = plan(path, s, vram="1GiB", alloc_conf=alloc_conf, freed_before=False, solve=False)
+    assert fresh.estimate == p.estimate and not any(f.code == "freed_before" for f in fresh.findings)
+
+
+@pytest.mark.parametrize("bad", ["yes", 1, 0.0])
+def test_freed_before_takes_a_bool_or_none(bad):
+    from vramguard.errors import InvalidValue
+    from vramguard.plan import plan
+    with pytest.raises(InvalidValue) as e:
+        plan("llama-3.1-8b", vram="24GiB", freed_before=bad, alloc_conf=None, solve=False)
+    assert e.value.field == "freed_before" and "True, False or None" in str(e.value)
+
+
+def test_the_cli_plans_a_process_that_freed_a_model_and_says_it_plans_one_card(tmp_path):
+    from typer.testing import CliRunner
+
+    from tests.conftest import save_tiny_llama
+    from vramguard.cli import app
+    path = str(save_tiny_llama(tmp_path, **TINY))
+    r = CliRunner().invoke(app, ["plan", path, "--prompt-tokens", "64", "--max-new-tokens", "8", "--vram", "1GiB",
+                                 "--freed-before", "--format", "json"])
+    assert r.exit_code == 0, r.output
+    import json
+    d = json.loads(r.stdout)
+    assert d["freed_layout_reserved_bytes"] > 0 and d["reserved_from"] == "caching-allocator model"
+    assert any(f["code"] == "freed_before" for f in d["findings"])
+    r = CliRunner().invoke(app, ["plan", path, "--prompt-tokens", "64", "--max-new-tokens", "8", "--vram",
+                                 "1GiB,1GiB", "--freed-before"])
+    assert r.exit_code == 0 and "--freed-before plans one card" in r.output

@@ -92,13 +92,19 @@ def plan(
         s = _defaults_in_context(spec, s, _given(ctx), context, notes)
         if several:
             from vramguard.cli.multigpu import plan_cards
-            if alloc_conf is not None and _alloc_conf(alloc_conf) is not None:
-                say("note: --alloc-conf plans one card; cards used together are planned with the reserve formula")
+            _say_one_card(freed_before, alloc_conf)
             return plan_cards(spec, s, (gpus, tp, gpu, vram), context, device_map, max_memory)
         return plan_fn(spec, s, gpu=gpu, vram=vram, context=context, alloc_conf=_alloc_conf(alloc_conf),
                        freed_before=freed_before)
 
     _emit(run_guarded(build, as_json=fmt == Format['json']), several, fmt == Format['json'], exit_code, notes)
+
+
+def _say_one_card(freed_before: bool, alloc_conf: str | None) -> None:
+    """The note of a plan of cards used together given an option that plans one card only."""
+    if freed_before or (alloc_conf is not None and _alloc_conf(alloc_conf) is not None):
+        say(f"note: {'--freed-before' if freed_before else '--alloc-conf'} plans one card; cards used together are "
+            "planned with the reserve formula")
 
 
 def _refuse_no_new_tokens(max_new_tokens: int, logits: str) -> None:

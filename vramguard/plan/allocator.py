@@ -133,12 +133,24 @@ def process_freed_memory() -> bool:
                for i in range(torch.cuda.device_count()))
 
 
-def freed_before_finding(est) -> Finding | None:
-    """The ``freed_before`` info finding of a plan for a process that freed memory before: both layouts' peak
-    reserved bytes (None for another plan)."""
+def freed_before_finding(est, asked: bool) -> Finding | None:
+    """The ``freed_before`` info finding of a plan for a process that freed memory before (``asked``): both layouts'
+    peak reserved bytes, or why the plan has one figure (the reserve formula models no layout; expandable segments
+    grow one segment a pool in place); None for a plan of a fresh process."""
     up = est.freed_layout_reserved_bytes
-    if up is None:
+    if not asked:
         return None
+    if up is None and est.allocator is None:
+        return Finding("freed_before", "info", "planned for a process that has given a model's memory back to CUDA "
+                       "before, but reserved memory here is the reserve formula's, which does not model where "
+                       "segments go: the figures are those of a fresh process",
+                       "plan with the caching-allocator model (torch and transformers installed, the model not "
+                       "turned off) for both segment layouts")
+    if up is None:
+        return Finding("freed_before", "info", "planned for a process that has given a model's memory back to CUDA "
+                       "before: with expandable segments each pool is one segment that grows in place, whatever "
+                       "addresses cudaMalloc would give, so the plan has one layout (not measured after a freed "
+                       "model)")
     from vramguard.units import fmt_bytes
     fresh = est.peak_reserved_bytes if up != est.peak_reserved_bytes else None
     return Finding("freed_before", "info",

@@ -84,7 +84,7 @@ def plan(model: str | ModelSpec, settings: Settings | None = None, *, gpu: str |
     cards = [verdict(est, g) for g in gpus]
     if solve:
         cards = [solve_card(spec, s, c) for c in cards]
-    est, cards, formula_finding = _reserved(spec, s, est, cards, alloc_conf, solve, freed_before)
+    est, cards, reserved_findings = _reserved(spec, s, est, cards, alloc_conf, solve, freed_before)
     logits_case = ("all positions: a forward over the whole prompt (scoring, output_logits), with a float32 copy"
                    if s.logits == "all" else
                    "last position only: generate() passes logits_to_keep=1 and copies that row to float32")
@@ -92,21 +92,34 @@ def plan(model: str | ModelSpec, settings: Settings | None = None, *, gpu: str |
     p.findings.extend(plan_findings(p))
     from vramguard.hub.prequant import prequant_findings
     p.findings.extend(prequant_findings(p))
-    from vramguard.plan.allocator import freed_before_finding
-    p.findings.extend(f for f in (formula_finding, freed_before_finding(est)) if f is not None)
+    p.findings.extend(reserved_findings)
     if solve:
         p.changes.extend(ranked_changes(spec, s, gpus))
     return p
 
 
 def _reserved(spec: ModelSpec, s: Settings, est: MemoryEstimate, cards: list[CardVerdict], alloc_conf: str | None,
-              solve: bool, freed_before: bool | None = False):
+              solve: bool, freed_before: bool | None):
+    """(est, cards, findings): :func:`_reserved_by` for ``freed_before`` (as :func:`plan`; None: this process's
+    state), with the ``freed_before`` finding where it applies. Raises InvalidValue for a ``freed_before`` that is
+    not a bool or None."""
+    from vramguard.plan.allocator import freed_before_finding, process_freed_memory
+    if freed_before is not None and not isinstance(freed_before, bool):
+        from vramguard.errors import InvalidValue
+        raise InvalidValue("freed_before", freed_before, "True, False or None (this process's own state)",
+                           "pass freed_before=True to plan for a process that has deleted a model and emptied the "
+                           "cache")
+    freed = process_freed_memory() if freed_before is None else freed_before
+    est, cards, why = _reserved_by(spec, s, est, cards, alloc_conf, solve, freed)
+    return est, cards, [f for f in (why, freed_before_finding(est, freed)) if f is not None]
+
+
+def _reserved_by(spec: ModelSpec, s: Settings, est: MemoryEstimate, cards: list[CardVerdict], alloc_conf: str | None,
+                 solve: bool, freed_before: bool):
     """(est, cards, finding): est and cards with reserved memory from the allocator model under ``alloc_conf``
-    (``AUTO``: where it can run; ``freed_before``: as :func:`plan`), and the ``reserve_formula`` finding where the
-    formula was used instead of a model that was asked for or defaulted to (else None)."""
-    from vramguard.plan.allocator import auto_alloc_conf, process_freed_memory, reserve_formula_finding
-    if freed_before is None:
-        freed_before = process_freed_memory()
+    (``AUTO``: where it can run), and the ``reserve_formula`` finding where the formula was used instead of a model
+    that was asked for or defaulted to (else None)."""
+    from vramguard.plan.allocator import auto_alloc_conf, reserve_formula_finding
     auto, why = alloc_conf == AUTO, None
     if auto:
         alloc_conf, why = auto_alloc_conf(spec, s)
