@@ -30,6 +30,22 @@ def test_llama31_8b_after_a_freed_model_plans_both_layouts_the_h200_measured():
     f = next(f for f in freed.findings if f.code == "freed_before")
     assert f.level == "info" and "11.63 GiB" in f.message and "13.63 GiB" in f.message
     assert not any(f.code == "freed_before" for f in fresh.findings)
+    assert freed.estimate.fresh_layout_reserved_bytes == 14_640_218_112
+    assert "the plan is a fresh process's" in f.message and f.fix is None
+
+
+def test_where_the_upward_layout_reserves_more_the_plan_needs_that_and_says_by_how_much():
+    """Llama-3.1-8B with the default settings: the upward layout reserves one 2 MiB small segment more than the
+    fresh one (6,033,506,304 B against 6,031,409,152 B), so a freed-before plan needs 2 MiB more."""
+    from vramguard.plan import plan
+    fresh = plan("llama-3.1-8b", vram="24GiB", solve=False, freed_before=False)
+    freed = plan("llama-3.1-8b", vram="24GiB", solve=False, freed_before=True)
+    e = freed.estimate
+    assert (e.fresh_layout_reserved_bytes, e.freed_layout_reserved_bytes) == (6_031_409_152, 6_033_506_304)
+    assert e.peak_reserved_bytes == 6_033_506_304 == fresh.estimate.peak_reserved_bytes + 2 * MiB
+    assert freed.cards[0].need_bytes == fresh.cards[0].need_bytes + 2 * MiB
+    f = next(f for f in freed.findings if f.code == "freed_before")
+    assert "the upward layout, the larger by 2.00 MiB" in f.message and f.bytes == 2 * MiB and "fresh process" in f.fix
 
 
 def test_the_worse_layout_decides_each_card():
@@ -109,7 +125,9 @@ def test_the_cli_plans_a_process_that_freed_a_model_and_says_it_plans_one_card(t
     import json
     d = json.loads(r.stdout)
     assert d["freed_layout_reserved_bytes"] > 0 and d["reserved_from"] == "caching-allocator model"
+    assert d["freed_before"] is True and d["fresh_layout_reserved_bytes"] > 0
     assert any(f["code"] == "freed_before" for f in d["findings"])
     r = CliRunner().invoke(app, ["plan", path, "--prompt-tokens", "64", "--max-new-tokens", "8", "--vram",
                                  "1GiB,1GiB", "--freed-before"])
     assert r.exit_code == 0 and "--freed-before plans one card" in r.output
+

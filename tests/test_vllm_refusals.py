@@ -90,7 +90,8 @@ def test_cli_70b_on_a_4090_names_the_weights_and_the_tp_that_fits():
 @pytest.mark.parametrize("option, instead", [
     (["--quant", "nf4"], "quantized checkpoint"), (["--kv-dtype", "int4"], "--kv-cache-dtype"),
     (["--prompt-tokens", "4096"], "--max-model-len"), (["--batch", "8"], "--max-num-seqs"),
-    (["--attn", "eager"], "leave --attn out"), (["--alloc-conf", "expandable_segments:True"], "leave --alloc-conf")])
+    (["--attn", "eager"], "leave --attn out"), (["--alloc-conf", "expandable_segments:True"], "leave --alloc-conf"),
+    (["--freed-before"], "leave --freed-before")])
 def test_transformers_options_are_refused_with_engine_vllm(option, instead):
     r = run_cli("plan", "qwen2.5-7b", "--engine", "vllm", "--gpu", "h100", *option)
     assert r.returncode == 2 and r.stdout == ""

@@ -71,7 +71,7 @@ TRANSFORMERS_ONLY = {
     "--max-num-seqs", "num_beams": "", "num_return_sequences": "", "prompt_tokens": "--max-model-len",
     "max_new_tokens": "--max-model-len", "prefill_chunk": "--max-num-batched-tokens", "logits": "",
     "output_attentions": "", "padded": "", "do_sample": "", "context": "--max-model-len", "gpus": "--tp",
-    "device_map": "", "max_memory": "", "alloc_conf": "",
+    "device_map": "", "max_memory": "", "alloc_conf": "", "freed_before": "",
 }
 
 

@@ -16,7 +16,8 @@ from vramguard.cli.render import console
 
 
 FREED_BEFORE_HELP = ("plan for a process that has deleted a model and called torch.cuda.empty_cache() (a notebook): "
-                     "both segment layouts cudaMalloc gives there, judged on the worse")
+                     "both segment layouts cudaMalloc gives there, judged on the worse (one card, the allocator "
+                     "model: needs torch)")
 
 
 def plan(

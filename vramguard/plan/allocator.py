@@ -32,7 +32,8 @@ def with_allocator(spec, s: Settings, est, cards: list, alloc_conf: str, solve: 
         up_est, up_cards = _with_conf(spec, s, est, cards, replace(AllocatorConfig.parse(alloc_conf),
                                                                    freed_before=True), alloc_conf, solve)
         worse = up_est if up_est.peak_reserved_bytes > fresh_est.peak_reserved_bytes else fresh_est
-        return (replace(worse, freed_layout_reserved_bytes=up_est.peak_reserved_bytes),
+        return (replace(worse, freed_layout_reserved_bytes=up_est.peak_reserved_bytes,
+                        fresh_layout_reserved_bytes=fresh_est.peak_reserved_bytes),
                 [_worse(a, b) for a, b in zip(fresh_cards, up_cards)])
     return _with_conf(spec, s, est, cards, AllocatorConfig.parse(alloc_conf), alloc_conf, solve)
 
@@ -152,13 +153,17 @@ def freed_before_finding(est, asked: bool) -> Finding | None:
                        "addresses cudaMalloc would give, so the plan has one layout (not measured after a freed "
                        "model)")
     from vramguard.units import fmt_bytes
-    fresh = est.peak_reserved_bytes if up != est.peak_reserved_bytes else None
+    fresh = est.fresh_layout_reserved_bytes
+    what = ("the two reserve the same, so the plan is a fresh process's" if up == fresh else
+            "the fit and the largest prompt are those of the fresh layout, the larger: the plan is a fresh "
+            "process's" if fresh > up else
+            f"the fit and the largest prompt are those of the upward layout, the larger by {fmt_bytes(up - fresh)}")
     return Finding("freed_before", "info",
                    "planned for a process that has given a model's memory back to CUDA before: cudaMalloc may place "
                    f"new segments above the older ones (peak reserved {fmt_bytes(up)}) or below them, as in a fresh "
-                   "process (" + (f"{fmt_bytes(est.peak_reserved_bytes)}" if fresh else "the same") +
-                   "); the fit and the largest prompt are those of the worse layout",
-                   "for one layout, load the model in a fresh process (vramguard run, or a script of its own)")
+                   f"process ({fmt_bytes(fresh)}); {what}",
+                   f"load the model in a fresh process (vramguard run, or a script of its own): it needs "
+                   f"{fmt_bytes(up - fresh)} less" if up > fresh else None, up - fresh if up > fresh else None)
 
 
 AUTO_MAX_NEW_TOKENS = 2048  # a default plan of a longer generation: the formula (2,048 takes ~10 s)

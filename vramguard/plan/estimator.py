@@ -69,7 +69,9 @@ class MemoryEstimate:
     # the caching-allocator model's, None where it is the formula of vramguard.memory.runtime
     alloc_conf: str | None = None  # the PYTORCH_CUDA_ALLOC_CONF the allocator model followed
     freed_layout_reserved_bytes: int | None = None  # planned for a process that freed memory before: the peak
-    # reserved with new segments above the older ones (peak_reserved_bytes is the larger of the two layouts)
+    # reserved with new segments above the older ones, and below them as in a fresh process (peak_reserved_bytes
+    # is the larger of the two)
+    fresh_layout_reserved_bytes: int | None = None
 
 
 def load_plan_or_none(spec: ModelSpec, s: Settings):

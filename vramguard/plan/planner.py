@@ -44,8 +44,8 @@ def plan(model: str | ModelSpec, settings: Settings | None = None, *, gpu: str |
 
     Raises:
         UnknownModel, ConfigError: the model cannot be read. UnknownGpu, InvalidValue: bad card or size.
-        InvalidValue: ``prompt + new tokens`` beyond the model's context; an ``alloc_conf`` value that is not a
-            boolean or a number.
+        InvalidValue: ``prompt + new tokens`` beyond the model's context; an ``alloc_conf`` that is not allocator
+            options; a ``freed_before`` that is not a bool or None.
     """
     from vramguard.hardware import resolve_gpus
     from vramguard.resolve import resolve_model
@@ -151,7 +151,8 @@ def _with_allocator(spec: ModelSpec, s: Settings, est: MemoryEstimate, cards: li
         AllocatorConfig.parse(alloc_conf)
     except ValueError as e:
         raise InvalidValue("alloc_conf", alloc_conf, "PYTORCH_CUDA_ALLOC_CONF options, e.g. expandable_segments:True",
-                           f"pass options the caching allocator takes ({e})") from None
+                           f"pass options the caching allocator takes ({e}), or alloc_conf=None for the reserve "
+                           "formula") from None
     if not spec.config_json:
         raise NotPlannable("alloc_conf", alloc_conf, "a model with a config.json (the allocator tape is its forward)",
                            "plan a model folder, a catalog name or a Hub id, or leave alloc_conf out")
