@@ -151,8 +151,7 @@ def _with_allocator(spec: ModelSpec, s: Settings, est: MemoryEstimate, cards: li
         AllocatorConfig.parse(alloc_conf)
     except ValueError as e:
         raise InvalidValue("alloc_conf", alloc_conf, "PYTORCH_CUDA_ALLOC_CONF options, e.g. expandable_segments:True",
-                           f"pass options the caching allocator takes ({e}), or alloc_conf=None for the reserve "
-                           "formula") from None
+                           f"pass options the caching allocator takes ({e})") from None
     if not spec.config_json:
         raise NotPlannable("alloc_conf", alloc_conf, "a model with a config.json (the allocator tape is its forward)",
                            "plan a model folder, a catalog name or a Hub id, or leave alloc_conf out")
