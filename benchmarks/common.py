@@ -17,7 +17,7 @@ def emit(path: str, rec: dict, width: int | None = None) -> None:
 
 
 def build_checkpoint(arch: str, path: str) -> None:
-    """Write a random-weight bf16 checkpoint of catalog architecture ``arch`` to ``path`` (built on the GPU;
+    """Write a random-weight bf16 checkpoint of catalog architecture ``arch`` to ``path`` (built on the GPU if any;
     memory does not depend on weight values). RoPE scaling is dropped: it changes no memory and keeps the config
     valid on every transformers version."""
     fields = {k: v for k, v in MODELS[arch].items()
@@ -26,11 +26,12 @@ def build_checkpoint(arch: str, path: str) -> None:
 
 
 def save_random(model_type: str, fields: dict, path: str) -> None:
-    """Write a random-weight bf16 checkpoint of ``model_type`` with config ``fields`` to ``path``, built on the GPU."""
+    """Write a random-weight bf16 checkpoint of ``model_type`` with config ``fields`` to ``path``, built on the GPU
+    (on the CPU where there is none)."""
     import torch
     import transformers
     cfg = transformers.AutoConfig.for_model(model_type, **fields)
-    with torch.device("cuda"):
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     model.save_pretrained(path, max_shard_size="100GB")
     del model

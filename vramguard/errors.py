@@ -16,6 +16,17 @@ EXIT_INTERNAL = 70  # an exception vramguard did not expect
 EXIT_CLOSED_PIPE = 141  # stdout's reader closed the pipe: 128 + SIGPIPE (13), what a shell reports for `yes | head`
 
 
+SHOWN_CHARS = 200  # the longest value an error message repeats in full
+
+
+def shown(value: object) -> str:
+    """``repr(value)``, or for a longer one its first 80 characters and the length of the value's text."""
+    text = repr(value)
+    if len(text) <= SHOWN_CHARS:
+        return text
+    return f"{text[:80]}... ({len(str(value)):,} characters)"
+
+
 class VramguardError(Exception):
     """Base class: ``field`` is the option or setting at fault, ``value`` what was given, ``fix`` what to do."""
 
@@ -29,8 +40,9 @@ class VramguardError(Exception):
         super().__init__(self.render())
 
     def render(self, field: str | None = None) -> str:
-        """The two-line message, with ``field`` (e.g. the CLI flag) in place of the library's field name."""
-        msg = f"{field or self.field}: {self.value!r} is not valid; accepted: {self.accepted}."
+        """The two-line message, with ``field`` (e.g. the CLI flag) in place of the library's field name; a value
+        longer than :data:`SHOWN_CHARS` (a whole prompt) is shown by its start and its length."""
+        msg = f"{field or self.field}: {shown(self.value)} is not valid; accepted: {self.accepted}."
         return msg + (f"\nfix: {self.fix}" if self.fix else "")
 
     def as_dict(self) -> dict:

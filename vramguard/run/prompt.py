@@ -43,8 +43,10 @@ def prepare_prompt(tokenizer, text: str, chat: bool | None = None) -> PreparedPr
         ids = tokenizer(text, add_special_tokens=True)["input_ids"]
         why = "raw text (chat=False)" if chat is False else "raw text (the tokenizer has no chat template)"
         used = False
-    if not ids:
-        raise InvalidValue("prompt", text, "at least one token", "pass a non-empty prompt")
+    if not ids:  # the text is not empty (checked above): the tokenizer dropped all of it
+        raise InvalidValue("prompt", text, "text the tokenizer turns into at least one token",
+                           f"the folder's tokenizer ({type(tokenizer).__name__}) gave no token for these "
+                           f"{len(text):,} characters: check that it is the model's own tokenizer")
     return PreparedPrompt(list(ids), used, why)
 
 
