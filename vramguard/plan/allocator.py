@@ -25,17 +25,15 @@ def with_allocator(spec, s: Settings, est, cards: list, alloc_conf: str, solve: 
     does not fit there, the formula's need stands. Each card's need is its own capped replay's peak where that
     fits (so need, fit and headroom agree), else the estimate's."""
     from dataclasses import replace
-    if freed_before:
-        fresh_est, fresh_cards = with_allocator(spec, s, est, cards, alloc_conf, solve)
-        if fresh_est.allocator is None or fresh_est.allocator.expandable_segments:  # one segment a pool
-            return fresh_est, fresh_cards
-        up_est, up_cards = _with_conf(spec, s, est, cards, replace(AllocatorConfig.parse(alloc_conf),
-                                                                   freed_before=True), alloc_conf, solve)
-        worse = up_est if up_est.peak_reserved_bytes > fresh_est.peak_reserved_bytes else fresh_est
-        return (replace(worse, freed_layout_reserved_bytes=up_est.peak_reserved_bytes,
-                        fresh_layout_reserved_bytes=fresh_est.peak_reserved_bytes),
-                [_worse(a, b) for a, b in zip(fresh_cards, up_cards)])
-    return _with_conf(spec, s, est, cards, AllocatorConfig.parse(alloc_conf), alloc_conf, solve)
+    conf = AllocatorConfig.parse(alloc_conf)
+    fresh_est, fresh_cards = _with_conf(spec, s, est, cards, conf, alloc_conf, solve)
+    if not freed_before or fresh_est.allocator is None or conf.expandable_segments:  # one layout
+        return fresh_est, fresh_cards
+    up_est, up_cards = _with_conf(spec, s, est, cards, replace(conf, freed_before=True), alloc_conf, solve)
+    worse = up_est if up_est.peak_reserved_bytes > fresh_est.peak_reserved_bytes else fresh_est
+    return (replace(worse, freed_layout_reserved_bytes=up_est.peak_reserved_bytes,
+                    fresh_layout_reserved_bytes=fresh_est.peak_reserved_bytes),
+            [_worse(a, b) for a, b in zip(fresh_cards, up_cards)])
 
 
 def _worse(a, b):
@@ -154,16 +152,19 @@ def freed_before_finding(est, asked: bool) -> Finding | None:
                        "model)")
     from vramguard.units import fmt_bytes
     fresh = est.fresh_layout_reserved_bytes
-    what = ("the two reserve the same, so the plan is a fresh process's" if up == fresh else
-            "the fit and the largest prompt are those of the fresh layout, the larger: the plan is a fresh "
-            "process's" if fresh > up else
-            f"the fit and the largest prompt are those of the upward layout, the larger by {fmt_bytes(up - fresh)}")
+    if up > fresh:
+        what = f"the fit and the largest prompt are those of the upward layout, the larger by {fmt_bytes(up - fresh)}"
+        fix, extra = (f"load the model in a fresh process (vramguard run, or a script of its own): it needs "
+                      f"{fmt_bytes(up - fresh)} less"), up - fresh
+    else:
+        what = ("the two reserve the same, so the plan is a fresh process's" if up == fresh else
+                "the fit and the largest prompt are those of the fresh layout, the larger: the plan is a fresh "
+                "process's")
+        fix, extra = None, None
     return Finding("freed_before", "info",
                    "planned for a process that has given a model's memory back to CUDA before: cudaMalloc may place "
                    f"new segments above the older ones (peak reserved {fmt_bytes(up)}) or below them, as in a fresh "
-                   f"process ({fmt_bytes(fresh)}); {what}",
-                   f"load the model in a fresh process (vramguard run, or a script of its own): it needs "
-                   f"{fmt_bytes(up - fresh)} less" if up > fresh else None, up - fresh if up > fresh else None)
+                   f"process ({fmt_bytes(fresh)}); {what}", fix, extra)
 
 
 AUTO_MAX_NEW_TOKENS = 2048  # a default plan of a longer generation: the formula (2,048 takes ~10 s)
