@@ -8,8 +8,8 @@ Sources: ``results/h200_matrix`` (plain transformers, 24 GiB cap), ``results/h20
 A matrix run made after its process had loaded and freed another model (``freed_model``) is modelled as the plan
 of such a process (``vramguard.plan(..., freed_before=True)``): cudaMalloc reuses the freed address range there and
 places new segments upwards, so the figure compared is that layout's, and the plan's verdict is the worse of that
-layout and the fresh process's; these runs are counted apart as well, and each one outside 3% is shown beside its
-twin (the same case in the other matrix process, same order) (benchmarks/README.md).
+layout and the fresh process's; these runs are counted apart as well, and each case outside 3% is shown with what
+every matrix process that ran it measured (benchmarks/README.md).
 
     python benchmarks/compare_reserved.py [--json OUT] [--no-edges]
 """
@@ -193,7 +193,7 @@ def print_edges(rows: list[dict]) -> None:
 
 
 def print_twins(rows: list[dict]) -> None:
-    """Each run after a freed model outside 3%, beside its twin: the same case in the other matrix process."""
+    """Each case after a freed model outside 3%, with what every matrix process that ran it measured."""
     def key(r):
         return r["model"], r["quant"], r["attn"], r["batch"], r["prompt"], r["new"]
     freed = [r for r in rows if r["freed_model"] and "rel_err" in r]
