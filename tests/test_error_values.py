@@ -28,3 +28,14 @@ def test_a_tokenizer_that_gives_no_token_is_named():
         prepare_prompt(_DropsEverything(), "w0 w1 w2")
     assert "text the tokenizer turns into at least one token" in str(e.value)
     assert "_DropsEverything" in e.value.fix and "8 characters" in e.value.fix
+
+
+@pytest.mark.parametrize("name", ["a" * 300, "owner/" + "a" * 300, "/tmp/" + "b" * 300 + "/config.json"])
+def test_a_model_name_longer_than_a_path_or_a_repo_id_can_be_is_refused(name):
+    """A name the file system cannot take (ENAMETOOLONG) or a Hub id over huggingface_hub's 96 characters is an
+    unknown model with its value cut short, not an internal error."""
+    from vramguard.errors import UnknownModel
+    from vramguard.resolve import resolve_model
+    with pytest.raises(UnknownModel) as e:
+        resolve_model(name)
+    assert e.value.field == "MODEL" and f"({len(name):,} characters)" in str(e.value)

@@ -146,6 +146,11 @@ def resolve_model(model: str, revision: str | None = None) -> ModelSpec:
     """
     from vramguard.hub import hub_spec, looks_like_repo_id, with_local_checkpoint
     p = Path(model).expanduser()
+    try:
+        p.exists()
+    except OSError as e:  # a name longer than the file system takes (ENAMETOOLONG)
+        raise UnknownModel("MODEL", model, ACCEPTED_MODEL_FORMS, f"pass a model folder, a catalog name or a Hub id "
+                           f"(owner/name, at most 96 characters): the path cannot be read ({e.strerror})") from None
     if revision is not None:
         _check_revision_target(model, revision, p, looks_like_repo_id(model) and not model.startswith((".", "/", "~")))
     _refuse_gguf(p, model)

@@ -14,8 +14,16 @@ _REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$"
 
 
 def looks_like_repo_id(model: str) -> bool:
-    """``owner/name`` with the characters the Hub allows (a path such as ``./x/y`` or ``a/b/c`` is not)."""
-    return bool(_REPO_ID.match(model)) and ".." not in model
+    """``owner/name`` with the characters the Hub allows (a path such as ``./x/y`` or ``a/b/c`` is not), as
+    huggingface_hub's ``validate_repo_id`` checks it (at most 96 characters)."""
+    if not _REPO_ID.match(model) or ".." in model:
+        return False
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+    try:
+        validate_repo_id(model)
+    except HFValidationError:
+        return False
+    return True
 
 
 def checkpoint_notes(ck: CheckpointHeaders | None, prequantized: str | None) -> tuple[str, ...]:

@@ -143,8 +143,8 @@ def freed_before_finding(est, asked: bool) -> Finding | None:
         return Finding("freed_before", "info", "planned for a process that has given a model's memory back to CUDA "
                        "before, but reserved memory here is the reserve formula's, which does not model where "
                        "segments go: the figures are those of a fresh process",
-                       "plan with the caching-allocator model (torch and transformers installed, the model not "
-                       "turned off) for both segment layouts")
+                       "for both segment layouts, plan with the caching-allocator model: it needs torch and "
+                       "transformers, and asking for the reserve formula turns it off")
     if up is None:
         return Finding("freed_before", "info", "planned for a process that has given a model's memory back to CUDA "
                        "before: with expandable segments each pool is one segment that grows in place, whatever "
@@ -163,8 +163,8 @@ def freed_before_finding(est, asked: bool) -> Finding | None:
         fix, extra = None, None
     return Finding("freed_before", "info",
                    "planned for a process that has given a model's memory back to CUDA before: cudaMalloc may place "
-                   f"new segments above the older ones (peak reserved {fmt_bytes(up)}) or below them, as in a fresh "
-                   f"process ({fmt_bytes(fresh)}); {what}", fix, extra)
+                   f"new segments above the older ones (peak reserved {fmt_bytes(up)}, {up:,} B) or below them, as "
+                   f"in a fresh process ({fmt_bytes(fresh)}, {fresh:,} B); {what}", fix, extra)
 
 
 AUTO_MAX_NEW_TOKENS = 2048  # a default plan of a longer generation: the formula (2,048 takes ~10 s)
