@@ -9,7 +9,9 @@ A matrix run made after its process had loaded and freed another model (``freed_
 of such a process (``vramguard.plan(..., freed_before=True)``): cudaMalloc reuses the freed address range there and
 places new segments upwards, so the figure compared is that layout's, and the plan's verdict is the worse of that
 layout and the fresh process's; these runs are counted apart as well, and each case outside 3% is shown with what
-every matrix process that ran it measured (benchmarks/README.md).
+every matrix process that ran it measured (benchmarks/README.md). ``results/h200_freed_expandable`` ran the matrix
+with expandable segments; its runs after the freed model are also compared with the replay of their process's
+history (:mod:`history_replay`).
 
     python benchmarks/compare_reserved.py [--json OUT] [--no-edges]
 """
@@ -43,15 +45,17 @@ def cases() -> list[dict]:
     """Every recorded generate: model, settings, cap, allocator setting, ok, measured peak reserved (or None)."""
     out = []
     for src, folder, pattern in (("matrix", "h200_matrix", "p*"), ("matrix again", "h200_reserved_misses", "p*"),
-                                 ("matrix repeat", "h200_freed_repeat", "call*/r*")):
+                                 ("matrix repeat", "h200_freed_repeat", "call*/r*"),
+                                 ("matrix exp", "h200_freed_expandable", "r*"), ("matrix exp", "h200_freed_trace", ".")):
         for path in sorted(glob.glob(os.path.join(HERE, folder, pattern, "matrix.jsonl"))):
-            loads = 0
+            loads, conf = 0, ""
             for r in _jsonl(path):
                 loads += r["kind"] == "loaded"
+                conf = r.get("alloc_conf", "") if r["kind"] == "versions" else conf
                 if r["kind"] == "gen":
                     out.append(dict(src=src, path=os.path.relpath(path, HERE), model=r["model"], quant=r["quant"],
                                     attn=r["attn"], batch=r["batch"],
-                                    prompt=r["prompt"], new=r["new"], cap=24 * GiB, conf="", ok=r["ok"],
+                                    prompt=r["prompt"], new=r["new"], cap=24 * GiB, conf=conf, ok=r["ok"],
                                     reserved=max(r["prefill_reserved_peak"], r["decode_reserved_peak"])
                                     if r["ok"] else None, freed_model=loads > 1))
     pf = os.path.join(HERE, "h200_profile_fit")
@@ -207,6 +211,24 @@ def print_twins(rows: list[dict]) -> None:
               + "; ".join(f"{src} x{len(v)} {res:,} ({v[0]['rel_err'] * 100:+.2f}%)" for (src, res), v in by.items()))
 
 
+def print_history(rows: list[dict]) -> None:
+    """The runs after a freed model with expandable segments, against the replay of their process's history
+    (:mod:`history_replay`): what the model gives when it knows what the freed model left."""
+    from history_replay import peak_reserved
+    part = [r for r in rows if r["freed_model"] and r["conf"] and "rel_err" in r]
+    if not part:
+        return
+    err = [(peak_reserved(r["model"], r["conf"], settings(r)) - r["reserved"]) / r["reserved"] for r in part]
+    worst = max(range(len(part)), key=lambda i: abs(err[i]))
+    w = part[worst]
+    print(f"peak reserved after a freed model, expandable segments, {len(part)} runs: the plan (a fresh segment) "
+          f"median |error| {statistics.median(abs(r['rel_err']) for r in part) * 100:.2f}%, max "
+          f"{max(abs(r['rel_err']) for r in part) * 100:.2f}%; the replay of the process's history (the freed "
+          f"model's range unmapped in place) median {statistics.median(map(abs, err)) * 100:.2f}%, max "
+          f"{abs(err[worst]) * 100:.2f}% ({w['model']} {w['quant']} {w['attn']} {w['batch']}x{w['prompt']}); "
+          f"{sum(abs(x) <= 0.03 for x in err)} within 3%")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None)
@@ -248,6 +270,7 @@ def main() -> None:
               f"max {max(e) * 100:.2f}% (signed: min {min(s) * 100:+.2f}%, max {max(s) * 100:+.2f}%), "
               f"{sum(x <= 0.03 for x in e)} within 3%")
     print_twins(rows)
+    print_history(rows)
     print(f"fit verdicts: {len(rows) - len(disagree)} of {len(rows)} agree; disagreeing: "
           + ", ".join(f"{r['model']} {r['quant']} {r['prompt']} {'exp' if r['conf'] else 'default'} "
                       f"(measured {'ok' if r['ok'] else 'OOM'})" for r in disagree))

@@ -10,7 +10,8 @@ One JSON line per event is appended to ``--out``: the load (weights bytes and a 
 ``--trace-dir``: for every case, the large pool's part of the caching allocator's own record
 (``torch.cuda.memory._record_memory_history``: every alloc, free and segment event above 1 MiB, and the segments
 at the case's start with their addresses), gzipped JSON beside the results. ``--keep-ckpt``: a checkpoint already
-at ``--ckpt-dir``/ARCH is used as it is and kept.
+at ``--ckpt-dir``/ARCH is used as it is and kept. ``--trace-freed PATH``: the large pool's segments just before
+the first model is freed, and its record from there to the end (the next loads and cases), in one gzipped JSON.
 
 Run on the GPU machine (see benchmarks/README.md for the exact command and the recorded results)::
 
@@ -169,13 +170,17 @@ def main():
     ap.add_argument("--ckpt-dir", default="/dev/shm/vg_ckpt")
     ap.add_argument("--keep-ckpt", action="store_true", help="use a checkpoint already there, and keep it")
     ap.add_argument("--trace-dir", default=None, help="write each case's large-pool allocator trace here")
+    ap.add_argument("--trace-freed", default=None,
+                    help="write here the large pool's segments before the first model of an architecture is freed "
+                         "and its whole trace from there on (every later load and case)")
     args = ap.parse_args()
 
     import transformers
     free, total = torch.cuda.mem_get_info()
     emit(args.out, {"kind": "versions", "torch": torch.__version__, "transformers": transformers.__version__,
                     "gpu": torch.cuda.get_device_name(), "cc": list(torch.cuda.get_device_capability()),
-                    "total": total, "free_at_start": free, "cap_gib": args.cap_gib})
+                    "total": total, "free_at_start": free, "cap_gib": args.cap_gib,
+                    "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")})
     torch.cuda.set_per_process_memory_fraction(args.cap_gib * GiB / total)
 
     for arch in args.archs:
@@ -233,9 +238,18 @@ def measure_arch(args, arch):
                                    trace_path=os.path.join(args.trace_dir, name) if args.trace_dir else None)
                     rec.update(kind="gen", model=arch, quant=quant, attn=attn, weights=weights)
                     emit(args.out, rec)
+        if args.trace_freed and quant == args.quants[0]:
+            before_free = large_segments()
+            torch.cuda.memory._record_memory_history(max_entries=8_000_000, context=None)
         del model
         gc.collect()
         torch.cuda.empty_cache()
+    if args.trace_freed:
+        import gzip
+        import json
+        with gzip.open(args.trace_freed, "wt") as f:
+            json.dump({"segments": before_free, "trace": large_trace()}, f, separators=(",", ":"))
+        torch.cuda.memory._record_memory_history(enabled=None)
 
 
 if __name__ == "__main__":

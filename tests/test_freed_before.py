@@ -89,10 +89,10 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atte
 
 
 @pytest.mark.parametrize("alloc_conf, says", [(None, "reserve formula's"),
-                                              ("expandable_segments:True", "one segment that grows in place")])
+                                              ("expandable_segments:True", "unmapped in place")])
 def test_a_plan_with_one_layout_says_why(tmp_path, alloc_conf, says):
-    """The formula models no segment layout, and expandable segments have one: a plan for a process that freed
-    memory before says so and has no second figure."""
+    """The formula models no segment layout, and with expandable segments the range the freed model left is not
+    visible to the plan: a plan for a process that freed memory before says so and has no second figure."""
     from tests.conftest import save_tiny_llama
     from vramguard.plan import plan
     path = str(save_tiny_llama(tmp_path, **TINY))

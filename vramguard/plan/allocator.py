@@ -147,9 +147,12 @@ def freed_before_finding(est, asked: bool) -> Finding | None:
                        "transformers, and asking for the reserve formula turns it off")
     if up is None:
         return Finding("freed_before", "info", "planned for a process that has given a model's memory back to CUDA "
-                       "before: with expandable segments each pool is one segment that grows in place, whatever "
-                       "addresses cudaMalloc would give, so the plan has one layout (not measured after a freed "
-                       "model)")
+                       "before, with expandable segments: the freed model's pages were unmapped in place and the "
+                       "next blocks fill that range from its low end, but where it ends (at blocks still held, such "
+                       "as the cuBLAS workspace) is not visible to the plan, which places them in a fresh segment; "
+                       "a request that does not fit the rest of the range goes past those blocks and reserves more",
+                       "for a plan that holds to the byte, load the model in a fresh process (vramguard run, or a "
+                       "script of its own)")
     from vramguard.units import fmt_bytes
     fresh = est.fresh_layout_reserved_bytes
     if up > fresh:
