@@ -81,11 +81,13 @@ def refuse_transformers_options(given: dict[str, object]) -> None:
     from vramguard.errors import InvalidValue
     for name, instead in TRANSFORMERS_ONLY.items():
         if name in given:
-            value = given[name]
+            value = getattr(given[name], "value", given[name])
             flag = "--" + name.replace("_", "-")
+            if isinstance(value, bool):  # a switch: shown as written, not as True or False
+                value = f"{flag if value else '--no-' + flag[2:]} with --engine vllm"
             use = f"use {instead} with --engine vllm, or leave {flag} out" if instead else f"leave {flag} out"
-            raise InvalidValue(flag, getattr(value, "value", value), "with the transformers engine only (vLLM's "
-                               "plan does not read it)", use)
+            raise InvalidValue(flag, value, "with the transformers engine only (vLLM's plan does not read it)",
+                               use + ", or plan with --engine transformers")
 
 
 @dataclass(frozen=True)

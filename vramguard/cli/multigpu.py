@@ -146,28 +146,31 @@ def plan_cards(model: str, s, cards: tuple, context: int | None, device_map: str
     return plan_gpus(spec, s, gpus=found, tp=tp, max_memory=mm, device_map=device_map)
 
 
-def emit(p, as_json: bool, exit_code: bool) -> None:
-    """Print the plan (JSON or the table) on stdout; with ``exit_code``, exit 1 when a card does not fit."""
+def emit(p, as_json: bool, exit_code: bool, findings: tuple = ()) -> None:
+    """Print the plan (JSON, with ``findings``, or the table) on stdout; with ``exit_code``, exit 1 when a card
+    does not fit."""
     import typer
 
     from vramguard.cli.common import write_json
     from vramguard.cli.render import console
     if as_json:
-        write_json(plan_to_json(p))
+        write_json(plan_to_json(p, findings))
     else:
         print_plan(p, console())
     if exit_code and not p.fits:
         raise typer.Exit(1)
 
 
-def plan_to_json(p) -> dict:
-    """The multi-card plan as a JSON object: every size an int of bytes."""
-    from vramguard.cli.render import to_jsonable
+def plan_to_json(p, findings: tuple = ()) -> dict:
+    """The multi-card plan as a JSON object: every size an int of bytes; ``findings`` (the CLI's: an option that
+    plans one card, not applied) as a one-card plan's."""
+    from vramguard.cli.render import finding_to_json, to_jsonable
     split = p.split
     out = {"model": p.model.name, "settings": p.settings.as_dict(), "layout": p.layout, "fits": p.fits,
            "limit_card": p.limit_card, "max_prompt_tokens": p.max_prompt_tokens,
            "cards": [{**to_jsonable(c), "gpu": to_jsonable(c.gpu)} for c in p.cards], "notes": p.notes,
-           "reserved_from": "reserve formula"}  # cards used together: the caching-allocator model plans one card
+           "reserved_from": "reserve formula",  # cards used together: the caching-allocator model plans one card
+           "findings": [finding_to_json(f) for f in findings]}
     out["fix"] = None if p.fix is None else {
         "device_map": p.fix.device_map, "max_memory_bytes": list(p.fix.max_memory_bytes),
         "layers": [list(x) for x in p.fix.layers], "need_bytes": [c.need_bytes for c in p.fix.cards]}

@@ -74,9 +74,10 @@ def plan(
     from vramguard.plan import plan as plan_fn
     from vramguard.settings import Settings
     if list_models or list_gpus:
-        return _print_catalog(list_models, list_gpus)
+        return _print_catalog(list_models, list_gpus, fmt == Format['json'])
     several = wants_cards(gpus, tp, gpu, vram) or max_memory is not None or device_map != "auto"
     notes: list[str] = []  # said once the plan is made: an error comes alone
+    findings = []  # of the CLI's own, added to a plan of cards used together
 
     def build():
         _refuse_no_new_tokens(max_new_tokens, logits.value)
@@ -93,28 +94,36 @@ def plan(
         s = _defaults_in_context(spec, s, _given(ctx), context, notes)
         if several:
             from vramguard.cli.multigpu import plan_cards
-            _say_one_card(freed_before, alloc_conf)
+            findings.extend(_one_card_findings(freed_before, alloc_conf))
             return plan_cards(spec, s, (gpus, tp, gpu, vram), context, device_map, max_memory)
         return plan_fn(spec, s, gpu=gpu, vram=vram, context=context, alloc_conf=_alloc_conf(alloc_conf),
                        freed_before=freed_before)
 
-    _emit(run_guarded(build, as_json=fmt == Format['json']), several, fmt == Format['json'], exit_code, notes)
+    _emit(run_guarded(build, as_json=fmt == Format['json']), several, fmt == Format['json'], exit_code, notes, findings)
 
 
-def _say_one_card(freed_before: bool, alloc_conf: str | None) -> None:
-    """The note of a plan of cards used together given an option that plans one card only."""
-    if freed_before or (alloc_conf is not None and _alloc_conf(alloc_conf) is not None):
-        say(f"note: {'--freed-before' if freed_before else '--alloc-conf'} plans one card; cards used together are "
-            "planned with the reserve formula")
+def _one_card_findings(freed_before: bool, alloc_conf: str | None) -> list:
+    """The finding (code ``freed_before`` or ``alloc_conf``) of a plan of cards used together given an option
+    that plans one card only, its note said on stderr too; [] without one."""
+    if not (freed_before or (alloc_conf is not None and _alloc_conf(alloc_conf) is not None)):
+        return []
+    from vramguard.finding import Finding
+    code = "freed_before" if freed_before else "alloc_conf"
+    flag = "--" + code.replace("_", "-")
+    say(f"note: {flag} plans one card; cards used together are planned with the reserve formula")
+    return [Finding(code, "warn", f"{flag} not applied for several cards: it plans one card; cards used together "
+                    "are planned with the reserve formula", f"plan one card (one --gpu or --vram) to apply {flag}")]
 
 
 def _refuse_no_new_tokens(max_new_tokens: int, logits: str) -> None:
-    """The usage error of a plan of generate (``logits="last"``) with no new tokens, worded as ``run``'s; a forward
-    over every position (``logits="all"``) may generate none."""
-    from vramguard.settings import require_count
+    """The usage error of a plan of generate (``logits="last"``) with no new tokens, worded as ``run``'s, and of
+    one above :data:`~vramguard.settings.MAX_TOKENS` stating the same range from 1 (Settings' own check says it
+    from 0); a forward over every position (``logits="all"``) may generate none."""
+    from vramguard.settings import MAX_TOKENS, require_count
     if logits == "last":
         require_count("max_new_tokens", max_new_tokens, 1, "pass a whole number of at least 1 (or --logits all "
                       "for a forward without generating)")
+        require_count("max_new_tokens", max_new_tokens, 1, maximum=MAX_TOKENS)
 
 
 def _defaults_in_context(spec, s, given: dict, context: int | None, notes: list[str]):
@@ -196,15 +205,15 @@ def _plan_vllm(model: str, gpu: str | None, vram: str | None, args, as_json: boo
         raise typer.Exit(1)
 
 
-def _emit(p, several: bool, as_json: bool, exit_code: bool, notes: list[str]) -> None:
-    """Say ``notes`` on stderr, print a plan (JSON or the tables); exit 1 with ``--exit-code`` when it fits none of
-    the cards."""
+def _emit(p, several: bool, as_json: bool, exit_code: bool, notes: list[str], findings: list) -> None:
+    """Say ``notes`` on stderr, print a plan (JSON or the tables; ``findings``, of cards used together, in its
+    JSON); exit 1 with ``--exit-code`` when it fits none of the cards."""
     for note in notes:
         say(note)
     from vramguard.cli.render import plan_to_json, print_plan
     if several:
         from vramguard.cli.multigpu import emit
-        return emit(p, as_json, exit_code)
+        return emit(p, as_json, exit_code, findings)
     if as_json:
         write_json(plan_to_json(p))
     else:
@@ -223,9 +232,16 @@ def _alloc_conf(given: str | None) -> str | None:
     return "" if word == "default" else None if word == "formula" else given
 
 
-def _print_catalog(models: bool, gpus: bool) -> None:
+def _print_catalog(models: bool, gpus: bool, as_json: bool = False) -> None:
+    """The catalog's architectures and cards as tables, or as JSON: a list of objects (each card with its total
+    in bytes), or, both asked, one object of the two lists."""
     from vramguard.catalog.gpus import GPUS
     from vramguard.catalog.models import MODELS
+    if as_json:
+        from vramguard.cli.render import to_jsonable
+        lists = {"models": [{"name": name, "source": cfg["source"]} for name, cfg in MODELS.items()] if models
+                 else None, "gpus": [to_jsonable(g) for g in GPUS.values()] if gpus else None}
+        return write_json(lists if models and gpus else lists["models"] if models else lists["gpus"])
     out = console()
     if models:
         for name, cfg in MODELS.items():

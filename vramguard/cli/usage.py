@@ -1,9 +1,9 @@
-"""click's own usage errors (a value of the wrong type, an unknown choice or option, a missing value or argument) in
-vramguard's two-line form: ``error FIELD: 'VALUE' is not valid; accepted: ...`` then ``fix: ...``, the form of
-:meth:`vramguard.errors.VramguardError.render`. Reads the exception's documented attributes only (``param``,
-``option_name``, ``possibilities``, ``ctx``; a missing parameter's choices from its command's ``callback``), each
-looked up with a default, so that the click typer vendors and the click package read the same; anything else keeps
-click's own message."""
+"""click's own usage errors (a value of the wrong type, an unknown choice or option, a missing value or argument, a
+switch given a value) in vramguard's two-line form: ``error FIELD: 'VALUE' is not valid; accepted: ...`` then
+``fix: ...``, the form of :meth:`vramguard.errors.VramguardError.render`. Reads the exception's documented attributes
+only (``param``, ``option_name``, ``possibilities``, ``ctx``; a missing parameter's choices from its command's
+``callback``), each looked up with a default, so that the click typer vendors and the click package read the same;
+anything else keeps click's own message."""
 
 from __future__ import annotations
 
@@ -47,6 +47,11 @@ def usage_error_text(e, argv: list[str]) -> str:
         flag = getattr(e, "option_name", None) or "the option"
         return InvalidValue(flag, "none given", "a value after the option",
                             f"pass {flag} VALUE ({help_hint} says which values)").render()
+    if name == "BadOptionUsage" and "does not take a value" in message:  # a switch given one: --freed-before=yes
+        flag = getattr(e, "option_name", None) or "the option"
+        value = next((a[len(flag) + 1:] for a in reversed(argv) if a.startswith(flag + "=")), "?")
+        return InvalidValue(flag, f"{flag}={value}", "the switch alone, without a value",
+                            f"write {flag} alone, without ={value}: a switch takes no value").render()
     if name == "MissingParameter" and param is not None:
         field = _field(param)
         choices = _choices(param, ctx)
