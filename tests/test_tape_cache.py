@@ -67,7 +67,13 @@ def test_unwritable_folder_still_plans(tiny, monkeypatch, tmp_path):
     spec, key, _ = tiny
     (tmp_path / "file").write_text("x")
     monkeypatch.setenv("VRAMGUARD_CACHE_DIR", str(tmp_path / "file"))  # a file where the folder should be
-    assert _cached_events(spec.config_json, spec.name, key, 40, 3)
+    monkeypatch.setattr("vramguard.introspect.tape_cache._WARNED", set())
+    with pytest.warns(UserWarning, match=r"tape cache folder .*file.* cannot be written.*VRAMGUARD_TAPE_CACHE"):
+        assert _cached_events(spec.config_json, spec.name, key, 40, 3)
+    import warnings
+    with warnings.catch_warnings():  # said once per folder
+        warnings.simplefilter("error")
+        assert _cached_events(spec.config_json, spec.name, key, 41, 3)
 
 
 def test_unreadable_recording_code_caches_nothing(tiny, monkeypatch):

@@ -103,8 +103,24 @@ def write_record(path: Path, record: dict) -> None:
         with gzip.open(tmp, "wt", encoding="utf-8", compresslevel=3) as f:
             json.dump(record, f, separators=(",", ":"))
         os.replace(tmp, path)
-    except OSError:
+    except OSError as e:
         try:
             tmp.unlink(missing_ok=True)
         except OSError:
             pass
+        _warn_unwritable(path.parent, e)
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_unwritable(folder: Path, e: OSError) -> None:
+    """Say once per folder (a ``UserWarning``) that the cache cannot be written there: plans still work, each
+    replaying its tape again."""
+    if str(folder) in _WARNED:
+        return
+    _WARNED.add(str(folder))
+    import warnings
+    warnings.warn(f"vramguard: the tape cache folder {folder} cannot be written ({e.strerror or e}): plans replay "
+                  "their tapes each time; set VRAMGUARD_TAPE_CACHE to a writable folder, or to 0 to turn the cache "
+                  "off", UserWarning, stacklevel=3)
