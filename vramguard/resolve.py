@@ -50,14 +50,16 @@ def is_gguf(path: Path) -> bool:
 def gguf_error(path: Path, model: str) -> UnknownModel:
     """The error for a GGUF file given where a transformers model is expected: what it is, and how to convert it
     (transformers reads GGUF dequantized with ``from_pretrained(folder, gguf_file=name)``; a model loaded that way
-    refuses ``save_pretrained``, so its state_dict goes into a ``from_config`` model that is saved). The conversion
+    refuses ``save_pretrained``, so its state_dict goes into a ``from_config`` model that is saved, without the
+    ``quantization_config`` the GGUF load set: the saved weights are dequantized tensors, not GGUF). The conversion
     is one shell command on a line of its own, indented by 4 spaces (a line of code, never wrapped)."""
     import json
     import shlex
     folder, name = json.dumps(str(path.parent)), json.dumps(path.name)
     program = (f"from transformers import AutoModelForCausalLM as M, AutoTokenizer as T; "
                f"m = M.from_pretrained({folder}, gguf_file={name}); c = M.from_config(m.config).to(m.dtype); "
-               'c.load_state_dict(m.state_dict()); c.save_pretrained("OUT"); '
+               'c.load_state_dict(m.state_dict()); vars(c.config).pop("quantization_config", None); '
+               'c.save_pretrained("OUT"); '
                f'T.from_pretrained({folder}, gguf_file={name}).save_pretrained("OUT")')
     return UnknownModel(
         "MODEL", model, "a transformers model folder (config.json and safetensors weights); "

@@ -4,7 +4,9 @@ Defaults (each can be set; an explicit setting is kept, or, when it cannot run, 
 reported in ``LoadReport.overrides``; ``strict=True`` raises instead):
 
 * NF4 with double quant; compute dtype bf16 where the card supports it (compute capability >= 8.0), else fp16;
-  the model dtype equal to the compute dtype.
+  the model dtype equal to the compute dtype. A checkpoint already quantized in another format (config.json's
+  ``quantization_config``: GPTQ, AWQ, GGUF, FP8, ...) loads in its own format, the bitsandbytes setting replaced
+  by the compute dtype and reported: transformers refuses a BitsAndBytesConfig beside another quantization.
 * attention: flash_attention_2 when the flash_attn package is installed and the card, dtype and head_dim allow it,
   else SDPA pinned to a flash-class backend (PyTorch's flash kernel, then cuDNN, then memory-efficient), verified
   by profiling one short forward (:func:`vramguard.probe.kernels.profile_attention`).
@@ -194,6 +196,12 @@ def load_model(model: str, *, quant: str = "nf4", double_quant: bool = True, com
                                      "dtype": dtype, "attn": attn, "device_map": device_map})
     quant = older_card_quant(gpu, quant, report, strict)
     cd, dt = choose_dtypes(gpu, quant, compute_dtype, dtype, report, strict)
+    if quant in ("nf4", "fp4", "int8") and spec.prequantized and spec.prequantized != "bitsandbytes":
+        quant = _override(report, strict, "quant", quant, "a 16-bit or 32-bit dtype for a checkpoint already "
+                          f"quantized ({spec.prequantized})", dt if dt in ("bf16", "fp16", "fp32") else cd,
+                          f"the checkpoint is already quantized ({spec.prequantized}; config.json's "
+                          "quantization_config): transformers loads it in its own format, bitsandbytes does not "
+                          "apply to it")
     param_dtype, _ = resolve_param_dtype(dt, ckpt, transformers.__version__, quant)
     chosen_attn = choose_attn(attn, env, gpu, param_dtype, spec.head_dim, report, strict, _attention_support(spec))
     kwargs: dict = {"dtype": getattr(torch, TORCH_DTYPE_NAMES[param_dtype]), "attn_implementation": chosen_attn,
