@@ -106,3 +106,18 @@ def test_several_cards_without_a_one_card_option_have_no_finding():
     r = invoke("plan", "llama-3.1-8b", "--gpu", "rtx-4090,rtx-4090", "--format", "json")
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout)["findings"] == []
+
+
+def test_a_16_bit_plan_names_its_weights_as_they_are_and_the_docs_count_the_cards():
+    """A bf16 plan's weights row says bf16 linears (not "quantized linears, 16-bit embeddings"), its load line says
+    no tensor sits beside the weights; docs/usage.md's count of catalog cards is the catalog's."""
+    import re
+    from pathlib import Path
+    r = invoke("plan", "qwen2.5-7b", "--quant", "bf16", "--vram", "24GiB", "--alloc-conf", "formula")
+    assert r.exit_code == 0, r.output
+    text = " ".join(r.stdout.split())
+    assert "weights (bf16 linears, embeddings, lm_head, norms)" in text and "quantized linears" not in text
+    r = invoke("plan", "qwen2.5-7b", "--vram", "24GiB", "--alloc-conf", "formula")
+    assert "quantized linears" in " ".join(r.stdout.split())
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "usage.md").read_text()
+    assert int(re.search(r"card catalog \((\d+) cards\)", docs).group(1)) == len(GPUS)

@@ -273,7 +273,7 @@ def load_text(est) -> str:
     why = (f"{len(ld.converted)} fused parameters built from per-part checkpoint tensors (the largest: "
            f"{fmt_bytes(ld.largest_transient_bytes)} of sources and outputs)" if ld.converted else
            f"the largest weight in 16-bit while it is quantized ({fmt_bytes(ld.largest_transient_bytes)})"
-           if ld.largest_transient_bytes else "nothing beside the weights")
+           if ld.largest_transient_bytes else "no tensor beside them")
     first = ("the load needs more than generate: it sets the card's need" if est.peak_phase == "load" else
              "generate needs more than the load")
     return (f"loading: peak {fmt_bytes(ld.peak_reserved_bytes)} reserved = weights + {why}; transformers' warm-up "
@@ -355,7 +355,9 @@ def print_plan(p: Plan, console: Console | None = None) -> None:
     t.add_column("bytes", justify="right")
     t.add_column("GiB", justify="right")
     for k, v in est.components.items():
-        t.add_row(LABELS.get(k, k), f"{v:,}", f"{v / 2**30:.2f}")
+        label = LABELS.get(k, k) if k != "weights" or p.settings.is_bnb else (
+            f"weights ({p.settings.quant} linears, embeddings, lm_head, norms)")
+        t.add_row(label, f"{v:,}", f"{v / 2**30:.2f}")
     for label, v in (("[bold]PyTorch peak allocated[/bold]", est.peak_allocated_bytes),
                      ("allocator reserve (fragmentation)", est.allocator_reserve_bytes),
                      ("[bold]PyTorch peak reserved[/bold]", est.peak_reserved_bytes),
