@@ -74,7 +74,7 @@ def test_values_the_engine_cannot_compute_are_refused_naming_field_limit_and_val
 @pytest.mark.parametrize("raw,code", [
     (b'{"model": "tiny", "prompt": "w1 \xff\xfe"}', "invalid_json"),                  # broken UTF-8
     (b'{"model": "tiny", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "invalid_json"),  # deeper than json
-    (b'{"model": "tiny", "prompt": [1, 2], "max_tokens": 1' + b"0" * 5000 + b"}", "invalid_json"),  # digit limit
+    (b'{"model": "tiny", "prompt": [1, 2], "max_tokens": 1' + b"0" * 5000 + b"}", "invalid_value"),  # digit limit
     (b"[1, 2, 3]", "invalid_json"),
 ])
 def test_bodies_that_are_not_json_objects_get_400(server, raw, code):

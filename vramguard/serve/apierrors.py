@@ -75,3 +75,19 @@ def shown(value, limit: int = 60) -> str:
     except (TypeError, ValueError):
         text = ascii(value)
     return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def json_kind(value) -> str:
+    """What a JSON value is, in JSON's words rather than Python's: ``"JSON null"``, ``"JSON true"``,
+    ``"a JSON number"``, ``"a JSON string"``, ``"a JSON array"``, ``"a JSON object"``."""
+    if value is None:
+        return "JSON null"
+    if isinstance(value, bool):
+        return "JSON true" if value else "JSON false"
+    if isinstance(value, str):
+        return "a JSON string"
+    if isinstance(value, list):
+        return "a JSON array"
+    if isinstance(value, dict):
+        return "a JSON object"
+    return "a JSON number"

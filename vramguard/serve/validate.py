@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from pydantic import ValidationError
 
-from vramguard.serve.apierrors import ApiError, shown
+from vramguard.serve.apierrors import ApiError, json_kind, shown
 
 MAX_JSON_DEPTH = 16  # the deepest accepted body is messages[i].content[j].text (4); tools schemas get room
 MAX_STOPS = 4  # OpenAI's limit
@@ -43,17 +43,54 @@ class Limits:
 def parse_json(raw: bytes) -> dict:
     """The body as a JSON object of UTF-8 text: every number finite (no NaN/Infinity literals, no 1e999) and within
     a 64-bit integer when whole, no lone surrogates, nesting at most ``MAX_JSON_DEPTH``; a failure names the field."""
+    if not raw or not raw.strip():
+        raise ApiError.of("invalid_json", f"request body is empty; {OBJECT_BODY}")
     try:
-        data = json.loads(raw or b"null")
+        data = _loads(raw)
     except RecursionError:
         raise ApiError.of("invalid_json", f"request body: nested deeper than this server reads; the limit is "
                                           f"{MAX_JSON_DEPTH} levels") from None
-    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError (broken UTF-8), Python's integer digit limit
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError (broken UTF-8)
         raise ApiError.of("invalid_json", f"request body is not valid JSON: {str(e)[:200]}") from None
     if not isinstance(data, dict):
-        raise ApiError.of("invalid_json", f"request body must be a JSON object (got {type(data).__name__})")
+        raise ApiError.of("invalid_json", f"request body is {json_kind(data)}; {OBJECT_BODY}")
     _walk(data)
     return data
+
+
+OBJECT_BODY = "accepted: a JSON object of the request's fields"
+
+
+class LongInteger:
+    """A JSON integer of more digits than Python reads (``sys.get_int_max_str_digits``): kept as its digit count,
+    so that the field it is in can be named (:func:`_walk` refuses it as beyond a 64-bit integer)."""
+
+    def __init__(self, text: str):
+        self.digits = len(text.lstrip("-"))
+
+
+def _int_or_long(text: str):
+    try:
+        return int(text)
+    except ValueError:
+        return LongInteger(text)
+
+
+def _loads(raw: bytes):
+    """``json.loads``; a body it refuses is read again keeping integers too long for Python as :class:`LongInteger`
+    (the first read stays the fast one, the C parser's own integers)."""
+    try:
+        return json.loads(raw)
+    except ValueError:
+        pass
+    return json.loads(raw, parse_int=_int_or_long)
+
+
+def _beyond_int64(path: str, value) -> ApiError:
+    """The 400 of a whole number outside a signed 64-bit integer: ``value`` an int or a :class:`LongInteger`."""
+    what = f"a number of {value.digits:,} digits" if isinstance(value, LongInteger) else shown(value)
+    return ApiError.of("invalid_value", f"{path}: {what} is beyond a 64-bit integer [-2**63, 2**63 - 1]; send an "
+                                        "integer in that range", param=path)
 
 
 def _walk(data: dict) -> None:
@@ -71,9 +108,9 @@ def _walk(data: dict) -> None:
                 raise ApiError.of("invalid_value", f"{_printable(here)}: {value} is not a finite number (NaN and "
                                                    "Infinity are not JSON numbers, and 1e309 overflows a 64-bit "
                                                    "float); send a finite number", param=_printable(here))
-            elif isinstance(value, int) and not isinstance(value, bool) and not -2**63 <= value < 2**63:
-                raise ApiError.of("invalid_value", f"{_printable(here)}: {shown(value)} is beyond a 64-bit integer "
-                                                   "[-2**63, 2**63 - 1]", param=_printable(here))
+            elif isinstance(value, LongInteger) or (isinstance(value, int) and not isinstance(value, bool)
+                                                    and not -2**63 <= value < 2**63):
+                raise _beyond_int64(_printable(here), value)
             if isinstance(value, (dict, list)):
                 stack.append((value, here, depth + 1))
 
@@ -116,6 +153,8 @@ def to_request(data: dict, schema):
     if isinstance(p, list) and any(isinstance(x, list) for x in p):
         raise ApiError.of("invalid_value", "prompt: a batch of prompts (a list of token-id lists) is not accepted; "
                                            "send one prompt per request", param="prompt")
+    if "messages" in schema.model_fields:
+        _check_content_parts(data.get("messages"))
     try:
         return schema.model_validate(data)
     except ValidationError as e:
@@ -125,8 +164,33 @@ def to_request(data: dict, schema):
         param = _param(first["loc"])
         if first["type"] == "extra_forbidden":
             raise _unknown_parameter(param, schema, errors) from None
+        if first["type"] in _JSON_TYPES:  # pydantic says "a valid dictionary or instance of Message": Python's words
+            raise ApiError.of("invalid_value", f"{param}: {json_kind(first.get('input'))} "
+                                               f"({shown(first.get('input'))}); accepted: {_JSON_TYPES[first['type']]}",
+                              param=param) from None
         raise ApiError.of("invalid_value", f"{param}: {first['msg']} (got {shown(first.get('input'))})",
                           param=param) from None
+
+
+_JSON_TYPES = {"model_type": "a JSON object", "dict_type": "a JSON object", "list_type": "a JSON array"}
+
+# OpenAI's chat content parts other than text: what each carries
+NOT_TEXT_PARTS = {"image_url": "image", "input_audio": "audio", "file": "file"}
+
+
+def _check_content_parts(messages) -> None:
+    """Refuse a chat message's image, audio or file content part by name: this server reads text parts only (the
+    schema would call the part's fields unknown, and they are OpenAI's)."""
+    for i, message in enumerate(messages if isinstance(messages, list) else ()):
+        content = message.get("content") if isinstance(message, dict) else None
+        for j, part in enumerate(content if isinstance(content, list) else ()):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if isinstance(kind, str) and kind in NOT_TEXT_PARTS:
+                param = f"messages.{i}.content.{j}"
+                raise ApiError.of("unsupported_parameter", f"{param}: {NOT_TEXT_PARTS[kind]} content parts "
+                                                           f"({shown(kind)}) are not supported by this server, only "
+                                                           'text parts; send the text as a {"type": "text", "text": '
+                                                           "...} part or as a plain string", param=param)
 
 
 def _unknown_parameter(param: str | None, schema, errors: list[dict]) -> ApiError:
