@@ -192,13 +192,38 @@ def detect_gpus() -> DetectedGpus:
         pynvml.nvmlShutdown()
 
 
+def require_gpu_specs(gpus: object, fewest: int = 1) -> None:
+    """Raise InvalidValue unless ``gpus`` is a list (or tuple) of at least ``fewest`` :class:`GpuSpec`: a card
+    name or a size is what ``gpu`` / ``vram`` take, and :func:`gpu_from_catalog` / :func:`gpu_from_vram` make a
+    GpuSpec of either."""
+    fix = "pass e.g. gpus=[gpu_from_catalog('h100')] (vramguard.hardware), or a card name as gpu"
+    if not isinstance(gpus, (list, tuple)) or isinstance(gpus, str):
+        raise InvalidValue("gpus", gpus, "a list of GpuSpec", fix)
+    wrong = [g for g in gpus if not isinstance(g, GpuSpec)]
+    if wrong:
+        raise InvalidValue("gpus", gpus, f"a list of GpuSpec; {wrong[0]!r} is of type {type(wrong[0]).__name__}", fix)
+    if len(gpus) < fewest:
+        raise InvalidValue("gpus", gpus, f"a list of at least {fewest} GpuSpec", fix)
+
+
+def require_card_name(gpu: object) -> None:
+    """Raise InvalidValue unless ``gpu`` is None or a card name: a str that is not blank."""
+    fix = "pass a catalog name such as gpu='h100' (vramguard.catalog.gpus.GPUS lists them), or leave gpu None"
+    if gpu is not None and not isinstance(gpu, str):
+        raise InvalidValue("gpu", gpu, f"a card name (a str), not type {type(gpu).__name__}", fix)
+    if isinstance(gpu, str) and not gpu.strip():
+        raise InvalidValue("gpu", gpu, "a card name (an empty name names no card)", fix)
+
+
 def resolve_gpus(gpu: str | None = None, vram: str | None = None) -> tuple[list[GpuSpec], str]:
     """The cards to plan against and why: ``--gpu``, ``--vram``, the detected GPU, or the default sizes.
 
     Raises:
-        InvalidValue: both ``gpu`` and ``vram`` given, or a malformed size.
+        InvalidValue: both ``gpu`` and ``vram`` given, a ``gpu`` that is not a card name (not a str, or empty), or
+            a malformed size.
         UnknownGpu: an unknown card name.
     """
+    require_card_name(gpu)
     if gpu and vram is not None:
         raise InvalidValue("gpu/vram", f"{gpu} and {vram}", "one of the two: they conflict (a catalog card has its "
                            "own memory, vram= sets the memory)", f"pass one: gpu={gpu} or vram={vram}")

@@ -140,13 +140,22 @@ def resolve_model(model: str, revision: str | None = None) -> ModelSpec:
     """A ModelSpec for ``model`` (see the module docstring for the accepted forms); ``revision`` (a branch, tag
     or commit) reads a Hub id from the Hub at that revision.
 
+    A :class:`pathlib.Path` (any ``os.PathLike``) is taken as its text.
+
     Raises:
-        InvalidValue: a ``revision`` with a model that is not a Hub id (a catalog name, a local folder or file).
+        InvalidValue: a ``model`` that is not a str or a path; a ``revision`` with a model that is not a Hub id (a
+            catalog name, a local folder or file).
         UnknownModel: none of the accepted forms matches.
         HubError: a Hub id the Hub or the cache cannot give (gated, not found, no network).
         ConfigError: the config exists but cannot be planned (missing fields, unsupported family).
     """
     from vramguard.hub import hub_spec, looks_like_repo_id, with_local_checkpoint
+    model = os.fspath(model) if isinstance(model, os.PathLike) else model
+    if not isinstance(model, str):
+        from vramguard.errors import InvalidValue
+        raise InvalidValue("model", model, f"{ACCEPTED_MODEL_FORMS}, as a str (or a path), not type "
+                           f"{type(model).__name__}", "pass e.g. model='llama-3.2-1b' (a catalog name), a Hub id "
+                           "'owner/name' or a model folder")
     p = Path(model).expanduser()
     try:
         p.exists()

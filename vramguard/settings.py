@@ -39,6 +39,15 @@ def _choice(field: str, value: object, choices: tuple[str, ...]) -> None:
         raise InvalidValue(field, value, " | ".join(choices), f"use one of: {', '.join(choices)}")
 
 
+def require_bool(field: str, value: object, fix: str | None = None) -> None:
+    """Raise InvalidValue unless ``value`` is a bool: a string such as ``"false"`` is truthy, and 0, 1 or None would
+    be taken as a choice the caller did not spell out; ``fix`` defaults to asking for True or False."""
+    if not isinstance(value, bool):
+        raise InvalidValue(field, value, "True or False", fix or f"pass {field}=True or {field}=False")
+
+
+BOOL_FIELDS = ("double_quant", "padded", "output_attentions", "do_sample")  # the Settings fields that are switches
+
 MAX_TOKENS = 2**31 - 1  # positions and lengths are int32 in attention kernels and masks
 MAX_SEQUENCES = 2**20  # batch x beams beyond this is no inference run (and overflows a plan's tensor sizes)
 
@@ -104,6 +113,8 @@ class Settings:
     do_sample: bool = False
 
     def __post_init__(self) -> None:
+        for field in BOOL_FIELDS:
+            require_bool(field, getattr(self, field))
         _choice("quant", self.quant, QUANTS)
         _choice("attn", self.attn, ATTNS)
         _choice("sdpa_kernel", self.sdpa_kernel, SDPA_KERNELS)

@@ -37,6 +37,31 @@ class CheckReport:
         return any(f.level == "fail" for f in self.findings)
 
 
+def _check_arguments(model: object, settings: object, device_map: object, gpu: object, **switches: object) -> None:
+    """Raise InvalidValue for an argument of :func:`check` of the wrong type or value: ``model`` not a str, a path
+    or None; ``settings`` not a Settings or None; ``device_map`` not one from_pretrained takes; ``gpu`` not a card
+    name or None; a switch (``verify``, ``unquantized``, ``loader_defaults``) not a bool."""
+    import os
+
+    from vramguard.errors import InvalidValue
+    from vramguard.hardware import require_card_name
+    from vramguard.settings import require_bool
+    if model is not None and not isinstance(model, (str, os.PathLike)):
+        raise InvalidValue("model", model, f"a model as a str (or a path) or None, not type {type(model).__name__}",
+                           "pass e.g. model='llama-3.2-1b' (a catalog name), a Hub id 'owner/name' or a model "
+                           "folder; None checks the environment only")
+    if settings is not None and not isinstance(settings, Settings):
+        raise InvalidValue("settings", settings, f"a Settings or None, not type {type(settings).__name__}",
+                           "pass settings=Settings(...) (vramguard.Settings), e.g. Settings(batch=2)")
+    if device_map is not None and (not isinstance(device_map, str) or device_map not in (
+            "auto", "balanced", "balanced_low_0", "sequential", "cpu", "cuda", "disk") and not device_map.isdigit()):
+        raise InvalidValue("device_map", device_map, "auto | balanced | balanced_low_0 | sequential | cpu | cuda "
+                           "| a GPU index", "pass what you give from_pretrained as device_map")
+    require_card_name(gpu)
+    for field, value in switches.items():
+        require_bool(field, value)
+
+
 def check(model: str | None = None, settings: Settings | None = None, *, dtype: str | None = None,
           compute_dtype: str | None = None, device_map: str | None = None, gpu: str | None = None,
           verify: bool = True, env: Env | None = None, unquantized: bool = False,
@@ -60,15 +85,14 @@ def check(model: str | None = None, settings: Settings | None = None, *, dtype: 
 
     Raises:
         UnknownModel, ConfigError, UnknownGpu: the model or the card cannot be read.
+        InvalidValue: an argument of another type than the one named here, or a ``device_map`` from_pretrained
+            does not take.
     """
     from vramguard.hardware import gpu_from_catalog
     from vramguard.resolve import model_folder, resolve_model
 
-    if device_map is not None and device_map not in ("auto", "balanced", "balanced_low_0", "sequential", "cpu",
-                                                     "cuda", "disk") and not device_map.isdigit():
-        from vramguard.errors import InvalidValue
-        raise InvalidValue("device_map", device_map, "auto | balanced | balanced_low_0 | sequential | cpu | cuda "
-                           "| a GPU index", "pass what you give from_pretrained as device_map")
+    _check_arguments(model, settings, device_map, gpu, verify=verify, unquantized=unquantized,
+                     loader_defaults=loader_defaults)
     spec = resolve_model(model, revision) if model else None  # a bad model or card is said before the probe
     named = gpu_from_catalog(gpu) if gpu else None
     env = env or probe_env()

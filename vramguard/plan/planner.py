@@ -45,29 +45,16 @@ def plan(model: str | ModelSpec, settings: Settings | None = None, *, gpu: str |
     Raises:
         UnknownModel, ConfigError: the model cannot be read. UnknownGpu, InvalidValue: bad card or size.
         InvalidValue: ``prompt + new tokens`` beyond the model's context; an ``alloc_conf`` that is not allocator
-            options; a ``freed_before`` that is not a bool or None.
+            options; a ``freed_before`` that is not a bool or None; an argument of another type than the one named
+            here (:func:`_check_arguments`).
     """
     from vramguard.hardware import resolve_gpus
     from vramguard.resolve import resolve_model
 
+    _check_arguments(settings, gpu, vram, gpus, solve, alloc_conf)
     spec = model if isinstance(model, ModelSpec) else resolve_model(model)
     if context is not None:
-        from dataclasses import replace
-
-        from vramguard.errors import InvalidValue
-        from vramguard.settings import MAX_TOKENS
-        if isinstance(context, bool) or not isinstance(context, int) or not 1 <= context <= MAX_TOKENS:
-            raise InvalidValue("context", context, f"a number of tokens from 1 to {MAX_TOKENS:,}",
-                               "pass the context length the model runs at, e.g. context=131072")
-        if spec.generic and context > spec.max_position_embeddings:
-            from vramguard.introspect.generic import learned_positions
-            learned = learned_positions(spec)
-            if learned:
-                raise InvalidValue("context", context, f"at most {learned:,}: the model has {learned:,} learned "
-                                   "position embeddings, which no scaling extends", f"pass context={learned}")
-        spec = replace(spec, max_position_embeddings=context,
-                       notes=spec.notes + (f"context set to {context:,} tokens (config: "
-                                           f"{spec.max_position_embeddings:,})",))
+        spec = _with_context(spec, context)
     s = settings or Settings()
     if spec.generic and s.total_tokens > spec.max_position_embeddings:
         from vramguard.introspect.generic import learned_positions
@@ -96,6 +83,54 @@ def plan(model: str | ModelSpec, settings: Settings | None = None, *, gpu: str |
     if solve:
         p.changes.extend(ranked_changes(spec, s, gpus))
     return p
+
+
+def _with_context(spec: ModelSpec, context: object) -> ModelSpec:
+    """``spec`` run at ``context`` tokens (its ``max_position_embeddings`` replaced, with a note). Raises
+    InvalidValue for a ``context`` that is not an int from 1 to MAX_TOKENS, or beyond a model's learned position
+    embeddings."""
+    from dataclasses import replace
+
+    from vramguard.errors import InvalidValue
+    from vramguard.settings import MAX_TOKENS
+    if isinstance(context, bool) or not isinstance(context, int) or not 1 <= context <= MAX_TOKENS:
+        raise InvalidValue("context", context, f"a number of tokens from 1 to {MAX_TOKENS:,}",
+                           "pass the context length the model runs at, e.g. context=131072")
+    if spec.generic and context > spec.max_position_embeddings:
+        from vramguard.introspect.generic import learned_positions
+        learned = learned_positions(spec)
+        if learned:
+            raise InvalidValue("context", context, f"at most {learned:,}: the model has {learned:,} learned "
+                               "position embeddings, which no scaling extends", f"pass context={learned}")
+    return replace(spec, max_position_embeddings=context,
+                   notes=spec.notes + (f"context set to {context:,} tokens (config: "
+                                       f"{spec.max_position_embeddings:,})",))
+
+
+def _check_arguments(settings: object, gpu: object, vram: object, gpus: object, solve: object,
+                     alloc_conf: object) -> None:
+    """Raise InvalidValue for an argument of :func:`plan` of the wrong type: ``settings`` not a Settings or None,
+    ``gpu`` not a card name or None, ``gpus`` not a non-empty list of GpuSpec or given with ``gpu`` / ``vram``,
+    ``solve`` not a bool, ``alloc_conf`` not a str or None (``model`` is checked by ``resolve_model``, ``vram``
+    by its size parser, ``freed_before`` by :func:`_reserved`)."""
+    from vramguard.errors import InvalidValue
+    from vramguard.hardware import require_card_name, require_gpu_specs
+    from vramguard.settings import require_bool
+    if settings is not None and not isinstance(settings, Settings):
+        raise InvalidValue("settings", settings, f"a Settings or None, not type {type(settings).__name__}",
+                           "pass settings=Settings(...) (vramguard.Settings), e.g. Settings(batch=2)")
+    require_card_name(gpu)
+    if gpus is not None:
+        require_gpu_specs(gpus)
+        if gpu is not None or vram is not None:
+            raise InvalidValue("gpus", gpus, "gpus alone: gpu and vram name the card(s) another way",
+                               "pass either gpus or one of gpu / vram")
+    require_bool("solve", solve, "pass solve=True to find the largest prompt, new tokens and batch, else False")
+    if alloc_conf is not None and not isinstance(alloc_conf, str):
+        raise InvalidValue("alloc_conf", alloc_conf, f"PYTORCH_CUDA_ALLOC_CONF options as a str, '{AUTO}' or None, "
+                           f"not type {type(alloc_conf).__name__}",
+                           "pass e.g. alloc_conf='expandable_segments:True', '' (the default allocator) or None "
+                           "(the reserve formula)")
 
 
 def _reserved(spec: ModelSpec, s: Settings, est: MemoryEstimate, cards: list[CardVerdict], alloc_conf: str | None,

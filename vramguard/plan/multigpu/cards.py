@@ -266,7 +266,10 @@ def tp_needs(spec: ModelSpec, s: Settings, shards, gpus: list[GpuSpec]) -> tuple
 
 
 def check_cards(gpus: list[GpuSpec], tp: int | None) -> None:
-    """Raise InvalidValue for fewer than 2 cards, more than :data:`MAX_CARDS`, or a ``tp`` other than the count."""
+    """Raise InvalidValue for a ``gpus`` that is not a list of GpuSpec, fewer than 2 cards, more than
+    :data:`MAX_CARDS`, or a ``tp`` other than the count."""
+    from vramguard.hardware import require_gpu_specs
+    require_gpu_specs(gpus)
     if not 2 <= len(gpus) <= MAX_CARDS:
         raise InvalidValue("gpus", len(gpus), f"2 to {MAX_CARDS} cards used together",
                            "name two or more cards (one card is a single-GPU plan)")
