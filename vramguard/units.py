@@ -29,19 +29,21 @@ ACCEPTED_SIZE_FORMS = ("a number and a unit, e.g. 24GiB, 24GB, 24000MiB, 12.5GiB
                        "TB; G, Gi, M, Mi... are binary: 24G = 24GiB)")
 
 
-def parse_size(text: str, field: str = "size", example: str = "24GiB") -> int:
+def parse_size(text: str, field: str = "size", example: str = "24GiB", most: str | None = None) -> int:
     """Parse a memory size such as ``"24GiB"`` into bytes.
 
     Args:
         text: the size as typed by a user.
         field: the option or field name used in the error message.
         example: a typical value of the field, used in the fix (its unit is suggested for a bare number).
+        most: the field's upper limit in words, said in the fix of a unit larger than any read (``24PiB``).
 
     Returns:
         The size in bytes (int, rounded down to a whole byte).
 
     Raises:
-        InvalidValue: the text has no unit, an unknown unit, a decimal comma (``24,5GiB``), or is not positive.
+        InvalidValue: the text has no unit, an unknown unit, a decimal comma (``24,5GiB``), exponent notation
+            (``1e3GiB``), or is not positive.
     """
     t = str(text).strip()
     unit = example.lstrip("0123456789.")
@@ -59,11 +61,35 @@ def parse_size(text: str, field: str = "size", example: str = "24GiB") -> int:
         raise InvalidValue(field, text, ACCEPTED_SIZE_FORMS, f"add a unit: {t}{unit} or {t}{unit.replace('i', '')}")
     m = _SIZE_RE.match(t)
     if not m or m.group(2).lower() not in _UNITS:
-        raise InvalidValue(field, text, ACCEPTED_SIZE_FORMS, f"write the number and a unit, e.g. {example}")
+        raise InvalidValue(field, text, ACCEPTED_SIZE_FORMS, _unread_fix(t, m, example, most))
     value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
     if value <= 0:
         raise InvalidValue(field, text, "a size larger than 0 B", f"give a positive size such as {example}")
     return value
+
+
+# units above TiB, in the forms the units read take (P, Pi, PiB, PB...): refused with the largest unit read
+_LARGER_UNITS = frozenset(p + s for p in "pezy" for s in ("", "i", "ib", "b"))
+_EXPONENT_RE = re.compile(r"^(\d+(?:\.\d*)?|\.\d+)[eE]([+-]?\d+)\s*([a-zA-Z]*)$")
+
+
+def _unread_fix(t: str, m: re.Match | None, example: str, most: str | None) -> str:
+    """The fix for a size :func:`parse_size` cannot read, saying why: exponent notation (``1e3GiB``: written in
+    digits, ``1000GiB``, where that is short), a unit above TiB (``24PiB``: the largest read, and ``most``, the
+    field's limit), an unknown unit, or no number and unit at all."""
+    e = _EXPONENT_RE.match(t)
+    if e:
+        from decimal import Decimal
+        digits = format(Decimal(e.group(1) + "e" + e.group(2)).normalize(), "f")
+        unit = e.group(3) or example.lstrip("0123456789.")
+        instead = f"{digits}{unit}" if len(digits) <= 16 else f"e.g. {example}" + (f"; {most}" if most else "")
+        return f"exponent notation ({t}) is not read: write the number in digits, {instead}"
+    if m and m.group(2).lower() in _LARGER_UNITS:
+        limit = f"; {most}" if most else ""
+        return f"{m.group(2)} is larger than any unit read (the largest: TiB, TB): write e.g. {example}{limit}"
+    if m:
+        return f"{m.group(2)!r} is not a unit read: write the number and one of the units, e.g. {example}"
+    return f"write the number and a unit, e.g. {example}"
 
 
 # the most memory one GPU is sold with: NVIDIA's Blackwell Ultra B300, 288 GB of HBM3e per GPU
@@ -79,10 +105,10 @@ def parse_card_size(text: str, field: str = "vram", example: str = "24GiB") -> i
     Raises:
         InvalidValue: as :func:`parse_size`, or a size above :data:`MAX_CARD_BYTES`.
     """
-    value = parse_size(text, field, example)
+    most = f"at most {MAX_CARD_BYTES // GB} GB ({MAX_CARD_BYTES / GiB:.2f} GiB) per card"
+    value = parse_size(text, field, example, most)
     if value > MAX_CARD_BYTES:
-        raise InvalidValue(field, text, f"at most {MAX_CARD_BYTES // GB} GB ({MAX_CARD_BYTES / GiB:.2f} GiB) per card, "
-                           "the memory of the largest GPU sold (NVIDIA B300)",
+        raise InvalidValue(field, text, most + ", the memory of the largest GPU sold (NVIDIA B300)",
                            f"{text.strip()} is {value:,} B: give the memory of one card, such as {example}")
     return value
 

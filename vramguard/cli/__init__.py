@@ -23,7 +23,7 @@ from vramguard.cli import serve as _serve
 from vramguard.cli.common import (EXIT_CODES, EXIT_INTERNAL, closed_pipe, install_fix, quiet_known_warnings,
                                   run_guarded, say)
 from vramguard.cli.explain import read_message
-from vramguard.cli.options import split_size
+from vramguard.cli.options import repeated_option, split_size
 
 __all__ = ["app", "main", "EXIT_CODES", "EXIT_INTERNAL", "install_fix", "quiet_known_warnings", "read_message",
            "run_guarded"]
@@ -99,9 +99,10 @@ def _stdout_closed() -> bool:
 def _dispatch() -> int | None:
     """Run the command line: its exit code."""
     quiet_known_warnings()
-    split = split_size(sys.argv[1:])
-    if split:
-        say("error " + split)
+    import typer.main
+    refused = split_size(sys.argv[1:]) or repeated_option(typer.main.get_command(app), sys.argv[1:])
+    if refused:
+        say("error " + refused)
         return 2
     try:  # typer >= 0.20 vendors click as typer._click; older typer uses the click package
         import typer._click.exceptions as cx

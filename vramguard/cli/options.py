@@ -101,3 +101,56 @@ def strip_options(args: list[str], names: tuple[str, ...]) -> list[str]:
             continue
         out.append(a)
     return out
+
+
+# the options whose value may name several cards at once, by command: a repeat points to that comma list
+COMMA_LISTS = {"plan": {"--gpu": "name several cards in one", "--vram": "give the sizes of several cards in one",
+                        "--max-memory": "give the memory of several cards in one"}}
+_TIMES = {2: "twice", 3: "three times"}
+
+
+def repeated_option(group, args: list[str]) -> str | None:
+    """The usage error of an option of one value given more than once (click keeps the last one, silently
+    dropping the others), or of a switch given with its negation (``--padded --no-padded``), or None. ``group``
+    is the click group of the commands; ``args`` the command line after the program's name, read as click reads
+    it: an option of one value takes the next word, whatever it looks like, or its ``=value``; ``--`` ends the
+    options. A switch repeated alone (``--freed-before --freed-before``) is kept: it says the same thing twice.
+    Options taken several times (``multiple``, or counted) are not checked."""
+    name = next((a for a in args if not a.startswith("-")), None)
+    command = getattr(group, "commands", {}).get(name) if name else None
+    if command is None:  # no command, or an unknown one: click says so
+        return None
+    by_opt = {o: p for p in command.params if getattr(p, "param_type_name", "") == "option"
+              for o in [*p.opts, *getattr(p, "secondary_opts", [])]}
+    seen: dict[str, list[tuple[str, str | None]]] = {}
+    words = iter(args[args.index(name) + 1:])
+    for a in words:
+        if a == "--":
+            break
+        opt, eq, value = a.partition("=") if a.startswith("--") else (a, "", "")
+        param = by_opt.get(opt)
+        if param is None:  # a positional argument, or an unknown option (click names it)
+            continue
+        if not param.is_flag and not eq:
+            value = next(words, None)
+        if param.is_flag or not (getattr(param, "multiple", False) or getattr(param, "count", False)):
+            seen.setdefault(param.name, []).append((opt, None if param.is_flag else value))
+    for uses in seen.values():
+        if len({opt for opt, _ in uses}) > 1:  # a switch and its negation
+            opts = " then ".join(dict.fromkeys(opt for opt, _ in uses))
+            return (f"{uses[0][0]}: given as {opts}; accepted: one of them.\n"
+                    f"fix: keep the one you mean: {uses[-1][0]} or {uses[0][0]}, not both")
+        if len(uses) > 1 and uses[0][1] is not None:
+            return _repeat_text(name, uses[0][0], [v for _, v in uses])
+    return None
+
+
+def _repeat_text(command: str, opt: str, values: list[str | None]) -> str:
+    """The two lines of ``opt`` given once per value of ``values`` (a value None: the command line ended)."""
+    shown = [repr(v) if v is not None else "none" for v in values]
+    given = ", ".join(shown[:-1]) + ", then " + shown[-1]
+    first = (f"{opt}: given {_TIMES.get(len(values), f'{len(values)} times')} ({given}); accepted: one {opt}.\n")
+    how = COMMA_LISTS.get(command, {}).get(opt)
+    if how and None not in values:
+        return first + f"fix: {how}: {opt} {','.join(values)}"
+    return first + f"fix: give {opt} once"

@@ -68,13 +68,13 @@ def plan(
     """Predict memory by component, say whether it fits, solve for what fits, and rank the fixes."""
     vllm_args = eng.EngineArgs(tp or 1, pp, gpu_memory_utilization, max_model_len, kv_cache_dtype.value, max_num_seqs,
                                max_num_batched_tokens, dtype.value if dtype else None)
-    if engine == eng.Engine['vllm'] and not (list_models or list_gpus):
+    if list_models or list_gpus:
+        return _listing(ctx, model, fmt == Format['json'])
+    if engine == eng.Engine['vllm']:
         return _plan_vllm(model, gpu, vram, vllm_args, fmt == Format['json'], exit_code, _given(ctx))
     run_guarded(eng.refuse_vllm_options, vllm_args)
     from vramguard.plan import plan as plan_fn
     from vramguard.settings import Settings
-    if list_models or list_gpus:
-        return _print_catalog(list_models, list_gpus, fmt == Format['json'])
     several = wants_cards(gpus, tp, gpu, vram) or max_memory is not None or device_map != "auto"
     notes: list[str] = []  # said once the plan is made: an error comes alone
     findings = []  # of the CLI's own, added to a plan of cards used together
@@ -94,7 +94,7 @@ def plan(
         s = _defaults_in_context(spec, s, _given(ctx), context, notes)
         if several:
             from vramguard.cli.multigpu import plan_cards
-            findings.extend(_one_card_findings(freed_before, alloc_conf))
+            findings.extend(_one_card_findings(freed_before, alloc_conf, notes))
             return plan_cards(spec, s, (gpus, tp, gpu, vram), context, device_map, max_memory)
         return plan_fn(spec, s, gpu=gpu, vram=vram, context=context, alloc_conf=_alloc_conf(alloc_conf),
                        freed_before=freed_before)
@@ -102,17 +102,39 @@ def plan(
     _emit(run_guarded(build, as_json=fmt == Format['json']), several, fmt == Format['json'], exit_code, notes, findings)
 
 
-def _one_card_findings(freed_before: bool, alloc_conf: str | None) -> list:
+def _one_card_findings(freed_before: bool, alloc_conf: str | None, notes: list[str]) -> list:
     """The finding (code ``freed_before`` or ``alloc_conf``) of a plan of cards used together given an option
-    that plans one card only, its note said on stderr too; [] without one."""
+    that plans one card only, its note added to ``notes`` (said on stderr once the plan is made: a plan that fails
+    says its error alone); [] without one."""
     if not (freed_before or (alloc_conf is not None and _alloc_conf(alloc_conf) is not None)):
         return []
     from vramguard.finding import Finding
     code = "freed_before" if freed_before else "alloc_conf"
     flag = "--" + code.replace("_", "-")
-    say(f"note: {flag} plans one card; cards used together are planned with the reserve formula")
+    notes.append(f"note: {flag} plans one card; cards used together are planned with the reserve formula")
     return [Finding(code, "warn", f"{flag} not applied for several cards: it plans one card; cards used together "
                     "are planned with the reserve formula", f"plan one card (one --gpu or --vram) to apply {flag}")]
+
+
+LISTINGS = ("list_models", "list_gpus", "fmt")  # the options a catalog listing reads
+
+
+def _listing(ctx: typer.Context, model: str | None, as_json: bool) -> None:
+    """The catalog listing of --list-models / --list-gpus, after a note on stderr naming the model and the options
+    given with it: a listing reads none of them (only --format)."""
+    ignored = [f"MODEL {model!r}"] if model is not None else []
+    for param in ctx.command.params:
+        if param.name in _given(ctx) and param.name not in LISTINGS and param.name != "model":
+            value = ctx.params[param.name]
+            if param.is_flag:
+                ignored.append((param.secondary_opts if param.secondary_opts and value is False else param.opts)[0])
+            else:
+                ignored.append(f"{param.opts[0]} {str(getattr(value, 'value', value))!r}")
+    if ignored:
+        listing = " and ".join(f for f, on in (("--list-models", ctx.params["list_models"]),
+                                                ("--list-gpus", ctx.params["list_gpus"])) if on)
+        say(f"note: {listing} lists the catalog and exits; ignored: {', '.join(ignored)}")
+    _print_catalog(ctx.params["list_models"], ctx.params["list_gpus"], as_json)
 
 
 def _refuse_no_new_tokens(max_new_tokens: int, logits: str) -> None:
