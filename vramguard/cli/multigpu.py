@@ -121,7 +121,8 @@ def plan_cards(model: str, s, cards: tuple, context: int | None, device_map: str
         InvalidValue: see :func:`resolve_cards`; ``--max-memory`` not one size or one per card.
     """
     from vramguard.plan.multigpu import plan_gpus
-    from vramguard.plan.planner import plan as plan_one
+    from vramguard.plan.planner import with_context
+    from vramguard.resolve import resolve_model
     from vramguard.units import parse_card_size
     from vramguard.plan.multigpu.tensorparallel import check_tp_heads, check_tp_quant
     gpus, tp, gpu, vram = cards
@@ -142,7 +143,8 @@ def plan_cards(model: str, s, cards: tuple, context: int | None, device_map: str
         if len(mm) != len(found):
             raise InvalidValue("--max-memory", max_memory, f"one size, or {len(found)} (one per card)",
                                f"name {len(found)} sizes, e.g. --max-memory " + ",".join(["20GiB"] * len(found)))
-    spec = plan_one(model, s, gpus=[], solve=False, context=context).model if context else model
+    spec = with_context(model if hasattr(model, "max_position_embeddings") else resolve_model(model), context) \
+        if context else model
     return plan_gpus(spec, s, gpus=found, tp=tp, max_memory=mm, device_map=device_map)
 
 

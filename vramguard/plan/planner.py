@@ -54,7 +54,7 @@ def plan(model: str | ModelSpec, settings: Settings | None = None, *, gpu: str |
     _check_arguments(settings, gpu, vram, gpus, solve, alloc_conf)
     spec = model if isinstance(model, ModelSpec) else resolve_model(model)
     if context is not None:
-        spec = _with_context(spec, context)
+        spec = with_context(spec, context)
     s = settings or Settings()
     if spec.generic and s.total_tokens > spec.max_position_embeddings:
         from vramguard.introspect.generic import learned_positions
@@ -85,7 +85,7 @@ def plan(model: str | ModelSpec, settings: Settings | None = None, *, gpu: str |
     return p
 
 
-def _with_context(spec: ModelSpec, context: object) -> ModelSpec:
+def with_context(spec: ModelSpec, context: object) -> ModelSpec:
     """``spec`` run at ``context`` tokens (its ``max_position_embeddings`` replaced, with a note). Raises
     InvalidValue for a ``context`` that is not an int from 1 to MAX_TOKENS, or beyond a model's learned position
     embeddings."""
