@@ -68,3 +68,18 @@ def test_a_folder_still_marked_gguf_loads_without_bitsandbytes_and_says_so(tmp_p
     with pytest.raises(InvalidValue) as e:
         load_model(str(folder), quant="nf4", verify=False, strict=True)
     assert e.value.field == "quant" and "already quantized (gguf)" in str(e.value)
+
+
+def test_the_cli_says_the_replaced_setting_as_a_note(tmp_path):
+    """``vramguard run`` on such a folder: the replacement is a ``note:`` line in the CLI's words, not a Python
+    warning with a source line, and the run completes."""
+    from conftest import run_cli
+
+    from tests.conftest import save_tiny_llama
+    folder = save_tiny_llama(tmp_path / "m", **TINY)
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(cfg | {"quantization_config": GGUF_QCONFIG}))
+    r = run_cli("run", str(folder), "--prompt", "w1 w2", "--max-new-tokens", "2", "--raw", columns="200")
+    assert r.returncode == 0, r.stderr
+    assert "note: quant: nf4 -> bf16 (the checkpoint is already quantized (gguf" in r.stderr
+    assert "UserWarning" not in r.stderr and "load_model(" not in r.stderr

@@ -108,10 +108,23 @@ QUIET_WARNINGS = ((r"Warning: Profiler clears events at the end of each cycle", 
 
 
 def quiet_known_warnings() -> None:
-    """Ignore exactly the warnings in :data:`QUIET_WARNINGS`; every other warning still reaches stderr."""
+    """Ignore exactly the warnings in :data:`QUIET_WARNINGS`; every other warning still reaches stderr, vramguard's
+    own (a message starting ``vramguard: ``, such as a setting a load replaced) as a ``note:`` line in the CLI's
+    words, not Python's warning format with a source line."""
     import warnings
     for message, category in QUIET_WARNINGS:
         warnings.filterwarnings("ignore", message=message, category=category)
+    shown = warnings.showwarning
+    if getattr(shown, "vramguard_notes", False):
+        return
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        text = str(message)
+        if text.startswith("vramguard: "):
+            return say("note: " + text[len("vramguard: "):])
+        return shown(message, category, filename, lineno, file, line)
+    show.vramguard_notes = True
+    warnings.showwarning = show
 
 
 def size_option(text: str, field: str) -> int:
