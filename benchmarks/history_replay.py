@@ -14,24 +14,22 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from vramguard.introspect.alloc_replay import generate_events, load_events
+from vramguard.introspect.alloc_replay import _load, generate_events
 from vramguard.memory.allocator import AllocatorConfig, CachingAllocator
-from vramguard.memory.runtime import CUBLAS_WORKSPACE_BYTES
 from vramguard.resolve import resolve_model
 from vramguard.settings import Settings
 
 
-def _place(alloc: CachingAllocator, events: list[tuple[int, int]], keep: bool) -> list:
+def _place(alloc: CachingAllocator, events: list[tuple[int, int]]) -> None:
+    """Place a tape (``(key, bytes)`` / ``(key, -1)``) and free what it leaves."""
     live = {}
     for key, nbytes in events:
         if nbytes < 0:
             alloc.free(live.pop(key))
         else:
             live[key] = alloc.malloc(nbytes)
-    if not keep:
-        for b in live.values():
-            alloc.free(b)
-    return list(live.values())
+    for b in live.values():
+        alloc.free(b)
 
 
 @lru_cache(maxsize=8)
@@ -39,13 +37,7 @@ def _after_first(arch: str, conf: str) -> tuple:
     """The allocator after the first model (bf16) was loaded, warmed up and freed; not to be changed (copied)."""
     spec = resolve_model(arch)
     a = CachingAllocator(AllocatorConfig.parse(conf, None))
-    warm, events = load_events(spec, Settings(quant="bf16"))
-    a.free(a.malloc(warm))
-    weights = _place(a, events, keep=True)
-    a.malloc(CUBLAS_WORKSPACE_BYTES)
-    a.malloc(512)
-    a.empty_cache()
-    for b in weights:
+    for b in _load(a, spec, Settings(quant="bf16")):
         a.free(b)
     a.empty_cache()
     return a, spec
@@ -56,10 +48,7 @@ def peak_reserved(arch: str, conf: str, s: Settings) -> int:
     import copy
     base, spec = _after_first(arch, conf)
     a = copy.deepcopy(base)
-    warm, events = load_events(spec, s)
-    a.free(a.malloc(warm))
-    _place(a, events, keep=True)
-    a.empty_cache()
+    _load(a, spec, s, workspace=False)
     a.peak_reserved_bytes = a.reserved_bytes
-    _place(a, generate_events(spec, s), keep=False)
+    _place(a, generate_events(spec, s))
     return a.peak_reserved_bytes

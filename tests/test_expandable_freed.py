@@ -63,23 +63,11 @@ def test_the_h200_trace_after_a_freed_model_replays_address_for_address():
     cases) lands at the recorded offset, and the large pool peaks at the recorded 20,132,659,200 B (SDPA, 16,384 x
     4; the whole process measured 20,208,156,672 B with the small pool)."""
     pytest.importorskip("transformers")
-    from vramguard.introspect.alloc_replay import load_events
-    from vramguard.memory.runtime import CUBLAS_WORKSPACE_BYTES
+    from vramguard.introspect.alloc_replay import _load
     from vramguard.resolve import resolve_model
     from vramguard.settings import Settings
     a = CachingAllocator(AllocatorConfig(expandable_segments=True))
-    warm, events = load_events(resolve_model("qwen2.5-7b"), Settings(quant="bf16"))
-    a.free(a.malloc(warm))
-    live = {}
-    for key, nbytes in events:
-        if nbytes < 0:
-            a.free(live.pop(key))
-        else:
-            live[key] = a.malloc(nbytes)
-    a.malloc(CUBLAS_WORKSPACE_BYTES)
-    a.malloc(512)
-    a.empty_cache()
-    for blk in live.values():
+    for blk in _load(a, resolve_model("qwen2.5-7b"), Settings(quant="bf16")):
         a.free(blk)
     a.empty_cache()
     seg = a._expandable[False]

@@ -46,6 +46,13 @@ def require_bool(field: str, value: object, fix: str | None = None) -> None:
         raise InvalidValue(field, value, "True or False", fix or f"pass {field}=True or {field}=False")
 
 
+def require_settings(settings: object) -> None:
+    """Raise InvalidValue unless ``settings`` is a :class:`Settings` or None (a dict or a str is not read)."""
+    if settings is not None and not isinstance(settings, Settings):
+        raise InvalidValue("settings", settings, f"a Settings or None, not type {type(settings).__name__}",
+                           "pass settings=Settings(...) (vramguard.Settings), e.g. Settings(batch=2)")
+
+
 BOOL_FIELDS = ("double_quant", "padded", "output_attentions", "do_sample")  # the Settings fields that are switches
 
 MAX_TOKENS = 2**31 - 1  # positions and lengths are int32 in attention kernels and masks

@@ -45,14 +45,12 @@ def _check_arguments(model: object, settings: object, device_map: object, gpu: o
 
     from vramguard.errors import InvalidValue
     from vramguard.hardware import require_card_name
-    from vramguard.settings import require_bool
+    from vramguard.settings import require_bool, require_settings
     if model is not None and not isinstance(model, (str, os.PathLike)):
         raise InvalidValue("model", model, f"a model as a str (or a path) or None, not type {type(model).__name__}",
                            "pass e.g. model='llama-3.2-1b' (a catalog name), a Hub id 'owner/name' or a model "
                            "folder; None checks the environment only")
-    if settings is not None and not isinstance(settings, Settings):
-        raise InvalidValue("settings", settings, f"a Settings or None, not type {type(settings).__name__}",
-                           "pass settings=Settings(...) (vramguard.Settings), e.g. Settings(batch=2)")
+    require_settings(settings)
     if device_map is not None and (not isinstance(device_map, str) or device_map not in (
             "auto", "balanced", "balanced_low_0", "sequential", "cpu", "cuda", "disk") and not device_map.isdigit()):
         raise InvalidValue("device_map", device_map, "auto | balanced | balanced_low_0 | sequential | cpu | cuda "

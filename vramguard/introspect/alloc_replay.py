@@ -121,8 +121,10 @@ def load_events(spec, s: Settings) -> tuple[int, list[tuple[int, int]]]:
     return (warm // 2) * 2, events
 
 
-def _load(alloc: CachingAllocator, spec, s: Settings) -> None:
-    """The load (:func:`load_events`), then the warm-up ``generate``'s cuBLAS workspace and ``empty_cache``."""
+def _load(alloc: CachingAllocator, spec, s: Settings, workspace: bool = True) -> list:
+    """The load (:func:`load_events`), then the warm-up ``generate``'s cuBLAS workspace (``workspace``; a later
+    model of the same process finds it held already) and ``empty_cache``; returns the handles of what stays: the
+    weights, buffers and quantization state (to free them, as a process that deletes the model does)."""
     warm, events = load_events(spec, s)
     if warm:
         alloc.free(alloc.malloc(warm))  # caching_allocator_warmup
@@ -132,9 +134,11 @@ def _load(alloc: CachingAllocator, spec, s: Settings) -> None:
             alloc.free(live.pop(key))
         else:
             live[key] = alloc.malloc(nbytes)
-    alloc.malloc(CUBLAS_WORKSPACE_BYTES)
-    alloc.malloc(512)
+    if workspace:
+        alloc.malloc(CUBLAS_WORKSPACE_BYTES)
+        alloc.malloc(512)
     alloc.empty_cache()
+    return list(live.values())
 
 
 def replay_generate(spec, s: Settings, config: AllocatorConfig, rescale: bool = False,

@@ -115,10 +115,8 @@ def _check_arguments(settings: object, gpu: object, vram: object, gpus: object, 
     by its size parser, ``freed_before`` by :func:`_reserved`)."""
     from vramguard.errors import InvalidValue
     from vramguard.hardware import require_card_name, require_gpu_specs
-    from vramguard.settings import require_bool
-    if settings is not None and not isinstance(settings, Settings):
-        raise InvalidValue("settings", settings, f"a Settings or None, not type {type(settings).__name__}",
-                           "pass settings=Settings(...) (vramguard.Settings), e.g. Settings(batch=2)")
+    from vramguard.settings import require_bool, require_settings
+    require_settings(settings)
     require_card_name(gpu)
     if gpus is not None:
         require_gpu_specs(gpus)
