@@ -121,3 +121,19 @@ def test_a_16_bit_plan_names_its_weights_as_they_are_and_the_docs_count_the_card
     assert "quantized linears" in " ".join(r.stdout.split())
     docs = (Path(__file__).resolve().parents[1] / "docs" / "usage.md").read_text()
     assert int(re.search(r"card catalog \((\d+) cards\)", docs).group(1)) == len(GPUS)
+
+
+def test_the_json_says_freed_before_when_the_plan_has_one_layout():
+    """With expandable segments the plan has one layout: the JSON still says it planned a process that freed
+    memory before (the finding's code), with null layout figures."""
+    r = invoke("plan", "llama-3.2-1b", "--vram", "24GiB", "--alloc-conf", "expandable_segments:True",
+               "--freed-before", "--format", "json")
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    est = d.get("estimate", d)
+    assert est["freed_before"] is True and est["freed_layout_reserved_bytes"] is None
+    assert any(f["code"] == "freed_before" for f in d["findings"])
+    r = invoke("plan", "llama-3.2-1b", "--vram", "24GiB", "--alloc-conf", "expandable_segments:True",
+               "--format", "json")
+    d = json.loads(r.stdout)
+    assert d.get("estimate", d)["freed_before"] is False

@@ -29,7 +29,8 @@ ACCEPTED_SIZE_FORMS = ("a number and a unit, e.g. 24GiB, 24GB, 24000MiB, 12.5GiB
                        "TB; G, Gi, M, Mi... are binary: 24G = 24GiB)")
 
 
-def parse_size(text: str, field: str = "size", example: str = "24GiB", most: str | None = None) -> int:
+def parse_size(text: str, field: str = "size", example: str = "24GiB", most: str | None = None,
+               most_bytes: int | None = None) -> int:
     """Parse a memory size such as ``"24GiB"`` into bytes.
 
     Args:
@@ -37,6 +38,7 @@ def parse_size(text: str, field: str = "size", example: str = "24GiB", most: str
         field: the option or field name used in the error message.
         example: a typical value of the field, used in the fix (its unit is suggested for a bare number).
         most: the field's upper limit in words, said in the fix of a unit larger than any read (``24PiB``).
+        most_bytes: that limit in bytes: a size in exponent notation above it is not offered back in digits.
 
     Returns:
         The size in bytes (int, rounded down to a whole byte).
@@ -61,7 +63,7 @@ def parse_size(text: str, field: str = "size", example: str = "24GiB", most: str
         raise InvalidValue(field, text, ACCEPTED_SIZE_FORMS, f"add a unit: {t}{unit} or {t}{unit.replace('i', '')}")
     m = _SIZE_RE.match(t)
     if not m or m.group(2).lower() not in _UNITS:
-        raise InvalidValue(field, text, ACCEPTED_SIZE_FORMS, _unread_fix(t, m, example, most))
+        raise InvalidValue(field, text, ACCEPTED_SIZE_FORMS, _unread_fix(t, m, example, most, most_bytes))
     value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
     if value <= 0:
         raise InvalidValue(field, text, "a size larger than 0 B", f"give a positive size such as {example}")
@@ -73,16 +75,18 @@ _LARGER_UNITS = frozenset(p + s for p in "pezy" for s in ("", "i", "ib", "b"))
 _EXPONENT_RE = re.compile(r"^(\d+(?:\.\d*)?|\.\d+)[eE]([+-]?\d+)\s*([a-zA-Z]*)$")
 
 
-def _unread_fix(t: str, m: re.Match | None, example: str, most: str | None) -> str:
+def _unread_fix(t: str, m: re.Match | None, example: str, most: str | None, most_bytes: int | None = None) -> str:
     """The fix for a size :func:`parse_size` cannot read, saying why: exponent notation (``1e3GiB``: written in
-    digits, ``1000GiB``, where that is short), a unit above TiB (``24PiB``: the largest read, and ``most``, the
-    field's limit), an unknown unit, or no number and unit at all."""
+    digits, ``1000GiB``, where that is short and within ``most_bytes``), a unit above TiB (``24PiB``: the largest
+    read, and ``most``, the field's limit), an unknown unit, or no number and unit at all."""
     e = _EXPONENT_RE.match(t)
     if e:
         from decimal import Decimal
         digits = format(Decimal(e.group(1) + "e" + e.group(2)).normalize(), "f")
         unit = e.group(3) or example.lstrip("0123456789.")
-        instead = f"{digits}{unit}" if len(digits) <= 16 else f"e.g. {example}" + (f"; {most}" if most else "")
+        size = Decimal(digits) * _UNITS.get(unit.lower(), 1) if len(digits) <= 16 else None
+        fits = size is not None and (most_bytes is None or size <= most_bytes)
+        instead = f"{digits}{unit}" if fits else f"e.g. {example}" + (f"; {most}" if most else "")
         return f"exponent notation ({t}) is not read: write the number in digits, {instead}"
     if m and m.group(2).lower() in _LARGER_UNITS:
         limit = f"; {most}" if most else ""
@@ -106,7 +110,7 @@ def parse_card_size(text: str, field: str = "vram", example: str = "24GiB") -> i
         InvalidValue: as :func:`parse_size`, or a size above :data:`MAX_CARD_BYTES`.
     """
     most = f"at most {MAX_CARD_BYTES // GB} GB ({MAX_CARD_BYTES / GiB:.2f} GiB) per card"
-    value = parse_size(text, field, example, most)
+    value = parse_size(text, field, example, most, MAX_CARD_BYTES)
     if value > MAX_CARD_BYTES:
         raise InvalidValue(field, text, most + ", the memory of the largest GPU sold (NVIDIA B300)",
                            f"{text.strip()} is {value:,} B: give the memory of one card, such as {example}")

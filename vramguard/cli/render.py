@@ -177,7 +177,7 @@ def plan_to_json(p: Plan) -> dict:
         "load": to_jsonable(est.load),
         "allocator": None if est.allocator is None else dict(to_jsonable(est.allocator), alloc_conf=est.alloc_conf),
         "reserved_from": "reserve formula" if est.allocator is None else "caching-allocator model",
-        "freed_before": est.freed_layout_reserved_bytes is not None,
+        "freed_before": any(f.code == "freed_before" for f in p.findings),  # planned as such (asked or detected)
         "freed_layout_reserved_bytes": est.freed_layout_reserved_bytes,
         "fresh_layout_reserved_bytes": est.fresh_layout_reserved_bytes,
         "weights": to_jsonable(est.weights),

@@ -143,8 +143,8 @@ def freed_before_finding(est, asked: bool) -> Finding | None:
         return Finding("freed_before", "info", "planned for a process that has given a model's memory back to CUDA "
                        "before, but reserved memory here is the reserve formula's, which does not model where "
                        "segments go: the figures are those of a fresh process",
-                       "for both segment layouts, plan with the caching-allocator model: it needs torch and "
-                       "transformers, and asking for the reserve formula turns it off")
+                       "for both segment layouts, plan with the caching-allocator model, not the reserve formula "
+                       "(the model needs torch and transformers)")
     if up is None:
         return Finding("freed_before", "info", "planned for a process that has given a model's memory back to CUDA "
                        "before, with expandable segments: the freed model's pages were unmapped in place and the "
