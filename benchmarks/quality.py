@@ -66,8 +66,8 @@ GEMM_ROWS = 32  # rows of each routed GEMM call in serve_gemm (serve routes 9 to
 GOAL_PPL_RATIO = 0.005  # the fused path's perplexity within 0.5% of bitsandbytes' NF4
 GOAL_AGREEMENT = 0.99  # and top-1 agreement with it of at least 99%
 REFERENCES = ("bf16", "bnb_nf4", "bnb_nf4_decode")
-PATHS = ("bf16", "bnb_nf4", "bnb_nf4_decode", "sdpa_pin", "fused", "fused_gather", "gemv", "serve_gemm",
-         "serve_gemm_lut", "kv_int8", "kv_int4")
+PATHS = ("bf16", "bnb_nf4", "fused", "fused_gather", "serve_gemm", "serve_gemm_lut", "bnb_nf4_decode", "sdpa_pin",
+         "gemv", "kv_int8", "kv_int4")  # the run's order: the goal's paths first
 CUDA_ONLY = ("fused_gather", "serve_gemm_lut")  # register lookups are PTX; on the CPU they are the gather paths
 
 
@@ -354,6 +354,8 @@ def markdown(rows: dict, meta: dict) -> str:
              f" | {r['seconds']:.1f} |" for n, r in rows.items()]
     notes = [f"- {n}: {r['note']}" + (f" (goal {'met' if r['goal_met'] else 'MISSED'})" if "goal_met" in r else "")
              for n, r in rows.items() if r["note"] or "goal_met" in r]
+    notes += [f"- {n}: FAILED: {why}" for n, why in meta.get("failed", {}).items()]
+    notes += [f"- {n}: not run (CUDA only)" for n in meta.get("skipped", [])]
     return (f"Teacher-forced over {meta['tokens']} tokens of {meta['text']} ({meta['positions']} scored positions), "
             f"{meta['model']}, {meta['device']}, torch {meta['torch']}, transformers {meta['transformers']}, "
             f"bitsandbytes {meta['bitsandbytes']}.\n\n" + head + "\n".join(lines) + "\n\n" + "\n".join(notes) + "\n")
@@ -401,12 +403,6 @@ def main(argv=None) -> int:
     nf4_model, plain = load_models(a.model, "cuda" if cuda else "cpu", getattr(torch, a.dtype), a.layers,
                                    "bf16" in paths)
     load_s = time.perf_counter() - t0
-    results = {}
-    for p in paths:
-        results[p] = run_path(p, nf4_model, plain, ids)
-        print(f"{p}: perplexity {results[p].perplexity:.4f} in {results[p].seconds:.1f} s "
-              f"{results[p].note}", file=sys.stderr, flush=True)
-    rows = report(results)
     meta = {"model": a.model, "tokens": len(ids), "positions": len(ids) - 1, "text": TEXT.name,
             "device": torch.cuda.get_device_name(0) if cuda else "CPU (Triton's interpreter)",
             "torch": torch.__version__, "transformers": transformers.__version__,
@@ -414,10 +410,21 @@ def main(argv=None) -> int:
             "skipped": skipped, "command": " ".join(sys.argv)}
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "quality.json").write_text(json.dumps({"meta": meta, "paths": rows}, indent=1))
-    table = markdown(rows, meta)
-    (out / "quality.md").write_text(table)
-    print(table)
+    results = {}
+    for p in paths:  # the files are rewritten after each path: a run cut short keeps what it measured
+        try:
+            results[p] = run_path(p, nf4_model, plain, ids)
+            print(f"{p}: perplexity {results[p].perplexity:.4f} in {results[p].seconds:.1f} s "
+                  f"{results[p].note}", file=sys.stderr, flush=True)
+        except Exception as e:  # noqa: BLE001 -- one path's failure is a result: the others still run
+            if isinstance(e, torch.OutOfMemoryError):
+                raise
+            meta.setdefault("failed", {})[p] = f"{type(e).__name__}: {str(e).strip()[:400]}"
+            print(f"{p}: failed: {meta['failed'][p]}", file=sys.stderr, flush=True)
+        rows = report(results)
+        (out / "quality.json").write_text(json.dumps({"meta": meta, "paths": rows}, indent=1))
+        (out / "quality.md").write_text(markdown(rows, meta))
+    print((out / "quality.md").read_text())
     return 0
 
 
