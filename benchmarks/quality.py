@@ -31,7 +31,7 @@ Paths (:data:`PATHS`; the two references first):
   int4 KV strategies configure ``generate`` (:data:`vramguard.run.generate.STRATEGIES`: HQQ, groups of 64, the last
   128 tokens kept in 16 bits).
 
-The goal (issue "A real model in a real session"): the fused path within 0.5% of bitsandbytes' NF4 perplexity and
+The goal: the fused path within 0.5% of bitsandbytes' NF4 perplexity and
 at least 99% top-1 agreement with it (:data:`GOAL_PPL_RATIO`, :data:`GOAL_AGREEMENT`).
 
     python3 benchmarks/quality.py MODEL_DIR OUT_DIR                  # H200: 2048 tokens, every path
