@@ -35,7 +35,7 @@ The goal: the fused path within 0.5% of bitsandbytes' NF4 perplexity and
 at least 99% top-1 agreement with it (:data:`GOAL_PPL_RATIO`, :data:`GOAL_AGREEMENT`).
 
     python3 benchmarks/quality.py MODEL_DIR OUT_DIR                  # H200: 2048 tokens, every path
-    python3 benchmarks/quality.py MODEL_DIR OUT_DIR --tokens 48 --layers 2 --paths bnb_nf4,fused  # CPU trial
+    python3 benchmarks/quality.py MODEL_DIR OUT_DIR --tokens 8 --layers 1 --dtype float32   # CPU trial, ~4 min
 
 writes ``OUT_DIR/quality.json`` (raw figures) and ``OUT_DIR/quality.md`` (the table). Needs torch, transformers,
 bitsandbytes, hqq and triton (on the CPU Triton's interpreter runs the kernels: ``TRITON_INTERPRET=1`` is set when
