@@ -3,6 +3,8 @@ new tokens."""
 
 import json
 
+import pytest
+
 from conftest import run_cli
 from vramguard.plan import plan
 from vramguard.plan.limits import bound_by
@@ -54,3 +56,54 @@ def test_multi_card_plan_says_the_context_caps_its_largest_prompt():
     assert j["max_prompt_tokens"] == 4096 - 512 and j["bound_by"] == {"max_prompt_tokens": "context"}
     assert ("3,584 tokens (capped by the model's context, max_position_embeddings 4,096, not by memory)"
             in " ".join(run_cli(*args).stdout.split()))
+
+
+# Suggestions for a model id the Hub cannot give: by family, generation and size, or none
+
+
+def test_gemma_3_12b_is_pointed_to_the_nearest_gemma_by_size():
+    from vramguard.resolve import _catalog_hint, closest_catalog_name
+    # the catalog holds gemma-2-2b and gemma-2-9b: 9B is the nearest to 12B (ratio 1.33), 2B is 6x smaller
+    assert closest_catalog_name("google/gemma-3-12b-it") == "gemma-2-9b"
+    assert _catalog_hint("google/gemma-3-12b-it") == (
+        "gemma-2-9b is the nearest of the gemma family in the catalog (generation 2, not 3; 9B parameters, not "
+        "12B): a stand-in only, check its shapes against your model's")
+    # a gemma3 entry in the catalog is preferred, at the nearest size
+    names = ["gemma-2-2b", "gemma-2-9b", "gemma-3-4b", "gemma-3-12b", "gemma-3-27b"]
+    assert closest_catalog_name("google/gemma-3-12b-it", names) == "gemma-3-12b"
+    assert closest_catalog_name("google/gemma-3-14b-it", names) == "gemma-3-12b"
+    # 27B is 3x the largest gemma-2 (9B): no stand-in rather than a misleading one
+    assert closest_catalog_name("google/gemma-3-27b-it") is None
+
+
+def test_qwen3_8b_is_qwen3_when_the_catalog_has_it_else_the_nearest_generation():
+    from vramguard.resolve import _catalog_hint, closest_catalog_name
+    assert closest_catalog_name("Qwen/Qwen3-8B", ["qwen2-7b", "qwen2.5-7b", "qwen3-4b", "qwen3-8b"]) == "qwen3-8b"
+    # without qwen3: qwen2.5 (generation 2.5) is nearer than qwen2, and 7B the nearest size, never 0.5B or 3B
+    assert closest_catalog_name("Qwen/Qwen3-8B") == "qwen2.5-7b"
+    assert "generation 2.5, not 3; 7B parameters, not 8B" in _catalog_hint("Qwen/Qwen3-8B")
+
+
+def test_gpt_oss_20b_has_no_stand_in_unless_the_catalog_has_a_gpt_oss():
+    from vramguard.resolve import _catalog_hint, closest_catalog_name
+    assert closest_catalog_name("openai/gpt-oss-20b") is None and _catalog_hint("openai/gpt-oss-20b") is None
+    assert closest_catalog_name("openai/gpt-oss-20b", ["llama-3.1-8b", "gpt-oss-20b"]) == "gpt-oss-20b"
+    assert closest_catalog_name("openai/gpt-oss-20b", ["llama-3.1-8b", "gpt-oss-120b"]) is None  # 6x larger
+
+
+def test_name_parts_reads_family_generation_and_size():
+    from vramguard.resolve import NameParts, name_parts
+    assert name_parts("google/gemma-3-12b-it") == NameParts("gemma", 3.0, 12.0)
+    assert name_parts("Qwen/Qwen2.5-0.5B-Instruct") == NameParts("qwen", 2.5, 0.5)
+    assert name_parts("meta-llama/Meta-Llama-3-8B") == NameParts("llama", 3.0, 8.0)
+    assert name_parts("mistralai/Mixtral-8x7B-v0.1") == NameParts("mixtral", None, 56.0)
+    assert name_parts("openai/gpt-oss-20b") == NameParts("gpt", None, 20.0)
+    assert name_parts("microsoft/Phi-3-mini-4k-instruct") == NameParts("phi", 3.0, None)
+    assert name_parts("someone/3b-model") is None
+
+
+def test_an_offline_unknown_id_names_the_stand_in_in_the_error():
+    from vramguard.errors import UnknownModel
+    with pytest.raises(UnknownModel) as e:
+        resolve_model("nobody-here/gemma-3-12b-it")
+    assert "gemma-2-9b is the nearest of the gemma family" in e.value.fix and "gemma-2-2b" not in e.value.fix
