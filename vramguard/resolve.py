@@ -59,8 +59,10 @@ def gguf_error(path: Path, model: str) -> UnknownModel:
     import json
     import shlex
     folder, name = json.dumps(str(path.parent)), json.dumps(path.name)
-    program = (f"from transformers import AutoModelForCausalLM as M, AutoTokenizer as T; "
-               f"m = M.from_pretrained({folder}, gguf_file={name}); c = M.from_config(m.config).to(m.dtype); "
+    dtype, why = gguf_dtype(path)
+    program = (f"import torch; from transformers import AutoModelForCausalLM as M, AutoTokenizer as T; "
+               f"m = M.from_pretrained({folder}, gguf_file={name}, dtype=torch.{dtype}); "
+               f"c = M.from_config(m.config, dtype=torch.{dtype}); "
                'c.load_state_dict(m.state_dict()); vars(c.config).pop("quantization_config", None); '
                'c.save_pretrained("OUT"); '
                f'T.from_pretrained({folder}, gguf_file={name}).save_pretrained("OUT")')
@@ -68,8 +70,36 @@ def gguf_error(path: Path, model: str) -> UnknownModel:
         "MODEL", model, "a transformers model folder (config.json and safetensors weights); "
         f"{path.name} is a GGUF file (llama.cpp's format), which vramguard does not read",
         "plan the model's Hub id, or convert the file to a folder OUT with transformers, then pass OUT (needs the "
-        "gguf package; the weights come out dequantized; a model loaded from GGUF refuses save_pretrained, so a copy "
-        f"is saved):\n    python -c {shlex.quote(program)}")
+        f"gguf package; the weights come out dequantized, in {dtype}: {why}; a model loaded from GGUF refuses "
+        f"save_pretrained, so a copy is saved):\n    python -c {shlex.quote(program)}")
+
+
+def gguf_dtype(path: Path) -> tuple[str, str]:
+    """The torch dtype a conversion of the GGUF file ``path`` should save, and why, from its tensor types
+    (``gguf.GGUFReader``; the gguf package is the one transformers' GGUF loading needs):
+
+    * quantized tensors (Q4_K, Q8_0...) or BF16 ones: ``bfloat16``. transformers dequantizes every tensor to
+      float32 (``modeling_gguf_pytorch_utils.load_gguf_checkpoint`` through ``gguf.quants.dequantize``) unless a
+      ``dtype`` is passed, and the model saved from it is float32: twice the bytes of the 16-bit checkpoint the
+      GGUF was made from, for no precision the quantized values hold;
+    * F16 tensors and no BF16 or quantized ones: ``float16``, exact;
+    * F32 tensors only: ``float32``, exact.
+
+    A file the gguf package cannot read (or no gguf package): ``bfloat16``, with the reason.
+    """
+    try:
+        from gguf import GGUFReader
+        types = {t.tensor_type.name for t in GGUFReader(str(path)).tensors}
+    except Exception as e:  # noqa: BLE001 - any failure to read the header: the default, and why
+        return "bfloat16", (f"the GGUF's tensor types could not be read ({type(e).__name__}: {e}); bfloat16 is "
+                            "the dtype of most checkpoints GGUF files are made from")
+    quantized = sorted(types - {"F32", "F16", "BF16"})
+    if quantized or "BF16" in types:
+        return "bfloat16", (f"the GGUF's tensors are quantized ({', '.join(quantized)})" if quantized
+                            else "the GGUF's tensors are BF16")
+    if "F16" in types:
+        return "float16", "the GGUF's tensors are F16"
+    return "float32", "the GGUF's tensors are F32"
 
 
 def _refuse_gguf(p: Path, model: str) -> None:
