@@ -1,7 +1,11 @@
 """The first hour, round three: the plan says when the model's context, not memory, caps the largest prompt and
-new tokens."""
+new tokens; an unknown model id gets a stand-in of its family and size, or none; long commands show a progress
+line on a terminal."""
 
+import io
 import json
+import sys
+import time
 
 import pytest
 
@@ -107,3 +111,39 @@ def test_an_offline_unknown_id_names_the_stand_in_in_the_error():
     with pytest.raises(UnknownModel) as e:
         resolve_model("nobody-here/gemma-3-12b-it")
     assert "gemma-2-9b is the nearest of the gemma family" in e.value.fix and "gemma-2-2b" not in e.value.fix
+
+
+# A progress line on stderr for long commands, on a terminal only
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_a_progress_line_shows_after_its_delay_on_a_terminal_and_is_removed(monkeypatch):
+    from vramguard.cli.common import working
+    monkeypatch.setattr(sys, "stderr", _Terminal())
+    with working("planning llama-3.1-8b", delay_s=0.05):
+        deadline = time.time() + 30  # the work outlasts the delay: wait for the line, however busy the machine
+        while "planning" not in sys.stderr.getvalue() and time.time() < deadline:
+            time.sleep(0.01)
+    out = sys.stderr.getvalue()
+    assert "planning llama-3.1-8b" in out and out.endswith("\x1b[2K")  # rich's transient line, erased at the end
+
+
+def test_no_progress_line_for_quick_work_or_off_a_terminal(monkeypatch):
+    from vramguard.cli.common import working
+    monkeypatch.setattr(sys, "stderr", _Terminal())
+    with working("planning x", delay_s=30):
+        pass  # ends long before the delay: the timer is cancelled, nothing is written
+    assert sys.stderr.getvalue() == ""
+    monkeypatch.setattr(sys, "stderr", io.StringIO())  # a pipe or a log
+    with working("planning x", delay_s=0):
+        time.sleep(0.2)
+    assert sys.stderr.getvalue() == ""
+
+
+def test_a_piped_plan_prints_no_progress_line():
+    r = run_cli("plan", "llama-3.1-8b", "--gpu", "rtx-4090")
+    assert r.returncode == 0 and "planning llama-3.1-8b" not in r.stderr and "\x1b[" not in r.stderr

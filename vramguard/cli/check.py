@@ -61,7 +61,7 @@ def check(
                         gpu=gpu, verify=verify, unquantized=quant == CheckQuant['none'],
                         loader_defaults=not transformers_defaults, revision=revision)
 
-    r = run_guarded(build, as_json=fmt == Format['json'])
+    r = run_guarded(build, as_json=fmt == Format['json'], progress=f"checking {model}")
     if fmt == Format['json']:
         write_json(check_to_json(r))
     else:

@@ -99,7 +99,8 @@ def plan(
         return plan_fn(spec, s, gpu=gpu, vram=vram, context=context, alloc_conf=_alloc_conf(alloc_conf),
                        freed_before=freed_before)
 
-    _emit(run_guarded(build, as_json=fmt == Format['json']), several, fmt == Format['json'], exit_code, notes, findings)
+    p = run_guarded(build, as_json=fmt == Format['json'], progress=f"planning {model}")
+    _emit(p, several, fmt == Format['json'], exit_code, notes, findings)
 
 
 def _one_card_findings(freed_before: bool, alloc_conf: str | None, notes: list[str]) -> list:
