@@ -147,3 +147,10 @@ def test_no_progress_line_for_quick_work_or_off_a_terminal(monkeypatch):
 def test_a_piped_plan_prints_no_progress_line():
     r = run_cli("plan", "llama-3.1-8b", "--gpu", "rtx-4090")
     assert r.returncode == 0 and "planning llama-3.1-8b" not in r.stderr and "\x1b[" not in r.stderr
+
+
+@pytest.mark.parametrize("verb", ["plan", "check", "export"])
+def test_gpu_help_says_it_takes_the_names_nvidia_smi_prints(verb):
+    r = run_cli(verb, "--help", columns="200")
+    block = " ".join(r.stdout[r.stdout.index("--gpu "):].split())[:200]
+    assert r.returncode == 0 and "the name nvidia-smi prints" in block, block
