@@ -41,8 +41,12 @@ def _whole_suite(config) -> bool:
 
 def _what_to_expect(config) -> str:
     workers = getattr(config.option, "numprocesses", None) or 1
-    return (f"vramguard: the whole suite ({workers} test process{'es' if workers > 1 else ''}) takes about "
-            f"{round(SUITE_S_ON_2_IDLE_CORES / 60)} min on 2 idle cores; longer when other jobs share the cores")
+    minutes = round(SUITE_S_ON_2_IDLE_CORES / 60)
+    if workers == 1:
+        return (f"vramguard: the whole suite in one process; a worker per core (pytest-xdist) takes about {minutes} "
+                "min on 2 idle cores")
+    return (f"vramguard: the whole suite ({workers} test processes) takes about {minutes} min on 2 idle cores; "
+            "longer when other jobs share the cores")
 
 
 def pytest_report_header(config):
