@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import threading
 from pathlib import Path
 
 import pytest
@@ -27,6 +29,60 @@ def pytest_cmdline_main(config):
                 config.option.dist = "worksteal"
             # one PyTorch thread a worker: two workers of two threads each on two cores took 9% more CPU time
             os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+SUITE_S_ON_2_IDLE_CORES = 174  # the whole suite's wall time at 95051b9, a worker per core (README.md: 2 min 54 s)
+
+
+def _whole_suite(config) -> bool:
+    """The README's run: no paths named (pytest's testpaths), on the controller, not an xdist worker."""
+    return config.args_source == pytest.Config.ArgsSource.TESTPATHS and not hasattr(config, "workerinput")
+
+
+def _what_to_expect(config) -> str:
+    workers = getattr(config.option, "numprocesses", None) or 1
+    minutes = round(SUITE_S_ON_2_IDLE_CORES / 60)
+    if workers == 1:
+        return (f"vramguard: the whole suite in one process; a worker per core (pytest-xdist) takes about {minutes} "
+                "min on 2 idle cores")
+    return (f"vramguard: the whole suite ({workers} test processes) takes about {minutes} min on 2 idle cores; "
+            "longer when other jobs share the cores")
+
+
+def pytest_report_header(config):
+    """What a whole-suite run should take (shown at verbosity 0 and above; under ``-q`` see
+    :func:`pytest_sessionstart`)."""
+    return [_what_to_expect(config)] if _whole_suite(config) else []
+
+
+def pytest_sessionstart(session):
+    """Under ``-q`` (the README's command) pytest prints no header: say what to expect on one line instead."""
+    config = session.config
+    reporter = config.pluginmanager.getplugin("terminalreporter")
+    if reporter is not None and _whole_suite(config) and config.option.verbose < 0:
+        reporter.write_line(_what_to_expect(config))
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_xdist_setupnodes(config, specs):
+    """Under ``-q``, xdist's status line reads "bringing up nodes..." when the workers start and again when they
+    have collected (its ``getstatus`` gives the workers' count only at verbosity 0 or more): the second one says
+    what it says at verbosity 0 instead ("2 workers [1260 items]")."""
+    status = config.pluginmanager.getplugin("terminaldistreporter")
+    if status is None or config.option.verbose >= 0:
+        return
+    from xdist.dsession import get_workers_status_line
+    plain = status.getstatus
+    status.getstatus = lambda: get_workers_status_line(list(status._status.values())) or plain()
+
+
+def pytest_sessionfinish(session):
+    """An xdist worker whose tests are over ignores SIGINT: execnet sends its worker one when the worker's teardown
+    (session fixtures, ``gc.collect`` of torch objects) runs past 5 s after the controller closed it
+    (``gateway_base._terminate_execution``), which on a busy machine lands in any running code, e.g. hypothesis'
+    ``gc_callback``, and pytest then prints it as a ``PytestUnraisableExceptionWarning`` at the end of the run."""
+    if hasattr(session.config, "workerinput") and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _has_cuda() -> bool:

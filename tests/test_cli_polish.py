@@ -110,7 +110,7 @@ def test_several_cards_without_a_one_card_option_have_no_finding():
 
 def test_a_16_bit_plan_names_its_weights_as_they_are_and_the_docs_count_the_cards():
     """A bf16 plan's weights row says bf16 linears (not "quantized linears, 16-bit embeddings"), its load line says
-    no tensor sits beside the weights; docs/usage.md's count of catalog cards is the catalog's."""
+    no tensor sits beside the weights; docs/plan.md's count of catalog cards is the catalog's."""
     import re
     from pathlib import Path
     r = invoke("plan", "qwen2.5-7b", "--quant", "bf16", "--vram", "24GiB", "--alloc-conf", "formula")
@@ -119,7 +119,7 @@ def test_a_16_bit_plan_names_its_weights_as_they_are_and_the_docs_count_the_card
     assert "weights (bf16 linears, embeddings, lm_head, norms)" in text and "quantized linears" not in text
     r = invoke("plan", "qwen2.5-7b", "--vram", "24GiB", "--alloc-conf", "formula")
     assert "quantized linears" in " ".join(r.stdout.split())
-    docs = (Path(__file__).resolve().parents[1] / "docs" / "usage.md").read_text()
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "plan.md").read_text()
     assert int(re.search(r"card catalog \((\d+) cards\)", docs).group(1)) == len(GPUS)
 
 

@@ -164,3 +164,54 @@ def test_explain_a_path_that_names_no_file_says_so(tmp_path):
     missing = tmp_path / "oom.txt"
     r = run_cli("explain", str(missing))
     assert r.returncode == 2 and f"no such file: {missing}" in r.stdout + r.stderr
+
+
+# torch's C10_CUDA_CHECK text (c10/cuda/CUDAException.cpp) as raised by a matmul on a full card, torch 2.x
+CUDA_ERROR = ("Traceback (most recent call last):\n  File \"gen.py\", line 12, in <module>\n"
+              "    out = model.generate(**inputs)\n"
+              "RuntimeError: CUDA error: out of memory\n"
+              "CUDA kernel errors might be asynchronously reported at some other API call, so the stacktrace below "
+              "might be incorrect.\nFor debugging consider passing CUDA_LAUNCH_BLOCKING=1\n"
+              "Compile with `TORCH_USE_CUDA_DSA` to enable device-side assertions.\n")
+# ProcessGroupNCCL's error with NCCL's CUDACHECK text (torch 2.1, NCCL 2.18)
+NCCL_ERROR = ("torch.distributed.DistBackendError: NCCL error in: ../torch/csrc/distributed/c10d/"
+              "ProcessGroupNCCL.cpp:1331, unhandled cuda error (run with NCCL_DEBUG=INFO for details), NCCL version "
+              "2.18.1\nncclUnhandledCudaError: Call to CUDA function failed.\nLast error:\n"
+              "Cuda failure 'out of memory'")
+
+
+def test_cuda_error_out_of_memory_is_explained_not_refused():
+    e = explain(CUDA_ERROR)
+    assert e.kind == "cuda_error" and e.message.format == "cuda_error"
+    assert e.message.request_bytes is None and e.message.allocated_bytes is None  # the message has no figures
+    assert "outside PyTorch's caching allocator" in e.summary
+    assert any("asynchronously" in x and "may not be the call" in x for x in e.evidence)
+    assert any("TORCH_USE_CUDA_DSA" in x for x in e.evidence)
+    assert e.fixes[0].startswith("locate it: rerun with CUDA_LAUNCH_BLOCKING=1")
+    assert any("nvidia-smi" in f for f in e.fixes) and any("batch" in f for f in e.fixes)
+    assert any("vram_budget=" in f for f in e.fixes)
+    assert not any("NCCL could not" in x or "NCCL_BUFFSIZE" in x for x in e.evidence + e.fixes)  # not an NCCL one
+
+
+def test_nccl_cuda_failure_out_of_memory_names_nccl():
+    e = explain(NCCL_ERROR)
+    assert e.kind == "cuda_error"
+    assert any("NCCL could not allocate" in x for x in e.evidence)
+    assert "NCCL_BUFFSIZE" in e.fixes[1]
+    assert not any("asynchronously" in x for x in e.evidence)  # this message does not say it
+    assert e.fixes[0].startswith("rerun with CUDA_LAUNCH_BLOCKING=1")
+
+
+def test_cuda_error_with_allocator_figures_is_read_by_the_allocator_rules():
+    """A traceback with both texts (a later CUDA call after the allocator's OOM) is classified by its figures."""
+    e = explain(C15_NEW + "\nRuntimeError: CUDA error: out of memory")
+    assert e.kind == "fragmentation"
+
+
+def test_cli_explains_cuda_error_with_exit_0():
+    from conftest import run_cli
+    r = run_cli("explain", "-", input=CUDA_ERROR)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("cuda_error: CUDA could not allocate memory") and "CUDA_LAUNCH_BLOCKING=1" in r.stdout
+    j = run_cli("explain", "-", "--format", "json", input=NCCL_ERROR)
+    assert j.returncode == 0 and json.loads(j.stdout)["kind"] == "cuda_error"

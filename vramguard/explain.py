@@ -24,7 +24,9 @@ Classification, in this order (a request larger than the whole card is never cal
 4. ``algorithmic``: one request of at least a quarter of the usable memory.
 5. ``steady_growth``: a small request on a full card: memory grew until it ran out (KV cache, activations).
 
-Three other messages mean the same shortage and are recognised by their own text (:func:`_other_messages`):
+Four other messages mean the same shortage and are recognised by their own text (:func:`_other_messages`):
+an out-of-memory error from CUDA itself, outside PyTorch's caching allocator (``CUDA error: out of memory``,
+NCCL's ``Cuda failure 'out of memory'``..., :data:`CUDA_ERROR_MARKERS`), which carries no memory figures;
 cuBLAS failing to create its handle or workspace (``CUBLAS_STATUS_ALLOC_FAILED``, or
 ``CUBLAS_STATUS_NOT_INITIALIZED when calling cublasCreate(handle)``: the cuBLAS documentation of ``cublasCreate``
 gives that status when the CUDA runtime's initialization for the handle failed, which a full card causes; a run
@@ -125,8 +127,9 @@ def parse_oom_message(text: str) -> OomMessage:
             shown = "empty input" if not text else plural(len(text), "blank character")
         raise InvalidValue("MESSAGE", shown,
                            "a CUDA out-of-memory message (with 'out of memory' and 'Tried to allocate'), "
-                           "CUBLAS_STATUS_ALLOC_FAILED or CUBLAS_STATUS_NOT_INITIALIZED, an MPS out-of-memory "
-                           "message, or accelerate's 'Some modules are dispatched on the CPU or the disk'",
+                           "'CUDA error: out of memory', CUBLAS_STATUS_ALLOC_FAILED or "
+                           "CUBLAS_STATUS_NOT_INITIALIZED, an MPS out-of-memory message, or accelerate's "
+                           "'Some modules are dispatched on the CPU or the disk'",
                            "paste the whole error, from 'CUDA out of memory' to its end, or pass - and pipe it in")
     t = " ".join(text.split())
     m = OomMessage(**{f"{k}_bytes" if k not in ("process",) else "process_in_use_bytes": _bytes(p.search(t))
@@ -282,7 +285,8 @@ _MPS = {k: re.compile(p + _MPS_SIZE) for k, p in (("allocated", r"MPS allocated:
 
 
 def _other_messages(text: str) -> Explanation | None:
-    """The cuBLAS, MPS and accelerate messages of the module docstring, explained; None for any other text."""
+    """The cuBLAS, CUDA error, MPS and accelerate messages of the module docstring, explained; None for any other
+    text."""
     t = " ".join(text.split())
     not_init = "CUBLAS_STATUS_NOT_INITIALIZED" in t
     if "CUBLAS_STATUS_ALLOC_FAILED" in t or not_init:
@@ -298,6 +302,8 @@ def _other_messages(text: str) -> Explanation | None:
              "close other GPU processes (nvidia-smi lists them), or run on another GPU (CUDA_VISIBLE_DEVICES)",
              "vramguard plan MODEL with vram=SIZE, the memory that is free, shows what fits"],
             OomMessage(format="cublas"))
+    if "Tried to allocate" not in t and any(m in t for m in CUDA_ERROR_MARKERS):
+        return _cuda_error(t)
     if "MPS backend out of memory" in t:
         got = {}
         for k, pat in _MPS.items():
@@ -325,6 +331,50 @@ def _other_messages(text: str) -> Explanation | None:
              "True) and an explicit device_map"],
             OomMessage(format="accelerate"))
     return None
+
+
+CUDA_ERROR_MARKERS = ("CUDA error: out of memory", "cudaErrorMemoryAllocation", "CUDA_ERROR_OUT_OF_MEMORY",
+                      "Cuda failure 'out of memory'", "Cuda failure 2 'out of memory'", "CUDNN_STATUS_ALLOC_FAILED",
+                      "Triton Error [CUDA]: out of memory")
+"""Texts of an allocation failure reported by CUDA itself rather than by PyTorch's caching allocator: torch's
+``C10_CUDA_CHECK`` (``CUDA error: out of memory``, c10/cuda/CUDAException.cpp), the runtime and driver API error
+names, NCCL's ``Cuda failure 'out of memory'`` (its CUDACHECK macro, src/include/checks.h), cuDNN's status and
+Triton's launcher."""
+_ASYNC = "asynchronously reported"  # c10/cuda/CUDAException.cpp's note on a CUDA error without CUDA_LAUNCH_BLOCKING
+
+
+def _cuda_error(t: str) -> Explanation:
+    """An out-of-memory error from CUDA outside PyTorch's caching allocator (:data:`CUDA_ERROR_MARKERS`): what it
+    means, what the message shows, and how to locate and fix it."""
+    nccl = "NCCL" in t or "Cuda failure" in t
+    ev = ["the message carries no allocated/reserved figures: the allocation was made outside PyTorch's caching "
+          "allocator (cuBLAS workspace, cuDNN, NCCL buffers, a kernel launch or the CUDA context of a new process), "
+          f"when PyTorch's cache may already hold the card (a CUDA context alone takes about "
+          f"{fmt_bytes(CUDA_CONTEXT_BYTES)})"]
+    if nccl:
+        ev.append("NCCL could not allocate its communication buffers on the card (they are allocated at the first "
+                  "collective, after the model is loaded)")
+    if "CUDNN_STATUS_ALLOC_FAILED" in t:
+        ev.append("CUDNN_STATUS_ALLOC_FAILED: cuDNN could not allocate its workspace")
+    if _ASYNC in t:
+        ev.append("CUDA reports kernel errors asynchronously: the line of the traceback may not be the call that "
+                  "failed (any later CUDA call can raise it)")
+    if "TORCH_USE_CUDA_DSA" in t:
+        ev.append("'Compile with TORCH_USE_CUDA_DSA' is torch's footer on every CUDA error: device-side assertions "
+                  "do not apply to out of memory")
+    fixes = ["locate it: rerun with CUDA_LAUNCH_BLOCKING=1 (slower), so the traceback points at the call that failed"
+             if _ASYNC in t else "rerun with CUDA_LAUNCH_BLOCKING=1 (slower) if the traceback does not name the call",
+             "leave headroom outside PyTorch: a vram_budget= (or torch.cuda.set_per_process_memory_fraction) below "
+             "the card, or torch.cuda.empty_cache() before the call that failed",
+             "check other processes with nvidia-smi: close them, or run on another GPU (CUDA_VISIBLE_DEVICES)",
+             "lower the batch or the prompt length; vramguard plan MODEL with vram=SIZE shows what fits"]
+    if nccl:
+        fixes.insert(1, "run a first collective (torch.distributed.barrier()) before loading the model, so NCCL's "
+                        "buffers are allocated on an empty card; a smaller NCCL_BUFFSIZE (4 MiB per channel by "
+                        "default) shrinks them")
+    return Explanation("cuda_error", "CUDA could not allocate memory outside PyTorch's caching allocator: the card "
+                       "was full when cuBLAS, cuDNN, NCCL or a kernel needed memory of its own", ev, fixes,
+                       OomMessage(format="cuda_error"))
 
 
 def _algorithmic_fixes(matched: str | None) -> list[str]:

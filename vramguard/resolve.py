@@ -10,7 +10,10 @@ config.json, a catalog name (``llama-2-7b``; :data:`vramguard.catalog.models.MOD
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
+from dataclasses import dataclass
 from pathlib import Path
 
 from vramguard.catalog.models import ALIASES, MODELS
@@ -56,8 +59,10 @@ def gguf_error(path: Path, model: str) -> UnknownModel:
     import json
     import shlex
     folder, name = json.dumps(str(path.parent)), json.dumps(path.name)
-    program = (f"from transformers import AutoModelForCausalLM as M, AutoTokenizer as T; "
-               f"m = M.from_pretrained({folder}, gguf_file={name}); c = M.from_config(m.config).to(m.dtype); "
+    dtype, why = gguf_dtype(path)
+    program = (f"import torch; from transformers import AutoModelForCausalLM as M, AutoTokenizer as T; "
+               f"m = M.from_pretrained({folder}, gguf_file={name}, dtype=torch.{dtype}); "
+               f"c = M.from_config(m.config, dtype=torch.{dtype}); "
                'c.load_state_dict(m.state_dict()); vars(c.config).pop("quantization_config", None); '
                'c.save_pretrained("OUT"); '
                f'T.from_pretrained({folder}, gguf_file={name}).save_pretrained("OUT")')
@@ -65,8 +70,36 @@ def gguf_error(path: Path, model: str) -> UnknownModel:
         "MODEL", model, "a transformers model folder (config.json and safetensors weights); "
         f"{path.name} is a GGUF file (llama.cpp's format), which vramguard does not read",
         "plan the model's Hub id, or convert the file to a folder OUT with transformers, then pass OUT (needs the "
-        "gguf package; the weights come out dequantized; a model loaded from GGUF refuses save_pretrained, so a copy "
-        f"is saved):\n    python -c {shlex.quote(program)}")
+        f"gguf package; the weights come out dequantized, in {dtype}: {why}; a model loaded from GGUF refuses "
+        f"save_pretrained, so a copy is saved):\n    python -c {shlex.quote(program)}")
+
+
+def gguf_dtype(path: Path) -> tuple[str, str]:
+    """The torch dtype a conversion of the GGUF file ``path`` should save, and why, from its tensor types
+    (``gguf.GGUFReader``; the gguf package is the one transformers' GGUF loading needs):
+
+    * quantized tensors (Q4_K, Q8_0...) or BF16 ones: ``bfloat16``. transformers dequantizes every tensor to
+      float32 (``modeling_gguf_pytorch_utils.load_gguf_checkpoint`` through ``gguf.quants.dequantize``) unless a
+      ``dtype`` is passed, and the model saved from it is float32: twice the bytes of the 16-bit checkpoint the
+      GGUF was made from, for no precision the quantized values hold;
+    * F16 tensors and no BF16 or quantized ones: ``float16``, exact;
+    * F32 tensors only: ``float32``, exact.
+
+    A file the gguf package cannot read (or no gguf package): ``bfloat16``, with the reason.
+    """
+    try:
+        from gguf import GGUFReader
+        types = {t.tensor_type.name for t in GGUFReader(str(path)).tensors}
+    except Exception as e:  # noqa: BLE001 - any failure to read the header: the default, and why
+        return "bfloat16", (f"the GGUF's tensor types could not be read ({type(e).__name__}: {e}); bfloat16 is "
+                            "the dtype of most checkpoints GGUF files are made from")
+    quantized = sorted(types - {"F32", "F16", "BF16"})
+    if quantized or "BF16" in types:
+        return "bfloat16", (f"the GGUF's tensors are quantized ({', '.join(quantized)})" if quantized
+                            else "the GGUF's tensors are BF16")
+    if "F16" in types:
+        return "float16", "the GGUF's tensors are F16"
+    return "float32", "the GGUF's tensors are F32"
 
 
 def _refuse_gguf(p: Path, model: str) -> None:
@@ -100,15 +133,69 @@ def _bare_name(model: str) -> str:
     return re.sub(r"-(instruct|chat|hf|it|base)(?=-|$)", "", tail)
 
 
-def closest_catalog_name(model: str) -> str | None:
-    """The catalog name nearest to a model id's name (``meta-llama/Llama-3.1-8B-Instruct`` -> ``llama-3.1-8b``),
-    by ``difflib`` similarity of at least 0.6 once ``-Instruct``/``-chat``/``-hf``/``-it``/``-base`` are dropped,
-    or None."""
+@dataclass(frozen=True)
+class NameParts:
+    """What a model's name says of it: ``family`` (its leading letters: ``gemma``, ``qwen``, ``gpt``),
+    ``version`` (the generation: ``gemma-3`` 3.0, ``qwen2.5`` 2.5; None when the name has none) and ``size_b``
+    (billions of parameters: ``12b`` 12.0, ``8x7b`` 56.0; None when the name has none)."""
+
+    family: str
+    version: float | None
+    size_b: float | None
+
+
+_OWNER_WORDS = ("meta",)  # a vendor word before the family (Meta-Llama-3-8B)
+MAX_SIZE_RATIO = 2.0  # a catalog model more than twice as large or small as the one asked is no stand-in for it
+
+
+def name_parts(model: str) -> NameParts | None:
+    """The family, generation and size of a model id's name (:class:`NameParts`), or None when its first word
+    is not letters, optionally followed by a version (``qwen2.5``)."""
+    tokens = _bare_name(model).split("-")
+    if tokens[0] in _OWNER_WORDS and len(tokens) > 1:
+        tokens = tokens[1:]
+    m = re.fullmatch(r"([a-z]+)(\d+(?:\.\d+)?)?", tokens[0])
+    if not m:
+        return None
+    version, rest = m.group(2), tokens[1:]
+    if version is None and rest and re.fullmatch(r"\d+(?:\.\d+)?", rest[0]):
+        version, rest = rest[0], rest[1:]
+    size = None
+    for t in rest:
+        dense, moe = re.fullmatch(r"(\d+(?:\.\d+)?)b", t), re.fullmatch(r"(\d+)x(\d+(?:\.\d+)?)b", t)
+        if dense or moe:
+            size = float(dense.group(1)) if dense else int(moe.group(1)) * float(moe.group(2))
+            break
+    return NameParts(m.group(1), float(version) if version else None, size)
+
+
+def closest_catalog_name(model: str, names: list[str] | None = None) -> str | None:
+    """The catalog name that stands for a model id (``meta-llama/Llama-3.1-8B-Instruct`` -> ``llama-3.1-8b``), or
+    None: the name itself or an alias once ``-Instruct``/``-chat``/``-hf``/``-it``/``-base`` are dropped; else the
+    catalog model of the same family (:func:`name_parts`) at the nearest generation, then the nearest size, within
+    :data:`MAX_SIZE_RATIO` (``gemma-3-12b`` -> ``gemma-2-9b``, not ``gemma-2-2b``; ``gpt-oss-20b`` -> none); a
+    name without a size: a family member whose name is nearly the same (``difflib`` ratio of at least 0.8).
+    ``names`` replaces the catalog's (tests)."""
     import difflib
+    names = list(MODELS) if names is None else names
     tail = _bare_name(model)
-    names = list(MODELS) + list(ALIASES)
-    hit = difflib.get_close_matches(tail, names, n=1, cutoff=0.6)
-    return ALIASES.get(hit[0], hit[0]) if hit else None
+    if tail in names or ALIASES.get(tail) in names:
+        return ALIASES.get(tail, tail)
+    want = name_parts(model)
+    if want is None:
+        return None
+    family = [(n, name_parts(n)) for n in names]
+    family = [(n, p) for n, p in family if p is not None and p.family == want.family]
+    if want.size_b is None:
+        hit = difflib.get_close_matches(tail, [n for n, _ in family], n=1, cutoff=0.8)
+        return hit[0] if hit else None
+
+    def gap(p: NameParts) -> tuple[float, float]:
+        version = abs((p.version or 1.0) - (want.version or 1.0))
+        return version, abs(math.log(p.size_b / want.size_b))
+    sized = [(n, p) for n, p in family if p.size_b and max(p.size_b / want.size_b, want.size_b / p.size_b)
+             <= MAX_SIZE_RATIO]
+    return min(sized, key=lambda np: gap(np[1]))[0] if sized else None
 
 
 def _from_hf_cache(model_id: str) -> Path | None:
@@ -218,12 +305,29 @@ def _check_revision_target(model: str, revision: str, p: Path, repo_id: bool) ->
 
 
 def _catalog_hint(model: str) -> str | None:
-    """``llama-3.1-8b is this architecture`` / ``... is the closest (...)`` for a name near a catalog entry."""
+    """``llama-3.1-8b is this architecture`` / ``... is the closest (...)`` / ``gemma-2-9b is the nearest of the
+    gemma family in the catalog (generation 2, not 3; 9B parameters, not 12B) ...`` for a name that has a stand-in in the
+    catalog (:func:`closest_catalog_name`), else None."""
     near = closest_catalog_name(model)
     if near is None:
         return None
-    same = _bare_name(model) in (near, *[a for a, k in ALIASES.items() if k == near])
-    return f"{near} is this architecture" if same else f"{near} is the closest (check that its shapes are your model's)"
+    if _bare_name(model) in (near, *[a for a, k in ALIASES.items() if k == near]):
+        return f"{near} is this architecture"
+    want, got = name_parts(model), name_parts(near)
+    differs = []
+    if want and got and (got.version or 1.0) != (want.version or 1.0):
+        differs.append(f"generation {_num(got.version or 1.0)}, not {_num(want.version or 1.0)}")
+    if want and got and want.size_b and got.size_b != want.size_b:
+        differs.append(f"{_num(got.size_b)}B parameters, not {_num(want.size_b)}B")
+    if not differs:
+        return f"{near} is the closest (check that its shapes are your model's)"
+    return (f"{near} is the nearest of the {got.family} family in the catalog ({'; '.join(differs)}): a stand-in "
+            "only, check its shapes against your model's")
+
+
+def _num(x: float) -> str:
+    """12.0 -> ``12``, 2.5 -> ``2.5``."""
+    return f"{x:g}"
 
 
 def missing_path_fix(model: str) -> str:

@@ -38,7 +38,8 @@ def check(
     batch: int = batch_option(),
     prompt_tokens: int = prompt_tokens_option(),
     max_new_tokens: int = max_new_tokens_option(),
-    gpu: Optional[str] = typer.Option(None, help="check against a catalog card instead of the detected one"),
+    gpu: Optional[str] = typer.Option(None, help="check against a card instead of the detected one: a catalog name "
+                                                 "(vramguard plan --list-gpus) or the name nvidia-smi prints"),
     verify: bool = typer.Option(True, "--verify/--no-verify", help="on a GPU: load and name the kernel that runs"),
     fmt: Format = format_option(),
 ) -> None:
@@ -61,7 +62,7 @@ def check(
                         gpu=gpu, verify=verify, unquantized=quant == CheckQuant['none'],
                         loader_defaults=not transformers_defaults, revision=revision)
 
-    r = run_guarded(build, as_json=fmt == Format['json'])
+    r = run_guarded(build, as_json=fmt == Format['json'], progress=f"checking {model}")
     if fmt == Format['json']:
         write_json(check_to_json(r))
     else:

@@ -7,11 +7,14 @@ reaches the user (set ``VRAMGUARD_DEBUG=1`` to see one for an internal error).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
+import threading
 
 import typer
+from rich.console import Console
 
 from vramguard.errors import (EXIT_CLOSED_PIPE, EXIT_INTERNAL, ConfigError, Infeasible, InvalidValue, NoCudaGpu,
                               UnknownGpu, UnknownModel, VramguardError)
@@ -74,10 +77,46 @@ def install_fix(extra: str, torch_missing: bool) -> str:
     return (f"pip install torch --index-url {TORCH_CPU_INDEX} (the CPU build: {det.reason}), then {cmd}")
 
 
-def run_guarded(fn, *args, as_json: bool = False, **kwargs):
-    """Call ``fn``; map vramguard errors to their exit code and anything else to an internal-error message."""
+PROGRESS_DELAY_S = 1.0  # work that ends sooner shows no progress line
+
+
+@contextlib.contextmanager
+def working(what: str, delay_s: float = PROGRESS_DELAY_S):
+    """A progress line on stderr (rich's spinner and ``what``, e.g. "planning MODEL") while the block runs, shown
+    once it has run ``delay_s`` seconds and removed when it ends; only when stderr is a terminal (a log or a pipe
+    gets nothing). Lines printed on stderr meanwhile appear above it."""
+    if not sys.stderr.isatty():
+        yield
+        return
+    status = Console(stderr=True).status(what)
+    lock, state = threading.Lock(), {"shown": False, "done": False}
+
+    def show() -> None:
+        with lock:
+            if not state["done"]:
+                status.start()
+                state["shown"] = True
+    timer = threading.Timer(delay_s, show)
+    timer.daemon = True
+    timer.start()
     try:
-        return fn(*args, **kwargs)
+        yield
+    finally:
+        timer.cancel()
+        with lock:
+            state["done"] = True
+            if state["shown"]:
+                status.stop()
+
+
+def run_guarded(fn, *args, as_json: bool = False, progress: str | None = None, **kwargs):
+    """Call ``fn`` (under a :func:`working` line saying ``progress``, when given); map vramguard errors to their
+    exit code and anything else to an internal-error message."""
+    try:
+        if progress is None:
+            return fn(*args, **kwargs)
+        with working(progress):
+            return fn(*args, **kwargs)
     except VramguardError as e:
         fail(e, as_json)
     except (typer.Exit, KeyboardInterrupt, BrokenPipeError):  # a closed stdout ends the command in main()

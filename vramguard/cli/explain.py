@@ -86,7 +86,8 @@ def explain(
     fmt: Format = format_option(),
 ) -> None:
     """Classify a CUDA out-of-memory message: fragmentation, one allocation too large (algorithmic), memory held
-    by other processes, or steady growth; with the evidence and the fix."""
+    by other processes, or steady growth; also CUDA's own 'CUDA error: out of memory' (cuBLAS, NCCL, kernels), cuBLAS,
+    MPS and accelerate offload errors; with the evidence and the fix."""
     from vramguard.explain import explain as explain_fn
     from vramguard.explain import plan_candidates
     from vramguard.cli.render import explanation_to_json, print_explanation

@@ -21,7 +21,8 @@ def export(
                                 help="model folder, config.json, catalog name or cached model id"),
     to: Target = typer.Option(..., "--to", help="vllm (a command line), ray-serve, kserve or kubernetes"),
     replicas: int = typer.Option(1, "--replicas", help="copies of the server (each with tp x pp GPUs)"),
-    gpu: Optional[str] = typer.Option(None, help="a catalog card (see vramguard plan --list-gpus)"),
+    gpu: Optional[str] = typer.Option(None, help="a catalog card (see vramguard plan --list-gpus) or the name "
+                                                 "nvidia-smi prints"),
     vram: Optional[str] = typer.Option(None, help="card memory, e.g. 80GiB"),
     tp: int = eng.tp_option(), pp: int = eng.pp_option(), gpu_memory_utilization: float = eng.util_option(),
     max_model_len: Optional[int] = eng.max_model_len_option(),

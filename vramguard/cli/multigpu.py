@@ -7,6 +7,7 @@ import typer
 
 from vramguard.catalog.gpus import GpuSpec
 from vramguard.errors import InvalidValue
+from vramguard.plan.limits import bound_by
 from vramguard.units import fmt_gib
 
 
@@ -170,6 +171,8 @@ def plan_to_json(p, findings: tuple = ()) -> dict:
     split = p.split
     out = {"model": p.model.name, "settings": p.settings.as_dict(), "layout": p.layout, "fits": p.fits,
            "limit_card": p.limit_card, "max_prompt_tokens": p.max_prompt_tokens,
+           "bound_by": {"max_prompt_tokens": bound_by(p.model, p.settings, p.max_prompt_tokens, None)[
+               "max_prompt_tokens"]},
            "cards": [{**to_jsonable(c), "gpu": to_jsonable(c.gpu)} for c in p.cards], "notes": p.notes,
            "reserved_from": "reserve formula",  # cards used together: the caching-allocator model plans one card
            "findings": [finding_to_json(f) for f in findings]}
@@ -233,8 +236,11 @@ def print_plan(p, out) -> None:
         out.print(f"[red]does not fit[/red]: {len(p.split.offloaded)} module(s), {fmt_gib(offloaded)} "
                   f"({', '.join(p.split.offloaded)}), are left for CPU RAM by the device map")
     if p.max_prompt_tokens is not None:
+        why = bound_by(p.model, s, p.max_prompt_tokens, None)["max_prompt_tokens"]
         out.print(f"largest prompt that fits every card with {s.max_new_tokens:,} new tokens: "
-                  f"{p.max_prompt_tokens:,} tokens")
+                  f"{p.max_prompt_tokens:,} tokens" + (f" (capped by the model's context, max_position_embeddings "
+                                                       f"{p.model.max_position_embeddings:,}, not by memory)"
+                                                       if why == "context" else ""))
     else:
         out.print("no prompt fits every card with these settings")
     if p.fix is not None:

@@ -44,7 +44,9 @@ def plan(
     padded: bool = typer.Option(False, help="prompts of different lengths in one batch"),
     do_sample: bool = typer.Option(False, help="sampling (allows --num-return-sequences > 1 without beams)"),
     context: Optional[int] = typer.Option(None, help="context length to allow (RoPE-scaled models beyond config)"),
-    gpu: Optional[str] = typer.Option(None, help="a catalog card (see --list-gpus)"),
+    gpu: Optional[str] = typer.Option(None, help="a catalog card (see --list-gpus) or the name nvidia-smi prints, "
+                                                 "e.g. h100 or \"NVIDIA GeForce RTX 4090\" (cards used together: "
+                                                 "rtx-4090,rtx-4090)"),
     vram: Optional[str] = typer.Option(None, help="card memory, e.g. 24GiB, 24GB, 24000MiB (cards used together: "
                                        "24GiB,16GiB)"),
     gpus: Optional[int] = gpus_option(),
@@ -99,7 +101,8 @@ def plan(
         return plan_fn(spec, s, gpu=gpu, vram=vram, context=context, alloc_conf=_alloc_conf(alloc_conf),
                        freed_before=freed_before)
 
-    _emit(run_guarded(build, as_json=fmt == Format['json']), several, fmt == Format['json'], exit_code, notes, findings)
+    p = run_guarded(build, as_json=fmt == Format['json'], progress=f"planning {model}")
+    _emit(p, several, fmt == Format['json'], exit_code, notes, findings)
 
 
 def _one_card_findings(freed_before: bool, alloc_conf: str | None, notes: list[str]) -> list:

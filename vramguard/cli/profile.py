@@ -38,7 +38,7 @@ def profile(
                      max_new_tokens=max_new_tokens)
         return profile_fn(model, s, out_dir=out, memory_snapshot=memory_snapshot)
 
-    r = run_guarded(build, as_json=fmt == Format['json'])
+    r = run_guarded(build, as_json=fmt == Format['json'], progress=f"profiling {model}")
     if fmt == Format['json']:
         d = to_jsonable(r)
         d["rows"] = [{**to_jsonable(x), "diff": x.diff} for x in r.rows]
@@ -80,7 +80,7 @@ def fit(
             raise InvalidValue("--max-runs", max_runs, "an integer >= 1", "allow at least one run")
         return fit_fn(model, s, vary.value, budget, out_dir=out, max_runs=max_runs)
 
-    r = run_guarded(build, as_json=fmt == Format['json'])
+    r = run_guarded(build, as_json=fmt == Format['json'], progress=f"fitting {model}: real runs")
     if fmt == Format['json']:
         write_json(to_jsonable(r))
     else:

@@ -14,6 +14,7 @@ from rich.text import Text
 from vramguard.catalog.gpus import GPUS
 from vramguard.cli.flags import as_flags
 from vramguard.plan import Plan
+from vramguard.plan.limits import bound_by
 from vramguard.plan.solve import batch_search_cap
 from vramguard.units import fmt_bytes, fmt_tokens, plural
 
@@ -191,7 +192,9 @@ def plan_to_json(p: Plan) -> dict:
         "logits_case": p.logits_case,
         "cards_reason": as_flags(p.cards_reason),
         "cards": [{**to_jsonable(c), "gpu": to_jsonable(c.gpu), "max_batch_search_cap": batch_search_cap(p.settings),
-                   "max_batch_at_cap": c.max_batch == batch_search_cap(p.settings)} for c in p.cards],
+                   "max_batch_at_cap": c.max_batch == batch_search_cap(p.settings),
+                   "bound_by": bound_by(p.model, p.settings, c.max_prompt_tokens, c.max_new_tokens)}
+                  for c in p.cards],
         "findings": [finding_to_json(f) for f in p.findings],
         "changes": to_jsonable(p.changes),
     }
@@ -325,11 +328,20 @@ def _print_cards(c: Console, p: Plan) -> None:
     for col in ("card", "memory", "need", "fits", "headroom", "prompt", "new", "batch"):
         ct.add_column(col, justify="left" if col == "card" else "right", no_wrap=col != "card")
     cap = batch_search_cap(p.settings)
+    capped = False
     for v in p.cards:
+        why = bound_by(p.model, p.settings, v.max_prompt_tokens, v.max_new_tokens)
+        cells = [_n(v.max_prompt_tokens), _n(v.max_new_tokens)]
+        for i, key in enumerate(("max_prompt_tokens", "max_new_tokens")):
+            if why[key] == "context":
+                cells[i], capped = cells[i] + "*", True
         ct.add_row(short_label(v.gpu.label), gib_cell(v.usable_bytes), gib_cell(v.need_bytes),
                    "[green]yes[/green]" if v.fits else "[red]no[/red]", gib_cell(v.headroom_bytes),
-                   _n(v.max_prompt_tokens), _n(v.max_new_tokens), _batch_cell(v.max_batch, cap))
+                   *cells, _batch_cell(v.max_batch, cap))
     c.print(ct)
+    if capped:
+        c.print(f"*: capped by the model's context (prompt + new tokens = max_position_embeddings "
+                f"{p.model.max_position_embeddings:,}), not by memory: the card would hold more", highlight=False)
     if any(v.max_batch == cap for v in p.cards):
         where = "the batch asked" if cap == p.settings.batch else "the search's cap"
         c.print(f"batch: ≥{cap:,} is {where}; a larger batch may fit too (plan it with --batch N)")

@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from vramguard.cli.common import err, run_guarded, say, size_option, write_json
+from vramguard.cli.common import err, run_guarded, say, size_option, working, write_json
 from vramguard.cli.options import Format, Quant, format_option, max_new_tokens_option, quant_option
 from vramguard.errors import InvalidValue
 from vramguard.units import plural
@@ -63,7 +63,8 @@ def run(
         transformers.utils.logging.disable_progress_bar()
         # the tokenizer and config alone: a prompt over the context is refused before minutes of loading
         _, prepared, _ = preflight_prompt(model, text, max_new_tokens, chat_template)
-        loaded = load_model(model, quant=quant.value, verify=torch.cuda.is_available())
+        with working(f"loading {model}"):
+            loaded = load_model(model, quant=quant.value, verify=torch.cuda.is_available())
         if loaded.tokenizer is None:
             from vramguard.runtime.tokenizer import no_tokenizer_error
             raise no_tokenizer_error(model, "the loaded model has no tokenizer")

@@ -63,3 +63,20 @@ def check_context(spec: ModelSpec, s: Settings,
         raise InvalidValue("prompt + new tokens", f"{prompt:,} + {new:,} = {s.total_tokens:,}",
                            f"at most the model's context, max_position_embeddings={ctx}",
                            " or ".join(ways) + (beyond or ""))
+
+
+def bound_by(spec: ModelSpec, s: Settings, max_prompt_tokens: int | None,
+             max_new_tokens: int | None) -> dict[str, str | None]:
+    """What caps each largest figure of a plan: ``"context"`` when it equals the model's context less the other
+    part (``max_position_embeddings - max_new_tokens`` for the prompt, ``- prompt_tokens`` for the new tokens; the
+    solver's upper end, so memory would allow more), ``"memory"`` when it is below that, None when nothing fits.
+
+    Example: a context of 8,192 with 512 new tokens caps the prompt at 8,192 - 512 = 7,680 tokens; a largest
+    prompt of 7,680 is bound by the context, one of 5,000 by memory.
+    """
+    ctx = spec.max_position_embeddings
+
+    def why(value: int | None, cap: int) -> str | None:
+        return None if value is None else ("context" if value >= cap else "memory")
+    return {"max_prompt_tokens": why(max_prompt_tokens, ctx - s.max_new_tokens),
+            "max_new_tokens": why(max_new_tokens, ctx - s.prompt_tokens)}
