@@ -136,7 +136,7 @@ def _reserved(spec: ModelSpec, s: Settings, est: MemoryEstimate, cards: list[Car
     """(est, cards, findings): :func:`_reserved_by` for ``freed_before`` (as :func:`plan`; None: this process's
     state), with the ``freed_before`` finding where it applies. Raises InvalidValue for a ``freed_before`` that is
     not a bool or None."""
-    from vramguard.plan.allocator import freed_before_finding, process_freed_memory
+    from vramguard.plan.allocator import decode_replay_finding, freed_before_finding, process_freed_memory
     if freed_before is not None and not isinstance(freed_before, bool):
         from vramguard.errors import InvalidValue
         raise InvalidValue("freed_before", freed_before, "True, False or None (this process's own state)",
@@ -144,7 +144,8 @@ def _reserved(spec: ModelSpec, s: Settings, est: MemoryEstimate, cards: list[Car
                            "cache")
     freed = process_freed_memory() if freed_before is None else freed_before
     est, cards, why = _reserved_by(spec, s, est, cards, alloc_conf, solve, freed)
-    return est, cards, [f for f in (why, freed_before_finding(est, freed)) if f is not None]
+    return est, cards, [f for f in (why, freed_before_finding(est, freed), decode_replay_finding(est))
+                        if f is not None]
 
 
 def _reserved_by(spec: ModelSpec, s: Settings, est: MemoryEstimate, cards: list[CardVerdict], alloc_conf: str | None,
