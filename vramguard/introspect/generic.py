@@ -178,6 +178,13 @@ def replay_note(spec, s: Settings) -> str | None:
     return _replay_model(spec.config_json, spec.name, s.act_dtype, s.effective_attn, s.sdpa_kernel)[1]
 
 
+def kernel_paths(spec, s: Settings):
+    """The kernel-backed functions of the forward replayed for ``s`` and the path each takes
+    (:func:`vramguard.introspect.mixers.kernel_paths`)."""
+    from vramguard.introspect.mixers import kernel_paths as paths
+    return paths(_replay_model(spec.config_json, spec.name, s.act_dtype, s.effective_attn, s.sdpa_kernel)[0])
+
+
 def _quantized_kv(r, s: Settings) -> tuple[int, int]:
     """(bytes of the cache in ``s``'s quantized format, bytes of its largest layer in 16-bit), from the replayed
     16-bit attention K/V tensors (4-D, tokens on dim -2); other cache tensors are kept as they are."""

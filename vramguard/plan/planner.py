@@ -72,6 +72,7 @@ def plan(model: str | ModelSpec, settings: Settings | None = None, *, gpu: str |
     if solve:
         cards = [solve_card(spec, s, c) for c in cards]
     est, cards, reserved_findings = _reserved(spec, s, est, cards, alloc_conf, solve, freed_before)
+    cards, unverified = _mark_unverified(spec, s, cards)
     logits_case = ("all positions: a forward over the whole prompt (scoring, output_logits), with a float32 copy"
                    if s.logits == "all" else
                    "last position only: generate() passes logits_to_keep=1 and copies that row to float32")
@@ -80,9 +81,27 @@ def plan(model: str | ModelSpec, settings: Settings | None = None, *, gpu: str |
     from vramguard.hub.prequant import prequant_findings
     p.findings.extend(prequant_findings(p))
     p.findings.extend(reserved_findings)
+    p.findings.extend(unverified)
     if solve:
         p.changes.extend(ranked_changes(spec, s, gpus))
     return p
+
+
+def _mark_unverified(spec: ModelSpec, s: Settings, cards: list[CardVerdict]):
+    """(cards, findings): each card's ``unverified`` set where a part of the forward has no GPU measurement
+    (:func:`vramguard.plan.verified.unverified`), with a ``warn`` finding ``unverified_path`` that says which;
+    unchanged, and no finding, where every part is measured."""
+    from dataclasses import replace
+
+    from vramguard.finding import Finding
+    from vramguard.plan.verified import describe, unverified
+    missing = unverified(spec, s)
+    if not missing:
+        return cards, []
+    why = describe(missing)
+    return [replace(c, unverified=why) for c in cards], [Finding(
+        "unverified_path", "warn", why, "measure it before relying on the fit: vramguard profile MODEL with these "
+        "settings on the card (or vramguard fit), then plan with the measured peak in mind")]
 
 
 def with_context(spec: ModelSpec, context: object) -> ModelSpec:
