@@ -156,6 +156,10 @@ def test_the_hybrid_cache_holds_attention_kv_and_mamba_states_as_a_real_generate
     # per layer: K and V 2 heads x 45 tokens x 16 x 2 B = 2,880 B each (3,072 B rounded to 512), the conv state
     # 96 channels x 4 x 2 B = 768 B (1,024 B), the SSM state 8 heads x 8 x 16 x 4 B (float32) = 4,096 B: 11,264 B
     assert planned.gpu_bytes == sum(rounded(t.numel() * t.element_size()) for _, _, t in real) == 2 * 11_264
+    # a new token grows only the attention half: 2 layers x K and V x 2 KV heads x 16 x 2 B, in the "hybrid" layers
+    # transformers' config names (the config.json lists none: not "full-attention layers")
+    from vramguard.memory.kv import kv_growth_per_token
+    assert kv_growth_per_token(spec, Settings(quant="bf16"), 100) == {"hybrid": 2 * 2 * 2 * 16 * 2}
 
 
 def test_the_hybrid_prefill_peak_agrees_with_the_allocations_of_a_cpu_forward(falcon_h1):

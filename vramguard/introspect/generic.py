@@ -245,7 +245,14 @@ def kv_cache_bytes(spec, s: Settings, n_tokens: int, in_prefill_chunk: int = 0) 
 
 
 def _layer_kinds(spec, n: int) -> tuple[str, ...]:
-    return tuple(spec.layer_types) + ("full_attention",) * max(n - len(spec.layer_types), 0)
+    """Each layer's kind: the config.json's ``layer_types``, else those of the config transformers builds (Falcon-H1's
+    ``hybrid``: attention and Mamba-2 side by side), else ``full_attention``; padded to ``n`` layers."""
+    kinds = tuple(spec.layer_types)
+    if set(kinds) <= {"full_attention"} and spec.config_json:
+        named = getattr(_text(spec), "layer_types", None)
+        if isinstance(named, (list, tuple)) and len(named) == spec.num_layers:
+            kinds = tuple(str(t) for t in named)
+    return kinds + ("full_attention",) * max(n - len(kinds), 0)
 
 
 _ELEM = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8, "int8": 1, "uint8": 1, "int64": 8, "int32": 4,
