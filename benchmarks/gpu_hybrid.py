@@ -29,7 +29,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from benchmarks.common import emit, save_random  # noqa: E402
+from benchmarks.common import emit, save_random
 
 GiB = 2**30
 
@@ -180,7 +180,7 @@ def main() -> None:
     for arch in args.archs:
         try:
             measure(args, arch, [c for c in CASES if c[0] == arch])
-        except Exception as e:  # keep measuring the others; the record says what failed
+        except Exception as e:  # noqa: BLE001 - keep measuring the others; the record says what failed
             emit(args.out, {"kind": "arch_error", "model": arch, "err": repr(e)[:800]})
             shutil.rmtree(os.path.join(args.ckpt_dir, arch), ignore_errors=True)
         gc.collect()
