@@ -336,8 +336,7 @@ def _print_cards(c: Console, p: Plan) -> None:
             if why[key] == "context":
                 cells[i], capped = cells[i] + "*", True
         ct.add_row(short_label(v.gpu.label), gib_cell(v.usable_bytes), gib_cell(v.need_bytes),
-                   "[green]yes[/green]" if v.fits else "[red]no[/red]", gib_cell(v.headroom_bytes),
-                   *cells, _batch_cell(v.max_batch, cap))
+                   _fits_cell(v), gib_cell(v.headroom_bytes), *cells, _batch_cell(v.max_batch, cap))
     c.print(ct)
     if capped:
         c.print(f"*: capped by the model's context (prompt + new tokens = max_position_embeddings "
@@ -345,6 +344,14 @@ def _print_cards(c: Console, p: Plan) -> None:
     if any(v.max_batch == cap for v in p.cards):
         where = "the batch asked" if cap == p.settings.batch else "the search's cap"
         c.print(f"batch: ≥{cap:,} is {where}; a larger batch may fit too (plan it with --batch N)")
+
+
+def _fits_cell(v) -> str:
+    """``yes`` / ``no``; ``unverified`` where it fits by a replay no GPU measurement covers (finding
+    ``unverified_path``)."""
+    if not v.fits:
+        return "[red]no[/red]"
+    return "[yellow]unverified[/yellow]" if v.unverified else "[green]yes[/green]"
 
 
 def print_plan(p: Plan, console: Console | None = None) -> None:
@@ -409,7 +416,9 @@ def print_plan(p: Plan, console: Console | None = None) -> None:
                 indented(c, f"fix: {as_flags(f.fix)}", 7)
     labels = {v.gpu.name: short_label(v.gpu.label) for v in p.cards}
     if p.changes and all(v.fits for v in p.cards):
-        c.print("fits every card planned against; --format json lists the changes that would lower the need further")
+        c.print(("fits every card planned against by an unverified replay (finding unverified_path)"
+                 if any(v.unverified for v in p.cards) else "fits every card planned against") +
+                "; --format json lists the changes that would lower the need further")
     elif p.changes:
         ch = Table(title="Changes: first those that make it fit as asked (settings, then hardware), then those "
                          "that lower the need, then those that shrink the request", title_justify="left")

@@ -15,7 +15,9 @@ The tape, in program order:
    copy of the last logits. Decode steps differ only in tensor lengths, which grow by one token a step: steps 1
    and 2 are replayed and each later step's sizes are extrapolated from them (every size is linear in the
    position; a sliding-window layer's cache stops growing at its window, so past it the steps are planned
-   high by at most the new tokens' rows of those layers). While the small pool
+   high by at most the new tokens' rows of those layers). Where steps 1 and 2 differ in structure (a cache of one
+   or two tokens takes other branches of the mask code), more steps are replayed until two consecutive ones agree,
+   or all of them (:func:`_decode_tape`; the plan says so). While the small pool
    cycles through the same states, later steps place only their large requests (:mod:`vramguard.memory.
    decode_steps`, exact: the same peaks and out-of-memory point as placing every request). Over many prompts (the
    search for the largest one) the three forwards are rescaled from four sample replays instead
@@ -50,6 +52,7 @@ class AllocatorReplay:
     segments_at_peak: int
     oom: OutOfMemory | None
     expandable_segments: bool
+    decode_note: str | None = None  # how the decode steps were replayed where the shortcut did not apply
 
     @property
     def fits(self) -> bool:
@@ -175,12 +178,12 @@ def _replay(spec, s: Settings, config: AllocatorConfig, rescale: bool, later_ste
     base = alloc.reserved_bytes
     alloc.config = config
     alloc.peak_reserved_bytes, alloc.peak_allocated_bytes = alloc.reserved_bytes, alloc.allocated_bytes
-    head, steps = _tape(spec, s, rescale)
+    head, steps, note = _decode_tape(spec, s, rescale)
     placer = Placer(alloc)
     if placer.place(head) and steps is not None and later_steps:
         placer.decode(steps)
     return AllocatorReplay(alloc.peak_allocated_bytes, alloc.peak_reserved_bytes, base, placer.segments_at_peak,
-                           alloc.oom, config.expandable_segments)
+                           alloc.oom, config.expandable_segments, note)
 
 
 def generate_events(spec, s: Settings, rescale: bool = False) -> list[tuple[int, int]]:
@@ -192,14 +195,72 @@ def generate_events(spec, s: Settings, rescale: bool = False) -> list[tuple[int,
 
 
 def _tape(spec, s: Settings, rescale: bool) -> tuple[list[tuple[int, int]], DecodeSteps | None]:
-    """:func:`generate_events` as the prefill and decode steps 1 and 2, then the later steps (None: none)."""
+    """:func:`generate_events` as the forwards replayed in full, then the later steps (None: none)."""
+    return _decode_tape(spec, s, rescale)[:2]
+
+
+FALLBACK_STEPS = 8  # decode forwards replayed to find two consecutive ones of one structure (see _decode_tape)
+FULL_REPLAY_MAX_NEW_TOKENS = 64  # beyond that, a generation whose steps never repeat in structure is not replayed
+
+
+def _decode_tape(spec, s: Settings, rescale: bool) -> tuple[list[tuple[int, int]], DecodeSteps | None, str | None]:
+    """(the forwards replayed in full as one tape, the later decode steps extrapolated from the last two of them or
+    None, a note where the shortcut did not apply as the module docstring describes it, else None).
+
+    The shortcut extrapolates decode steps 3, 4... from steps 1 and 2, which must allocate the same tensors. Where
+    they do not (a cache of one or two tokens takes other branches of transformers' mask code than a longer one),
+    up to :data:`FALLBACK_STEPS` forwards are replayed and the first two consecutive decode steps of one structure
+    are extrapolated from; where none are found, every step is replayed (the full replay) up to
+    :data:`FULL_REPLAY_MAX_NEW_TOKENS` new tokens.
+
+    Raises:
+        NotPlannable: no two consecutive decode steps of one structure and a longer generation than that.
+    """
     new = s.max_new_tokens if s.cache == "static" else min(s.max_new_tokens, 3)
     key = s.with_(prompt_tokens=1, max_new_tokens=1)
     found = _rescaled_events(spec.config_json, spec.name, key, s.prompt_tokens, new) if rescale else None
-    head, step1, step2 = found or _cached_events(spec.config_json, spec.name, key, s.prompt_tokens, new)
-    events = list(head) + list(step1) + list(step2)
+    forwards = found or _cached_events(spec.config_json, spec.name, key, s.prompt_tokens, new)
     more = s.max_new_tokens - 3
-    return events, (DecodeSteps.from_steps(step1, step2, more) if more > 0 else None)
+    if more <= 0:
+        return [e for fw in forwards for e in fw], None, None
+    steps = _extrapolated(forwards[1], forwards[2], more)
+    if steps is None and found is not None:
+        forwards = _cached_events(spec.config_json, spec.name, key, s.prompt_tokens, new)
+        steps = _extrapolated(forwards[1], forwards[2], more)
+    if steps is not None:
+        return [e for fw in forwards for e in fw], steps, None
+    why = (f"decode steps 1 and 2 allocate {_count(forwards[1])} and {_count(forwards[2])} tensors (the first "
+           "steps' forwards differ in structure)")
+    for n in dict.fromkeys((min(FALLBACK_STEPS, s.max_new_tokens), s.max_new_tokens)):
+        if n > FULL_REPLAY_MAX_NEW_TOKENS and n > FALLBACK_STEPS:
+            break
+        forwards = _cached_events(spec.config_json, spec.name, key, s.prompt_tokens,
+                                  s.max_new_tokens if s.cache == "static" else n, n)
+        if n == s.max_new_tokens:
+            return [e for fw in forwards for e in fw], None, f"{why}: all {n} forwards were replayed in full"
+        for k in range(1, n - 1):  # forwards[k]: decode step k
+            steps = _extrapolated(forwards[k], forwards[k + 1], s.max_new_tokens - k - 2)
+            if steps is not None:
+                return [e for fw in forwards[:k + 2] for e in fw], steps, (
+                    f"{why}: the prefill and decode steps 1 to {k + 1} were replayed in full, later steps "
+                    f"extrapolated from steps {k} and {k + 1}")
+    from vramguard.errors import NotPlannable
+    raise NotPlannable("max_new_tokens", s.max_new_tokens, f"at most {FULL_REPLAY_MAX_NEW_TOKENS} new tokens "
+                       f"where no two of the first {FALLBACK_STEPS} decode steps allocate the same tensors ({why})",
+                       f"plan max_new_tokens={FULL_REPLAY_MAX_NEW_TOKENS} or fewer, or with alloc_conf=None (the "
+                       "reserve formula)")
+
+
+def _count(forward) -> int:
+    return sum(1 for _, b in forward if b >= 0)
+
+
+def _extrapolated(step1, step2, more: int) -> DecodeSteps | None:
+    """:meth:`DecodeSteps.from_steps`, or None where the two steps differ in structure."""
+    try:
+        return DecodeSteps.from_steps(step1, step2, more)
+    except ValueError:
+        return None
 
 
 SAMPLE_OFFSETS = (8, 45, 109, 181)  # prompts lo + offset sample a stretch; a quadratic through 3, checked at the 4th
@@ -314,6 +375,7 @@ def _trace(config_json: str, name: str, key: Settings, prompt: int, new: int, st
 
     from vramguard.introspect.build import _quiet, cached_config, text_config
     from vramguard.introspect.generic import _replay_model, _structure
+    from vramguard.introspect.mixers import reference_paths
     from vramguard.introspect.replay import _new_cache
     from vramguard.introspect.tracker import DataPolicy, StorageTracker
     from vramguard.memory.forward import sdpa_runs_math
@@ -329,7 +391,7 @@ def _trace(config_json: str, name: str, key: Settings, prompt: int, new: int, st
     seqs, meta = s.sequences, torch.device("meta")
     starts: list[int] = []
     with _layer_starts(model, layers, lambda: starts.append(len(events))) as found, _quiet(), torch.no_grad(), \
-            tracker, _bnb_kernels(model, quantized, s), (_fused_sdpa_mode() if flash else contextlib.nullcontext()):
+            reference_paths(model), tracker, _bnb_kernels(model, quantized, s), (_fused_sdpa_mode() if flash else contextlib.nullcontext()):
         if not found:
             return None
         cache = _new_cache(model, cfg, s)

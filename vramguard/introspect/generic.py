@@ -178,6 +178,13 @@ def replay_note(spec, s: Settings) -> str | None:
     return _replay_model(spec.config_json, spec.name, s.act_dtype, s.effective_attn, s.sdpa_kernel)[1]
 
 
+def kernel_paths(spec, s: Settings):
+    """The kernel-backed functions of the forward replayed for ``s`` and the path each takes
+    (:func:`vramguard.introspect.mixers.kernel_paths`)."""
+    from vramguard.introspect.mixers import kernel_paths as paths
+    return paths(_replay_model(spec.config_json, spec.name, s.act_dtype, s.effective_attn, s.sdpa_kernel)[0])
+
+
 def _quantized_kv(r, s: Settings) -> tuple[int, int]:
     """(bytes of the cache in ``s``'s quantized format, bytes of its largest layer in 16-bit), from the replayed
     16-bit attention K/V tensors (4-D, tokens on dim -2); other cache tensors are kept as they are."""
@@ -238,7 +245,14 @@ def kv_cache_bytes(spec, s: Settings, n_tokens: int, in_prefill_chunk: int = 0) 
 
 
 def _layer_kinds(spec, n: int) -> tuple[str, ...]:
-    return tuple(spec.layer_types) + ("full_attention",) * max(n - len(spec.layer_types), 0)
+    """Each layer's kind: the config.json's ``layer_types``, else those of the config transformers builds (Falcon-H1's
+    ``hybrid``: attention and Mamba-2 side by side), else ``full_attention``; padded to ``n`` layers."""
+    kinds = tuple(spec.layer_types)
+    if set(kinds) <= {"full_attention"} and spec.config_json:
+        named = getattr(_text(spec), "layer_types", None)
+        if isinstance(named, (list, tuple)) and len(named) == spec.num_layers:
+            kinds = tuple(str(t) for t in named)
+    return kinds + ("full_attention",) * max(n - len(kinds), 0)
 
 
 _ELEM = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8, "int8": 1, "uint8": 1, "int64": 8, "int32": 4,

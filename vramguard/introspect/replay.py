@@ -263,6 +263,12 @@ def replay(model, config, s: Settings, past: int, chunk: int, quantized: set[str
 
 
 def _replay(model, config, s: Settings, past: int, chunk: int, quantized, policy) -> Replayed:
+    from vramguard.introspect.mixers import reference_paths
+    with reference_paths(model):
+        return _replay_forward(model, config, s, past, chunk, quantized, policy)
+
+
+def _replay_forward(model, config, s: Settings, past: int, chunk: int, quantized, policy) -> Replayed:
     from vramguard.memory.common import sdpa_runs_math
     cache = _new_cache(model, config, s)
     logits_to_keep = 0 if s.logits == "all" else 1

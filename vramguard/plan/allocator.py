@@ -175,6 +175,14 @@ GPU_EXTRA_FIX = ("pip install torch transformers (PyTorch's CPU build is enough:
                  "https://download.pytorch.org/whl/cpu)")
 
 
+def decode_replay_finding(est) -> Finding | None:
+    """An ``info`` finding ``decode_replayed`` where the allocator model's tape could not extrapolate decode steps 3,
+    4... from steps 1 and 2 and replayed more of them (the note of
+    :func:`~vramguard.introspect.alloc_replay._decode_tape`); None otherwise."""
+    note = est.allocator.decode_note if est.allocator is not None else None
+    return Finding("decode_replayed", "info", note) if note else None
+
+
 def reserve_formula_finding(why: str, level: str = "info", fix: str | None = None) -> Finding:
     """The finding of a plan that used the reserve formula (largest allocation plus 30% of the rest,
     :mod:`vramguard.memory.runtime`) instead of the allocator model, for ``why``: the formula is high, so the

@@ -44,6 +44,7 @@ class CardVerdict:
     max_prompt_tokens: int | None = None
     max_new_tokens: int | None = None
     max_batch: int | None = None
+    unverified: str | None = None  # why ``fits`` rests on a replay no GPU measurement covers (plan.verified)
 
 
 @dataclass(frozen=True)

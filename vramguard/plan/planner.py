@@ -72,6 +72,7 @@ def plan(model: str | ModelSpec, settings: Settings | None = None, *, gpu: str |
     if solve:
         cards = [solve_card(spec, s, c) for c in cards]
     est, cards, reserved_findings = _reserved(spec, s, est, cards, alloc_conf, solve, freed_before)
+    cards, unverified = _mark_unverified(spec, s, cards)
     logits_case = ("all positions: a forward over the whole prompt (scoring, output_logits), with a float32 copy"
                    if s.logits == "all" else
                    "last position only: generate() passes logits_to_keep=1 and copies that row to float32")
@@ -80,9 +81,27 @@ def plan(model: str | ModelSpec, settings: Settings | None = None, *, gpu: str |
     from vramguard.hub.prequant import prequant_findings
     p.findings.extend(prequant_findings(p))
     p.findings.extend(reserved_findings)
+    p.findings.extend(unverified)
     if solve:
         p.changes.extend(ranked_changes(spec, s, gpus))
     return p
+
+
+def _mark_unverified(spec: ModelSpec, s: Settings, cards: list[CardVerdict]):
+    """(cards, findings): each card's ``unverified`` set where a part of the forward has no GPU measurement
+    (:func:`vramguard.plan.verified.unverified`), with a ``warn`` finding ``unverified_path`` that says which;
+    unchanged, and no finding, where every part is measured."""
+    from dataclasses import replace
+
+    from vramguard.finding import Finding
+    from vramguard.plan.verified import describe, unverified
+    missing = unverified(spec, s)
+    if not missing:
+        return cards, []
+    why = describe(missing)
+    return [replace(c, unverified=why) for c in cards], [Finding(
+        "unverified_path", "warn", why, "measure it before relying on the fit: vramguard profile MODEL with these "
+        "settings on the card (or vramguard fit), then plan with the measured peak in mind")]
 
 
 def with_context(spec: ModelSpec, context: object) -> ModelSpec:
@@ -136,7 +155,7 @@ def _reserved(spec: ModelSpec, s: Settings, est: MemoryEstimate, cards: list[Car
     """(est, cards, findings): :func:`_reserved_by` for ``freed_before`` (as :func:`plan`; None: this process's
     state), with the ``freed_before`` finding where it applies. Raises InvalidValue for a ``freed_before`` that is
     not a bool or None."""
-    from vramguard.plan.allocator import freed_before_finding, process_freed_memory
+    from vramguard.plan.allocator import decode_replay_finding, freed_before_finding, process_freed_memory
     if freed_before is not None and not isinstance(freed_before, bool):
         from vramguard.errors import InvalidValue
         raise InvalidValue("freed_before", freed_before, "True, False or None (this process's own state)",
@@ -144,7 +163,8 @@ def _reserved(spec: ModelSpec, s: Settings, est: MemoryEstimate, cards: list[Car
                            "cache")
     freed = process_freed_memory() if freed_before is None else freed_before
     est, cards, why = _reserved_by(spec, s, est, cards, alloc_conf, solve, freed)
-    return est, cards, [f for f in (why, freed_before_finding(est, freed)) if f is not None]
+    return est, cards, [f for f in (why, freed_before_finding(est, freed), decode_replay_finding(est))
+                        if f is not None]
 
 
 def _reserved_by(spec: ModelSpec, s: Settings, est: MemoryEstimate, cards: list[CardVerdict], alloc_conf: str | None,

@@ -1,0 +1,191 @@
+"""Measure plain transformers ``generate`` on layer families the generic planner claims, outside tests/archs.py: the
+parallel hybrid (Falcon-H1: attention and Mamba-2 side by side in every layer), a serial Mamba-2 model, short
+convolutions beside attention (LFM2) and an MoE with a shared expert (Qwen1.5-MoE), each at two lengths; and beside
+each measurement the plan made in the same process (the same transformers version: the reference PyTorch paths of
+the Mamba-2 scan differ between versions).
+
+Random weights (memory does not depend on their values) in the published models' dimensions (the "source" of each
+config; the dimensions are those of the named model's config.json). Without ``mamba_ssm`` and ``causal_conv1d``
+installed, transformers runs its reference PyTorch paths, and so do these measurements: each record says which
+(``kernels``). Every case runs under a per-process cap (``--cap-gib``, default 60); one that runs out of memory under
+it is recorded as such (peak at the failure).
+
+    python3 benchmarks/gpu_hybrid.py --out-dir benchmarks/results/h200_hybrid            # on the GPU machine
+    python3 benchmarks/gpu_hybrid.py --out-dir /tmp/hybrid_smoke --tiny                  # CPU: plans only, tiny dims
+
+Output: ``<out-dir>/gpu_hybrid.jsonl`` (one JSON object a line: ``versions``, ``loaded``, ``gen``);
+``benchmarks/compare_hybrid.py`` computes the plan's error from it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import shutil
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from benchmarks.common import emit, save_random
+
+GiB = 2**30
+
+CONFIGS = {
+    "falcon-h1-1.5b-deep": {"source": "tiiuae/Falcon-H1-1.5B-Deep-Instruct", "model_type": "falcon_h1",
+                            "hidden_size": 1280, "num_hidden_layers": 66, "num_attention_heads": 6,
+                            "num_key_value_heads": 2, "head_dim": 128, "intermediate_size": 3072,
+                            "mamba_d_ssm": 1536, "mamba_n_heads": 24, "mamba_d_head": 64, "mamba_d_state": 256,
+                            "mamba_n_groups": 1, "mamba_chunk_size": 128, "mamba_d_conv": 4, "mamba_rms_norm": False,
+                            "vocab_size": 65537, "max_position_embeddings": 131072, "tie_word_embeddings": False},
+    "mamba2-1.3b": {"source": "state-spaces/mamba2-1.3b", "model_type": "mamba2", "hidden_size": 2048,
+                    "num_hidden_layers": 48, "state_size": 128, "head_dim": 64, "num_heads": 64, "expand": 2,
+                    "n_groups": 1, "chunk_size": 256, "conv_kernel": 4, "vocab_size": 50288,
+                    "tie_word_embeddings": True},
+    "lfm2-1.2b": {"source": "LiquidAI/LFM2-1.2B", "model_type": "lfm2", "hidden_size": 2048, "num_hidden_layers": 16,
+                  "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 12288,
+                  "layer_types": ["full_attention" if i in (2, 5, 8, 10, 12, 14) else "conv" for i in range(16)],
+                  "conv_L_cache": 3, "vocab_size": 65536, "max_position_embeddings": 128000,
+                  "tie_word_embeddings": True},
+    "qwen1.5-moe-a2.7b": {"source": "Qwen/Qwen1.5-MoE-A2.7B", "model_type": "qwen2_moe", "hidden_size": 2048,
+                          "num_hidden_layers": 24, "num_attention_heads": 16, "num_key_value_heads": 16,
+                          "intermediate_size": 5632, "moe_intermediate_size": 1408,
+                          "shared_expert_intermediate_size": 5632, "num_experts": 60, "num_experts_per_tok": 4,
+                          "vocab_size": 151936, "max_position_embeddings": 8192, "tie_word_embeddings": False},
+}
+
+# (architecture, quantization, prompt tokens, new tokens): the two Falcon-H1 runs a plan missed by 3x to 7x, then
+# each other family at two lengths (Mamba-2's reference scan on transformers 5.17 holds ~8.4 MB a token in float32)
+CASES = [
+    ("falcon-h1-1.5b-deep", "bf16", 4096, 64), ("falcon-h1-1.5b-deep", "nf4", 8192, 32),
+    ("mamba2-1.3b", "bf16", 1024, 32), ("mamba2-1.3b", "bf16", 2048, 32),
+    ("lfm2-1.2b", "bf16", 4096, 32), ("lfm2-1.2b", "bf16", 8192, 32),
+    ("qwen1.5-moe-a2.7b", "bf16", 2048, 32), ("qwen1.5-moe-a2.7b", "bf16", 4096, 32),
+]
+
+# --tiny: the same architectures at a few layers and small widths (a CPU check that configs build and plan)
+TINY = {"hidden_size": 64, "intermediate_size": 128, "head_dim": 16, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "mamba_d_ssm": 64, "mamba_n_heads": 8, "mamba_d_head": 8, "mamba_d_state": 16,
+        "mamba_chunk_size": 16, "state_size": 16, "num_heads": 8, "chunk_size": 16, "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 64, "num_experts": 4, "num_experts_per_tok": 2, "vocab_size": 256}
+
+
+def config_fields(arch: str, tiny: bool) -> dict:
+    """config.json fields of ``arch`` (without source and model_type); ``tiny``: scaled down to 4 layers."""
+    fields = {k: v for k, v in CONFIGS[arch].items() if k not in ("source", "model_type")}
+    if tiny:
+        fields.update({k: v for k, v in TINY.items() if k in fields})
+        if CONFIGS[arch]["model_type"] == "mamba2":
+            fields["head_dim"] = 16  # hidden 64 x expand 2 = 8 heads x 16
+        if "layer_types" in fields:
+            fields["layer_types"] = fields["layer_types"][:4]
+        fields["num_hidden_layers"] = 4
+    return fields
+
+
+def kernels() -> dict:
+    """Whether the packages whose kernels transformers binds in place of its reference paths are installed."""
+    import importlib.util
+    return {p: importlib.util.find_spec(p) is not None for p in ("mamba_ssm", "causal_conv1d", "fla")}
+
+
+def planned(path: str, quant: str, prompt: int, new: int, cap_bytes: int) -> dict:
+    """The plan of the case against a card of ``cap_bytes`` (no solving), and how long it took."""
+    from vramguard import Settings, plan
+    from vramguard.catalog.gpus import GpuSpec
+    t0 = time.perf_counter()
+    card = GpuSpec("cap", "capped H200", cap_bytes, (9, 0), 0)
+    p = plan(path, Settings(quant=quant, attn="sdpa", prompt_tokens=prompt, max_new_tokens=new), gpus=[card],
+             solve=False)
+    e = p.estimate
+    return {"plan_weights": e.weights.total_bytes, "plan_peak": e.peak_allocated_bytes,
+            "plan_reserved": e.peak_reserved_bytes, "plan_kv": e.kv_full.gpu_bytes,
+            "plan_device": e.device_used_bytes, "plan_fits": p.cards[0].fits, "plan_phase": e.peak_phase,
+            "plan_unverified": p.cards[0].unverified,
+            "plan_findings": [f.code for f in p.findings], "plan_secs": round(time.perf_counter() - t0, 2)}
+
+
+def measure(args, arch: str, cases: list) -> None:
+    """Build ``arch``, load it in each quantization its cases ask for, and run each case (plan beside it)."""
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    from benchmarks.gpu_matrix import run_case, tensor_breakdown
+    path = os.path.join(args.ckpt_dir, arch)
+    t0 = time.perf_counter()
+    save_random(CONFIGS[arch]["model_type"], config_fields(arch, False), path)
+    emit(args.out, {"kind": "checkpoint", "model": arch, "secs": round(time.perf_counter() - t0, 1)})
+    total, cap = torch.cuda.mem_get_info()[1], int(args.cap_gib * GiB)
+    vocab = CONFIGS[arch]["vocab_size"]
+    for quant in dict.fromkeys(q for _, q, _, _ in cases):
+        kw = {}
+        if quant == "nf4":
+            kw["quantization_config"] = BitsAndBytesConfig(
+                load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                bnb_4bit_compute_dtype=torch.bfloat16)
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        before = torch.cuda.memory_allocated()
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device_map="cuda:0",
+                                                     attn_implementation="sdpa", **kw).eval()
+        weights = torch.cuda.memory_allocated() - before
+        emit(args.out, {"kind": "loaded", "model": arch, "quant": quant, "weights_bytes": weights,
+                        "breakdown": tensor_breakdown(model)})
+        model.generate(torch.randint(100, 1000, (1, 16)).cuda(), max_new_tokens=2, min_new_tokens=2,
+                       do_sample=False, pad_token_id=0)
+        for _, q, prompt, new in cases:
+            if q != quant:
+                continue
+            pl = planned(path, quant, prompt, new, cap) if not args.no_plan else {}
+            torch.cuda.set_per_process_memory_fraction(cap / total)
+            rec = run_case(model, vocab, 1, prompt, new)
+            rec.update(kind="gen", model=arch, quant=quant, attn="sdpa", weights=weights, cap=cap, **pl)
+            emit(args.out, rec)
+        del model
+        gc.collect()
+        torch.cuda.empty_cache()
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def smoke(args) -> None:
+    """``--tiny``: build each architecture small on the CPU, save it and plan every case at a tenth of its length."""
+    for arch in dict.fromkeys(a for a, _, _, _ in CASES):
+        path = os.path.join(args.ckpt_dir, arch + "-tiny")
+        save_random(CONFIGS[arch]["model_type"], config_fields(arch, True), path)
+        for a, quant, prompt, new in CASES:
+            if a == arch:
+                emit(args.out, {"kind": "plan", "model": arch, "quant": quant, "prompt": prompt // 16, "new": new,
+                                **planned(path, quant, prompt // 16, new, int(args.cap_gib * GiB))})
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out-dir", required=True, help="folder for gpu_hybrid.jsonl")
+    ap.add_argument("--archs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    ap.add_argument("--cap-gib", type=float, default=60.0)
+    ap.add_argument("--ckpt-dir", default="/dev/shm/vg_hybrid")
+    ap.add_argument("--no-plan", action="store_true", help="measure only (plan later with compare_hybrid.py)")
+    ap.add_argument("--tiny", action="store_true", help="CPU check: tiny dimensions, plans only")
+    args = ap.parse_args()
+    os.makedirs(args.out_dir, exist_ok=True)
+    args.out = os.path.join(args.out_dir, "gpu_hybrid.jsonl")
+    import transformers
+    emit(args.out, {"kind": "versions", "torch": torch.__version__, "transformers": transformers.__version__,
+                    "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+                    "kernels": kernels()})
+    if args.tiny or not torch.cuda.is_available():
+        smoke(args)
+        return
+    for arch in args.archs:
+        try:
+            measure(args, arch, [c for c in CASES if c[0] == arch])
+        except Exception as e:  # noqa: BLE001 - keep measuring the others; the record says what failed
+            emit(args.out, {"kind": "arch_error", "model": arch, "err": repr(e)[:800]})
+            shutil.rmtree(os.path.join(args.ckpt_dir, arch), ignore_errors=True)
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

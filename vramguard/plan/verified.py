@@ -1,0 +1,75 @@
+"""Which parts of a generic plan a GPU measurement covers: the layer kinds and kernel paths of the measured
+architectures in ``benchmarks/results``. A part no measurement covers is "unverified" (the replay follows
+transformers' code, but nothing has checked that code's memory on a card), and a card it fits says so.
+
+The table is the measurements' own: each entry names the results file and the architecture that measured it, and
+``tests/test_hybrid.py`` checks each against its records (the plan within 1% of the measured peak allocated).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vramguard.settings import Settings
+
+
+@dataclass(frozen=True)
+class Measured:
+    """A part of the forward measured on a GPU: ``part`` (``layer:<kind>`` for a layer kind as transformers'
+    ``layer_types`` names it, ``path:<package>:reference`` / ``path:<package>:kernel`` for the path transformers
+    takes for a package's kernels), on ``transformers`` (None: any version), by ``model`` in ``results``."""
+
+    part: str
+    transformers: str | None
+    model: str
+    results: str
+
+
+GENERIC_RUN1 = "benchmarks/results/h200_generic/generic_run1.jsonl"
+GENERIC_RUN2 = "benchmarks/results/h200_generic/generic_run2.jsonl"
+
+MEASURED: tuple[Measured, ...] = (
+    Measured("layer:full_attention", None, "deepseek-v2-lite", GENERIC_RUN2),
+    Measured("layer:sliding_attention", None, "starcoder2-7b", GENERIC_RUN1),
+    Measured("layer:linear_attention", None, "granite-hybrid-3b", GENERIC_RUN1),  # Mamba-2 layers, serial
+    Measured("path:mamba_ssm:reference", "5.17.0", "granite-hybrid-3b", GENERIC_RUN1),
+    Measured("path:causal_conv1d:reference", "5.17.0", "granite-hybrid-3b", GENERIC_RUN1),
+)
+
+
+def parts(spec, s: Settings) -> tuple[str, ...]:
+    """The parts of ``spec``'s forward a measurement must cover (see :class:`Measured`): its layer kinds (from the
+    config transformers builds; ``full_attention`` where it names none) and the path of each kernel package."""
+    from vramguard.introspect.generic import _text, kernel_paths
+    kinds = getattr(_text(spec), "layer_types", None) or ["full_attention"]
+    found = [f"layer:{k}" for k in dict.fromkeys(kinds)]
+    for p in kernel_paths(spec, s):
+        found.append(f"path:{p.package}:{'kernel' if p.kernel_installed else 'reference'}")
+    return tuple(dict.fromkeys(found))
+
+
+def unverified(spec, s: Settings) -> tuple[str, ...]:
+    """The parts of a generic ``spec``'s forward with ``s`` that no entry of :data:`MEASURED` covers for the
+    installed transformers; () for a hand-written family (measured in benchmarks/results/h200_matrix)."""
+    if not spec.generic or not spec.config_json:
+        return ()
+    import transformers
+    version = transformers.__version__
+    covered = {m.part for m in MEASURED if m.transformers in (None, version)}
+    return tuple(p for p in parts(spec, s) if p not in covered)
+
+
+def describe(missing: tuple[str, ...]) -> str:
+    """The plan's words for the unverified parts ``missing``."""
+    import transformers
+    words = []
+    for part in missing:
+        kind, _, rest = part.partition(":")
+        if kind == "layer":
+            words.append(f"{rest} layers")
+        else:
+            package, _, path = rest.partition(":")
+            words.append(f"{package}'s {'CUDA kernels' if path == 'kernel' else 'reference PyTorch path'} on "
+                         f"transformers {transformers.__version__}")
+    return ("no GPU measurement in benchmarks/results covers " + ", ".join(words) +
+            ": the plan replays transformers' code for them, but no card has confirmed its memory (unverified)")
