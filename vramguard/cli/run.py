@@ -10,6 +10,7 @@ import typer
 from vramguard.cli.common import err, run_guarded, say, size_option, write_json
 from vramguard.cli.options import Format, Quant, format_option, max_new_tokens_option, quant_option
 from vramguard.errors import InvalidValue
+from vramguard.inputs import read_text
 from vramguard.units import plural
 
 
@@ -96,11 +97,7 @@ def _read_prompt(prompt: str | None, prompt_file: str | None) -> str:
             raise InvalidValue("--prompt", prompt, "text with at least one character other than white space",
                                "pass the text to answer, e.g. --prompt 'Hello'")
         return prompt
-    try:
-        text = sys.stdin.read() if prompt_file == "-" else open(prompt_file, encoding="utf-8").read()
-    except OSError as e:
-        raise InvalidValue("--prompt-file", prompt_file, "a readable text file",
-                           f"check the path ({e.strerror or e}), or pass - and pipe the prompt in") from None
+    text = sys.stdin.read() if prompt_file == "-" else read_text(prompt_file, "--prompt-file")
     if not text.strip():
         raise InvalidValue("--prompt-file", prompt_file, "a file holding text other than white space",
                            "write the prompt into the file, or pass --prompt TEXT")

@@ -50,8 +50,10 @@ def hub_spec(repo_id: str, revision: str | None = None, cached=None):
         ConfigError: the config cannot be planned.
     """
     from vramguard.hub.fetch import fetch_model
+    from vramguard.inputs import check_config
     from vramguard.spec import spec_from_config
     m = cached or fetch_model(repo_id, revision)
+    check_config(m.config, f"{repo_id}'s config.json")
     at = f"@{m.commit[:12]}" if m.commit else f"@{m.revision}"
     source = f"hf-cache:{m.snapshot}" if m.snapshot else f"hub:{repo_id}{at}"
     spec = spec_from_config(m.config, name=repo_id, source=source)
