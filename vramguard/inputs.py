@@ -54,8 +54,13 @@ _KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO (named pipe)"), (s
           (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
 
 
+class NotAFile(ConfigError):
+    """A path that must name a regular file names a FIFO, a device, a socket, a folder, a symlink loop or nothing:
+    refused at once, even where a damaged file's content would only be noted (a plan from config.json alone)."""
+
+
 def regular_file(path: str | os.PathLike, field: str, what: str,
-                 error: type[VramguardError] = ConfigError) -> os.stat_result:
+                 error: type[VramguardError] = NotAFile) -> os.stat_result:
     """The ``stat`` of ``path`` when it names a regular file (through symlinks); never opens it.
 
     Raises:
@@ -74,7 +79,7 @@ def regular_file(path: str | os.PathLike, field: str, what: str,
     return st
 
 
-def open_regular(path: str | os.PathLike, field: str, what: str, error: type[VramguardError] = ConfigError):
+def open_regular(path: str | os.PathLike, field: str, what: str, error: type[VramguardError] = NotAFile):
     """``path`` opened for binary reading when it is a regular file (:func:`regular_file`).
 
     The file is opened non-blocking and checked again from its descriptor, so a FIFO put in its place after the
@@ -91,13 +96,14 @@ def open_regular(path: str | os.PathLike, field: str, what: str, error: type[Vra
 
 
 def read_bytes(path: str | os.PathLike, field: str, what: str, max_bytes: int,
-               error: type[VramguardError] = ConfigError) -> bytes:
-    """The bytes of the regular file ``path`` (:func:`open_regular`), refused when it holds over ``max_bytes``."""
-    size = regular_file(path, field, what, error).st_size
+               error: type[VramguardError] | None = None) -> bytes:
+    """The bytes of the regular file ``path`` (:func:`open_regular`), refused when it holds over ``max_bytes``;
+    ``error`` is raised instead of :class:`NotAFile` and :class:`~vramguard.errors.ConfigError` when given."""
+    size = regular_file(path, field, what, error or NotAFile).st_size
     if size > max_bytes:
-        raise error(field, str(path), f"a {what} of at most {max_bytes:,} bytes",
-                    f"{path} holds {size:,} bytes: pass the right file")
-    with open_regular(path, field, what, error) as f:
+        raise (error or ConfigError)(field, str(path), f"a {what} of at most {max_bytes:,} bytes",
+                                     f"{path} holds {size:,} bytes: pass the right file")
+    with open_regular(path, field, what, error or NotAFile) as f:
         return f.read(max_bytes + 1)[:max_bytes]
 
 
@@ -215,6 +221,17 @@ def check_index(folder: Path) -> None:
                               "them into " + str(folder))
         for s in shards:
             regular_file(folder / s, "MODEL", "safetensors file")
+
+
+def weight_files_regular(folder: str | os.PathLike) -> None:
+    """Every ``*.safetensors`` file and weights index of ``folder`` is a regular file (:func:`regular_file`, from
+    ``stat`` alone: nothing is opened).
+
+    Raises:
+        NotAFile: naming the first that is not.
+    """
+    for path in sorted(Path(folder).glob("*.safetensors*")):
+        regular_file(path, "MODEL", "safetensors file" if path.suffix == ".safetensors" else "weights index")
 
 
 def check_weights(folder: str | os.PathLike) -> None:

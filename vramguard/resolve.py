@@ -14,7 +14,7 @@ from pathlib import Path
 
 from vramguard.catalog.models import ALIASES, MODELS
 from vramguard.errors import UnknownModel
-from vramguard.inputs import read_config
+from vramguard.inputs import read_config, weight_files_regular
 from vramguard.spec import ModelSpec, spec_from_config
 
 ACCEPTED_MODEL_FORMS = ("a local model folder, a config.json path, a catalog name (vramguard.catalog.models.MODELS), "
@@ -160,9 +160,13 @@ def resolve_model(model: str, revision: str | None = None) -> ModelSpec:
         cfg_path = p / "config.json"
         if not os.path.lexists(cfg_path):  # one that is not a regular file is refused by name when read
             raise UnknownModel("MODEL", model, "a folder holding config.json", f"{p} has no config.json")
-        return with_local_checkpoint(spec_from_config(_read_json(cfg_path, "MODEL"), name=str(p), source=str(p)), p)
+        cfg = _read_json(cfg_path, "MODEL")
+        weight_files_regular(p)  # before the config is planned: a FIFO among the weights is said at once
+        return with_local_checkpoint(spec_from_config(cfg, name=str(p), source=str(p)), p)
     if os.path.lexists(p):  # a file; a FIFO, a device or a symlink loop is refused by name
-        return with_local_checkpoint(spec_from_config(_read_json(p, "MODEL"), name=str(p), source=str(p)), p.parent)
+        cfg = _read_json(p, "MODEL")
+        weight_files_regular(p.parent)
+        return with_local_checkpoint(spec_from_config(cfg, name=str(p), source=str(p)), p.parent)
     key = catalog_name(model)
     if key and revision is None:
         return _catalog_spec(key)
@@ -228,12 +232,15 @@ def local_model_folder(model: str) -> Path:
 
     Raises:
         UnknownModel: a path that does not exist (named, made absolute), or a name with no local folder (a catalog
-            name or a Hub id not in the cache: the fix says to download it).
+            name or a Hub id not in the cache: the fix gives the ``hf download`` command).
+        ConfigError: the folder's config.json or a weight file a loader could not read
+            (:func:`vramguard.inputs.read_config`, :func:`vramguard.inputs.weight_files_regular`).
     """
     folder = model_folder(model)
     if folder is not None:
         if os.path.lexists(folder / "config.json"):  # a FIFO or a symlink loop there is refused, not skipped
             read_config(folder / "config.json")
+        weight_files_regular(folder)
         return folder
     raise UnknownModel("MODEL", model, "a local model folder or a cached model id with weights",
                        _no_weights_fix(str(model)))

@@ -75,6 +75,8 @@ def serve(
             word_messages_with(previous)
 
     def serve_from_here() -> int:
+        from vramguard.resolve import local_model_folder
+        local_model_folder(model)  # a missing or unreadable model is said before torch is imported
         _allocator_note()
         budget = size_option(vram_budget, "vram_budget") if vram_budget else None
         body = parse_size(max_body_size, "--max-body-size", example="1MiB")

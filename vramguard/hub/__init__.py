@@ -63,10 +63,17 @@ def hub_spec(repo_id: str, revision: str | None = None, cached=None):
 
 def with_local_checkpoint(spec, folder):
     """``spec`` with the headers of the safetensors files in ``folder`` (a local model folder); a header that
-    cannot be read leaves the spec without them and a note saying why."""
+    cannot be read leaves the spec without them and a note saying why.
+
+    Raises:
+        NotAFile: a weight file that is not a regular file (a FIFO, a device, a folder, a symlink loop).
+    """
     from vramguard.errors import ConfigError
+    from vramguard.inputs import NotAFile
     try:
         ck = read_local_checkpoint(folder)
+    except NotAFile:  # a FIFO, a device or a symlink loop where a weight file belongs: refused, never waited on
+        raise
     except (ConfigError, OSError) as e:  # a damaged or placeholder file: plan from config.json, and say why
         why = e.render() if isinstance(e, ConfigError) else f"{type(e).__name__}: {e}"
         return replace(spec, notes=spec.notes + (f"the safetensors headers could not be read ({why.splitlines()[0]}): "
