@@ -130,15 +130,15 @@ def read_json(path: str | os.PathLike, field: str, what: str, max_bytes: int = M
             nested too deep.
     """
     raw = read_bytes(path, field, what, max_bytes)
-    fix = f"{path} is not a {what}: pass the model folder or its config.json, or re-download the file"
+    fix = "pass the model folder or its config.json, or re-download the file"
     try:
         data = json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError as e:
-        raise ConfigError(field, str(path), f"a {what} (UTF-8 JSON)", f"{fix} (byte {e.start:,} is not UTF-8)") \
-            from None
+        raise ConfigError(field, str(path), f"a {what} (UTF-8 JSON)", f"{path} is not JSON text (byte {e.start:,} "
+                          f"is not UTF-8): {fix}") from None
     except json.JSONDecodeError as e:
-        raise ConfigError(field, str(path), f"a {what} (JSON)", f"{fix} (line {e.lineno}, column {e.colno}: "
-                          f"{e.msg})") from None
+        raise ConfigError(field, str(path), f"a {what} (JSON)", f"{path} is not JSON text (line {e.lineno}, "
+                          f"column {e.colno}: {e.msg}): {fix}") from None
     except RecursionError:
         data = None  # nested deeper than the parser goes: said below as too deep
     if data is None or json_depth(data) > MAX_JSON_DEPTH:
