@@ -16,6 +16,7 @@ import pytest
 from conftest import run_cli, save_tiny_llama
 
 import vramguard
+from vramguard.catalog.models import MODELS
 from vramguard.errors import ConfigError, InvalidValue, UnknownModel
 from vramguard.inputs import (CONFIG_INTS, MAX_JSON_DEPTH, MAX_SHARDS, TORCH_DTYPE_NAMES, NotAFile, check_config,
                               json_depth, read_json)
@@ -198,6 +199,16 @@ def test_a_binary_prompt_file_is_refused(base, tmp_path):
     assert r.returncode == 2 and "byte 3 (0xe9) is not UTF-8" in _err(r)
 
 
+def test_a_context_file_that_is_no_text_file_is_refused(base, tmp_path):
+    os.mkfifo(tmp_path / "fifo")
+    err = _refused(["run", str(base), "--prompt", "w1", "--context", str(tmp_path / "fifo")], "--context", 2)
+    assert "is a FIFO (named pipe)" in err  # before the model loads: the FIFO is never opened
+    (tmp_path / "doc.bin").write_bytes(b"w1 w2\0w3")
+    r = run_cli("run", str(base), "--prompt", "w1", "--context", str(tmp_path / "doc.bin"), "--max-new-tokens", "2",
+                "--quant", "fp32")
+    assert r.returncode == 2 and "error --context:" in _err(r) and "it holds NUL bytes (byte 5)" in _err(r)
+
+
 @pytest.mark.parametrize("value", ["inf", "-inf", "1e-45", "0.00009", "nan"])
 def test_a_temperature_sampling_cannot_compute_is_refused(base, value):
     err = _refused(["run", str(base), "--prompt", "hi", "--do-sample", "--temperature", value], "--temperature", 2)
@@ -207,9 +218,11 @@ def test_a_temperature_sampling_cannot_compute_is_refused(base, value):
 def test_a_catalog_name_without_weights_gives_the_download_command():
     r = run_cli("run", "llama-3.1-8b", "--prompt", "hi")
     assert r.returncode == 3
-    assert "    hf download meta-llama/Llama-3.1-8B" in r.stderr  # a line of code of its own, not wrapped
+    repo = MODELS["llama-3.1-8b"]["source"]
+    assert f"\n    hf download {repo}\n" in r.stderr  # a line of code of its own, not wrapped
+    assert f"then run {repo} (the catalog's llama-3.1-8b holds shapes only" in _err(r)
     r = run_cli("run", "some-org/not-cached-model", "--prompt", "hi")
-    assert r.returncode == 3 and "    hf download some-org/not-cached-model" in r.stderr
+    assert r.returncode == 3 and "\n    hf download some-org/not-cached-model\n" in r.stderr
 
 
 def test_the_python_api_raises_the_same_typed_errors(base, tmp_path):
@@ -230,7 +243,7 @@ def test_the_python_api_raises_the_same_typed_errors(base, tmp_path):
     assert e.value.value == str(other / "model.safetensors") and "it holds 0 bytes" in e.value.fix
     with pytest.raises(UnknownModel) as e:
         load_model("llama-3.1-8b")
-    assert "hf download meta-llama/Llama-3.1-8B" in e.value.fix
+    assert e.value.fix.endswith("hf download " + MODELS["llama-3.1-8b"]["source"])
     with pytest.raises(InvalidValue):
         vramguard.generate(None, None, [1], 2, do_sample=True, temperature=float("inf"))
 
@@ -252,7 +265,6 @@ def test_json_depth_and_size_are_bounded(tmp_path):
 
 
 def test_config_limits_accept_the_catalog_and_refuse_each_field_past_its_limit():
-    from vramguard.catalog.models import MODELS
     for key, cfg in MODELS.items():
         check_config(cfg, key)  # every catalog config is within the limits
     for key, (lo, hi) in CONFIG_INTS.items():

@@ -256,7 +256,7 @@ def read_text(path: str, field: str, max_bytes: int = 2**30) -> str:
         InvalidValue (naming ``field``): not a regular file, too large, binary (NUL bytes) or not UTF-8.
     """
     raw = read_bytes(path, field, "text file", max_bytes, InvalidValue)
-    fix = "convert it to UTF-8 text (e.g. iconv -t UTF-8), or pass the text with --prompt"
+    fix = "convert it to UTF-8 text (e.g. iconv -t UTF-8), or pass a text file"
     if b"\0" in raw:
         raise InvalidValue(field, path, "a UTF-8 text file", f"it holds NUL bytes (byte {raw.index(0):,}): it is "
                            f"a binary file; {fix}")

@@ -254,8 +254,8 @@ def _no_weights_fix(model: str) -> str:
     key = catalog_name(model)
     if key:
         repo = MODELS[key]["source"]
-        return (f"download the weights first, then run the Hub id (the catalog's {key} holds shapes only: use it "
-                f"with plan):\n    hf download {repo}")
+        return (f"download the weights first, then run {repo} (the catalog's {key} holds shapes only: use it with "
+                f"plan):\n    hf download {repo}")
     return f"download the model first, then run it by this id:\n    hf download {model}"
 
 

@@ -10,7 +10,7 @@ import typer
 from vramguard.cli.common import err, run_guarded, say, size_option, write_json
 from vramguard.cli.options import Format, Quant, format_option, max_new_tokens_option, quant_option
 from vramguard.errors import InvalidValue
-from vramguard.inputs import read_text
+from vramguard.inputs import read_text, regular_file
 from vramguard.units import plural
 
 
@@ -54,6 +54,8 @@ def run(
         # what can be refused without loading anything, before anything is printed
         check_generation_args(max_new_tokens, do_sample, temperature, top_p, top_k, seed)
         text = _read_prompt(prompt, prompt_file)
+        for f in context or ():  # a missing file, a FIFO or a device is said before the model loads
+            regular_file(f, "--context", "text file", InvalidValue)
         local_model_folder(model)
         _allocator_note()
         budget = size_option(vram_budget, "vram_budget") if vram_budget else None
