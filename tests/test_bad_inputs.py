@@ -28,7 +28,8 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atte
 # how each command is started on a model folder: check and run with a shape that fits the tiny model's context
 COMMANDS = {"plan": [], "check": ["--prompt-tokens", "64", "--max-new-tokens", "64"],
             "run": ["--prompt", "hi", "--max-new-tokens", "2", "--quant", "fp32"],
-            "serve": ["--port", "0", "--quant", "fp32"]}
+            "serve": ["--port", "0", "--quant", "fp32"], "profile": [], "fit": ["--vary", "prompt"]}
+LOADERS = ["check", "run", "serve"]  # profile and fit need a GPU first: on a CPU they stop before the weights
 
 
 @pytest.fixture(scope="module")
@@ -134,7 +135,7 @@ def test_a_bad_config_is_refused_naming_its_field(base, tmp_path, command, case,
     assert str(folder / "config.json") in _refused([command, str(folder), *COMMANDS[command]], names, code)
 
 
-@pytest.mark.parametrize("command", ["check", "run", "serve"])
+@pytest.mark.parametrize("command", LOADERS)
 @pytest.mark.parametrize("case,make,names,code", WEIGHT_CASES, ids=[c[0] for c in WEIGHT_CASES])
 def test_a_damaged_weight_file_is_refused_before_loading(base, tmp_path, command, case, make, names, code):
     folder = _copy(base, tmp_path)
@@ -171,7 +172,7 @@ def _in_subprocess(args: list[str]) -> subprocess.CompletedProcess:
                           stdin=subprocess.DEVNULL)
 
 
-@pytest.mark.parametrize("command", ["plan", "check", "run", "serve"])
+@pytest.mark.parametrize("command", ["plan", *LOADERS])
 @pytest.mark.parametrize("fifo", ["config.json", "model.safetensors"])
 def test_a_fifo_in_the_model_folder_is_refused_without_waiting(base, tmp_path, command, fifo):
     folder = _copy(base, tmp_path)
@@ -228,9 +229,10 @@ def test_a_catalog_name_without_weights_gives_the_download_command():
 def test_the_python_api_raises_the_same_typed_errors(base, tmp_path):
     folder = _copy(base, tmp_path)
     _config(num_hidden_layers=1e12)(folder)
-    with pytest.raises(ConfigError) as e:
-        vramguard.plan(str(folder))
-    assert e.value.field == "config.json:num_hidden_layers" and e.value.value == 1e12
+    for call in (vramguard.plan, vramguard.check, vramguard.resolve_model):
+        with pytest.raises(ConfigError) as e:
+            call(str(folder))
+        assert e.value.field == "config.json:num_hidden_layers" and e.value.value == 1e12
     from vramguard.runtime.load import load_model
     with pytest.raises(ConfigError) as e:
         load_model(str(folder), quant="fp32", verify=False)
@@ -241,6 +243,12 @@ def test_the_python_api_raises_the_same_typed_errors(base, tmp_path):
     with pytest.raises(ConfigError) as e:
         load_model(str(other), quant="fp32", verify=False)
     assert e.value.value == str(other / "model.safetensors") and "it holds 0 bytes" in e.value.fix
+    with pytest.raises(ConfigError, match="it holds 0 bytes"):
+        vramguard.check(str(other), verify=False)
+    (other / "model.safetensors").unlink()
+    os.mkfifo(other / "model.safetensors")
+    with pytest.raises(NotAFile, match="is a FIFO"):
+        vramguard.plan(str(other))
     with pytest.raises(UnknownModel) as e:
         load_model("llama-3.1-8b")
     assert e.value.fix.endswith("hf download " + MODELS["llama-3.1-8b"]["source"])
