@@ -18,13 +18,13 @@ from conftest import run_cli, save_tiny_llama
 import vramguard
 from vramguard.catalog.models import MODELS
 from vramguard.errors import ConfigError, InvalidValue, UnknownModel
-from vramguard.inputs import (CONFIG_INTS, MAX_JSON_DEPTH, MAX_SHARDS, TORCH_DTYPE_NAMES, NotAFile, check_config,
+from vramguard.inputs import (CONFIG_DTYPE_NAMES, CONFIG_INTS, MAX_JSON_DEPTH, MAX_SHARDS, NotAFile, check_config,
                               json_depth, read_json)
 
 REPO = Path(__file__).resolve().parent.parent
 LIMIT_S = 5  # a refusal is said within this many seconds (they take ~0.2 s)
-TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, vocab_size=300, max_position_embeddings=256)
+TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "vocab_size": 300, "max_position_embeddings": 256}
 # how each command is started on a model folder: check and run with a shape that fits the tiny model's context
 COMMANDS = {"plan": [], "check": ["--prompt-tokens", "64", "--max-new-tokens", "64"],
             "run": ["--prompt", "hi", "--max-new-tokens", "2", "--quant", "fp32"],
@@ -169,7 +169,7 @@ def _in_subprocess(args: list[str]) -> subprocess.CompletedProcess:
                "from vramguard.cli import main; main()")
     env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "1000"}  # one line per message: paths unbroken
     return subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=60, env=env,
-                          stdin=subprocess.DEVNULL)
+                          stdin=subprocess.DEVNULL, check=False)
 
 
 @pytest.mark.parametrize("command", ["plan", *LOADERS])
@@ -281,11 +281,35 @@ def test_config_limits_accept_the_catalog_and_refuse_each_field_past_its_limit()
             with pytest.raises(ConfigError) as e:
                 check_config({"text_config": {key: bad}}, "c")
             assert e.value.field == f"config.json:text_config.{key}" and e.value.value == bad
+    check_config({"intermediate_size": [128, 256]}, "c")  # one per layer, as some architectures give it
+    with pytest.raises(ConfigError) as e:
+        check_config({"intermediate_size": [128, 0]}, "c")
+    assert e.value.field == "config.json:intermediate_size[1]" and e.value.value == 0
 
 
 def test_every_accepted_dtype_name_is_a_torch_dtype():
     import torch
-    for name in TORCH_DTYPE_NAMES:
+    for name in CONFIG_DTYPE_NAMES:
         assert isinstance(getattr(torch, name), torch.dtype) and getattr(torch, name).is_floating_point, name
     assert not hasattr(torch, "float128")
     check_config({"torch_dtype": "torch.bfloat16", "dtype": "auto"}, "c")
+
+
+def test_every_causal_lm_config_transformers_builds_passes_the_limits():
+    """The limits refuse no architecture transformers knows: each causal-LM config class's defaults pass."""
+    import warnings
+
+    from huggingface_hub.errors import StrictDataclassError
+    from transformers import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    checked = 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+            try:
+                cfg = CONFIG_MAPPING[model_type]().to_dict()
+            except (KeyError, ValueError, TypeError, StrictDataclassError):  # no class, or defaults it refuses
+                continue
+            check_config(cfg, model_type)
+            checked += 1
+    assert checked > 150  # transformers 5.17 knows about 190 causal-LM architectures

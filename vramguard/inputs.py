@@ -37,18 +37,19 @@ MAX_EXPERTS = 2**16  # MoE experts (the most: 512)
 # positive temperatures overflow the logits to inf and the softmax to NaN, which torch.multinomial refuses
 MIN_TEMPERATURE = 1e-4
 
-# config.json field -> (lowest, highest accepted); a field absent or null is not checked here
+# config.json field -> (lowest, highest accepted); a field absent or null is not checked here; a head_dim of 0
+# stands for hidden_size / num_attention_heads (transformers' own default for glm5_next)
 CONFIG_INTS: dict[str, tuple[int, int]] = {
     "num_hidden_layers": (1, MAX_LAYERS), "hidden_size": (1, MAX_WIDTH), "intermediate_size": (1, MAX_WIDTH),
-    "num_attention_heads": (1, MAX_WIDTH), "num_key_value_heads": (1, MAX_WIDTH), "head_dim": (1, MAX_WIDTH),
+    "num_attention_heads": (1, MAX_WIDTH), "num_key_value_heads": (1, MAX_WIDTH), "head_dim": (0, MAX_WIDTH),
     "vocab_size": (1, MAX_VOCAB), "max_position_embeddings": (1, MAX_CONTEXT),
-    "moe_intermediate_size": (1, MAX_WIDTH), "shared_expert_intermediate_size": (0, MAX_WIDTH),
+    "moe_intermediate_size": (0, MAX_WIDTH), "shared_expert_intermediate_size": (0, MAX_WIDTH),
     "num_local_experts": (0, MAX_EXPERTS), "num_experts": (0, MAX_EXPERTS), "num_experts_per_tok": (0, MAX_EXPERTS),
 }
 # the names torch gives its floating dtypes (``torch.<name>``), which transformers reads from ``torch_dtype``/``dtype``
-# (tests/test_inputs.py checks each against torch); "auto" asks transformers to take the checkpoint's
-TORCH_DTYPE_NAMES = ("float32", "float", "float16", "half", "bfloat16", "float64", "double", "float8_e4m3fn",
-                     "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu")
+# (tests/test_bad_inputs.py checks each against torch); "auto" asks transformers to take the checkpoint's
+CONFIG_DTYPE_NAMES = ("float32", "float", "float16", "half", "bfloat16", "float64", "double", "float8_e4m3fn",
+                      "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu")
 
 _KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
           (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
@@ -168,7 +169,13 @@ def check_config(cfg: dict, where: str) -> dict:
 
 
 def _check_int(value: Any, key: str, lo: int, hi: int, where: str) -> None:
+    """``value`` an integer in [lo, hi], or a list or object of them (per layer or per part, as some
+    architectures give it)."""
     if value is None or (isinstance(value, int) and not isinstance(value, bool) and lo <= value <= hi):
+        return
+    if isinstance(value, (list, dict)) and value and json_depth(value) == 1:
+        for i, item in (value.items() if isinstance(value, dict) else enumerate(value)):
+            _check_int(item, f"{key}[{i}]" if isinstance(i, int) else f"{key}.{i}", lo, hi, where)
         return
     accepted = f"an integer from {lo} to {hi:,}"
     if isinstance(value, str) and value.strip().lstrip("-").isdigit():
@@ -182,9 +189,9 @@ def _check_int(value: Any, key: str, lo: int, hi: int, where: str) -> None:
 
 def _check_dtype(value: Any, key: str, where: str) -> None:
     if value is None or isinstance(value, dict) or value == "auto" or \
-            (isinstance(value, str) and value.removeprefix("torch.") in TORCH_DTYPE_NAMES):
+            (isinstance(value, str) and value.removeprefix("torch.") in CONFIG_DTYPE_NAMES):
         return
-    raise ConfigError(f"config.json:{key}", value, "a torch floating dtype name (" + ", ".join(TORCH_DTYPE_NAMES)
+    raise ConfigError(f"config.json:{key}", value, "a torch floating dtype name (" + ", ".join(CONFIG_DTYPE_NAMES)
                       + ") or auto", f"set {key} in {where} to the dtype the weights are stored in (e.g. bfloat16)")
 
 
