@@ -313,3 +313,24 @@ def test_every_causal_lm_config_transformers_builds_passes_the_limits():
             check_config(cfg, model_type)
             checked += 1
     assert checked > 150  # transformers 5.17 knows about 190 causal-LM architectures
+
+
+def test_a_sharded_checkpoint_with_its_index_passes(base, tmp_path):
+    """The checks refuse nothing a real save writes: transformers' own sharded save (index + shards) is read, and
+    an index naming a file outside the folder is refused."""
+    from transformers import AutoModelForCausalLM
+
+    from vramguard.inputs import check_weights
+    from vramguard.probe.checkpoint import read_checkpoint
+    folder = tmp_path / "sharded"
+    AutoModelForCausalLM.from_pretrained(base).save_pretrained(folder, max_shard_size="200KB")
+    shutil.copy(base / "tokenizer.json", folder)
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) >= 2
+    check_weights(folder)
+    assert [name for name, _ in read_checkpoint(folder).shards] == shards
+    index["weight_map"]["lm_head.weight"] = "../elsewhere.safetensors"
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ConfigError, match="it names '../elsewhere.safetensors', outside"):
+        check_weights(folder)
