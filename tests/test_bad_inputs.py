@@ -163,10 +163,11 @@ def test_plan_notes_a_truncated_weight_file_and_plans_from_the_config(base, tmp_
 
 
 def _in_subprocess(args: list[str]) -> subprocess.CompletedProcess:
-    """The CLI in a fresh interpreter that SIGALRM ends after :data:`LIMIT_S` seconds (its imports included): a
-    command that blocks on a FIFO dies with -SIGALRM instead of passing."""
-    program = (f"import signal, sys; signal.alarm({LIMIT_S}); sys.argv = ['vramguard'] + {args!r}; "
-               "from vramguard.cli import main; main()")
+    """The CLI in a fresh interpreter that SIGALRM ends when the command runs over :data:`LIMIT_S` seconds (counted
+    once ``vramguard.cli`` is imported, which a loaded machine may take seconds to do): a command that blocks on a
+    FIFO dies with -SIGALRM instead of passing."""
+    program = (f"import signal, sys; sys.argv = ['vramguard'] + {args!r}; from vramguard.cli import main; "
+               f"signal.alarm({LIMIT_S})\ntry:\n    main()\nfinally:\n    signal.alarm(0)")
     env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "1000"}  # one line per message: paths unbroken
     return subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=60, env=env,
                           stdin=subprocess.DEVNULL, check=False)
@@ -189,6 +190,7 @@ def test_a_fifo_prompt_file_is_refused_without_waiting(base, tmp_path):
     r = _in_subprocess(["run", str(base), "--prompt-file", str(tmp_path / "prompt")])
     err = " ".join(r.stderr.split())
     assert r.returncode == 2 and "error --prompt-file:" in err and "is a FIFO (named pipe)" in err, err[-400:]
+    assert "to stream a prompt, pass --prompt-file - and pipe it in" in err
 
 
 def test_a_binary_prompt_file_is_refused(base, tmp_path):

@@ -60,9 +60,10 @@ class NotAFile(ConfigError):
     refused at once, even where a damaged file's content would only be noted (a plan from config.json alone)."""
 
 
-def regular_file(path: str | os.PathLike, field: str, what: str,
-                 error: type[VramguardError] = NotAFile) -> os.stat_result:
-    """The ``stat`` of ``path`` when it names a regular file (through symlinks); never opens it.
+def regular_file(path: str | os.PathLike, field: str, what: str, error: type[VramguardError] = NotAFile,
+                 instead: str = "put the file itself there") -> os.stat_result:
+    """The ``stat`` of ``path`` when it names a regular file (through symlinks); never opens it. ``instead`` ends
+    the fix (what to pass in its place).
 
     Raises:
         ``error`` (naming ``field``): the path is missing, a symlink loop, unreadable, or not a regular file.
@@ -72,11 +73,11 @@ def regular_file(path: str | os.PathLike, field: str, what: str,
     except OSError as e:
         why = ("a symlink loop (a link that points back to itself)" if e.errno == errno.ELOOP
                else e.strerror or type(e).__name__)
-        raise error(field, str(path), f"a readable {what}", f"{path}: {why}; point it at the file itself") from None
+        raise error(field, str(path), f"a readable {what}", f"{path}: {why}; {instead}") from None
     if not stat.S_ISREG(st.st_mode):
         kind = next((name for test, name in _KINDS if test(st.st_mode)), "not a regular file")
         raise error(field, str(path), f"a regular file ({what})",
-                    f"{path} is {kind}, which vramguard does not read; put the file itself there")
+                    f"{path} is {kind}, which vramguard does not read; {instead}")
     return st
 
 
@@ -97,10 +98,10 @@ def open_regular(path: str | os.PathLike, field: str, what: str, error: type[Vra
 
 
 def read_bytes(path: str | os.PathLike, field: str, what: str, max_bytes: int,
-               error: type[VramguardError] | None = None) -> bytes:
+               error: type[VramguardError] | None = None, instead: str = "put the file itself there") -> bytes:
     """The bytes of the regular file ``path`` (:func:`open_regular`), refused when it holds over ``max_bytes``;
     ``error`` is raised instead of :class:`NotAFile` and :class:`~vramguard.errors.ConfigError` when given."""
-    size = regular_file(path, field, what, error or NotAFile).st_size
+    size = regular_file(path, field, what, error or NotAFile, instead).st_size
     if size > max_bytes:
         raise (error or ConfigError)(field, str(path), f"a {what} of at most {max_bytes:,} bytes",
                                      f"{path} holds {size:,} bytes: pass the right file")
@@ -256,13 +257,14 @@ def check_weights(folder: str | os.PathLike) -> None:
         read_local_header(path)
 
 
-def read_text(path: str, field: str, max_bytes: int = 2**30) -> str:
-    """The UTF-8 text of the regular file ``path`` (an option's file, e.g. ``--prompt-file``).
+def read_text(path: str, field: str, max_bytes: int = 2**30, instead: str = "pass a regular text file") -> str:
+    """The UTF-8 text of the regular file ``path`` (an option's file, e.g. ``--prompt-file``); ``instead`` ends
+    the fix for a path that is no regular file.
 
     Raises:
         InvalidValue (naming ``field``): not a regular file, too large, binary (NUL bytes) or not UTF-8.
     """
-    raw = read_bytes(path, field, "text file", max_bytes, InvalidValue)
+    raw = read_bytes(path, field, "text file", max_bytes, InvalidValue, instead)
     fix = "convert it to UTF-8 text (e.g. iconv -t UTF-8), or pass a text file"
     if b"\0" in raw:
         raise InvalidValue(field, path, "a UTF-8 text file", f"it holds NUL bytes (byte {raw.index(0):,}): it is "
