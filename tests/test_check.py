@@ -138,6 +138,7 @@ def test_c3_compute_dtype_left_at_float32():
 def test_c11_largest_shard_against_free_ram(tmp_path):
     """C11: 12.7 GB of RAM: a single 14.10 GB shard will be killed; 9.95 GB + 4.48 GB shards pass."""
     import json
+    import struct
     from vramguard.catalog.models import MODELS
     cfg = {k: v for k, v in MODELS["mistral-7b-v0.3"].items() if k != "source"}
     big, split = tmp_path / "single", tmp_path / "split"
@@ -146,7 +147,10 @@ def test_c11_largest_shard_against_free_ram(tmp_path):
         (folder / "config.json").write_text(json.dumps(cfg))
         for i, size in enumerate(shards):
             with open(folder / f"model-{i:05d}.safetensors", "wb") as f:
-                f.truncate(size)  # sparse: the size is what matters
+                # a valid header (one U8 tensor covering the rest), then sparse data: the size is what matters
+                header = json.dumps({"w": {"dtype": "U8", "shape": [size - 8 - 256], "data_offsets": [0, size - 264]}})
+                f.write(struct.pack("<Q", 256) + header.ljust(256).encode())
+                f.truncate(size)
     e = env(ram_available_bytes=12_700_000_000)
     f = by_name(check(str(big), Settings(), env=e, verify=False, device_map="auto"), "ram_vs_shard")[0]
     # in the project's binary units, as every size: 14.1e9 / 2**30 = 13.13 GiB, 12.7e9 / 2**30 = 11.83 GiB

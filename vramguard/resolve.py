@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from vramguard.catalog.models import ALIASES, MODELS
-from vramguard.errors import ConfigError, UnknownModel
+from vramguard.errors import UnknownModel
+from vramguard.inputs import read_config, weight_files_regular
 from vramguard.spec import ModelSpec, spec_from_config
 
 ACCEPTED_MODEL_FORMS = ("a local model folder, a config.json path, a catalog name (vramguard.catalog.models.MODELS), "
@@ -25,17 +26,8 @@ ACCEPTED_MODEL_FORMS = ("a local model folder, a config.json path, a catalog nam
 
 
 def _read_json(path: Path, field: str) -> dict:
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(field, str(path), "a config.json (a JSON object)", f"the file is not JSON text "
-                          f"({type(e).__name__}); pass the model folder or its config.json") from None
-    except OSError as e:
-        raise ConfigError(field, str(path), "a readable file", str(e)) from None
-    if not isinstance(data, dict):
-        raise ConfigError(field, str(path), "a JSON object", "config.json must hold one object")
-    return data
+    """The config.json at ``path``, read and checked once (:func:`vramguard.inputs.read_config`)."""
+    return read_config(path, field)
 
 
 GGUF_MAGIC = b"GGUF"  # the first 4 bytes of a GGUF file (llama.cpp's format; ggml's docs/gguf.md)
@@ -254,11 +246,15 @@ def resolve_model(model: str, revision: str | None = None) -> ModelSpec:
     _refuse_gguf(p, model)
     if p.is_dir():
         cfg_path = p / "config.json"
-        if not cfg_path.is_file():
+        if not os.path.lexists(cfg_path):  # one that is not a regular file is refused by name when read
             raise UnknownModel("MODEL", model, "a folder holding config.json", f"{p} has no config.json")
-        return with_local_checkpoint(spec_from_config(_read_json(cfg_path, "MODEL"), name=str(p), source=str(p)), p)
-    if p.is_file():
-        return with_local_checkpoint(spec_from_config(_read_json(p, "MODEL"), name=str(p), source=str(p)), p.parent)
+        cfg = _read_json(cfg_path, "MODEL")
+        weight_files_regular(p)  # before the config is planned: a FIFO among the weights is said at once
+        return with_local_checkpoint(spec_from_config(cfg, name=str(p), source=str(p)), p)
+    if os.path.lexists(p):  # a file; a FIFO, a device or a symlink loop is refused by name
+        cfg = _read_json(p, "MODEL")
+        weight_files_regular(p.parent)
+        return with_local_checkpoint(spec_from_config(cfg, name=str(p), source=str(p)), p.parent)
     key = catalog_name(model)
     if key and revision is None:
         return _catalog_spec(key)
@@ -341,16 +337,31 @@ def local_model_folder(model: str) -> Path:
 
     Raises:
         UnknownModel: a path that does not exist (named, made absolute), or a name with no local folder (a catalog
-            name or a Hub id not in the cache: the fix says to download it).
+            name or a Hub id not in the cache: the fix gives the ``hf download`` command).
+        ConfigError: the folder's config.json or a weight file a loader could not read
+            (:func:`vramguard.inputs.read_config`, :func:`vramguard.inputs.weight_files_regular`).
     """
     folder = model_folder(model)
     if folder is not None:
+        if os.path.lexists(folder / "config.json"):  # a FIFO or a symlink loop there is refused, not skipped
+            read_config(folder / "config.json")
+        weight_files_regular(folder)
         return folder
-    if str(model).startswith((".", "/", "~")) or str(model).endswith(".json"):
-        fix = missing_path_fix(model)
-    else:
-        fix = "download the model first (a catalog name has no weights: use it with plan)"
-    raise UnknownModel("MODEL", model, "a local model folder or a cached model id with weights", fix)
+    raise UnknownModel("MODEL", model, "a local model folder or a cached model id with weights",
+                       _no_weights_fix(str(model)))
+
+
+def _no_weights_fix(model: str) -> str:
+    """The fix for a model with no local weights: the path looked for, or the ``hf download`` command of its Hub
+    repository (a catalog name's is the repository its entry was copied from)."""
+    if model.startswith((".", "/", "~")) or model.endswith(".json"):
+        return missing_path_fix(model)
+    key = catalog_name(model)
+    if key:
+        repo = MODELS[key]["source"]
+        return (f"download the weights first, then run {repo} (the catalog's {key} holds shapes only: use it with "
+                f"plan):\n    hf download {repo}")
+    return f"download the model first, then run it by this id:\n    hf download {model}"
 
 
 def model_folder(model: str) -> Path | None:

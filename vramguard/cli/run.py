@@ -10,6 +10,7 @@ import typer
 from vramguard.cli.common import err, run_guarded, say, size_option, working, write_json
 from vramguard.cli.options import Format, Quant, format_option, max_new_tokens_option, quant_option
 from vramguard.errors import InvalidValue
+from vramguard.inputs import read_text, regular_file
 from vramguard.units import plural
 
 
@@ -53,6 +54,8 @@ def run(
         # what can be refused without loading anything, before anything is printed
         check_generation_args(max_new_tokens, do_sample, temperature, top_p, top_k, seed)
         text = _read_prompt(prompt, prompt_file)
+        for f in context or ():  # a missing file, a FIFO or a device is said before the model loads
+            regular_file(f, "--context", "text file", InvalidValue, "pass a regular text file")
         local_model_folder(model)
         _allocator_note()
         budget = size_option(vram_budget, "vram_budget") if vram_budget else None
@@ -97,11 +100,8 @@ def _read_prompt(prompt: str | None, prompt_file: str | None) -> str:
             raise InvalidValue("--prompt", prompt, "text with at least one character other than white space",
                                "pass the text to answer, e.g. --prompt 'Hello'")
         return prompt
-    try:
-        text = sys.stdin.read() if prompt_file == "-" else open(prompt_file, encoding="utf-8").read()
-    except OSError as e:
-        raise InvalidValue("--prompt-file", prompt_file, "a readable text file",
-                           f"check the path ({e.strerror or e}), or pass - and pipe the prompt in") from None
+    text = sys.stdin.read() if prompt_file == "-" else read_text(
+        prompt_file, "--prompt-file", instead="to stream a prompt, pass --prompt-file - and pipe it in")
     if not text.strip():
         raise InvalidValue("--prompt-file", prompt_file, "a file holding text other than white space",
                            "write the prompt into the file, or pass --prompt TEXT")

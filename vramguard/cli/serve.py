@@ -75,10 +75,12 @@ def serve(
             word_messages_with(previous)
 
     def serve_from_here() -> int:
-        _allocator_note()
+        from vramguard.resolve import local_model_folder
         budget = size_option(vram_budget, "vram_budget") if vram_budget else None
         body = parse_size(max_body_size, "--max-body-size", example="1MiB")
         check_address(host, port, api_key)
+        local_model_folder(model)  # a missing or unreadable model is said before torch is imported
+        _allocator_note()
         if gpus is not None:
             return serve_router(model, gpu_ids(gpus), host, port, api_key, listening)
         return serve_one(model, host, port, listening, vram_budget=budget, max_queue=max_queue,

@@ -50,8 +50,10 @@ def hub_spec(repo_id: str, revision: str | None = None, cached=None):
         ConfigError: the config cannot be planned.
     """
     from vramguard.hub.fetch import fetch_model
+    from vramguard.inputs import check_config
     from vramguard.spec import spec_from_config
     m = cached or fetch_model(repo_id, revision)
+    check_config(m.config, f"{repo_id}'s config.json")
     at = f"@{m.commit[:12]}" if m.commit else f"@{m.revision}"
     source = f"hf-cache:{m.snapshot}" if m.snapshot else f"hub:{repo_id}{at}"
     spec = spec_from_config(m.config, name=repo_id, source=source)
@@ -61,10 +63,17 @@ def hub_spec(repo_id: str, revision: str | None = None, cached=None):
 
 def with_local_checkpoint(spec, folder):
     """``spec`` with the headers of the safetensors files in ``folder`` (a local model folder); a header that
-    cannot be read leaves the spec without them and a note saying why."""
+    cannot be read leaves the spec without them and a note saying why.
+
+    Raises:
+        NotAFile: a weight file that is not a regular file (a FIFO, a device, a folder, a symlink loop).
+    """
     from vramguard.errors import ConfigError
+    from vramguard.inputs import NotAFile
     try:
         ck = read_local_checkpoint(folder)
+    except NotAFile:  # a FIFO, a device or a symlink loop where a weight file belongs: refused, never waited on
+        raise
     except (ConfigError, OSError) as e:  # a damaged or placeholder file: plan from config.json, and say why
         why = e.render() if isinstance(e, ConfigError) else f"{type(e).__name__}: {e}"
         return replace(spec, notes=spec.notes + (f"the safetensors headers could not be read ({why.splitlines()[0]}): "

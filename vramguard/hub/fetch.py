@@ -115,7 +115,7 @@ def _read_json_file(path: str | os.PathLike, what: str) -> dict:
     try:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise HubError("MODEL", str(path), f"a readable {what} (JSON)", f"delete it from the cache and retry "
                        f"({type(e).__name__})") from None
     if not isinstance(data, dict):

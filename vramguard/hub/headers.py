@@ -124,25 +124,54 @@ def tensors_from_header(header: dict, file: str) -> list[TensorHeader]:
 
 
 def read_local_header(path: Path) -> tuple[dict, int]:
-    """(the header dict, header bytes ``8 + N``) of one local safetensors file, reading no tensor data.
+    """(the header dict, header bytes ``8 + N``) of one local safetensors file, reading no tensor data, checked
+    against the file as safetensors checks it before loading: a regular file (never opened otherwise), a length
+    ``N`` within the file and :data:`MAX_HEADER_BYTES`, a JSON object whose entries each lie inside the data after
+    it (``data_offsets`` ascending, ``end - begin`` the bytes of the shape and dtype) and cover it to its end.
 
     Raises:
-        ConfigError: the file is shorter than its header says, or the header is not JSON.
+        ConfigError: naming the file and what is wrong with it (empty, truncated, not safetensors, damaged).
     """
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise ConfigError("MODEL", str(path), "a safetensors file", "the file is shorter than 8 bytes")
-        (n,) = struct.unpack("<Q", head)
-        if n > MAX_HEADER_BYTES:
-            raise ConfigError("MODEL", str(path), f"a header of at most {MAX_HEADER_BYTES:,} bytes",
-                              f"its first 8 bytes say {n:,}: the file is not safetensors")
+    from vramguard.inputs import open_regular, regular_file
+    size = regular_file(path, "MODEL", "safetensors file").st_size
+    fix = f"re-download {path.name}: "
+    if size < 8:
+        raise ConfigError("MODEL", str(path), "a safetensors file (an 8-byte header length first)",
+                          fix + f"it holds {size} bytes" + (" (an empty file: an interrupted download?)" if not size
+                                                            else ""))
+    with open_regular(path, "MODEL", "safetensors file") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        if n > min(MAX_HEADER_BYTES, size - 8):
+            raise ConfigError("MODEL", str(path), f"a header length of at most {min(MAX_HEADER_BYTES, size - 8):,}"
+                              " bytes (the file's size and safetensors' limit)",
+                              fix + f"its first 8 bytes say {n:,}: the file is not safetensors, or is cut short")
         raw = f.read(n)
     try:
         header = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise ConfigError("MODEL", str(path), "a safetensors header (JSON)", "re-download the file") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
+        header = None
+    if not isinstance(header, dict):
+        raise ConfigError("MODEL", str(path), "a safetensors header (a JSON object)", fix + "its header is damaged")
+    _check_offsets(path, header, size - 8 - n)
     return header, 8 + n
+
+
+def _check_offsets(path: Path, header: dict, data_bytes: int) -> None:
+    """Each entry's ``data_offsets`` inside the ``data_bytes`` after the header, sized by its shape and dtype, and
+    the entries together ending where the file ends (safetensors' "file not fully covered")."""
+    end_max = 0
+    for t in tensors_from_header(header, path.name):
+        begin, end = header[t.name]["data_offsets"]
+        width = DTYPE_BYTES.get(t.dtype)
+        if not (isinstance(begin, int) and isinstance(end, int) and 0 <= begin <= end <= data_bytes) or \
+                (width is not None and end - begin != t.numel * width):
+            raise ConfigError(f"{path.name}:{t.name}", [begin, end], f"offsets inside the file's {data_bytes:,} "
+                              "bytes of tensor data, sized by the tensor's shape and dtype",
+                              f"re-download {path}: the file is truncated or damaged")
+        end_max = max(end_max, end)
+    if end_max != data_bytes:
+        raise ConfigError("MODEL", str(path), f"tensor data of {end_max:,} bytes after the header, as it says",
+                          f"the file holds {data_bytes:,}: re-download {path.name} (it is cut short or damaged)")
 
 
 def read_local_checkpoint(folder: Path) -> CheckpointHeaders | None:

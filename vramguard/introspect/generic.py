@@ -393,12 +393,12 @@ def _checkpoint_keys(source: str) -> tuple[str, ...] | None:
     files = sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
     if not files:
         return None
-    from safetensors import safe_open
+    from vramguard.errors import ConfigError
+    from vramguard.hub.headers import read_local_header
     keys: list[str] = []
     for f in files:
-        try:
-            with safe_open(str(f), "pt") as h:
-                keys += list(h.keys())
-        except Exception:  # noqa: BLE001 - an unreadable header: the layout is unknown, planned as unfused
+        try:  # the checked reader: a FIFO or a damaged file is refused, never waited on
+            keys += [k for k in read_local_header(f)[0] if k != "__metadata__"]
+        except (ConfigError, OSError):  # an unreadable header: the layout is unknown, planned as unfused
             return None
     return tuple(keys)

@@ -10,6 +10,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from vramguard.inputs import check_weights
+
 _SAFETENSORS_DTYPES = {"F32": "fp32", "BF16": "bf16", "F16": "fp16", "F64": "fp64"}
 
 
@@ -47,7 +49,12 @@ def _stored_dtype(path: Path) -> str | None:
 
 
 def read_checkpoint(folder: str | Path) -> CheckpointInfo:
-    """Describe the checkpoint in ``folder`` (no tensor is read)."""
+    """Describe the checkpoint in ``folder`` (no tensor is read).
+
+    Raises:
+        ConfigError: a weight file or index a loader could not read (:func:`vramguard.inputs.check_weights`).
+    """
+    check_weights(folder)
     p = Path(folder)
     st = sorted(p.glob("*.safetensors"))
     pt = sorted(list(p.glob("*.bin")) + list(p.glob("*.pt")))

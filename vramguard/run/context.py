@@ -13,6 +13,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
 
+from vramguard.inputs import read_text
+
 BM25_K1, BM25_B = 1.5, 0.75
 _WORD = re.compile(r"\w+", re.UNICODE)
 
@@ -189,12 +191,7 @@ def context_prompt(model, tokenizer, question: str, files: list[str], *, chunk_t
         raise InvalidValue("chunk_tokens", chunk_tokens, "an integer >= 16", "use larger chunks")
     chunks: list[Chunk] = []
     for f in files:
-        try:
-            with open(f, encoding="utf-8") as fh:
-                chunks += split_chunks(fh.read(), f, tokenizer, chunk_tokens)
-        except (OSError, UnicodeDecodeError) as e:
-            raise InvalidValue("files", f, "a readable UTF-8 text file",
-                               f"pass a text file ({type(e).__name__}: {getattr(e, 'strerror', None) or e})") from None
+        chunks += split_chunks(read_text(f, "files"), f, tokenizer, chunk_tokens)  # a FIFO is refused, not waited on
     limit = prompt_budget(model, max_new_tokens, budget_bytes, auto)
     packed = pack(question, chunks, tokenizer, limit, count)
     if summarize and len(packed.used) < len(chunks):

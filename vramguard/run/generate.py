@@ -382,18 +382,14 @@ def check_seed(seed: int | None) -> None:
 def check_generation_args(max_new_tokens: int, do_sample: bool = False, temperature: float | None = None,
                           top_p: float | None = None, top_k: int | None = None, seed: int | None = None) -> None:
     """Raise InvalidValue for a generation argument :func:`generate` refuses (checked before any loading):
-    ``max_new_tokens`` below 1, ``temperature`` not above 0, ``top_p`` outside (0, 1], ``top_k`` below 1, or
+    ``max_new_tokens`` below 1, a sampling value :func:`vramguard.inputs.check_sampling` refuses, or
     any of the three without ``do_sample`` (greedy decoding would ignore it: refused rather than dropped), and a
     ``seed`` outside :func:`check_seed`'s range."""
     from vramguard.errors import InvalidValue
+    from vramguard.inputs import check_sampling
     require_count("max_new_tokens", max_new_tokens, 1)
     check_seed(seed)
-    if temperature is not None and not temperature > 0:
-        raise InvalidValue("temperature", temperature, "a number > 0", "use temperature=0.7, or greedy decoding")
-    if top_p is not None and not 0 < top_p <= 1:
-        raise InvalidValue("top_p", top_p, "a number in (0, 1]", "use e.g. top_p=0.9")
-    if top_k is not None and top_k < 1:
-        raise InvalidValue("top_k", top_k, "an integer >= 1", "use e.g. top_k=50")
+    check_sampling(temperature, top_p, top_k)
     sampling = {"temperature": temperature, "top_p": top_p, "top_k": top_k}
     given = [n for n, v in sampling.items() if v is not None]
     if given and not do_sample:  # greedy decoding would ignore them: refuse rather than drop the user's setting
