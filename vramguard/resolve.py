@@ -48,7 +48,6 @@ def gguf_error(path: Path, model: str) -> UnknownModel:
     refuses ``save_pretrained``, so its state_dict goes into a ``from_config`` model that is saved, without the
     ``quantization_config`` the GGUF load set: the saved weights are dequantized tensors, not GGUF). The conversion
     is one shell command on a line of its own, indented by 4 spaces (a line of code, never wrapped)."""
-    import json
     import shlex
     folder, name = json.dumps(str(path.parent)), json.dumps(path.name)
     dtype, why = gguf_dtype(path)
