@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from vramguard import diskcache
 from vramguard.errors import ConfigError
 from vramguard.settings import short_dtype
 
@@ -219,7 +220,22 @@ def _layer_types(cfg: dict[str, Any], fam: dict[str, Any], n_layers: int, window
 
 def _through_transformers(cfg: dict[str, Any], name: str) -> tuple[dict[str, Any] | None, str | None]:
     """(the language model's config as transformers builds it, as a dict; the outer model_type), or (None, why)
-    when transformers is not importable, or (None, None) when it rejects the config of a hand family."""
+    when transformers is not importable, or (None, None) when it rejects the config of a hand family. What
+    transformers built is kept on disk (:mod:`vramguard.diskcache`, keyed by the config text, the name, the library
+    versions and vramguard's code): a later read of the same config imports neither torch nor transformers."""
+    from vramguard.introspect.keys import canonical_json
+    path = diskcache.entry_key("config", canonical_json(cfg), name)
+    found = diskcache.read(path)
+    if isinstance(found, tuple) and len(found) == 2 and isinstance(found[0], dict):
+        return found
+    text, outer_type = _built_by_transformers(cfg, name)
+    if text is not None:
+        diskcache.write(path, (text, outer_type))
+    return text, outer_type
+
+
+def _built_by_transformers(cfg: dict[str, Any], name: str) -> tuple[dict[str, Any] | None, str | None]:
+    """:func:`_through_transformers`, computed."""
     try:
         import transformers  # noqa: F401
     except ImportError as e:
