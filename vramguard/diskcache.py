@@ -6,7 +6,7 @@ A plan of a hand family needs transformers for its load (the meta-device module 
 caching-allocator tape of transformers' forward); a plan of any other architecture needs it for all of its figures.
 Both take seconds to tens of seconds, most of it importing torch and transformers, so the result is kept once
 computed. One gzipped JSON file per entry under ``$VRAMGUARD_CACHE_DIR/plans`` (else ``plans/`` beside the Hub
-header cache, :func:`vramguard.hub.fetch.header_cache_dir`), named by the SHA-256 of everything the entry depends
+header cache, :func:`vramguard_cache_dir`), named by the SHA-256 of everything the entry depends
 on (:func:`entry_key`): the inputs given, the versions of the libraries whose rules the figures follow (read from
 their installed metadata, not imported) and the source of every vramguard module (so a changed rule never reads an
 old plan). ``VRAMGUARD_PLAN_CACHE=0`` turns it off; ``VRAMGUARD_PLAN_CACHE=/a/folder`` keeps the entries there. An
@@ -32,12 +32,13 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-# the distributions whose rules a plan follows: transformers' modules and quantizers, bitsandbytes' layout,
-# accelerate's device maps, PyTorch's allocator; and those a pre-quantized checkpoint's load rule asks for
-# (vramguard.hub.prequant._BACKENDS, the Triton and kernels checks of MXFP4)
-DISTRIBUTIONS = ("torch", "transformers", "accelerate", "bitsandbytes", "huggingface_hub", "safetensors", "triton",
-                 "kernels", "flash_attn", "optimum", "gptqmodel", "auto_gptq", "autoawq", "compressed-tensors",
-                 "hqq", "quanto", "optimum-quanto", "torchao", "fbgemm-gpu", "fp_quant", "qutlass")
+from vramguard.extras import OPTIONAL_PACKAGES
+
+# the distributions whose rules a plan follows: vramguard's optional packages (transformers' modules and quantizers,
+# bitsandbytes' layout, accelerate's device maps, PyTorch's allocator...), the Hub client, and those a pre-quantized
+# checkpoint's load rule asks for (vramguard.hub.prequant: its backends, the Triton and kernels checks of MXFP4)
+DISTRIBUTIONS = (*OPTIONAL_PACKAGES, "huggingface_hub", "flash_attn", "optimum", "gptqmodel", "compressed-tensors",
+                 "triton", "kernels")
 
 _PACKAGE = Path(__file__).resolve().parent.parent
 
@@ -47,14 +48,22 @@ def enabled() -> bool:
     return os.environ.get("VRAMGUARD_PLAN_CACHE", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
+def vramguard_cache_dir() -> Path:
+    """The folder of everything vramguard keeps on disk: ``$VRAMGUARD_CACHE_DIR``, else a ``vramguard`` folder
+    beside huggingface_hub's cache (``HF_HOME/vramguard`` by default)."""
+    if os.environ.get("VRAMGUARD_CACHE_DIR"):
+        return Path(os.environ["VRAMGUARD_CACHE_DIR"])
+    from huggingface_hub import constants
+    return Path(constants.HF_HUB_CACHE).parent / "vramguard"
+
+
 def cache_dir() -> Path:
     """``VRAMGUARD_PLAN_CACHE`` where it names a folder (any value but ``1``, ``true``, ``yes``, ``on`` and those
-    that turn the cache off), else ``$VRAMGUARD_CACHE_DIR/plans``, else ``plans/`` beside the Hub header cache."""
+    that turn the cache off), else ``plans/`` in :func:`vramguard_cache_dir`."""
     given = os.environ.get("VRAMGUARD_PLAN_CACHE", "").strip()
     if given and given.lower() not in ("1", "true", "yes", "on"):
         return Path(given).expanduser()
-    from vramguard.hub.fetch import header_cache_dir
-    return header_cache_dir().parent / "plans"
+    return vramguard_cache_dir() / "plans"
 
 
 def _version(dist: str) -> str | None:
