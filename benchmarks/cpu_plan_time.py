@@ -7,7 +7,8 @@ when the solver gets faster).
 
 ``--wall``: what a person waits for instead: the wall time of ``vramguard plan`` in a new process, for a catalog
 name, a hand family's folder and two other architectures, each the first time (empty plan and tape caches) and the
-second (what the first kept), with the machine's load average and the SHA-256 of what each printed (the second
+second (what the first kept), with the CPU seconds of the process (user + system: less sensitive to other work on
+the machine than the wall time), the machine's load average and the SHA-256 of what each printed (the second
 must print what the first did).
 
     python benchmarks/cpu_plan_time.py --wall --out benchmarks/results/cpu_plan_time/wall.jsonl
@@ -59,15 +60,20 @@ def _timed_plan(args: list[str], cache: Path) -> dict:
     code, load average before it, and the SHA-256 of its stdout."""
     import hashlib
     import os
+    import resource
     import subprocess
     env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}  # as an install: .pyc files
     env.update(PYTHONPATH=str(ROOT), VRAMGUARD_PLAN_CACHE=str(cache / "plans"), VRAMGUARD_TAPE_CACHE=str(cache /
                                                                                                       "tapes"))
     load = os.getloadavg()[0]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     r = subprocess.run([sys.executable, "-m", "vramguard", "plan", *args], capture_output=True, env=env)
-    return {"wall_s": round(time.perf_counter() - t0, 2), "exit": r.returncode, "load_avg_1min": round(load, 2),
-            "stdout_sha256": hashlib.sha256(r.stdout).hexdigest()[:16]}
+    wall_s = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu_s = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+    return {"wall_s": round(wall_s, 2), "cpu_s": round(cpu_s, 2), "exit": r.returncode,
+            "load_avg_1min": round(load, 2), "stdout_sha256": hashlib.sha256(r.stdout).hexdigest()[:16]}
 
 
 def wall(out: str) -> None:

@@ -128,13 +128,13 @@ def _cli_in_fresh_process(tmp_path, *args: str) -> tuple[str, dict]:
     return r.stdout, json.loads(r.stderr.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("model", ["qwen2.5-0.5b", "llama", "gpt2"])
-def test_a_second_plan_in_a_fresh_process_imports_neither_torch_nor_transformers(tmp_path, model):
+@pytest.mark.parametrize("model, fmt", [("qwen2.5-0.5b", "json"), ("llama", "human"), ("gpt2", "human")])
+def test_a_second_plan_in_a_fresh_process_imports_neither_torch_nor_transformers(tmp_path, model, fmt):
     """A catalog name, a hand family's folder and another architecture's folder: the first plan computes (with
     transformers: the load and the allocator tape are its own), the second, in a new process, reads what it learned
-    and prints the same JSON without importing torch or transformers."""
+    and prints the same JSON or table without importing torch or transformers."""
     target = model if model == "qwen2.5-0.5b" else str(_config_folder(tmp_path, model))
-    args = (target, "--vram", "24GiB", "--prompt-tokens", "256", "--format", "json")
+    args = (target, "--vram", "24GiB", "--prompt-tokens", "256", "--format", fmt)
     first, how = _cli_in_fresh_process(tmp_path, *args)
     assert how == {"code": 0, "heavy": ["torch", "transformers"]}
     second, how = _cli_in_fresh_process(tmp_path, *args)
