@@ -68,7 +68,7 @@ def _timed_plan(args: list[str], cache: Path) -> dict:
     load = os.getloadavg()[0]
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
-    r = subprocess.run([sys.executable, "-m", "vramguard", "plan", *args], capture_output=True, env=env)
+    r = subprocess.run([sys.executable, "-m", "vramguard", "plan", *args], capture_output=True, env=env, cwd=ROOT)
     wall_s = time.perf_counter() - t0
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu_s = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
