@@ -28,7 +28,6 @@ import importlib
 import json
 import os
 from functools import lru_cache
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +66,8 @@ def cache_dir() -> Path:
 
 
 def _version(dist: str) -> str | None:
+    """The installed version of distribution ``dist``, None when it is not installed."""
+    from importlib import metadata  # here, not at the top: importing it costs every command ~50 ms at start
     try:
         return metadata.version(dist)
     except metadata.PackageNotFoundError:
