@@ -4,6 +4,14 @@ tests/archs.py and a DeepSeek-V2-Lite-sized config.json, with every card's solve
 when the solver gets faster).
 
     python benchmarks/cpu_plan_time.py --out benchmarks/results/cpu_plan_time/after.jsonl
+
+``--wall``: what a person waits for instead: the wall time of ``vramguard plan`` in a new process, for a catalog
+name, a hand family's folder and two other architectures, each the first time (empty plan and tape caches) and the
+second (what the first kept), with the CPU seconds of the process (user + system: less sensitive to other work on
+the machine than the wall time), the machine's load average and the SHA-256 of what each printed (the second
+must print what the first did).
+
+    python benchmarks/cpu_plan_time.py --wall --out benchmarks/results/cpu_plan_time/wall.jsonl
 """
 
 from __future__ import annotations
@@ -47,11 +55,66 @@ def measure(model: str, vram: str | None) -> dict:
             "changes": [[c.description, c.need_bytes] for c in p.changes]}
 
 
+def _timed_plan(args: list[str], cache: Path) -> dict:
+    """One ``vramguard plan ARGS`` in a new process with its plan and tape caches in ``cache``: wall seconds, exit
+    code, load average before it, and the SHA-256 of its stdout."""
+    import hashlib
+    import os
+    import resource
+    import subprocess
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}  # as an install: .pyc files
+    env.update(PYTHONPATH=str(ROOT), VRAMGUARD_PLAN_CACHE=str(cache / "plans"), VRAMGUARD_TAPE_CACHE=str(cache /
+                                                                                                      "tapes"))
+    load = os.getloadavg()[0]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.perf_counter()
+    r = subprocess.run([sys.executable, "-m", "vramguard", "plan", *args], capture_output=True, env=env, cwd=ROOT)
+    wall_s = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu_s = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+    return {"wall_s": round(wall_s, 2), "cpu_s": round(cpu_s, 2), "exit": r.returncode,
+            "load_avg_1min": round(load, 2), "stdout_sha256": hashlib.sha256(r.stdout).hexdigest()[:16]}
+
+
+def wall(out: str) -> None:
+    """The ``--wall`` cases (see the module docstring), written to ``out`` one JSON object a line."""
+    import subprocess
+    from vramguard.catalog.models import MODELS
+    tmp = Path(tempfile.mkdtemp())
+    subprocess.run([sys.executable, "-m", "vramguard", "--help"], capture_output=True, check=True)  # .pyc written
+    folder = tmp / "llama-3.1-8b-folder"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({k: v for k, v in MODELS["llama-3.1-8b"].items()
+                                                    if k != "source"}))
+    (tmp / "dsv2lite").mkdir()
+    (tmp / "dsv2lite" / "config.json").write_text(json.dumps(DSV2_LITE))
+    sys.path.insert(0, str(ROOT / "tests"))
+    from archs import ARCHS
+    from transformers import AutoConfig
+    AutoConfig.for_model("olmoe", **ARCHS["olmoe"]).save_pretrained(tmp / "olmoe")
+    cases = [("catalog name", ["llama-3.1-8b", "--prompt-tokens", "8192"]),
+             ("hand-family folder", [str(folder), "--prompt-tokens", "8192"]),
+             ("non-family: DeepSeek-V2-Lite size", [str(tmp / "dsv2lite"), "--vram", "80GiB"]),
+             ("non-family: tiny OLMoE", [str(tmp / "olmoe")])]
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    with open(out, "w") as f:
+        for i, (name, args) in enumerate(cases):
+            for when in ("first", "second"):
+                rec = {"case": name, "when": when, "args": ["vramguard", "plan", *args[:1], *args[1:]],
+                       **_timed_plan(args, tmp / f"cache{i}")}
+                rec["args"][2] = Path(rec["args"][2]).name if "/" in rec["args"][2] else rec["args"][2]
+                print(json.dumps(rec), flush=True)
+                f.write(json.dumps(rec) + "\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--case", help="internal: run one case in this process")
+    ap.add_argument("--wall", action="store_true", help="wall time of vramguard plan in new processes")
     args = ap.parse_args()
+    if args.wall:
+        return wall(args.out)
     if args.case:
         model, _, vram = args.case.partition("@")
         print(json.dumps(measure(model, vram or None)))

@@ -110,6 +110,8 @@ def _no_gpu_detection(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     # no tape on the user's disk: one folder for the session's workers (tests/test_tape_cache.py sets its own)
     monkeypatch.setenv("VRAMGUARD_TAPE_CACHE", os.environ[SESSION_TAPES])
+    # every plan computed: tests change rules in-process (tests/test_plan_speed.py turns the plan cache on)
+    monkeypatch.setenv("VRAMGUARD_PLAN_CACHE", "0")
 
 
 SESSION_TAPES = "VRAMGUARD_TEST_SESSION_TAPES"

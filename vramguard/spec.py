@@ -6,10 +6,10 @@ hybrid layers, tied embeddings, fused projections, MoE, extra norms) is explicit
 never special-cases a family name. Any other architecture transformers can build gets a *generic* spec
 (``generic=True``): its memory is taken from transformers itself (:mod:`vramguard.introspect`).
 
-When transformers is installed, every config is first read through it (``AutoConfig``), so the config class's
-defaults apply (Gemma-2's ``tie_word_embeddings=True`` when config.json omits it, Gemma-3's ``layer_types``).
-Without it, :data:`CLASS_DEFAULTS` holds those defaults for the hand-written families (a test checks them against
-transformers).
+A hand family's config.json is read with :data:`CLASS_DEFAULTS`, the config classes' defaults (Gemma-2's
+``tie_word_embeddings=True`` when config.json omits it, Gemma-3's ``sliding_window_pattern``), without importing
+transformers (a test checks the table against ``AutoConfig`` for every family and catalog entry). Every other config
+is read through transformers (``AutoConfig``), so its class's defaults apply.
 
 Sources for the structure of each family: the modelling files of transformers 5.x
 (``models/<family>/modeling_<family>.py``): llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, gemma, gemma2,
@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from vramguard import diskcache
 from vramguard.errors import ConfigError
 from vramguard.settings import short_dtype
 
@@ -31,7 +32,7 @@ _FAMILIES: dict[str, dict[str, Any]] = {
     "qwen2": {"qkv_bias": True},
     "qwen3": {"qk_norm": True},
     "mixtral": {"moe": True},
-    "qwen2_moe": {"moe": True, "qkv_bias": True},
+    "qwen2_moe": {"moe": True, "qkv_bias": True, "odd_window_layers": True},
     "qwen3_moe": {"moe": True, "qk_norm": True},
     "gemma": {"scaled_embeddings": True},
     "gemma2": {"scaled_embeddings": True, "norms_per_layer": 4, "alternating_sliding": True},
@@ -42,14 +43,57 @@ SUPPORTED_MODEL_TYPES = tuple(sorted(_FAMILIES))
 
 MAX_LAYERS = 4096  # a sanity bound: building a meta model of millions of layers would not finish
 
-# config-class defaults that change memory, for reading a config.json without transformers installed
-# (transformers 5: models/<family>/configuration_<family>.py; tests/test_generic.py checks them against AutoConfig)
+# The defaults of transformers' config classes for the fields a hand spec reads (the ``__init__`` defaults of
+# models/<family>/configuration_<family>.py in transformers 5; a field whose default is derived from others, such as
+# ``head_dim = hidden_size // num_attention_heads``, is left out and derived by :func:`_hand_spec`). A hand family's
+# config.json is read with them, without importing transformers; tests/test_plan_speed.py checks every family and
+# every catalog entry against ``AutoConfig``.
 CLASS_DEFAULTS: dict[str, dict[str, Any]] = {
-    "gemma": {"tie_word_embeddings": True},
-    "gemma2": {"tie_word_embeddings": True},
-    "gemma3_text": {"tie_word_embeddings": True, "sliding_window_pattern": 6},
+    "llama": {"hidden_size": 4096, "num_attention_heads": 32, "num_hidden_layers": 32, "intermediate_size": 11008,
+              "vocab_size": 32000, "max_position_embeddings": 2048, "tie_word_embeddings": False,
+              "attention_bias": False, "mlp_bias": False},
+    "mistral": {"hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8, "num_hidden_layers": 32,
+                "sliding_window": 4096, "intermediate_size": 14336, "vocab_size": 32000,
+                "max_position_embeddings": 131072, "tie_word_embeddings": False},
+    "qwen2": {"hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 32, "num_hidden_layers": 32,
+              "sliding_window": 4096, "use_sliding_window": False, "max_window_layers": 28,
+              "intermediate_size": 22016, "vocab_size": 151936, "max_position_embeddings": 32768,
+              "tie_word_embeddings": False},
+    "qwen3": {"hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 32, "head_dim": 128,
+              "num_hidden_layers": 32, "sliding_window": 4096, "use_sliding_window": False, "max_window_layers": 28,
+              "intermediate_size": 22016, "vocab_size": 151936, "max_position_embeddings": 32768,
+              "tie_word_embeddings": False, "attention_bias": False},
+    "mixtral": {"hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8, "num_hidden_layers": 32,
+                "num_local_experts": 8, "intermediate_size": 14336, "vocab_size": 32000,
+                "max_position_embeddings": 131072, "tie_word_embeddings": False, "num_experts_per_tok": 2},
+    "qwen2_moe": {"hidden_size": 2048, "num_attention_heads": 16, "num_key_value_heads": 16, "num_hidden_layers": 24,
+                  "sliding_window": 4096, "use_sliding_window": False, "max_window_layers": 28, "num_experts": 60,
+                  "intermediate_size": 5632, "vocab_size": 151936, "max_position_embeddings": 32768,
+                  "tie_word_embeddings": False, "num_experts_per_tok": 4, "moe_intermediate_size": 1408,
+                  "shared_expert_intermediate_size": 5632},
+    "qwen3_moe": {"hidden_size": 2048, "num_attention_heads": 32, "num_key_value_heads": 4, "num_hidden_layers": 24,
+                  "sliding_window": 4096, "use_sliding_window": False, "num_experts": 128,
+                  "intermediate_size": 6144, "vocab_size": 151936, "max_position_embeddings": 32768,
+                  "tie_word_embeddings": False, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
+                  "attention_bias": False},
+    "gemma": {"hidden_size": 3072, "num_attention_heads": 16, "num_key_value_heads": 16, "head_dim": 256,
+              "num_hidden_layers": 28, "intermediate_size": 24576, "vocab_size": 256000,
+              "max_position_embeddings": 8192, "tie_word_embeddings": True, "attention_bias": False},
+    "gemma2": {"hidden_size": 2304, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+               "num_hidden_layers": 26, "sliding_window": 4096, "intermediate_size": 9216, "vocab_size": 256000,
+               "max_position_embeddings": 8192, "tie_word_embeddings": True, "attention_bias": False,
+               "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0},
+    "gemma3_text": {"hidden_size": 2304, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+                    "num_hidden_layers": 26, "sliding_window": 4096, "sliding_window_pattern": 6,
+                    "intermediate_size": 9216, "vocab_size": 262208, "max_position_embeddings": 131072,
+                    "tie_word_embeddings": True, "attention_bias": False},
+    "phi3": {"hidden_size": 3072, "num_attention_heads": 32, "num_hidden_layers": 32, "intermediate_size": 8192,
+             "vocab_size": 32064, "max_position_embeddings": 4096, "tie_word_embeddings": False},
 }
 
+# True: a hand family's config.json is read through AutoConfig too, as every other config is (the reference path
+# the tests compare the hand table with); False (the default): read with :data:`CLASS_DEFAULTS`, no transformers.
+READ_FAMILIES_THROUGH_TRANSFORMERS = False
 
 
 @dataclass(frozen=True)
@@ -165,6 +209,10 @@ def _layer_types(cfg: dict[str, Any], fam: dict[str, Any], n_layers: int, window
     if cfg.get("use_sliding_window") is False:
         return ("full_attention",) * n_layers
     max_window_layers = cfg.get("max_window_layers")
+    if max_window_layers is not None and cfg.get("use_sliding_window") and fam.get("odd_window_layers"):
+        # Qwen2-MoE: the odd-numbered layers (1st, 3rd...) below max_window_layers slide (configuration_qwen2_moe.py)
+        return tuple("sliding_attention" if i % 2 == 0 and i < max_window_layers else "full_attention"
+                     for i in range(n_layers))
     if max_window_layers is not None and cfg.get("use_sliding_window"):
         return tuple("sliding_attention" if i >= max_window_layers else "full_attention" for i in range(n_layers))
     return ("sliding_attention",) * n_layers
@@ -172,7 +220,22 @@ def _layer_types(cfg: dict[str, Any], fam: dict[str, Any], n_layers: int, window
 
 def _through_transformers(cfg: dict[str, Any], name: str) -> tuple[dict[str, Any] | None, str | None]:
     """(the language model's config as transformers builds it, as a dict; the outer model_type), or (None, why)
-    when transformers is not importable, or (None, None) when it rejects the config of a hand family."""
+    when transformers is not importable, or (None, None) when it rejects the config of a hand family. What
+    transformers built is kept on disk (:mod:`vramguard.diskcache`, keyed by the config text, the name, the library
+    versions and vramguard's code): a later read of the same config imports neither torch nor transformers."""
+    from vramguard.introspect.keys import canonical_json
+    path = diskcache.entry_key("config", canonical_json(cfg), name)
+    found = diskcache.read(path)
+    if isinstance(found, tuple) and len(found) == 2 and isinstance(found[0], dict):
+        return found
+    text, outer_type = _built_by_transformers(cfg, name)
+    if text is not None:
+        diskcache.write(path, (text, outer_type))
+    return text, outer_type
+
+
+def _built_by_transformers(cfg: dict[str, Any], name: str) -> tuple[dict[str, Any] | None, str | None]:
+    """:func:`_through_transformers`, computed."""
     try:
         import transformers  # noqa: F401
     except ImportError as e:
@@ -207,7 +270,9 @@ def spec_from_config(cfg: dict[str, Any], name: str = "model", source: str = "co
     if cfg.get("is_encoder_decoder"):
         raise ConfigError("config.json:is_encoder_decoder", True, "decoder-only causal LMs",
                           "vramguard plans decoder-only models (Llama, Mistral, Qwen, Gemma, Phi...)")
-    text, outer_type = _through_transformers(cfg, name)
+    hand = cfg.get("model_type") in _FAMILIES and not cfg.get("text_config")
+    text, outer_type = (None, None) if hand and not READ_FAMILIES_THROUGH_TRANSFORMERS else \
+        _through_transformers(cfg, name)
     why_not = outer_type if text is None else None
     if text is not None and outer_type not in _FAMILIES:
         return _generic_spec(text, raw_json, name, source, outer_type)

@@ -69,8 +69,9 @@ COMMANDS = (
     ("export", _export.export, "Write a vLLM deployment: command, Ray Serve, KServe, k8s."),
 )
 SHORT_HELP = {name: short for name, _, short in COMMANDS}
+LONG_HELP = {"plan": _plan.HELP}  # where a command's --help says more than its docstring's line
 for _name, _fn, _short in COMMANDS:
-    app.command(_name, short_help=_short)(_fn)
+    app.command(_name, short_help=_short, help=LONG_HELP.get(_name))(_fn)
 del _name, _fn, _short
 
 

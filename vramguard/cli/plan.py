@@ -15,6 +15,14 @@ from vramguard.cli.multigpu import device_map_option, gpus_option, max_memory_op
 from vramguard.cli.render import console
 
 
+HELP = """Predict memory by component, say whether it fits, solve for what fits, and rank the fixes.
+
+Speed: a catalog name, or a folder, config.json or Hub id of a hand-modelled family (llama, mistral, mixtral, qwen2,
+qwen2_moe, qwen3, qwen3_moe, gemma, gemma2, gemma3_text, phi3), is read without torch or transformers; any other
+architecture is read by transformers. The first plan of a model, settings and cards builds transformers' meta model
+for the load and the allocator model (torch and transformers imported: seconds to tens of seconds); it is kept on
+disk (VRAMGUARD_PLAN_CACHE=0 turns that off), so the same plan again, in any process, takes about a second and
+imports neither."""
 FREED_BEFORE_HELP = ("plan for a process that has deleted a model and called torch.cuda.empty_cache() (a notebook): "
                      "both segment layouts cudaMalloc gives there, judged on the worse (one card, the allocator "
                      "model: needs torch)")

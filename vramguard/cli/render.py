@@ -162,7 +162,6 @@ def to_jsonable(obj: Any) -> Any:
 
 def plan_to_json(p: Plan) -> dict:
     """The plan as a JSON object: every size an int of bytes."""
-    from vramguard.memory.kv import kv_growth_per_token
     est = p.estimate
     return {
         "model": to_jsonable(p.model),
@@ -184,8 +183,7 @@ def plan_to_json(p: Plan) -> dict:
         "weights": to_jsonable(est.weights),
         "kv_cache": {"full_length_tokens": est.kv_full.tokens, "gpu_bytes": est.kv_full.gpu_bytes,
                      "cpu_bytes": est.kv_full.cpu_bytes, "bytes_per_token": est.kv_bytes_per_token,
-                     "growth_per_token_by_layer_type": kv_growth_per_token(p.model, p.settings,
-                                                                           p.settings.prompt_tokens),
+                     "growth_per_token_by_layer_type": kv_growth_at(p, p.settings.prompt_tokens),
                      "sliding_growth_new_tokens": sliding_growth_tokens(p)},
         "prefill": to_jsonable(est.prefill),
         "decode": to_jsonable(est.decode),
@@ -213,9 +211,12 @@ def _settings_line(p: Plan) -> str:
             f"prompt {fmt_tokens(s.prompt_tokens)} + {fmt_tokens(s.max_new_tokens)} new tokens{chunk}")
 
 
-def _generic_kinds(spec) -> list[str]:
-    from vramguard.introspect.generic import layer_kinds
-    return layer_kinds(spec)
+def kv_growth_at(p: Plan, n_tokens: int) -> dict[str, int]:
+    """The KV growth per new token by layer kind once ``n_tokens`` are held: the plan's own figure where it kept
+    one (:attr:`Plan.kv_growth_at`), else computed (a hand spec's, pure arithmetic)."""
+    from vramguard.memory.kv import kv_growth_per_token
+    found = p.kv_growth_at.get(n_tokens)
+    return dict(found) if found is not None else kv_growth_per_token(p.model, p.settings, n_tokens)
 
 
 def sliding_growth_tokens(p: Plan) -> int:
@@ -243,8 +244,8 @@ def kv_growth_text(p: Plan) -> str:
     spec, s = p.model, p.settings
     if spec.generic:
         from collections import Counter
-        growth = kv_growth_per_token(spec, s, s.total_tokens - 1)
-        counts = Counter(_generic_kinds(spec))
+        growth = kv_growth_at(p, s.total_tokens - 1)
+        counts = Counter(p.layer_kinds)
         return "; ".join(f"{fmt_bytes(growth.get(k, 0))} in the {plural(n, k.replace('_', '-') + ' layer')}"
                          for k, n in counts.items())
     types = spec.layer_types

@@ -21,6 +21,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from vramguard.diskcache import vramguard_cache_dir
 from vramguard.errors import HubError
 from vramguard.hub.headers import (
     CheckpointHeaders,
@@ -52,10 +53,7 @@ def offline() -> bool:
 def header_cache_dir() -> Path:
     """``$VRAMGUARD_CACHE_DIR/headers``, else ``headers/`` under a ``vramguard`` folder beside huggingface_hub's
     cache (``HF_HOME/vramguard`` by default)."""
-    if os.environ.get("VRAMGUARD_CACHE_DIR"):
-        return Path(os.environ["VRAMGUARD_CACHE_DIR"]) / "headers"
-    from huggingface_hub import constants
-    return Path(constants.HF_HUB_CACHE).parent / "vramguard" / "headers"
+    return vramguard_cache_dir() / "headers"
 
 
 @dataclass(frozen=True)

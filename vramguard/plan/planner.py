@@ -7,6 +7,9 @@ Pure computation: no torch, no CUDA. The memory model is :mod:`vramguard.plan.es
 from __future__ import annotations
 
 from vramguard.catalog.gpus import GpuSpec
+from vramguard.introspect.generic import layer_kinds
+from vramguard.memory.kv import kv_growth_per_token
+from vramguard import diskcache as cache
 from vramguard.plan.estimator import CardVerdict, MemoryEstimate, Plan, estimate, verdict
 from vramguard.plan.findings import plan_findings
 from vramguard.plan.limits import check_context
@@ -67,6 +70,40 @@ def plan(model: str | ModelSpec, settings: Settings | None = None, *, gpu: str |
         why = "given"
     from vramguard.hub import for_cards
     spec = for_cards(spec, gpus)  # the card decides how a pre-quantized checkpoint loads
+    path = _cache_entry(spec, s, gpus, why, solve, alloc_conf, freed_before)
+    found = cache.read(path)
+    if isinstance(found, Plan):
+        return found
+    p = _compute(spec, s, gpus, why, solve, alloc_conf, freed_before)
+    cache.write(path, p)
+    return p
+
+
+def _kv_growth_at(spec: ModelSpec, s: Settings) -> dict[int, dict[str, int]]:
+    """The KV growth per new token by layer kind where a plan's output reports it: once the prompt is held (JSON)
+    and at the run's last token (a generic spec's table line)."""
+    return {n: kv_growth_per_token(spec, s, n) for n in sorted({s.prompt_tokens, max(s.total_tokens - 1, 0)})}
+
+
+def _cache_entry(spec: ModelSpec, s: Settings, gpus: list[GpuSpec], why: str, solve: bool, alloc_conf: str | None,
+                 freed_before: bool | None):
+    """The plan cache's file for these inputs (:mod:`vramguard.diskcache`): the spec with its config text and
+    checkpoint headers, the settings, the cards, the allocator settings (this process's ``PYTORCH_CUDA_ALLOC_CONF``
+    where ``alloc_conf`` is ``"auto"``) and whether this process freed memory before; None when the cache is off or
+    ``freed_before`` is not a bool or None (the plan refuses it)."""
+    from vramguard.allocconf import env_alloc_conf
+    from vramguard.plan.allocator import process_freed_memory
+    if freed_before is not None and not isinstance(freed_before, bool):
+        return None
+    freed = process_freed_memory() if freed_before is None else freed_before
+    env = env_alloc_conf() if alloc_conf == AUTO else None
+    return cache.entry_key("plan", spec, spec.config_json, spec.checkpoint, s, gpus, why, solve, alloc_conf, env,
+                           freed)
+
+
+def _compute(spec: ModelSpec, s: Settings, gpus: list[GpuSpec], why: str, solve: bool, alloc_conf: str | None,
+             freed_before: bool | None) -> Plan:
+    """:func:`plan` for a resolved spec and cards, computed."""
     est = estimate(spec, s)
     cards = [verdict(est, g) for g in gpus]
     if solve:
@@ -76,7 +113,8 @@ def plan(model: str | ModelSpec, settings: Settings | None = None, *, gpu: str |
     logits_case = ("all positions: a forward over the whole prompt (scoring, output_logits), with a float32 copy"
                    if s.logits == "all" else
                    "last position only: generate() passes logits_to_keep=1 and copies that row to float32")
-    p = Plan(spec, s, est, cards, why, logits_case)
+    p = Plan(spec, s, est, cards, why, logits_case, kv_growth_at=_kv_growth_at(spec, s),
+             layer_kinds=tuple(layer_kinds(spec)) if spec.generic else ())
     p.findings.extend(plan_findings(p))
     from vramguard.hub.prequant import prequant_findings
     p.findings.extend(prequant_findings(p))

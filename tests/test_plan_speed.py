@@ -1,0 +1,193 @@
+"""The fast path of ``plan``: a hand family's config read with the class-default table, no torch or transformers
+imported for a catalog name or a hand-family folder, and plans learned once kept on disk."""
+
+from __future__ import annotations
+
+import pytest
+
+from vramguard import spec as spec_module
+from vramguard.catalog.models import MODELS
+from vramguard.spec import SUPPORTED_MODEL_TYPES, spec_from_config
+
+# a config.json per family that leaves the derived fields out (head_dim, num_key_value_heads), so that a default
+# derived from the given sizes and a class default that ignores them differ; and one that turns sliding windows on
+SPARSE = {"hidden_size": 2560, "num_attention_heads": 32, "num_hidden_layers": 6, "intermediate_size": 6912,
+          "vocab_size": 1000, "max_position_embeddings": 4096}
+WINDOWED = {**SPARSE, "num_key_value_heads": 4, "sliding_window": 512, "use_sliding_window": True,
+            "max_window_layers": 3}
+
+
+def _both(cfg: dict, monkeypatch) -> tuple:
+    """The spec of ``cfg`` read with the class-default table and through ``AutoConfig``."""
+    fast = spec_from_config(dict(cfg), name="m")
+    monkeypatch.setattr(spec_module, "READ_FAMILIES_THROUGH_TRANSFORMERS", True)
+    ref = spec_from_config(dict(cfg), name="m")
+    monkeypatch.setattr(spec_module, "READ_FAMILIES_THROUGH_TRANSFORMERS", False)
+    assert fast.generic is ref.generic is False
+    return fast, ref
+
+
+def _same(fast, ref) -> None:
+    """Every field the planner reads, the config text and the notes included."""
+    from dataclasses import fields
+    for f in fields(ref):
+        assert getattr(fast, f.name) == getattr(ref, f.name), f.name
+
+
+@pytest.mark.parametrize("key", sorted(MODELS))
+def test_catalog_spec_without_transformers_equals_autoconfig(key, monkeypatch):
+    cfg = {k: v for k, v in MODELS[key].items() if k != "source"}
+    _same(*_both(cfg, monkeypatch))
+
+
+@pytest.mark.parametrize("model_type", SUPPORTED_MODEL_TYPES)
+@pytest.mark.parametrize("given", [{}, SPARSE, WINDOWED], ids=["class-defaults", "sparse", "windowed"])
+def test_class_defaults_table_equals_autoconfig(model_type, given, monkeypatch):
+    """Each family with only its model_type (every size from the class), with sizes whose derived fields differ
+    from the class's, and with sliding windows turned on."""
+    fast, ref = _both({"model_type": model_type, **given}, monkeypatch)
+    _same(fast, ref)
+    if not given:  # the class's own sizes, not a default of vramguard's
+        from transformers import AutoConfig
+        cls = AutoConfig.for_model(model_type)
+        assert (fast.hidden_size, fast.num_layers, fast.vocab_size) == \
+            (cls.hidden_size, cls.num_hidden_layers, cls.vocab_size)
+
+
+def _plan_json(model, **kw) -> str:
+    """The plan's JSON text, as ``vramguard plan --format json`` writes it."""
+    import json
+
+    from vramguard.cli.render import plan_to_json
+    from vramguard.plan.planner import plan
+    return json.dumps(plan_to_json(plan(model, **kw)), sort_keys=True)
+
+
+@pytest.mark.parametrize("key", ["qwen2.5-0.5b", "gemma-2-2b", "phi-3-mini-128k"])
+def test_catalog_plan_without_transformers_is_byte_identical(key, monkeypatch):
+    """The whole default plan (allocator model and solvers included) of a catalog name read with the table and
+    through AutoConfig: the same JSON to the byte (every catalog entry's spec is compared field by field above)."""
+    fast = _plan_json(key, vram="24GiB")
+    monkeypatch.setattr(spec_module, "READ_FAMILIES_THROUGH_TRANSFORMERS", True)
+    assert _plan_json(key, vram="24GiB") == fast
+
+
+def _config_folder(tmp_path, model_type: str):
+    """A folder holding only the config.json of a tiny ``model_type`` (a hand family's or tests/archs.py's)."""
+    import json
+    folder = tmp_path / model_type
+    folder.mkdir()
+    if model_type in SUPPORTED_MODEL_TYPES:
+        cfg = {"model_type": model_type, **SPARSE, "hidden_size": 256, "intermediate_size": 512,
+               "num_hidden_layers": 2, "torch_dtype": "bfloat16"}
+    else:
+        from archs import ARCHS
+        from transformers import AutoConfig
+        cfg = AutoConfig.for_model(model_type, **ARCHS[model_type]).to_dict()
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return folder
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma2", "gpt2", "olmoe", "starcoder2", "deepseek_v2", "gpt_oss"])
+def test_plan_read_back_from_disk_is_byte_identical(tmp_path, model_type, monkeypatch):
+    """A plan kept on disk and read back (no estimate run) gives the same JSON as the one computed."""
+    from vramguard.plan import planner
+    monkeypatch.setenv("VRAMGUARD_PLAN_CACHE", str(tmp_path / "plans"))
+    folder = _config_folder(tmp_path, model_type)
+    computed = _plan_json(str(folder), vram="24GiB")
+    assert len(list((tmp_path / "plans").glob("plan-*.json.gz"))) == 1
+
+    def not_computed(*a, **k):
+        raise AssertionError("the plan was computed again")
+    monkeypatch.setattr(planner, "_compute", not_computed)
+    assert _plan_json(str(folder), vram="24GiB") == computed
+    with pytest.raises(AssertionError, match="computed again"):  # another card is another plan
+        _plan_json(str(folder), vram="16GiB")
+
+
+PROBE = """
+import json, runpy, sys
+sys.argv = ["vramguard", "plan", *sys.argv[1:]]
+try:
+    runpy.run_module("vramguard", run_name="__main__")
+except SystemExit as e:
+    code = e.code
+print(json.dumps({"code": code, "heavy": sorted(m for m in ("torch", "transformers") if m in sys.modules)}),
+      file=sys.stderr)
+"""
+
+
+def _cli_in_fresh_process(tmp_path, *args: str) -> tuple[str, dict]:
+    """(stdout, {code, heavy: torch/transformers imported}) of ``vramguard plan ARGS`` in a new Python process."""
+    import json
+    import os
+    import subprocess
+    import sys
+    env = {**os.environ, "VRAMGUARD_PLAN_CACHE": str(tmp_path / "plans"), "PYTHONPATH": os.getcwd()}
+    r = subprocess.run([sys.executable, "-c", PROBE, *args], capture_output=True, text=True, env=env, timeout=300)
+    return r.stdout, json.loads(r.stderr.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("model, fmt", [("qwen2.5-0.5b", "json"), ("llama", "human"), ("gpt2", "human")])
+def test_a_second_plan_in_a_fresh_process_imports_neither_torch_nor_transformers(tmp_path, model, fmt):
+    """A catalog name, a hand family's folder and another architecture's folder: the first plan computes (with
+    transformers: the load and the allocator tape are its own), the second, in a new process, reads what it learned
+    and prints the same JSON or table without importing torch or transformers."""
+    target = model if model == "qwen2.5-0.5b" else str(_config_folder(tmp_path, model))
+    args = (target, "--vram", "24GiB", "--prompt-tokens", "256", "--format", fmt)
+    first, how = _cli_in_fresh_process(tmp_path, *args)
+    assert how == {"code": 0, "heavy": ["torch", "transformers"]}
+    second, how = _cli_in_fresh_process(tmp_path, *args)
+    assert how == {"code": 0, "heavy": []}
+    assert second == first
+
+
+def test_a_hand_family_is_read_without_transformers_in_a_fresh_process(tmp_path):
+    """Reading a catalog name's and a hand-family folder's config (what every plan starts with) imports neither
+    torch nor transformers, with nothing kept on disk."""
+    import json
+    import os
+    import subprocess
+    import sys
+    folder = _config_folder(tmp_path, "qwen3")
+    code = ("import json, sys; from vramguard.resolve import resolve_model; "
+            f"specs = [resolve_model(m) for m in ('llama-3.1-8b', 'gemma-2-9b', {str(folder)!r})]; "
+            "print(json.dumps([[s.num_layers, s.head_dim] for s in specs] + "
+            "[m for m in ('torch', 'transformers') if m in sys.modules]))")
+    env = {**os.environ, "VRAMGUARD_PLAN_CACHE": "0", "PYTHONPATH": os.getcwd()}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout
+    assert json.loads(out) == [[32, 128], [42, 256], [2, 128]]  # qwen3's class head_dim, not 256 // 32
+
+
+def test_an_entry_is_keyed_by_library_versions_and_code(monkeypatch, tmp_path):
+    from vramguard import diskcache
+    monkeypatch.setenv("VRAMGUARD_PLAN_CACHE", str(tmp_path))
+    diskcache.environment_version.cache_clear()
+    before = diskcache.entry_key("plan", "x")
+    monkeypatch.setattr(diskcache, "_version", lambda d: "9.9" if d == "transformers" else None)
+    diskcache.environment_version.cache_clear()
+    newer = diskcache.entry_key("plan", "x")
+    monkeypatch.setattr(diskcache, "_PACKAGE", tmp_path)  # other code
+    diskcache.environment_version.cache_clear()
+    other_code = diskcache.entry_key("plan", "x")
+    diskcache.environment_version.cache_clear()
+    assert len({before, newer, other_code, diskcache.entry_key("plan", "y")}) == 4
+    monkeypatch.setenv("VRAMGUARD_PLAN_CACHE", "off")
+    assert diskcache.entry_key("plan", "x") is None
+
+
+def test_only_vramguard_classes_are_rebuilt(tmp_path):
+    import gzip
+    import json
+
+    from vramguard import diskcache
+    from vramguard.settings import Settings
+    s = Settings(quant="bf16", prompt_tokens=7)
+    path = tmp_path / "e.json.gz"
+    diskcache.write(path, (s, {1: [s]}))
+    assert diskcache.read(path) == (s, {1: [s]})
+    with gzip.open(path, "wt") as f:
+        json.dump({"c": "subprocess:Popen", "f": {}}, f)
+    assert diskcache.read(path) is None
+    with pytest.raises(TypeError, match="set is not stored"):
+        diskcache.encode({1, 2})
