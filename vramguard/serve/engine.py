@@ -37,6 +37,7 @@ from vramguard.serve.faults import (DEVICE_FAULT_MARKERS, MAX_FAILURES_IN_A_ROW,
                                     MAX_STEP_FAILURES, device_fault)
 from vramguard.serve.attention import choose as choose_attention
 from vramguard.serve.pool import PoolPlan, blocks_needed
+from vramguard.serve.sampler import DRAW, GREEDY, SEEDED, RowSampler, sampling_rows
 
 log = logging.getLogger("vramguard.serve")
 
@@ -79,11 +80,24 @@ _PROCESSOR_SEEDS = {"temperature": 0.5, "top_k": 50, "top_p": 0.9}
 
 @dataclass
 class Sampling:
-    """Per-request decoding: ``temperature`` 0 means greedy (top-k 1, i.e. the argmax unless two logits are equal)."""
+    """Per-request decoding: ``temperature`` 0 means greedy (the argmax of the logits, the first of equal maxima, as
+    transformers' ``generate(do_sample=False)``); ``seed``: the request's own random stream for a draw (None: the
+    engine's generator, seeded by the server's ``seed=``)."""
 
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def row_mode(self) -> tuple[int, int]:
+        """(mode, seed) of this request's rows for :class:`~vramguard.serve.sampler.RowSampler`."""
+        if self.greedy:
+            return GREEDY, 0
+        return (SEEDED, self.seed) if self.seed is not None else (DRAW, 0)
 
     def processor_kwargs(self, vocab_size: int) -> dict:
         """The per-request values for transformers' temperature, top-k and top-p processors (all three, always)."""
@@ -134,7 +148,8 @@ class Engine:
         model, tokenizer: a loaded causal LM and its tokenizer.
         pool: the :class:`~vramguard.serve.pool.PoolPlan` (``num_blocks``, ``page_size``, step limits).
         max_queue: requests allowed to wait for their first token beyond those the engine runs at once.
-        seed: the sampling seed of the engine (one per server: OpenAI's per-request ``seed`` is not supported).
+        seed: the seed of the engine's generator, which draws for the requests without a ``seed`` of their own
+            (a request's own seed draws from its own stream: :mod:`vramguard.serve.sampler`).
         metrics: optional :class:`~vramguard.serve.metrics.Metrics`.
         greedy_only: decode every request greedily with a plain argmax (no sampling processors in the step);
             requests that ask for sampling are refused by the API.
@@ -183,6 +198,8 @@ class Engine:
         self._graphs = None  # DecodeGraphs, made in the engine thread at the first step (None: not (yet) made)
         self.graphs_wanted = False  # decode-only steps from CUDA graphs (set when the varlen attention runs)
         self._gemm_route = None  # the decode graphs' 4-bit matmul route (decode_graphs.choose_gemm), or None
+        self._row_modes: dict[str, tuple[int, int]] = {}  # request id -> (mode, seed) of its rows (sampler.py)
+        self._sampler: RowSampler | None = None  # made with the batch processor (install_sampler)
         self.vocab_size = int(model.config.get_text_config().vocab_size)
 
     # ------------------------------------------------------------------ lifecycle
@@ -461,6 +478,7 @@ class Engine:
             h.queue.put_nowait(output)
 
         self._manager.register_result_handler(rid, deliver)
+        self._row_modes[rid] = (GREEDY, 0) if self.greedy_only else sampling.row_mode()
         kw = {} if self.greedy_only else sampling.processor_kwargs(self.vocab_size)
         if eos_token_id is not None:
             kw["eos_token_id"] = eos_token_id
@@ -475,6 +493,7 @@ class Engine:
     def cancel(self, request_id: str) -> None:
         """Cancel a request: a waiting one never reaches the GPU; a running one frees its blocks at the next step."""
         h = self.handles.pop(request_id, None)
+        self._row_modes.pop(request_id, None)
         if h is not None and not h.finished:
             h.finished = True
             if self._manager is not None:
@@ -499,6 +518,7 @@ class Engine:
 
     def finish(self, request_id: str) -> None:
         """Forget a request whose response is complete."""
+        self._row_modes.pop(request_id, None)
         h = self.handles.pop(request_id, None)
         if h is not None:
             h.finished = True
@@ -520,6 +540,26 @@ class Engine:
             self.notes.append("decode steps: CUDA graphs (vramguard.serve.decode_graphs), captured at the first "
                               "step of each size")
         return self._graphs[1]
+
+    def install_sampler(self, bp) -> None:
+        """Give batch processor ``bp`` this engine's token choice (:class:`~vramguard.serve.sampler.RowSampler`),
+        before any step of it runs or is captured in a CUDA graph."""
+        from vramguard.serve.decode_graphs import SIZES
+        rows = max(self.pool.max_batch_tokens, self.pool.max_requests, SIZES[-1])  # logits rows <= query tokens
+        device = next(self.model.parameters()).device
+        if self._sampler is None or self._sampler.args.device != device:
+            self._sampler = RowSampler(rows, device)
+        bp.model_runner._sample = self._sampler
+
+    def _fill_rows(self, bp) -> None:
+        """Write the prepared step's (mode, seed, position) rows for the sampler (engine thread, before the
+        forward). A request this engine did not submit (transformers' warm-up) is greedy."""
+        if self._sampler is None:
+            return
+        io = bp.inputs_and_outputs
+        rows = sampling_rows(getattr(io, "requests_in_batch", []),
+                             lambda rid: self._row_modes.get(rid, (GREEDY, 0)))
+        self._sampler.fill(rows, getattr(io, "compute_stream", None))
 
     def _on_step(self, index: int, request_ids: list[str], bp=None) -> None:
         self.steps.append(StepRecord(index, tuple(request_ids), time.perf_counter()))
