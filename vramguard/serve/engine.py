@@ -155,6 +155,10 @@ class Engine:
             requests that ask for sampling are refused by the API.
         own_kernels: run vramguard's varlen attention and decode CUDA graphs where they can run
             (:mod:`vramguard.serve.attention`, :mod:`vramguard.serve.decode_graphs`); False: transformers' own.
+        deterministic: every step computes one request, so a request's text does not depend on what else is in
+            the batch (a step's kernels and their rounding depend on its row count; in 16-bit weights a near-tie
+            can flip). Requests still run concurrently, one step each in turn; throughput falls with the count of
+            requests running (benchmarks/README.md has the cost).
 
     Test hooks: ``before_step(index, request_ids)`` is called in the engine thread before each step's forward;
     raising ``torch.OutOfMemoryError`` there exercises recovery exactly as a real OOM in the forward would.
@@ -163,12 +167,13 @@ class Engine:
     name = "continuous"  # the value of serve's engine choice that selects this engine
 
     def __init__(self, model, tokenizer, pool: PoolPlan, *, max_queue: int = 64, seed: int | None = 0,
-                 metrics=None, greedy_only: bool = False, own_kernels: bool = True):
+                 metrics=None, greedy_only: bool = False, own_kernels: bool = True, deterministic: bool = False):
         self.model, self.tokenizer, self.pool = model, tokenizer, pool
         self._cb_blocks_per_block = 1  # transformers' KV blocks per pool block, known at start
         self.own_kernels = own_kernels
         self.max_queue = max_queue
         self.greedy_only = greedy_only
+        self.deterministic = deterministic
         self.reserved = 0  # admission slots held by requests being validated (event-loop thread only)
         self.accepting = True
         self._stopped = False
@@ -233,7 +238,8 @@ class Engine:
                                pad_token_id=getattr(text_cfg, "pad_token_id", None) or 0,
                                **(sampling or {"do_sample": False}))
         cfg = cb_config(num_blocks=self.pool.num_blocks * self._cb_blocks_per_block, page_size=self.pool.page_size,
-                        max_batch_tokens=self.pool.max_batch_tokens, max_requests_per_batch=self.pool.max_requests,
+                        max_batch_tokens=self.pool.max_batch_tokens,
+                        max_requests_per_batch=1 if self.deterministic else self.pool.max_requests,
                         use_async_batching=False, per_request_processors=not self.greedy_only,
                         drop_unsupported_processors=False,
                         max_memory_percent=1.0, seed=self.seed, allow_block_sharing=False)
@@ -251,6 +257,9 @@ class Engine:
             self._manager = _quiet_manager(cls, self.model, gen, cfg)
         if note is not None:
             self.notes.append(note)
+        if self.deterministic:
+            self.notes.append("deterministic: one request per step, so a request's text does not depend on the "
+                              "others running (they take turns, step by step)")
         self.graphs_wanted = switched_from is not None and GRAPHS
         if self.graphs_wanted:
             from vramguard.serve.decode_graphs import choose_gemm

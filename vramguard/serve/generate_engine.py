@@ -164,6 +164,7 @@ class GenerateEngine(Engine):
         spec, settings: the model's :class:`~vramguard.spec.ModelSpec` and the :class:`~vramguard.settings.Settings`
             it was loaded with (quantization, dtype, attention), for requests planned one by one.
         max_queue, seed, metrics, greedy_only: as for :class:`~vramguard.serve.engine.Engine`.
+        deterministic: accepted for the same interface; this engine always is (one request at a time, alone).
 
     Test hook: ``before_step(index, request_ids)`` runs in the engine thread before each forward of ``generate``;
     raising ``torch.OutOfMemoryError`` there exercises recovery as a real OOM in the forward would.
@@ -172,9 +173,9 @@ class GenerateEngine(Engine):
     name = "generate"
 
     def __init__(self, model, tokenizer, plan: GeneratePlan, spec, settings, *, max_queue: int = 64,
-                 seed: int | None = 0, metrics=None, greedy_only: bool = False):
+                 seed: int | None = 0, metrics=None, greedy_only: bool = False, deterministic: bool = False):
         super().__init__(model, tokenizer, plan, max_queue=max_queue, seed=seed, metrics=metrics,
-                         greedy_only=greedy_only)
+                         greedy_only=greedy_only, deterministic=deterministic)
         self.spec, self.settings = spec, settings
         self.max_running = 1
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
