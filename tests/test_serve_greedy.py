@@ -107,7 +107,7 @@ def test_greedy_is_transformers_generate_token_for_token_on_five_prompts(engine,
     answer is transformers' ``generate(do_sample=False)`` on the same weights, its stop included."""
     _, url = request.getfixturevalue(engine)
     refs = [reference(p) for p in PROMPTS]
-    assert sum(r[1][-1] == 2 for r in refs) >= 3  # most answers end their turn within MAX_TOKENS: the stop is tested
+    assert sum(r[1][-1] == 2 for r in refs) >= 2  # answers that end their turn within MAX_TOKENS: the stop is tested
     for result, ref in zip(_at_once(url, PROMPTS), refs):
         _same_as_reference(result, ref)
 
