@@ -101,10 +101,14 @@ def test_sampling_rows_follow_the_step_order_and_skip_prefill_chunks():
 
 @pytest.mark.parametrize("value,says", [
     (2**63, "beyond a 64-bit integer"),
+    (-1, "accepted: an integer from 0 to 9,223,372,036,854,775,807 (2**63 - 1)"),
+    (-2**63, "accepted: an integer from 0 to 9,223,372,036,854,775,807 (2**63 - 1)"),
     ("7", "valid integer"),
     (1.5, "valid integer"),
 ])
-def test_a_seed_outside_a_signed_64_bit_integer_is_an_openai_error(value, says):
+def test_a_seed_outside_the_seeds_pytorch_takes_is_an_openai_error(value, says):
+    """The range of ``run --seed`` (vramguard.run.generate.check_seed: torch.manual_seed's signed 64-bit integer,
+    from 0), as a 400 naming ``seed``."""
     pytest.importorskip("fastapi")
     from vramguard.serve.apierrors import ApiError
     from vramguard.serve.schemas import ChatRequest
@@ -115,5 +119,5 @@ def test_a_seed_outside_a_signed_64_bit_integer_is_an_openai_error(value, says):
     with pytest.raises(ApiError) as e:
         parse_request(body, ChatRequest, limits)
     assert e.value.status == 400 and e.value.param == "seed" and says in e.value.message
-    assert parse_request(body.replace(json.dumps(value).encode(), b"-9223372036854775808"), ChatRequest,
-                         limits).seed == -2**63
+    assert parse_request(body.replace(json.dumps(value).encode(), b"9223372036854775807"), ChatRequest,
+                         limits).seed == 2**63 - 1
