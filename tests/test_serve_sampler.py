@@ -75,6 +75,15 @@ def test_seeded_draws_follow_the_distribution():
     assert counts[4] == 0
 
 
+def test_probabilities_that_are_not_finite_are_refused_as_multinomial_refuses_them():
+    scores = torch.zeros(2, 10)
+    scores[1, 4] = float("nan")
+    with pytest.raises(RuntimeError, match="probability tensor contains either `inf`, `nan` or element < 0"):
+        _choose(RowSampler(2, "cpu"), scores, [(GREEDY, 0, 0), (DRAW, 0, 0)])
+    with pytest.raises(RuntimeError, match="probability tensor"):
+        torch.multinomial(torch.softmax(scores, -1), 1)  # the words of the error the engine sorts
+
+
 def test_seeded_uniforms_are_in_the_open_interval_and_spread():
     u = seeded_uniform(torch.tensor([0, -5, 2**63 - 1]), torch.tensor([0, 1, 2**40]), 50_000)
     assert u.shape == (3, 50_000) and float(u.min()) > 0 and float(u.max()) < 1

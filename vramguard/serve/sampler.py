@@ -94,6 +94,7 @@ class RowSampler:
         n, vocab = s.shape
         mode, seed, position = self.args[0, :n], self.args[1, :n], self.args[2, :n]
         probs = torch.softmax(s, dim=-1)
+        _refuse_nan(probs)
         drawn_q = torch.empty_like(probs).exponential_()  # the engine's generator
         seeded_q = -torch.log(seeded_uniform(seed, position, vocab))
         q = torch.where((mode == SEEDED).unsqueeze(-1), seeded_q, drawn_q).clamp_min_(1e-20)
@@ -112,6 +113,19 @@ def choice_seed(seed: int, index: int) -> int:
     x = ((x ^ (x >> 27)) * (_MUL2 + 2**64)) % 2**64
     x ^= x >> 31
     return x - 2**64 if x >= 2**63 else x
+
+
+def _refuse_nan(probs) -> None:
+    """Raise as ``torch.multinomial`` does when a row's probabilities are not finite (NaN logits, a temperature
+    that overflows them), so that the engine fails that request alone (:mod:`vramguard.serve.engine`) instead of
+    returning the argmax of NaN. Not while a CUDA graph is captured (no host read there): a replayed decode step
+    is not checked, as ``torch.multinomial`` on CUDA is not either (its check is a device-side assert)."""
+    import torch
+    if probs.is_cuda and torch.cuda.is_current_stream_capturing():
+        return
+    if not bool(torch.isfinite(probs).all()):
+        raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0 (the step's logits "
+                           "gave probabilities that are not finite)")
 
 
 def sampling_rows(requests_in_batch, mode_of) -> list[tuple[int, int, int]]:
