@@ -9,8 +9,8 @@ alone, completion tokens and seconds; per server: tokens/s over its bursts. The 
 (the cost of ``deterministic`` in throughput).
 
     python3 benchmarks/gpu_serve_greedy.py --model ~/.cache/vramguard-tests/smollm2-135m-instruct-fp32 --out OUTDIR
-    python3 benchmarks/gpu_serve_greedy.py --model ... --out OUTDIR --quants fp32 --concurrency 4 --max-tokens 16
-    (the second: the CPU figure)
+    python3 benchmarks/gpu_serve_greedy.py --model ... --out OUTDIR --quants fp32 --concurrency 4 --max-tokens 12 \
+        --prompts 1 --page-size 16 --max-batch-tokens 256 --max-kv-blocks 64      (the CPU figure)
 
 Writes ``OUTDIR/serve_greedy.jsonl`` (one JSON line per burst, per server, and the comparison).
 """
@@ -54,7 +54,8 @@ def one_server(args, quant: str, deterministic: bool, out: str) -> dict:
     t0 = time.perf_counter()
     served = build(args.model, quant=quant, served_name="m", engine_choice="continuous", verify=False,
                    max_running=max(args.concurrency, 16), max_queue=args.concurrency, deterministic=deterministic,
-                   max_batch_tokens=args.max_batch_tokens, page_size=args.page_size)
+                   max_batch_tokens=args.max_batch_tokens, page_size=args.page_size,
+                   max_kv_blocks=args.max_kv_blocks)
     url = served.start_background()
     start_s = time.perf_counter() - t0
     tokens = seconds = 0.0
@@ -85,9 +86,11 @@ def main() -> None:
     ap.add_argument("--quants", default="nf4,bf16", help="weight formats, comma-separated (nf4, bf16, fp32)")
     ap.add_argument("--concurrency", type=int, default=16, help="identical requests sent at once")
     ap.add_argument("--prompts", type=int, default=4, help=f"prompts (at most {len(PROMPTS)})")
-    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--max-batch-tokens", type=int, default=2048)
     ap.add_argument("--page-size", type=int, default=64)
+    ap.add_argument("--max-kv-blocks", type=int, default=None, help="cap the KV pool (serve's --max-kv-blocks; "
+                    "the CPU figure: 64)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     out = os.path.join(args.out, "serve_greedy.jsonl")
