@@ -62,7 +62,7 @@ COMMON = {  # a value a client would send, for every accepted field
     "top_p": st.floats(1e-3, 1, exclude_min=False), "top_k": st.integers(0, 300), "n": st.integers(1, 4),
     "stream": st.booleans(), "stream_options": st.just({"include_usage": True}),
     "stop": st.one_of(st.text(min_size=1, max_size=4), st.lists(st.sampled_from(["w1", " w", "7 w"]), max_size=4)),
-    "user": st.text(max_size=8), "ignore_eos": st.booleans(), "seed": st.none(), "presence_penalty": st.just(0),
+    "user": st.text(max_size=8), "ignore_eos": st.booleans(), "seed": st.one_of(st.none(), st.integers(0, 2**63 - 1)), "presence_penalty": st.just(0),
     "frequency_penalty": st.just(0.0), "logit_bias": st.just({}), "logprobs": st.just(None),
 }
 COMPLETION = {**COMMON, "prompt": st.one_of(word_prompt, token_prompt, word_prompt.map(lambda p: [p])),

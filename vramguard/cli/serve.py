@@ -57,6 +57,9 @@ def serve(
                                        "the model, else generate (the start log says which and why)"),
     greedy: bool = typer.Option(False, help="decode every request greedily (no sampling work in the step); requests "
                                             "asking for temperature > 0 are refused"),
+    deterministic: bool = typer.Option(False, help="one request per step: a request's text does not depend on "
+                                                   "the others in the batch (throughput falls with the requests "
+                                                   "running; temperature 0 is reproducible without it)"),
     ready_file: Optional[str] = typer.Option(None, hidden=True, help="write the URL here once listening"),
 ) -> None:
     """Serve the model over an OpenAI-compatible API (/v1/chat/completions, /v1/completions, /v1/models, /health,
@@ -89,7 +92,8 @@ def serve(
                          dtype=dtype.value if dtype and dtype.value != "auto" else None, attn=attn.value,
                          trust_remote_code=trust_remote_code, allow_pickle=allow_pickle, seed=seed,
                          served_name=served_model_name, n_max=n_max, default_max_tokens=default_max_tokens,
-                         max_body_bytes=body, greedy=greedy, hard_cap=True, engine_choice=engine.value)
+                         max_body_bytes=body, greedy=greedy, hard_cap=True, engine_choice=engine.value,
+                         deterministic=deterministic)
 
     rc = run_guarded(start)
     if rc:

@@ -1,10 +1,12 @@
-"""The two places the serving engine touches transformers' continuous batching beyond its public calls.
+"""The places the serving engine touches transformers' continuous batching beyond its public calls.
 
 Tested with transformers 5.17 and 5.24: ``ContinuousBatchingConfig`` renamed ``block_size`` to ``page_size`` in 5.17
 (5.17's field is ``block_size``); a block of 5.17's ``PagedAttentionCache`` holds one group of layers, not every layer
 (:func:`blocks_per_pool_block`); and the manager's ``_generation_step`` / ``_generation_loop_body`` are the hooks
 where a step's requests are known and where an exception inside a step can be caught before the engine's
-``_handle_critical_error`` fails every request (what happens to it instead: :mod:`vramguard.serve.recovery`).
+``_handle_critical_error`` fails every request (what happens to it instead: :mod:`vramguard.serve.recovery`); and
+``_create_batch_processor``, after which the batch processor's ``model_runner._sample(scores, output_ids)`` (the same
+in 5.17 and 5.24) is the engine's own token choice (:mod:`vramguard.serve.sampler`).
 """
 
 from __future__ import annotations
@@ -55,16 +57,23 @@ def guarded_manager_class():
 
     class GuardedManager(ContinuousBatchingManager):
         """transformers' manager whose steps are reported to ``vg_engine`` (:class:`~vramguard.serve.engine.Engine`),
-        whose decode-only steps run from the engine's CUDA graphs where it has them, and whose loop hands an
+        whose batch processor chooses tokens with the engine's :class:`~vramguard.serve.sampler.RowSampler` (argmax
+        for greedy requests, per-request seeds), whose decode-only steps run from the engine's CUDA graphs where it has them, and whose loop hands an
         exception inside an iteration to :mod:`vramguard.serve.recovery` instead of failing every request; only a
         device fault (or a loop that keeps failing) goes on to the engine's handler."""
 
         vg_engine = None
 
+        def _create_batch_processor(self):
+            bp = super()._create_batch_processor()
+            self.vg_engine.install_sampler(bp)  # before the warm-up or any capture of a step
+            return bp
+
         def _generation_step(self):
             bp = self.batch_processor
             ids = [fs.state.request_id for fs in getattr(bp.inputs_and_outputs, "requests_in_batch", [])]
             self.vg_engine._on_step(self.current_batch, ids, bp)
+            self.vg_engine._fill_rows(bp)
             graphs = self.vg_engine.decode_graphs(bp)
             if graphs is not None and graphs.accepts(bp):
                 return graphs.step(bp, self.model)  # a decode-only step: replayed (vramguard.serve.decode_graphs)

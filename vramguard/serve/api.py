@@ -32,6 +32,7 @@ from vramguard.serve.admission import Admission, RefusalLog, read_body, shutting
 from vramguard.serve.apierrors import ApiError, shown  # ApiError: also imported from here by the router
 from vramguard.serve.engine import Engine, EngineStopped, Sampling
 from vramguard.serve.metrics import Metrics
+from vramguard.serve.sampler import choice_seed
 from vramguard.serve.schemas import ChatRequest, CompletionRequest
 from vramguard.serve.streaming import Outputs
 from vramguard.serve.validate import Limits, check_tokens, parse_request
@@ -251,10 +252,12 @@ class _Api:
 
     def _submit(self, req, ids: list[int], max_new: int) -> list:
         e = self.engine
-        sampling = Sampling(temperature=0) if e.greedy_only else Sampling(req.temperature, req.top_p, req.top_k)
         handles = []
         try:
-            for _ in range(req.n):
+            for i in range(req.n):
+                seed = None if req.seed is None else choice_seed(req.seed, i)  # each choice its own stream
+                sampling = (Sampling(temperature=0) if e.greedy_only
+                            else Sampling(req.temperature, req.top_p, req.top_k, seed))
                 handles.append(e.submit(ids, max_new, sampling, eos_token_id=-1 if req.ignore_eos else None))
         except EngineStopped:  # the stop began while this request's body was read and checked
             for h in handles:

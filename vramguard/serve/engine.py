@@ -37,6 +37,7 @@ from vramguard.serve.faults import (DEVICE_FAULT_MARKERS, MAX_FAILURES_IN_A_ROW,
                                     MAX_STEP_FAILURES, device_fault)
 from vramguard.serve.attention import choose as choose_attention
 from vramguard.serve.pool import PoolPlan, blocks_needed
+from vramguard.serve.sampler import DRAW, GREEDY, SEEDED, RowSampler, sampling_rows
 
 log = logging.getLogger("vramguard.serve")
 
@@ -79,11 +80,24 @@ _PROCESSOR_SEEDS = {"temperature": 0.5, "top_k": 50, "top_p": 0.9}
 
 @dataclass
 class Sampling:
-    """Per-request decoding: ``temperature`` 0 means greedy (top-k 1, i.e. the argmax unless two logits are equal)."""
+    """Per-request decoding: ``temperature`` 0 means greedy (the argmax of the logits, the first of equal maxima, as
+    transformers' ``generate(do_sample=False)``); ``seed``: the request's own random stream for a draw (None: the
+    engine's generator, seeded by the server's ``seed=``)."""
 
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def row_mode(self) -> tuple[int, int]:
+        """(mode, seed) of this request's rows for :class:`~vramguard.serve.sampler.RowSampler`."""
+        if self.greedy:
+            return GREEDY, 0
+        return (SEEDED, self.seed) if self.seed is not None else (DRAW, 0)
 
     def processor_kwargs(self, vocab_size: int) -> dict:
         """The per-request values for transformers' temperature, top-k and top-p processors (all three, always)."""
@@ -134,12 +148,17 @@ class Engine:
         model, tokenizer: a loaded causal LM and its tokenizer.
         pool: the :class:`~vramguard.serve.pool.PoolPlan` (``num_blocks``, ``page_size``, step limits).
         max_queue: requests allowed to wait for their first token beyond those the engine runs at once.
-        seed: the sampling seed of the engine (one per server: OpenAI's per-request ``seed`` is not supported).
+        seed: the seed of the engine's generator, which draws for the requests without a ``seed`` of their own
+            (a request's own seed draws from its own stream: :mod:`vramguard.serve.sampler`).
         metrics: optional :class:`~vramguard.serve.metrics.Metrics`.
         greedy_only: decode every request greedily with a plain argmax (no sampling processors in the step);
             requests that ask for sampling are refused by the API.
         own_kernels: run vramguard's varlen attention and decode CUDA graphs where they can run
             (:mod:`vramguard.serve.attention`, :mod:`vramguard.serve.decode_graphs`); False: transformers' own.
+        deterministic: every step computes one request, so a request's text does not depend on what else is in
+            the batch (a step's kernels and their rounding depend on its row count; in 16-bit weights a near-tie
+            can flip). Requests still run concurrently, one step each in turn; throughput falls with the count of
+            requests running (benchmarks/README.md has the cost).
 
     Test hooks: ``before_step(index, request_ids)`` is called in the engine thread before each step's forward;
     raising ``torch.OutOfMemoryError`` there exercises recovery exactly as a real OOM in the forward would.
@@ -148,12 +167,13 @@ class Engine:
     name = "continuous"  # the value of serve's engine choice that selects this engine
 
     def __init__(self, model, tokenizer, pool: PoolPlan, *, max_queue: int = 64, seed: int | None = 0,
-                 metrics=None, greedy_only: bool = False, own_kernels: bool = True):
+                 metrics=None, greedy_only: bool = False, own_kernels: bool = True, deterministic: bool = False):
         self.model, self.tokenizer, self.pool = model, tokenizer, pool
         self._cb_blocks_per_block = 1  # transformers' KV blocks per pool block, known at start
         self.own_kernels = own_kernels
         self.max_queue = max_queue
         self.greedy_only = greedy_only
+        self.deterministic = deterministic
         self.reserved = 0  # admission slots held by requests being validated (event-loop thread only)
         self.accepting = True
         self._stopped = False
@@ -183,6 +203,8 @@ class Engine:
         self._graphs = None  # DecodeGraphs, made in the engine thread at the first step (None: not (yet) made)
         self.graphs_wanted = False  # decode-only steps from CUDA graphs (set when the varlen attention runs)
         self._gemm_route = None  # the decode graphs' 4-bit matmul route (decode_graphs.choose_gemm), or None
+        self._row_modes: dict[str, tuple[int, int]] = {}  # request id -> (mode, seed) of its rows (sampler.py)
+        self._sampler: RowSampler | None = None  # made with the batch processor (install_sampler)
         self.vocab_size = int(model.config.get_text_config().vocab_size)
 
     # ------------------------------------------------------------------ lifecycle
@@ -216,7 +238,8 @@ class Engine:
                                pad_token_id=getattr(text_cfg, "pad_token_id", None) or 0,
                                **(sampling or {"do_sample": False}))
         cfg = cb_config(num_blocks=self.pool.num_blocks * self._cb_blocks_per_block, page_size=self.pool.page_size,
-                        max_batch_tokens=self.pool.max_batch_tokens, max_requests_per_batch=self.pool.max_requests,
+                        max_batch_tokens=self.pool.max_batch_tokens,
+                        max_requests_per_batch=1 if self.deterministic else self.pool.max_requests,
                         use_async_batching=False, per_request_processors=not self.greedy_only,
                         drop_unsupported_processors=False,
                         max_memory_percent=1.0, seed=self.seed, allow_block_sharing=False)
@@ -234,6 +257,9 @@ class Engine:
             self._manager = _quiet_manager(cls, self.model, gen, cfg)
         if note is not None:
             self.notes.append(note)
+        if self.deterministic:
+            self.notes.append("deterministic: one request per step, so a request's text does not depend on the "
+                              "others running (they take turns, step by step)")
         self.graphs_wanted = switched_from is not None and GRAPHS
         if self.graphs_wanted:
             from vramguard.serve.decode_graphs import choose_gemm
@@ -461,6 +487,7 @@ class Engine:
             h.queue.put_nowait(output)
 
         self._manager.register_result_handler(rid, deliver)
+        self._row_modes[rid] = (GREEDY, 0) if self.greedy_only else sampling.row_mode()
         kw = {} if self.greedy_only else sampling.processor_kwargs(self.vocab_size)
         if eos_token_id is not None:
             kw["eos_token_id"] = eos_token_id
@@ -475,6 +502,7 @@ class Engine:
     def cancel(self, request_id: str) -> None:
         """Cancel a request: a waiting one never reaches the GPU; a running one frees its blocks at the next step."""
         h = self.handles.pop(request_id, None)
+        self._row_modes.pop(request_id, None)
         if h is not None and not h.finished:
             h.finished = True
             if self._manager is not None:
@@ -499,6 +527,7 @@ class Engine:
 
     def finish(self, request_id: str) -> None:
         """Forget a request whose response is complete."""
+        self._row_modes.pop(request_id, None)
         h = self.handles.pop(request_id, None)
         if h is not None:
             h.finished = True
@@ -520,6 +549,26 @@ class Engine:
             self.notes.append("decode steps: CUDA graphs (vramguard.serve.decode_graphs), captured at the first "
                               "step of each size")
         return self._graphs[1]
+
+    def install_sampler(self, bp) -> None:
+        """Give batch processor ``bp`` this engine's token choice (:class:`~vramguard.serve.sampler.RowSampler`),
+        before any step of it runs or is captured in a CUDA graph."""
+        from vramguard.serve.decode_graphs import SIZES
+        rows = max(self.pool.max_batch_tokens, self.pool.max_requests, SIZES[-1])  # logits rows <= query tokens
+        device = next(self.model.parameters()).device
+        if self._sampler is None or self._sampler.args.device != device:
+            self._sampler = RowSampler(rows, device)
+        bp.model_runner._sample = self._sampler
+
+    def _fill_rows(self, bp) -> None:
+        """Write the prepared step's (mode, seed, position) rows for the sampler (engine thread, before the
+        forward). A request this engine did not submit (transformers' warm-up) is greedy."""
+        if self._sampler is None:
+            return
+        io = bp.inputs_and_outputs
+        rows = sampling_rows(getattr(io, "requests_in_batch", []),
+                             lambda rid: self._row_modes.get(rid, (GREEDY, 0)))
+        self._sampler.fill(rows, getattr(io, "compute_stream", None))
 
     def _on_step(self, index: int, request_ids: list[str], bp=None) -> None:
         self.steps.append(StepRecord(index, tuple(request_ids), time.perf_counter()))

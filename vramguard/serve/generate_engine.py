@@ -38,6 +38,7 @@ from enum import Enum
 
 from vramguard.runtime.device import is_oom
 from vramguard.serve.engine import Engine, EngineStopped, Handle, Sampling, StepRecord
+from vramguard.serve.sampler import choice_seed
 from vramguard.serve.faults import MAX_FAILURES_IN_A_ROW, MAX_OOM_RETRIES, _first_line, device_fault
 from vramguard.units import fmt_bytes, fmt_gib
 
@@ -163,6 +164,7 @@ class GenerateEngine(Engine):
         spec, settings: the model's :class:`~vramguard.spec.ModelSpec` and the :class:`~vramguard.settings.Settings`
             it was loaded with (quantization, dtype, attention), for requests planned one by one.
         max_queue, seed, metrics, greedy_only: as for :class:`~vramguard.serve.engine.Engine`.
+        deterministic: accepted for the same interface; this engine always is (one request at a time, alone).
 
     Test hook: ``before_step(index, request_ids)`` runs in the engine thread before each forward of ``generate``;
     raising ``torch.OutOfMemoryError`` there exercises recovery as a real OOM in the forward would.
@@ -171,9 +173,9 @@ class GenerateEngine(Engine):
     name = "generate"
 
     def __init__(self, model, tokenizer, plan: GeneratePlan, spec, settings, *, max_queue: int = 64,
-                 seed: int | None = 0, metrics=None, greedy_only: bool = False):
+                 seed: int | None = 0, metrics=None, greedy_only: bool = False, deterministic: bool = False):
         super().__init__(model, tokenizer, plan, max_queue=max_queue, seed=seed, metrics=metrics,
-                         greedy_only=greedy_only)
+                         greedy_only=greedy_only, deterministic=deterministic)
         self.spec, self.settings = spec, settings
         self.max_running = 1
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
@@ -480,15 +482,19 @@ class GenerateEngine(Engine):
                 hook.remove()
 
     def _sampling(self, job: _Job) -> dict:
-        """The decoding arguments of one request: greedy, or its temperature, top-p and top-k (0: off), seeded
-        per request and per tokens done (a continuation after an OOM draws on)."""
+        """The decoding arguments of one request: greedy (``generate``'s argmax), or its temperature, top-p and
+        top-k (0: off), drawn from the generator seeded with the request's own ``seed`` (else the engine's seed and
+        the request's index) and the tokens done (a continuation after an OOM draws on). One request runs at a
+        time, so no other request draws from that generator meanwhile."""
         import torch
         eos = job.eos_token_id
         kw = {"eos_token_id": self._no_token if eos == -1 else (eos if eos is not None else self._eos)}
         sp = job.sampling
-        if self.greedy_only or sp.temperature == 0:
+        if self.greedy_only or sp.greedy:
             return {**kw, "do_sample": False}
-        if self.seed is not None:
+        if sp.seed is not None:
+            torch.manual_seed(choice_seed(sp.seed, len(job.generated)) % 2**64)
+        elif self.seed is not None:
             torch.manual_seed(self.seed + job.index * 1_000_003 + len(job.generated))
         return {**kw, "do_sample": True, "temperature": float(sp.temperature), "top_p": float(sp.top_p),
                 "top_k": int(sp.top_k)}

@@ -25,7 +25,7 @@ class StreamOptions(BaseModel):
 class _Common(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)  # "3" is not 3 and true is not 1: JSON types as sent
     # the fields accepted only at their "off" value (:meth:`unsupported` refuses any other)
-    OFF_ONLY: ClassVar[tuple[str, ...]] = ("seed", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs")
+    OFF_ONLY: ClassVar[tuple[str, ...]] = ("presence_penalty", "frequency_penalty", "logit_bias", "logprobs")
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
@@ -42,8 +42,9 @@ class _Common(BaseModel):
     store: bool | None = None
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
-    # accepted only at their "off" values (see the module docstring)
+    # OpenAI's (and vLLM's) per-request seed: the same seed and request draw the same tokens; a signed 64-bit integer
     seed: int | None = None
+    # accepted only at their "off" values (see the module docstring)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict | None = None
@@ -51,8 +52,6 @@ class _Common(BaseModel):
 
     def unsupported(self) -> tuple[str, str] | None:
         """(field, why) for the first field set to a value this server does not implement, else None."""
-        if self.seed is not None:
-            return "seed", "per-request seeds are not supported: the server samples with its seed="
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name) != 0:
                 return name, f"{name} is not supported by this server: send 0 or leave it out"

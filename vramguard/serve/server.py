@@ -496,14 +496,16 @@ def build(model: str, *, vram_budget: int | None = None, max_queue: int = 64, ma
           dtype: str | None = None, attn: str = "auto", trust_remote_code: bool = False, allow_pickle: bool = False,
           seed: int = 0, served_name: str | None = None, n_max: int = 4, default_max_tokens: int = 256,
           max_body_bytes: int = 1 << 20, max_kv_blocks: int | None = None, greedy: bool = False,
-          hard_cap: bool = False, verify: bool = True, loaded=None,
+          hard_cap: bool = False, verify: bool = True, loaded=None, deterministic: bool = False,
           body_timeout_s: float = BODY_TIMEOUT_S, engine_choice: str = "auto", warm_up: bool = True) -> Served:
     """Load ``model`` and prepare the server (no socket yet). ``body_timeout_s``: a request body must arrive
     within this many seconds of its headers (408 otherwise). ``engine_choice``: "continuous" (transformers'
     continuous batching with a paged KV pool), "generate" (the model's own generate, one request at a time,
     admitted by the plan: :mod:`vramguard.serve.generate_engine`) or "auto" (continuous where it runs the model).
     ``warm_up``: on a CUDA device the continuous engine runs the load it is sized for once before serving (a few
-    seconds), so the first clients are served at the speed of the later ones.
+    seconds), so the first clients are served at the speed of the later ones. ``deterministic``: the continuous
+    engine computes one request per step, so a request's text does not depend on the others in the batch (its
+    cost: benchmarks/README.md); temperature 0 is the argmax and reproducible one request after another without it.
 
     Raises:
         InvalidValue: a limit out of range. Infeasible: the budget leaves no room for the pool.
@@ -555,7 +557,8 @@ def build(model: str, *, vram_budget: int | None = None, max_queue: int = 64, ma
                            max_requests=max_running, max_kv_blocks=max_kv_blocks)
 
     engine = _chosen_engine(engine_choice, m, tok, spec, loaded.settings, vram_budget, paged_pool, warm_up=warm_up,
-                            max_queue=max_queue, seed=seed, metrics=metrics, greedy_only=greedy)
+                            max_queue=max_queue, seed=seed, metrics=metrics, greedy_only=greedy,
+                            deterministic=deterministic)
     pool = engine.pool
     import os
     aliases = tuple(sorted({str(model), os.path.abspath(str(model)), os.path.basename(os.path.normpath(str(model))),

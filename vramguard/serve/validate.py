@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from pydantic import ValidationError
 
+from vramguard.run.generate import MAX_SEED, SEED_ACCEPTED
 from vramguard.serve.apierrors import ApiError, json_kind, shown
 
 MAX_JSON_DEPTH = 16  # the deepest accepted body is messages[i].content[j].text (4); tools schemas get room
@@ -232,6 +233,9 @@ def check_fields(req, limits: Limits) -> None:
 
 
 def _check_sampling(req, limits: Limits) -> None:
+    if req.seed is not None and not 0 <= req.seed <= MAX_SEED:
+        raise ApiError.of("invalid_value", f"seed: {shown(req.seed)} is outside the seeds PyTorch takes; accepted: "
+                                           f"{SEED_ACCEPTED}; send a seed in that range or leave it out", param="seed")
     t = req.temperature
     if limits.greedy_only and "temperature" in req.model_fields_set and t > 0:
         raise ApiError.of("unsupported_parameter", f"temperature: {shown(t)} asks for sampling, and this server "
