@@ -165,3 +165,17 @@ def test_an_explicit_quant_is_honoured_and_said(smollm2):
     out = json.loads(r.stdout)
     assert (out["loaded"]["quant"], out["loaded"]["dtype"]) == ("bf16", "bfloat16")
     assert out["loaded"]["why"][0] == "weights bf16: --quant was given"
+
+
+def test_a_full_precision_load_does_not_import_bitsandbytes(tiny):
+    """run's default without CUDA is float32: its load never imports bitsandbytes (seconds of import, unused), in a
+    new process, where nothing imported it before."""
+    import subprocess
+    import sys
+    folder, _ = tiny("LlamaConfig", hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                     num_attention_heads=2, num_key_value_heads=1, vocab_size=300)
+    code = ("import sys; from vramguard.runtime.load import load_model; "
+            f"load_model({str(folder)!r}, quant='fp32', verify=False); print('bitsandbytes' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "False"

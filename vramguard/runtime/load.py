@@ -208,7 +208,7 @@ def load_model(model: str, *, quant: str = "nf4", double_quant: bool = True, com
         raise InvalidValue("attn", attn, "auto | flash_attention_2 | sdpa | eager")
     folder, ckpt = _weights_folder(model, allow_pickle)
     spec = resolve_model(str(folder))
-    env = probe_env()
+    env = probe_env(bnb=quant in ("nf4", "fp4", "int8"))  # a 16/32-bit load never imports bitsandbytes
     on_cuda = env.cuda_available and torch.cuda.is_available()
     gpu = env.gpus[0] if on_cuda and env.gpus else None
     report = LoadReport(str(model), {"quant": quant, "double_quant": double_quant, "compute_dtype": compute_dtype,
