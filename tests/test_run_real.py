@@ -165,6 +165,8 @@ def test_an_explicit_quant_is_honoured_and_said(smollm2):
     out = json.loads(r.stdout)
     assert (out["loaded"]["quant"], out["loaded"]["dtype"]) == ("bf16", "bfloat16")
     assert out["loaded"]["why"][0] == "weights bf16: --quant was given"
+    from vramguard.runtime.load import default_quant
+    assert default_quant(True)[0] == "nf4" and default_quant(False)[0] == "fp32"  # CUDA: NF4, as before
 
 
 def test_a_full_precision_load_does_not_import_bitsandbytes(tiny):

@@ -488,7 +488,7 @@ class GraphDecoder:
             on_token(out[0])
         stop = "eos" if out[0] in eos else None
         t = _Times()
-        if stop is None and max_new > 1:
+        if stop is None and max_new > 1 and not self._selftested and (self._nf4 or self._attn_kernel):
             t0_check = time.perf_counter()
             self._kernel_selftest(len(ids))
             t.selftest_s = time.perf_counter() - t0_check

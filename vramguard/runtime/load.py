@@ -85,9 +85,9 @@ def default_quant(on_cuda: bool) -> tuple[str, str]:
 
     On a CUDA device NF4 (4-bit weights with double quant: about a quarter of bf16's bytes). Without one, float32
     weights: exact (a bf16 or fp16 checkpoint widens to float32 without rounding; NF4 rounds every weight) and the
-    fastest on a CPU. On the 2-core AVX2 machine (no bf16 instructions) SmolLM2-135M decoded at 1.8 tokens/s in
-    float32 against (see benchmarks/README.md, "run on the CPU") bf16's, which PyTorch emulates there, and NF4
-    dequantizes every weight at every step (28 s for 64 tokens against 17 s in float32)."""
+    fastest there: on a 2-core AVX2 CPU without bf16 instructions SmolLM2-135M decoded 3x faster in float32 than in
+    bf16, which PyTorch emulates there, and NF4 dequantizes every weight at every step (benchmarks/README.md,
+    "`vramguard run` as a user runs it")."""
     if on_cuda:
         return "nf4", "the default on a CUDA device (4-bit weights, about a quarter of bf16's bytes)"
     return CPU_DEFAULT_QUANT, ("no CUDA device: full-precision float32 weights, exact and the fastest on a CPU "
