@@ -69,6 +69,9 @@ def run(
         _allocator_note()  # imports torch; before CUDA starts
         import torch
         import transformers
+        # transformers imports its modules at first use: import the tokenizer and model classes here, so the
+        # summary's import time holds them and the tokenizer and load times are their own work
+        from transformers import AutoTokenizer, PreTrainedModel  # noqa: F401
 
         from vramguard.run.generate import generate as generate_fn
         from vramguard.run.prompt import prepare_prompt, preflight_prompt
