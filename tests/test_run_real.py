@@ -12,8 +12,8 @@ from vramguard.errors import InvalidValue
 from vramguard.run import generate as G
 
 # everyday questions whose greedy answers end well before NEW tokens (checked by the reference fixture)
-PROMPTS = ("Write one sentence about why the sky is blue.", "What is the capital of France?", "What is 2 + 2?",
-           "Translate 'good morning' into Spanish.", "How many days are in a week?")  # 49, 8, 12, 9, 9 tokens
+PROMPTS = ("Name the three primary colors.", "What is the capital of France?", "What is 2 + 2?",
+           "Translate 'good morning' into Spanish.", "How many days are in a week?")  # 23, 8, 12, 9, 9 tokens
 NEW = 64
 EOS = 2  # <|im_end|>, the checkpoint's generation_config.eos_token_id
 
@@ -24,24 +24,34 @@ def loaded(smollm2):
     return load_model(str(smollm2), quant="fp32", verify=False)
 
 
+class _Reference(dict):
+    """prompt -> (chat prompt ids, transformers' greedy new ids), from a model transformers loads on its own;
+    each prompt's answer is generated when a test first asks for it (a test's time limit covers one answer)."""
+
+    def __init__(self, smollm2, tokenizer):
+        super().__init__()
+        self.folder, self.tok, self.hf = smollm2, tokenizer, None
+
+    def __missing__(self, text):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from vramguard.run.prompt import prepare_prompt
+        if self.hf is None:
+            self.hf = AutoModelForCausalLM.from_pretrained(self.folder, dtype=torch.float32).eval()
+        enc = self.tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                           return_tensors="pt", return_dict=True)
+        ids = enc["input_ids"][0].tolist()
+        assert prepare_prompt(self.tok, text).ids == ids  # run's prompt is transformers' chat prompt
+        new = self.hf.generate(**enc, max_new_tokens=NEW, do_sample=False)[0, len(ids):].tolist()
+        assert new[-1] == EOS and len(new) < NEW, (text, len(new))  # an answer that ends before the limit
+        self[text] = (ids, new)
+        return self[text]
+
+
 @pytest.fixture(scope="module")
 def reference(smollm2, loaded):
-    """prompt -> (chat prompt ids, transformers' greedy new ids), from a model transformers loads on its own."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from vramguard.run.prompt import prepare_prompt
-    hf = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32).eval()
-    out = {}
-    for text in PROMPTS:
-        enc = loaded.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                                   return_tensors="pt", return_dict=True)
-        ids = enc["input_ids"][0].tolist()
-        assert prepare_prompt(loaded.tokenizer, text).ids == ids  # run's prompt is transformers' chat prompt
-        new = hf.generate(**enc, max_new_tokens=NEW, do_sample=False)[0, len(ids):].tolist()
-        assert new[-1] == EOS and len(new) < NEW, (text, len(new))  # an answer that ends before the limit
-        out[text] = (ids, new)
-    return out
+    return _Reference(smollm2, loaded.tokenizer)
 
 
 @pytest.mark.parametrize("text", PROMPTS)
