@@ -106,11 +106,13 @@ def record(log: str, tag: str, args: list[str], stream: bool = False) -> dict:
         words = c["stdout"].split()
         t = c["times"]
         summary = " ".join(c["stderr"].split())
-        rec.update(streamed_pieces=len(t), streamed_words=len(words), summary=summary[-1500:])
-        if len(t) > 2 and len(words) > 2:
+        n = re.search(r"([\d,]+) tokens?, (?:peak|time to first)", summary)  # generated (a BPE word may be several)
+        tokens = int(n.group(1).replace(",", "")) if n else len(words)
+        rec.update(streamed_pieces=len(t), streamed_words=len(words), tokens=tokens, summary=summary[-1500:])
+        if len(t) > 2 and tokens > 2:
             first, last = t[0], t[-1]
             rec["wall_first_to_last_token_s"] = round(last - first, 4)
-            rec["wall_decode_ms_per_token"] = round((last - first) * 1000 / (len(words) - 1), 3)
+            rec["wall_decode_ms_per_token"] = round((last - first) * 1000 / (tokens - 1), 3)
     emit(log, rec, width=3000)
     return rec
 
@@ -125,7 +127,7 @@ def compare(log: str, streamed: dict) -> None:
     if wall is None or rep is None:
         return
     rep_ms, one_s = float(rep.group(1)), float(one.group(1)) if one else 0.0
-    n = max(streamed["streamed_words"] - 1, 1)
+    n = max(streamed["tokens"] - 1, 1)
     with_one_time = rep_ms + one_s * 1000 / n
     emit(log, {"tag": f"{streamed['tag']}_check", "wall_decode_ms_per_token": wall,
                "reported_decode_ms_per_token": rep_ms, "reported_one_time_s": one_s,
