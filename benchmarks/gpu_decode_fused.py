@@ -189,7 +189,7 @@ def ttft_repeat(B: Bench, m, ctx: int, reps: int) -> None:
             for _ in range(reps):
                 out["hf"].append(hf_generate(m, ids, 2)["ttft_s"])
                 out["decoder"].append(decoder_run(dec, prompt, 2)["result"].ttft_s)
-                out["generate"].append(G.generate(m, None, prompt, 2).ttft_s)
+                out["generate"].append(G.generate(m, None, prompt, 2, ignore_eos=True).ttft_s)
             with torch.no_grad():
                 for _ in range(reps):
                     dec.cache.reset()

@@ -172,7 +172,7 @@ def identity(m, ids, new, log, t_end) -> None:
         def fn():
             G.OOM_INJECTOR = inj
             try:
-                r = G.generate(m, None, prompt, new, **kw)
+                r = G.generate(m, None, prompt, new, ignore_eos=True, **kw)  # as min_new_tokens
             finally:
                 G.OOM_INJECTOR = None
             runs[kind] = {"tokens": r.token_ids}

@@ -34,7 +34,8 @@ def guarded(model, log, case, prompt_len, new, budget, **kw):
     from vramguard.run import generate as G
     t0 = time.perf_counter()
     try:
-        r = G.generate(model, None, ids_of(prompt_len, model.config.vocab_size), new, budget_bytes=budget, **kw)
+        r = G.generate(model, None, ids_of(prompt_len, model.config.vocab_size), new, budget_bytes=budget,
+                       ignore_eos=True, **kw)
         emit(log, {"kind": case, "ok": True, "prompt": prompt_len, "new": new, "budget": budget,
                    "strategy": r.strategy, "reason": r.reason, "tokens": len(r.token_ids),
                    "attempts": [a.__dict__ for a in r.attempts], "peak_allocated": r.peak_allocated_bytes,

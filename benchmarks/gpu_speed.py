@@ -238,7 +238,7 @@ def run_variants(B: Bench, m, ids, new, bound_ms):
     def guard():
         sync(dev)
         t0 = time.perf_counter()
-        r = G.generate(m, None, prompt, new)
+        r = G.generate(m, None, prompt, new, ignore_eos=True)
         sync(dev)
         total = time.perf_counter() - t0
         B.runs["vramguard"] = {"tokens": r.token_ids}
@@ -256,7 +256,7 @@ def run_variants(B: Bench, m, ids, new, bound_ms):
     def fast():
         sync(dev)
         t0 = time.perf_counter()
-        r = G.generate(m, None, prompt, new, fast_decode=True)
+        r = G.generate(m, None, prompt, new, fast_decode=True, ignore_eos=True)
         sync(dev)
         total = time.perf_counter() - t0
         B.runs["vramguard_fast"] = {"tokens": r.token_ids}

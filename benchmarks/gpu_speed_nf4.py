@@ -217,7 +217,7 @@ def ttft_records(B: Bench, m, ctx: int, new: int) -> None:
         out: dict = {"ctx": ctx, "new": new}
         for i in range(2):
             hf = hf_generate(m, ids, new)
-            r = G.generate(m, None, prompt, new)
+            r = G.generate(m, None, prompt, new, ignore_eos=True)
             out[f"run{i}"] = {"hf_ttft_s": hf["ttft_s"], "hf_decode_ms_per_token": hf["decode_ms_per_token"],
                               "ttft_s": r.ttft_s, "decode_ms_per_token": r.decode_ms_per_token,
                               "strategy": r.strategy, "decode_mode": r.decode_mode}

@@ -38,7 +38,8 @@ def test_the_cpu_runs_every_strategy_it_can(model):
     assert names == ["dynamic", "chunked prefill 2048", "static cache + chunked prefill 512",
                      "int8 KV cache + chunked prefill 512", "int4 KV cache + chunked prefill 512"]
     assert [st.name for st, _ in G.strategy_order(model, len(PROMPT), 16)[0]] == names  # no budget on the CPU
-    base = G.generate(model, None, PROMPT, 16).token_ids
+    base = G.generate(model, None, PROMPT, 16, ignore_eos=True).token_ids  # as min_new_tokens below
+    assert len(base) == 16
     for st in cpu_strategies():
         import torch
         ids = torch.tensor([PROMPT])

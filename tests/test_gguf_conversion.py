@@ -82,7 +82,8 @@ def test_the_cli_says_the_replaced_setting_as_a_note(tmp_path):
     folder = save_tiny_llama(tmp_path / "m", **TINY)
     cfg = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps(cfg | {"quantization_config": GGUF_QCONFIG}))
-    r = run_cli("run", str(folder), "--prompt", "w1 w2", "--max-new-tokens", "2", "--raw", columns="200")
+    r = run_cli("run", str(folder), "--prompt", "w1 w2", "--max-new-tokens", "2", "--raw", "--quant", "nf4",
+                columns="200")  # without CUDA run's default is fp32, which a GGUF-quantized folder also takes
     assert r.returncode == 0, r.stderr
     assert "note: quant: nf4 -> bf16 (the checkpoint is already quantized (gguf" in r.stderr
     assert "UserWarning" not in r.stderr and "load_model(" not in r.stderr

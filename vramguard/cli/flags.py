@@ -23,6 +23,7 @@ FIELD_FLAGS = {"batch": "--batch", "num_beams": "--num-beams", "num_return_seque
                "files": "--context", "gpu": "--gpu", "vram": "--vram", "gpu/vram": "--gpu/--vram",
                "do_sample": "--do-sample", "alloc_conf": "--alloc-conf", "seed": "--seed", "api_key": "--api-key",
                "greedy": "--greedy", "summarize": "--summarize", "auto": "--auto",
+               "ignore_eos": "--ignore-eos",
                # vLLM's engine arguments (plan --engine vllm, export)
                "tensor_parallel_size": "--tp", "pipeline_parallel_size": "--pp",
                "gpu_memory_utilization": "--gpu-memory-utilization", "max_model_len": "--max-model-len",
@@ -31,7 +32,8 @@ FIELD_FLAGS = {"batch": "--batch", "num_beams": "--num-beams", "num_return_seque
                "kv_offloading_size_bytes": "--kv-offload"}
 # a library keyword argument and value -> the CLI's words for it, where no option of that name takes the value
 KWARG_FLAGS = {"chat=None": "no --chat-template", "chat=False": "--raw", "do_sample=True": "--do-sample",
-               "greedy=True": "--greedy", "summarize=True": "--summarize", "auto=True": "--auto"}
+               "greedy=True": "--greedy", "summarize=True": "--summarize", "auto=True": "--auto",
+               "ignore_eos=True": "--ignore-eos"}
 # a library object -> the command that shows it
 OBJECT_COMMANDS = {"vramguard.catalog.models.MODELS": "vramguard plan --list-models",
                    "vramguard.catalog.gpus.GPUS": "vramguard plan --list-gpus"}

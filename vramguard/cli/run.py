@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import sys
+import time
 from typing import Optional
 
 import typer
 
 from vramguard.cli.common import err, run_guarded, say, size_option, working, write_json
-from vramguard.cli.options import Format, Quant, format_option, max_new_tokens_option, quant_option
+from vramguard.cli.options import Format, Quant, format_option, max_new_tokens_option
 from vramguard.errors import InvalidValue
 from vramguard.inputs import read_text, regular_file
 from vramguard.units import plural
@@ -22,7 +23,9 @@ def run(
     max_new_tokens: int = max_new_tokens_option(),
     vram_budget: Optional[str] = typer.Option(None, help="memory PyTorch may use, e.g. 12GiB (default: what is free)"),
     auto: bool = typer.Option(True, "--auto/--no-auto", help="pick the strategy that fits (else refuse)"),
-    quant: Quant = quant_option(),
+    quant: Optional[Quant] = typer.Option(None, help="weight format (default: nf4 on a CUDA device; float32 "
+                                                       "without one, exact and the fastest on a CPU; the summary "
+                                                       "says which and why)"),
     do_sample: bool = typer.Option(False, help="sample instead of greedy decoding"),
     temperature: Optional[float] = typer.Option(None, help="sampling temperature"),
     top_p: Optional[float] = typer.Option(None, help="nucleus sampling"),
@@ -40,13 +43,20 @@ def run(
                                                  help="wrap the prompt as a user turn in the tokenizer's chat "
                                                       "template, or send it raw (default: the template when the "
                                                       "tokenizer has one)"),
+    ignore_eos: bool = typer.Option(False, "--ignore-eos",
+                                    help="generate exactly --max-new-tokens, past the model's end of turn (for "
+                                         "measuring decode speed; default: stop where the model stops, as "
+                                         "transformers' generate does)"),
     fmt: Format = format_option("human: text on stdout; json: one object"),
 ) -> None:
     """Generate text without running out of memory: plan first, pick a strategy that fits, recover from OOM.
-    The text streams to stdout; a summary (strategy and why, peak memory, TTFT, tokens/s) goes to stderr."""
-    from vramguard.run.generate import generate as generate_fn
-    from vramguard.runtime.load import load_model
+    Stops at the model's end of turn (or --max-new-tokens). The text streams to stdout; a summary (what was loaded
+    and why, strategy and why, why it stopped, time per phase: import, load, plan, prefill, one-time, decode) goes
+    to stderr."""
     from vramguard.cli.render import print_generation_summary, to_jsonable
+    from vramguard.run.timing import process_age_s
+    t_entry = time.perf_counter()
+    startup_s = process_age_s()
 
     def build():
         from vramguard.resolve import local_model_folder
@@ -57,17 +67,30 @@ def run(
         for f in context or ():  # a missing file, a FIFO or a device is said before the model loads
             regular_file(f, "--context", "text file", InvalidValue, "pass a regular text file")
         local_model_folder(model)
-        _allocator_note()
         budget = size_option(vram_budget, "vram_budget") if vram_budget else None
+        t0 = time.perf_counter()
+        _allocator_note()  # imports torch; before CUDA starts
         import torch
         import transformers
+        # transformers imports its modules at first use: import the tokenizer and model classes here, so the
+        # summary's import time holds them and the tokenizer and load times are their own work
+        from transformers import AutoTokenizer, PreTrainedModel  # noqa: F401
 
+        from vramguard.run.generate import generate as generate_fn
         from vramguard.run.prompt import prepare_prompt, preflight_prompt
+        from vramguard.runtime.load import default_quant, load_model
+        import_s = time.perf_counter() - t0
         transformers.utils.logging.disable_progress_bar()
         # the tokenizer and config alone: a prompt over the context is refused before minutes of loading
-        _, prepared, _ = preflight_prompt(model, text, max_new_tokens, chat_template)
+        t0 = time.perf_counter()
+        tokenizer, prepared, _ = preflight_prompt(model, text, max_new_tokens, chat_template)
+        prepare_s = time.perf_counter() - t0
+        on_cuda = torch.cuda.is_available()
+        weights, why = (quant.value, "--quant was given") if quant is not None else default_quant(on_cuda)
+        t0 = time.perf_counter()
         with working(f"loading {model}"):
-            loaded = load_model(model, quant=quant.value, verify=torch.cuda.is_available())
+            loaded = load_model(model, quant=weights, verify=on_cuda, tokenizer=tokenizer)
+        load_s = time.perf_counter() - t0
         if loaded.tokenizer is None:
             from vramguard.runtime.tokenizer import no_tokenizer_error
             raise no_tokenizer_error(model, "the loaded model has no tokenizer")
@@ -77,12 +100,17 @@ def run(
                                  chat_template)
             prepared = prepare_prompt(loaded.tokenizer, text, chat_template)
         say(f"prompt: {plural(len(prepared.ids), 'token')}, {prepared.reason}")
-        return generate_fn(loaded.model, loaded.tokenizer, prepared.ids, max_new_tokens, budget_bytes=budget,
-                           auto=auto,
-                           on_text=stream, do_sample=do_sample, temperature=temperature, top_p=top_p, top_k=top_k,
-                           seed=seed, fast_decode=fast_decode)
+        r = generate_fn(loaded, loaded.tokenizer, prepared.ids, max_new_tokens, budget_bytes=budget,
+                        auto=auto, on_text=stream, do_sample=do_sample, temperature=temperature, top_p=top_p,
+                        top_k=top_k, seed=seed, fast_decode=fast_decode, ignore_eos=ignore_eos)
+        if r.loaded is not None:
+            r.loaded["why"].insert(0, f"weights {weights}: {why}")
+        r.timings.import_s, r.timings.prepare_s, r.timings.load_s = import_s, prepare_s, load_s
+        return r
 
     r = run_guarded(build, as_json=fmt == Format['json'])
+    r.timings.startup_s = startup_s
+    r.timings.total_s = startup_s + time.perf_counter() - t_entry if startup_s is not None else None
     if fmt == Format['json']:
         write_json(to_jsonable(r))
     else:

@@ -116,8 +116,9 @@ def _ram() -> tuple[int | None, int | None]:
         return None, None
 
 
-def probe_env() -> Env:
-    """Probe everything :mod:`vramguard.check` needs. Never raises."""
+def probe_env(bnb: bool = True) -> Env:
+    """Probe everything :mod:`vramguard.check` needs. Never raises. ``bnb=False`` leaves bitsandbytes out (its
+    fields None, the reason saying so): importing it costs seconds, and a 16/32-bit load does not use it."""
     if ENV_OVERRIDE is not None:
         return ENV_OVERRIDE()
     t = _torch()
@@ -127,6 +128,7 @@ def probe_env() -> Env:
     return Env(
         **t, driver_version=_driver(), gpus=det.gpus, gpu_reason=det.reason,
         transformers_version=_version("transformers")[0], accelerate_version=_version("accelerate")[0],
-        **_bnb(t.get("cuda_available", False)), flash_attn_version=fa_version, flash_attn_reason=fa_reason,
+        **(_bnb(t.get("cuda_available", False)) if bnb else {"bnb_reason": "not probed (bnb=False)"}),
+        flash_attn_version=fa_version, flash_attn_reason=fa_reason,
         alloc_conf=env_alloc_conf() or None,
         ram_available_bytes=ram_avail, ram_total_bytes=ram_total)

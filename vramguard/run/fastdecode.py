@@ -65,9 +65,13 @@ class DecodeResult:
     """One request's tokens and how they were produced.
 
     ``mode`` is ``"cuda_graph"`` when at least one token came from a graph replay, else ``"eager"`` (or the label of a
-    test's capture override); ``reason`` says why. Times are seconds, rates ms per generated token:
-    ``decode_ms_per_token`` spans everything after the first token (warm-up and capture included),
-    ``replay_ms_per_token`` only the replayed steps (token selection and streaming included).
+    test's capture override); ``reason`` says why. Times are seconds, rates ms per generated token. The time after the
+    first token is split in two: one-time work (``selftest_s``: the kernels' check on the model's own weights, with
+    their Triton compilation; ``warmup_s``: the eager steps before a capture, which compile the kernels' first
+    launch; ``capture_s``) and decode (``decode_s`` over ``decode_steps`` steps: the replayed steps, or every step
+    when no graph is captured). ``decode_ms_per_token`` counts decode only, so ``ttft_s + one_time_s + decode_s`` is
+    the call's wall time; ``replay_ms_per_token`` is the replayed steps alone (token selection and streaming
+    included).
     """
 
     token_ids: list[int]
@@ -83,6 +87,15 @@ class DecodeResult:
     replay_steps: int = 0
     replay_ms_per_token: float | None = None
     capture_s: float | None = None
+    decode_steps: int = 0  # the steps decode_s covers
+    warmup_s: float = 0.0  # eager steps before the capture (they produce real tokens)
+    warmup_steps: int = 0
+    selftest_s: float = 0.0
+
+    @property
+    def one_time_s(self) -> float:
+        """Seconds of one-time work after the first token: kernel self-test, warm-up steps, graph capture."""
+        return self.selftest_s + self.warmup_s + (self.capture_s or 0.0)
     sdpa_note: str | None = None
     kernels: str | None = None  # which Triton kernels ran in the decode steps (None: none), or why none did
 
@@ -261,11 +274,11 @@ class GraphDecoder:
         """Before the first kernel step: run each kernel once on this model's real weights and cache and compare it
         with bitsandbytes' op / a torch reference (relative error under 2e-2: bfloat16 rounding is 4e-3). A kernel
         that fails to compile or disagrees is turned off, with the reason, before it touches the cache."""
+        if self._selftested or not (self._nf4 or self._attn_kernel):
+            return
         import torch
 
         from vramguard.run.kernels.selftest import check_4bit_layers_or_gather, check_decode_attention
-        if self._selftested or not (self._nf4 or self._attn_kernel):
-            return
         self._selftested = True
         try:
             if self._nf4:
@@ -474,21 +487,26 @@ class GraphDecoder:
         if on_token is not None:
             on_token(out[0])
         stop = "eos" if out[0] in eos else None
-        if stop is None and max_new > 1:
+        t = _Times()
+        if stop is None and max_new > 1 and not self._selftested and (self._nf4 or self._attn_kernel):
+            t0_check = time.perf_counter()
             self._kernel_selftest(len(ids))
+            t.selftest_s = time.perf_counter() - t0_check
         pending: list = []
         steps = warm = replays = 0
-        capture_s = t_replay0 = None
+        t_replay0 = None
         while stop is None and len(out) + len(pending) < max_new:
             n = len(out) + len(pending)  # tokens so far; this step feeds the last one, at position len(ids) + n - 1
             if self._replay is None and self._graph_ok and self._warmed >= self.warmup_steps:
-                capture_s = self._capture()
+                t.capture_s = self._capture()
+            t_step = time.perf_counter()
+            warming = self._replay is None and self._graph_ok  # an eager step before a capture: one-time work
             self._ids.copy_(tok)
             self._pos.fill_(len(ids) + n - 1)
             if self._replay is not None:
                 if t_replay0 is None:
                     self._sync()
-                    t_replay0 = time.perf_counter()
+                    t_replay0 = t_step = time.perf_counter()
                 self._replay()
                 logits, replays = self._logits, replays + 1
             else:
@@ -505,10 +523,13 @@ class GraphDecoder:
             if len(pending) >= sync_every or n + 1 >= max_new or self._replay is None:
                 stop = self._drain(pending, out, eos, on_token)
                 t_last = time.perf_counter()
+            if warming:  # eager steps sync at every token (_drain above), so their time is their own
+                t.warmup_s += time.perf_counter() - t_step
+                t.warmup_steps += 1
         t_end = time.perf_counter()
         self._check_positions(len(ids) + steps)
         return self._result(out, stop or "max_new_tokens", len(ids), t0, t_first, t_last, t_end, warm, replays,
-                            capture_s, t_replay0)
+                            t, t_replay0)
 
     def _drain(self, pending: list, out: list[int], eos: set[int], on_token) -> str | None:
         """Move the device tokens in ``pending`` to ``out`` (one host sync), stopping at the first EOS."""
@@ -530,9 +551,11 @@ class GraphDecoder:
                                "cache's write position and the position buffer disagree; rerun with "
                                "use_graph=False and report this")
 
-    def _result(self, out, stop, n_prompt, t0, t_first, t_last, t_end, warm, replays, capture_s,
+    def _result(self, out, stop, n_prompt, t0, t_first, t_last, t_end, warm, replays, t: _Times,
                 t_replay0) -> DecodeResult:
-        decode_s = t_last - t_first
+        capture_s = t.capture_s
+        decode_steps = len(out) - 1 - t.warmup_steps
+        decode_s = max(t_last - t_first - t.one_time_s(), 0.0) if decode_steps > 0 else 0.0
         mode = self._label if replays else "eager"
         why = self._why
         if not replays and not self._graph_ok and not why.startswith("graph capture failed"):
@@ -543,14 +566,28 @@ class GraphDecoder:
         elif replays and capture_s is None:
             why = "the graph captured by an earlier call was replayed"
         return DecodeResult(out, mode, why, stop, n_prompt, self.max_cache_len, t_first - t0, decode_s,
-                            decode_s * 1000 / (len(out) - 1) if len(out) > 1 else None, warm, replays,
+                            decode_s * 1000 / decode_steps if decode_steps > 0 else None, warm, replays,
                             (t_end - t_replay0) * 1000 / replays if replays else None, capture_s,
-                            kernels=self._kernel_note() if warm or replays else None)
+                            kernels=self._kernel_note() if warm or replays else None, decode_steps=max(decode_steps, 0),
+                            warmup_s=t.warmup_s, warmup_steps=t.warmup_steps, selftest_s=t.selftest_s)
 
     def close(self) -> None:
         """Drop the graph and the cache (their memory returns to PyTorch's allocator)."""
         self._replay = self._logits = None
         self.cache = None
+
+
+@dataclass
+class _Times:
+    """One call's one-time work after the first token, in seconds (see :class:`DecodeResult`)."""
+
+    selftest_s: float = 0.0
+    warmup_s: float = 0.0
+    warmup_steps: int = 0
+    capture_s: float | None = None
+
+    def one_time_s(self) -> float:
+        return self.selftest_s + self.warmup_s + (self.capture_s or 0.0)
 
 
 def graph_decode(model, prompt_ids, max_new_tokens: int, *, prefill_chunk_tokens: int | None = None,

@@ -9,6 +9,11 @@
    the tokens already produced (streamed text is never repeated). Nothing is lost unless no strategy is left,
    which ends in :class:`~vramguard.errors.Infeasible`, not a traceback.
 
+Generation stops where transformers' ``generate`` stops: after one of the model's end tokens
+(``generation_config.eos_token_id``, one id or a list), kept in the output, or after ``max_new_tokens``;
+``ignore_eos=True`` generates exactly ``max_new_tokens`` (for measurements). A retry after an out-of-memory error
+keeps the stop: it continues with the budget left, and nothing more when an end token was already produced.
+
 Continuing re-encodes the tokens produced so far in one prefill; with a 16-bit KV cache and greedy decoding the
 result equals an uninterrupted run up to floating-point reassociation (exactly equal in the CPU tests).
 
@@ -30,6 +35,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from vramguard.errors import Infeasible
+from vramguard.run.sampling import eos_list
+from vramguard.run.timing import RunTimings, stop_reason
 from vramguard.runtime.device import is_oom, memory_cap, usable_bytes
 from vramguard.runtime.handle import LoadedModel, as_loaded
 from vramguard.settings import Settings, require_count
@@ -121,13 +128,22 @@ class Attempt:
     decode_reason: str | None = None
     decode_ms_per_token: float | None = None
     sdpa_note: str | None = None  # load_model's SDPA pin lifted for this attempt, and why
+    ttft_s: float | None = None  # this attempt's first token (its prefill), seconds after it started
+    decode_s: float | None = None  # its decode steps alone (one-time work after the first token left out)
+    decode_steps: int = 0
+    one_time: dict = field(default_factory=dict)  # graph strategy: selftest_s, warmup_s, capture_s
 
 
 @dataclass
 class GenerationResult:
     """The generated text and token ids, the strategy that finished, every attempt, and the measurements
-    (``peak_allocated_bytes``: the finishing attempt's peak; each attempt keeps its own). ``decode_mode``,
-    ``decode_reason`` and ``decode_ms_per_token`` are set when the graph strategy finished (``fast_decode``)."""
+    (``peak_allocated_bytes``: the finishing attempt's peak; each attempt keeps its own). ``decode_mode`` and
+    ``decode_reason`` are set when the graph strategy finished (``fast_decode``). ``stop`` says why generation
+    ended: ``"eos"`` (one of ``eos_token_ids``, the model's end tokens, was generated, and is the last id) or
+    ``"max_new_tokens"``; ``stop_detail`` says it in words. ``timings`` splits the wall time (plan, prefill,
+    one-time work, decode; :class:`~vramguard.run.timing.RunTimings`); ``decode_ms_per_token`` counts decode steps
+    only. ``loaded`` says what ran (weight format, dtypes, attention, device) when the model came from
+    :func:`~vramguard.runtime.load.load_model`."""
 
     text: str
     token_ids: list[int]
@@ -142,6 +158,12 @@ class GenerationResult:
     decode_mode: str | None = None
     decode_reason: str | None = None
     decode_ms_per_token: float | None = None
+    stop: str = "max_new_tokens"
+    stop_detail: str = ""
+    eos_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    timings: RunTimings = field(default_factory=RunTimings)
+    loaded: dict | None = None
 
 
 def _candidates(spec, s: Settings, pool, on_cuda: bool, weights_loaded: bool) -> tuple[list, list[str]]:
@@ -214,6 +236,7 @@ class _Tap:
         self.calls = 0
         self.prompt_len = prompt_len
         self.t_first: float | None = None
+        self.t_last: float | None = None
         self.printed = len(self._text(already))
 
     def _text(self, ids: list[int]) -> str:
@@ -223,8 +246,9 @@ class _Tap:
         self.calls += 1
         if self.calls == 1:  # the prompt
             return
+        self.t_last = time.perf_counter()
         if self.t_first is None:
-            self.t_first = time.perf_counter()
+            self.t_first = self.t_last
         self.ids.extend(int(x) for x in value.reshape(-1).tolist())
         if self.on_text is not None and self.tok is not None:
             text = self._text(self.ids)
@@ -268,9 +292,15 @@ def _prompt_ids(tokenizer, prompt: str | list[int]) -> list[int]:
     return ids
 
 
+def _done(generated: list[int], max_new_tokens: int, eos: list[int], ignore_eos: bool) -> bool:
+    """Whether nothing is left to generate: the budget is spent, or (unless ``ignore_eos``) an end token ended it."""
+    return len(generated) >= max_new_tokens or (not ignore_eos and bool(generated) and generated[-1] in eos)
+
+
 def _attempts(model, tokenizer, prompt_ids: list[int], max_new_tokens: int, order, on_text, sample: dict,
-              seed: int | None) -> tuple[list[int], list[Attempt], float | None]:
-    """Run the strategies in ``order`` until one completes; each continues from the tokens produced so far."""
+              seed: int | None, eos: list[int], ignore_eos: bool) -> tuple[list[int], list[Attempt], float | None]:
+    """Run the strategies in ``order`` until one completes; each continues from the tokens produced so far and
+    stops as transformers' ``generate`` does (at an ``eos`` id unless ``ignore_eos``, else after the budget)."""
     import torch
 
     from vramguard.runtime.handle import sdpa_unpinned
@@ -284,24 +314,27 @@ def _attempts(model, tokenizer, prompt_ids: list[int], max_new_tokens: int, orde
         hook = _inject_hook(model, i, tap)
         ids = torch.tensor([prompt_ids + generated], device=next(model.parameters()).device)
         remaining = max_new_tokens - len(generated)
+        at_least = remaining if ignore_eos else 0  # ignore_eos: EOS is masked until the budget is spent
         if seed is not None:
             torch.manual_seed((seed + len(generated)) % (MAX_SEED + 1))
         sdpa_note = None
+        t_start = time.perf_counter()
         try:
             dec = None
             if st.graph:
-                dec = _graph_attempt(model, ids, remaining, tap, sample, st.kwargs["prefill_chunk_size"])
+                dec = _graph_attempt(model, ids, remaining, tap, sample, st.kwargs["prefill_chunk_size"], at_least,
+                                     eos)
             else:
                 with (sdpa_unpinned(model, "chunked prefill and the non-dynamic caches pass an attention mask")
                       if st.kwargs else contextlib.nullcontext()) as sdpa_note:
                     model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=remaining,
-                                   min_new_tokens=remaining, streamer=tap,
+                                   min_new_tokens=at_least, streamer=tap, eos_token_id=eos or None,
                                    pad_token_id=getattr(model.generation_config, "pad_token_id", None) or 0,
                                    **sample, **copy.deepcopy(st.kwargs))  # transformers 5.17 pops keys of
                     # cache_config ("backend") and adds the model's config to it: each call gets its own copy
             attempts.append(Attempt(st.name, len(generated) - tap.start,
                                     peak_allocated_bytes=torch.cuda.max_memory_allocated() if on_cuda else None,
-                                    sdpa_note=sdpa_note, **_decode_fields(dec)))
+                                    sdpa_note=sdpa_note, **{**_timing_fields(tap, t_start), **_decode_fields(dec)}))
             ttft = ttft if ttft is not None else (tap.t_first - t0 if tap.t_first else None)
             return generated, attempts, ttft
         except RuntimeError as e:  # out of memory: free what the attempt held, then the next strategy continues
@@ -310,8 +343,11 @@ def _attempts(model, tokenizer, prompt_ids: list[int], max_new_tokens: int, orde
             added = len(generated) - tap.start
             attempts.append(Attempt(st.name, added, str(e).split("\n")[0][:300],
                                     "prefill" if added == 0 else "decode", added,
-                                    torch.cuda.max_memory_allocated() if on_cuda else None))
+                                    torch.cuda.max_memory_allocated() if on_cuda else None,
+                                    **_timing_fields(tap, t_start)))
             ttft = ttft if ttft is not None else (tap.t_first - t0 if tap.t_first else None)
+            if _done(generated, max_new_tokens, eos, ignore_eos):  # it ran out after the last token: nothing is
+                return generated, attempts, ttft  # left to continue (an end token was already produced)
             del ids
             gc.collect()
             if on_cuda:
@@ -326,25 +362,40 @@ def _attempts(model, tokenizer, prompt_ids: list[int], max_new_tokens: int, orde
                      + ". Shorten the prompt or the generation")
 
 
-def _graph_attempt(model, ids, remaining: int, tap: _Tap, sample: dict, chunk: int):
-    """The graph strategy's run: :func:`vramguard.run.fastdecode.graph_decode` with ``generate``'s semantics (EOS
-    suppressed until ``remaining`` tokens, as ``min_new_tokens`` does there), streaming through ``tap``."""
+def _graph_attempt(model, ids, remaining: int, tap: _Tap, sample: dict, chunk: int, at_least: int,
+                   eos: list[int]):
+    """The graph strategy's run: :func:`vramguard.run.fastdecode.graph_decode` with ``generate``'s semantics (stop
+    after an ``eos`` id, which cannot be chosen before ``at_least`` tokens, as ``min_new_tokens`` does there),
+    streaming through ``tap``."""
     import torch
 
     from vramguard.run.fastdecode import graph_decode
     tap.put(ids)  # the prompt, as transformers' streamers receive it first
-    res = graph_decode(model, ids[0].tolist(), remaining, prefill_chunk_tokens=chunk, min_new_tokens=remaining,
-                       on_token=lambda t: tap.put(torch.tensor([t])), **sample)
+    res = graph_decode(model, ids[0].tolist(), remaining, prefill_chunk_tokens=chunk, min_new_tokens=at_least,
+                       eos_token_id=eos, on_token=lambda t: tap.put(torch.tensor([t])), **sample)
     tap.end()
     return res
+
+
+def _timing_fields(tap: _Tap, t_start: float) -> dict:
+    """An attempt's first-token time and decode time from its streamer (every step after the first token is
+    decode; the graph strategy's one-time work is taken out by :func:`_decode_fields`)."""
+    if tap.t_first is None:
+        return {}
+    steps = len(tap.ids) - tap.start - 1
+    decode_s = tap.t_last - tap.t_first if steps > 0 else None
+    return {"ttft_s": tap.t_first - t_start, "decode_s": decode_s, "decode_steps": max(steps, 0),
+            "decode_ms_per_token": decode_s * 1000 / steps if steps > 0 else None}
 
 
 def _decode_fields(dec) -> dict:
     if dec is None:
         return {}
     note = (f"; kernels: {dec.kernels}" if dec.kernels else "") + (f"; {dec.sdpa_note}" if dec.sdpa_note else "")
-    return {"decode_mode": dec.mode, "decode_reason": dec.reason + note,
-            "decode_ms_per_token": dec.decode_ms_per_token}
+    return {"decode_mode": dec.mode, "decode_reason": dec.reason + note, "decode_s": dec.decode_s,
+            "decode_steps": dec.decode_steps, "decode_ms_per_token": dec.decode_ms_per_token,
+            "one_time": {"selftest_s": dec.selftest_s, "warmup_s": dec.warmup_s, "warmup_steps": dec.warmup_steps,
+                         "capture_s": dec.capture_s}}
 
 
 def strategy_order(model, prompt_tokens: int, max_new_tokens: int, *, budget_bytes: int | None = None,
@@ -402,8 +453,9 @@ def generate(model, tokenizer, prompt: str | list[int], max_new_tokens: int = 25
              auto: bool = True, on_text: Callable[[str], None] | None = None, do_sample: bool = False,
              temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
              seed: int | None = None, settings: Settings | None = None,
-             fast_decode: bool | None = None) -> GenerationResult:
-    """Generate ``max_new_tokens`` after ``prompt`` without running out of memory (see the module docstring).
+             fast_decode: bool | None = None, ignore_eos: bool = False) -> GenerationResult:
+    """Generate up to ``max_new_tokens`` after ``prompt`` without running out of memory (see the module docstring),
+    stopping at the model's end tokens as transformers' ``generate`` does.
 
     Args:
         model, tokenizer: the :class:`~vramguard.runtime.handle.LoadedModel` :func:`vramguard.runtime.load.load_model`
@@ -415,6 +467,8 @@ def generate(model, tokenizer, prompt: str | list[int], max_new_tokens: int = 25
         fast_decode: try the graph strategies first (CUDA-graph decode on a static cache, :data:`GRAPH_STRATEGIES`);
             None (default): when the model can run it on one CUDA device (:func:`fast_decode_choice`, its reason in
             the result's ``reason``); the result's ``decode_mode`` / ``decode_reason`` say whether the graph ran.
+        ignore_eos: generate exactly ``max_new_tokens``, the end tokens masked as ``min_new_tokens`` does (for
+            measuring decode speed); default False: stop after the first of ``generation_config.eos_token_id``.
 
     Raises:
         Infeasible: no strategy fits, before any GPU work; or every strategy ran out of memory.
@@ -423,14 +477,21 @@ def generate(model, tokenizer, prompt: str | list[int], max_new_tokens: int = 25
     import torch
 
     check_generation_args(max_new_tokens, do_sample, temperature, top_p, top_k, seed)
+    if not isinstance(ignore_eos, bool):
+        from vramguard.errors import InvalidValue
+        raise InvalidValue("ignore_eos", ignore_eos, "True or False", "pass ignore_eos=True to generate exactly "
+                           "max_new_tokens, or leave it out to stop at the model's end of turn")
     if isinstance(model, LoadedModel) and tokenizer is None:
         tokenizer = model.tokenizer
     prompt_ids = _prompt_ids(tokenizer, prompt)
+    t_plan = time.perf_counter()
     h = as_loaded(model)
     model, on_cuda = h.model, h.on_cuda
+    eos = eos_list(model, "model")
     fast, fast_why = fast_decode_choice(model, fast_decode)
     order, why = strategy_order(h, len(prompt_ids), max_new_tokens, budget_bytes=budget_bytes, auto=auto,
                                 fast_decode=fast, settings=settings)
+    plan_s = time.perf_counter() - t_plan
     if fast_decode is None:
         why += f"; fast decode {'on' if fast else 'off'} by default: {fast_why}"
     usable, _ = usable_bytes(budget_bytes) if on_cuda else (None, 0)
@@ -440,7 +501,7 @@ def generate(model, tokenizer, prompt: str | list[int], max_new_tokens: int = 25
     sample, sampling_note = resolve_sampling(model, do_sample, temperature, top_p, top_k)
     with memory_cap(budget_bytes if on_cuda else None):
         generated, attempts, ttft = _attempts(model, tokenizer, prompt_ids, max_new_tokens, order, on_text, sample,
-                                              seed)
+                                              seed, eos, ignore_eos)
     elapsed = time.perf_counter() - t0
     last = attempts[-1]
     if budget_bytes is not None and not on_cuda:
@@ -455,10 +516,26 @@ def generate(model, tokenizer, prompt: str | list[int], max_new_tokens: int = 25
     if sampling_note:
         reason += f"; {sampling_note}"
     text = tokenizer.decode(generated, skip_special_tokens=True) if tokenizer is not None else ""
+    stop, stop_detail = stop_reason(generated, max_new_tokens, eos, ignore_eos, tokenizer)
+    timings = RunTimings.of_attempts(attempts, plan_s, ttft, elapsed)
     return GenerationResult(text, list(generated), last.strategy, reason, attempts,
                             last.peak_allocated_bytes, ttft,
                             len(generated) / elapsed if elapsed > 0 else None, order[0][1], usable,
-                            last.decode_mode, last.decode_reason, last.decode_ms_per_token)
+                            last.decode_mode, last.decode_reason, timings.decode_ms_per_token, stop, stop_detail,
+                            eos, ignore_eos, timings, _loaded_as(h))
+
+
+def _loaded_as(h) -> dict | None:
+    """What :func:`~vramguard.runtime.load.load_model` loaded (its report's active settings and why), or None for
+    a model vramguard did not load."""
+    report = h.report
+    if report is None:
+        return None
+    active = report.active or {}
+    out = {k: active.get(k) for k in ("dtype", "compute_dtype", "attn", "device")}
+    out = {"quant": h.settings.quant, **out}  # the weight format as the plan names it (fp32, bf16, nf4...)
+    out["why"] = list(report.overrides) + [n for n in report.notes if n.startswith("attention")]
+    return out
 
 
 def fast_decode_choice(model, fast_decode: bool | None) -> tuple[bool, str]:

@@ -77,6 +77,23 @@ def older_card_quant(gpu, quant: str, report: LoadReport, strict: bool) -> str:
     return quant
 
 
+CPU_DEFAULT_QUANT = "fp32"
+
+
+def default_quant(on_cuda: bool) -> tuple[str, str]:
+    """The weight format ``vramguard run`` loads when the user names none, and why (said in its summary).
+
+    On a CUDA device NF4 (4-bit weights with double quant: about a quarter of bf16's bytes). Without one, float32
+    weights: exact (a bf16 or fp16 checkpoint widens to float32 without rounding; NF4 rounds every weight) and the
+    fastest there: on a 2-core AVX2 CPU without bf16 instructions SmolLM2-135M decoded 3x faster in float32 than in
+    bf16, which PyTorch emulates there, and NF4 dequantizes every weight at every step (benchmarks/README.md,
+    "`vramguard run` as a user runs it")."""
+    if on_cuda:
+        return "nf4", "the default on a CUDA device (4-bit weights, about a quarter of bf16's bytes)"
+    return CPU_DEFAULT_QUANT, ("no CUDA device: full-precision float32 weights, exact and the fastest on a CPU "
+                               "(NF4 dequantizes every weight at every step); --quant nf4 loads NF4")
+
+
 def choose_dtypes(gpu, quant: str, compute_dtype: str | None, dtype: str | None, report: LoadReport | None,
                   strict: bool) -> tuple[str, str]:
     """(compute dtype, model dtype): bf16 where the card supports it (compute capability >= 8.0, or no CUDA
@@ -159,7 +176,7 @@ def _verify_sdpa_pin(model, report: LoadReport, on_cuda: bool) -> None:
 def load_model(model: str, *, quant: str = "nf4", double_quant: bool = True, compute_dtype: str | None = None,
                dtype: str | None = None, attn: str = "auto", device_map: str | dict | None = None,
                trust_remote_code: bool = False, allow_pickle: bool = False, verify: bool = True,
-               strict: bool = False) -> LoadedModel:
+               strict: bool = False, tokenizer=None) -> LoadedModel:
     """Load ``model`` (a local folder or a model id in the local HF cache) for inference, and report what runs.
 
     Args:
@@ -170,6 +187,8 @@ def load_model(model: str, *, quant: str = "nf4", double_quant: bool = True, com
         trust_remote_code, allow_pickle: opt-ins (off: no custom code, safetensors only).
         verify: profile one short forward and name the attention kernel that ran.
         strict: raise instead of replacing a setting that cannot run here.
+        tokenizer: the tokenizer the caller already read from this folder (``vramguard run`` reads it to check the
+            prompt before loading); None reads it here.
 
     Returns:
         LoadedModel (iterable as ``model, tokenizer, report``).
@@ -189,7 +208,7 @@ def load_model(model: str, *, quant: str = "nf4", double_quant: bool = True, com
         raise InvalidValue("attn", attn, "auto | flash_attention_2 | sdpa | eager")
     folder, ckpt = _weights_folder(model, allow_pickle)
     spec = resolve_model(str(folder))
-    env = probe_env()
+    env = probe_env(bnb=quant in ("nf4", "fp4", "int8"))  # a 16/32-bit load never imports bitsandbytes
     on_cuda = env.cuda_available and torch.cuda.is_available()
     gpu = env.gpus[0] if on_cuda and env.gpus else None
     report = LoadReport(str(model), {"quant": quant, "double_quant": double_quant, "compute_dtype": compute_dtype,
@@ -225,7 +244,7 @@ def load_model(model: str, *, quant: str = "nf4", double_quant: bool = True, com
     report.baseline_allocated_bytes = baseline
     report.weights_bytes = torch.cuda.memory_allocated() - baseline - workspace if on_cuda else None
     from vramguard.runtime.tokenizer import folder_tokenizer
-    tok, no_tokenizer = folder_tokenizer(folder, trust_remote_code)
+    tok, no_tokenizer = (tokenizer, "") if tokenizer is not None else folder_tokenizer(folder, trust_remote_code)
     if tok is None:  # a folder with weights but no tokenizer files
         report.notes.append(f"no tokenizer loaded: {no_tokenizer}")
     if chosen_attn == "sdpa" and attn in ("auto", "sdpa", "flash_attention_2") and verify:

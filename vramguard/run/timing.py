@@ -1,0 +1,111 @@
+"""Where a ``run`` spends its wall time, and why its generation ended; knows nothing about how tokens are made.
+
+The split follows what a person waits for: importing torch and transformers, reading the tokenizer and config
+(``prepare``), loading the weights, planning the strategy, the prefill (time to first token, TTFT), one-time work
+after the first token (the Triton kernels' self-test with their compilation, the eager warm-up steps before a CUDA
+graph capture, the capture) and the decode steps. ``decode_ms_per_token`` is decode time over decode steps only,
+so on a short answer it is not inflated by one-time work (that has its own line).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class RunTimings:
+    """Seconds per phase of one run (None: not measured by the caller, e.g. ``import_s`` outside the CLI).
+
+    ``generate_s`` is the wall time inside :func:`vramguard.run.generate.generate` after planning;
+    ``prefill_s + one_time_s + decode_s + other_s == generate_s``, ``other_s`` being what no phase names (prefills
+    that continue after an out-of-memory error, the last token's streaming). ``total_s`` is the command's wall time
+    from the start of the interpreter (CLI only).
+    """
+
+    startup_s: float | None = None  # interpreter start to the command's first line (the CLI's own imports)
+    import_s: float | None = None
+    prepare_s: float | None = None  # tokenizer, prompt and context check before loading
+    load_s: float | None = None
+    plan_s: float | None = None
+    prefill_s: float | None = None  # time to first token (TTFT)
+    selftest_s: float = 0.0
+    warmup_s: float = 0.0
+    warmup_steps: int = 0
+    capture_s: float = 0.0
+    decode_s: float = 0.0
+    decode_steps: int = 0
+    decode_ms_per_token: float | None = None
+    other_s: float = 0.0
+    generate_s: float | None = None
+    total_s: float | None = None
+
+    @property
+    def one_time_s(self) -> float:
+        """Kernel self-test (Triton compilation included), warm-up steps and graph capture, in seconds."""
+        return self.selftest_s + self.warmup_s + self.capture_s
+
+    @classmethod
+    def of_attempts(cls, attempts, plan_s: float, ttft_s: float | None, generate_s: float) -> RunTimings:
+        """The split of a generation from its attempts (:class:`vramguard.run.generate.Attempt`): prefill is the
+        time to the first token; decode and one-time work are summed over the attempts."""
+        t = cls(plan_s=plan_s, prefill_s=ttft_s, generate_s=generate_s)
+        for a in attempts:
+            t.decode_s += a.decode_s or 0.0
+            t.decode_steps += a.decode_steps
+            one = a.one_time or {}
+            t.selftest_s += one.get("selftest_s") or 0.0
+            t.warmup_s += one.get("warmup_s") or 0.0
+            t.warmup_steps += one.get("warmup_steps") or 0
+            t.capture_s += one.get("capture_s") or 0.0
+        t.decode_ms_per_token = t.decode_s * 1000 / t.decode_steps if t.decode_steps else None
+        t.other_s = max(generate_s - (ttft_s or 0.0) - t.one_time_s - t.decode_s, 0.0)
+        return t
+
+    def to_json(self) -> dict:
+        """Every field and ``one_time_s``, for JSON (the CLI's ``to_jsonable`` calls it)."""
+        out = dict(vars(self))
+        out["one_time_s"] = self.one_time_s
+        return out
+
+
+STOP_EOS, STOP_LIMIT = "eos", "max_new_tokens"
+
+
+def stop_reason(generated: list[int], max_new_tokens: int, eos: list[int], ignore_eos: bool,
+                tokenizer=None) -> tuple[str, str]:
+    """Why a generation ended: (``"eos"`` or ``"max_new_tokens"``, the reason in words).
+
+    ``"eos"`` when an end token (``eos``: the model's ``generation_config.eos_token_id``) is the last id and
+    ``ignore_eos`` is off, as transformers' ``generate`` stops; else the token limit.
+
+    >>> stop_reason([5, 2], 64, [2], False)
+    ('eos', 'end of turn: the model generated its end token (id 2) after 2 tokens')
+    >>> stop_reason([5, 6], 2, [2], True)[1]
+    'the token limit: 2 of max_new_tokens 2 (ignore_eos: the end tokens were masked)'
+    """
+    n = len(generated)
+    if not ignore_eos and generated and generated[-1] in eos:
+        name = tokenizer.convert_ids_to_tokens(generated[-1]) if tokenizer is not None else None
+        what = f"{name!r} (id {generated[-1]})" if name else f"its end token (id {generated[-1]})"
+        return STOP_EOS, f"end of turn: the model generated {what} after {n:,} tokens"
+    why = f"the token limit: {n:,} of max_new_tokens {max_new_tokens:,}"
+    if ignore_eos:
+        why += " (ignore_eos: the end tokens were masked)"
+    elif not eos:
+        why += " (the model's generation_config has no eos_token_id)"
+    return STOP_LIMIT, why
+
+
+def process_age_s() -> float | None:
+    """Seconds since this process started (Linux: ``/proc/self/stat``'s start time against ``/proc/uptime``, both
+    since boot, per proc(5)); None where they cannot be read. The CLI's interpreter start and imports before the
+    command runs are this much."""
+    import os
+    try:
+        with open("/proc/self/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        with open("/proc/uptime") as f:
+            uptime_s = float(f.read().split()[0])
+        return uptime_s - int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22 (starttime); 3 is fields[0]
+    except (OSError, ValueError, IndexError):
+        return None
