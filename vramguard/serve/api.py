@@ -30,6 +30,7 @@ from starlette.requests import ClientDisconnect
 
 from vramguard.serve.admission import Admission, RefusalLog, read_body, shutting_down
 from vramguard.serve.apierrors import ApiError, shown  # ApiError: also imported from here by the router
+from vramguard.serve.browsers import BrowserGuard
 from vramguard.serve.engine import Engine, EngineStopped, Sampling
 from vramguard.serve.metrics import Metrics
 from vramguard.serve.schemas import ChatRequest, CompletionRequest
@@ -47,7 +48,8 @@ class ServeOptions:
     Attributes:
         model_id: the name clients send as ``model`` (and that /v1/models lists).
         context_length: the model's context (prompt + generated tokens).
-        api_key: when set, every route but /health needs ``Authorization: Bearer <api_key>``.
+        api_key: when set, every route but /health needs ``Authorization: Bearer <api_key>``; when not, pages of
+            other sites are refused (:class:`~vramguard.serve.browsers.BrowserGuard`, with ``allowed_hosts``).
         max_body_bytes: larger bodies get 413. body_timeout_s: a body slower than this gets 408.
         n_max: the largest ``n``. default_max_tokens: when a request gives none.
         chat_template_note: set when the tokenizer has no chat template and the fallback format is used.
@@ -63,6 +65,8 @@ class ServeOptions:
     chat_template_note: str | None = None
     notes: list[str] = field(default_factory=list)
     model_aliases: tuple[str, ...] = ()  # other names accepted as ``model`` (the folder's path and name)
+    allowed_hosts: tuple[str, ...] = ()  # without api_key: Host / Origin names accepted beyond loopback
+                                         # (:mod:`vramguard.serve.browsers`)
     log_every_s: float = 10.0  # seconds between throughput lines on stderr (vramguard.serve.access)
     created: int = field(default_factory=lambda: int(time.time()))  # /v1/models' created: when the model loaded
 
@@ -307,6 +311,8 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions, metrics: Metric
     app.state.engine, app.state.metrics, app.state.options, app.state.api = engine, metrics, options, api
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_middleware(_OverloadGate, api=api)
+    if not options.api_key:  # a page in a browser may neither rebind a name to this server nor post to it
+        app.add_middleware(BrowserGuard, allowed_hosts=options.allowed_hosts, on_refuse=api.refused)
     if options.api_key:  # added last: the outermost layer, so a request without the key never reaches the gate
         app.add_middleware(_ApiKey, key=options.api_key, on_reject=lambda: metrics.requests.labels(
             "rejected_auth").inc())

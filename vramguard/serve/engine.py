@@ -297,16 +297,17 @@ class Engine:
         return Infeasible("vram_budget", f"a KV pool of {p.num_blocks} blocks ({fmt_bytes(p.pool_bytes)})",
                           f"a pool the engine accepts ({seen})", fix)
 
-    def stop(self, hard: bool = False) -> None:
-        """Stop the engine thread (idempotent; waits up to 10 s). ``hard``: without finishing the requests it holds
-        (transformers' ``hard_stop``, where the installed version has it), for an engine being discarded."""
+    def stop(self, hard: bool = False, timeout_s: float = 10.0) -> None:
+        """Stop the engine thread (idempotent; waits up to ``timeout_s`` seconds). ``hard``: without finishing the
+        requests it holds (transformers' ``hard_stop``, where the installed version has it), for an engine being
+        discarded."""
         import inspect
         self.accepting = False
         if self._manager is not None and not self._stopped:
             self._stopped = True
             kw = {"hard_stop": True} if hard and "hard_stop" in inspect.signature(self._manager.stop).parameters else {}
             try:
-                self._manager.stop(block=True, timeout=10, **kw)
+                self._manager.stop(block=True, timeout=timeout_s, **kw)
             except Exception as e:  # noqa: BLE001 - shutting down: report, never raise
                 log.warning("engine stop: %s", e)
 

@@ -199,9 +199,9 @@ class GenerateEngine(Engine):
         self._thread = threading.Thread(target=self._loop, name="vramguard-generate", daemon=True)
         self._thread.start()
 
-    def stop(self, hard: bool = False) -> None:
-        """Stop accepting, cancel the running request and stop the thread (idempotent; waits up to 10 s; the
-        running request is always cancelled, so ``hard`` changes nothing here)."""
+    def stop(self, hard: bool = False, timeout_s: float = 10.0) -> None:
+        """Stop accepting, cancel the running request and stop the thread (idempotent; waits up to ``timeout_s``
+        seconds; the running request is always cancelled, so ``hard`` changes nothing here)."""
         self.accepting = False
         if self._stopped:
             return
@@ -211,7 +211,7 @@ class GenerateEngine(Engine):
             job.cancelled.set()
         self._jobs.put(None)
         if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=10)
+            self._thread.join(timeout=timeout_s)
 
     def release(self) -> None:
         """Stop the engine and forget its requests (the caller frees the model)."""
