@@ -1,0 +1,70 @@
+"""Prompt text to token ids without letting one client's prompt cost the others: a prompt that cannot fit the
+context is refused after tokenizing a prefix, and long prompts are tokenized in a lane of their own.
+
+Tokenizing a megabyte of text takes about a second; a prompt that long can never fit a small context, and clients
+that send such prompts in a loop should neither cost that second each nor hold the one tokenizer thread that every
+other request waits for. Two rules:
+
+* a prompt longer than :data:`PREFIX_TOKENS_PER_CONTEXT_TOKEN` characters per context token is tokenized first up to
+  that length (cut at a space, where pre-tokenizers split); when that prefix alone already has more tokens than
+  the context (less :data:`BOUNDARY_TOKENS` for the cut), the prompt is refused (400 context_length_exceeded)
+  without tokenizing the rest. A prefix never has many more tokens than the same text inside the whole prompt,
+  so a prompt that fits is never refused;
+* prompts of more than :data:`SHORT_PROMPT_CHARS` characters are tokenized in their own thread, with their own
+  copy of the tokenizer (a fast tokenizer is not safe to share between threads), so short prompts never wait
+  behind them. The Rust tokenizer releases the GIL while it encodes.
+
+Knows nothing about HTTP but the error it raises.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+from vramguard.serve.apierrors import ApiError
+
+PREFIX_TOKENS_PER_CONTEXT_TOKEN = 8  # characters of prefix per context token (English text: about 4 per token)
+BOUNDARY_TOKENS = 16  # tokens a cut at a space may add at the prefix's end (a word split in two, a lone space)
+SHORT_PROMPT_CHARS = 32_768  # prompts up to this many characters are tokenized in the short lane
+
+
+class PromptEncoder:
+    """Token ids of prompt text for a context of ``context_length`` tokens, in two lanes (see the module)."""
+
+    def __init__(self, tokenizer, context_length: int):
+        self.tokenizer, self.context_length = tokenizer, context_length
+        self.long_tokenizer = copy.deepcopy(tokenizer) if tokenizer is not None else None
+        self._lane = threading.local()  # .long: this thread is the long lane's
+        self.short_pool = ThreadPoolExecutor(1, thread_name_prefix="vramguard-tokenize")
+        self.long_pool = ThreadPoolExecutor(1, thread_name_prefix="vramguard-tokenize-long",
+                                            initializer=lambda: setattr(self._lane, "long", True))
+
+    def pool(self, chars: int) -> ThreadPoolExecutor:
+        """The lane for a prompt of ``chars`` characters."""
+        return self.short_pool if chars <= SHORT_PROMPT_CHARS else self.long_pool
+
+    def encode(self, text: str, field: str, add_special_tokens: bool = True) -> list[int]:
+        """``text``'s token ids, with ``add_special_tokens`` as the tokenizer's call takes it; in a lane's thread.
+
+        Raises:
+            ApiError: 400 context_length_exceeded when a prefix of ``text`` already has more tokens than the
+                context.
+        """
+        tok = self.long_tokenizer if getattr(self._lane, "long", False) else self.tokenizer
+        cut = self.context_length * PREFIX_TOKENS_PER_CONTEXT_TOKEN
+        if len(text) > cut:
+            space = text.rfind(" ", cut // 2, cut)
+            prefix = text[:space if space > 0 else cut]
+            n = len(tok(prefix, add_special_tokens=add_special_tokens)["input_ids"])
+            if n - BOUNDARY_TOKENS >= self.context_length:
+                raise ApiError.of("context_length_exceeded", f"{field}: more than {n - BOUNDARY_TOKENS:,} tokens "
+                                  f"in its first {len(prefix):,} of {len(text):,} characters; this model's maximum "
+                                  f"context length is {self.context_length:,} tokens: shorten the prompt",
+                                  param=field)
+        return tok(text, add_special_tokens=add_special_tokens)["input_ids"]
+
+    def shutdown(self) -> None:
+        self.short_pool.shutdown(wait=False, cancel_futures=True)
+        self.long_pool.shutdown(wait=False, cancel_futures=True)
