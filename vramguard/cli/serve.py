@@ -175,7 +175,12 @@ def serve_one(model: str, host: str, port: int, listening, **options) -> int:
     say(served.pool.summary())
     for note in served.engine.notes + served.options.notes:
         say("note: " + note)
-    return served.run(host, port, on_listen=listening)
+    rc = served.run(host, port, on_listen=listening)
+    # the interpreter's exit collects every object of the loaded model and libraries (seconds on a busy machine,
+    # past SIGTERM's 5 s grace); they are about to be freed with the process, so the collector skips them
+    import gc
+    gc.freeze()
+    return rc
 
 
 def _allocator_note() -> None:
