@@ -60,7 +60,8 @@ def test_router_holds_no_slot_for_bodies_that_never_come_and_bounds_their_size_a
     """2 x (running + queue) = 16 connections that send headers and no body, held against the router: a normal
     request still gets its 200 within 1 s (the router took no worker slot for them); each gets one 408 when the
     body time is up; a 30 MB Content-Length gets 413 before any byte is read; a client that leaves mid-body costs
-    no traceback; refusals are counted in the router's /metrics and logged without a traceback."""
+    no traceback; a rebinding Host gets 403 (no key); refusals are counted in the router's /metrics and logged
+    without a traceback."""
     a = _build(folder, api_key="ka")
     ua = a.start_background()
     from vramguard.serve.router import Worker
@@ -93,7 +94,9 @@ def test_router_holds_no_slot_for_bodies_that_never_come_and_bounds_their_size_a
             c.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\n"
                       b"content-length: 100\r\n\r\n{\"model\": ")
         time.sleep(0.3)
+        assert httpx.get(url + "/v1/models", headers={"Host": "evil.example"}).status_code == 403  # no key here
         assert _metric(url, 'vramguard_refusals_total{code="request_timeout"}') == 16
+        assert _metric(url, 'vramguard_refusals_total{code="forbidden_host"}') == 1
         assert _metric(url, 'vramguard_refusals_total{code="request_too_large"}') == 1
         assert httpx.get(ua + "/metrics", headers={"Authorization": "Bearer ka"}).status_code == 200
         assert _metric_keyed(ua, 'vramguard_requests_total{outcome="completed"}', "ka") == 3  # nothing else reached it
