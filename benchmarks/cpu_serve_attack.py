@@ -150,7 +150,7 @@ def main():
         emit(res, {"case": "baseline", "normal_p50_ms": round(1000 * p50, 1), "normal_status": codes,
                    "load_avg_1m": os.getloadavg()[0], "cpus": os.cpu_count()})
         emit(res, {"case": "flood_1mb", **flooded(url, "the quick brown fox jumps " * 40_000)})
-        emit(res, {"case": "flood_cjk", **flooded(url, "日本語の文章を繰り返します。" * 25_000)})
+        emit(res, {"case": "flood_cjk", **flooded(url, "日本語の文章を繰り返します。" * 24_900)})
         emit(res, {"case": "browser", **browser(url)})
         idle, term = idle_then_sigterm(url, proc)
         emit(res, {"case": "idle_1100", **idle})

@@ -448,3 +448,25 @@ def test_1100_idle_connections_against_1024_descriptors_and_sigterm_within_the_g
     assert "Traceback" not in errs, errs[-3000:]
     cap = [x for x in errs.splitlines() if "to stay under the cap of" in x]
     assert 1 <= len(cap) <= 3, errs[-3000:]  # one line per 10 s, with the count
+
+
+def test_a_byte_level_tokenizer_refuses_what_cannot_fit_before_tokenizing(smollm2):
+    """SmolLM2's byte-level BPE drops no character and its longest entry has 81 characters: 1,040,000 characters
+    are at least 12,840 tokens, over its 8,192-token context, refused without a call to the tokenizer; and the
+    bound holds on real text (every prompt has at least characters / 81 tokens)."""
+    from transformers import AutoTokenizer
+
+    from vramguard.serve.apierrors import ApiError
+    from vramguard.serve.prompts import PromptEncoder, max_token_chars
+    tok = AutoTokenizer.from_pretrained(smollm2)
+    enc = PromptEncoder(tok, 8192)
+    assert enc.max_token_chars == 81
+    calls = []
+    enc.tokenizer = lambda *a, **kw: calls.append(a)
+    with pytest.raises(ApiError) as e:
+        enc.encode("the quick brown fox jumps " * 40_000, "messages", add_special_tokens=False)
+    assert e.value.code == "context_length_exceeded" and "at least 12,840 tokens" in e.value.message and not calls
+    for text in ("    " * 300, "日本語の文章を繰り返します。" * 50, "def f(x):\n\treturn x ** 2\n" * 40, "a" * 5000):
+        assert len(tok(text)["input_ids"]) * 81 >= len(text)
+    assert max_token_chars(None) is None
+    enc.shutdown()

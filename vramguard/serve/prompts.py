@@ -5,6 +5,9 @@ Tokenizing a megabyte of text takes about a second; a prompt that long can never
 that send such prompts in a loop should neither cost that second each nor hold the one tokenizer thread that every
 other request waits for. Two rules:
 
+* with a byte-level tokenizer that drops no character (no normalizer, no pre-tokenizer that removes text: GPT-2,
+  Llama 3, Qwen, SmolLM), every token covers at most its vocabulary entry's length in characters, so a prompt longer
+  than the context times the longest entry cannot fit: it is refused before any tokenization;
 * a prompt longer than :data:`PREFIX_TOKENS_PER_CONTEXT_TOKEN` characters per context token is tokenized first up to
   that length (cut at a space, where pre-tokenizers split); when that prefix alone already has more tokens than
   the context (less :data:`BOUNDARY_TOKENS` for the cut), the prompt is refused (400 context_length_exceeded)
@@ -36,6 +39,7 @@ class PromptEncoder:
     def __init__(self, tokenizer, context_length: int):
         self.tokenizer, self.context_length = tokenizer, context_length
         self.long_tokenizer = copy.deepcopy(tokenizer) if tokenizer is not None else None
+        self.max_token_chars = max_token_chars(tokenizer)
         self._lane = threading.local()  # .long: this thread is the long lane's
         self.short_pool = ThreadPoolExecutor(1, thread_name_prefix="vramguard-tokenize")
         self.long_pool = ThreadPoolExecutor(1, thread_name_prefix="vramguard-tokenize-long",
@@ -53,6 +57,12 @@ class PromptEncoder:
                 context.
         """
         tok = self.long_tokenizer if getattr(self._lane, "long", False) else self.tokenizer
+        most = self.max_token_chars
+        if most and len(text) > self.context_length * most:
+            raise ApiError.of("context_length_exceeded", f"{field}: {len(text):,} characters are at least "
+                              f"{-(-len(text) // most):,} tokens (no token of this tokenizer is longer than {most} "
+                              f"characters); this model's maximum context length is {self.context_length:,} "
+                              "tokens: shorten the prompt", param=field)
         cut = self.context_length * PREFIX_TOKENS_PER_CONTEXT_TOKEN
         if len(text) > cut:
             space = text.rfind(" ", cut // 2, cut)
@@ -68,3 +78,20 @@ class PromptEncoder:
     def shutdown(self) -> None:
         self.short_pool.shutdown(wait=False, cancel_futures=True)
         self.long_pool.shutdown(wait=False, cancel_futures=True)
+
+
+def max_token_chars(tokenizer) -> int | None:
+    """The longest vocabulary entry (added tokens included) of a byte-level fast tokenizer that drops no character
+    of the text: no normalizer, a ``ByteLevel`` pre-tokenizer and none that removes what it splits on. Each token
+    then covers at most that many characters (an entry's characters are bytes; a character is one byte or more).
+    None for any other tokenizer (a normalizer or a whitespace split may drop characters)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or backend.normalizer is not None or backend.pre_tokenizer is None:
+        return None
+    try:
+        state = backend.pre_tokenizer.__getstate__()
+    except (AttributeError, TypeError):
+        return None
+    if b'"ByteLevel"' not in state or b'"Removed"' in state:
+        return None
+    return max((len(k) for k in backend.get_vocab(with_added_tokens=True)), default=None)
