@@ -267,8 +267,9 @@ def test_tokenization_and_parsing_run_off_the_event_loop(server, monkeypatch):
     r = _post(url, "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "w1"}],
                                             "max_tokens": 2})
     assert r.status_code == 200
-    # the 300,000-character prompt: one call, on its 4,096-character prefix (512 x 8), in the long lane
-    assert seen == ["vramguard-tokenize-long_0", "vramguard-tokenize_0"], seen
+    # the 300,000-character prompt, in the long lane: its prefixes of 512, 1,024 and 2,048 characters (1, 2 and 4
+    # per context token), the last already over the 512-token context; never the whole prompt
+    assert seen == ["vramguard-tokenize-long_0"] * 3 + ["vramguard-tokenize_0"], seen
     assert len(parsed) == 2 and all(name.startswith("vramguard-parse") for name in parsed), parsed
 
 

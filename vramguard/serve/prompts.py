@@ -8,11 +8,12 @@ other request waits for. Two rules:
 * with a byte-level tokenizer that drops no character (no normalizer, no pre-tokenizer that removes text: GPT-2,
   Llama 3, Qwen, SmolLM), every token covers at most its vocabulary entry's length in characters, so a prompt longer
   than the context times the longest entry cannot fit: it is refused before any tokenization;
-* a prompt longer than :data:`PREFIX_TOKENS_PER_CONTEXT_TOKEN` characters per context token is tokenized first up to
-  that length (cut at a space, where pre-tokenizers split); when that prefix alone already has more tokens than
-  the context (less :data:`BOUNDARY_TOKENS` for the cut), the prompt is refused (400 context_length_exceeded)
-  without tokenizing the rest. A prefix never has many more tokens than the same text inside the whole prompt,
-  so a prompt that fits is never refused;
+* a longer prompt is tokenized first in prefixes of 1, 2, 4 and 8 characters per context token
+  (:data:`PREFIX_STAGES`, each cut at a space, where pre-tokenizers split); when a prefix alone already has more
+  tokens than the context (less :data:`BOUNDARY_TOKENS` for the cut), the prompt is refused (400
+  context_length_exceeded) without tokenizing the rest; when a prefix's rate of tokens says the whole prompt
+  fits with room, it is tokenized at once. A prefix never has many more tokens than the same text inside the
+  whole prompt, so a prompt that fits is never refused;
 * prompts of more than :data:`SHORT_PROMPT_CHARS` characters are tokenized in their own thread, with their own
   copy of the tokenizer (a fast tokenizer is not safe to share between threads), so short prompts never wait
   behind them. The Rust tokenizer releases the GIL while it encodes.
@@ -28,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from vramguard.serve.apierrors import ApiError
 
-PREFIX_TOKENS_PER_CONTEXT_TOKEN = 8  # characters of prefix per context token (English text: about 4 per token)
+PREFIX_STAGES = (1, 2, 4, 8)  # prefixes tried, in characters per context token (CJK: ~1 per token, English ~4)
 BOUNDARY_TOKENS = 16  # tokens a cut at a space may add at the prefix's end (a word split in two, a lone space)
 SHORT_PROMPT_CHARS = 32_768  # prompts up to this many characters are tokenized in the short lane
 
@@ -63,8 +64,10 @@ class PromptEncoder:
                               f"{-(-len(text) // most):,} tokens (no token of this tokenizer is longer than {most} "
                               f"characters); this model's maximum context length is {self.context_length:,} "
                               "tokens: shorten the prompt", param=field)
-        cut = self.context_length * PREFIX_TOKENS_PER_CONTEXT_TOKEN
-        if len(text) > cut:
+        for per_token in PREFIX_STAGES:
+            cut = self.context_length * per_token
+            if len(text) <= cut:
+                break
             space = text.rfind(" ", cut // 2, cut)
             prefix = text[:space if space > 0 else cut]
             n = len(tok(prefix, add_special_tokens=add_special_tokens)["input_ids"])
@@ -73,6 +76,8 @@ class PromptEncoder:
                                   f"in its first {len(prefix):,} of {len(text):,} characters; this model's maximum "
                                   f"context length is {self.context_length:,} tokens: shorten the prompt",
                                   param=field)
+            if n * len(text) < len(prefix) * self.context_length // 2:  # at this rate it fits: no more stages
+                break
         return tok(text, add_special_tokens=add_special_tokens)["input_ids"]
 
     def shutdown(self) -> None:
