@@ -85,7 +85,7 @@ class BrowserGuard:
             name = host_of(host)
             if not (is_loopback(name) or _ip(name) is not None or named(name, self.allowed)):
                 return ApiError.of("forbidden_host", f"Host: {shown(host)} is not a name of this server; without an "
-                                   "API key only localhost, IP addresses" + self._and() + " are accepted (against "
+                                   "API key only localhost" + self._and() + " and IP addresses are accepted (against "
                                    f"DNS rebinding); start it with {fix}", param="Host")
         origin = headers.get(b"origin")
         if origin is not None:
@@ -104,4 +104,4 @@ class BrowserGuard:
         return None
 
     def _and(self) -> str:
-        return f" and {', '.join(self.allowed)}" if self.allowed else ""
+        return f", {', '.join(self.allowed)}" if self.allowed else ""
