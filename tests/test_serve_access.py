@@ -54,7 +54,7 @@ def test_log_lines_created_new_fields_and_health(folder, capsys):
         assert t0 - 5 <= models["created"] <= int(time.time())
         open_health = httpx.get(url + "/health").json()  # no key: no folder path, no notes
         assert open_health["status"] == "ok" and open_health["model"] == "tiny-llama" and open_health["notes"] == []
-        assert httpx.get(url + "/health", headers=auth).json()["model"] == str(folder)
+        assert httpx.get(url + "/health", headers=auth).json()["model"] == "tiny-llama"  # a name, never a path
         head = httpx.head(url + "/health")
         assert head.status_code == 200 and head.content == b""
         deadline = time.time() + 60

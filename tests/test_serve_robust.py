@@ -198,7 +198,7 @@ def _open_without_body(url: str, n: int, partial: bool) -> list[socket.socket]:
     socks = []
     for i in range(n):
         c = socket.create_connection((host, int(port)), timeout=10)
-        c.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        c.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\n"
                   b"content-length: 100\r\n\r\n" + (b'{"model": "tiny", ' if partial and i % 2 else b""))
         socks.append(c)
     return socks
@@ -263,13 +263,16 @@ def test_tokenization_and_parsing_run_off_the_event_loop(server, monkeypatch):
         parsed.append(threading.current_thread().name)
         return real_parse(*a)
     monkeypatch.setattr(api_module, "parse_request", parse)
-    monkeypatch.setattr(api, "tokenizer", _Spy(api.tokenizer, seen))
+    monkeypatch.setattr(api.prompts, "tokenizer", _Spy(api.prompts.tokenizer, seen))
+    monkeypatch.setattr(api.prompts, "long_tokenizer", _Spy(api.prompts.long_tokenizer, seen))
     r = _post(url, "/v1/completions", {"model": "tiny", "prompt": "w1 " * 100_000, "max_tokens": 4})
     assert r.status_code == 400 and _err(r)["code"] == "context_length_exceeded"
     r = _post(url, "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "w1"}],
                                             "max_tokens": 2})
     assert r.status_code == 200
-    assert len(seen) == 2 and all(name.startswith("vramguard-tokenize") for name in seen), seen
+    # the 300,000-character prompt, in the long lane: its prefixes of 512, 1,024 and 2,048 characters (1, 2 and 4
+    # per context token), the last already over the 512-token context; never the whole prompt
+    assert seen == ["vramguard-tokenize-long_0"] * 3 + ["vramguard-tokenize_0"], seen
     assert len(parsed) == 2 and all(name.startswith("vramguard-parse") for name in parsed), parsed
 
 

@@ -22,6 +22,7 @@ FIELD_FLAGS = {"batch": "--batch", "num_beams": "--num-beams", "num_return_seque
                "file": "--file", "chat": "--chat-template", "prompt": "--prompt", "chunk_tokens": "--chunk-tokens",
                "files": "--context", "gpu": "--gpu", "vram": "--vram", "gpu/vram": "--gpu/--vram",
                "do_sample": "--do-sample", "alloc_conf": "--alloc-conf", "seed": "--seed", "api_key": "--api-key",
+               "allowed_hosts": "--allowed-host",
                "greedy": "--greedy", "summarize": "--summarize", "auto": "--auto",
                "ignore_eos": "--ignore-eos",
                # vLLM's engine arguments (plan --engine vllm, export)

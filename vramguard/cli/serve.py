@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import sys
 from enum import Enum
-from typing import Optional
+from typing import List, Optional
 
 import typer
 
@@ -18,7 +18,7 @@ from vramguard.serve.generate_engine import ENGINES
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 ServeEngine = Enum("ServeEngine", {v: v for v in ENGINES}, type=str)
 # options the router sets for its workers itself; the rest of the command line is passed on to each worker
-ROUTER_OPTIONS = ("--gpus", "--host", "--port", "--api-key", "--ready-file")
+ROUTER_OPTIONS = ("--gpus", "--host", "--port", "--api-key", "--ready-file", "--allowed-host")
 
 
 def serve(
@@ -41,13 +41,18 @@ def serve(
     api_key: Optional[str] = typer.Option(None, envvar="VRAMGUARD_API_KEY",
                                           help="require 'Authorization: Bearer KEY' on every route but /health "
                                                "(or set VRAMGUARD_API_KEY)"),
+    allowed_host: Optional[List[str]] = typer.Option(None, help="without --api-key: a name clients reach this "
+                                                     "server by, beyond localhost and IP addresses (.example.com: "
+                                                     "every name under it); repeat for several. Other Host and "
+                                                     "Origin values are refused (against DNS rebinding)"),
     quant: Quant = quant_option(),
     dtype: Optional[DtypeArg] = typer.Option(None, help="parameter/activation dtype (default: bf16 where supported)"),
     attn: LoadAttn = typer.Option(LoadAttn['auto'], help="attention implementation (auto: the best that runs here)"),
     trust_remote_code: bool = typer.Option(False, help="allow the model's own Python code (off: never run it)"),
     allow_pickle: bool = typer.Option(False, help="allow pickle (.bin) weights (off: safetensors only)"),
     seed: int = typer.Option(0, help="sampling seed of the engine"),
-    served_model_name: Optional[str] = typer.Option(None, help="the model name clients send (default: MODEL)"),
+    served_model_name: Optional[str] = typer.Option(None, help="the model name clients send and see (default: the "
+                                                               "folder's name, or MODEL's id)"),
     n_max: int = typer.Option(4, help="largest n (choices per request)"),
     default_max_tokens: int = typer.Option(256, help="max_tokens of a request that gives none"),
     max_body_size: str = typer.Option("1MiB", help="largest request body; more gets 413"),
@@ -85,7 +90,8 @@ def serve(
         local_model_folder(model)  # a missing or unreadable model is said before torch is imported
         _allocator_note()
         if gpus is not None:
-            return serve_router(model, gpu_ids(gpus), host, port, api_key, listening)
+            return serve_router(model, gpu_ids(gpus), host, port, api_key, listening, max_body_bytes=body,
+                                allowed_hosts=tuple(allowed_host or ()))
         return serve_one(model, host, port, listening, vram_budget=budget, max_queue=max_queue,
                          max_running=max_running, max_batch_tokens=max_batch_tokens, page_size=page_size,
                          max_kv_blocks=max_kv_blocks, api_key=api_key, quant=quant.value,
@@ -93,7 +99,7 @@ def serve(
                          trust_remote_code=trust_remote_code, allow_pickle=allow_pickle, seed=seed,
                          served_name=served_model_name, n_max=n_max, default_max_tokens=default_max_tokens,
                          max_body_bytes=body, greedy=greedy, hard_cap=True, engine_choice=engine.value,
-                         deterministic=deterministic)
+                         deterministic=deterministic, allowed_hosts=tuple(allowed_host or ()))
 
     rc = run_guarded(start)
     if rc:
@@ -149,13 +155,15 @@ def gpu_ids(gpus: str) -> list[int]:
     return ids
 
 
-def serve_router(model: str, ids: list[int], host: str, port: int, api_key: str | None, listening) -> int:
+def serve_router(model: str, ids: list[int], host: str, port: int, api_key: str | None, listening,
+                 **limits) -> int:
     """One worker per GPU in ``ids``, each given this command line less :data:`ROUTER_OPTIONS`, behind the
-    router; returns its exit code."""
+    router (``limits``: :func:`~vramguard.serve.router.run_router`'s body size and allowed hosts); returns its
+    exit code."""
     from vramguard.serve.router import run_router
     args = [a for a in sys.argv[sys.argv.index("serve") + 2:]]
     args = strip_options(args, ROUTER_OPTIONS)
-    return run_router(model, ids, args, host, port, api_key, on_listen=listening)
+    return run_router(model, ids, args, host, port, api_key, on_listen=listening, **limits)
 
 
 def serve_one(model: str, host: str, port: int, listening, **options) -> int:
@@ -172,7 +180,12 @@ def serve_one(model: str, host: str, port: int, listening, **options) -> int:
     say(served.pool.summary())
     for note in served.engine.notes + served.options.notes:
         say("note: " + note)
-    return served.run(host, port, on_listen=listening)
+    rc = served.run(host, port, on_listen=listening)
+    # the interpreter's exit collects every object of the loaded model and libraries (seconds on a busy machine,
+    # past SIGTERM's 5 s grace); they are about to be freed with the process, so the collector skips them
+    import gc
+    gc.freeze()
+    return rc
 
 
 def _allocator_note() -> None:

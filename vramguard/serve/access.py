@@ -29,7 +29,8 @@ class _Stderr(logging.Handler):
 class WrappedFormatter(logging.Formatter):
     """``HH:MM:SS message``, wrapped at word boundaries to ``columns`` (default :func:`log_columns`, read at each
     record); each continuation line is indented past the time by two more spaces, so that it reads as part of the
-    line above. A word longer than a line (a path, a URL) is kept whole."""
+    line above. A word longer than a line (a path, a URL) is kept whole. Characters Python does not print are
+    written as their escapes (:func:`printable`); only the message's own newlines start new lines."""
 
     def __init__(self, columns: int | None = None):
         super().__init__("%(asctime)s %(message)s", "%H:%M:%S")
@@ -37,7 +38,7 @@ class WrappedFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         import textwrap
-        text = super().format(record)
+        text = "\n".join(printable(part) for part in super().format(record).split("\n"))
         columns = self.columns or log_columns()
         if len(text) <= columns and "\n" not in text:
             return text
@@ -118,9 +119,19 @@ class AccessLog:
                 _line(scope, status["code"] or 499, t0)
 
 
+def printable(text: str) -> str:
+    """``text`` with every character Python does not print (control characters such as newline and ESC, which
+    start terminal escape sequences; line and paragraph separators) written as its backslash escape, so that a
+    client's decoded URL path can neither forge a log line nor drive the terminal that shows the log."""
+    if text.isprintable():
+        return text
+    return "".join(ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii") for ch in text)
+
+
 def _line(scope, code: int, t0: float) -> None:
     client = scope.get("client") or ("-", 0)
-    log.info("%s %s %s %d %.3f s", client[0], scope["method"], scope["path"], code, time.perf_counter() - t0)
+    log.info("%s %s %s %d %.3f s", client[0], printable(scope["method"]), printable(scope["path"]), code,
+             time.perf_counter() - t0)
 
 
 def _generated(metrics) -> float:

@@ -8,7 +8,8 @@ read (429 with Retry-After or 503; nothing is reserved) -> the body within its s
 numbers, text, nesting, field types, unknown fields, unsupported values and sampling ranges (400) -> model name (404)
 -> a slot is reserved (429 when full) -> the prompt tokenized, token ids in range, prompt shorter than the context,
 prompt + max_tokens within the context, one request within the KV pool (400) -> admitted. Parsing and tokenization
-run in worker threads, never on the event loop.
+run in worker threads, never on the event loop; a prompt that cannot fit is refused after a prefix, and long
+prompts have a tokenizer thread of their own (:mod:`vramguard.serve.prompts`).
 """
 
 from __future__ import annotations
@@ -30,8 +31,10 @@ from starlette.requests import ClientDisconnect
 
 from vramguard.serve.admission import Admission, RefusalLog, read_body, shutting_down
 from vramguard.serve.apierrors import ApiError, shown  # ApiError: also imported from here by the router
+from vramguard.serve.browsers import BrowserGuard
 from vramguard.serve.engine import Engine, EngineStopped, Sampling
 from vramguard.serve.metrics import Metrics
+from vramguard.serve.prompts import PromptEncoder
 from vramguard.serve.sampler import choice_seed
 from vramguard.serve.schemas import ChatRequest, CompletionRequest
 from vramguard.serve.streaming import Outputs
@@ -48,7 +51,8 @@ class ServeOptions:
     Attributes:
         model_id: the name clients send as ``model`` (and that /v1/models lists).
         context_length: the model's context (prompt + generated tokens).
-        api_key: when set, every route but /health needs ``Authorization: Bearer <api_key>``.
+        api_key: when set, every route but /health needs ``Authorization: Bearer <api_key>``; when not, pages of
+            other sites are refused (:class:`~vramguard.serve.browsers.BrowserGuard`, with ``allowed_hosts``).
         max_body_bytes: larger bodies get 413. body_timeout_s: a body slower than this gets 408.
         n_max: the largest ``n``. default_max_tokens: when a request gives none.
         chat_template_note: set when the tokenizer has no chat template and the fallback format is used.
@@ -64,6 +68,8 @@ class ServeOptions:
     chat_template_note: str | None = None
     notes: list[str] = field(default_factory=list)
     model_aliases: tuple[str, ...] = ()  # other names accepted as ``model`` (the folder's path and name)
+    allowed_hosts: tuple[str, ...] = ()  # without api_key: Host / Origin names accepted beyond loopback
+                                         # (:mod:`vramguard.serve.browsers`)
     log_every_s: float = 10.0  # seconds between throughput lines on stderr (vramguard.serve.access)
     created: int = field(default_factory=lambda: int(time.time()))  # /v1/models' created: when the model loaded
 
@@ -117,6 +123,14 @@ class _OverloadGate:
         await self.app(scope, receive, send)
 
 
+def _chars(req, chat: bool) -> int:
+    """The characters of a request's prompt text (0 for token ids): picks its tokenizer lane."""
+    if chat:
+        return sum(len(m.text()) for m in req.messages)
+    p = req.prompt
+    return len(p) if isinstance(p, str) else len(p[0]) if p and isinstance(p, list) and isinstance(p[0], str) else 0
+
+
 def _fallback_template(messages) -> str:
     return "".join(f"{m.role}: {m.text()}\n" for m in messages) + "assistant:"
 
@@ -145,7 +159,7 @@ class _Api:
         eos_ids = set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
         self.outputs = Outputs(engine, metrics, self._decode, eos_ids, options.model_id)
         self.parse_pool = ThreadPoolExecutor(2, thread_name_prefix="vramguard-parse")
-        self.tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="vramguard-tokenize")  # one: not thread-safe
+        self.prompts = PromptEncoder(tokenizer, options.context_length)  # two lanes, each its own tokenizer
 
     @contextlib.asynccontextmanager
     async def lifespan(self, _app):
@@ -159,7 +173,7 @@ class _Api:
             throughput.cancel()
             self.refusals.flush(force=True)
             self.parse_pool.shutdown(wait=False, cancel_futures=True)
-            self.tokenize_pool.shutdown(wait=False, cancel_futures=True)
+            self.prompts.shutdown()
 
     async def _watch(self):
         fired = False
@@ -200,7 +214,7 @@ class _Api:
             loop = asyncio.get_running_loop()
             req = await loop.run_in_executor(self.parse_pool, parse_request, raw, schema, self.limits)
             held = self.admission.reserve(req.n, t_arrival)
-            ids, max_new = await loop.run_in_executor(self.tokenize_pool, self._prompt, req, chat)
+            ids, max_new = await loop.run_in_executor(self.prompts.pool(_chars(req, chat)), self._prompt, req, chat)
             handles = self._submit(req, ids, max_new)
             self.admission.release(held)
             held = 0
@@ -227,14 +241,14 @@ class _Api:
             raise ApiError.of("no_tokenizer", "this model has no tokenizer: use /v1/completions with token ids",
                               param="messages")
         if not getattr(tok, "chat_template", None):
-            return tok(_fallback_template(req.messages))["input_ids"]
+            return self.prompts.encode(_fallback_template(req.messages), "messages")
         msgs = [{"role": m.role if m.role != "developer" else "system", "content": m.text()} for m in req.messages]
         try:
             text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
         except Exception as e:  # noqa: BLE001 - the template's own refusal (jinja raise_exception), kept as its text
             raise ApiError.of("invalid_value", f"messages: the model's chat template refused them: "
                                                f"{type(e).__name__}: {str(e)[:200]}", param="messages") from None
-        return tok(text, add_special_tokens=False)["input_ids"]
+        return self.prompts.encode(text, "messages", add_special_tokens=False)
 
     def _completion_ids(self, req: CompletionRequest) -> list[int]:
         p = req.prompt
@@ -247,7 +261,7 @@ class _Api:
             if self.tokenizer is None:
                 raise ApiError.of("no_tokenizer", "this model has no tokenizer: send the prompt as a list of token "
                                                   "ids", param="prompt")
-            return self.tokenizer(p)["input_ids"]
+            return self.prompts.encode(p, "prompt")
         return list(p)
 
     def _submit(self, req, ids: list[int], max_new: int) -> list:
@@ -310,6 +324,8 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions, metrics: Metric
     app.state.engine, app.state.metrics, app.state.options, app.state.api = engine, metrics, options, api
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_middleware(_OverloadGate, api=api)
+    if not options.api_key:  # a page in a browser may neither rebind a name to this server nor post to it
+        app.add_middleware(BrowserGuard, allowed_hosts=options.allowed_hosts, on_refuse=api.refused)
     if options.api_key:  # added last: the outermost layer, so a request without the key never reaches the gate
         app.add_middleware(_ApiKey, key=options.api_key, on_reject=lambda: metrics.requests.labels(
             "rejected_auth").inc())

@@ -9,11 +9,14 @@ INVALID, RATE, SERVER = "invalid_request_error", "rate_limit_error", "server_err
 
 ERRORS: dict[str, tuple[int, str]] = {  # code: (HTTP status, OpenAI error type)
     "invalid_api_key": (401, INVALID),
+    "forbidden_host": (403, INVALID),      # no API key and a Host that is not this machine (DNS rebinding)
+    "forbidden_origin": (403, INVALID),    # no API key and a page of another site
     "not_found": (404, INVALID),
     "model_not_found": (404, INVALID),
     "method_not_allowed": (405, INVALID),
     "request_timeout": (408, INVALID),
     "request_too_large": (413, INVALID),
+    "unsupported_media_type": (415, INVALID),
     "invalid_json": (400, INVALID),
     "invalid_value": (400, INVALID),
     "unknown_parameter": (400, INVALID),

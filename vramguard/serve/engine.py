@@ -8,7 +8,8 @@ engine's own loop catches it and sorts it into one of three kinds:
   "prompt + tokens generated so far" (the engine's own soft-reset, ``RequestState.create_equivalent_initial_request``),
   the step budget is halved, the allocator cache is emptied, and the loop goes on; greedy requests therefore continue
   with the same tokens. The step budget doubles back after ``RESTORE_AFTER_STEPS`` steps without another OOM. A
-  request that runs out of memory ``MAX_OOM_RETRIES`` times alone fails with a clear error.
+  request is charged an OOM only when it ran alone; one charged ``MAX_OOM_RETRIES`` times in a row (no token
+  between) fails with a clear error. A batch that runs out of memory at the smallest step budget is isolated (one request per step).
 * a device fault (:func:`device_fault`: a CUDA/cuBLAS/cuDNN/NCCL error, an illegal access, a device-side assert):
   unrecoverable; the engine stops, every request fails with a 503 error object and :attr:`Engine.fatal_error` is set.
 * anything else (a value of one request the step cannot compute, such as a top-k beyond int32 or NaN probabilities):
@@ -16,7 +17,10 @@ engine's own loop catches it and sorts it into one of three kinds:
   the step held several, they are soft-reset like an OOM and the engine *isolates*: one request per step, suspects
   first, until each suspect has either produced a token alone (cleared, and queued again behind the others) or
   failed alone (its error to its client). Then batching resumes. A request in ``MAX_STEP_FAILURES`` failed steps
-  fails whatever the count of its companions, so no combination loops forever.
+  fails whatever the count of its companions, so no combination loops forever. Such failures are the requests'
+  and never stop the engine; only a failure that recurs ``MAX_FAILURES_IN_A_ROW`` times with no request in the
+  step, or a known-good request failing alone (queued after that many failures charged to requests in a row),
+  is the engine's own fault, handled as a device fault.
 """
 
 from __future__ import annotations
@@ -118,7 +122,7 @@ class Handle:
     submitted: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     finished: bool = False
-    retries: int = 0  # out-of-memory errors in its steps
+    retries: int = 0  # out-of-memory errors it ran into alone, since its last token
     step_failures: int = 0  # other failed steps it was part of
     generated: int = 0  # tokens generated so far (as last delivered)
     error_code: str | None = None  # set by the engine when it fails the request alone ("request_failed")
@@ -187,7 +191,10 @@ class Engine:
         self.step_failure_events: list[dict] = []  # one per failed step that was not an OOM (kept last 256)
         self._suspects: set[str] = set()  # requests of a failed step not yet run alone (engine thread only)
         self._batch_limit: int | None = None  # the scheduler's requests per step before isolation began
-        self._failures_in_a_row = 0
+        self._failures_in_a_row = 0  # failed iterations with no request in the step (the engine's own fault)
+        self._charged_in_a_row = 0  # failed steps charged to their requests, without a good step between
+        self._probe_id: str | None = None  # the known-good request queued to check the engine (recovery.add_probe)
+        self.probes = 0
         self.fatal_error: BaseException | None = None
         self.before_step: Callable[[int, list[str]], None] | None = None
         self.attn_implementation: str | None = None
@@ -323,16 +330,17 @@ class Engine:
         return Infeasible("vram_budget", f"a KV pool of {p.num_blocks} blocks ({fmt_bytes(p.pool_bytes)})",
                           f"a pool the engine accepts ({seen})", fix)
 
-    def stop(self, hard: bool = False) -> None:
-        """Stop the engine thread (idempotent; waits up to 10 s). ``hard``: without finishing the requests it holds
-        (transformers' ``hard_stop``, where the installed version has it), for an engine being discarded."""
+    def stop(self, hard: bool = False, timeout_s: float = 10.0) -> None:
+        """Stop the engine thread (idempotent; waits up to ``timeout_s`` seconds). ``hard``: without finishing the
+        requests it holds (transformers' ``hard_stop``, where the installed version has it), for an engine being
+        discarded."""
         import inspect
         self.accepting = False
         if self._manager is not None and not self._stopped:
             self._stopped = True
             kw = {"hard_stop": True} if hard and "hard_stop" in inspect.signature(self._manager.stop).parameters else {}
             try:
-                self._manager.stop(block=True, timeout=10, **kw)
+                self._manager.stop(block=True, timeout=timeout_s, **kw)
             except Exception as e:  # noqa: BLE001 - shutting down: report, never raise
                 log.warning("engine stop: %s", e)
 
@@ -411,6 +419,7 @@ class Engine:
                 "kv_page_size": self.pool.page_size,
                 "kv_tokens_total": self.pool.pool_tokens, "kv_tokens_reserved": self.kv_tokens_reserved(),
                 "oom_recoveries": self.oom_recoveries, "step_failures": len(self.step_failure_events),
+                "engine_probes": self.probes,
                 "isolating": len(self._suspects), "steps": self.steps[-1].index + 1 if self.steps else 0,
                 "retry_after_s": self.retry_after_s(1),
                 "decode_graphs": len(self._graphs[1].graphs) if self._graphs else 0}

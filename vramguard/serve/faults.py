@@ -7,7 +7,8 @@ from vramguard.runtime.device import is_oom
 
 MAX_OOM_RETRIES = 3
 MAX_STEP_FAILURES = 3  # failed steps a request may be part of before it fails, companions or not
-MAX_FAILURES_IN_A_ROW = 16  # failed loop iterations without one good step: the engine itself is broken (fatal)
+MAX_FAILURES_IN_A_ROW = 16  # failed iterations with no request in the step, in a row: the engine is broken (fatal);
+# as many failures in a row charged to requests queue a known-good probe request (serve/recovery.py add_probe)
 # Text of the errors PyTorch raises for a faulty or lost device (CUDA runtime, cuBLAS, cuDNN, NCCL, ROCm); an
 # out-of-memory error is not one of them (see is_oom).
 DEVICE_FAULT_MARKERS = ("CUDA error", "CUBLAS_STATUS", "CUDNN_STATUS", "cuDNN error", "NCCL error", "HIP error",

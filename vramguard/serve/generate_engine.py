@@ -201,9 +201,9 @@ class GenerateEngine(Engine):
         self._thread = threading.Thread(target=self._loop, name="vramguard-generate", daemon=True)
         self._thread.start()
 
-    def stop(self, hard: bool = False) -> None:
-        """Stop accepting, cancel the running request and stop the thread (idempotent; waits up to 10 s; the
-        running request is always cancelled, so ``hard`` changes nothing here)."""
+    def stop(self, hard: bool = False, timeout_s: float = 10.0) -> None:
+        """Stop accepting, cancel the running request and stop the thread (idempotent; waits up to ``timeout_s``
+        seconds; the running request is always cancelled, so ``hard`` changes nothing here)."""
         self.accepting = False
         if self._stopped:
             return
@@ -213,7 +213,7 @@ class GenerateEngine(Engine):
             job.cancelled.set()
         self._jobs.put(None)
         if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=10)
+            self._thread.join(timeout=timeout_s)
 
     def release(self) -> None:
         """Stop the engine and forget its requests (the caller frees the model)."""
@@ -379,7 +379,8 @@ class GenerateEngine(Engine):
         """Generate one request to its end, continuing after an out-of-memory error with a smaller strategy.
 
         Raises:
-            the error itself when it is a device fault, or after ``MAX_FAILURES_IN_A_ROW`` failed requests.
+            the error itself when it is a device fault; a known-good request's error after
+            ``MAX_FAILURES_IN_A_ROW`` failed requests in a row (:meth:`_probe`).
         """
         from vramguard.run.generate import STRATEGIES
         h = job.handle
@@ -418,8 +419,21 @@ class GenerateEngine(Engine):
         log.warning("request %s failed: %s", job.handle.request_id, why)
         if self.metrics is not None:
             self.metrics.step_failures.inc()
-        if self._failures_in_a_row > MAX_FAILURES_IN_A_ROW:
-            raise error
+        if self._failures_in_a_row >= MAX_FAILURES_IN_A_ROW:
+            self._probe()
+
+    def _probe(self) -> None:
+        """After ``MAX_FAILURES_IN_A_ROW`` failed requests in a row: one known-good step (the start's two-token
+        greedy request, one new token). Its success says the requests were to blame (the count starts again);
+        its error is the engine's own fault, raised to the fatal path."""
+        import torch
+        self.probes += 1
+        log.warning("%d requests failed in a row: a known-good request checks the engine", self._failures_in_a_row)
+        ids = torch.tensor([[min(1, self.vocab_size - 1)] * 2], device=next(self.model.parameters()).device)
+        with torch.inference_mode():
+            self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, do_sample=False,
+                                pad_token_id=self._pad)
+        self._failures_in_a_row = 0
 
     def _after_oom(self, job: _Job, error: BaseException, strategy, need: int | None) -> list:
         """Free the failed attempt's memory and return the strategies to continue with (empty: the request

@@ -8,11 +8,13 @@ manager and its batch processor ``bp``.
 from __future__ import annotations
 
 import gc
+import itertools
 import logging
 
 log = logging.getLogger("vramguard.serve")
 
 EVENTS_KEPT = 256
+_PROBES = itertools.count()
 
 
 def step_states(bp) -> list:
@@ -61,17 +63,22 @@ def _keep(events: list, event: dict) -> None:
 
 
 def on_oom(engine, manager, bp, error: BaseException) -> None:
-    """An out-of-memory error inside a step: requeue its requests at the front, halve the step budget."""
+    """An out-of-memory error inside a step: requeue its requests at the front, halve the step budget. A request
+    is charged a retry only when it ran alone (companions are not to blame for a batch's size), and its count
+    starts again once it produced a token (:func:`after_step`): it fails after ``MAX_OOM_RETRIES`` in a row. A
+    batch that runs out of memory at the smallest budget is isolated (one request per step), so that one is found."""
     import torch
 
     from vramguard.serve.faults import MAX_OOM_RETRIES
     sched = bp.scheduler
     requeued, failed = [], []
-    for st in reversed(step_states(bp)):  # reversed: appendleft keeps the step's order at the front
+    states = step_states(bp)
+    alone = len(states) == 1  # only a request that ran out of memory alone is charged for it
+    for st in reversed(states):  # reversed: appendleft keeps the step's order at the front
         rid = st.request_id
         unschedule(sched, rid)
         h = engine.handles.get(rid)
-        retries = (h.retries + 1) if h else MAX_OOM_RETRIES + 1
+        retries = ((h.retries + 1) if alone else h.retries) if h else MAX_OOM_RETRIES + 1
         if h:
             h.retries = retries
         if retries > MAX_OOM_RETRIES:
@@ -83,6 +90,8 @@ def on_oom(engine, manager, bp, error: BaseException) -> None:
         requeued.append(rid)
     old = bp.max_batch_tokens
     bp.max_batch_tokens = max(engine.pool.page_size, old // 2)
+    if len(requeued) > 1 and old == bp.max_batch_tokens:  # the budget is at its floor: run them one at a time, so
+        _isolate(engine, sched, requeued)                   # the one that cannot fit is found and charged alone
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -99,26 +108,34 @@ def on_oom(engine, manager, bp, error: BaseException) -> None:
 
 def on_step_failure(engine, manager, bp, error: BaseException) -> None:
     """Any other error inside an iteration: fail the request that is to blame, or isolate the step's requests.
+    A failure with requests in the step is theirs and never counts toward the engine's own fault; after
+    ``MAX_FAILURES_IN_A_ROW`` such failures without a good step, a known-good request (:func:`add_probe`) is
+    queued, and its failing alone is the engine's fault.
 
     Raises:
-        the error itself after ``MAX_FAILURES_IN_A_ROW`` failed iterations without a good step (a broken engine,
-        not a request: the caller's fatal path takes it).
+        the error itself when it recurs ``MAX_FAILURES_IN_A_ROW`` times with no request in the step, or when the
+        known-good probe fails alone (a broken engine, not a request: the caller's fatal path takes it).
     """
     from vramguard.serve.faults import MAX_FAILURES_IN_A_ROW, MAX_STEP_FAILURES, _first_line
-    engine._failures_in_a_row += 1
-    if engine._failures_in_a_row > MAX_FAILURES_IN_A_ROW:
-        raise error
+    sched = bp.scheduler
+    states = step_states(bp)
+    if not states or (len(states) == 1 and states[0].request_id == engine._probe_id):
+        engine._failures_in_a_row += 1
+        if engine._failures_in_a_row > MAX_FAILURES_IN_A_ROW or states:
+            raise error
+    else:
+        engine._charged_in_a_row += 1
+        if engine._charged_in_a_row >= MAX_FAILURES_IN_A_ROW and engine._probe_id is None:
+            add_probe(engine, manager)
     why = _first_line(error)
     probing = engine.probing  # read before the requests fail: the prober stops probing once its request ends
     if probing:
         engine.probe_error = why
-    sched = bp.scheduler
-    states = step_states(bp)
     failed, requeued = [], []
     for st in reversed(states):
         rid = st.request_id
         h = engine.handles.get(rid)
-        n = (h.step_failures + 1) if h else MAX_STEP_FAILURES
+        n = (h.step_failures + 1) if h else 1 if rid == engine._probe_id else MAX_STEP_FAILURES
         if h:
             h.step_failures = n
         unschedule(sched, rid)
@@ -167,14 +184,40 @@ def _end_isolation(engine, sched) -> None:
         log.info("isolation over: %d request(s) per step again", sched.max_requests_per_batch)
 
 
+PROBE_PROMPT_TOKENS = 2  # the probe is the start's check request: two tokens of id 1, one greedy new token
+
+
+def add_probe(engine, manager) -> None:
+    """Queue the known-good request (the two-token greedy request every engine ran at its start) to tell a
+    broken engine from a run of bad requests: it fails alone only when the engine itself is broken. No client
+    waits for it: its one output goes to the manager's own queue."""
+    engine._probe_id = f"vg-probe-{next(_PROBES)}"
+    engine.probes += 1
+    manager.add_request([min(1, engine.vocab_size - 1)] * PROBE_PROMPT_TOKENS, request_id=engine._probe_id,
+                        max_new_tokens=1, streaming=False)
+    log.warning("%d failed steps in a row, each charged to its requests: a known-good request is queued to check "
+                "the engine", engine._charged_in_a_row)
+
+
 def after_step(engine, bp) -> None:
-    """After a good iteration: reset the failure count; while isolating, clear each suspect that produced a token
-    alone (queued again behind the others, so the next suspect runs), and end isolation when none is left."""
+    """After a good iteration: reset the failure counts; while isolating, clear each suspect that produced a
+    token alone (queued again behind the others, so the next suspect runs), and end isolation when none is left.
+    The probe is over once it produced its token."""
     engine._failures_in_a_row = 0
+    in_batch = list(getattr(bp.inputs_and_outputs, "requests_in_batch", []))
+    if in_batch:
+        engine._charged_in_a_row = 0
+    for fs in in_batch:  # out-of-memory retries count in a row: a request that made progress starts again
+        h = engine.handles.get(fs.state.request_id)
+        if h is not None and h.retries and fs.has_new_token:
+            h.retries = 0
+    if engine._probe_id is not None and any(fs.state.request_id == engine._probe_id and fs.has_new_token
+                                            for fs in in_batch):
+        engine._probe_id = None
     if not engine._suspects:
         return
     sched = bp.scheduler
-    for fs in list(getattr(bp.inputs_and_outputs, "requests_in_batch", [])):
+    for fs in in_batch:
         rid = fs.state.request_id
         if rid in engine._suspects and fs.has_new_token:
             engine._suspects.discard(rid)

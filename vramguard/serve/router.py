@@ -6,7 +6,9 @@ promised to admitted requests, admission slots left) and sends each request to t
 capacity among those with admission slots left. The router is the workers' only client, so it knows exactly how
 many requests each one holds: when every worker is full it answers 429 itself, before reading the body, in a
 process whose event loop never waits on a model step (the engine thread of a worker shares its GIL with that
-worker's HTTP loop). Other responses, streamed or not, are relayed unchanged (status, body, Retry-After).
+worker's HTTP loop). As in a worker (:mod:`vramguard.serve.admission`), a request takes a worker's slot only once
+its whole body arrived, within the workers' size and time limits: a client that sends no body holds nothing.
+Other responses, streamed or not, are relayed unchanged (status, body, Retry-After).
 A worker that dies makes /health fail and the router exit non-zero.
 """
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import secrets
 import subprocess
@@ -21,13 +24,20 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
-from vramguard.serve.api import ApiError, _ApiKey
+from starlette.requests import ClientDisconnect
+
+from vramguard.serve.admission import RefusalLog, read_body
+from vramguard.serve.api import BODY_TIMEOUT_S, SHUTDOWN_GRACE_S, ApiError, _ApiKey
+from vramguard.serve.browsers import BrowserGuard
+
+log = logging.getLogger("vramguard.serve")
 
 POLL_S = 0.1
 TOKENS_PER_UNREPORTED_REQUEST = 512  # assumed size of a request sent since the last poll
@@ -76,10 +86,15 @@ class _Router:
     """The router's state and its parts: the /health poll, the 429 it answers itself, and the relay. ``fatal``
     holds the first worker failure; ``mean_s`` the running mean of a relayed request's time (for Retry-After)."""
 
-    def __init__(self, workers: list[Worker], on_fatal=None):
+    def __init__(self, workers: list[Worker], on_fatal=None, max_body_bytes: int = 1 << 20,
+                 body_timeout_s: float = BODY_TIMEOUT_S):
         self.workers = workers
         self.on_fatal = on_fatal
+        self.max_body_bytes, self.body_timeout_s = max_body_bytes, body_timeout_s
         self.registry = CollectorRegistry()
+        refusals = Counter("vramguard_refusals", "Requests the router refused, by error code", ["code"],
+                           registry=self.registry)
+        self.refusals = RefusalLog(SimpleNamespace(refusals=refusals))  # counted, logged once per interval
         self.routed = Counter("vramguard_router_requests", "Requests relayed, by worker", ["worker"],
                               registry=self.registry)
         self.up_g = Gauge("vramguard_worker_up", "1 when the worker's /health is ok", ["worker"],
@@ -119,6 +134,7 @@ class _Router:
         while True:
             await asyncio.sleep(POLL_S)
             await self.poll_once()
+            self.refusals.flush()
 
     @contextlib.asynccontextmanager
     async def lifespan(self, _app):
@@ -128,6 +144,7 @@ class _Router:
             yield
         finally:
             task.cancel()
+            self.refusals.flush(force=True)
             await self.client.aclose()
 
     async def health(self):
@@ -152,7 +169,11 @@ class _Router:
         w = next((x for x in self.workers if x.healthy), None)  # any healthy worker can answer, full or not
         if w is None:
             return ApiError(503, "no worker is healthy", type_="server_error", code="no_worker").response()
-        r = await self.client.get(w.url + request.url.path, headers=_headers(w, request))
+        try:
+            r = await self.client.get(w.url + request.url.path, headers=_headers(w, request), timeout=10)
+        except httpx.HTTPError as e:
+            return self.refused(ApiError(503, f"worker {w.name} did not answer ({type(e).__name__}); retry",
+                                         type_="server_error", code="no_worker", headers={"Retry-After": "1"}))
         return Response(r.content, status_code=r.status_code, media_type="application/json")
 
     def refuse(self):
@@ -160,18 +181,35 @@ class _Router:
         from the mean request time, decided here, before the body is read: no worker is asked."""
         workers = self.workers
         if not any(x.healthy for x in workers):
-            return ApiError(503, "no worker is healthy", type_="server_error", code="no_worker",
-                            headers={"Retry-After": "1"}).response()
+            return self.refused(ApiError(503, "no worker is healthy", type_="server_error", code="no_worker",
+                                         headers={"Retry-After": "1"}))
         self.rejected.inc()
         cap = sum(x.capacity() for x in workers if x.healthy)
         running = sum(x.stats.get("max_running", 0) for x in workers if x.healthy) or 1
         retry = max(1, round(self.mean_s * cap / running))
-        return ApiError(429, f"server busy: {cap} requests in flight on {len(workers)} worker(s), every queue "
-                             f"full; retry after {retry} s", type_="rate_limit_error", code="queue_full",
-                        headers={"Retry-After": str(retry)}).response()
+        return self.refused(ApiError(429, f"server busy: {cap} requests in flight on {len(workers)} worker(s), "
+                                          f"every queue full; retry after {retry} s", type_="rate_limit_error",
+                                     code="queue_full", headers={"Retry-After": str(retry)}))
+
+    def refused(self, err: ApiError):
+        """Count and log ``err`` (:class:`~vramguard.serve.admission.RefusalLog`: one line per code and interval,
+        no traceback) and return its response."""
+        self.refusals.refused(err)
+        return err.response()
 
     async def relay(self, request: Request, path: str):
-        """Send the request to the worker :func:`pick` chooses and stream its answer back unchanged."""
+        """Send the request to the worker :func:`pick` chooses and stream its answer back unchanged. Every worker
+        full is answered before the body is read (nothing is reserved); the body is then read within the size and
+        time limits (413, 408), and only then is a worker's slot taken."""
+        if pick(self.workers) is None:
+            return self.refuse()
+        await asyncio.sleep(0)  # every request of a burst already here gets its decision before this one reads
+        try:
+            body = await read_body(request, self.max_body_bytes, self.body_timeout_s)
+        except ApiError as e:
+            return self.refused(e)
+        except ClientDisconnect:  # the client left while sending its body: nothing was reserved
+            return Response(status_code=499)
         w = pick(self.workers)
         if w is None:
             return self.refuse()
@@ -180,10 +218,12 @@ class _Router:
         self.routed.labels(w.name).inc()
         t0 = time.perf_counter()
         try:
-            await asyncio.sleep(0)  # every request of a burst already here gets its decision before this one relays
-            body = await request.body()
             req = self.client.build_request("POST", w.url + path, content=body, headers=_headers(w, request))
             upstream = await self.client.send(req, stream=True)
+        except httpx.HTTPError as e:  # the worker went away: its /health poll says so; this client gets a 503
+            w.relaying -= 1
+            return self.refused(ApiError(503, f"worker {w.name} did not answer ({type(e).__name__}); retry",
+                                         type_="server_error", code="no_worker", headers={"Retry-After": "1"}))
         except BaseException:
             w.relaying -= 1
             raise
@@ -195,11 +235,14 @@ class _Router:
         try:
             async for chunk in upstream.aiter_raw():
                 yield chunk
+        except httpx.HTTPError as e:  # the worker's stream broke off: end the client's too, in one log line
+            log.warning("worker %s: its answer broke off (%s: %s)", w.name, type(e).__name__, e)
         finally:
             w.relaying -= 1
             if upstream.status_code == 200:
                 self.mean_s = 0.9 * self.mean_s + 0.1 * (time.perf_counter() - t0)
-            await upstream.aclose()  # a client that left closes the worker's stream: the worker cancels
+            with contextlib.suppress(Exception):  # a client that left closes the worker's stream: it cancels
+                await upstream.aclose()
 
 
 def _headers(w: Worker, request: Request) -> dict:
@@ -210,14 +253,22 @@ def _headers(w: Worker, request: Request) -> dict:
     return h
 
 
-def create_router(workers: list[Worker], api_key: str | None = None, on_fatal=None) -> FastAPI:
-    """The router app over ``workers`` (already listening)."""
-    router = _Router(workers, on_fatal)
+def create_router(workers: list[Worker], api_key: str | None = None, on_fatal=None, *,
+                  max_body_bytes: int = 1 << 20, body_timeout_s: float = BODY_TIMEOUT_S,
+                  allowed_hosts: tuple[str, ...] = ()) -> FastAPI:
+    """The router app over ``workers`` (already listening). ``max_body_bytes`` and ``body_timeout_s``: the
+    workers' limits, applied here before a worker is chosen; ``allowed_hosts``: as
+    :func:`vramguard.serve.server.build`'s (without ``api_key``, :class:`~vramguard.serve.browsers.BrowserGuard`)."""
+    router = _Router(workers, on_fatal, max_body_bytes, body_timeout_s)
     app = FastAPI(title="vramguard router", docs_url=None, redoc_url=None, openapi_url=None,
                   lifespan=router.lifespan)
-    app.state.workers = workers
+    app.state.workers, app.state.router = workers, router
     if api_key:
         app.add_middleware(_ApiKey, key=api_key, on_reject=lambda: None)
+    else:
+        app.add_middleware(BrowserGuard, allowed_hosts=allowed_hosts, on_refuse=router.refusals.refused)
+    from vramguard.serve.access import AccessLog
+    app.add_middleware(AccessLog)
     app.get("/health")(router.health)
     app.get("/metrics")(router.metrics)
     app.get("/v1/models/{model_id:path}")(router.models)
@@ -270,23 +321,29 @@ def spawn_workers(model: str, gpus: list[int], worker_args: list[str], timeout_s
 
 
 def stop_workers(workers: list[Worker]) -> None:
-    """SIGTERM every worker (each ends its open requests with a 503 and exits 0), then wait up to 20 s each."""
+    """SIGTERM every worker (each ends its open requests with a 503 and exits 0 within its grace), then wait for
+    them together, up to the grace and one second more; one still running then is killed."""
     for w in workers:
         w.stopping = True
     for w in workers:
         if w.process is not None and w.process.poll() is None:
             w.process.terminate()
+    deadline = time.monotonic() + SHUTDOWN_GRACE_S + 1
     for w in workers:
         if w.process is not None:
             try:
-                w.process.wait(timeout=20)
+                w.process.wait(timeout=max(deadline - time.monotonic(), 0.01))
             except subprocess.TimeoutExpired:
                 w.process.kill()
+                w.process.wait()
 
 
 def run_router(model: str, gpus: list[int], worker_args: list[str], host: str, port: int,
-               api_key: str | None = None, on_listen=None) -> int:
-    """Spawn the workers, serve the router until interrupted; returns 0, or 3 when a worker died."""
+               api_key: str | None = None, on_listen=None, max_body_bytes: int = 1 << 20,
+               allowed_hosts: tuple[str, ...] = ()) -> int:
+    """Spawn the workers, serve the router until interrupted; returns 0, or 3 when a worker died.
+    ``max_body_bytes``: the workers' limit (their ``--max-body-size``); ``allowed_hosts``: see
+    :func:`create_router`."""
     from vramguard.serve.server import EXIT_DEVICE_ERROR, make_server
     workers = spawn_workers(model, gpus, worker_args)
     code = {"rc": 0}
@@ -302,7 +359,8 @@ def run_router(model: str, gpus: list[int], worker_args: list[str], host: str, p
         await asyncio.get_running_loop().run_in_executor(None, stop_workers, workers)
 
     try:
-        app = create_router(workers, api_key, on_fatal=fatal)
+        app = create_router(workers, api_key, on_fatal=fatal, max_body_bytes=max_body_bytes,
+                            allowed_hosts=allowed_hosts)
         server = make_server(app, host, port, on_listen, on_shutdown=drain)
         server.run()
     finally:

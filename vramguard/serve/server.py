@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from vramguard.errors import EXIT_DEVICE_ERROR, ConfigError, InvalidValue
 from vramguard.serve.api import BODY_TIMEOUT_S, SHUTDOWN_GRACE_S, ServeOptions, create_app
+from vramguard.serve.connections import Registry, connection_cap, install_accept_errors, protocol_class
 from vramguard.serve.engine import Engine
 from vramguard.serve.metrics import Metrics
 from vramguard.memory.kv import paged_pool_bytes
@@ -76,7 +77,8 @@ class Served:
         n = self.engine.fail_inflight(why)
         if n:
             log.warning("shutting down: %d open request(s) ended with a 503 error", n)
-        await asyncio.get_running_loop().run_in_executor(None, self.engine.stop)
+        # half the grace for the engine's last step, the rest for the streams to send their error events
+        await asyncio.get_running_loop().run_in_executor(None, self.engine.stop, False, SHUTDOWN_GRACE_S / 2)
 
     def on_fatal(self, error: BaseException) -> None:
         """The engine died: remember why, exit code 3, and stop the server (which ends the open requests)."""
@@ -192,7 +194,9 @@ def check_bind(host: str, port: int) -> None:
 
 def make_server(app, host: str, port: int, on_listen=None, on_shutdown=None):
     """A uvicorn server for ``app`` that calls ``on_listen(base_url)`` once its socket listens and awaits
-    ``on_shutdown()`` when a stop begins, before uvicorn waits for open requests (so they can be ended cleanly)."""
+    ``on_shutdown()`` when a stop begins, before uvicorn waits for open requests (so they can be ended cleanly).
+    Connections that send no request are closed after a header timeout, and open connections are capped under
+    the descriptor limit (:mod:`vramguard.serve.connections`; the server's ``connections``)."""
     import uvicorn
 
     class _Server(uvicorn.Server):
@@ -210,11 +214,18 @@ def make_server(app, host: str, port: int, on_listen=None, on_shutdown=None):
                     signal.signal(sig, handler)
 
         async def shutdown(self, sockets=None):
+            """The whole stop within :data:`SHUTDOWN_GRACE_S` of its start: ``on_shutdown`` first, then uvicorn's
+            wait for open connections gets what is left of the grace (then cancels them)."""
+            deadline = time.monotonic() + SHUTDOWN_GRACE_S - SHUTDOWN_MARGIN_S
             if on_shutdown is not None:
                 try:
-                    await on_shutdown()
+                    await asyncio.wait_for(on_shutdown(), max(deadline - time.monotonic(), 0.1))
+                except asyncio.TimeoutError:
+                    log.warning("shutdown: the drain took more than %.1f s; closing the open connections",
+                                SHUTDOWN_GRACE_S)
                 except Exception as e:  # noqa: BLE001 - stopping anyway: report
                     log.warning("shutdown hook: %s", e)
+            self.config.timeout_graceful_shutdown = max(deadline - time.monotonic(), 0.1)
             await super().shutdown(sockets)
             if self.force_exit:  # a second Ctrl-C: uvicorn skips the app's shutdown, which would then be
                 try:             # cancelled with a traceback; ours is quick, so run it
@@ -223,15 +234,20 @@ def make_server(app, host: str, port: int, on_listen=None, on_shutdown=None):
                     pass
 
         async def startup(self, sockets=None):
+            install_accept_errors()
             await super().startup(sockets)
             if on_listen is not None and self.started and self.servers:
                 h, p = self.servers[0].sockets[0].getsockname()[:2]
                 on_listen(f"http://{h}:{p}")
 
-    return _Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on",
-                                  timeout_graceful_shutdown=int(SHUTDOWN_GRACE_S)))
+    registry = Registry(connection_cap())
+    server = _Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on",
+                                    timeout_graceful_shutdown=int(SHUTDOWN_GRACE_S), http=protocol_class(registry)))
+    server.connections = registry
+    return server
 
 
+SHUTDOWN_MARGIN_S = 0.5  # of the grace, kept for what follows uvicorn's wait (lifespan end, engine and threads)
 SMOKE_TIMEOUT_S = 300.0  # seconds the two-token request before serving may take (a large model's first step)
 
 
@@ -459,6 +475,15 @@ def _check_load_fits(model: str, quant: str, dtype: str | None, budget: int) -> 
                          "quantize the weights")
 
 
+def public_name(model: str) -> str:
+    """The name a server shows for ``model`` when none is given: a local folder's last part (clients never see a
+    path of this machine), else ``model`` itself (a model id such as ``org/name``)."""
+    import os
+    if os.path.isdir(model):
+        return os.path.basename(os.path.normpath(os.path.abspath(model)))
+    return model
+
+
 MAX_COUNT = 1 << 20  # requests, tokens per step or per block beyond this are no serving setting
 
 
@@ -497,7 +522,8 @@ def build(model: str, *, vram_budget: int | None = None, max_queue: int = 64, ma
           seed: int = 0, served_name: str | None = None, n_max: int = 4, default_max_tokens: int = 256,
           max_body_bytes: int = 1 << 20, max_kv_blocks: int | None = None, greedy: bool = False,
           hard_cap: bool = False, verify: bool = True, loaded=None, deterministic: bool = False,
-          body_timeout_s: float = BODY_TIMEOUT_S, engine_choice: str = "auto", warm_up: bool = True) -> Served:
+          body_timeout_s: float = BODY_TIMEOUT_S, engine_choice: str = "auto", warm_up: bool = True,
+          allowed_hosts: tuple[str, ...] = ()) -> Served:
     """Load ``model`` and prepare the server (no socket yet). ``body_timeout_s``: a request body must arrive
     within this many seconds of its headers (408 otherwise). ``engine_choice``: "continuous" (transformers'
     continuous batching with a paged KV pool), "generate" (the model's own generate, one request at a time,
@@ -505,7 +531,10 @@ def build(model: str, *, vram_budget: int | None = None, max_queue: int = 64, ma
     ``warm_up``: on a CUDA device the continuous engine runs the load it is sized for once before serving (a few
     seconds), so the first clients are served at the speed of the later ones. ``deterministic``: the continuous
     engine computes one request per step, so a request's text does not depend on the others in the batch (its
-    cost: benchmarks/README.md); temperature 0 is the argmax and reproducible one request after another without it.
+    cost: benchmarks/README.md); temperature 0 is the argmax and reproducible one request after another without it. ``served_name``: the name clients
+    send and see (default: the folder's last part for a local folder, never its path; else the model id).
+    ``allowed_hosts``: without ``api_key``, the names (``.suffix`` for a domain, ``*`` for any) that ``Host`` and
+    ``Origin`` may carry beyond loopback (:class:`~vramguard.serve.browsers.BrowserGuard`).
 
     Raises:
         InvalidValue: a limit out of range. Infeasible: the budget leaves no room for the pool.
@@ -561,9 +590,10 @@ def build(model: str, *, vram_budget: int | None = None, max_queue: int = 64, ma
                             deterministic=deterministic)
     pool = engine.pool
     import os
+    served_name = served_name or public_name(str(model))
     aliases = tuple(sorted({str(model), os.path.abspath(str(model)), os.path.basename(os.path.normpath(str(model))),
-                            str(getattr(m.config, "_name_or_path", "") or model)} - {served_name or str(model)}))
-    options = ServeOptions(model_id=served_name or str(model), model_aliases=aliases,
+                            str(getattr(m.config, "_name_or_path", "") or model)} - {served_name}))
+    options = ServeOptions(model_id=served_name, model_aliases=aliases, allowed_hosts=tuple(allowed_hosts),
                            context_length=spec.max_position_embeddings,
                            api_key=api_key, max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s, n_max=n_max,
                            default_max_tokens=default_max_tokens)
