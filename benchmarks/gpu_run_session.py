@@ -155,6 +155,7 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=2000)
     ap.add_argument("--new", type=int, default=256)
     ap.add_argument("--tiny", action="store_true", help="a tiny Llama instead of the 8B (a CPU trial)")
+    ap.add_argument("--skip-8b", action="store_true", help="only the SmolLM2 part (the 8B measured in another call)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     log = os.path.join(args.out, "run_session.jsonl")
@@ -164,12 +165,13 @@ def main() -> None:
     emit(log, {"tag": "versions", "torch": torch.__version__, "transformers": transformers.__version__,
                "gpu": torch.cuda.get_device_name() if on_cuda else None})
     folder = args.folder + ("_tiny" if args.tiny else "")
-    emit(log, {"tag": "build", "folder": folder, "seconds": round(build(folder, args.tiny), 1)})
-    prompt = os.path.join(args.out, f"prompt_{args.prompt_tokens}.txt")
-    with open(prompt, "w") as f:  # one token per word: ids 3 .. 2002 cycle through common embedding rows
-        f.write(" ".join(f"w{i % 2000}" for i in range(args.prompt_tokens)))
     quant = "nf4" if on_cuda else "fp32"
-    session(log, "8b" if not args.tiny else "tiny", folder, ["--prompt-file", prompt, "--raw"], args.new, quant)
+    if not args.skip_8b:
+        emit(log, {"tag": "build", "folder": folder, "seconds": round(build(folder, args.tiny), 1)})
+        prompt = os.path.join(args.out, f"prompt_{args.prompt_tokens}.txt")
+        with open(prompt, "w") as f:  # one token per word: ids 3 .. 2002 cycle through common embedding rows
+            f.write(" ".join(f"w{i % 2000}" for i in range(args.prompt_tokens)))
+        session(log, "8b" if not args.tiny else "tiny", folder, ["--prompt-file", prompt, "--raw"], args.new, quant)
     if args.smollm2 and os.path.exists(os.path.join(args.smollm2, "config.json")):
         chat = ["--prompt", "Write one sentence about why the sky is blue."]
         session(log, "smollm2", args.smollm2, chat, args.new, quant)
