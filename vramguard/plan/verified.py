@@ -27,6 +27,8 @@ class Measured:
 
 GENERIC_RUN1 = "benchmarks/results/h200_generic/generic_run1.jsonl"
 GENERIC_RUN2 = "benchmarks/results/h200_generic/generic_run2.jsonl"
+FALCON_H1 = "benchmarks/results/h200_session_1202/hybrid_falcon_h1.jsonl"  # benchmarks/gpu_hybrid.py
+LFM2 = "benchmarks/results/h200_session_1202/hybrid_mamba2_lfm2.jsonl"
 
 MEASURED: tuple[Measured, ...] = (
     Measured("layer:full_attention", None, "deepseek-v2-lite", GENERIC_RUN2),
@@ -34,6 +36,9 @@ MEASURED: tuple[Measured, ...] = (
     Measured("layer:linear_attention", None, "granite-hybrid-3b", GENERIC_RUN1),  # Mamba-2 layers, serial
     Measured("path:mamba_ssm:reference", "5.17.0", "granite-hybrid-3b", GENERIC_RUN1),
     Measured("path:causal_conv1d:reference", "5.17.0", "granite-hybrid-3b", GENERIC_RUN1),
+    # attention and Mamba-2 side by side in every layer; the reference scan's memory differs between versions
+    Measured("layer:hybrid", "5.17.0", "falcon-h1-1.5b-deep", FALCON_H1),
+    Measured("layer:conv", "5.17.0", "lfm2-1.2b", LFM2),  # short convolutions beside attention
 )
 
 
