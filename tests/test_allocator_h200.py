@@ -4,7 +4,6 @@ its traces reach, and the matrix runs made after another model was freed in the 
 
 from __future__ import annotations
 
-import gzip
 import json
 from pathlib import Path
 

@@ -322,7 +322,7 @@ def test_a_sharded_checkpoint_with_its_index_passes(base, tmp_path):
     an index naming a file outside the folder is refused."""
     from transformers import AutoModelForCausalLM
 
-    from vramguard.inputs import check_weights
+    from vramguard.hub.headers import check_weights
     from vramguard.probe.checkpoint import read_checkpoint
     folder = tmp_path / "sharded"
     AutoModelForCausalLM.from_pretrained(base).save_pretrained(folder, max_shard_size="200KB")

@@ -1,7 +1,6 @@
 """The README: the two setup commands first, one example per command, nothing cited outside the repository."""
 
 import re
-import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent

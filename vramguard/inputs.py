@@ -242,21 +242,6 @@ def weight_files_regular(folder: str | os.PathLike) -> None:
         regular_file(path, "MODEL", "safetensors file" if path.suffix == ".safetensors" else "weights index")
 
 
-def check_weights(folder: str | os.PathLike) -> None:
-    """Check every safetensors file of ``folder`` (its header against the file,
-    :func:`vramguard.hub.headers.read_local_header`) and its weights index (:func:`check_index`) before a loader
-    opens them.
-
-    Raises:
-        ConfigError: naming the file at fault and the fix.
-    """
-    from vramguard.hub.headers import read_local_header
-    folder = Path(folder)
-    check_index(folder)
-    for path in sorted(folder.glob("*.safetensors")):
-        read_local_header(path)
-
-
 def read_text(path: str, field: str, max_bytes: int = 2**30, instead: str = "pass a regular text file") -> str:
     """The UTF-8 text of the regular file ``path`` (an option's file, e.g. ``--prompt-file``); ``instead`` ends
     the fix for a path that is no regular file.

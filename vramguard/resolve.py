@@ -301,7 +301,8 @@ def _check_revision_target(model: str, revision: str, p: Path, repo_id: bool) ->
 
 def _catalog_hint(model: str) -> str | None:
     """``llama-3.1-8b is this architecture`` / ``... is the closest (...)`` / ``gemma-2-9b is the nearest of the
-    gemma family in the catalog (generation 2, not 3; 9B parameters, not 12B) ...`` for a name that has a stand-in in the
+    gemma family in the catalog (generation 2, not 3; 9B parameters, not 12B) ...`` for a name that has a stand-in
+    in the
     catalog (:func:`closest_catalog_name`), else None."""
     near = closest_catalog_name(model)
     if near is None:

@@ -10,11 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from vramguard.catalog.gpus import GpuSpec
+from vramguard.check.rules import environment_findings, finding_line, model_findings, runtime_findings
 from vramguard.finding import Finding
 from vramguard.probe.checkpoint import CheckpointInfo, read_checkpoint, resolve_param_dtype
 from vramguard.probe.env import Env, probe_env
 from vramguard.probe.kernels import AttentionKernel
-from vramguard.check.rules import environment_findings, finding_line, model_findings, runtime_findings
 from vramguard.settings import Settings
 from vramguard.units import fmt_gib
 
@@ -56,8 +56,8 @@ def _check_arguments(model: object, settings: object, device_map: object, gpu: o
         raise InvalidValue("device_map", device_map, "auto | balanced | balanced_low_0 | sequential | cpu | cuda "
                            "| a GPU index", "pass what you give from_pretrained as device_map")
     require_card_name(gpu)
-    for field, value in switches.items():
-        require_bool(field, value)
+    for name, value in switches.items():
+        require_bool(name, value)
 
 
 def check(model: str | None = None, settings: Settings | None = None, *, dtype: str | None = None,
@@ -98,8 +98,8 @@ def check(model: str | None = None, settings: Settings | None = None, *, dtype: 
     card = named or (env.gpus[0] if env.gpus else None)
     source = "named with gpu= (catalog)" if gpu else ("detected by NVML" if card else "")
     folder = model_folder(model) if model and revision is None else None
-    from vramguard.hub import checkpoint_info
-    hub_ckpt = checkpoint_info(spec) if spec is not None and folder is None else None
+    from vramguard.probe.checkpoint import hub_checkpoint_info
+    hub_ckpt = hub_checkpoint_info(spec) if spec is not None and folder is None else None
     ckpt = read_checkpoint(folder) if folder else hub_ckpt or (
         CheckpointInfo("", (), None, None, spec.checkpoint_dtype, False) if spec else None)
     given_dtype = dtype
@@ -219,10 +219,11 @@ def _attention_support_findings(spec, s: Settings) -> list[Finding]:
 
 
 def _placement_finding(model, spec, s, card, env) -> Finding:
+    import json
+
     from vramguard.catalog.models import MODELS
     from vramguard.check.devicemap import auto_placement
     from vramguard.resolve import catalog_name, model_folder
-    import json
     key = catalog_name(model) if model else None
     if key:
         cfg = dict(MODELS[key])

@@ -53,7 +53,8 @@ def run(
     Stops at the model's end of turn (or --max-new-tokens). The text streams to stdout; a summary (what was loaded
     and why, strategy and why, why it stopped, time per phase: import, load, plan, prefill, one-time, decode) goes
     to stderr."""
-    from vramguard.cli.render import print_generation_summary, to_jsonable
+    from vramguard.cli.render import to_jsonable
+    from vramguard.cli.render_run import print_generation_summary
     from vramguard.run.timing import process_age_s
     t_entry = time.perf_counter()
     startup_s = process_age_s()

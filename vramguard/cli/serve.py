@@ -11,7 +11,7 @@ from typing import List, Optional
 import typer
 
 from vramguard.cli.common import install_fix, run_guarded, say, size_option
-from vramguard.cli.options import DtypeArg, LoadAttn, Quant, quant_option, strip_options
+from vramguard.cli.options import DtypeArg, LoadAttn, Quant, strip_options
 from vramguard.errors import InvalidValue
 from vramguard.serve.generate_engine import ENGINES
 
@@ -45,7 +45,8 @@ def serve(
                                                      "server by, beyond localhost and IP addresses (.example.com: "
                                                      "every name under it); repeat for several. Other Host and "
                                                      "Origin values are refused (against DNS rebinding)"),
-    quant: Quant = quant_option(),
+    quant: Optional[Quant] = typer.Option(None, help="weight format (default: nf4 on a CUDA device; float32 "
+                                                       "without one, exact and the fastest on a CPU)"),
     dtype: Optional[DtypeArg] = typer.Option(None, help="parameter/activation dtype (default: bf16 where supported)"),
     attn: LoadAttn = typer.Option(LoadAttn['auto'], help="attention implementation (auto: the best that runs here)"),
     trust_remote_code: bool = typer.Option(False, help="allow the model's own Python code (off: never run it)"),
@@ -94,7 +95,7 @@ def serve(
                                 allowed_hosts=tuple(allowed_host or ()))
         return serve_one(model, host, port, listening, vram_budget=budget, max_queue=max_queue,
                          max_running=max_running, max_batch_tokens=max_batch_tokens, page_size=page_size,
-                         max_kv_blocks=max_kv_blocks, api_key=api_key, quant=quant.value,
+                         max_kv_blocks=max_kv_blocks, api_key=api_key, quant=quant.value if quant is not None else None,
                          dtype=dtype.value if dtype and dtype.value != "auto" else None, attn=attn.value,
                          trust_remote_code=trust_remote_code, allow_pickle=allow_pickle, seed=seed,
                          served_name=served_model_name, n_max=n_max, default_max_tokens=default_max_tokens,
@@ -131,7 +132,7 @@ def announcer(ready_file: str | None, name: str):
 
 def check_address(host: str, port: int, api_key: str | None) -> None:
     """Before minutes of loading: a bad or busy port is known now; an open address without a key is warned of."""
-    from vramguard.serve.server import check_bind
+    from vramguard.serve.connections import check_bind
     check_bind(host, port)
     if host not in LOOPBACK_HOSTS and not api_key:
         say(f"warning: binding {host} without --api-key: anyone who can reach this address can use the model")
@@ -173,6 +174,12 @@ def serve_one(model: str, host: str, port: int, listening, **options) -> int:
 
     from vramguard.serve.server import build
     transformers.utils.logging.disable_progress_bar()
+    if options.get("quant") is None:  # as run: NF4 on a CUDA device, float32 weights without one (said)
+        import torch
+
+        from vramguard.runtime.load import default_quant
+        options["quant"], why = default_quant(torch.cuda.is_available())
+        say(f"note: weights {options['quant']}: {why}")
     served = build(model, **options)
     a = served.report.active if served.report is not None else {}
     say("loaded: " + ", ".join(f"{k} {a[k]}" for k in ("quant", "compute_dtype", "dtype", "attn", "device")

@@ -91,21 +91,6 @@ def for_cards(spec, gpus):
     return replace(spec, checkpoint=replace(ck, card_capability=min(caps) if caps else None))
 
 
-def checkpoint_info(spec):
-    """A :class:`vramguard.probe.checkpoint.CheckpointInfo` of a Hub model from its headers (shard sizes: each
-    file's header plus its tensors, the file's size), or None when the spec has no checkpoint record."""
-    import json
-
-    from vramguard.probe.checkpoint import CheckpointInfo
-    ck = getattr(spec, "checkpoint", None)
-    if ck is None or ck.format not in ("safetensors", "pytorch"):
-        return None
-    cfg = json.loads(spec.config_json) if spec.config_json else {}
-    if ck.format == "pytorch":
-        return CheckpointInfo(ck.source, (), "pickle", None, spec.checkpoint_dtype, bool(cfg.get("auto_map")))
-    return CheckpointInfo(ck.source, tuple(zip(ck.files, ck.file_bytes)), "safetensors", ck.stored_float_dtype,
-                          spec.checkpoint_dtype, bool(cfg.get("auto_map")))
-
 
 def fetched_line(spec) -> str | None:
     """``read from the Hub: config.json 1,234 B, model.safetensors header 100,001 B; 101,235 B over the network,

@@ -11,6 +11,7 @@ no tensor data). Knows nothing about quantization methods (:mod:`vramguard.hub.p
 from __future__ import annotations
 
 import json
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -206,3 +207,18 @@ def from_cache_json(text: str) -> CheckpointHeaders:
     tensors = tuple(TensorHeader(n, dt, tuple(shape), int(b), f) for n, dt, shape, b, f in d["tensors"])
     return CheckpointHeaders(d["source"], d["format"], tuple(d["files"]), tensors, int(d["header_bytes"]),
                              commit=d.get("commit"), file_bytes=tuple(int(b) for b in d.get("file_bytes", ())))
+
+
+def check_weights(folder: str | os.PathLike) -> None:
+    """Check every safetensors file of ``folder`` (its header against the file,
+    :func:`read_local_header`) and its weights index (:func:`vramguard.inputs.check_index`) before a loader
+    opens them.
+
+    Raises:
+        ConfigError: naming the file at fault and the fix.
+    """
+    folder = Path(folder)
+    from vramguard.inputs import check_index
+    check_index(folder)
+    for path in sorted(folder.glob("*.safetensors")):
+        read_local_header(path)

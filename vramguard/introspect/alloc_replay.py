@@ -35,7 +35,7 @@ import contextlib
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
-from vramguard.memory.allocator import AllocatorConfig, CachingAllocator, OutOfMemory
+from vramguard.memory.allocator import AllocatorConfig, Block, CachingAllocator, OutOfMemory
 from vramguard.memory.common import BNB_4BIT_FUSED_MAX_ROWS
 from vramguard.memory.decode_steps import DecodeSteps, Placer
 from vramguard.memory.runtime import CUBLAS_WORKSPACE_BYTES
@@ -131,7 +131,7 @@ def _load(alloc: CachingAllocator, spec, s: Settings, workspace: bool = True) ->
     warm, events = load_events(spec, s)
     if warm:
         alloc.free(alloc.malloc(warm))  # caching_allocator_warmup
-    live: dict[int, object] = {}
+    live: dict[int, Block | None] = {}
     for key, nbytes in events:
         if nbytes < 0:
             alloc.free(live.pop(key))
@@ -294,7 +294,7 @@ def _stretch_events(config_json: str, name: str, key: Settings, lo: int, new: in
         return None
     x0, x1, x2, x3 = xs
     den = (x1 - x0) * (x2 - x0) * (x2 - x1)
-    poly = []
+    poly: list[tuple[int, int, int] | None] = []
     for y0, y1, y2, y3 in zip(*[[n for _, n in f] for f in flat]):
         if y0 < 0:
             poly.append(None)
@@ -362,9 +362,14 @@ def _record_events(config_json: str, name: str, key: Settings, prompt: int, new:
         ran = [i for i, fw in enumerate(traced[0]) if fw] if traced is not None else []
         found = expand(tuple(traced[0][i] for i in ran), [traced[1][i] for i in ran], period, copies) \
             if traced is not None else None
-        if found is not None:
+        if found is not None and traced is not None:
             return found + ((),) * (len(traced[0]) - len(found))
-    return _trace(config_json, name, key, prompt, new, steps)[0]
+    traced = _trace(config_json, name, key, prompt, new, steps)
+    if traced is None:  # without ``layers`` the trace always has its events
+        from vramguard.errors import NotPlannable
+        raise NotPlannable("model", name, "a forward whose allocations can be traced",
+                           "plan with alloc_conf=None (the reserve formula)")
+    return traced[0]
 
 
 def _trace(config_json: str, name: str, key: Settings, prompt: int, new: int, steps: int,
@@ -391,7 +396,8 @@ def _trace(config_json: str, name: str, key: Settings, prompt: int, new: int, st
     seqs, meta = s.sequences, torch.device("meta")
     starts: list[int] = []
     with _layer_starts(model, layers, lambda: starts.append(len(events))) as found, _quiet(), torch.no_grad(), \
-            reference_paths(model), tracker, _bnb_kernels(model, quantized, s), (_fused_sdpa_mode() if flash else contextlib.nullcontext()):
+            reference_paths(model), tracker, _bnb_kernels(model, quantized, s), \
+            (_fused_sdpa_mode() if flash else contextlib.nullcontext()):
         if not found:
             return None
         cache = _new_cache(model, cfg, s)

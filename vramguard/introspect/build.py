@@ -126,7 +126,7 @@ def _apply_dtype_plan(model, dtype) -> dict[str, str]:
     out = {}
     for name, _ in model.named_parameters():
         hit = alt.search(name)
-        if hit is not None:
+        if hit is not None and hit.lastgroup is not None:
             out[name] = _dtype_name(plan[by_group[hit.lastgroup]])
     return out
 

@@ -87,7 +87,7 @@ def _embedding_names_cached(config_json: str, name: str) -> dict[str, frozenset[
     model = meta_model(cached_config(config_json, name), "bf16")
     out_mod, in_mod = model.get_output_embeddings(), model.get_input_embeddings()
     from torch import nn
-    names = {"input": set(), "output": set()}
+    names: dict[str, set[str]] = {"input": set(), "output": set()}
     for n, m in model.named_modules():
         if out_mod is not None and m is out_mod:
             names["output"] |= {f"{n}.{p}" for p, _ in m.named_parameters()}

@@ -89,7 +89,7 @@ def expand(forwards: tuple, starts: list[list[int]], p: int, m: int) -> tuple | 
             return None
         s = [bounds[f][0] + x for x in st]
         regions.append(((s[1], s[p + 1]), (s[p + 1], s[2 * p + 1]), (s[2 * p + 1], s[3 * p + 1])))
-    origin = {}  # key -> (forward, block 0/1/2 or None, alloc index within the block)
+    origin: dict = {}  # key -> (forward, block 0/1/2 or None, alloc index within the block)
     for f, (lo, hi) in enumerate(bounds):
         for b, (a, z) in enumerate(regions[f]):
             j = 0
@@ -151,7 +151,7 @@ def _frees_stay_local(flat, origin, regions, bounds) -> bool:
     return True
 
 
-def _inserted(flat, origin, regions, bounds, m: int) -> list[tuple[list, list]]:
+def _inserted(flat, origin, regions, bounds, m: int) -> list[list]:
     """Per forward, its events with ``m`` copies of the second block before it; a copy's tensors get keys
     ``("copy", forward, copy, index)``."""
     out = []

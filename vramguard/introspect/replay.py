@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from collections.abc import Set
 from typing import Any
 
 import torch
@@ -247,7 +248,7 @@ def _new_cache(model, config, s: Settings):
         return None
 
 
-def replay(model, config, s: Settings, past: int, chunk: int, quantized: set[str] = frozenset(),
+def replay(model, config, s: Settings, past: int, chunk: int, quantized: Set[str] = frozenset(),
            policy: DataPolicy | None = None) -> Replayed:
     """Replay one forward of ``chunk`` tokens per sequence after ``past`` cached ones (see the module docstring).
 

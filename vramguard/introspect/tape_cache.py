@@ -20,7 +20,8 @@ from functools import lru_cache
 from pathlib import Path
 
 # the modules whose code decides what a tape holds (vramguard/introspect/*, and the memory rules they read)
-_SOURCES = ("alloc_replay.py", "build.py", "generic.py", "keys.py", "layer_trim.py", "mixers.py", "replay.py", "tracker.py",
+_SOURCES = ("alloc_replay.py", "build.py", "generic.py", "keys.py", "layer_trim.py", "mixers.py", "replay.py",
+            "tracker.py",
             "../memory/forward.py", "../memory/common.py", "../settings.py", "../memory/allocator.py",
             "../memory/decode_steps.py", "../memory/weights.py")
 

@@ -105,7 +105,7 @@ class StorageTracker(TorchDispatchMode):
         self._next += 1
         self._serial_of[key] = serial
         self.live[serial] = (nbytes, label)
-        self._refs[serial] = weakref.ref(st, lambda _r, s=serial, k=key: self._free(s, k))
+        self._refs[serial] = weakref.ref(st, lambda _r, s=serial, k=key: self._free(s, k))  # type: ignore[misc]
         self.live_bytes += nbytes
         self.by_label[label] += nbytes
         if self.events is not None:

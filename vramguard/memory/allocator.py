@@ -49,6 +49,8 @@ tapes have one stream and the threshold is off by default.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import re
 from bisect import bisect_left, insort
 from dataclasses import dataclass, field
@@ -302,7 +304,7 @@ class CachingAllocator:
     _expandable: dict[bool, Segment] = field(default_factory=dict)
     # where the driver put each new segment, in order (a recorded trace's segment_alloc addresses); None: each new
     # segment below the last, as cudaMalloc places them in a process that has freed no memory yet
-    segment_addresses: object = None
+    segment_addresses: Iterator[int] | None = None
     small_segments_opened: int = 0  # small-pool segments opened (or expandable pages mapped) so far
 
     # ---- public ------------------------------------------------------------------------------------------------
@@ -488,8 +490,9 @@ class CachingAllocator:
             mapped = self._map(b, min(need, b.size))
             if before:
                 prev = mapped.prev
-                self._unlist(prev)
-                self._merge(mapped, prev)
+                if prev is not None:  # ``before`` > 0: the free block before it
+                    self._unlist(prev)
+                    self._merge(mapped, prev)
             return mapped
         return None
 
@@ -517,7 +520,7 @@ class CachingAllocator:
         for seg in list(self.segments):
             if seg.expandable:
                 released |= self._unmap_free_pages(seg)
-            elif seg.head.state == "free" and seg.head.next is None:
+            elif seg.head is not None and seg.head.state == "free" and seg.head.next is None:
                 self._unlist(seg.head)
                 self.segments.remove(seg)
                 self.reserved_bytes -= seg.head.size

@@ -120,7 +120,8 @@ class Placer:
     reserved peak was last raised."""
 
     def __init__(self, alloc: CachingAllocator):
-        self.alloc, self.live = alloc, {}
+        self.alloc = alloc
+        self.live: dict = {}
         self.segments_at_peak = len(alloc.segments)
         self.skipped_steps = 0  # decode steps whose small requests were only counted
         self.placed_in_full = 0  # cycles a large request's release_cached_blocks made place in full
@@ -146,7 +147,8 @@ class Placer:
     def decode(self, steps: DecodeSteps) -> None:
         """Place decode steps ``0 .. steps.n - 1``, skipping the small pool of cycles of steps that repeat (module
         docstring); the result is that of ``place(steps.events(j))`` for every step."""
-        alloc, template, period, seen, j = self.alloc, None, 0, [], 0
+        seen: list = []
+        alloc, template, period, j = self.alloc, None, 0, 0
         while j < steps.n:
             if template is not None and j + period <= steps.n and all(
                     steps.small_requests(j + m) == template.requests for m in range(period)):

@@ -10,7 +10,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from vramguard.inputs import check_weights
+from vramguard.hub.headers import check_weights
 
 _SAFETENSORS_DTYPES = {"F32": "fp32", "BF16": "bf16", "F16": "fp16", "F64": "fp64"}
 
@@ -52,7 +52,7 @@ def read_checkpoint(folder: str | Path) -> CheckpointInfo:
     """Describe the checkpoint in ``folder`` (no tensor is read).
 
     Raises:
-        ConfigError: a weight file or index a loader could not read (:func:`vramguard.inputs.check_weights`).
+        ConfigError: a weight file or index a loader could not read (:func:`vramguard.hub.headers.check_weights`).
     """
     check_weights(folder)
     p = Path(folder)
@@ -98,3 +98,16 @@ def resolve_param_dtype(requested: str | None, ckpt: CheckpointInfo | None, tran
             return ckpt.stored_dtype, f"{how}: the checkpoint stores {ckpt.stored_dtype}"
         return "fp32", f"{how}, and neither config.json nor the weights name a dtype: float32"
     return "fp32", f"no dtype given: transformers {transformers_version} loads float32 (torch's default dtype)"
+
+
+def hub_checkpoint_info(spec):
+    """A :class:`vramguard.probe.checkpoint.CheckpointInfo` of a Hub model from its headers (shard sizes: each
+    file's header plus its tensors, the file's size), or None when the spec has no checkpoint record."""
+    ck = getattr(spec, "checkpoint", None)
+    if ck is None or ck.format not in ("safetensors", "pytorch"):
+        return None
+    cfg = json.loads(spec.config_json) if spec.config_json else {}
+    if ck.format == "pytorch":
+        return CheckpointInfo(ck.source, (), "pickle", None, spec.checkpoint_dtype, bool(cfg.get("auto_map")))
+    return CheckpointInfo(ck.source, tuple(zip(ck.files, ck.file_bytes)), "safetensors", ck.stored_float_dtype,
+                          spec.checkpoint_dtype, bool(cfg.get("auto_map")))

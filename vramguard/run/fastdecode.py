@@ -50,6 +50,7 @@ from typing import Callable
 
 from vramguard.errors import InvalidValue
 from vramguard.run.sampling import Sampler, eos_list
+from vramguard.run.timing import DecodeResult
 from vramguard.settings import require_count
 
 # Tests: model -> (capturable, reason), replacing :func:`graph_support`'s checks.
@@ -58,46 +59,6 @@ GRAPH_OVERRIDE: Callable[[object], tuple[bool, str]] | None = None
 CAPTURE_OVERRIDE: Callable[[Callable], tuple[Callable[[], None], object, str]] | None = None
 
 _UNCAPTURABLE_ROPE = ("dynamic", "longrope")  # their rotary update reads positions on the host at every step
-
-
-@dataclass
-class DecodeResult:
-    """One request's tokens and how they were produced.
-
-    ``mode`` is ``"cuda_graph"`` when at least one token came from a graph replay, else ``"eager"`` (or the label of a
-    test's capture override); ``reason`` says why. Times are seconds, rates ms per generated token. The time after the
-    first token is split in two: one-time work (``selftest_s``: the kernels' check on the model's own weights, with
-    their Triton compilation; ``warmup_s``: the eager steps before a capture, which compile the kernels' first
-    launch; ``capture_s``) and decode (``decode_s`` over ``decode_steps`` steps: the replayed steps, or every step
-    when no graph is captured). ``decode_ms_per_token`` counts decode only, so ``ttft_s + one_time_s + decode_s`` is
-    the call's wall time; ``replay_ms_per_token`` is the replayed steps alone (token selection and streaming
-    included).
-    """
-
-    token_ids: list[int]
-    mode: str
-    reason: str
-    stop: str  # "eos" or "max_new_tokens"
-    prompt_tokens: int
-    max_cache_len: int
-    ttft_s: float
-    decode_s: float
-    decode_ms_per_token: float | None
-    eager_steps: int = 0  # decode steps run without the graph: the warm-up, or all of them in eager mode
-    replay_steps: int = 0
-    replay_ms_per_token: float | None = None
-    capture_s: float | None = None
-    decode_steps: int = 0  # the steps decode_s covers
-    warmup_s: float = 0.0  # eager steps before the capture (they produce real tokens)
-    warmup_steps: int = 0
-    selftest_s: float = 0.0
-
-    @property
-    def one_time_s(self) -> float:
-        """Seconds of one-time work after the first token: kernel self-test, warm-up steps, graph capture."""
-        return self.selftest_s + self.warmup_s + (self.capture_s or 0.0)
-    sdpa_note: str | None = None
-    kernels: str | None = None  # which Triton kernels ran in the decode steps (None: none), or why none did
 
 
 def graph_support(model) -> tuple[bool, str]:

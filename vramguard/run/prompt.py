@@ -66,10 +66,10 @@ def preflight_prompt(model: str, text: str, max_new_tokens: int, chat: bool | No
     from vramguard.runtime.tokenizer import folder_tokenizer, no_tokenizer_error
     from vramguard.settings import Settings
     folder = local_model_folder(model)
+    spec = resolve_model(str(folder))  # first: a config transformers refuses is said as such, not as a tokenizer's
     tokenizer, no_tokenizer = folder_tokenizer(folder)
     if tokenizer is None:
         raise no_tokenizer_error(model, no_tokenizer)
     prepared = prepare_prompt(tokenizer, text, chat)
-    spec = resolve_model(str(folder))
     check_context(spec, Settings(prompt_tokens=len(prepared.ids), max_new_tokens=max_new_tokens), beyond=None)
     return tokenizer, prepared, spec

@@ -91,7 +91,7 @@ def default_quant(on_cuda: bool) -> tuple[str, str]:
     if on_cuda:
         return "nf4", "the default on a CUDA device (4-bit weights, about a quarter of bf16's bytes)"
     return CPU_DEFAULT_QUANT, ("no CUDA device: full-precision float32 weights, exact and the fastest on a CPU "
-                               "(NF4 dequantizes every weight at every step); --quant nf4 loads NF4")
+                               "(NF4 dequantizes every weight at every step); quant='nf4' loads NF4")
 
 
 def choose_dtypes(gpu, quant: str, compute_dtype: str | None, dtype: str | None, report: LoadReport | None,

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from vramguard.errors import ConfigError
+
 # a tokenizer of at most this many tokens holds its special tokens only (an empty GPT2Tokenizer has 1: <|endoftext|>)
 MIN_VOCAB_TOKENS = 4
 FULL_TOKENIZER_FILE = "tokenizer.json"  # transformers.tokenization_utils_base.FULL_TOKENIZER_FILE
@@ -46,7 +48,6 @@ def load_failure(folder: str | Path, e: Exception) -> str:
 def no_tokenizer_error(model: str, reason: str):
     """The :class:`~vramguard.errors.ConfigError` of a model folder without a usable tokenizer: ``reason`` (from
     :func:`folder_tokenizer`) and the fix."""
-    from vramguard.errors import ConfigError
     return ConfigError("MODEL", model, "a model folder with tokenizer files",
                        f"{reason}: save the tokenizer of the checkpoint these weights come from into the folder "
                        "(AutoTokenizer.from_pretrained(ID).save_pretrained(folder)); vramguard.generate takes "
@@ -56,13 +57,24 @@ def no_tokenizer_error(model: str, reason: str):
 def folder_tokenizer(folder: str | Path, trust_remote_code: bool = False) -> tuple[object | None, str]:
     """(the tokenizer of ``folder``, "") or (None, why there is none): transformers could not load one (its error
     kept), or what it built has no vocabulary file in the folder or at most :data:`MIN_VOCAB_TOKENS` tokens.
-    Reads local files only; raises nothing for a folder without a tokenizer."""
+    Reads local files only; raises nothing for a folder without a tokenizer.
+
+    Raises:
+        ConfigError: the folder's config.json is one transformers' config validation refuses (huggingface_hub's
+            ``StrictDataclassError``, e.g. a hidden size that is not a multiple of the heads), which the tokenizer
+            loader reads first.
+    """
+    import huggingface_hub.errors as hub_errors
     import transformers
+    refused = getattr(hub_errors, "StrictDataclassError", ())
     try:
         tok = transformers.AutoTokenizer.from_pretrained(str(folder), local_files_only=True,
                                                         trust_remote_code=trust_remote_code)
     except (OSError, ValueError, TypeError) as e:
         return None, load_failure(folder, e)
+    except refused as e:
+        raise ConfigError("config.json", str(folder), "a config transformers accepts",
+                          f"transformers rejected it: {type(e).__name__}: {' '.join(str(e).split())[:240]}") from None
     if not vocabulary_files(tok, folder):
         wanted = sorted({*getattr(type(tok), "vocab_files_names", {}).values(), FULL_TOKENIZER_FILE})
         return None, (f"the folder has none of the files {type(tok).__name__} reads its vocabulary from "

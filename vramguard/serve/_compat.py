@@ -58,7 +58,8 @@ def guarded_manager_class():
     class GuardedManager(ContinuousBatchingManager):
         """transformers' manager whose steps are reported to ``vg_engine`` (:class:`~vramguard.serve.engine.Engine`),
         whose batch processor chooses tokens with the engine's :class:`~vramguard.serve.sampler.RowSampler` (argmax
-        for greedy requests, per-request seeds), whose decode-only steps run from the engine's CUDA graphs where it has them, and whose loop hands an
+        for greedy requests, per-request seeds), whose decode-only steps run from the engine's CUDA graphs where it
+        has them, and whose loop hands an
         exception inside an iteration to :mod:`vramguard.serve.recovery` instead of failing every request; only a
         device fault (or a loop that keeps failing) goes on to the engine's handler."""
 

@@ -20,6 +20,8 @@ import resource
 import time
 from collections import OrderedDict
 
+from vramguard.errors import InvalidValue
+
 log = logging.getLogger("vramguard.serve")
 
 HEADER_TIMEOUT_S = 10.0  # a waiting connection must send complete request headers within this many seconds
@@ -168,3 +170,28 @@ def install_accept_errors() -> None:
     current = loop.get_exception_handler()
     if not isinstance(current, AcceptErrors):
         loop.set_exception_handler(AcceptErrors(current))
+
+
+def check_bind(host: str, port: int) -> None:
+    """Raise :class:`InvalidValue` when ``port`` is out of range or ``host:port`` cannot be bound (in use, not an
+    address of this machine), before the model is loaded."""
+    import errno
+    import socket
+    if not 0 <= port <= 65535:
+        raise InvalidValue("port", port, "0..65535 (0 picks a free port)", "pass e.g. port=8000")
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise InvalidValue("host", host, "an address or name of this machine", f"check the name ({e.strerror}); "
+                           "use 127.0.0.1 for this machine only, 0.0.0.0 for every interface") from None
+    family, _, _, _, addr = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(addr)
+        except OSError as e:
+            if e.errno == errno.EADDRNOTAVAIL:
+                raise InvalidValue("host", host, "an address of this machine", "use 127.0.0.1 for this machine only, "
+                                   "0.0.0.0 for every interface, or an address `ip addr` lists") from None
+            raise InvalidValue("port", port, f"a free port on {host}", f"{e.strerror}: choose another port=, or "
+                               "stop the process that holds it (ss -ltnp shows it)") from None

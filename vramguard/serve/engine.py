@@ -9,7 +9,8 @@ engine's own loop catches it and sorts it into one of three kinds:
   the step budget is halved, the allocator cache is emptied, and the loop goes on; greedy requests therefore continue
   with the same tokens. The step budget doubles back after ``RESTORE_AFTER_STEPS`` steps without another OOM. A
   request is charged an OOM only when it ran alone; one charged ``MAX_OOM_RETRIES`` times in a row (no token
-  between) fails with a clear error. A batch that runs out of memory at the smallest step budget is isolated (one request per step).
+  between) fails with a clear error. A batch that runs out of memory at the smallest step budget is isolated (one
+  request per step).
 * a device fault (:func:`device_fault`: a CUDA/cuBLAS/cuDNN/NCCL error, an illegal access, a device-side assert):
   unrecoverable; the engine stops, every request fails with a 503 error object and :attr:`Engine.fatal_error` is set.
 * anything else (a value of one request the step cannot compute, such as a top-k beyond int32 or NaN probabilities):

@@ -167,31 +167,6 @@ class Served:
                             rep.workspace_bytes)
 
 
-def check_bind(host: str, port: int) -> None:
-    """Raise :class:`InvalidValue` when ``port`` is out of range or ``host:port`` cannot be bound (in use, not an
-    address of this machine), before the model is loaded."""
-    import errno
-    import socket
-    if not 0 <= port <= 65535:
-        raise InvalidValue("port", port, "0..65535 (0 picks a free port)", "pass e.g. port=8000")
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except socket.gaierror as e:
-        raise InvalidValue("host", host, "an address or name of this machine", f"check the name ({e.strerror}); "
-                           "use 127.0.0.1 for this machine only, 0.0.0.0 for every interface") from None
-    family, _, _, _, addr = infos[0]
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind(addr)
-        except OSError as e:
-            if e.errno == errno.EADDRNOTAVAIL:
-                raise InvalidValue("host", host, "an address of this machine", "use 127.0.0.1 for this machine only, "
-                                   "0.0.0.0 for every interface, or an address `ip addr` lists") from None
-            raise InvalidValue("port", port, f"a free port on {host}", f"{e.strerror}: choose another port=, or "
-                               "stop the process that holds it (ss -ltnp shows it)") from None
-
-
 def make_server(app, host: str, port: int, on_listen=None, on_shutdown=None):
     """A uvicorn server for ``app`` that calls ``on_listen(base_url)`` once its socket listens and awaits
     ``on_shutdown()`` when a stop begins, before uvicorn waits for open requests (so they can be ended cleanly).
@@ -531,7 +506,8 @@ def build(model: str, *, vram_budget: int | None = None, max_queue: int = 64, ma
     ``warm_up``: on a CUDA device the continuous engine runs the load it is sized for once before serving (a few
     seconds), so the first clients are served at the speed of the later ones. ``deterministic``: the continuous
     engine computes one request per step, so a request's text does not depend on the others in the batch (its
-    cost: benchmarks/README.md); temperature 0 is the argmax and reproducible one request after another without it. ``served_name``: the name clients
+    cost: benchmarks/README.md); temperature 0 is the argmax and reproducible one request after another without it.
+    ``served_name``: the name clients
     send and see (default: the folder's last part for a local folder, never its path; else the model id).
     ``allowed_hosts``: without ``api_key``, the names (``.suffix`` for a domain, ``*`` for any) that ``Host`` and
     ``Origin`` may carry beyond loopback (:class:`~vramguard.serve.browsers.BrowserGuard`).
