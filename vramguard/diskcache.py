@@ -121,6 +121,12 @@ def write(path: Path | None, obj: Any) -> None:
         text = json.dumps(encode(obj), separators=(",", ":"))
     except TypeError:
         return
+    write_text_gz(path, text, _warn_unwritable)
+
+
+def write_text_gz(path: Path, text: str, unwritable) -> None:
+    """Write ``text`` gzipped to ``path`` beside it first, then renamed (a reader never sees half a file); on an
+    ``OSError`` the half-written file is removed and ``unwritable(folder, error)`` is called instead of raising."""
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -132,7 +138,7 @@ def write(path: Path | None, obj: Any) -> None:
             tmp.unlink(missing_ok=True)
         except OSError:
             pass
-        _warn_unwritable(path.parent, e)
+        unwritable(path.parent, e)
 
 
 _WARNED: set[str] = set()

@@ -19,6 +19,8 @@ import os
 from functools import lru_cache
 from pathlib import Path
 
+from vramguard.diskcache import write_text_gz
+
 # the modules whose code decides what a tape holds (vramguard/introspect/*, and the memory rules they read)
 _SOURCES = ("alloc_replay.py", "build.py", "generic.py", "keys.py", "layer_trim.py", "mixers.py", "replay.py",
             "tracker.py",
@@ -98,18 +100,7 @@ def write(path: Path, forwards: tuple) -> None:
 
 def write_record(path: Path, record: dict) -> None:
     """Store the JSON object ``record`` in ``path`` as :func:`write` stores a tape."""
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with gzip.open(tmp, "wt", encoding="utf-8", compresslevel=3) as f:
-            json.dump(record, f, separators=(",", ":"))
-        os.replace(tmp, path)
-    except OSError as e:
-        try:
-            tmp.unlink(missing_ok=True)
-        except OSError:
-            pass
-        _warn_unwritable(path.parent, e)
+    write_text_gz(path, json.dumps(record, separators=(",", ":")), _warn_unwritable)
 
 
 _WARNED: set[str] = set()
