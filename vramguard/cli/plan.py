@@ -23,6 +23,13 @@ architecture is read by transformers. The first plan of a model, settings and ca
 for the load and the allocator model (torch and transformers imported: seconds to tens of seconds); it is kept on
 disk (VRAMGUARD_PLAN_CACHE=0 turns that off), so the same plan again, in any process, takes about a second and
 imports neither."""
+ATTN_HELP = ("attn_implementation (default: flash_attention_2 on a --gpu card of compute capability 8.0 or more, "
+             "sdpa below it or with no card named)")
+GPU_HELP = ("a catalog card (see --list-gpus) or the name nvidia-smi prints, e.g. h100 or \"NVIDIA GeForce RTX "
+            "4090\" (cards used together: rtx-4090,rtx-4090)")
+ALLOC_CONF_HELP = ("PYTORCH_CUDA_ALLOC_CONF of the caching-allocator model ('default', expandable_segments:True...; "
+                   "'formula': the reserve formula, faster, short of the edge); without it: this shell's, with torch "
+                   "installed")
 FREED_BEFORE_HELP = ("plan for a process that has deleted a model and called torch.cuda.empty_cache() (a notebook): "
                      "both segment layouts cudaMalloc gives there, judged on the worse (one card, the allocator "
                      "model: needs torch)")
@@ -37,8 +44,7 @@ def plan(
     double_quant: bool = typer.Option(True, "--double-quant/--no-double-quant", help="4-bit double quantization"),
     compute_dtype: Optional[Dtype] = typer.Option(None, help="4-bit compute dtype (default: the model dtype)"),
     dtype: Optional[Dtype] = typer.Option(None, help="model dtype (default bf16; fp16/fp32 for those quants)"),
-    attn: Optional[Attn] = typer.Option(None, help="attn_implementation (default: flash_attention_2 on a --gpu card "
-                                        "of compute capability 8.0 or more, sdpa below it or with no card named)"),
+    attn: Optional[Attn] = typer.Option(None, help=ATTN_HELP),
     kv_dtype: Optional[KvDtype] = typer.Option(None, help="KV cache type (int8/int4: quantized cache)"),
     cache: Cache = typer.Option(Cache['dynamic'], help="KV cache kind"),
     batch: int = batch_option(),
@@ -52,18 +58,13 @@ def plan(
     padded: bool = typer.Option(False, help="prompts of different lengths in one batch"),
     do_sample: bool = typer.Option(False, help="sampling (allows --num-return-sequences > 1 without beams)"),
     context: Optional[int] = typer.Option(None, help="context length to allow (RoPE-scaled models beyond config)"),
-    gpu: Optional[str] = typer.Option(None, help="a catalog card (see --list-gpus) or the name nvidia-smi prints, "
-                                                 "e.g. h100 or \"NVIDIA GeForce RTX 4090\" (cards used together: "
-                                                 "rtx-4090,rtx-4090)"),
-    vram: Optional[str] = typer.Option(None, help="card memory, e.g. 24GiB, 24GB, 24000MiB (cards used together: "
-                                       "24GiB,16GiB)"),
+    gpu: Optional[str] = typer.Option(None, help=GPU_HELP),
+    vram: Optional[str] = typer.Option(None, help="card memory, e.g. 24GiB, 24GB, 24000MiB (several: 24GiB,16GiB)"),
     gpus: Optional[int] = gpus_option(),
     tp: Optional[int] = tp_option(),
     device_map: str = device_map_option(),
     max_memory: Optional[str] = max_memory_option(),
-    alloc_conf: Optional[str] = typer.Option(
-        None, help="PYTORCH_CUDA_ALLOC_CONF of the caching-allocator model ('default', expandable_segments:True...; "
-        "'formula': the reserve formula, faster, short of the edge); without it: this shell's, with torch installed"),
+    alloc_conf: Optional[str] = typer.Option(None, help=ALLOC_CONF_HELP),
     freed_before: bool = typer.Option(False, "--freed-before", help=FREED_BEFORE_HELP),
     fmt: Format = format_option(),
     list_models: bool = typer.Option(False, "--list-models", help="list the catalog architectures and exit"),

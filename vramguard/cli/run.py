@@ -69,32 +69,9 @@ def run(
             regular_file(f, "--context", "text file", InvalidValue, "pass a regular text file")
         local_model_folder(model)
         budget = size_option(vram_budget, "vram_budget") if vram_budget else None
-        t0 = time.perf_counter()
-        _allocator_note()  # imports torch; before CUDA starts
-        import torch
-        import transformers
-        # transformers imports its modules at first use: import the tokenizer and model classes here, so the
-        # summary's import time holds them and the tokenizer and load times are their own work
-        from transformers import AutoTokenizer, PreTrainedModel  # noqa: F401
-
+        loaded, prepared, weights, why, times = _load_for_run(model, text, quant, max_new_tokens, chat_template)
         from vramguard.run.generate import generate as generate_fn
-        from vramguard.run.prompt import prepare_prompt, preflight_prompt
-        from vramguard.runtime.load import default_quant, load_model
-        import_s = time.perf_counter() - t0
-        transformers.utils.logging.disable_progress_bar()
-        # the tokenizer and config alone: a prompt over the context is refused before minutes of loading
-        t0 = time.perf_counter()
-        tokenizer, prepared, _ = preflight_prompt(model, text, max_new_tokens, chat_template)
-        prepare_s = time.perf_counter() - t0
-        on_cuda = torch.cuda.is_available()
-        weights, why = (quant.value, "--quant was given") if quant is not None else default_quant(on_cuda)
-        t0 = time.perf_counter()
-        with working(f"loading {model}"):
-            loaded = load_model(model, quant=weights, verify=on_cuda, tokenizer=tokenizer)
-        load_s = time.perf_counter() - t0
-        if loaded.tokenizer is None:
-            from vramguard.runtime.tokenizer import no_tokenizer_error
-            raise no_tokenizer_error(model, "the loaded model has no tokenizer")
+        from vramguard.run.prompt import prepare_prompt
         stream = None if fmt == Format['json'] else (lambda t: (sys.stdout.write(t), sys.stdout.flush()))
         if context:
             text = _with_context(loaded, text, context, summarize, chunk_tokens, max_new_tokens, budget, auto,
@@ -106,7 +83,7 @@ def run(
                         top_k=top_k, seed=seed, fast_decode=fast_decode, ignore_eos=ignore_eos)
         if r.loaded is not None:
             r.loaded["why"].insert(0, f"weights {weights}: {why}")
-        r.timings.import_s, r.timings.prepare_s, r.timings.load_s = import_s, prepare_s, load_s
+        r.timings.import_s, r.timings.prepare_s, r.timings.load_s = times
         return r
 
     r = run_guarded(build, as_json=fmt == Format['json'])
@@ -117,6 +94,38 @@ def run(
     else:
         sys.stdout.write("\n")
         print_generation_summary(r, err)
+
+
+def _load_for_run(model: str, text: str, quant: Quant | None, max_new_tokens: int, chat_template: bool):
+    """Import torch and transformers, read the tokenizer and check the prompt against the context (before any
+    weight is read), then load the weights: ``(loaded, prepared prompt, weight format, why, (import_s, prepare_s,
+    load_s))``. Without ``--quant`` the format is the device's default
+    (:func:`vramguard.runtime.load.default_quant`)."""
+    t0 = time.perf_counter()
+    _allocator_note()  # imports torch; before CUDA starts
+    import torch
+    import transformers
+    # transformers imports its modules at first use: import the tokenizer and model classes here, so the
+    # summary's import time holds them and the tokenizer and load times are their own work
+    from transformers import AutoTokenizer, PreTrainedModel  # noqa: F401
+
+    from vramguard.run.prompt import preflight_prompt
+    from vramguard.runtime.load import default_quant, load_model
+    import_s = time.perf_counter() - t0
+    transformers.utils.logging.disable_progress_bar()
+    t0 = time.perf_counter()
+    tokenizer, prepared, _ = preflight_prompt(model, text, max_new_tokens, chat_template)
+    prepare_s = time.perf_counter() - t0
+    on_cuda = torch.cuda.is_available()
+    weights, why = (quant.value, "--quant was given") if quant is not None else default_quant(on_cuda)
+    t0 = time.perf_counter()
+    with working(f"loading {model}"):
+        loaded = load_model(model, quant=weights, verify=on_cuda, tokenizer=tokenizer)
+    load_s = time.perf_counter() - t0
+    if loaded.tokenizer is None:
+        from vramguard.runtime.tokenizer import no_tokenizer_error
+        raise no_tokenizer_error(model, "the loaded model has no tokenizer")
+    return loaded, prepared, weights, why, (import_s, prepare_s, load_s)
 
 
 def _read_prompt(prompt: str | None, prompt_file: str | None) -> str:

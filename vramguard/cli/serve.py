@@ -21,30 +21,41 @@ ServeEngine = Enum("ServeEngine", {v: v for v in ENGINES}, type=str)
 ROUTER_OPTIONS = ("--gpus", "--host", "--port", "--api-key", "--ready-file", "--allowed-host")
 
 
+# the longer option texts of serve (--help)
+HELP = {
+    "gpus": ('GPU indices, e.g. 0 or 0,1: one worker process per GPU behind a front process that balances them and '
+             'answers 429 itself (default: one process on the current device)'),
+    "vram_budget": ('memory PyTorch may use per GPU, e.g. 20GiB, enforced as a hard cap on this process (default: what'
+                    ' is free after loading); without a GPU, host memory for the model and its KV pool (default 2GiB)'),
+    "allowed_host": ('without --api-key: a name clients reach this server by, beyond localhost and IP addresses '
+                     '(.example.com: every name under it); repeat for several. Other Host and Origin values are '
+                     'refused (against DNS rebinding)'),
+    "engine": ("continuous: transformers' continuous batching (paged KV pool, many requests per step); generate: the "
+               "model's own generate, one request at a time, for any architecture; auto: continuous where it runs the "
+               'model, else generate (the start log says which and why)'),
+    "deterministic": ("one request per step: a request's text does not depend on the others in the batch (throughput "
+                      'falls with the requests running; temperature 0 is reproducible without it)'),
+    "api_key": ("require 'Authorization: Bearer KEY' on every route but /health (or set VRAMGUARD_API_KEY)"),
+    "greedy": ('decode every request greedily (no sampling work in the step); requests asking for temperature > 0 are '
+               'refused'),
+}
+
+
 def serve(
     model: str = typer.Argument(..., metavar="MODEL",
                                  help="model folder or cached model id (weights and tokenizer needed)"),
     host: str = typer.Option("127.0.0.1", help="address to bind (loopback unless you choose otherwise)"),
     port: int = typer.Option(8000, help="TCP port (0 picks a free one)"),
-    gpus: Optional[str] = typer.Option(None, help="GPU indices, e.g. 0 or 0,1: one worker process per GPU behind a "
-                                                  "front process that balances them and answers 429 itself "
-                                                  "(default: one process on the current device)"),
-    vram_budget: Optional[str] = typer.Option(None, help="memory PyTorch may use per GPU, e.g. 20GiB, enforced as a "
-                                                         "hard cap on this process (default: what is free after "
-                                                         "loading); without a GPU, host memory for the model and its "
-                                                         "KV pool (default 2GiB)"),
+    gpus: Optional[str] = typer.Option(None, help=HELP["gpus"]),
+    vram_budget: Optional[str] = typer.Option(None, help=HELP["vram_budget"]),
     max_queue: int = typer.Option(64, help="requests that may wait beyond those running; more get 429"),
     max_running: int = typer.Option(64, help="requests computed together in one step"),
     max_batch_tokens: int = typer.Option(2048, help="tokens computed in one step (prefill chunks + decodes)"),
     page_size: int = typer.Option(256, help="tokens per KV block"),
     max_kv_blocks: Optional[int] = typer.Option(None, help="cap the KV pool below what the budget allows"),
     api_key: Optional[str] = typer.Option(None, envvar="VRAMGUARD_API_KEY",
-                                          help="require 'Authorization: Bearer KEY' on every route but /health "
-                                               "(or set VRAMGUARD_API_KEY)"),
-    allowed_host: Optional[List[str]] = typer.Option(None, help="without --api-key: a name clients reach this "
-                                                     "server by, beyond localhost and IP addresses (.example.com: "
-                                                     "every name under it); repeat for several. Other Host and "
-                                                     "Origin values are refused (against DNS rebinding)"),
+                                          help=HELP["api_key"]),
+    allowed_host: Optional[List[str]] = typer.Option(None, help=HELP["allowed_host"]),
     quant: Optional[Quant] = typer.Option(None, help="weight format (default: nf4 on a CUDA device; float32 "
                                                        "without one, exact and the fastest on a CPU)"),
     dtype: Optional[DtypeArg] = typer.Option(None, help="parameter/activation dtype (default: bf16 where supported)"),
@@ -57,15 +68,9 @@ def serve(
     n_max: int = typer.Option(4, help="largest n (choices per request)"),
     default_max_tokens: int = typer.Option(256, help="max_tokens of a request that gives none"),
     max_body_size: str = typer.Option("1MiB", help="largest request body; more gets 413"),
-    engine: ServeEngine = typer.Option(ServeEngine["auto"], help="continuous: transformers' continuous batching "
-                                       "(paged KV pool, many requests per step); generate: the model's own generate, "
-                                       "one request at a time, for any architecture; auto: continuous where it runs "
-                                       "the model, else generate (the start log says which and why)"),
-    greedy: bool = typer.Option(False, help="decode every request greedily (no sampling work in the step); requests "
-                                            "asking for temperature > 0 are refused"),
-    deterministic: bool = typer.Option(False, help="one request per step: a request's text does not depend on "
-                                                   "the others in the batch (throughput falls with the requests "
-                                                   "running; temperature 0 is reproducible without it)"),
+    engine: ServeEngine = typer.Option(ServeEngine["auto"], help=HELP["engine"]),
+    greedy: bool = typer.Option(False, help=HELP["greedy"]),
+    deterministic: bool = typer.Option(False, help=HELP["deterministic"]),
     ready_file: Optional[str] = typer.Option(None, hidden=True, help="write the URL here once listening"),
 ) -> None:
     """Serve the model over an OpenAI-compatible API (/v1/chat/completions, /v1/completions, /v1/models, /health,

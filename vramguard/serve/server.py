@@ -491,6 +491,25 @@ def _paged_pool(spec, m, usable: int, source: str, *, page_size: int, max_batch_
     return pool
 
 
+def _hard_cap(model: str, quant: str, dtype: str | None, vram_budget: int | None) -> float | None:
+    """On a CUDA device with a budget: check the budget against the card and the load, then cap this process's
+    memory at it (:func:`vramguard.runtime.device.set_cap`); returns the fraction before, None where nothing was
+    capped.
+
+    Raises:
+        InvalidValue: the budget is larger than the card. Infeasible: the load alone does not fit it.
+    """
+    import torch
+    if vram_budget is None or not torch.cuda.is_available():
+        return None
+    from vramguard.runtime.device import set_cap, total_bytes
+    total = total_bytes()
+    if vram_budget > total:
+        raise InvalidValue("vram_budget", vram_budget, f"at most the card's {total:,} B", "pass a smaller vram_budget=")
+    _check_load_fits(model, quant, dtype, vram_budget)
+    return set_cap(vram_budget)
+
+
 def build(model: str, *, vram_budget: int | None = None, max_queue: int = 64, max_running: int = 64,
           max_batch_tokens: int = 2048, page_size: int = 256, api_key: str | None = None, quant: str = "nf4",
           dtype: str | None = None, attn: str = "auto", trust_remote_code: bool = False, allow_pickle: bool = False,
@@ -516,7 +535,6 @@ def build(model: str, *, vram_budget: int | None = None, max_queue: int = 64, ma
         InvalidValue: a limit out of range. Infeasible: the budget leaves no room for the pool.
         UnknownModel / ConfigError: from :func:`vramguard.runtime.load.load_model`.
     """
-    cap_before = None
     from vramguard.serve.generate_engine import ENGINES
     if engine_choice not in ENGINES:
         raise InvalidValue("engine", engine_choice, " | ".join(ENGINES), "pass one of: " + ", ".join(ENGINES))
@@ -525,17 +543,9 @@ def build(model: str, *, vram_budget: int | None = None, max_queue: int = 64, ma
     _check_limits(body_timeout_s, max_queue=(max_queue, 0), max_running=(max_running, 1),
                   max_batch_tokens=(max_batch_tokens, 16), page_size=(page_size, 4), n_max=(n_max, 1),
                   default_max_tokens=(default_max_tokens, 1))
-    from vramguard.runtime.load import load_model
     from vramguard.resolve import resolve_model
-    import torch
-    if hard_cap and vram_budget is not None and torch.cuda.is_available():
-        from vramguard.runtime.device import set_cap, total_bytes
-        total = total_bytes()
-        if vram_budget > total:
-            raise InvalidValue("vram_budget", vram_budget, f"at most the card's {total:,} B",
-                               "pass a smaller vram_budget=")
-        _check_load_fits(model, quant, dtype, vram_budget)
-        cap_before = set_cap(vram_budget)
+    from vramguard.runtime.load import load_model
+    cap_before = _hard_cap(model, quant, dtype, vram_budget) if hard_cap else None
     if loaded is None:
         loaded = load_model(model, quant=quant, dtype=dtype, attn=attn, trust_remote_code=trust_remote_code,
                             allow_pickle=allow_pickle, verify=verify)
@@ -545,7 +555,6 @@ def build(model: str, *, vram_budget: int | None = None, max_queue: int = 64, ma
     unpinned = loaded.sdpa_pin.backend if loaded.sdpa_pin is not None else None
     unpin_sdpa(m)
     spec = loaded.spec if loaded.spec is not None else resolve_model(str(model))
-    import torch
     usable, source = _usable(vram_budget, m)
     if usable <= 0:
         from vramguard.errors import Infeasible
