@@ -18,7 +18,8 @@ engine's own loop catches it and sorts it into one of three kinds:
   the step held several, they are soft-reset like an OOM and the engine *isolates*: one request per step, suspects
   first, until each suspect has either produced a token alone (cleared, and queued again behind the others) or
   failed alone (its error to its client). Then batching resumes. A request in ``MAX_STEP_FAILURES`` failed steps
-  fails whatever the count of its companions, so no combination loops forever. Such failures are the requests'
+  since its last token fails whatever the count of its companions, so no combination loops forever (each reset
+  needs a token). Such failures are the requests'
   and never stop the engine; only a failure that recurs ``MAX_FAILURES_IN_A_ROW`` times with no request in the
   step, or a known-good request failing alone (queued after that many failures charged to requests in a row),
   is the engine's own fault, handled as a device fault.
@@ -124,7 +125,7 @@ class Handle:
     first_token_at: float | None = None
     finished: bool = False
     retries: int = 0  # out-of-memory errors it ran into alone, since its last token
-    step_failures: int = 0  # other failed steps it was part of
+    step_failures: int = 0  # other failed steps it was part of, since its last token
     generated: int = 0  # tokens generated so far (as last delivered)
     error_code: str | None = None  # set by the engine when it fails the request alone ("request_failed")
 

@@ -207,10 +207,10 @@ def after_step(engine, bp) -> None:
     in_batch = list(getattr(bp.inputs_and_outputs, "requests_in_batch", []))
     if in_batch:
         engine._charged_in_a_row = 0
-    for fs in in_batch:  # out-of-memory retries count in a row: a request that made progress starts again
-        h = engine.handles.get(fs.state.request_id)
-        if h is not None and h.retries and fs.has_new_token:
-            h.retries = 0
+    for fs in in_batch:  # failures count in a row: a request that made progress starts again (it computed a step,
+        h = engine.handles.get(fs.state.request_id)  # so the failed steps it shared were not its values' fault)
+        if h is not None and fs.has_new_token:
+            h.retries = h.step_failures = 0
     if engine._probe_id is not None and any(fs.state.request_id == engine._probe_id and fs.has_new_token
                                             for fs in in_batch):
         engine._probe_id = None
