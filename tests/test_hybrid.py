@@ -9,7 +9,6 @@ transformers = pytest.importorskip("transformers")
 from archs import ARCHS
 
 from vramguard import plan
-from vramguard.errors import VramguardError
 from vramguard.introspect import alloc_replay
 from vramguard.resolve import resolve_model
 from vramguard.settings import Settings
@@ -70,24 +69,44 @@ def test_the_plan_says_the_decode_steps_were_replayed(config_of):
     assert p.estimate.allocator is not None and p.estimate.allocator.decode_note == found[0].message
 
 
-def test_the_deepseek_v2_lite_shape_that_failed_plans(config_of, monkeypatch):
-    # the reported command's settings (nf4, eager, batch 2, 8,192 + 32 tokens) on the tiny DeepSeek-V2 with its context
-    # raised, on a card the run does not fit (as DeepSeek-V2-Lite's 31 GB of bf16 experts on 24 GiB): the search for
-    # the largest prompt that fits goes down to a one-token prompt, where the shortcut does not apply
-    from vramguard.plan.planner import with_context
+def _dsv2_lite(folder, layers: int) -> str:
+    """DeepSeek-V2-Lite's config.json (benchmarks/cpu_plan_time.py: its published dimensions) with ``layers``
+    layers, in ``folder``."""
+    import json
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from benchmarks.cpu_plan_time import DSV2_LITE
+    (folder / "config.json").write_text(json.dumps(dict(DSV2_LITE, num_hidden_layers=layers)))
+    return str(folder)
+
+
+def test_the_deepseek_v2_lite_command_that_failed_plans(tmp_path, monkeypatch):
+    # the reported command (nf4, eager, batch 2, 8,192 + 32 tokens) on DeepSeek-V2-Lite's dimensions trimmed to 2
+    # layers (the dense first layer and one MoE layer), on a card the run does not fit: the search for the largest
+    # prompt goes down to a one-token prompt, where decode steps 1 and 2 allocate 167 and 173 tensors and the
+    # shortcut refuses (before the fallback: "internal error ValueError: decode steps 1 and 2 differ in structure",
+    # exit 70). The full 27 layers on 24 GiB plan too (exit 0; the weights alone exceed the card, so no search):
+    # 57 s of CPU time on this 2-core machine, measured by hand (benchmarks/README.md).
+    from typer.testing import CliRunner
+
+    from vramguard.cli import app
     tapes = []
     decode_tape = alloc_replay._decode_tape
 
     def recorded(spec, s, rescale):
         out = decode_tape(spec, s, rescale)
-        tapes.append((s.prompt_tokens, out[2]))
+        tapes.append((s.prompt_tokens, out[2] is not None))
         return out
     monkeypatch.setattr(alloc_replay, "_decode_tape", recorded)
-    spec = with_context(resolve_model(config_of("deepseek_v2")), 16384)
-    p = plan(spec, Settings(quant="nf4", attn="eager", batch=2, prompt_tokens=8192, max_new_tokens=32),
-             vram="790MiB")
-    assert (1, True) in {(prompt, note is not None) for prompt, note in tapes}  # the fallback was taken
-    assert not p.cards[0].fits and 0 < p.cards[0].max_prompt_tokens < 8192
+    r = CliRunner().invoke(app, ["plan", _dsv2_lite(tmp_path, 2), "--quant", "nf4", "--attn", "eager", "--batch", "2",
+                                 "--prompt-tokens", "8192", "--max-new-tokens", "32", "--vram", "3GiB",
+                                 "--format", "json"])
+    assert r.exit_code == 0, r.output
+    assert (1, True) in tapes  # the shortcut refused at a one-token prompt and the fallback replayed the steps
+    import json
+    card = json.loads(r.stdout)["cards"][0]
+    assert card["fits"] is False and card["max_prompt_tokens"] is None
 
 
 hypothesis = pytest.importorskip("hypothesis")
@@ -96,20 +115,27 @@ from hypothesis import settings as hsettings
 from hypothesis import strategies as st
 
 
-@hsettings(max_examples=20, deadline=None, derandomize=True,
+@hsettings(max_examples=8, deadline=None, derandomize=True,
            suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(model_type=st.sampled_from(sorted(ARCHS)), batch=st.integers(1, 3), prompt=st.integers(1, 40),
-       new=st.integers(1, 12), quant=st.sampled_from(["bf16", "nf4", "int8"]),
-       attn=st.sampled_from(["eager", "sdpa", "flash_attention_2"]))
-def test_no_shape_of_any_architecture_is_an_internal_error(config_of, model_type, batch, prompt, new, quant, attn):
-    """A plan either answers or raises one of the library's own errors (the CLI maps those to their exit codes);
-    any other exception is the CLI's exit 70."""
-    s = Settings(quant=quant, attn=attn, batch=batch, prompt_tokens=prompt, max_new_tokens=new)
-    try:
-        p = plan(config_of(model_type), s, vram="24GiB", solve=False)
-    except VramguardError:
-        return
-    assert p.estimate.peak_allocated_bytes > p.estimate.weights.total_bytes
+       new=st.integers(1, 12), quant=st.sampled_from(["bf16", "nf4"]), attn=st.sampled_from(["eager", "sdpa"]),
+       vram=st.sampled_from(["1GiB", "24GiB"]))
+def test_no_shape_of_any_architecture_is_an_internal_error(config_of, model_type, batch, prompt, new, quant, attn,
+                                                           vram):
+    """``vramguard plan`` (the solver's search included: a 1 GiB card sends it through short prompts and small
+    batches) either answers or ends with one of the library's own errors' exit codes, never the internal error's
+    70 (an exception vramguard did not expect)."""
+    from typer.testing import CliRunner
+
+    from vramguard.cli import app
+    from vramguard.errors import EXIT_INTERNAL
+    r = CliRunner().invoke(app, ["plan", config_of(model_type), "--quant", quant, "--attn", attn, "--batch",
+                                 str(batch), "--prompt-tokens", str(prompt), "--max-new-tokens", str(new),
+                                 "--vram", vram, "--format", "json"])
+    assert r.exit_code != EXIT_INTERNAL, r.output
+    # an exception past the CLI's guard would be Python's traceback; the library's errors end with their codes
+    assert r.exception is None or isinstance(r.exception, SystemExit), repr(r.exception)
+    assert r.exit_code in (0, 2, 3, 4), r.output
 
 
 # ---- the parallel hybrid: attention and Mamba-2 side by side in every layer (Falcon-H1) ---------------------------
