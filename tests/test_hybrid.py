@@ -227,16 +227,79 @@ def test_the_hybrid_prefill_peak_agrees_with_the_allocations_of_a_cpu_forward(fa
 
 def test_the_plan_names_the_mixer_path_it_replayed(falcon_h1):
     folder, _ = falcon_h1
-    p = plan(str(folder), Settings(quant="bf16", prompt_tokens=256, max_new_tokens=8), vram="24GiB", solve=False)
+    p = plan(str(folder), Settings(quant="bf16", prompt_tokens=256, max_new_tokens=8, kernels="torch"), vram="24GiB",
+             solve=False)
     [note] = [f.message for f in p.findings if f.code == "mixer_path"]
-    assert f"replayed transformers {transformers.__version__}'s reference PyTorch path" in note
-    assert "mamba_chunk_scan_combined" in note and "(mamba_ssm, not installed here)" in note
-    assert "causal_conv1d_fn" in note and "(causal_conv1d, not installed here)" in note
+    assert note.startswith(f"replayed transformers {transformers.__version__}'s reference PyTorch path of ")
+    assert "mamba_chunk_scan_combined" in note and "causal_conv1d_fn (causal_conv1d)" in note
+    assert note.endswith("kernels='torch' was asked (causal_conv1d, mamba_ssm: none of them installed here)")
+    assert p.kernel_path.replayed == "torch" and p.kernel_path.why in note
 
 
-def test_an_installed_kernel_is_reported_and_the_replay_takes_the_reference_path(falcon_h1, monkeypatch):
+def test_the_kernel_path_follows_the_choice_and_both_are_planned_where_it_cannot_be_known(falcon_h1, monkeypatch):
+    """kernels='fast' replays the package kernels' memory model (less than the reference scan's); with no choice,
+    a plan for this machine's GPU follows what is installed here, and a plan for another card plans both paths and
+    keeps the larger, saying so in the text and the JSON."""
+    import json
+
+    from vramguard import hardware
+    from vramguard.catalog.gpus import GPUS
+    from vramguard.cli.render import plan_to_json
+    folder = str(falcon_h1[0])
+    s = Settings(quant="bf16", prompt_tokens=256, max_new_tokens=8)
+    fast = plan(folder, s.with_(kernels="fast"), vram="24GiB", solve=False)
+    torch_path = plan(folder, s.with_(kernels="torch"), vram="24GiB", solve=False)
+    assert fast.estimate.prefill.peak_bytes < torch_path.estimate.prefill.peak_bytes
+    [note] = [f.message for f in fast.findings if f.code == "mixer_path"]
+    assert note.startswith("replayed the package kernels ") and "modelled on meta tensors" in note
+    assert "mamba_ssm's CUDA kernels" in fast.cards[0].unverified  # no measurement covers the kernel path
+
+    both = plan(folder, s, vram="24GiB", solve=False)  # no GPU here (the suite's default): another machine's card
+    assert both.kernel_path.replayed == "torch" and both.kernel_path.asked is None
+    assert both.kernel_path.other == ("fast", fast.estimate.device_used_bytes)
+    assert both.estimate.peak_allocated_bytes == torch_path.estimate.peak_allocated_bytes
+    assert "both paths were planned and the larger kept" in both.kernel_path.why
+    data = json.loads(json.dumps(plan_to_json(both)))
+    assert data["kernel_path"]["replayed"] == "torch" and data["kernel_path"]["other"] == ["fast", \
+        fast.estimate.device_used_bytes]
+
+    h200 = GPUS["h200"]
+    monkeypatch.setattr(hardware, "DETECT_OVERRIDE", lambda: hardware.DetectedGpus((h200,), "forced by the test"))
+    here = plan(folder, s, gpu="h200", solve=False)  # the catalog card this machine's GPU is
+    assert here.kernel_path.replayed == "installed" and here.kernel_path.other is None
+    assert "this machine's GPU" in here.kernel_path.why
+    assert here.estimate.peak_allocated_bytes == torch_path.estimate.peak_allocated_bytes  # no kernel installed here
+
+
+def test_the_kernel_model_allocates_what_mamba_ssm_allocates():
+    from vramguard.introspect.mixers import _mamba_chunk_scan_combined
+    from vramguard.introspect.tracker import StorageTracker
+    meta = torch.device("meta")
+    x = torch.empty((2, 300, 8, 16), dtype=torch.bfloat16, device=meta)  # batch 2, 300 tokens, 8 heads of 16
+    b = torch.empty((2, 300, 1, 32), dtype=torch.bfloat16, device=meta)  # one group, d_state 32
+    tracker = StorageTracker()
+    with tracker:
+        y, final = _mamba_chunk_scan_combined({"hidden_states": x, "B": b, "C": b, "chunk_size": 128}, (x, None))
+    assert y.shape == x.shape and y.dtype == torch.bfloat16 and final.shape == (2, 8, 16, 32)
+    # 3 chunks of 128: dA_cumsum and dt 2x8x3x128 float32 (24,576 B each); chunk states 2x3x8x16x32 float32
+    # (98,304 B); passed states in bf16 (49,152 B); final states 2x8x16x32 float32 (32,768 B); the chunk states
+    # dropped; CB 2x3x1x128x128 float32 (393,216 B); the output 2x300x8x16 bf16 (153,600 B)
+    assert tracker.peak.bytes == 24576 * 2 + 49152 + 32768 + 393216 + 153600
+    assert tracker.live_bytes == 32768 + 153600  # what is returned
+
+
+def test_the_kernel_choice_is_a_setting_the_cli_renders_as_its_option():
+    from vramguard.cli.flags import as_flags
+    from vramguard.errors import InvalidValue
+    assert as_flags("plan with kernels='fast'") == "plan with --kernels fast"
+    with pytest.raises(InvalidValue, match="installed | fast | torch"):
+        Settings(kernels="cuda")
+
+
+def test_an_installed_kernel_is_reported_and_the_replay_models_it_without_calling_it(falcon_h1, monkeypatch):
     """A package kernel bound by transformers (here a stand-in package whose kernel cannot run on meta tensors) is
-    said installed, and the replay swaps the reference function in for it, then back."""
+    said installed; the replay swaps the reference function (kernels='torch') or the kernel's memory model
+    (kernels='installed') in for it, then back, and never calls it."""
     import sys
     import types
 
@@ -264,8 +327,11 @@ def test_an_installed_kernel_is_reported_and_the_replay_takes_the_reference_path
         assert modeling.mamba2_chunk_scan is reference
     assert modeling.mamba2_chunk_scan is bound
     generic._replayed.cache_clear()
-    r = generic.replayed(resolve_model(str(falcon_h1[0])), Settings(quant="bf16", attn="eager"), 0, 64)
-    assert r.peak_bytes > 0
+    spec = resolve_model(str(falcon_h1[0]))
+    installed = generic.replayed(spec, Settings(quant="bf16", attn="eager", kernels="installed"), 0, 64)
+    reference = generic.replayed(spec, Settings(quant="bf16", attn="eager", kernels="torch"), 0, 64)
+    assert 0 < installed.peak_bytes < reference.peak_bytes
+    assert modeling.mamba2_chunk_scan is bound
 
 
 # ---- no bare "fits" on an unverified path --------------------------------------------------------------------------

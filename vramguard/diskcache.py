@@ -37,7 +37,7 @@ from vramguard.extras import OPTIONAL_PACKAGES
 # bitsandbytes' layout, accelerate's device maps, PyTorch's allocator...), the Hub client, and those a pre-quantized
 # checkpoint's load rule asks for (vramguard.hub.prequant: its backends, the Triton and kernels checks of MXFP4)
 DISTRIBUTIONS = (*OPTIONAL_PACKAGES, "huggingface_hub", "flash_attn", "optimum", "gptqmodel", "compressed-tensors",
-                 "triton", "kernels")
+                 "triton", "kernels", "mamba-ssm", "causal-conv1d", "flash-linear-attention")
 
 _PACKAGE = Path(__file__).resolve().parent.parent
 

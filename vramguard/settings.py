@@ -16,6 +16,9 @@ QUANTS = ("nf4", "fp4", "int8", "bf16", "fp16", "fp32")
 DTYPES = ("bf16", "fp16", "fp32")
 ATTNS = ("eager", "sdpa", "flash_attention_2")
 SDPA_KERNELS = ("auto", "flash", "cudnn", "efficient", "math")
+# the path of a mixer with a package kernel (Mamba scans, causal convolutions, gated delta rules): what transformers
+# binds where the plan runs, the package kernels, or the reference PyTorch functions (vramguard.introspect.mixers)
+KERNELS = ("installed", "fast", "torch")
 KV_DTYPES = ("bf16", "fp16", "int8", "int4")
 CACHES = ("dynamic", "static", "offloaded")
 LOGITS = ("last", "all")
@@ -83,6 +86,10 @@ class Settings:
             for ``fp16``/``fp32``.
         attn: ``attn_implementation``: eager, sdpa or flash_attention_2.
         sdpa_kernel: SDPA backend when attn is sdpa: ``auto`` (flash-class when the inputs allow) or a pinned one.
+        kernels: the path of mixers with a package kernel (:data:`KERNELS`): ``installed``, what transformers binds
+            in this process (``mamba_ssm``, ``causal_conv1d``, ``fla`` where they import); ``fast``, those packages'
+            kernels (installed on the target machine); ``torch``, transformers' reference PyTorch functions.
+            ``None``: ``installed`` where the plan is for this machine's GPU, else both paths, the larger taken.
         kv_dtype: KV cache element type; int8/int4 mean transformers' QuantizedCache (``None`` = ``dtype``).
         kv_group_size, kv_residual_length: QuantizedCache ``q_group_size`` and ``residual_length``.
         cache: ``dynamic`` (grows by concatenation), ``static`` (preallocated to ``max_cache_len``) or
@@ -103,6 +110,7 @@ class Settings:
     dtype: str | None = None
     attn: str = "sdpa"
     sdpa_kernel: str = "auto"
+    kernels: str | None = None
     kv_dtype: str | None = None
     kv_group_size: int = 64
     kv_residual_length: int = 128
@@ -125,6 +133,8 @@ class Settings:
         _choice("quant", self.quant, QUANTS)
         _choice("attn", self.attn, ATTNS)
         _choice("sdpa_kernel", self.sdpa_kernel, SDPA_KERNELS)
+        if self.kernels is not None:
+            _choice("kernels", self.kernels, KERNELS)
         _choice("cache", self.cache, CACHES)
         _choice("logits", self.logits, LOGITS)
         if self.dtype is not None:

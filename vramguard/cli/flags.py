@@ -24,7 +24,7 @@ FIELD_FLAGS = {"batch": "--batch", "num_beams": "--num-beams", "num_return_seque
                "do_sample": "--do-sample", "alloc_conf": "--alloc-conf", "seed": "--seed", "api_key": "--api-key",
                "allowed_hosts": "--allowed-host",
                "greedy": "--greedy", "summarize": "--summarize", "auto": "--auto",
-               "ignore_eos": "--ignore-eos",
+               "ignore_eos": "--ignore-eos", "kernels": "--kernels",
                # vLLM's engine arguments (plan --engine vllm, export)
                "tensor_parallel_size": "--tp", "pipeline_parallel_size": "--pp",
                "gpu_memory_utilization": "--gpu-memory-utilization", "max_model_len": "--max-model-len",

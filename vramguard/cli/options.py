@@ -7,7 +7,7 @@ from enum import Enum
 
 import typer
 
-from vramguard.settings import ATTNS, CACHES, DTYPES, KV_DTYPES, LOGITS, QUANTS, SDPA_KERNELS
+from vramguard.settings import ATTNS, CACHES, DTYPES, KERNELS, KV_DTYPES, LOGITS, QUANTS, SDPA_KERNELS
 
 DEFAULT_PROMPT_TOKENS = 128  # a short chat prompt: system prompt, one user turn and the chat template
 DEFAULT_MAX_NEW_TOKENS = 256
@@ -28,6 +28,7 @@ DtypeArg = _choices("DtypeArg", ("auto",) + DTYPES)
 Cache = _choices("Cache", CACHES)
 Logits = _choices("Logits", LOGITS)
 SdpaKernel = _choices("SdpaKernel", SDPA_KERNELS)
+Kernels = _choices("Kernels", KERNELS)
 Format = _choices("Format", ("human", "json"))
 Vary = _choices("Vary", ("prompt", "new-tokens", "batch"))
 

@@ -8,9 +8,9 @@ import typer
 
 from vramguard.cli import engine as eng
 from vramguard.cli.common import run_guarded, say, write_json
-from vramguard.cli.options import (Attn, Cache, Dtype, Format, KvDtype, Logits, Quant, batch_option, format_option,
-                                   max_new_tokens_option, prompt_tokens_option, quant_option, revision_option,
-                                   say_fetched)
+from vramguard.cli.options import (Attn, Cache, Dtype, Format, Kernels, KvDtype, Logits, Quant, batch_option,
+                                   format_option, max_new_tokens_option, prompt_tokens_option, quant_option,
+                                   revision_option, say_fetched)
 from vramguard.cli.multigpu import device_map_option, gpus_option, max_memory_option, tp_option, wants_cards
 from vramguard.cli.render import console
 
@@ -30,6 +30,9 @@ GPU_HELP = ("a catalog card (see --list-gpus) or the name nvidia-smi prints, e.g
 ALLOC_CONF_HELP = ("PYTORCH_CUDA_ALLOC_CONF of the caching-allocator model ('default', expandable_segments:True...; "
                    "'formula': the reserve formula, faster, short of the edge); without it: this shell's, with torch "
                    "installed")
+KERNELS_HELP = ("path of Mamba scans, causal convolutions, gated delta rules on the target: installed (this "
+                "machine's mamba_ssm, causal_conv1d, fla), fast (those packages' kernels), torch (reference PyTorch); "
+                "default: installed on this machine's GPU, else both, the larger kept")
 FREED_BEFORE_HELP = ("plan for a process that has deleted a model and called torch.cuda.empty_cache() (a notebook): "
                      "both segment layouts cudaMalloc gives there, judged on the worse (one card, the allocator "
                      "model: needs torch)")
@@ -46,6 +49,7 @@ def plan(
     dtype: Optional[Dtype] = typer.Option(None, help="model dtype (default bf16; fp16/fp32 for those quants)"),
     attn: Optional[Attn] = typer.Option(None, help=ATTN_HELP),
     kv_dtype: Optional[KvDtype] = typer.Option(None, help="KV cache type (int8/int4: quantized cache)"),
+    kernels: Optional[Kernels] = typer.Option(None, help=KERNELS_HELP),
     cache: Cache = typer.Option(Cache['dynamic'], help="KV cache kind"),
     batch: int = batch_option(),
     num_beams: int = typer.Option(1, help="beams per prompt"),
@@ -98,7 +102,8 @@ def plan(
                      attn=chosen_attn, kv_dtype=kv_dtype.value if kv_dtype else None, cache=cache.value, batch=batch,
                      num_beams=num_beams, num_return_sequences=num_return_sequences, prompt_tokens=prompt_tokens,
                      max_new_tokens=max_new_tokens, prefill_chunk=prefill_chunk, logits=logits.value,
-                     output_attentions=output_attentions, padded=padded, do_sample=do_sample)
+                     output_attentions=output_attentions, padded=padded, do_sample=do_sample,
+                     kernels=kernels.value if kernels else None)
         from vramguard.resolve import resolve_model
         spec = resolve_model(_required_model(model), revision)
         say_fetched(spec)

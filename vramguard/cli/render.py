@@ -193,6 +193,7 @@ def plan_to_json(p: Plan) -> dict:
                    "max_batch_at_cap": c.max_batch == batch_search_cap(p.settings),
                    "bound_by": bound_by(p.model, p.settings, c.max_prompt_tokens, c.max_new_tokens)}
                   for c in p.cards],
+        "kernel_path": to_jsonable(p.kernel_path),  # kernel-backed mixers: the path replayed and why (None: none)
         "findings": [finding_to_json(f) for f in p.findings],
         "changes": to_jsonable(p.changes),
     }

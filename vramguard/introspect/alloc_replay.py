@@ -380,7 +380,7 @@ def _trace(config_json: str, name: str, key: Settings, prompt: int, new: int, st
 
     from vramguard.introspect.build import _quiet, cached_config, text_config
     from vramguard.introspect.generic import _replay_model, _structure
-    from vramguard.introspect.mixers import reference_paths
+    from vramguard.introspect.mixers import replayed_paths
     from vramguard.introspect.replay import _new_cache
     from vramguard.introspect.tracker import DataPolicy, StorageTracker
     from vramguard.memory.forward import sdpa_runs_math
@@ -396,7 +396,7 @@ def _trace(config_json: str, name: str, key: Settings, prompt: int, new: int, st
     seqs, meta = s.sequences, torch.device("meta")
     starts: list[int] = []
     with _layer_starts(model, layers, lambda: starts.append(len(events))) as found, _quiet(), torch.no_grad(), \
-            reference_paths(model), tracker, _bnb_kernels(model, quantized, s), \
+            replayed_paths(model, s.kernels), tracker, _bnb_kernels(model, quantized, s), \
             (_fused_sdpa_mode() if flash else contextlib.nullcontext()):
         if not found:
             return None

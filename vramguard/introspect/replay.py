@@ -264,8 +264,8 @@ def replay(model, config, s: Settings, past: int, chunk: int, quantized: Set[str
 
 
 def _replay(model, config, s: Settings, past: int, chunk: int, quantized, policy) -> Replayed:
-    from vramguard.introspect.mixers import reference_paths
-    with reference_paths(model):
+    from vramguard.introspect.mixers import replayed_paths
+    with replayed_paths(model, s.kernels):
         return _replay_forward(model, config, s, past, chunk, quantized, policy)
 
 

@@ -5,7 +5,8 @@ through the allocator model (a JSON object), which depends on nothing else.
 One gzipped JSON file per tape under ``$VRAMGUARD_CACHE_DIR/tapes`` (else ``tapes/`` beside the Hub headers,
 :func:`vramguard.hub.fetch.header_cache_dir`). Its name is the SHA-256 of everything the tape depends on: the
 config text, the model name, the settings, the prompt, the number of forwards, the versions of torch and
-transformers, and the source of the modules that record the tape (so a changed tracker never reads an old tape).
+transformers, the kernel packages installed (the path ``kernels='installed'`` replays) and the source of the modules
+that record the tape (so a changed tracker never reads an old tape).
 ``VRAMGUARD_TAPE_CACHE=0`` turns it off; ``VRAMGUARD_TAPE_CACHE=/a/folder`` keeps the tapes there. A file that
 cannot be read or written is recomputed and the plan goes on.
 """
@@ -50,7 +51,9 @@ def _code_version() -> str | None:
     file cannot be read (an install without sources: no tape is cached)."""
     import torch
     import transformers
-    h = hashlib.sha256(f"{torch.__version__}|{transformers.__version__}".encode())
+
+    from vramguard.introspect.mixers import installed_packages
+    h = hashlib.sha256(f"{torch.__version__}|{transformers.__version__}|{installed_packages()}".encode())
     here = Path(__file__).parent
     try:
         for name in _SOURCES:

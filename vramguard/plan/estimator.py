@@ -25,6 +25,7 @@ from vramguard.memory.forward import ForwardPeak, decode_peak, prefill_peak
 from vramguard.memory.kv import KvBytes, kv_bytes_per_token, kv_cache_bytes
 from vramguard.memory.runtime import CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES, allocator_reserve_bytes
 from vramguard.memory.weights import WeightBytes, weight_bytes
+from vramguard.plan.kernels import KernelChoice
 from vramguard.settings import Settings
 from vramguard.spec import ModelSpec
 
@@ -173,6 +174,7 @@ class Plan:
     # adds per layer kind (vramguard.memory.kv.kv_growth_per_token), at the prompt and the run's last token: a
     # generic spec's is a replay of transformers' cache, kept with the plan so that printing it replays nothing
     layer_kinds: tuple[str, ...] = ()  # a generic spec's layer kinds as its config names them; () for a hand spec
+    kernel_path: KernelChoice | None = None  # the path replayed for kernel-backed mixers (None: the model has none)
 
     @property
     def fits(self) -> bool:

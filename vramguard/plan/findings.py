@@ -44,23 +44,10 @@ def plan_findings(p: Plan) -> list[Finding]:
             refused = note.startswith("transformers refuses")
             out.append(Finding("attn_replayed", "warn" if refused else "info", note,
                                "pass attn=eager (what this model loads with)" if refused else None))
-        out.extend(_mixer_findings(p))
     _card_findings(p, out)
     _attention_findings(p, out)
     _memory_findings(p, out)
     return out
-
-
-def _mixer_findings(p: Plan) -> list[Finding]:
-    """An ``info`` finding ``mixer_path`` for a generic model whose forward calls kernel-backed functions (Mamba
-    scans, causal convolutions, gated delta rules): which path the replay followed
-    (:mod:`vramguard.introspect.mixers`)."""
-    import transformers
-
-    from vramguard.introspect.generic import kernel_paths
-    from vramguard.introspect.mixers import describe
-    note = describe(kernel_paths(p.model, p.settings), transformers.__version__)
-    return [Finding("mixer_path", "info", note)] if note else []
 
 
 def _card_findings(p: Plan, out: list) -> None:

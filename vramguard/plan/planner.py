@@ -103,7 +103,23 @@ def _cache_entry(spec: ModelSpec, s: Settings, gpus: list[GpuSpec], why: str, so
 
 def _compute(spec: ModelSpec, s: Settings, gpus: list[GpuSpec], why: str, solve: bool, alloc_conf: str | None,
              freed_before: bool | None) -> Plan:
-    """:func:`plan` for a resolved spec and cards, computed."""
+    """:func:`plan` for a resolved spec and cards, computed on the kernel path of
+    :func:`vramguard.plan.kernels.choose` (both paths where it cannot be known, the larger kept), which it names."""
+    from dataclasses import replace
+
+    from vramguard.plan.kernels import choose, kernel_finding
+    p, choice = choose(spec, s, gpus, why, lambda path: _compute_path(spec, path, gpus, why, solve, alloc_conf,
+                                                                      freed_before))
+    if choice is None:
+        return p
+    p = replace(p, kernel_path=choice)
+    p.findings.append(kernel_finding(p))
+    return p
+
+
+def _compute_path(spec: ModelSpec, s: Settings, gpus: list[GpuSpec], why: str, solve: bool, alloc_conf: str | None,
+                  freed_before: bool | None) -> Plan:
+    """:func:`plan` for a resolved spec, cards and kernel path, computed."""
     est = estimate(spec, s)
     cards = [verdict(est, g) for g in gpus]
     if solve:

@@ -44,12 +44,14 @@ MEASURED: tuple[Measured, ...] = (
 
 def parts(spec, s: Settings) -> tuple[str, ...]:
     """The parts of ``spec``'s forward a measurement must cover (see :class:`Measured`): its layer kinds (from the
-    config transformers builds; ``full_attention`` where it names none) and the path of each kernel package."""
+    config transformers builds; ``full_attention`` where it names none) and the path of each kernel package the
+    replay for ``s.kernels`` takes."""
     from vramguard.introspect.generic import _text, kernel_paths
+    from vramguard.introspect.mixers import takes_kernel
     kinds = getattr(_text(spec), "layer_types", None) or ["full_attention"]
     found = [f"layer:{k}" for k in dict.fromkeys(kinds)]
     for p in kernel_paths(spec, s):
-        found.append(f"path:{p.package}:{'kernel' if p.kernel_installed else 'reference'}")
+        found.append(f"path:{p.package}:{'kernel' if takes_kernel(p, s.kernels) else 'reference'}")
     return tuple(dict.fromkeys(found))
 
 

@@ -1,0 +1,87 @@
+"""Which path a plan replays for the mixers with a package kernel (Mamba / Mamba-2 scans, causal convolutions, gated
+delta rules; :mod:`vramguard.introspect.mixers`): the settings' ``kernels`` where given; else what transformers binds
+in this process where the plan is for this machine's GPU; else (another machine, whose packages cannot be known from
+here) both paths, the larger taken. Says which, and why.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from vramguard.catalog.gpus import GpuSpec
+from vramguard.settings import Settings
+from vramguard.spec import ModelSpec
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    """The path a plan replayed for its kernel-backed mixers.
+
+    ``replayed``: ``installed``, ``fast`` or ``torch`` (see :data:`vramguard.settings.KERNELS`); ``asked``: the
+    settings' ``kernels`` (None: not given); ``why``: the reason in words; ``other``: where both paths were planned,
+    the other path's name and its card need in bytes (the plan keeps the larger)."""
+
+    replayed: str
+    asked: str | None
+    why: str
+    other: tuple[str, int] | None = None
+
+
+def this_machine(gpus: list[GpuSpec], cards_reason: str) -> bool:
+    """Whether the plan's cards are this machine's GPU: the detected one, a size given (``vram=``) on a machine with
+    a GPU, or the catalog card this machine's GPU is (same memory and compute capability). False without a GPU
+    here: the packages installed on the machine that will run cannot be seen from this one."""
+    from vramguard.hardware import detect_gpus
+    if cards_reason.startswith("detected"):
+        return True
+    found = detect_gpus().gpus
+    if not found:
+        return False
+    if cards_reason.startswith("given with vram"):
+        return True
+    here = found[0]
+    return all(g.total_bytes == here.total_bytes and g.compute_capability == here.compute_capability for g in gpus)
+
+
+def choose(spec: ModelSpec, s: Settings, gpus: list[GpuSpec], cards_reason: str,
+           compute: Callable[[Settings], object]):
+    """``(plan, choice)``: ``compute(settings)`` on the path this plan follows (see the module docstring); choice
+    None for a model without a kernel-backed mixer (the path changes nothing). Where both paths are planned, the
+    one whose card need (``estimate.device_used_bytes``, then the peak allocated) is larger is returned, its
+    settings' ``kernels`` set to that path."""
+    from vramguard.introspect.generic import kernel_paths
+    from vramguard.introspect.mixers import installed_packages
+    paths = kernel_paths(spec, s) if spec.generic and spec.config_json else ()
+    if not paths:
+        return compute(s), None
+    packages = ", ".join(dict.fromkeys(p.package for p in paths))
+    here = f"{packages}: {', '.join(p for p in installed_packages() if p in packages) or 'none of them'} installed here"
+    if s.kernels is not None:
+        return compute(s), KernelChoice(s.kernels, s.kernels, f"kernels='{s.kernels}' was asked ({here})")
+    if this_machine(gpus, cards_reason):
+        return compute(s), KernelChoice("installed", None, "the plan is for this machine's GPU, where transformers "
+                                        f"binds the kernels of the packages installed ({here})")
+    fast, torch = compute(s.with_(kernels="fast")), compute(s.with_(kernels="torch"))
+    need = {"fast": fast.estimate.device_used_bytes, "torch": torch.estimate.device_used_bytes}  # type: ignore
+    peak = {"fast": fast.estimate.peak_allocated_bytes, "torch": torch.estimate.peak_allocated_bytes}  # type: ignore
+    larger = "torch" if (need["torch"], peak["torch"]) >= (need["fast"], peak["fast"]) else "fast"
+    other = "fast" if larger == "torch" else "torch"
+    why = (f"the plan is for a card that is not this machine's ({cards_reason.split(' (')[0]}), where {packages} may "
+           f"or may not be installed, and kernels= was not given: both paths were planned and the larger kept "
+           f"(kernels='{larger}' needs {need[larger]:,} B, kernels='{other}' {need[other]:,} B); plan with "
+           "kernels='fast' (the packages installed there) or kernels='torch' (missing) to plan one")
+    return (torch if larger == "torch" else fast), KernelChoice(larger, None, why, (other, need[other]))
+
+
+def kernel_finding(p):
+    """The ``info`` finding ``mixer_path`` of a plan whose model has kernel-backed mixers: the path replayed for each
+    package and why (:attr:`KernelChoice.why`)."""
+    import transformers
+
+    from vramguard.finding import Finding
+    from vramguard.introspect.generic import kernel_paths
+    from vramguard.introspect.mixers import describe
+    choice = p.kernel_path
+    return Finding("mixer_path", "info", describe(kernel_paths(p.model, p.settings), transformers.__version__,
+                                                  choice.replayed, choice.why))
