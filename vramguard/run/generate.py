@@ -166,9 +166,10 @@ class GenerationResult:
     loaded: dict | None = None
 
 
-def _candidates(spec, s: Settings, pool, on_cuda: bool, weights_loaded: bool) -> tuple[list, list[str]]:
-    """(strategy, planned bytes beyond the loaded weights) for each strategy of ``pool`` that can run, and why the
-    others cannot."""
+def _candidates(spec, s: Settings, pool, on_cuda: bool, weights_loaded: bool,
+                need_scale: float = 1.0) -> tuple[list, list[str]]:
+    """(strategy, planned bytes beyond the loaded weights, times ``need_scale``) for each strategy of ``pool`` that
+    can run, and why the others cannot."""
     from vramguard.errors import NotPlannable
     from vramguard.plan import estimate
     cands: list[tuple[Strategy, int]] = []
@@ -183,20 +184,22 @@ def _candidates(spec, s: Settings, pool, on_cuda: bool, weights_loaded: bool) ->
         except NotPlannable as e:  # the architecture cannot run this strategy (a static cache with ALiBi...)
             skipped.append(f"{st.name}: not plannable for this model ({e.fix})")
             continue
-        cands.append((st, est.peak_reserved_bytes - (est.weights.total_bytes if weights_loaded else 0)))
+        need = est.peak_reserved_bytes - (est.weights.total_bytes if weights_loaded else 0)
+        cands.append((st, need if need_scale == 1.0 else int(need * need_scale)))
     return cands, skipped
 
 
 def preflight(spec, s: Settings, usable: int | None, auto: bool, on_cuda: bool,
-              weights_loaded: bool, fast_decode: bool = False) -> tuple[list[tuple[Strategy, int]], str]:
+              weights_loaded: bool, fast_decode: bool = False,
+              need_scale: float = 1.0) -> tuple[list[tuple[Strategy, int]], str]:
     """Strategies that may run, first the one to use, each with its planned need in bytes beyond what is already
-    loaded; and the reason. Without ``fast_decode``: the first strategy that fits, then those planned to need less.
+    loaded (times ``need_scale``: a measured first prefill's correction); and the reason. Without ``fast_decode``: the first strategy that fits, then those planned to need less.
     With it, the graph strategies that fit come first (:data:`GRAPH_STRATEGY` alone when not ``auto``), followed
     by that same order. Raises Infeasible when none fits ``usable``."""
     from vramguard.errors import NotPlannable
     plain = (STRATEGIES if auto else STRATEGIES[:1]) if (auto or not fast_decode) else ()
     graph = (GRAPH_STRATEGIES if auto else GRAPH_STRATEGIES[:1]) if fast_decode else ()
-    cands, skipped = _candidates(spec, s, graph + plain, on_cuda, weights_loaded)
+    cands, skipped = _candidates(spec, s, graph + plain, on_cuda, weights_loaded, need_scale)
     if not cands:
         raise NotPlannable("strategy", ", ".join(st.name for st in graph + plain), "a strategy this model runs with",
                            "; ".join(skipped))
@@ -399,8 +402,8 @@ def _decode_fields(dec) -> dict:
 
 
 def strategy_order(model, prompt_tokens: int, max_new_tokens: int, *, budget_bytes: int | None = None,
-                   auto: bool = True, fast_decode: bool = False,
-                   settings: Settings | None = None) -> tuple[list[tuple[Strategy, int]], str]:
+                   auto: bool = True, fast_decode: bool = False, settings: Settings | None = None,
+                   need_scale: float = 1.0) -> tuple[list[tuple[Strategy, int]], str]:
     """The strategies :func:`generate` tries for a request of ``prompt_tokens`` + ``max_new_tokens`` on ``model``,
     in its order, each with its planned need in bytes beyond the loaded weights; and the reason for the first.
     After the first strategy that fits, only those planned to need less memory follow (a fallback that needs as
@@ -414,7 +417,8 @@ def strategy_order(model, prompt_tokens: int, max_new_tokens: int, *, budget_byt
     s = (settings or h.settings).with_(prompt_tokens=prompt_tokens, max_new_tokens=max_new_tokens, batch=1)
     check_context(h.spec, s, beyond=None)
     usable, _ = usable_bytes(budget_bytes) if h.on_cuda else (None, 0)
-    return preflight(h.spec, s, usable, auto, h.on_cuda, weights_loaded=True, fast_decode=fast_decode)
+    return preflight(h.spec, s, usable, auto, h.on_cuda, weights_loaded=True, fast_decode=fast_decode,
+                     need_scale=need_scale)
 
 
 
@@ -489,8 +493,11 @@ def generate(model, tokenizer, prompt: str | list[int], max_new_tokens: int = 25
     model, on_cuda = h.model, h.on_cuda
     eos = eos_list(model, "model")
     fast, fast_why = fast_decode_choice(model, fast_decode)
+    first = _first_prefill(h, settings, len(prompt_ids), max_new_tokens)
     order, why = strategy_order(h, len(prompt_ids), max_new_tokens, budget_bytes=budget_bytes, auto=auto,
-                                fast_decode=fast, settings=settings)
+                                fast_decode=fast, settings=settings, need_scale=first.scale if first else 1.0)
+    if first is not None:
+        why += "; " + first.note()
     plan_s = time.perf_counter() - t_plan
     if fast_decode is None:
         why += f"; fast decode {'on' if fast else 'off'} by default: {fast_why}"
@@ -523,6 +530,16 @@ def generate(model, tokenizer, prompt: str | list[int], max_new_tokens: int = 25
                             len(generated) / elapsed if elapsed > 0 else None, order[0][1], usable,
                             last.decode_mode, last.decode_reason, timings.decode_ms_per_token, stop, stop_detail,
                             eos, ignore_eos, timings, _loaded_as(h))
+
+
+def _first_prefill(h, settings: Settings | None, prompt_tokens: int, max_new_tokens: int):
+    """Where the plan of this request is unverified, one short prefill measured on the device before the run
+    (:func:`vramguard.runtime.first_prefill.measure_first_prefill`), else None."""
+    from vramguard.runtime.first_prefill import measure_first_prefill
+    s = settings or h.settings
+    if s is None:
+        return None
+    return measure_first_prefill(h, s.with_(prompt_tokens=prompt_tokens, max_new_tokens=max_new_tokens, batch=1))
 
 
 def _loaded_as(h) -> dict | None:

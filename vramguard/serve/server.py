@@ -49,6 +49,18 @@ def _usable(budget: int | None, model) -> tuple[int, str]:
     return CPU_DEFAULT_BUDGET, "2 GiB of host memory (no CUDA device and no vram_budget=)"
 
 
+def _first_prefill_usable(loaded, usable: int, source: str) -> tuple[int, str]:
+    """``(usable, source)`` re-planned from one short prefill measured on the device where the model's plan is
+    unverified (:mod:`vramguard.runtime.first_prefill`), before the pool or any request takes memory: the usable
+    bytes divided by the measured scale (every planned need times it), and the source saying so; else unchanged."""
+    from vramguard.runtime.first_prefill import measure_first_prefill
+    first = measure_first_prefill(loaded)
+    if first is None or usable <= 0:
+        return usable, source
+    return int(usable / first.scale), f"{source}; {first.note()}" + (
+        f" (usable {fmt_bytes(usable)} / {first.scale:.2f})" if first.scale > 1 else "")
+
+
 @dataclass
 class Served:
     """A ready server: ``app`` (FastAPI), ``engine``, the ``pool`` plan and load report. Run it with :meth:`run`."""
@@ -369,8 +381,9 @@ def _generate_engine(model, tokenizer, spec, settings, vram_budget: int | None, 
     Raises:
         Infeasible: not even a two-token request fits. ConfigError: the model's generate failed on that request.
     """
+    from vramguard.runtime.handle import as_loaded
     from vramguard.serve.generate_engine import GenerateEngine, plan_requests
-    usable, source = _usable(vram_budget, model)
+    usable, source = _first_prefill_usable(as_loaded(model), *_usable(vram_budget, model))
     plan = plan_requests(spec, settings, usable, spec.max_position_embeddings, source)
     engine = GenerateEngine(model, tokenizer, plan, spec, settings, **kw)
     kw["metrics"]._engine_stats = engine.stats
@@ -567,8 +580,8 @@ def build(model: str, *, vram_budget: int | None = None, max_queue: int = 64, ma
     metrics = Metrics()
 
     def paged_pool():
-        return _paged_pool(spec, m, usable, source, page_size=page_size, max_batch_tokens=max_batch_tokens,
-                           max_requests=max_running, max_kv_blocks=max_kv_blocks)
+        return _paged_pool(spec, m, *_first_prefill_usable(loaded, usable, source), page_size=page_size,
+                           max_batch_tokens=max_batch_tokens, max_requests=max_running, max_kv_blocks=max_kv_blocks)
 
     engine = _chosen_engine(engine_choice, m, tok, spec, loaded.settings, vram_budget, paged_pool, warm_up=warm_up,
                             max_queue=max_queue, seed=seed, metrics=metrics, greedy_only=greedy,
