@@ -38,7 +38,7 @@ def replanned(arch: str, r: dict, folder: str) -> dict:
     path = os.path.join(folder, arch)
     if not os.path.isdir(path):
         AutoConfig.for_model(CONFIGS[arch]["model_type"], **config_fields(arch, False)).save_pretrained(path)
-    return planned(path, r["quant"], r["prompt"], r["new"], r["cap"])
+    return planned(path, r["quant"], r["prompt"], r["new"], r["cap"], r.get("attn", "sdpa"), r.get("process_freed"))
 
 
 def compare(records: list[dict], replan: bool) -> list[dict]:
