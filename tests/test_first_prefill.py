@@ -40,12 +40,20 @@ def measured(monkeypatch):
     return seen
 
 
-def test_run_measures_the_first_prefill_and_scales_the_plan_by_it(olmo2, unverified, measured):
+def _plain_order(model, monkeypatch, prompt_tokens: int, new: int):
+    """The preflight's order with the plan taken as verified (no measurement)."""
+    from vramguard.run.generate import strategy_order
+    with monkeypatch.context() as m:
+        m.setattr(verified, "unverified", lambda spec, s: ())
+        return strategy_order(model, prompt_tokens, new)[0]
+
+
+def test_run_measures_the_first_prefill_and_scales_the_plan_by_it(olmo2, unverified, measured, monkeypatch):
     from vramguard import load_model
-    from vramguard.run.generate import generate, strategy_order
+    from vramguard.run.generate import generate
     model, tok, _ = load_model(str(olmo2), quant="fp32")
     prompt = "w1 w2 w3 w4 w5 w6 w7 w8"
-    plain, _ = strategy_order(model, 8, 4)
+    plain = _plain_order(model, monkeypatch, 8, 4)
     measured["times"] = 3  # three times what the real forward allocates: more than the plan
     r = generate(model, tok, prompt, max_new_tokens=4)
     [got] = measured["bytes"]
@@ -58,11 +66,11 @@ def test_run_measures_the_first_prefill_and_scales_the_plan_by_it(olmo2, unverif
     assert len(r.token_ids) == 4
 
 
-def test_a_first_prefill_within_the_plan_keeps_it(olmo2, unverified, measured):
+def test_a_first_prefill_within_the_plan_keeps_it(olmo2, unverified, measured, monkeypatch):
     from vramguard import load_model
-    from vramguard.run.generate import generate, strategy_order
+    from vramguard.run.generate import generate
     model, tok, _ = load_model(str(olmo2), quant="fp32")
-    plain, _ = strategy_order(model, 8, 4)
+    plain = _plain_order(model, monkeypatch, 8, 4)
     r = generate(model, tok, "w1 w2 w3 w4 w5 w6 w7 w8", max_new_tokens=4)
     [got] = measured["bytes"]
     assert got <= _planned_prefill(model, 8)  # the replay of OLMo-2's forward is not below the real one
@@ -93,7 +101,7 @@ def test_serve_re_plans_its_memory_from_the_first_prefill(olmo2, unverified, mea
         scale = got / _planned_prefill(s.engine.model, 128)
         assert f"(usable {_fmt(2**30 - held)} / {scale:.2f})" in text
     finally:
-        s.stop()
+        s.close()  # the engine's thread too (stop() ends a started HTTP server only)
 
 
 def _planned_prefill(model, tokens: int) -> int:

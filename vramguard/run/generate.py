@@ -38,6 +38,7 @@ from vramguard.errors import Infeasible
 from vramguard.run.sampling import eos_list
 from vramguard.run.timing import RunTimings, stop_reason
 from vramguard.runtime.device import is_oom, memory_cap, usable_bytes
+from vramguard.runtime.first_prefill import measure_first_prefill, noted, scaled
 from vramguard.runtime.handle import LoadedModel, as_loaded
 from vramguard.settings import Settings, require_count
 from vramguard.units import fmt_bytes
@@ -166,10 +167,9 @@ class GenerationResult:
     loaded: dict | None = None
 
 
-def _candidates(spec, s: Settings, pool, on_cuda: bool, weights_loaded: bool,
-                need_scale: float = 1.0) -> tuple[list, list[str]]:
-    """(strategy, planned bytes beyond the loaded weights, times ``need_scale``) for each strategy of ``pool`` that
-    can run, and why the others cannot."""
+def _candidates(spec, s: Settings, pool, on_cuda: bool, weights_loaded: bool) -> tuple[list, list[str]]:
+    """(strategy, planned bytes beyond the loaded weights) for each strategy of ``pool`` that can run, and why the
+    others cannot."""
     from vramguard.errors import NotPlannable
     from vramguard.plan import estimate
     cands: list[tuple[Strategy, int]] = []
@@ -184,22 +184,20 @@ def _candidates(spec, s: Settings, pool, on_cuda: bool, weights_loaded: bool,
         except NotPlannable as e:  # the architecture cannot run this strategy (a static cache with ALiBi...)
             skipped.append(f"{st.name}: not plannable for this model ({e.fix})")
             continue
-        need = est.peak_reserved_bytes - (est.weights.total_bytes if weights_loaded else 0)
-        cands.append((st, need if need_scale == 1.0 else int(need * need_scale)))
+        cands.append((st, est.peak_reserved_bytes - (est.weights.total_bytes if weights_loaded else 0)))
     return cands, skipped
 
 
-def preflight(spec, s: Settings, usable: int | None, auto: bool, on_cuda: bool,
-              weights_loaded: bool, fast_decode: bool = False,
-              need_scale: float = 1.0) -> tuple[list[tuple[Strategy, int]], str]:
+def preflight(spec, s: Settings, usable: int | None, auto: bool, on_cuda: bool, weights_loaded: bool,
+              fast_decode: bool = False, need_scale: float = 1.0) -> tuple[list[tuple[Strategy, int]], str]:
     """Strategies that may run, first the one to use, each with its planned need in bytes beyond what is already
-    loaded (times ``need_scale``: a measured first prefill's correction); and the reason. Without ``fast_decode``: the first strategy that fits, then those planned to need less.
-    With it, the graph strategies that fit come first (:data:`GRAPH_STRATEGY` alone when not ``auto``), followed
-    by that same order. Raises Infeasible when none fits ``usable``."""
+    loaded (times ``need_scale``); and the reason. Without ``fast_decode``: the first strategy that fits, then those
+    planned to need less. With it, the graph strategies that fit come first (:data:`GRAPH_STRATEGY` alone when not
+    ``auto``), followed by that same order. Raises Infeasible when none fits ``usable``."""
     from vramguard.errors import NotPlannable
     plain = (STRATEGIES if auto else STRATEGIES[:1]) if (auto or not fast_decode) else ()
     graph = (GRAPH_STRATEGIES if auto else GRAPH_STRATEGIES[:1]) if fast_decode else ()
-    cands, skipped = _candidates(spec, s, graph + plain, on_cuda, weights_loaded, need_scale)
+    cands, skipped = scaled(_candidates(spec, s, graph + plain, on_cuda, weights_loaded), need_scale)
     if not cands:
         raise NotPlannable("strategy", ", ".join(st.name for st in graph + plain), "a strategy this model runs with",
                            "; ".join(skipped))
@@ -365,8 +363,7 @@ def _attempts(model, tokenizer, prompt_ids: list[int], max_new_tokens: int, orde
                      + ". Shorten the prompt or the generation")
 
 
-def _graph_attempt(model, ids, remaining: int, tap: _Tap, sample: dict, chunk: int, at_least: int,
-                   eos: list[int]):
+def _graph_attempt(model, ids, remaining: int, tap: _Tap, sample: dict, chunk: int, at_least: int, eos: list[int]):
     """The graph strategy's run: :func:`vramguard.run.fastdecode.graph_decode` with ``generate``'s semantics (stop
     after an ``eos`` id, which cannot be chosen before ``at_least`` tokens, as ``min_new_tokens`` does there),
     streaming through ``tap``."""
@@ -402,8 +399,8 @@ def _decode_fields(dec) -> dict:
 
 
 def strategy_order(model, prompt_tokens: int, max_new_tokens: int, *, budget_bytes: int | None = None,
-                   auto: bool = True, fast_decode: bool = False, settings: Settings | None = None,
-                   need_scale: float = 1.0) -> tuple[list[tuple[Strategy, int]], str]:
+                   auto: bool = True, fast_decode: bool = False,
+                   settings: Settings | None = None) -> tuple[list[tuple[Strategy, int]], str]:
     """The strategies :func:`generate` tries for a request of ``prompt_tokens`` + ``max_new_tokens`` on ``model``,
     in its order, each with its planned need in bytes beyond the loaded weights; and the reason for the first.
     After the first strategy that fits, only those planned to need less memory follow (a fallback that needs as
@@ -417,9 +414,8 @@ def strategy_order(model, prompt_tokens: int, max_new_tokens: int, *, budget_byt
     s = (settings or h.settings).with_(prompt_tokens=prompt_tokens, max_new_tokens=max_new_tokens, batch=1)
     check_context(h.spec, s, beyond=None)
     usable, _ = usable_bytes(budget_bytes) if h.on_cuda else (None, 0)
-    return preflight(h.spec, s, usable, auto, h.on_cuda, weights_loaded=True, fast_decode=fast_decode,
-                     need_scale=need_scale)
-
+    first = measure_first_prefill(h, s)  # a short prefill measured now where the plan is unverified, else None
+    return noted(first, preflight(h.spec, s, usable, auto, h.on_cuda, True, fast_decode, first.scale if first else 1))
 
 
 MAX_SEED = 2**63 - 1  # torch.manual_seed takes a signed 64-bit seed ("Overflow when unpacking long long" above)
@@ -493,11 +489,8 @@ def generate(model, tokenizer, prompt: str | list[int], max_new_tokens: int = 25
     model, on_cuda = h.model, h.on_cuda
     eos = eos_list(model, "model")
     fast, fast_why = fast_decode_choice(model, fast_decode)
-    first = _first_prefill(h, settings, len(prompt_ids), max_new_tokens)
     order, why = strategy_order(h, len(prompt_ids), max_new_tokens, budget_bytes=budget_bytes, auto=auto,
-                                fast_decode=fast, settings=settings, need_scale=first.scale if first else 1.0)
-    if first is not None:
-        why += "; " + first.note()
+                                fast_decode=fast, settings=settings)
     plan_s = time.perf_counter() - t_plan
     if fast_decode is None:
         why += f"; fast decode {'on' if fast else 'off'} by default: {fast_why}"
@@ -530,16 +523,6 @@ def generate(model, tokenizer, prompt: str | list[int], max_new_tokens: int = 25
                             len(generated) / elapsed if elapsed > 0 else None, order[0][1], usable,
                             last.decode_mode, last.decode_reason, timings.decode_ms_per_token, stop, stop_detail,
                             eos, ignore_eos, timings, _loaded_as(h))
-
-
-def _first_prefill(h, settings: Settings | None, prompt_tokens: int, max_new_tokens: int):
-    """Where the plan of this request is unverified, one short prefill measured on the device before the run
-    (:func:`vramguard.runtime.first_prefill.measure_first_prefill`), else None."""
-    from vramguard.runtime.first_prefill import measure_first_prefill
-    s = settings or h.settings
-    if s is None:
-        return None
-    return measure_first_prefill(h, s.with_(prompt_tokens=prompt_tokens, max_new_tokens=max_new_tokens, batch=1))
 
 
 def _loaded_as(h) -> dict | None:

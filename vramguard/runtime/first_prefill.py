@@ -64,6 +64,30 @@ def measure_first_prefill(handle, settings=None) -> FirstPrefill | None:
     return FirstPrefill(tokens, planned, measured, missing, "cuda" if handle.on_cuda else "cpu")
 
 
+def scaled(found: tuple[list, list], scale: float) -> tuple[list, list]:
+    """``(candidates, skipped)`` of a preflight with each candidate's planned need (``(strategy, bytes)``) times
+    ``scale`` (:attr:`FirstPrefill.scale`; 1: unchanged)."""
+    cands, skipped = found
+    return ([(st, need if scale == 1 else int(need * scale)) for st, need in cands], skipped)
+
+
+def noted(first: FirstPrefill | None, found: tuple[list, str]) -> tuple[list, str]:
+    """``(order, why)`` of a preflight, with ``first``'s words added to the reason where a prefill was measured."""
+    order, why = found
+    return (order, why) if first is None else (order, f"{why}; {first.note()}")
+
+
+def usable_after_first_prefill(loaded, usable: int, source: str) -> tuple[int, str]:
+    """A server's ``(usable bytes, where they come from)`` re-planned from one short prefill measured on the device
+    where the model's plan is unverified, before the KV pool or any request takes memory: the usable bytes divided
+    by :attr:`FirstPrefill.scale` (every planned need times it), and the source saying so; else unchanged."""
+    first = measure_first_prefill(loaded)
+    if first is None or usable <= 0:
+        return usable, source
+    return int(usable / first.scale), f"{source}; {first.note()}" + (
+        f" (usable {fmt_bytes(usable)} / {first.scale:.2f})" if first.scale > 1 else "")
+
+
 def prefill_peak_bytes(model, tokens: int, on_cuda: bool) -> int:
     """Peak bytes above what was allocated before one forward of ``tokens`` tokens (batch 1, a new cache, the last
     position's logits), on the model's device (see the module docstring)."""

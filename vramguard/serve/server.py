@@ -19,6 +19,7 @@ from vramguard.serve.engine import Engine
 from vramguard.serve.metrics import Metrics
 from vramguard.memory.kv import paged_pool_bytes
 from vramguard.serve.pool import PoolPlan, plan_pool
+from vramguard.runtime.first_prefill import usable_after_first_prefill
 from vramguard.units import GiB, fmt_bytes, fmt_gib
 
 log = logging.getLogger("vramguard.serve")
@@ -47,18 +48,6 @@ def _usable(budget: int | None, model) -> tuple[int, str]:
                                f"pass vram_budget={max(1, int(avail * 0.8) // GiB)}GiB or less")
         return budget - held, f"vram_budget= minus {held:,} B of weights (host memory: no CUDA device)"
     return CPU_DEFAULT_BUDGET, "2 GiB of host memory (no CUDA device and no vram_budget=)"
-
-
-def _first_prefill_usable(loaded, usable: int, source: str) -> tuple[int, str]:
-    """``(usable, source)`` re-planned from one short prefill measured on the device where the model's plan is
-    unverified (:mod:`vramguard.runtime.first_prefill`), before the pool or any request takes memory: the usable
-    bytes divided by the measured scale (every planned need times it), and the source saying so; else unchanged."""
-    from vramguard.runtime.first_prefill import measure_first_prefill
-    first = measure_first_prefill(loaded)
-    if first is None or usable <= 0:
-        return usable, source
-    return int(usable / first.scale), f"{source}; {first.note()}" + (
-        f" (usable {fmt_bytes(usable)} / {first.scale:.2f})" if first.scale > 1 else "")
 
 
 @dataclass
@@ -383,7 +372,7 @@ def _generate_engine(model, tokenizer, spec, settings, vram_budget: int | None, 
     """
     from vramguard.runtime.handle import as_loaded
     from vramguard.serve.generate_engine import GenerateEngine, plan_requests
-    usable, source = _first_prefill_usable(as_loaded(model), *_usable(vram_budget, model))
+    usable, source = usable_after_first_prefill(as_loaded(model), *_usable(vram_budget, model))
     plan = plan_requests(spec, settings, usable, spec.max_position_embeddings, source)
     engine = GenerateEngine(model, tokenizer, plan, spec, settings, **kw)
     kw["metrics"]._engine_stats = engine.stats
@@ -580,7 +569,7 @@ def build(model: str, *, vram_budget: int | None = None, max_queue: int = 64, ma
     metrics = Metrics()
 
     def paged_pool():
-        return _paged_pool(spec, m, *_first_prefill_usable(loaded, usable, source), page_size=page_size,
+        return _paged_pool(spec, m, *usable_after_first_prefill(loaded, usable, source), page_size=page_size,
                            max_batch_tokens=max_batch_tokens, max_requests=max_running, max_kv_blocks=max_kv_blocks)
 
     engine = _chosen_engine(engine_choice, m, tok, spec, loaded.settings, vram_budget, paged_pool, warm_up=warm_up,
