@@ -188,7 +188,9 @@ class VllmPlan:
     ``free_memory`` (less free than the budget at start), ``weights_load`` (the weights per GPU exceed the free
     memory: an out-of-memory while loading), ``weights_budget`` (the weights alone exceed the budget),
     ``kv_cache`` (nothing left for KV blocks) or ``max_model_len`` (one request does not fit the KV cache).
-    ``fit_tp`` / ``fit_card``: for the memory refusals, the plan at the smallest valid tensor parallel size and on
+    ``lora_bytes`` / ``vision_bytes``: the LoRA slots and the vision encoder inside ``weights_bytes`` (the vision
+    encoder on the first stage); ``encoder_peak_bytes``: the vision encoder's profile run; ``weight_format``: the
+    checkpoint's quantization as vLLM stores it. ``fit_tp`` / ``fit_card``: for the memory refusals, the plan at the smallest valid tensor parallel size and on
     the smallest catalog card with room for the KV cache (None when none does). ``checkpoint_bytes``: the whole
     checkpoint the workers read (its safetensors' stored bytes when they were read, else the weights of one GPU at
     tensor and pipeline parallel 1 less the rope cache vLLM builds on the GPU).
@@ -229,6 +231,9 @@ class VllmPlan:
     fit_card: VllmPlan | None = None
     checkpoint_bytes: int = 0
     encoder_peak_bytes: int = 0
+    lora_bytes: int = 0
+    vision_bytes: int = 0
+    weight_format: str = "none"
 
     @property
     def starts(self) -> bool:
@@ -483,7 +488,9 @@ def _plan(spec: ModelSpec, gpu: GpuSpec, s: VllmSettings) -> VllmPlan:
                                                                           s.block_size),
         request_kv_bytes=need, largest_model_len=largest, refusal=refusal, notes=tuple(notes + list(_notes(m, s))),
         refused_by=refused_by, model_max_len=spec.max_position_embeddings,
-        checkpoint_bytes=_checkpoint_bytes(m, dt), encoder_peak_bytes=b.encoder)
+        checkpoint_bytes=_checkpoint_bytes(m, dt), encoder_peak_bytes=b.encoder,
+        lora_bytes=b.weights[worst].lora_bytes, vision_bytes=b.weights[0].vision_bytes,
+        weight_format=m.fmt.name or m.fmt.kind)
 
 
 def _notes(m: VllmModel, s: VllmSettings) -> list[str]:

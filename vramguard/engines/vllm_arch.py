@@ -129,7 +129,8 @@ def _pixtral(v: dict, text_hidden: int, cfg: dict) -> VisionTower:
     and a gated MLP without biases) and Mistral-3's projector (``mistral3.py``: RMSNorm, a patch merger of
     ``spatial_merge_size**2`` patches, two linears to the text width, with biases when
     ``multimodal_projector_bias``)."""
-    h, i, n = int(v.get("hidden_size", 1024)), int(v.get("intermediate_size", 4096)), int(v.get("num_hidden_layers", 24))
+    h, i = int(v.get("hidden_size", 1024)), int(v.get("intermediate_size", 4096))
+    n = int(v.get("num_hidden_layers", 24))
     patch, image, ch = int(v.get("patch_size", 14)), int(v.get("image_size", 1540)), int(v.get("num_channels", 3))
     merge = int(cfg.get("spatial_merge_size", 2))
     encoder = ch * patch * patch * h + h + n * (4 * h * h + 3 * h * i + 2 * h)
@@ -144,7 +145,8 @@ def _siglip(v: dict, text_hidden: int, tokens_per_image: int) -> VisionTower:
     """SigLIP's encoder (``siglip.py``: patch convolution and position embeddings, attention and MLP with biases,
     two LayerNorms per layer, a final LayerNorm) and Gemma-3's projector (``gemma3_mm.py``: an RMSNorm and one
     ``vision x text`` matrix)."""
-    h, i, n = int(v.get("hidden_size", 1152)), int(v.get("intermediate_size", 4304)), int(v.get("num_hidden_layers", 27))
+    h, i = int(v.get("hidden_size", 1152)), int(v.get("intermediate_size", 4304))
+    n = int(v.get("num_hidden_layers", 27))
     patch, image, ch = int(v.get("patch_size", 14)), int(v.get("image_size", 896)), int(v.get("num_channels", 3))
     patches = (image // patch) ** 2
     encoder = ch * patch * patch * h + h + patches * h + n * (4 * (h * h + h) + 2 * h * i + i + h + 4 * h) + 2 * h
