@@ -60,6 +60,9 @@ _SPEC_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 # context is in it); vLLM logged 0.13-0.14 GiB on H100 (V1, llm-d-benchmark) and 0.25-0.35 GiB in V0 logs: the plan
 # keeps 0.25 GiB, between the two
 NON_TORCH_BYTES = 256 * MiB
+# the same term as V0 (releases before 0.8) logged it: "non_torch_memory=0.35GiB" for Llama-3.1-8B on an RTX 3090
+# (vLLM's V0 memory profiling line, github.com/vllm-project/vllm/issues/10517, at 20,000 and 29,000 tokens)
+NON_TORCH_V0_BYTES = 358 * MiB
 # NCCL's buffers at TP/PP >= 2 (NCCL_BUFFSIZE, 4 MiB by default, per channel and peer, send and receive:
 # docs.nvidia.com/deeplearning/nccl/user-guide/docs/env.html) with vLLM's custom all-reduce buffers: measured as the
 # step of vLLM's own non-torch memory from TP 1 to TP 2 on H100 NVLink, 0.14 -> 0.55 GiB (llm-d-benchmark,
@@ -387,7 +390,8 @@ def _budget_terms(m: VllmModel, s: VllmSettings, gpu: GpuSpec, dt: int, tokens: 
         graphs = (w.forward_peak_bytes(spec, tp, capture, dt)
                   + CUDAGRAPH_MODES * (sizes - 1) * CUDAGRAPH_BYTES_PER_GRAPH)
     nccl = NCCL_BYTES if tp * s.pipeline_parallel_size > 1 else 0
-    return _Budget(weights, forward, sampler, encoder, NON_TORCH_BYTES, nccl, graphs)
+    non_torch = NON_TORCH_V0_BYTES if s.engine == "v0" else NON_TORCH_BYTES
+    return _Budget(weights, forward, sampler, encoder, non_torch, nccl, graphs)
 
 
 def _batch(spec: ModelSpec, s: VllmSettings, gpu: GpuSpec, max_len: int) -> tuple[int, int]:
