@@ -105,3 +105,17 @@ def test_every_log_has_its_source_and_numbers():
         assert e["source"].startswith("https://"), e["id"]
         assert e["logged"].get("kv_gib") is not None or e["logged"].get("kv_tokens"), e["id"]
         assert e["model"] in LOGS["configs"] or e["model"] in CASE_CONFIGS or resolve_model(e["model"])
+
+
+def test_gpt_oss_folder_planned_by_the_cli(tmp_path):
+    """What a user runs: a folder with gpt-oss-20b's config.json, planned in a new process as the llm-d log ran it."""
+    from conftest import run_cli
+    (tmp_path / "config.json").write_text(json.dumps(LOGS["configs"]["openai/gpt-oss-20b"]["config"]))
+    r = run_cli("plan", str(tmp_path), "--engine", "vllm", "--gpu", "h100", "--max-model-len", "16000",
+                "--vllm-version", "0.14.0", "--format", "json")
+    assert r.returncode == 0, r.stderr
+    data = json.loads(r.stdout)
+    assert data["weight_format"] == "mxfp4" and data["vllm_version"] == "0.14.0"
+    # 13.47 GiB logged on H100 (llm-d); the catalog H100 is 79.10 GiB against the log's 79.18
+    assert abs(data["per_gpu"]["weights_bytes"] / GiB / 13.47 - 1) < 0.01
+    assert [g["kind"] for g in data["kv_cache"]["groups"]] == ["sliding_attention", "full_attention"]

@@ -26,7 +26,9 @@ vllm-project/vllm main at commit 35d5cda1 (an earlier V1) except where noted. Ea
   ``VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS`` is 1 (the default since v0.21). At 35d5cda1 graphs were captured
   after the KV cache, outside the budget: :attr:`VllmSettings.cudagraph_in_budget` False.
 * blocks, tokens and concurrency: :mod:`vramguard.engines.vllm_kv`; weights and activations:
-  :mod:`vramguard.engines.vllm_weights`.
+  :mod:`vramguard.engines.vllm_weights`; quantized storage: :mod:`vramguard.engines.vllm_quant`; the model vLLM
+  builds (gpt-oss, DeepSeek MLA, multimodal checkpoints): :mod:`vramguard.engines.vllm_arch`; what changed between
+  releases: :mod:`vramguard.engines.vllm_versions` (:func:`settings_for_version`).
 * defaults of ``max_num_batched_tokens`` / ``max_num_seqs`` for ``vllm serve``
   (``vllm/engine/arg_utils.py::EngineArgs.get_batch_defaults``): 16,384 / 1,024 on cards of at least 160 GiB;
   8,192 / 1,024 from 70 GiB except A100s; else 2,048 / 256.
@@ -409,7 +411,7 @@ def plan_vllm(spec: ModelSpec, gpu: GpuSpec, settings: VllmSettings | None = Non
 
     Raises:
         InvalidValue: a parallel size vLLM refuses for this model (heads or vocabulary not divisible).
-        ConfigError: a quantized checkpoint, or a family without a hand-written model.
+        ConfigError: a quantization format not modelled, or a family without a vLLM model here.
     """
     s = settings or VllmSettings()
     p = _plan(spec, gpu, s)
