@@ -197,8 +197,8 @@ class VllmPlan:
     encoder on the first stage); ``encoder_peak_bytes``: the vision encoder's profile run; ``weight_format``: the
     checkpoint's quantization as vLLM stores it. ``fit_tp`` / ``fit_card``: for the memory refusals, the plan at the
     smallest valid tensor parallel size and on the smallest catalog card with room for the KV cache (None when none
-    does). ``checkpoint_bytes``: the whole checkpoint the workers read (its safetensors' stored bytes when they were read, else the weights of one GPU at
-    tensor and pipeline parallel 1 less the rope cache vLLM builds on the GPU).
+    does). ``checkpoint_bytes``: the whole checkpoint the workers read (its safetensors' stored bytes when they were
+    read, else the weights of one GPU at tensor and pipeline parallel 1 less the rope cache vLLM builds on the GPU).
     """
 
     model: str
