@@ -51,12 +51,31 @@ def max_num_batched_tokens_option():
                         "card)")
 
 
+def vllm_version_option():
+    return typer.Option(None, "--vllm-version", help="vLLM release whose memory rules to plan with (default: the "
+                        "installed vLLM, else the newest modelled)")
+
+
+def enable_lora_option():
+    return typer.Option(False, "--enable-lora", help="vLLM: LoRA slots allocated at start (--max-lora-rank, "
+                        "--max-loras)")
+
+
+def max_lora_rank_option():
+    return typer.Option(16, "--max-lora-rank", help="vLLM: the largest LoRA rank served (1, 8, 16, 32, 64, 128, 256, "
+                        "320, 512)")
+
+
+def max_loras_option():
+    return typer.Option(1, "--max-loras", help="vLLM: LoRAs in one batch (each a slot in every layer)")
+
+
 def refuse_vllm_options(a: EngineArgs) -> None:
     """Raise InvalidValue for a vLLM-only option set away from its default without ``--engine vllm``: the
     transformers plan would drop it silently (``--tp`` and ``--dtype`` are options of both)."""
     from vramguard.errors import InvalidValue
     for name in ("pp", "gpu_memory_utilization", "max_model_len", "kv_cache_dtype", "max_num_seqs",
-                 "max_num_batched_tokens"):
+                 "max_num_batched_tokens", "vllm_version", "enable_lora", "max_lora_rank", "max_loras"):
         value = getattr(a, name)
         if value != EngineArgs.__dataclass_fields__[name].default:
             flag = "--" + name.replace("_", "-")
@@ -66,7 +85,7 @@ def refuse_vllm_options(a: EngineArgs) -> None:
 
 # options of the transformers plan -> what stands for them in vLLM's plan ("" where nothing does)
 TRANSFORMERS_ONLY = {
-    "revision": "", "quant": "a quantized checkpoint (vLLM reads the weight format from it)",
+    "revision": "",
     "double_quant": "", "compute_dtype": "", "attn": "", "kv_dtype": "--kv-cache-dtype", "cache": "", "batch":
     "--max-num-seqs", "num_beams": "", "num_return_sequences": "", "prompt_tokens": "--max-model-len",
     "max_new_tokens": "--max-model-len", "prefill_chunk": "--max-num-batched-tokens", "logits": "",
@@ -90,6 +109,24 @@ def refuse_transformers_options(given: dict[str, object]) -> None:
                                use + ", or plan with --engine transformers")
 
 
+def with_quantization(a: EngineArgs, given: dict[str, object]) -> EngineArgs:
+    """``a`` with vLLM's ``quantization`` for a ``--quant`` given on the command line: ``nf4`` is vLLM's
+    ``--quantization bitsandbytes`` (NF4 applied at load); the 16-bit formats are the model dtype. Raises
+    InvalidValue for a format vLLM does not apply at load."""
+    from dataclasses import replace
+
+    from vramguard.errors import InvalidValue
+    if "quant" not in given:
+        return a
+    quant = getattr(given["quant"], "value", given["quant"])
+    if quant == "nf4":
+        return replace(a, quantization="bitsandbytes")
+    if quant in ("bf16", "fp16", "fp32"):
+        return replace(a, dtype=a.dtype or quant)
+    raise InvalidValue("--quant", quant, "nf4 (vLLM's --quantization bitsandbytes) or a 16/32-bit dtype with "
+                       "--engine vllm", "use --quant nf4, or a pre-quantized checkpoint (vLLM reads its format)")
+
+
 @dataclass(frozen=True)
 class EngineArgs:
     """The vLLM options as the CLI got them."""
@@ -103,6 +140,11 @@ class EngineArgs:
     max_num_batched_tokens: int | None = None
     dtype: str | None = None
     kv_offload: str | None = None
+    vllm_version: str | None = None
+    enable_lora: bool = False
+    max_lora_rank: int = 16
+    max_loras: int = 1
+    quantization: str | None = None
 
 
 def model_ref(model: str) -> str:
@@ -118,17 +160,19 @@ def vllm_settings(a: EngineArgs):
     before the model or the cards are read, so nothing else is printed)."""
     import os
 
-    from vramguard.engines.vllm import VllmSettings
+    from vramguard.engines.vllm import settings_for_version
+    from vramguard.engines.vllm_versions import default_version
     from vramguard.units import parse_size
     # vllm/envs.py reads the variable as "1" or "true", case-insensitive
     allow_long = os.environ.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "0").strip().lower() in ("1", "true")
     offload = parse_size(a.kv_offload, "kv_offloading_size_bytes", "16GiB") if a.kv_offload else 0
-    return VllmSettings(tensor_parallel_size=a.tp, pipeline_parallel_size=a.pp,
-                        gpu_memory_utilization=a.gpu_memory_utilization, max_model_len=a.max_model_len,
-                        kv_cache_dtype=a.kv_cache_dtype, max_num_seqs=a.max_num_seqs,
-                        max_num_batched_tokens=a.max_num_batched_tokens,
-                        dtype=TORCH_DTYPE_NAMES.get(a.dtype, "auto") if a.dtype else "auto",
-                        kv_offloading_size_bytes=offload, allow_long_max_model_len=allow_long)
+    return settings_for_version(
+        a.vllm_version or default_version(), tensor_parallel_size=a.tp, pipeline_parallel_size=a.pp,
+        gpu_memory_utilization=a.gpu_memory_utilization, max_model_len=a.max_model_len,
+        kv_cache_dtype=a.kv_cache_dtype, max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
+        dtype=TORCH_DTYPE_NAMES.get(a.dtype, "auto") if a.dtype else "auto", kv_offloading_size_bytes=offload,
+        allow_long_max_model_len=allow_long, quantization=a.quantization, enable_lora=a.enable_lora,
+        max_lora_rank=a.max_lora_rank, max_loras=a.max_loras)
 
 
 def build_plans(model: str, gpu: str | None, vram: str | None, a: EngineArgs, one_card: bool = False):

@@ -34,10 +34,13 @@ def export(
                                              "e.g. 16GiB (vLLM --kv-offloading-size; added to the pod's memory)"),
     fmt: Optional[OutFormat] = typer.Option(None, "--format", help="yaml (the default) or json; for vllm, the "
                                             "command as {command: [argv], env: {...}} (default: shell lines)"),
+    vllm_version: Optional[str] = eng.vllm_version_option(), enable_lora: bool = eng.enable_lora_option(),
+    max_lora_rank: int = eng.max_lora_rank_option(), max_loras: int = eng.max_loras_option(),
 ) -> None:
     """Write a vLLM deployment (command, Ray Serve LLM, KServe or Kubernetes) with the planned flags."""
     a = eng.EngineArgs(tp, pp, gpu_memory_utilization, max_model_len, kv_cache_dtype.value, max_num_seqs,
-                       max_num_batched_tokens, dtype.value if dtype else None, kv_offload)
+                       max_num_batched_tokens, dtype.value if dtype else None, kv_offload, vllm_version, enable_lora,
+                       max_lora_rank, max_loras)
     out = run_guarded(_build, model, gpu, vram, a, to.value, replicas, fmt is not None,
                       as_json=fmt == OutFormat['json'])
     if isinstance(out, list) and to == Target['vllm']:  # the command as shell lines, as plan prints it

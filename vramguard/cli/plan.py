@@ -75,10 +75,13 @@ def plan(
     kv_cache_dtype: eng.KvCacheDtype = eng.kv_cache_dtype_option(),
     max_num_seqs: Optional[int] = eng.max_num_seqs_option(),
     max_num_batched_tokens: Optional[int] = eng.max_num_batched_tokens_option(),
+    vllm_version: Optional[str] = eng.vllm_version_option(), enable_lora: bool = eng.enable_lora_option(),
+    max_lora_rank: int = eng.max_lora_rank_option(), max_loras: int = eng.max_loras_option(),
 ) -> None:
     """Predict memory by component, say whether it fits, solve for what fits, and rank the fixes."""
     vllm_args = eng.EngineArgs(tp or 1, pp, gpu_memory_utilization, max_model_len, kv_cache_dtype.value, max_num_seqs,
-                               max_num_batched_tokens, dtype.value if dtype else None)
+                               max_num_batched_tokens, dtype.value if dtype else None, None, vllm_version,
+                               enable_lora, max_lora_rank, max_loras)
     if list_models or list_gpus:
         return _listing(ctx, model, fmt == Format['json'])
     if engine == eng.Engine['vllm']:
@@ -233,6 +236,7 @@ def _plan_vllm(model: str, gpu: str | None, vram: str | None, args, as_json: boo
     """``plan --engine vllm``: vLLM's plan per card, printed; exit 1 with ``--exit-code`` when none starts.
     ``given``: the options set on the command line (those only the transformers plan reads are refused)."""
     run_guarded(eng.refuse_transformers_options, given)
+    args = run_guarded(eng.with_quantization, args, given, as_json=as_json)
     plans = run_guarded(lambda: eng.build_plans(_required_model(model), gpu, vram, args), as_json=as_json)
     eng.print_plans(plans, model, as_json)
     if exit_code and not any(p.starts for p in plans):
