@@ -10,10 +10,16 @@ from typing import List, Optional
 
 import typer
 
+from vramguard.allocconf import prefer_expandable_segments
 from vramguard.cli.common import install_fix, run_guarded, say, size_option
+from vramguard.cli.flags import as_flags
 from vramguard.cli.options import DtypeArg, LoadAttn, Quant, strip_options
 from vramguard.errors import InvalidValue
+from vramguard.extras import missing as missing_packages
+from vramguard.resolve import local_model_folder
+from vramguard.runtime.load import default_quant
 from vramguard.serve.generate_engine import ENGINES
+from vramguard.units import parse_size
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 ServeEngine = Enum("ServeEngine", {v: v for v in ENGINES}, type=str)
@@ -75,12 +81,10 @@ def serve(
 ) -> None:
     """Serve the model over an OpenAI-compatible API (/v1/chat/completions, /v1/completions, /v1/models, /health,
     /metrics) with a KV pool sized for the budget, a bounded queue, and recovery from out-of-memory errors."""
-    from vramguard.units import parse_size
     require_serve_packages()
     listening = announcer(ready_file, served_model_name or model)
 
     def start() -> int:
-        from vramguard.cli.flags import as_flags
         from vramguard.serve.apierrors import word_messages_with
         previous = word_messages_with(as_flags)  # the clients of a server started here read its options
         try:
@@ -89,7 +93,6 @@ def serve(
             word_messages_with(previous)
 
     def serve_from_here() -> int:
-        from vramguard.resolve import local_model_folder
         budget = size_option(vram_budget, "vram_budget") if vram_budget else None
         body = parse_size(max_body_size, "--max-body-size", example="1MiB")
         check_address(host, port, api_key)
@@ -116,7 +119,6 @@ def serve(
 def require_serve_packages() -> None:
     """Exit 3 naming the packages serve imports (:func:`vramguard.extras.needed_by`) that are not installed, and
     the command that installs them; checked before anything is loaded."""
-    from vramguard.extras import missing as missing_packages
     missing = missing_packages("serve")
     if missing:
         say(f"error serve: {', '.join(missing)} not installed.\nfix: " + install_fix("serve,gpu", "torch" in missing))
@@ -137,7 +139,7 @@ def announcer(ready_file: str | None, name: str):
 
 def check_address(host: str, port: int, api_key: str | None) -> None:
     """Before minutes of loading: a bad or busy port is known now; an open address without a key is warned of."""
-    from vramguard.serve.connections import check_bind
+    from vramguard.serve.connections import check_bind  # asyncio: loaded when serve runs, not at the CLI's start
     check_bind(host, port)
     if host not in LOOPBACK_HOSTS and not api_key:
         say(f"warning: binding {host} without --api-key: anyone who can reach this address can use the model")
@@ -181,8 +183,6 @@ def serve_one(model: str, host: str, port: int, listening, **options) -> int:
     transformers.utils.logging.disable_progress_bar()
     if options.get("quant") is None:  # as run: NF4 on a CUDA device, float32 weights without one (said)
         import torch
-
-        from vramguard.runtime.load import default_quant
         options["quant"], why = default_quant(torch.cuda.is_available())
         say(f"note: weights {options['quant']}: {why}")
     served = build(model, **options)
@@ -202,7 +202,6 @@ def serve_one(model: str, host: str, port: int, listening, **options) -> int:
 
 def _allocator_note() -> None:
     """Expandable segments for this process unless the user set the allocator (see :mod:`vramguard.allocconf`)."""
-    from vramguard.allocconf import prefer_expandable_segments
     note = prefer_expandable_segments()
     if note:
         say(note)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from vramguard.hub.headers import check_weights
+from vramguard.settings import short_dtype
 
 _SAFETENSORS_DTYPES = {"F32": "fp32", "BF16": "bf16", "F16": "fp16", "F64": "fp64"}
 
@@ -65,7 +66,6 @@ def read_checkpoint(folder: str | Path) -> CheckpointInfo:
             cfg = json.loads((p / "config.json").read_text())
         except (OSError, json.JSONDecodeError):
             cfg = {}
-    from vramguard.settings import short_dtype
     cd = cfg.get("dtype") or cfg.get("torch_dtype")
     return CheckpointInfo(
         folder=str(p), shards=tuple((f.name, f.stat().st_size) for f in files),

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from vramguard.settings import ATTNS, Settings, short_dtype
+from vramguard.spec import spec_from_config
 
 if TYPE_CHECKING:
     from vramguard.runtime.device import MemorySnapshot
@@ -168,7 +169,6 @@ def as_loaded(model, tokenizer=None) -> LoadedModel:
 def describe(model, tokenizer=None) -> LoadedModel:
     """A handle for a model vramguard did not load: the spec from ``model.config``, the settings from its
     quantization config, parameter dtype and attention implementation (:func:`loaded_settings`)."""
-    from vramguard.spec import spec_from_config
     spec = spec_from_config(model.config.to_dict(), name=getattr(model.config, "_name_or_path", "model"))
     return LoadedModel(model, tokenizer, None, spec, loaded_settings(model))
 

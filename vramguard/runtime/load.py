@@ -22,7 +22,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from vramguard.probe.checkpoint import read_checkpoint
+from vramguard.extras import extra_of
+from vramguard.introspect.build import attention_support, cached_config
+from vramguard.memory.runtime import CUDA_CONTEXT_BYTES
+from vramguard.memory.weights import weight_bytes
+from vramguard.probe.checkpoint import read_checkpoint, resolve_param_dtype
 from vramguard.probe.env import probe_env
 from vramguard.probe.kernels import AttentionKernel, profile_attention
 from vramguard.errors import ConfigError, InvalidValue, UnknownModel
@@ -31,7 +35,8 @@ from vramguard.runtime.device import MemorySnapshot, free_bytes
 from vramguard.runtime.handle import LoadedModel, as_loaded, forget, known, loaded_settings, register
 from vramguard.runtime.handle import pin_sdpa as _pin_sdpa
 from vramguard.runtime.handle import unpin_sdpa as _unpin_sdpa
-from vramguard.settings import TORCH_DTYPE_NAMES
+from vramguard.runtime.tokenizer import folder_tokenizer
+from vramguard.settings import TORCH_DTYPE_NAMES, Settings
 
 SDPA_PIN_ORDER = ("flash", "cudnn", "efficient")
 
@@ -200,9 +205,6 @@ def load_model(model: str, *, quant: str = "nf4", double_quant: bool = True, com
     import torch
     import transformers
 
-    from vramguard.probe.checkpoint import resolve_param_dtype
-    from vramguard.settings import Settings
-
     Settings(quant=quant, double_quant=double_quant, compute_dtype=compute_dtype, dtype=dtype)  # validates
     if attn not in ("auto", "flash_attention_2", "sdpa", "eager"):
         raise InvalidValue("attn", attn, "auto | flash_attention_2 | sdpa | eager")
@@ -243,7 +245,6 @@ def load_model(model: str, *, quant: str = "nf4", double_quant: bool = True, com
     m = _from_pretrained(folder, spec, kwargs)
     report.baseline_allocated_bytes = baseline
     report.weights_bytes = torch.cuda.memory_allocated() - baseline - workspace if on_cuda else None
-    from vramguard.runtime.tokenizer import folder_tokenizer
     tok, no_tokenizer = (tokenizer, "") if tokenizer is not None else folder_tokenizer(folder, trust_remote_code)
     if tok is None:  # a folder with weights but no tokenizer files
         report.notes.append(f"no tokenizer loaded: {no_tokenizer}")
@@ -276,8 +277,6 @@ def _require_bitsandbytes(quant: str) -> None:
         ConfigError: ``quant`` is nf4/fp4/int8 and ``importlib.util.find_spec("bitsandbytes")`` finds nothing.
     """
     import importlib.util
-
-    from vramguard.extras import extra_of
     if importlib.util.find_spec("bitsandbytes") is None:
         raise ConfigError("quant", quant, "a 16-bit or 32-bit dtype when bitsandbytes is not installed "
                           f"({quant} weights are quantized by bitsandbytes)",
@@ -312,8 +311,6 @@ def _no_progress_bar():
 def _from_pretrained(folder, spec, kwargs: dict):
     """``AutoModelForCausalLM.from_pretrained`` in eval mode; a config with no causal-LM class is a ConfigError."""
     import transformers
-
-    from vramguard.errors import ConfigError
     try:
         with _no_progress_bar():
             m = transformers.AutoModelForCausalLM.from_pretrained(str(folder), **kwargs)
@@ -328,7 +325,6 @@ def _from_pretrained(folder, spec, kwargs: dict):
 
 
 def _attention_support(spec) -> dict[str, bool]:
-    from vramguard.introspect.build import attention_support, cached_config
     return attention_support(cached_config(spec.config_json, spec.name)) if spec.config_json else {}
 
 
@@ -336,10 +332,6 @@ def _default_device_map(spec, quant, on_cuda, report, kwargs) -> dict | str:
     if not on_cuda:
         return {"": "cpu"}
     import torch
-
-    from vramguard.memory.runtime import CUDA_CONTEXT_BYTES
-    from vramguard.memory.weights import weight_bytes
-    from vramguard.settings import Settings
     need = weight_bytes(spec, Settings(quant=quant)).total_bytes + CUDA_CONTEXT_BYTES
     free = [free_bytes(i) for i in range(torch.cuda.device_count())]
     if need <= free[0] or len(free) == 1:

@@ -29,6 +29,7 @@ from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from vramguard.serve.access import AccessLog, throughput_loop
 from vramguard.serve.admission import Admission, RefusalLog, read_body, shutting_down
 from vramguard.serve.apierrors import ApiError, shown  # ApiError: also imported from here by the router
 from vramguard.serve.browsers import BrowserGuard
@@ -163,7 +164,6 @@ class _Api:
 
     @contextlib.asynccontextmanager
     async def lifespan(self, _app):
-        from vramguard.serve.access import throughput_loop
         task = asyncio.create_task(self._watch())
         throughput = asyncio.create_task(throughput_loop(self.engine, self.metrics, self.options.log_every_s))
         try:
@@ -329,7 +329,6 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions, metrics: Metric
     if options.api_key:  # added last: the outermost layer, so a request without the key never reaches the gate
         app.add_middleware(_ApiKey, key=options.api_key, on_reject=lambda: metrics.requests.labels(
             "rejected_auth").inc())
-    from vramguard.serve.access import AccessLog
     app.add_middleware(AccessLog)  # outermost: every request gets its line, refused ones too
     _routes(app, api)
     return app

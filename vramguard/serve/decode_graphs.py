@@ -27,6 +27,8 @@ from __future__ import annotations
 import contextlib
 import logging
 
+from vramguard.run.kernels.selftest import check_4bit_layers_or_gather, fastest_4bit_paths
+
 log = logging.getLogger("vramguard.serve")
 
 SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # requests a decode graph is padded to
@@ -72,7 +74,6 @@ def choose_gemm(model) -> tuple[object | None, str | None]:
         return None, "decode steps: bitsandbytes' 4-bit matmul (vramguard's switched off)"
     from vramguard.run.kernels import nf4_gemm
     from vramguard.run.kernels.route import gemm_4bit_route
-    from vramguard.run.kernels.selftest import check_4bit_layers_or_gather, fastest_4bit_paths
     route = functools.partial(gemm_4bit_route, nf4_gemm.MAX_ROWS)
     p = next(model.parameters())
     dtype = model.dtype if model.dtype.is_floating_point else p.dtype

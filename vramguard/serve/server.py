@@ -12,13 +12,22 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from vramguard.errors import EXIT_DEVICE_ERROR, ConfigError, InvalidValue
+from vramguard.errors import EXIT_DEVICE_ERROR, ConfigError, Infeasible, InvalidValue, VramguardError
+from vramguard.plan import load_plan_or_none
+from vramguard.resolve import resolve_model
+from vramguard.run.generate import check_seed
+from vramguard.runtime.device import restore_cap, set_cap, total_bytes, usable_bytes
+from vramguard.runtime.handle import as_loaded, unpin_sdpa
+from vramguard.runtime.load import UnloadReport, load_model, unload
 from vramguard.serve.api import BODY_TIMEOUT_S, SHUTDOWN_GRACE_S, ServeOptions, create_app
+from vramguard.serve.attention import ATTN_NAME
 from vramguard.serve.connections import Registry, connection_cap, install_accept_errors, protocol_class
-from vramguard.serve.engine import Engine
+from vramguard.serve.engine import Engine, Sampling
+from vramguard.serve.generate_engine import ENGINES, GenerateEngine, plan_requests
 from vramguard.serve.metrics import Metrics
 from vramguard.memory.kv import paged_pool_bytes
-from vramguard.serve.pool import PoolPlan, plan_pool
+from vramguard.serve.pool import PoolPlan, blocks_needed, plan_pool
+from vramguard.settings import Settings
 from vramguard.units import GiB, fmt_bytes, fmt_gib
 
 log = logging.getLogger("vramguard.serve")
@@ -31,8 +40,6 @@ SWITCH_INTERVAL_S = 0.001
 
 def _usable(budget: int | None, model) -> tuple[int, str]:
     import torch
-
-    from vramguard.runtime.device import usable_bytes
     if torch.cuda.is_available() and next(model.parameters()).is_cuda:
         usable, allocated = usable_bytes(budget)  # the same rule as guarded generation
         return usable, (f"vram_budget= minus {allocated:,} B allocated after loading" if budget is not None
@@ -146,15 +153,12 @@ class Served:
         import gc
 
         import torch
-
-        from vramguard.runtime.load import UnloadReport, unload
         on_cuda = torch.cuda.is_available()
         before = torch.cuda.memory_allocated() if on_cuda else None
         self.stop()
         self.engine.release()
         self.server = None
         if self.cap_before is not None:
-            from vramguard.runtime.device import restore_cap
             restore_cap(self.cap_before)
             self.cap_before = None
         if not unload_model:
@@ -239,7 +243,6 @@ class ContinuousBatchingRefused(ConfigError):
 
 def _first_request_error(engine) -> str | None:
     """Run one two-token greedy request through a started engine; the error text it ended with, or None."""
-    from vramguard.serve.engine import Sampling
 
     async def one_request():
         h = engine.submit([min(1, engine.vocab_size - 1)] * 2, 2, Sampling(temperature=0))
@@ -265,8 +268,6 @@ def _warm_up(engine) -> str:
     clients do not pay for first-use work (kernel compiles, library heuristics and module loads per shape, the
     allocator's growth to the step peak). Returns a note with the time taken, or why it was skipped or failed
     (never raises: it is an optimisation)."""
-    from vramguard.serve.engine import Sampling
-    from vramguard.serve.pool import blocks_needed
     p = engine.pool
     prompt = max(1, min(p.max_batch_tokens // 4, p.pool_tokens // max(p.max_requests, 1) - WARM_UP_NEW_TOKENS))
     per_request = blocks_needed(prompt + WARM_UP_NEW_TOKENS, p.page_size)
@@ -328,7 +329,6 @@ def _started_engine(model, tokenizer, pool, warm_up: bool = True, **kw) -> Engin
 
 def _start_continuous(model, tokenizer, pool, warm_up: bool, **kw) -> Engine:
     """:func:`_started_engine` for one attention choice (``own_kernels`` in ``kw``: see :class:`Engine`)."""
-    from vramguard.serve.attention import ATTN_NAME
     model_type = getattr(model.config, "model_type", "?")
     before = model.config._attn_implementation
     engine = None
@@ -369,7 +369,6 @@ def _generate_engine(model, tokenizer, spec, settings, vram_budget: int | None, 
     Raises:
         Infeasible: not even a two-token request fits. ConfigError: the model's generate failed on that request.
     """
-    from vramguard.serve.generate_engine import GenerateEngine, plan_requests
     usable, source = _usable(vram_budget, model)
     plan = plan_requests(spec, settings, usable, spec.max_position_embeddings, source)
     engine = GenerateEngine(model, tokenizer, plan, spec, settings, **kw)
@@ -434,10 +433,6 @@ def _check_load_fits(model: str, quant: str, dtype: str | None, budget: int) -> 
     Raises:
         Infeasible: the planned reserved peak of the load is over ``budget``.
     """
-    from vramguard.errors import Infeasible, VramguardError
-    from vramguard.plan import load_plan_or_none
-    from vramguard.resolve import resolve_model
-    from vramguard.settings import Settings
     try:
         ld = load_plan_or_none(resolve_model(model), Settings(quant=quant, dtype=dtype))
     except VramguardError:  # an unreadable model or setting: the load reports it with its own error
@@ -502,7 +497,6 @@ def _hard_cap(model: str, quant: str, dtype: str | None, vram_budget: int | None
     import torch
     if vram_budget is None or not torch.cuda.is_available():
         return None
-    from vramguard.runtime.device import set_cap, total_bytes
     total = total_bytes()
     if vram_budget > total:
         raise InvalidValue("vram_budget", vram_budget, f"at most the card's {total:,} B", "pass a smaller vram_budget=")
@@ -535,21 +529,16 @@ def build(model: str, *, vram_budget: int | None = None, max_queue: int = 64, ma
         InvalidValue: a limit out of range. Infeasible: the budget leaves no room for the pool.
         UnknownModel / ConfigError: from :func:`vramguard.runtime.load.load_model`.
     """
-    from vramguard.serve.generate_engine import ENGINES
     if engine_choice not in ENGINES:
         raise InvalidValue("engine", engine_choice, " | ".join(ENGINES), "pass one of: " + ", ".join(ENGINES))
-    from vramguard.run.generate import check_seed
     check_seed(seed)
     _check_limits(body_timeout_s, max_queue=(max_queue, 0), max_running=(max_running, 1),
                   max_batch_tokens=(max_batch_tokens, 16), page_size=(page_size, 4), n_max=(n_max, 1),
                   default_max_tokens=(default_max_tokens, 1))
-    from vramguard.resolve import resolve_model
-    from vramguard.runtime.load import load_model
     cap_before = _hard_cap(model, quant, dtype, vram_budget) if hard_cap else None
     if loaded is None:
         loaded = load_model(model, quant=quant, dtype=dtype, attn=attn, trust_remote_code=trust_remote_code,
                             allow_pickle=allow_pickle, verify=verify)
-    from vramguard.runtime.handle import as_loaded, unpin_sdpa
     loaded = as_loaded(loaded)
     m, tok, report = loaded
     unpinned = loaded.sdpa_pin.backend if loaded.sdpa_pin is not None else None
@@ -557,7 +546,6 @@ def build(model: str, *, vram_budget: int | None = None, max_queue: int = 64, ma
     spec = loaded.spec if loaded.spec is not None else resolve_model(str(model))
     usable, source = _usable(vram_budget, m)
     if usable <= 0:
-        from vramguard.errors import Infeasible
         held = -usable + (vram_budget or 0)
         raise Infeasible("vram_budget", fmt_bytes(vram_budget or 0), f"more than the {fmt_bytes(held)} already "
                          "taken by the weights and runtime", "raise vram_budget="
