@@ -137,7 +137,7 @@ def run_guarded(fn, *args, as_json: bool = False, progress: str | None = None, *
         if as_json:
             sys.stdout.write(json.dumps({"error": {"type": "internal", "exception": type(e).__name__,
                                                    "message": first}}) + "\n")
-        raise typer.Exit(EXIT_INTERNAL)
+        raise typer.Exit(EXIT_INTERNAL) from None
 
 
 # library warnings a vramguard command triggers but the user can do nothing about, matched by their start only:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from vramguard.settings import ATTNS, Settings, short_dtype
 from vramguard.spec import spec_from_config
@@ -70,7 +70,7 @@ class LoadedModel:
         sdpa_pin: the :class:`SdpaPin` every forward runs under, or None (:func:`pin_sdpa`).
     """
 
-    model: object
+    model: Any  # transformers' PreTrainedModel (torch is not imported here)
     tokenizer: object = None
     report: object = None
     spec: ModelSpec | None = None

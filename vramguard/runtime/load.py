@@ -55,7 +55,7 @@ class LoadReport:
     notes: list[str] = field(default_factory=list)
 
 
-def _override(report: LoadReport | None, strict: bool, field_: str, value, accepted: str, new, why: str) -> object:
+def _override(report: LoadReport | None, strict: bool, field_: str, value, accepted: str, new: str, why: str) -> str:
     """``new`` in place of ``value``, recorded in ``report.overrides`` and warned; ``strict`` raises InvalidValue
     instead; ``report`` None records and warns nothing (a caller asking only what a load would choose)."""
     if strict:
@@ -233,7 +233,9 @@ def load_model(model: str, *, quant: str = "nf4", double_quant: bool = True, com
         kwargs["quantization_config"] = _bnb_config(quant, double_quant, cd)
     kwargs["device_map"] = device_map if device_map is not None else _default_device_map(spec, quant, on_cuda,
                                                                                        report, kwargs)
-    baseline = workspace = snapshot = None
+    baseline: int | None = None
+    workspace = 0
+    snapshot = None
     if on_cuda:  # baseline and residual (unload) both leave cuBLAS workspaces out: dropped here and there
         clear_cublas_workspaces()
         snapshot = MemorySnapshot.take()
@@ -244,7 +246,7 @@ def load_model(model: str, *, quant: str = "nf4", double_quant: bool = True, com
         workspace = torch.cuda.memory_allocated() - baseline
     m = _from_pretrained(folder, spec, kwargs)
     report.baseline_allocated_bytes = baseline
-    report.weights_bytes = torch.cuda.memory_allocated() - baseline - workspace if on_cuda else None
+    report.weights_bytes = torch.cuda.memory_allocated() - baseline - workspace if baseline is not None else None
     tok, no_tokenizer = (tokenizer, "") if tokenizer is not None else folder_tokenizer(folder, trust_remote_code)
     if tok is None:  # a folder with weights but no tokenizer files
         report.notes.append(f"no tokenizer loaded: {no_tokenizer}")
@@ -428,7 +430,7 @@ def unload(model) -> UnloadReport:
     handle = as_loaded(model) if isinstance(model, LoadedModel) or known(model) else None
     model = handle.model if handle is not None else model
     on_cuda = torch.cuda.is_available()
-    before = torch.cuda.memory_allocated() if on_cuda else None
+    before = torch.cuda.memory_allocated() if on_cuda else 0
     baseline = handle.baseline.allocated if handle is not None and handle.baseline is not None else None
     forget(model)
     for mod in model.modules():
