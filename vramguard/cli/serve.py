@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import sys
+from dataclasses import replace
 from enum import Enum
 from typing import List, Optional
 
@@ -18,6 +19,7 @@ from vramguard.errors import InvalidValue
 from vramguard.extras import missing as missing_packages
 from vramguard.resolve import local_model_folder
 from vramguard.runtime.load import default_quant
+from vramguard.serve.config import ServeConfig
 from vramguard.serve.generate_engine import ENGINES
 from vramguard.units import parse_size
 
@@ -101,14 +103,15 @@ def serve(
         if gpus is not None:
             return serve_router(model, gpu_ids(gpus), host, port, api_key, listening, max_body_bytes=body,
                                 allowed_hosts=tuple(allowed_host or ()))
-        return serve_one(model, host, port, listening, vram_budget=budget, max_queue=max_queue,
-                         max_running=max_running, max_batch_tokens=max_batch_tokens, page_size=page_size,
-                         max_kv_blocks=max_kv_blocks, api_key=api_key, quant=quant.value if quant is not None else None,
-                         dtype=dtype.value if dtype and dtype.value != "auto" else None, attn=attn.value,
-                         trust_remote_code=trust_remote_code, allow_pickle=allow_pickle, seed=seed,
-                         served_name=served_model_name, n_max=n_max, default_max_tokens=default_max_tokens,
-                         max_body_bytes=body, greedy=greedy, hard_cap=True, engine_choice=engine.value,
-                         deterministic=deterministic, allowed_hosts=tuple(allowed_host or ()))
+        config = ServeConfig(vram_budget=budget, max_queue=max_queue, max_running=max_running,
+                             max_batch_tokens=max_batch_tokens, page_size=page_size, max_kv_blocks=max_kv_blocks,
+                             api_key=api_key, quant=quant.value if quant is not None else None,
+                             dtype=dtype.value if dtype and dtype.value != "auto" else None, attn=attn.value,
+                             trust_remote_code=trust_remote_code, allow_pickle=allow_pickle, seed=seed,
+                             served_name=served_model_name, n_max=n_max, default_max_tokens=default_max_tokens,
+                             max_body_bytes=body, greedy=greedy, hard_cap=True, engine_choice=engine.value,
+                             deterministic=deterministic, allowed_hosts=tuple(allowed_host or ()))
+        return serve_one(model, host, port, listening, config)
 
     rc = run_guarded(start)
     if rc:
@@ -174,18 +177,20 @@ def serve_router(model: str, ids: list[int], host: str, port: int, api_key: str 
     return run_router(model, ids, args, host, port, api_key, on_listen=listening, **limits)
 
 
-def serve_one(model: str, host: str, port: int, listening, **options) -> int:
-    """Build the server of ``model`` in this process (``options``: :func:`vramguard.serve.server.build`'s), say what
-    was loaded, and serve until stopped; returns its exit code."""
+def serve_one(model: str, host: str, port: int, listening, config: ServeConfig) -> int:
+    """Build the server of ``model`` in this process (:func:`vramguard.serve.server.build`), say what was loaded,
+    and serve until stopped; returns its exit code. ``config.quant`` None: NF4 on a CUDA device, float32 weights
+    without one (said)."""
     import transformers
 
     from vramguard.serve.server import build
     transformers.utils.logging.disable_progress_bar()
-    if options.get("quant") is None:  # as run: NF4 on a CUDA device, float32 weights without one (said)
+    if config.quant is None:  # as run: NF4 on a CUDA device, float32 weights without one (said)
         import torch
-        options["quant"], why = default_quant(torch.cuda.is_available())
-        say(f"note: weights {options['quant']}: {why}")
-    served = build(model, **options)
+        quant, why = default_quant(torch.cuda.is_available())
+        config = replace(config, quant=quant)
+        say(f"note: weights {quant}: {why}")
+    served = build(model, config)
     a = served.report.active if served.report is not None else {}
     say("loaded: " + ", ".join(f"{k} {a[k]}" for k in ("quant", "compute_dtype", "dtype", "attn", "device")
                                if a.get(k) not in (None, "None") and (k, a[k]) != ("quant", "none")))

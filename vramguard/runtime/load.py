@@ -32,7 +32,8 @@ from vramguard.probe.kernels import AttentionKernel, profile_attention
 from vramguard.errors import ConfigError, InvalidValue, UnknownModel
 from vramguard.resolve import local_model_folder, resolve_model
 from vramguard.runtime.device import MemorySnapshot, free_bytes
-from vramguard.runtime.handle import LoadedModel, as_loaded, forget, known, loaded_settings, register
+from vramguard.runtime.handle import (LoadedModel, as_loaded, bnb_format, forget, known, loaded_settings,
+                                      quantization_dict, register)
 from vramguard.runtime.handle import pin_sdpa as _pin_sdpa
 from vramguard.runtime.handle import unpin_sdpa as _unpin_sdpa
 from vramguard.runtime.tokenizer import folder_tokenizer
@@ -346,12 +347,8 @@ def _default_device_map(spec, quant, on_cuda, report, kwargs) -> dict | str:
 
 def _active(m) -> dict:
     import torch
-    q = getattr(m.config, "quantization_config", None)
-    quant = "none"
-    if q is not None:
-        qd = q.to_dict() if hasattr(q, "to_dict") else dict(q)
-        quant = ("nf4" if qd.get("bnb_4bit_quant_type") == "nf4" else "fp4") if qd.get("load_in_4bit") else (
-            "int8" if qd.get("load_in_8bit") else str(qd.get("quant_method")))
+    q = quantization_dict(m)
+    quant = "none" if q is None else bnb_format(q)[0] or str(q.get("quant_method"))
     compute = None
     for mod in m.modules():
         if hasattr(mod, "compute_dtype") and getattr(mod, "compute_dtype", None) is not None:
@@ -361,8 +358,7 @@ def _active(m) -> dict:
     dmap = getattr(m, "hf_device_map", None) or {"": str(emb.device)}
     on_gpu = any(str(v) not in ("cpu", "disk") for v in dmap.values())
     offloaded = sorted(k for k, v in dmap.items() if str(v) in ("cpu", "disk")) if on_gpu else []
-    return {"quant": quant, "double_quant": (q.to_dict().get("bnb_4bit_use_double_quant") if q is not None and
-                                              hasattr(q, "to_dict") else None),
+    return {"quant": quant, "double_quant": q.get("bnb_4bit_use_double_quant") if q is not None else None,
             "compute_dtype": compute, "dtype": str(emb.dtype).replace("torch.", ""),
             "attn": m.config._attn_implementation, "device_map": {k: str(v) for k, v in dmap.items()},
             "offloaded_modules": offloaded, "device": str(emb.device),

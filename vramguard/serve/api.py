@@ -33,6 +33,7 @@ from vramguard.serve.access import AccessLog, throughput_loop
 from vramguard.serve.admission import Admission, RefusalLog, read_body, shutting_down
 from vramguard.serve.apierrors import ApiError, shown  # ApiError: also imported from here by the router
 from vramguard.serve.browsers import BrowserGuard
+from vramguard.serve.config import BODY_TIMEOUT_S  # also imported from here by the router
 from vramguard.serve.engine import Engine, EngineStopped, Sampling
 from vramguard.serve.metrics import Metrics
 from vramguard.serve.prompts import PromptEncoder
@@ -42,7 +43,6 @@ from vramguard.serve.streaming import Outputs
 from vramguard.serve.validate import Limits, check_tokens, parse_request
 
 SHUTDOWN_GRACE_S = 5.0  # seconds open requests get to end on Ctrl-C/SIGTERM (uvicorn's graceful timeout too)
-BODY_TIMEOUT_S = 10.0  # the whole request body must arrive within this many seconds of the headers
 
 
 @dataclass
