@@ -221,7 +221,7 @@ def _placement_finding(model, spec, s, card, env) -> Finding:
         cfg = json.loads((folder / "config.json").read_text()) if folder else (
             json.loads(spec.config_json) if spec.config_json else {})
     try:
-        pl = auto_placement(cfg, s, card.total_bytes - card.used_by_others_bytes, env.ram_available_bytes or 0)
+        pl = auto_placement(cfg, s, card.usable_bytes, env.ram_available_bytes or 0)
     except Exception as e:  # accelerate cannot build this config: say so instead of guessing
         return finding_line("device_map", "info", "auto", f"placement unknown ({type(e).__name__}: {e})")
     if pl is None:

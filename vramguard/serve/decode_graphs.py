@@ -28,6 +28,7 @@ import contextlib
 import logging
 
 from vramguard.run.kernels.selftest import check_4bit_layers_or_gather, fastest_4bit_paths
+from vramguard.runtime.device import is_oom
 
 log = logging.getLogger("vramguard.serve")
 
@@ -85,7 +86,7 @@ def choose_gemm(model) -> tuple[object | None, str | None]:
             notes = [check_4bit_layers_or_gather(model, functools.partial(route, choice), dtype, rows=rows,
                                                  every_shape=True) for rows in CHECK_ROWS]
     except Exception as e:  # noqa: BLE001 - a kernel that fails to compile or disagrees is not used: say why
-        if isinstance(e, torch.OutOfMemoryError):
+        if is_oom(e):
             raise
         return None, (f"decode steps: bitsandbytes' 4-bit matmul (vramguard's failed its check: "
                       f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})")

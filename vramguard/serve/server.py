@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from vramguard.errors import EXIT_DEVICE_ERROR, ConfigError, Infeasible, InvalidValue, VramguardError
 from vramguard.plan import load_plan_or_none
 from vramguard.resolve import resolve_model
-from vramguard.runtime.device import restore_cap, set_cap, total_bytes, usable_bytes
+from vramguard.runtime.device import is_oom, restore_cap, set_cap, total_bytes, usable_bytes
 from vramguard.runtime.handle import handle_of, unpin_sdpa
 from vramguard.runtime.load import UnloadReport, load_model, unload
 from vramguard.serve.api import SHUTDOWN_GRACE_S, ServeOptions, create_app
@@ -348,7 +348,7 @@ def _start_continuous(model, tokenizer, pool, warm_up: bool, **kw) -> Engine:
             engine.notes.append(_warm_up(engine))
     except (ContinuousBatchingRefused, ValueError, NotImplementedError, TypeError, KeyError, AttributeError,
             RuntimeError) as e:  # RuntimeError: transformers 5.17 reports a layer type it lacks as "did not start"
-        if isinstance(e, RuntimeError) and "out of memory" in str(e).lower():
+        if is_oom(e):
             raise
         own = model.config._attn_implementation == ATTN_NAME
         if engine is not None:
