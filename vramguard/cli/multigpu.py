@@ -123,6 +123,7 @@ def plan_cards(model: str, s, cards: tuple, context: int | None, device_map: str
     Raises:
         InvalidValue: see :func:`resolve_cards`; ``--max-memory`` not one size or one per card.
     """
+    # several cards' planner: loaded when a plan asks for them, not at the CLI's start
     from vramguard.plan.multigpu import plan_gpus
     from vramguard.plan.multigpu.tensorparallel import check_tp_heads, check_tp_quant
     gpus, tp, gpu, vram = cards

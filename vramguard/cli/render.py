@@ -288,7 +288,7 @@ def allocator_line(est) -> str:
     if a is None:
         return ("reserved memory: the reserve formula (largest allocation plus 30% of the rest), which plans the "
                 "largest prompt about 12% short of the caching-allocator model's")
-    from vramguard.memory.allocator import ignored_options
+    from vramguard.memory.allocator import ignored_options  # loaded by the plan that replayed it
     how = "expandable segments" if a.expandable_segments else "default segments"
     conf = f"PYTORCH_CUDA_ALLOC_CONF={est.alloc_conf}" if est.alloc_conf else "the default allocator"
     ignored = ignored_options(est.alloc_conf)

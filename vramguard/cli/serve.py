@@ -87,7 +87,7 @@ def serve(
     listening = announcer(ready_file, served_model_name or model)
 
     def start() -> int:
-        from vramguard.serve.apierrors import word_messages_with
+        from vramguard.serve.apierrors import word_messages_with  # fastapi: loaded when serve runs
         previous = word_messages_with(as_flags)  # the clients of a server started here read its options
         try:
             return serve_from_here()
@@ -171,7 +171,7 @@ def serve_router(model: str, ids: list[int], host: str, port: int, api_key: str 
     """One worker per GPU in ``ids``, each given this command line less :data:`ROUTER_OPTIONS`, behind the
     router (``limits``: :func:`~vramguard.serve.router.run_router`'s body size and allowed hosts); returns its
     exit code."""
-    from vramguard.serve.router import run_router
+    from vramguard.serve.router import run_router  # fastapi, httpx: loaded when serve runs
     args = [a for a in sys.argv[sys.argv.index("serve") + 2:]]
     args = strip_options(args, ROUTER_OPTIONS)
     return run_router(model, ids, args, host, port, api_key, on_listen=listening, **limits)
@@ -183,7 +183,7 @@ def serve_one(model: str, host: str, port: int, listening, config: ServeConfig) 
     without one (said)."""
     import transformers
 
-    from vramguard.serve.server import build
+    from vramguard.serve.server import build  # fastapi, uvicorn: loaded when serve runs
     transformers.utils.logging.disable_progress_bar()
     if config.quant is None:  # as run: NF4 on a CUDA device, float32 weights without one (said)
         import torch
