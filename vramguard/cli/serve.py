@@ -19,8 +19,7 @@ from vramguard.errors import InvalidValue
 from vramguard.extras import missing as missing_packages
 from vramguard.resolve import local_model_folder
 from vramguard.runtime.load import default_quant
-from vramguard.serve.config import ServeConfig
-from vramguard.serve.generate_engine import ENGINES
+from vramguard.serve.config import ENGINES, ServeConfig
 from vramguard.units import parse_size
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")

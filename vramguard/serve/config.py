@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 from vramguard.errors import InvalidValue
 from vramguard.run.generate import check_seed
-from vramguard.serve.generate_engine import ENGINES
 
+ENGINES = ("auto", "continuous", "generate")  # the serve engines a user may choose ("auto": continuous when it runs)
 BODY_TIMEOUT_S = 10.0  # the whole request body must arrive within this many seconds of the headers
 MAX_COUNT = 1 << 20  # requests, tokens per step or per block beyond this are no serving setting
 

@@ -49,7 +49,6 @@ from vramguard.units import fmt_bytes, fmt_gib
 
 log = logging.getLogger("vramguard.serve")
 
-ENGINES = ("auto", "continuous", "generate")  # the serve engines a user may choose ("auto": continuous when it runs)
 _PLAN_LOCK = threading.Lock()  # the replay of a plan runs under global module hooks: one plan at a time
 
 
