@@ -197,7 +197,9 @@ def load_model(model: str, *, quant: str = "nf4", double_quant: bool = True, com
             prompt before loading); None reads it here.
 
     Returns:
-        LoadedModel (iterable as ``model, tokenizer, report``).
+        The :class:`~vramguard.runtime.handle.LoadedModel` every runtime verb takes: the model, its tokenizer, the
+        report, the spec it was resolved to, the settings as loaded and the pre-load snapshot (iterable as
+        ``model, tokenizer, report``).
 
     Raises:
         UnknownModel: no local weights for ``model``. InvalidValue: a bad setting (or one that cannot run, with
