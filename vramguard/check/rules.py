@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from vramguard.catalog.gpus import GpuSpec
 from vramguard.finding import Finding
+from vramguard.memory.weights import weight_bytes
 from vramguard.probe.checkpoint import CheckpointInfo
 from vramguard.probe.env import Env
 from vramguard.plan.rules import attention_map_bytes, dequantized_weight_bytes
@@ -184,7 +185,6 @@ def model_findings(spec: ModelSpec | None, ckpt: CheckpointInfo | None, s: Setti
     elif param_dtype == "fp32" and (stored in ("bf16", "fp16") or (stored == "fp32" and not dtype_passed)):
         cost = ""
         if spec is not None:
-            from vramguard.memory.weights import weight_bytes
             q = s.quant if s.is_bnb else "fp32"
             f32 = weight_bytes(spec, s.with_(quant=q, dtype="fp32", compute_dtype=None)).total_bytes
             b16 = weight_bytes(spec, s.with_(quant=q if s.is_bnb else "bf16", dtype="bf16",

@@ -21,7 +21,16 @@ from functools import lru_cache
 from typing import Callable
 
 from vramguard.errors import InvalidValue
+from vramguard.explain import explain
+from vramguard.introspect.alloc_replay import allowed_bytes, replay_generate, supported
+from vramguard.memory.allocator import AllocatorConfig
 from vramguard.plan import estimate
+from vramguard.plan.allocator import edge_prompt_tokens
+from vramguard.profile.measured_run import free_memory, run_generate
+from vramguard.profile.timeline import write_fit_plot
+from vramguard.resolve import local_model_folder
+from vramguard.runtime.device import memory_cap, require_cuda, total_bytes
+from vramguard.runtime.load import LoadedModel, load_model
 from vramguard.settings import Settings
 from vramguard.plan.solve import _largest
 from vramguard.spec import ModelSpec
@@ -95,9 +104,6 @@ def allocator_seeds(spec: ModelSpec, s: Settings, budget: int, alloc_conf: str |
         import transformers  # noqa: F401
     except ImportError:
         return None
-    from vramguard.introspect.alloc_replay import allowed_bytes, replay_generate, supported
-    from vramguard.plan.allocator import edge_prompt_tokens
-    from vramguard.memory.allocator import AllocatorConfig
     if not spec.config_json or not supported(s):
         return None
     try:
@@ -227,11 +233,6 @@ def fit(model, s: Settings, vary: str, budget_bytes: int, out_dir: str | None = 
         InvalidValue: unknown ``vary``, or a budget above the card.
         NoCudaGpu: no CUDA device (fit makes real runs).
     """
-    from vramguard.explain import explain
-    from vramguard.runtime.load import LoadedModel, load_model
-    from vramguard.runtime.device import memory_cap, require_cuda, total_bytes
-    from vramguard.profile.measured_run import free_memory, run_generate
-    from vramguard.resolve import local_model_folder
     if vary not in VARY:
         raise InvalidValue("vary", vary, " | ".join(VARY), "vary one of those")
     if not isinstance(model, LoadedModel):
@@ -268,8 +269,6 @@ def fit(model, s: Settings, vary: str, budget_bytes: int, out_dir: str | None = 
     rep = FitReport(vary, budget_bytes, best, fail, runs, cons, opt, binding, comps)
     if out_dir:
         from pathlib import Path
-
-        from vramguard.profile.timeline import write_fit_plot
         Path(out_dir).mkdir(parents=True, exist_ok=True)
         rep.plot = str(write_fit_plot([r.value for r in runs], [r.peak_allocated for r in runs],
                                       [r.ok for r in runs], budget_bytes, vary, best,

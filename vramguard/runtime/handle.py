@@ -13,9 +13,10 @@ from __future__ import annotations
 import contextlib
 import weakref
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from vramguard.settings import ATTNS, Settings, short_dtype
+from vramguard.spec import spec_from_config
 
 if TYPE_CHECKING:
     from vramguard.runtime.device import MemorySnapshot
@@ -69,7 +70,7 @@ class LoadedModel:
         sdpa_pin: the :class:`SdpaPin` every forward runs under, or None (:func:`pin_sdpa`).
     """
 
-    model: object
+    model: Any  # transformers' PreTrainedModel (torch is not imported here)
     tokenizer: object = None
     report: object = None
     spec: ModelSpec | None = None
@@ -165,33 +166,66 @@ def as_loaded(model, tokenizer=None) -> LoadedModel:
     return h if tokenizer is None else replace(h, tokenizer=tokenizer)
 
 
+def handle_of(model, tokenizer=None) -> LoadedModel:
+    """The handle a runtime verb works from, without a lookup: ``model`` itself when it is a
+    :class:`LoadedModel` (``tokenizer``, when given, replacing its own), else one described from the bare model
+    (:func:`describe`). Verbs take the handle :func:`~vramguard.runtime.load.load_model` returned; the table
+    :func:`as_loaded` reads serves callers that unpacked it into a bare model."""
+    if isinstance(model, LoadedModel):
+        return model if tokenizer is None else replace(model, tokenizer=tokenizer)
+    return describe(model, tokenizer)
+
+
 def describe(model, tokenizer=None) -> LoadedModel:
     """A handle for a model vramguard did not load: the spec from ``model.config``, the settings from its
     quantization config, parameter dtype and attention implementation (:func:`loaded_settings`)."""
-    from vramguard.spec import spec_from_config
     spec = spec_from_config(model.config.to_dict(), name=getattr(model.config, "_name_or_path", "model"))
     return LoadedModel(model, tokenizer, None, spec, loaded_settings(model))
 
 
+# transformers' BitsAndBytesConfig defaults (its __init__), for a quantization_config that leaves a field out
+BNB_4BIT_QUANT_TYPE = "fp4"
+BNB_4BIT_USE_DOUBLE_QUANT = False
+
+
+def quantization_dict(model) -> dict | None:
+    """``model.config.quantization_config`` as a dict (a config object's ``to_dict()``), or None without one."""
+    q = getattr(model.config, "quantization_config", None)
+    if q is None:
+        return None
+    return q.to_dict() if hasattr(q, "to_dict") else dict(q)
+
+
+def bnb_format(q: dict) -> tuple[str | None, bool]:
+    """The bitsandbytes weight format of a quantization config and its double quantization: ``("nf4" | "fp4",
+    double)`` for ``load_in_4bit`` (``bnb_4bit_quant_type`` and ``bnb_4bit_use_double_quant``, transformers'
+    defaults where left out: fp4, no double quantization), ``("int8", False)`` for ``load_in_8bit``, ``(None,
+    False)`` for another method. The one reading of it for the handle's settings and the load report.
+
+    >>> bnb_format({"load_in_4bit": True, "bnb_4bit_quant_type": "nf4"})
+    ('nf4', False)
+    """
+    if q.get("load_in_4bit"):
+        kind = q.get("bnb_4bit_quant_type") or BNB_4BIT_QUANT_TYPE
+        return ("nf4" if kind == "nf4" else "fp4"), bool(q.get("bnb_4bit_use_double_quant", BNB_4BIT_USE_DOUBLE_QUANT))
+    return ("int8", False) if q.get("load_in_8bit") else (None, False)
+
+
 def loaded_settings(model) -> Settings:
     """The settings a loaded model runs with, read from it: the weight format from ``config.quantization_config``
-    (bitsandbytes' ``load_in_4bit`` / ``bnb_4bit_quant_type`` / ``load_in_8bit``; otherwise the model's dtype),
-    the compute dtype and double quant from ``bnb_4bit_compute_dtype`` / ``bnb_4bit_use_double_quant``, the dtype
-    of the unquantized modules from ``model.dtype`` and the attention from ``config._attn_implementation`` (SDPA
-    for any other implementation)."""
+    (:func:`bnb_format`; a model without one: its dtype), the compute dtype from ``bnb_4bit_compute_dtype``, the
+    dtype of the unquantized modules from ``model.dtype`` and the attention from ``config._attn_implementation``
+    (SDPA for any other implementation)."""
     dtype = short_dtype(getattr(model, "dtype", None)) or "bf16"
-    q = getattr(model.config, "quantization_config", None)
+    q = quantization_dict(model)
     compute, double = None, True
     if q is None:
         quant = dtype
     else:
-        d = q.to_dict() if hasattr(q, "to_dict") else dict(q)
-        if d.get("load_in_4bit"):
-            quant = "fp4" if d.get("bnb_4bit_quant_type") == "fp4" else "nf4"
-            compute = short_dtype(d.get("bnb_4bit_compute_dtype"))
-            double = bool(d.get("bnb_4bit_use_double_quant", True))
-        else:
-            quant = "int8" if d.get("load_in_8bit") else "bf16"
+        fmt, bnb_double = bnb_format(q)
+        quant = fmt or "bf16"
+        if fmt in ("nf4", "fp4"):
+            compute, double = short_dtype(q.get("bnb_4bit_compute_dtype")), bnb_double
     attn = getattr(model.config, "_attn_implementation", "sdpa") or "sdpa"
     return Settings(quant=quant, double_quant=double, attn=attn if attn in ATTNS else "sdpa",
                     compute_dtype=compute, dtype=None if q is None else dtype)
