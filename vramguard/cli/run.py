@@ -51,7 +51,7 @@ def run(
 ) -> None:
     """Generate text without running out of memory: plan first, pick a strategy that fits, recover from OOM.
     Stops at the model's end of turn (or --max-new-tokens). The text streams to stdout; a summary (what was loaded
-    and why, strategy and why, why it stopped, time per phase: import, load, plan, prefill, one-time, decode) goes
+    and why, strategy and why, why it stopped, time per phase: import, load, plan, one-time, prefill, decode) goes
     to stderr."""
     from vramguard.cli.render import to_jsonable
     from vramguard.cli.render_run import print_generation_summary
@@ -78,12 +78,15 @@ def run(
                                  chat_template)
             prepared = prepare_prompt(loaded.tokenizer, text, chat_template)
         say(f"prompt: {plural(len(prepared.ids), 'token')}, {prepared.reason}")
+        t_call = time.perf_counter()
         r = generate_fn(loaded, loaded.tokenizer, prepared.ids, max_new_tokens, budget_bytes=budget,
                         auto=auto, on_text=stream, do_sample=do_sample, temperature=temperature, top_p=top_p,
                         top_k=top_k, seed=seed, fast_decode=fast_decode, ignore_eos=ignore_eos)
         if r.loaded is not None:
             r.loaded["why"].insert(0, f"weights {weights}: {why}")
         r.timings.import_s, r.timings.prepare_s, r.timings.load_s = times
+        if startup_s is not None and r.timings.first_token_s is not None:
+            r.timings.command_first_token_s = startup_s + (t_call - t_entry) + r.timings.first_token_s
         return r
 
     r = run_guarded(build, as_json=fmt == Format['json'])

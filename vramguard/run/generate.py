@@ -128,7 +128,7 @@ class Attempt:
     decode_reason: str | None = None
     decode_ms_per_token: float | None = None
     sdpa_note: str | None = None  # load_model's SDPA pin lifted for this attempt, and why
-    ttft_s: float | None = None  # this attempt's first token (its prefill), seconds after it started
+    ttft_s: float | None = None  # its prefill: the prompt in, its first token out (one-time work apart)
     decode_s: float | None = None  # its decode steps alone (one-time work after the first token left out)
     decode_steps: int = 0
     one_time: dict = field(default_factory=dict)  # graph strategy: selftest_s, warmup_s, capture_s
@@ -140,9 +140,10 @@ class GenerationResult:
     (``peak_allocated_bytes``: the finishing attempt's peak; each attempt keeps its own). ``decode_mode`` and
     ``decode_reason`` are set when the graph strategy finished (``fast_decode``). ``stop`` says why generation
     ended: ``"eos"`` (one of ``eos_token_ids``, the model's end tokens, was generated, and is the last id) or
-    ``"max_new_tokens"``; ``stop_detail`` says it in words. ``timings`` splits the wall time (plan, prefill,
-    one-time work, decode; :class:`~vramguard.run.timing.RunTimings`); ``decode_ms_per_token`` counts decode steps
-    only. ``loaded`` says what ran (weight format, dtypes, attention, device) when the model came from
+    ``"max_new_tokens"``; ``stop_detail`` says it in words. ``timings`` splits the wall time (plan, one-time work,
+    prefill, decode; :class:`~vramguard.run.timing.RunTimings`); ``ttft_s`` is the prefill (the prompt in, the
+    first token out: ``timings.prefill_s``) and ``decode_ms_per_token`` counts decode steps only, the one-time work
+    of the graph strategy (kernel check, warm-up, capture) done before the prefill and timed apart. ``loaded`` says what ran (weight format, dtypes, attention, device) when the model came from
     :func:`~vramguard.runtime.load.load_model`."""
 
     text: str
@@ -300,15 +301,15 @@ def _done(generated: list[int], max_new_tokens: int, eos: list[int], ignore_eos:
 def _attempts(model, tokenizer, prompt_ids: list[int], max_new_tokens: int, order, on_text, sample: dict,
               seed: int | None, eos: list[int], ignore_eos: bool) -> tuple[list[int], list[Attempt], float | None]:
     """Run the strategies in ``order`` until one completes; each continues from the tokens produced so far and
-    stops as transformers' ``generate`` does (at an ``eos`` id unless ``ignore_eos``, else after the budget)."""
+    stops as transformers' ``generate`` does (at an ``eos`` id unless ``ignore_eos``, else after the budget).
+    Returns the tokens, the attempts and the ``time.perf_counter()`` of the first token (None: none came)."""
     import torch
 
     from vramguard.runtime.handle import sdpa_unpinned
     on_cuda = next(model.parameters()).device.type == "cuda"
     generated: list[int] = []
     attempts: list[Attempt] = []
-    t0 = time.perf_counter()
-    ttft = None
+    first_at = None  # time.perf_counter() when the first token was streamed
     for i, (st, _need) in enumerate(order):
         tap = _Tap(tokenizer, on_text, i, generated, len(prompt_ids))
         hook = _inject_hook(model, i, tap)
@@ -335,8 +336,8 @@ def _attempts(model, tokenizer, prompt_ids: list[int], max_new_tokens: int, orde
             attempts.append(Attempt(st.name, len(generated) - tap.start,
                                     peak_allocated_bytes=torch.cuda.max_memory_allocated() if on_cuda else None,
                                     sdpa_note=sdpa_note, **{**_timing_fields(tap, t_start), **_decode_fields(dec)}))
-            ttft = ttft if ttft is not None else (tap.t_first - t0 if tap.t_first else None)
-            return generated, attempts, ttft
+            first_at = first_at if first_at is not None else tap.t_first
+            return generated, attempts, first_at
         except RuntimeError as e:  # out of memory: free what the attempt held, then the next strategy continues
             if not is_oom(e):
                 raise
@@ -345,9 +346,9 @@ def _attempts(model, tokenizer, prompt_ids: list[int], max_new_tokens: int, orde
                                     "prefill" if added == 0 else "decode", added,
                                     torch.cuda.max_memory_allocated() if on_cuda else None,
                                     **_timing_fields(tap, t_start)))
-            ttft = ttft if ttft is not None else (tap.t_first - t0 if tap.t_first else None)
+            first_at = first_at if first_at is not None else tap.t_first
             if _done(generated, max_new_tokens, eos, ignore_eos):  # it ran out after the last token: nothing is
-                return generated, attempts, ttft  # left to continue (an end token was already produced)
+                return generated, attempts, first_at  # left to continue (an end token was already produced)
             del ids
             gc.collect()
             if on_cuda:
@@ -379,7 +380,8 @@ def _graph_attempt(model, ids, remaining: int, tap: _Tap, sample: dict, chunk: i
 
 def _timing_fields(tap: _Tap, t_start: float) -> dict:
     """An attempt's first-token time and decode time from its streamer (every step after the first token is
-    decode; the graph strategy's one-time work is taken out by :func:`_decode_fields`)."""
+    decode; the graph strategy's own split, its one-time work before the prefill apart, replaces these:
+    :func:`_decode_fields`)."""
     if tap.t_first is None:
         return {}
     steps = len(tap.ids) - tap.start - 1
@@ -393,9 +395,9 @@ def _decode_fields(dec) -> dict:
         return {}
     note = (f"; kernels: {dec.kernels}" if dec.kernels else "") + (f"; {dec.sdpa_note}" if dec.sdpa_note else "")
     return {"decode_mode": dec.mode, "decode_reason": dec.reason + note, "decode_s": dec.decode_s,
-            "decode_steps": dec.decode_steps, "decode_ms_per_token": dec.decode_ms_per_token,
+            "decode_steps": dec.decode_steps, "decode_ms_per_token": dec.decode_ms_per_token, "ttft_s": dec.ttft_s,
             "one_time": {"selftest_s": dec.selftest_s, "warmup_s": dec.warmup_s, "warmup_steps": dec.warmup_steps,
-                         "capture_s": dec.capture_s}}
+                         "capture_s": dec.capture_s, "kernel_check": dec.kernel_check}}
 
 
 def strategy_order(model, prompt_tokens: int, max_new_tokens: int, *, budget_bytes: int | None = None,
@@ -483,8 +485,8 @@ def generate(model, tokenizer, prompt: str | list[int], max_new_tokens: int = 25
                            "max_new_tokens, or leave it out to stop at the model's end of turn")
     if isinstance(model, LoadedModel) and tokenizer is None:
         tokenizer = model.tokenizer
-    prompt_ids = _prompt_ids(tokenizer, prompt)
     t_plan = time.perf_counter()
+    prompt_ids = _prompt_ids(tokenizer, prompt)
     h = as_loaded(model)
     model, on_cuda = h.model, h.on_cuda
     eos = eos_list(model, "model")
@@ -500,8 +502,8 @@ def generate(model, tokenizer, prompt: str | list[int], max_new_tokens: int = 25
     t0 = time.perf_counter()
     sample, sampling_note = resolve_sampling(model, do_sample, temperature, top_p, top_k)
     with memory_cap(budget_bytes if on_cuda else None):
-        generated, attempts, ttft = _attempts(model, tokenizer, prompt_ids, max_new_tokens, order, on_text, sample,
-                                              seed, eos, ignore_eos)
+        generated, attempts, first_at = _attempts(model, tokenizer, prompt_ids, max_new_tokens, order, on_text,
+                                                  sample, seed, eos, ignore_eos)
     elapsed = time.perf_counter() - t0
     last = attempts[-1]
     if budget_bytes is not None and not on_cuda:
@@ -517,9 +519,9 @@ def generate(model, tokenizer, prompt: str | list[int], max_new_tokens: int = 25
         reason += f"; {sampling_note}"
     text = tokenizer.decode(generated, skip_special_tokens=True) if tokenizer is not None else ""
     stop, stop_detail = stop_reason(generated, max_new_tokens, eos, ignore_eos, tokenizer)
-    timings = RunTimings.of_attempts(attempts, plan_s, ttft, elapsed)
+    timings = RunTimings.of_attempts(attempts, plan_s, elapsed, first_at - t_plan if first_at else None)
     return GenerationResult(text, list(generated), last.strategy, reason, attempts,
-                            last.peak_allocated_bytes, ttft,
+                            last.peak_allocated_bytes, timings.prefill_s,
                             len(generated) / elapsed if elapsed > 0 else None, order[0][1], usable,
                             last.decode_mode, last.decode_reason, timings.decode_ms_per_token, stop, stop_detail,
                             eos, ignore_eos, timings, _loaded_as(h))
