@@ -61,7 +61,7 @@ def run(
 
     def build():
         from vramguard.resolve import local_model_folder
-        from vramguard.run.generate import check_generation_args
+        from vramguard.run.sampling import check_generation_args
         # what can be refused without loading anything, before anything is printed
         check_generation_args(max_new_tokens, do_sample, temperature, top_p, top_k, seed)
         text = _read_prompt(prompt, prompt_file)
@@ -84,9 +84,7 @@ def run(
                         top_k=top_k, seed=seed, fast_decode=fast_decode, ignore_eos=ignore_eos)
         if r.loaded is not None:
             r.loaded["why"].insert(0, f"weights {weights}: {why}")
-        r.timings.import_s, r.timings.prepare_s, r.timings.load_s = times
-        if startup_s is not None and r.timings.first_token_s is not None:
-            r.timings.command_first_token_s = startup_s + (t_call - t_entry) + r.timings.first_token_s
+        _clock(r.timings, times, startup_s, t_call - t_entry)
         return r
 
     r = run_guarded(build, as_json=fmt == Format['json'])
@@ -97,6 +95,15 @@ def run(
     else:
         sys.stdout.write("\n")
         print_generation_summary(r, err)
+
+
+def _clock(t, times: tuple, startup_s: float | None, call_s: float) -> None:
+    """The command's phases into ``t`` (:class:`vramguard.run.timing.RunTimings`): import, tokenizer and load
+    seconds (``times``), and the first token's time since the interpreter started (``startup_s`` before the
+    command's first line, ``call_s`` from there to the call of ``generate``)."""
+    t.import_s, t.prepare_s, t.load_s = times
+    if startup_s is not None and t.first_token_s is not None:
+        t.command_first_token_s = startup_s + call_s + t.first_token_s
 
 
 def _load_for_run(model: str, text: str, quant: Quant | None, max_new_tokens: int, chat_template: bool):

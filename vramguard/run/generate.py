@@ -34,12 +34,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from vramguard import diskcache
 from vramguard.errors import Infeasible
-from vramguard.run.sampling import eos_list
+from vramguard.run.sampling import (  # noqa: F401 -- MAX_SEED, SEED_ACCEPTED, check_seed: read here by serve
+    MAX_SEED, SEED_ACCEPTED, check_generation_args, check_seed, eos_list, resolve_sampling)
 from vramguard.run.timing import RunTimings, stop_reason
 from vramguard.runtime.device import is_oom, memory_cap, usable_bytes
 from vramguard.runtime.handle import LoadedModel, as_loaded
-from vramguard.settings import Settings, require_count
+from vramguard.settings import Settings
 from vramguard.units import fmt_bytes
 
 OOM_INJECTOR: Callable[[str, int, int], None] | None = None  # tests: (phase, attempt, step) -> raise or not
@@ -143,7 +145,8 @@ class GenerationResult:
     ``"max_new_tokens"``; ``stop_detail`` says it in words. ``timings`` splits the wall time (plan, one-time work,
     prefill, decode; :class:`~vramguard.run.timing.RunTimings`); ``ttft_s`` is the prefill (the prompt in, the
     first token out: ``timings.prefill_s``) and ``decode_ms_per_token`` counts decode steps only, the one-time work
-    of the graph strategy (kernel check, warm-up, capture) done before the prefill and timed apart. ``loaded`` says what ran (weight format, dtypes, attention, device) when the model came from
+    of the graph strategy (kernel check, warm-up, capture) done before the prefill and timed apart. ``loaded`` says
+    what ran (weight format, dtypes, attention, device) when the model came from
     :func:`~vramguard.runtime.load.load_model`."""
 
     text: str
@@ -171,7 +174,6 @@ def _candidates(spec, s: Settings, pool, on_cuda: bool, weights_loaded: bool) ->
     """(strategy, planned bytes beyond the loaded weights) for each strategy of ``pool`` that can run, and why the
     others cannot."""
     from vramguard.errors import NotPlannable
-    from vramguard.plan import estimate
     cands: list[tuple[Strategy, int]] = []
     skipped: list[str] = []
     for st in pool:
@@ -180,12 +182,32 @@ def _candidates(spec, s: Settings, pool, on_cuda: bool, weights_loaded: bool) ->
             skipped.append(f"{st.name}: {why}")
             continue
         try:
-            est = estimate(spec, s.with_(**st.plan))
+            reserved, weights = _planned_bytes(spec, s.with_(**st.plan))
         except NotPlannable as e:  # the architecture cannot run this strategy (a static cache with ALiBi...)
             skipped.append(f"{st.name}: not plannable for this model ({e.fix})")
             continue
-        cands.append((st, est.peak_reserved_bytes - (est.weights.total_bytes if weights_loaded else 0)))
+        cands.append((st, reserved - (weights if weights_loaded else 0)))
     return cands, skipped
+
+
+def _planned_bytes(spec, s: Settings) -> tuple[int, int]:
+    """(peak reserved, weights) bytes of :func:`vramguard.plan.estimate` for ``spec`` and ``s``, kept on disk by
+    :mod:`vramguard.diskcache` (keyed by the spec with its config text and checkpoint headers, the settings, the
+    library versions and vramguard's source), so a later run of the same model and request reads two integers
+    instead of planning again.
+
+    Raises:
+        NotPlannable: from the estimate (never kept).
+    """
+    from vramguard.plan import estimate
+    path = diskcache.entry_key("run_strategy", spec, spec.config_json, spec.checkpoint, s)
+    kept = diskcache.read(path)
+    if isinstance(kept, tuple) and len(kept) == 2 and all(isinstance(v, int) for v in kept):
+        return kept
+    est = estimate(spec, s)
+    out = (int(est.peak_reserved_bytes), int(est.weights.total_bytes))
+    diskcache.write(path, out)
+    return out
 
 
 def preflight(spec, s: Settings, usable: int | None, auto: bool, on_cuda: bool,
@@ -420,37 +442,6 @@ def strategy_order(model, prompt_tokens: int, max_new_tokens: int, *, budget_byt
 
 
 
-MAX_SEED = 2**63 - 1  # torch.manual_seed takes a signed 64-bit seed ("Overflow when unpacking long long" above)
-SEED_ACCEPTED = f"an integer from 0 to {MAX_SEED:,} (2**63 - 1)"
-
-
-def check_seed(seed: int | None) -> None:
-    """Raise InvalidValue for a sampling seed outside ``0 .. MAX_SEED`` (``torch.manual_seed`` unpacks it as a
-    signed 64-bit integer and fails above it); None (no seed) passes."""
-    from vramguard.errors import InvalidValue
-    if seed is not None and not (isinstance(seed, int) and 0 <= seed <= MAX_SEED):
-        raise InvalidValue("seed", seed, SEED_ACCEPTED, "pass a seed from 0 to 2**63 - 1, e.g. seed=0")
-
-
-def check_generation_args(max_new_tokens: int, do_sample: bool = False, temperature: float | None = None,
-                          top_p: float | None = None, top_k: int | None = None, seed: int | None = None) -> None:
-    """Raise InvalidValue for a generation argument :func:`generate` refuses (checked before any loading):
-    ``max_new_tokens`` below 1, a sampling value :func:`vramguard.inputs.check_sampling` refuses, or
-    any of the three without ``do_sample`` (greedy decoding would ignore it: refused rather than dropped), and a
-    ``seed`` outside :func:`check_seed`'s range."""
-    from vramguard.errors import InvalidValue
-    from vramguard.inputs import check_sampling
-    require_count("max_new_tokens", max_new_tokens, 1)
-    check_seed(seed)
-    check_sampling(temperature, top_p, top_k)
-    sampling = {"temperature": temperature, "top_p": top_p, "top_k": top_k}
-    given = [n for n, v in sampling.items() if v is not None]
-    if given and not do_sample:  # greedy decoding would ignore them: refuse rather than drop the user's setting
-        raise InvalidValue(given[0], sampling[given[0]], "only with do_sample (greedy decoding ignores it)",
-                           f"pass do_sample=True to sample with {', '.join(given)}, or leave "
-                           "them out for greedy decoding")
-
-
 def generate(model, tokenizer, prompt: str | list[int], max_new_tokens: int = 256, *, budget_bytes: int | None = None,
              auto: bool = True, on_text: Callable[[str], None] | None = None, do_sample: bool = False,
              temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
@@ -559,22 +550,6 @@ def fast_decode_choice(model, fast_decode: bool | None) -> tuple[bool, str]:
     except InvalidValue as e:
         return False, f"{e.field} is {e.value!r}; accepted: {e.accepted}"
     return True, f"batch 1 on {why}"
-
-
-def resolve_sampling(model, do_sample: bool, temperature, top_p, top_k) -> tuple[dict, str | None]:
-    """The sampling arguments every strategy gets, explicit: a value the caller left ``None`` is the model's own
-    (``model.generation_config``, e.g. a checkpoint's temperature 0.6 / top_p 0.9), so no path drops it and the
-    graph decoder and ``generate`` sample alike. Returns (kwargs, a note naming the values taken from the model)."""
-    gc = getattr(model, "generation_config", None)
-    out = {"do_sample": do_sample}
-    taken = []
-    for name, value in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k)):
-        if value is None and do_sample and gc is not None and getattr(gc, name, None) is not None:
-            value = getattr(gc, name)
-            taken.append(f"{name} {value}")
-        out[name] = value
-    note = ("sampling with the model's generation_config: " + ", ".join(taken)) if taken else None
-    return out, note
 
 
 def prompt_budget(model, max_new_tokens: int, budget_bytes: int | None = None, auto: bool = True) -> int:
