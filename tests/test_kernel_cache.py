@@ -184,3 +184,23 @@ def test_generate_reports_plan_one_time_prefill_and_decode_apart(monkeypatch):
     assert t.first_token_s >= t.plan_s + t.one_time_s + t.prefill_s
     assert t.generate_s >= t.one_time_s + t.prefill_s + t.decode_s
     assert t.to_json()["one_time_s"] == t.one_time_s
+
+
+def test_the_strategy_plan_is_read_back_from_disk(tmp_path, monkeypatch):
+    """``run``'s preflight plans each strategy once per model and request: a later process reads the two integers
+    it uses (the kept plan in VRAMGUARD_PLAN_CACHE), and gets the same order."""
+    import sys
+
+    from vramguard.resolve import resolve_model
+    from vramguard.run import generate as G
+    from vramguard.settings import Settings
+    from vramguard.units import GiB
+    monkeypatch.setenv("VRAMGUARD_PLAN_CACHE", str(tmp_path / "plans"))
+    spec, s = resolve_model("llama-3.1-8b"), Settings(prompt_tokens=2000, max_new_tokens=256)
+    first = G.preflight(spec, s, 40 * GiB, auto=True, on_cuda=True, weights_loaded=True, fast_decode=True)
+    assert len(list((tmp_path / "plans").glob("run_strategy-*.json.gz"))) >= len(first[0]) > 2
+
+    def no_plan(*a, **k):
+        raise AssertionError("planned again")
+    monkeypatch.setattr(sys.modules["vramguard.plan"], "estimate", no_plan)
+    assert G.preflight(spec, s, 40 * GiB, auto=True, on_cuda=True, weights_loaded=True, fast_decode=True) == first
