@@ -69,6 +69,7 @@ def run(
             regular_file(f, "--context", "text file", InvalidValue, "pass a regular text file")
         local_model_folder(model)
         budget = size_option(vram_budget, "vram_budget") if vram_budget else None
+        _key_caches_meanwhile()
         loaded, prepared, weights, why, times = _load_for_run(model, text, quant, max_new_tokens, chat_template)
         from vramguard.run.generate import generate as generate_fn
         from vramguard.run.prompt import prepare_prompt
@@ -95,6 +96,16 @@ def run(
     else:
         sys.stdout.write("\n")
         print_generation_summary(r, err)
+
+
+def _key_caches_meanwhile() -> None:
+    """Compute, in a daemon thread while torch and transformers import, what keys every cache on disk (the
+    libraries' versions and vramguard's source: :func:`vramguard.diskcache.environment_version`, about 0.1 s of
+    reading metadata and hashing files); the plan and the kernel check read it later without waiting."""
+    import threading
+
+    from vramguard.diskcache import environment_version
+    threading.Thread(target=environment_version, name="vramguard-cache-key", daemon=True).start()
 
 
 def _clock(t, times: tuple, startup_s: float | None, call_s: float) -> None:
