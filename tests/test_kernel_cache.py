@@ -204,3 +204,14 @@ def test_the_strategy_plan_is_read_back_from_disk(tmp_path, monkeypatch):
         raise AssertionError("planned again")
     monkeypatch.setattr(sys.modules["vramguard.plan"], "estimate", no_plan)
     assert G.preflight(spec, s, 40 * GiB, auto=True, on_cuda=True, weights_loaded=True, fast_decode=True) == first
+
+
+def test_triton_s_own_key_is_computed_ahead(monkeypatch):
+    """``run`` computes Triton's cache key (a hash of its 400 MB library) in a thread while the weights load: the
+    function it calls is Triton's own, found where Triton keeps it."""
+    cache = pytest.importorskip("triton.runtime.cache")
+    from vramguard.run.kernels import warm_triton
+    calls = []
+    monkeypatch.setattr(cache, "triton_key", lambda: calls.append(1) or "key")
+    warm_triton()
+    assert calls == [1]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from typing import Optional
 
@@ -102,10 +103,16 @@ def _key_caches_meanwhile() -> None:
     """Compute, in a daemon thread while torch and transformers import, what keys every cache on disk (the
     libraries' versions and vramguard's source: :func:`vramguard.diskcache.environment_version`, about 0.1 s of
     reading metadata and hashing files); the plan and the kernel check read it later without waiting."""
-    import threading
-
     from vramguard.diskcache import environment_version
     threading.Thread(target=environment_version, name="vramguard-cache-key", daemon=True).start()
+
+
+def _key_triton_meanwhile() -> None:
+    """On a CUDA device, Triton's own cache key and the kernels' source keys
+    (:func:`vramguard.run.kernels.warm_triton`, 0.2 to 0.6 s) in a daemon thread while the weights load, so that
+    the graph decoder's first kernel launch does not wait for them."""
+    from vramguard.run.kernels import warm_triton
+    threading.Thread(target=warm_triton, name="vramguard-triton-key", daemon=True).start()
 
 
 def _clock(t, times: tuple, startup_s: float | None, call_s: float) -> None:
@@ -134,10 +141,12 @@ def _load_for_run(model: str, text: str, quant: Quant | None, max_new_tokens: in
     from vramguard.runtime.load import default_quant, load_model
     import_s = time.perf_counter() - t0
     transformers.utils.logging.disable_progress_bar()
+    on_cuda = torch.cuda.is_available()
+    if on_cuda:
+        _key_triton_meanwhile()
     t0 = time.perf_counter()
     tokenizer, prepared, _ = preflight_prompt(model, text, max_new_tokens, chat_template)
     prepare_s = time.perf_counter() - t0
-    on_cuda = torch.cuda.is_available()
     weights, why = (quant.value, "--quant was given") if quant is not None else default_quant(on_cuda)
     t0 = time.perf_counter()
     with working(f"loading {model}"):

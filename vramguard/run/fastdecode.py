@@ -376,8 +376,8 @@ class GraphDecoder:
         t0 = time.perf_counter()
         self._ids.fill_(0)
         self._pos.fill_(0)
-        with self._side_stream() if self._graph_ok else contextlib.nullcontext():
-            self._forward(self._ids, self._pos, self._mask(self._pos.view(1, 1, 1, 1)))
+        # on the current stream: the cache's tensors it creates live as long as the decoder and are used there
+        self._forward(self._ids, self._pos, self._mask(self._pos.view(1, 1, 1, 1)))
         self._pos.fill_(1)
         self._k.check(self.cache, self.max_cache_len, 1, self._ids, self._pos, self._step)
         self._sync()
