@@ -104,7 +104,7 @@ def _key_caches_meanwhile() -> None:
     libraries' versions and vramguard's source: :func:`vramguard.diskcache.environment_version`, about 0.1 s of
     reading metadata and hashing files); the plan and the kernel check read it later without waiting."""
     from vramguard.diskcache import environment_version
-    threading.Thread(target=environment_version, name="vramguard-cache-key", daemon=True).start()
+    threading.Thread(target=_quietly, args=(environment_version,), name="vramguard-cache-key", daemon=True).start()
 
 
 def _key_triton_meanwhile() -> None:
@@ -112,7 +112,16 @@ def _key_triton_meanwhile() -> None:
     (:func:`vramguard.run.kernels.warm_triton`, 0.2 to 0.6 s) in a daemon thread while the weights load, so that
     the graph decoder's first kernel launch does not wait for them."""
     from vramguard.run.kernels import warm_triton
-    threading.Thread(target=warm_triton, name="vramguard-triton-key", daemon=True).start()
+    threading.Thread(target=_quietly, args=(warm_triton,), name="vramguard-triton-key", daemon=True).start()
+
+
+def _quietly(fn) -> None:
+    """Run ``fn`` ahead of need; an error is not printed from the thread: the step that needs the value computes it
+    again on its own path, where the error is reported as that step's."""
+    try:
+        fn()
+    except Exception:  # noqa: BLE001, S110 -- see the docstring: computed again, and reported, where it is needed
+        pass
 
 
 def _clock(t, times: tuple, startup_s: float | None, call_s: float) -> None:
