@@ -70,7 +70,6 @@ def run(
             regular_file(f, "--context", "text file", InvalidValue, "pass a regular text file")
         local_model_folder(model)
         budget = size_option(vram_budget, "vram_budget") if vram_budget else None
-        _key_caches_meanwhile()
         loaded, prepared, weights, why, times = _load_for_run(model, text, quant, max_new_tokens, chat_template)
         from vramguard.run.generate import generate as generate_fn
         from vramguard.run.prompt import prepare_prompt
@@ -139,6 +138,7 @@ def _load_for_run(model: str, text: str, quant: Quant | None, max_new_tokens: in
     load_s))``. Without ``--quant`` the format is the device's default
     (:func:`vramguard.runtime.load.default_quant`)."""
     t0 = time.perf_counter()
+    _key_caches_meanwhile()
     _allocator_note()  # imports torch; before CUDA starts
     import torch
     import transformers
