@@ -215,3 +215,20 @@ def test_triton_s_own_key_is_computed_ahead(monkeypatch):
     monkeypatch.setattr(cache, "triton_key", lambda: calls.append(1) or "key")
     warm_triton()
     assert calls == [1]
+
+
+def test_the_decode_attention_is_not_compiled_again_for_every_prompt_length():
+    """Triton compiles a kernel once per value of each ``tl.constexpr`` parameter (and keeps it in its own cache on
+    disk): the number of splits, which follows the cache length every 64 to 128 slots, is a run-time integer, or
+    nearly every new prompt length would compile the kernels again (run's one-time work before the first token).
+    The iterations per split stay a constexpr (Triton's interpreter cannot loop over a run-time argument): they
+    change every 2,048 slots for 8 KV heads."""
+    pytest.importorskip("triton")
+    import inspect
+
+    from vramguard.run.kernels import decode_attention as A
+    for kernel, per_length in ((A._split_kernel, {"SPLITS"}), (A._merge_kernel, {"SPLITS"})):
+        params = inspect.signature(kernel.fn).parameters.values()
+        constexprs = {p.name for p in params if "constexpr" in str(p.annotation)}
+        assert constexprs and not constexprs & per_length, constexprs
+    assert A.split_plan(2255, 8) == (18, 2) and A.split_plan(2400, 8) == (19, 2)  # a new split count, same kernel
