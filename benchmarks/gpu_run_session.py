@@ -127,6 +127,7 @@ def record(tag: str, args: list[str], env: dict) -> dict:
     rec: dict = {"tag": tag, "args": args, "rc": c["rc"], "process_wall_s": round(c["wall_s"], 3)}
     if c["rc"] != 0:
         rec["stderr"] = c["stderr"][-3000:]
+        print(json.dumps(rec), flush=True)
         return rec
     rec.update(parse_summary(c["stderr"]))
     t, tokens = c["times"], rec.get("tokens") or 0
