@@ -11,8 +11,17 @@ import typer
 
 from vramguard.cli.common import err, run_guarded, say, size_option, working, write_json
 from vramguard.cli.options import Format, Quant, format_option, max_new_tokens_option
+from vramguard.cli.render import to_jsonable
+from vramguard.cli.render_run import print_generation_summary
+from vramguard.diskcache import environment_version
 from vramguard.errors import InvalidValue
 from vramguard.inputs import read_text, regular_file
+from vramguard.resolve import local_model_folder
+from vramguard.run.generate import generate as generate_fn
+from vramguard.run.kernels import warm_triton
+from vramguard.run.prompt import prepare_prompt
+from vramguard.run.sampling import check_generation_args
+from vramguard.run.timing import process_age_s
 from vramguard.units import plural
 
 
@@ -54,15 +63,10 @@ def run(
     Stops at the model's end of turn (or --max-new-tokens). The text streams to stdout; a summary (what was loaded
     and why, strategy and why, why it stopped, time per phase: import, load, plan, one-time, prefill, decode) goes
     to stderr."""
-    from vramguard.cli.render import to_jsonable
-    from vramguard.cli.render_run import print_generation_summary
-    from vramguard.run.timing import process_age_s
     t_entry = time.perf_counter()
     startup_s = process_age_s()
 
     def build():
-        from vramguard.resolve import local_model_folder
-        from vramguard.run.sampling import check_generation_args
         # what can be refused without loading anything, before anything is printed
         check_generation_args(max_new_tokens, do_sample, temperature, top_p, top_k, seed)
         text = _read_prompt(prompt, prompt_file)
@@ -71,8 +75,6 @@ def run(
         local_model_folder(model)
         budget = size_option(vram_budget, "vram_budget") if vram_budget else None
         loaded, prepared, weights, why, times = _load_for_run(model, text, quant, max_new_tokens, chat_template)
-        from vramguard.run.generate import generate as generate_fn
-        from vramguard.run.prompt import prepare_prompt
         stream = None if fmt == Format['json'] else (lambda t: (sys.stdout.write(t), sys.stdout.flush()))
         if context:
             text = _with_context(loaded, text, context, summarize, chunk_tokens, max_new_tokens, budget, auto,
@@ -102,7 +104,6 @@ def _key_caches_meanwhile() -> None:
     """Compute, in a daemon thread while torch and transformers import, what keys every cache on disk (the
     libraries' versions and vramguard's source: :func:`vramguard.diskcache.environment_version`, about 0.1 s of
     reading metadata and hashing files); the plan and the kernel check read it later without waiting."""
-    from vramguard.diskcache import environment_version
     threading.Thread(target=_quietly, args=(environment_version,), name="vramguard-cache-key", daemon=True).start()
 
 
@@ -110,7 +111,6 @@ def _key_triton_meanwhile() -> None:
     """On a CUDA device, Triton's own cache key and the kernels' source keys
     (:func:`vramguard.run.kernels.warm_triton`, 0.2 to 0.6 s) in a daemon thread while the weights load, so that
     the graph decoder's first kernel launch does not wait for them."""
-    from vramguard.run.kernels import warm_triton
     threading.Thread(target=_quietly, args=(warm_triton,), name="vramguard-triton-key", daemon=True).start()
 
 
