@@ -21,7 +21,10 @@ MHA = {**GQA, "hidden_size": 96, "num_key_value_heads": 6, "num_attention_heads"
        "attention_bias": True, "mlp_bias": True, "tie_word_embeddings": True, "num_hidden_layers": 3,
        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
                         "original_max_position_embeddings": 256}}
-LLAMAS = sorted(k for k, v in MODELS.items() if v["model_type"] == "llama")
+QWEN2 = {**GQA, "model_type": "qwen2", "sliding_window": 131072, "use_sliding_window": False}  # q, k, v biases
+MISTRAL = {**GQA, "model_type": "mistral", "sliding_window": None}
+CATALOG = sorted(k for k, v in MODELS.items() if hand.covers(spec_from_config(
+    {f: x for f, x in v.items() if f != "source"}, name=k)))
 
 
 def _spec(cfg: dict):
@@ -40,7 +43,18 @@ CASES += [("fp16", "sdpa", 1, 9), ("fp4", "eager", 2, 5)]
 
 @pytest.mark.parametrize("cfg", [GQA, MHA], ids=["gqa", "mha"])
 @pytest.mark.parametrize("quant,attn,batch,prompt", CASES)
-def test_hand_tape_is_transformers_replay_event_for_event(cfg, quant, attn, batch, prompt):
+def test_llama_hand_tape_is_transformers_replay_event_for_event(cfg, quant, attn, batch, prompt):
+    _same_tape(cfg, quant, attn, batch, prompt)
+
+
+@pytest.mark.parametrize("cfg", [QWEN2, MISTRAL], ids=["qwen2", "mistral"])
+@pytest.mark.parametrize("quant,attn,batch,prompt", [("bf16", "eager", 3, 9), ("nf4", "sdpa", 3, 9),
+                                                     ("int8", "eager", 1, 2), ("fp32", "sdpa", 1, 2)])
+def test_qwen2_and_mistral_hand_tape_is_transformers_replay(cfg, quant, attn, batch, prompt):
+    _same_tape(cfg, quant, attn, batch, prompt)
+
+
+def _same_tape(cfg, quant, attn, batch, prompt):
     """The prefill and two decode steps: every allocation's key and bytes and every free, in order, as the meta-device
     replay of transformers' forward under the storage tracker records them."""
     spec = _spec(cfg)
@@ -79,7 +93,9 @@ def test_what_the_hand_tape_leaves_to_transformers():
         assert hand_tape.not_covered(spec, Settings(**kw)) is not None, kw
     assert not hand_tape.covers(_spec({**GQA, "hidden_act": "gelu"}), Settings())
     assert not hand_tape.covers(_spec({**GQA, "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}), Settings())
-    assert not hand_tape.covers(_spec({**GQA, "model_type": "qwen2"}), Settings())
+    assert not hand_tape.covers(_spec({**GQA, "model_type": "gemma"}), Settings())
+    assert not hand_tape.covers(_spec({**MISTRAL, "sliding_window": 4096}), Settings())
+    assert not hand_tape.covers(_spec({**QWEN2, "use_sliding_window": True, "max_window_layers": 1}), Settings())
 
 
 def _structures(spec, s: Settings):
@@ -89,14 +105,17 @@ def _structures(spec, s: Settings):
     return hand.structure(spec, s), structure_of(replace(spec, generic=True), s)
 
 
-@pytest.mark.parametrize("quant", ["bf16", "fp16", "fp32", "nf4", "int8"])
-@pytest.mark.parametrize("name", ["gqa", "mha", *LLAMAS])
+@pytest.mark.parametrize("name,quant", [(n, q) for n in ("gqa", "mha", "qwen2", "mistral")
+                                        for q in ("bf16", "fp16", "fp32", "nf4", "int8")]
+                         + [(n, q) for n in CATALOG for q in ("bf16", "nf4")])
 def test_hand_structure_and_load_plan_are_transformers(name, quant):
     """Every tensor the meta model lists (name, shape, dtype, values, bytes, kind), the converted layers, and the
-    load plan (warm-up block, the largest transient, peak reserved) for tiny configs and every catalog Llama."""
+    load plan (warm-up block, the largest transient, peak reserved) for tiny configs and every catalog model of the
+    three families."""
     from vramguard.introspect.generic import load_plan
     from vramguard.resolve import resolve_model
-    spec = {"gqa": lambda: _spec(GQA), "mha": lambda: _spec(MHA)}.get(name, lambda: resolve_model(name))()
+    tiny = {"gqa": GQA, "mha": MHA, "qwen2": QWEN2, "mistral": MISTRAL}
+    spec = _spec(tiny[name]) if name in tiny else resolve_model(name)
     s = Settings(quant=quant)
     mine, ref = _structures(spec, s)
     assert mine.tensors == ref.tensors
@@ -104,10 +123,11 @@ def test_hand_structure_and_load_plan_are_transformers(name, quant):
     assert hand.load_plan(spec, s) == load_plan(spec, s)
 
 
-@pytest.mark.parametrize("extra", [{}, {"sliding_window": 300, "original_max_position_embeddings": 128},
-                                   {"attention_chunk_size": 64, "sliding_window": None}])
-def test_hand_breakpoints_are_the_configs(extra, monkeypatch):
-    spec = _spec({**GQA, **extra})
+@pytest.mark.parametrize("cfg", [GQA, {**GQA, "sliding_window": 300, "original_max_position_embeddings": 128},
+                                 {**GQA, "attention_chunk_size": 64, "sliding_window": None}, QWEN2, MISTRAL,
+                                 {**MISTRAL, "sliding_window": 300, "original_max_position_embeddings": 128}])
+def test_hand_breakpoints_are_the_configs(cfg, monkeypatch):
+    spec = _spec(cfg)
     mine = alloc_replay._breakpoints(spec.config_json, spec.name)
     monkeypatch.setattr(hand, "ENABLED", False)
     alloc_replay._hand_spec.cache_clear()

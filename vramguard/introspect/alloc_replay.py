@@ -273,8 +273,9 @@ RESCALE_MARGIN = 8  # tokens kept clear of a window's edge: decode steps cross i
 def _breakpoints(config_json: str, name: str) -> tuple[int, ...]:
     """Prompt lengths where a tensor's size stops following one polynomial: the sliding window, the attention chunk
     and the original context of a long-RoPE model, as the model's config gives them."""
-    if _hand_spec(config_json, name) is not None:
-        return hand.breakpoints(config_json)
+    spec = _hand_spec(config_json, name)
+    if spec is not None:
+        return hand.breakpoints(spec)
     from vramguard.introspect.build import cached_config, text_config
     cfg = text_config(cached_config(config_json, name))
     found = {getattr(cfg, k, None) for k in ("sliding_window", "attention_chunk_size",

@@ -3,7 +3,7 @@ order ``named_parameters`` lists them (:class:`~vramguard.introspect.build.Struc
 (:class:`~vramguard.introspect.generic.LoadPlan`) and the breakpoints of the allocation tape, from the spec alone.
 ``tests/test_hand_tape.py`` checks each against transformers' meta model for the families it answers.
 
-Sources (transformers 5.17-5.24): ``models/llama/modeling_llama.py`` (``LlamaModel``: ``embed_tokens``, then each
+Sources (transformers 5.17-5.24): ``models/llama/modeling_llama.py`` (Qwen2's and Mistral's trees are the same) (``LlamaModel``: ``embed_tokens``, then each
 ``LlamaDecoderLayer``: ``self_attn`` with ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``, ``mlp`` with
 ``gate_proj``, ``up_proj``, ``down_proj``, ``input_layernorm``, ``post_attention_layernorm``; ``norm``;
 ``rotary_emb`` with the float32 buffers ``inv_freq`` and ``original_inv_freq``; then ``lm_head``, shared with
@@ -22,7 +22,7 @@ from vramguard.introspect.layer_trim import MIN_SAVED_LAYERS, expand
 from vramguard.memory import hand_tape
 from vramguard.settings import TORCH_DTYPE_NAMES, Settings
 
-FAMILIES = ("llama",)
+FAMILIES = ("llama", "qwen2", "mistral")
 ENABLED = True  # False: every spec is answered by transformers (the reference the tests compare with)
 BNB_BYTES = {"int8": 1}  # a converted weight's TensorInfo carries no bytes (memory.weights sizes it)
 
@@ -41,6 +41,9 @@ def structure(spec, s: Settings) -> Structure:
     """:func:`vramguard.introspect.generic.structure_of` for a spec :func:`covers`."""
     quant = s.quant if s.is_bnb else s.weight_dtype
     return _structure(spec, s.act_dtype, quant)
+
+
+CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
 
 
 @lru_cache(maxsize=32)
@@ -83,8 +86,8 @@ def _structure(spec, dtype: str, quant: str) -> Structure:
         param("lm_head.weight", (spec.vocab_size, H))
     for name in ("model.rotary_emb.inv_freq", "model.rotary_emb.original_inv_freq"):
         out.append(TensorInfo(name, (d // 2,), "float32", d // 2, d // 2 * 4, "buffer"))
-    rule = "hand layout of LlamaForCausalLM (the bitsandbytes quantizer's rule)" if bnb else "not quantized"
-    return Structure("LlamaForCausalLM", tuple(out), tuple(sorted(qnames)), rule, tied)
+    rule = "the bitsandbytes quantizer's rule (every nn.Linear but lm_head)" if bnb else "not quantized"
+    return Structure(CLASSES[spec.model_type], tuple(out), tuple(sorted(qnames)), rule, tied)
 
 
 def embedding_names(spec) -> dict[str, frozenset[str]]:
@@ -100,13 +103,16 @@ def load_plan(spec, s: Settings):
     return load_plan_of(weights_of(st, embedding_names(spec), s), st, {}, s)
 
 
-@lru_cache(maxsize=32)
-def breakpoints(config_json: str) -> tuple[int, ...]:
-    """:func:`vramguard.introspect.alloc_replay._breakpoints` for a spec :func:`covers`: the family's config class
-    has none of ``sliding_window``, ``attention_chunk_size`` and ``original_max_position_embeddings``, so a
-    config.json that names one at its top level keeps it as an attribute (``PretrainedConfig`` keeps unknown keys)."""
-    raw = json.loads(config_json)
-    found = {raw.get(k) for k in ("sliding_window", "attention_chunk_size", "original_max_position_embeddings")}
+def breakpoints(spec) -> tuple[int, ...]:
+    """:func:`vramguard.introspect.alloc_replay._breakpoints` for a spec :func:`covers`: Llama's config class has
+    none of ``sliding_window``, ``attention_chunk_size`` and ``original_max_position_embeddings``, so a config.json
+    that names one at its top level keeps it as an attribute (``PretrainedConfig`` keeps unknown keys); Qwen2's and
+    Mistral's have ``sliding_window``, None where no layer slides (the spec's)."""
+    raw = json.loads(spec.config_json)
+    keys = ("attention_chunk_size", "original_max_position_embeddings")
+    found = {raw.get(k) for k in (keys if spec.model_type != "llama" else ("sliding_window", *keys))}
+    if spec.model_type != "llama":
+        found.add(spec.sliding_window)
     return tuple(sorted(v for v in found if isinstance(v, int) and not isinstance(v, bool) and v > 0))
 
 

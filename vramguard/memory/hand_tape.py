@@ -11,8 +11,10 @@ eager gets a float mask from ``sdpa_mask`` and ``eager_mask``), ``cache_utils.py
 ``torch.cat`` a tensor). The bitsandbytes kernels' buffers and SDPA's fused kernel are those of
 :func:`vramguard.introspect.alloc_replay._bnb_kernels` and ``_fused_sdpa_mode``.
 
-Covered (:func:`covers`): the ``llama`` family with SiLU and a RoPE of type default, linear or llama3, a dynamic
-cache, an unpadded batch, eager attention or SDPA's flash-class kernel, any dtype and bitsandbytes quantization.
+Covered (:func:`covers`): the ``llama``, ``qwen2`` and ``mistral`` families (``Qwen2Model`` and ``MistralModel`` are
+``LlamaModel`` with biases on q, k, v and another order of locals) without sliding-window layers, with SiLU and a
+RoPE of type default, linear or llama3, a dynamic cache, an unpadded batch, eager attention or SDPA's flash-class
+kernel, any dtype and bitsandbytes quantization.
 Everything else is answered by transformers' own forward. ``tests/test_hand_tape.py`` compares the two event for
 event.
 """
@@ -27,7 +29,7 @@ from vramguard.memory.metatensor import T, Tape, cat, linear, matmul
 from vramguard.settings import DTYPE_BYTES, Settings
 
 ROPE_TYPES = (None, "default", "linear", "llama3")  # computed once at init: the forward allocates the same
-FAMILIES = ("llama",)
+FAMILIES = ("llama", "qwen2", "mistral")
 
 
 @lru_cache(maxsize=32)
@@ -43,6 +45,8 @@ def not_covered(spec, s: Settings) -> str | None:
     """Why the hand tape does not answer ``spec`` with ``s`` (None: it does)."""
     if spec.generic or spec.model_type not in FAMILIES or not spec.config_json:
         return f"no hand tape for {spec.model_type}" + (" (generic)" if spec.generic else "")
+    if spec.sliding_window is not None or set(spec.layer_types) - {"full_attention"}:
+        return "sliding-window layers (their masks)"
     act, rope = _config_facts(spec.config_json)
     if act not in (None, "silu") or rope not in ROPE_TYPES:
         return f"hidden_act {act!r} or RoPE type {rope!r}"
@@ -179,7 +183,10 @@ class _Llama:
             self.layer_starts.append(len(input_ids.tape.events))
             hidden_states = self.layer(i, hidden_states, causal_mask, position_embeddings, cache)
         hidden_states = self.norm(hidden_states)
-        del inputs_embeds, causal_mask, position_embeddings
+        if self.spec.model_type == "qwen2":  # Qwen2Model: the mask in a dict, the embeddings in the mask's kwargs
+            del causal_mask, inputs_embeds, position_embeddings
+        else:
+            del inputs_embeds, causal_mask, position_embeddings
         return hidden_states
 
     def causal_mask(self, attention_mask: T, q: int, past: int) -> T | None:
