@@ -1,6 +1,6 @@
 """The hand paths of ``plan`` against transformers: every catalog model of the hand-taped families (Llama, Qwen2,
-Mistral without sliding windows), the default plan and one at 8,192 prompt tokens, each planned in a new process
-with the hand paths (the allocation tape, module tree and load plan written without torch) and with them turned off
+Mistral without sliding windows), the default plan and one at 8,192 prompt tokens (where the context holds it), each
+planned in a new process with the hand paths (the allocation tape, module tree and load plan written without torch) and with them turned off
 (``vramguard.introspect.hand.ENABLED = False``: transformers' meta model and forward replay, as before), both with
 empty plan and tape caches; the SHA-256 of the plan's JSON must be the same, and the hand process must import
 neither torch nor transformers.
@@ -64,6 +64,8 @@ def main() -> None:
             if not hand.covers(spec):
                 continue
             for settings in ({}, {"prompt_tokens": 8192}):
+                if Settings(**settings).total_tokens > spec.max_position_embeddings:
+                    continue
                 t0 = time.perf_counter()
                 fast, ref = one(name, settings, True), one(name, settings, False)
                 rec = {"model": name, "settings": settings, "tape_by_hand": hand_tape.covers(spec, Settings(**settings)),
