@@ -1,8 +1,8 @@
 """The hand paths of ``plan`` against transformers: every catalog model of the hand-taped families (Llama, Qwen2,
 Mistral without sliding windows), the default plan and one at 8,192 prompt tokens (where the context holds it), each
-planned in a new process with the hand paths (the allocation tape, module tree and load plan written without torch) and with them turned off
-(``vramguard.introspect.hand.ENABLED = False``: transformers' meta model and forward replay, as before), both with
-empty plan and tape caches; the SHA-256 of the plan's JSON must be the same, and the hand process must import
+planned in a new process with the hand paths (the allocation tape, module tree and load plan written without torch)
+and with them turned off (``vramguard.introspect.hand.ENABLED = False``: transformers' meta model and forward replay,
+as before), both with empty plan and tape caches; the SHA-256 of the plan's JSON must be the same, and the hand process must import
 neither torch nor transformers.
 
     python benchmarks/cpu_hand_paths.py --out benchmarks/results/cpu_plan_time/hand_paths.jsonl
