@@ -305,6 +305,7 @@ def test_torch_free_split_equals_transformers(name, quant):
         assert mine.device_map == ref.device_map, (a, b)
         assert (mine.raw_bytes, mine.weight_bytes, mine.layers) == (ref.raw_bytes, ref.weight_bytes, ref.layers)
         assert (mine.input_card, mine.output_card, mine.offloaded) == (ref.input_card, ref.output_card, ref.offloaded)
+        assert mine.no_split == ref.no_split
 
 
 def test_without_torch_a_hand_family_is_split_and_planned_the_same():
