@@ -5,7 +5,9 @@ through the allocator model (a JSON object), which depends on nothing else.
 One gzipped JSON file per tape under ``$VRAMGUARD_CACHE_DIR/tapes`` (else ``tapes/`` beside the Hub headers,
 :func:`vramguard.hub.fetch.header_cache_dir`). Its name is the SHA-256 of everything the tape depends on: the
 config text, the model name, the settings, the prompt, the number of forwards, the versions of torch and
-transformers, and the source of the modules that record the tape (so a changed tracker never reads an old tape).
+transformers (from their installed metadata, without importing them), and the source of the modules that record the
+tape (so a changed tracker never reads an old tape). A hand family's tape (:mod:`vramguard.memory.hand_tape`) is
+written afresh each time: only the replays through the allocator model are kept for it.
 ``VRAMGUARD_TAPE_CACHE=0`` turns it off; ``VRAMGUARD_TAPE_CACHE=/a/folder`` keeps the tapes there. A file that
 cannot be read or written is recomputed and the plan goes on.
 """
