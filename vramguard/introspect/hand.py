@@ -3,13 +3,13 @@ order ``named_parameters`` lists them (:class:`~vramguard.introspect.build.Struc
 (:class:`~vramguard.introspect.generic.LoadPlan`) and the breakpoints of the allocation tape, from the spec alone.
 ``tests/test_hand_tape.py`` checks each against transformers' meta model for the families it answers.
 
-Sources (transformers 5.17-5.24): ``models/llama/modeling_llama.py`` (Qwen2's and Mistral's trees are the same) (``LlamaModel``: ``embed_tokens``, then each
+Sources (transformers 5.17-5.24): ``models/llama/modeling_llama.py`` (``LlamaModel``: ``embed_tokens``, then each
 ``LlamaDecoderLayer``: ``self_attn`` with ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``, ``mlp`` with
 ``gate_proj``, ``up_proj``, ``down_proj``, ``input_layernorm``, ``post_attention_layernorm``; ``norm``;
 ``rotary_emb`` with the float32 buffers ``inv_freq`` and ``original_inv_freq``; then ``lm_head``, shared with
-``embed_tokens`` when tied); the bitsandbytes quantizer converts every ``nn.Linear`` but ``lm_head``
-(``get_modules_to_not_convert``: the output embedding); no ``_keep_in_fp32_modules`` and no weight conversion at
-load (``conversion_mapping``) for the family.
+``embed_tokens`` when tied), and the Qwen2 and Mistral trees, the same; the bitsandbytes quantizer converts every
+``nn.Linear`` but ``lm_head`` (``get_modules_to_not_convert``: the output embedding); no ``_keep_in_fp32_modules``
+and no weight conversion at load (``conversion_mapping``) for these families.
 """
 
 from __future__ import annotations
