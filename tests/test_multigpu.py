@@ -287,7 +287,7 @@ def test_a_card_given_nothing_needs_nothing():
 
 @pytest.mark.parametrize("name,quant", [(n, q) for n in (*HAND, *MORE_HAND) for q in ("bf16", "nf4")] + [
     ("llama-3.1-8b", "nf4"), ("gemma-2-9b", "bf16"), ("mixtral-8x7b", "bf16"), ("qwen2.5-7b", "nf4"),
-    ("phi-3-mini-4k", "bf16")])
+    ("phi-3-mini-4k", "bf16"), ("llama", "int8"), ("llama-3.1-8b", "int8"), ("qwen2", "fp32"), ("mixtral", "int8")])
 def test_torch_free_split_equals_transformers(name, quant):
     """The layer-wise split a hand family gets without torch (its module tree sized from the spec, transformers'
     placement rule ported) is transformers' own on the meta model: the device map, the bytes per card (raw and as
@@ -305,6 +305,7 @@ def test_torch_free_split_equals_transformers(name, quant):
         assert mine.device_map == ref.device_map, (a, b)
         assert (mine.raw_bytes, mine.weight_bytes, mine.layers) == (ref.raw_bytes, ref.weight_bytes, ref.layers)
         assert (mine.input_card, mine.output_card, mine.offloaded) == (ref.input_card, ref.output_card, ref.offloaded)
+        assert mine.no_split == ref.no_split
 
 
 def test_without_torch_a_hand_family_is_split_and_planned_the_same():

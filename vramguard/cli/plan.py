@@ -28,12 +28,14 @@ from vramguard.units import MAX_CARD_BYTES, decimal_size_note, parse_card_size, 
 
 HELP = """Predict memory by component, say whether it fits, solve for what fits, and rank the fixes.
 
-Speed: a catalog name, or a folder, config.json or Hub id of a hand-modelled family (llama, mistral, mixtral, qwen2,
-qwen2_moe, qwen3, qwen3_moe, gemma, gemma2, gemma3_text, phi3), is read without torch or transformers; any other
-architecture is read by transformers. The first plan of a model, settings and cards builds transformers' meta model
-for the load and the allocator model (torch and transformers imported: seconds to tens of seconds); it is kept on
-disk (VRAMGUARD_PLAN_CACHE=0 turns that off), so the same plan again, in any process, takes about a second and
-imports neither."""
+Speed (what is imported): a catalog name, or a folder, config.json or Hub id, of the llama, qwen2 and mistral
+families without sliding-window layers is planned without torch or transformers, the load and the allocator model
+included (with a dynamic cache, unpadded prompts, sdpa or eager attention: the defaults; about two CPU seconds the
+first time). The other hand-modelled families (mixtral, qwen2_moe, qwen3, qwen3_moe, gemma, gemma2, gemma3_text,
+phi3, a sliding window) are read without them, but their first plan imports both for the load and the allocator
+model, as does every other setting and architecture (seconds to tens of seconds). A plan is kept on disk
+(VRAMGUARD_PLAN_CACHE=0 turns that off), so the same plan again, in any process, takes about a second and imports
+neither."""
 ATTN_HELP = ("attn_implementation (default: flash_attention_2 on a --gpu card of compute capability 8.0 or more, "
              "sdpa below it or with no card named)")
 GPU_HELP = ("a catalog card (see --list-gpus) or the name nvidia-smi prints, e.g. h100 or \"NVIDIA GeForce RTX "

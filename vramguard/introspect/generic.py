@@ -53,9 +53,12 @@ def weight_bytes(spec, s: Settings) -> WeightBytes:
     every other parameter the dtype the meta model gives it (``s.act_dtype``, float32 where transformers keeps a
     module in float32). Buffers (rotary ``inv_freq``...) are ``buffer_bytes``.
     """
-    st = structure_of(spec, s)
+    return weights_of(structure_of(spec, s), _embedding_names(spec), s)
+
+
+def weights_of(st, embed_names: dict[str, frozenset[str]], s: Settings) -> WeightBytes:
+    """:func:`weight_bytes` of the structure ``st`` with its embeddings' parameter names (``input``, ``output``)."""
     q_lin = q_state = dense = embed = lm_head = norms = bias = buffers = n_q = n_params = 0
-    embed_names = _embedding_names(spec)
     for t in st.tensors:
         if t.kind == "buffer":
             buffers += rounded(t.nbytes)
@@ -330,8 +333,13 @@ def load_plan(spec, s: Settings) -> LoadPlan:
     from dataclasses import replace
     gspec = spec if spec.generic else replace(spec, generic=True)
     _config(gspec)
-    w = weight_bytes(gspec, s)
     st = structure_of(gspec, s)
+    return load_plan_of(weight_bytes(gspec, s), st, _converted(gspec, st), s)
+
+
+def load_plan_of(w: WeightBytes, st, converted: dict[str, tuple[int, int]], s: Settings) -> LoadPlan:
+    """:func:`load_plan` from the weights ``w``, the structure ``st`` and the parameters fused at load
+    (``converted``: name -> (bytes, operations))."""
     per_quantized = {"nf4": 0.5, "fp4": 0.5, "int8": 1.0}
     warm = 0.0
     transient = 0
@@ -345,7 +353,6 @@ def load_plan(spec, s: Settings) -> LoadPlan:
             warm += t.nbytes
     warmup = int(warm) // 2 * 2
     warmup = -(-warmup // WARMUP_ROUND) * WARMUP_ROUND
-    converted = _converted(gspec, st)
     for nbytes, n_ops in converted.values():
         transient = max(transient, nbytes * (1 + n_ops))
     from vramguard.memory.runtime import RESERVE_SEGMENT_BYTES

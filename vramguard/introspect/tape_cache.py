@@ -5,7 +5,9 @@ through the allocator model (a JSON object), which depends on nothing else.
 One gzipped JSON file per tape under ``$VRAMGUARD_CACHE_DIR/tapes`` (else ``tapes/`` beside the Hub headers,
 :func:`vramguard.hub.fetch.header_cache_dir`). Its name is the SHA-256 of everything the tape depends on: the
 config text, the model name, the settings, the prompt, the number of forwards, the versions of torch and
-transformers, and the source of the modules that record the tape (so a changed tracker never reads an old tape).
+transformers (from their installed metadata, without importing them), and the source of the modules that record the
+tape (so a changed tracker never reads an old tape). A hand family's tape (:mod:`vramguard.memory.hand_tape`) is
+written afresh each time: only the replays through the allocator model are kept for it.
 ``VRAMGUARD_TAPE_CACHE=0`` turns it off; ``VRAMGUARD_TAPE_CACHE=/a/folder`` keeps the tapes there. A file that
 cannot be read or written is recomputed and the plan goes on.
 """
@@ -25,7 +27,8 @@ from vramguard.diskcache import write_text_gz
 _SOURCES = ("alloc_replay.py", "build.py", "generic.py", "keys.py", "layer_trim.py", "mixers.py", "replay.py",
             "tracker.py",
             "../memory/forward.py", "../memory/common.py", "../settings.py", "../memory/allocator.py",
-            "../memory/decode_steps.py", "../memory/weights.py")
+            "../memory/decode_steps.py", "../memory/weights.py", "hand.py", "../memory/hand_tape.py",
+            "../memory/metatensor.py")
 
 
 def enabled() -> bool:
@@ -48,9 +51,7 @@ def tape_cache_dir() -> Path:
 def _code_version() -> str | None:
     """SHA-256 of the tape-recording modules' source, and the torch and transformers versions; None when a source
     file cannot be read (an install without sources: no tape is cached)."""
-    import torch
-    import transformers
-    h = hashlib.sha256(f"{torch.__version__}|{transformers.__version__}".encode())
+    h = hashlib.sha256(f"{_version('torch')}|{_version('transformers')}".encode())
     here = Path(__file__).parent
     try:
         for name in _SOURCES:
@@ -58,6 +59,15 @@ def _code_version() -> str | None:
     except OSError:
         return None
     return h.hexdigest()
+
+
+def _version(package: str) -> str:
+    """The installed version of ``package`` as its metadata records it (read without importing it), else ``-``."""
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return "-"
 
 
 def tape_path(*key: object) -> Path | None:

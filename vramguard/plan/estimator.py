@@ -17,6 +17,7 @@ A card fits when ``device_used_bytes <= total - memory used by other processes``
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field
 
 from vramguard.catalog.gpus import GpuSpec
@@ -83,10 +84,11 @@ def load_plan_or_none(spec: ModelSpec, s: Settings):
     from vramguard.hub.prequant import uses_headers
     if uses_headers(spec):  # a pre-quantized checkpoint: transformers' meta model is not what it loads
         return None
-    try:
-        import transformers  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("transformers") is None:  # what the load does is transformers' (not imported here)
         return None
+    from vramguard.introspect import hand
+    if hand.covers(spec):  # a hand family: its module tree from the spec, without importing transformers
+        return hand.load_plan(spec, s)
     from vramguard.introspect.generic import load_plan
     return load_plan(spec, s)
 

@@ -246,12 +246,11 @@ def _with_allocator(spec: ModelSpec, s: Settings, est: MemoryEstimate, cards: li
     if not spec.config_json:
         raise NotPlannable("alloc_conf", alloc_conf, "a model with a config.json (the allocator tape is its forward)",
                            "plan a model folder, a catalog name or a Hub id, or leave alloc_conf out")
-    try:
-        import transformers  # noqa: F401
-    except ImportError as e:
+    import importlib.util
+    if importlib.util.find_spec("transformers") is None:  # found, not imported: a hand family's tape needs no import
         from vramguard.plan.allocator import GPU_EXTRA_FIX
         raise NotPlannable("alloc_conf", alloc_conf or "default", "torch and transformers installed (the allocator "
                            "tape is transformers' forward replayed on meta tensors)",
-                           f"{GPU_EXTRA_FIX}, or leave alloc_conf out ({e})") from None
+                           f"{GPU_EXTRA_FIX}, or leave alloc_conf out (No module named 'transformers')") from None
     from vramguard.plan.allocator import with_allocator
     return with_allocator(spec, s, est, cards, alloc_conf, solve, freed_before)

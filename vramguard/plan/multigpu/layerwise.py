@@ -16,6 +16,11 @@ from dataclasses import dataclass, field
 from vramguard.memory.weights import quantized_tensor_bytes, rounded
 from vramguard.settings import DTYPE_BYTES, Settings
 
+# each family's ``_no_split_modules`` (its decoder layer class, ``<Family>PreTrainedModel`` in transformers 5)
+NO_SPLIT = {"llama": "LlamaDecoderLayer", "mistral": "MistralDecoderLayer", "mixtral": "MixtralDecoderLayer",
+            "qwen2": "Qwen2DecoderLayer", "qwen2_moe": "Qwen2MoeDecoderLayer", "qwen3": "Qwen3DecoderLayer",
+            "qwen3_moe": "Qwen3MoeDecoderLayer", "gemma": "GemmaDecoderLayer", "gemma2": "Gemma2DecoderLayer",
+            "gemma3_text": "Gemma3DecoderLayer", "phi3": "Phi3DecoderLayer"}
 BALANCE_BUFFER = 1.25  # get_balanced_memory: 1.25 x the largest no-split layer or leaf module
 QUANT_MAX_MEMORY = 0.90  # Bnb4BitHfQuantizer / Bnb8BitHfQuantizer.adjust_max_memory
 
@@ -235,4 +240,4 @@ def layerwise_split(spec, s: Settings, max_memory_bytes: tuple[int, ...], mode: 
             layers[dev].append(int(u.name.rsplit(".", 1)[1]))
     return DeviceSplit(dmap, tuple(weights), tuple(raw), tuple(tuple(x) for x in layers),
                        device_of("model.embed_tokens", dmap), device_of("lm_head", dmap), offloaded,
-                       tuple(int(b) for b in max_memory_bytes), ())
+                       tuple(int(b) for b in max_memory_bytes), (NO_SPLIT[spec.model_type],))
