@@ -182,9 +182,9 @@ def _default_dtype_why(card, dtype: str, why: str) -> str:
 
 def _plan_findings(model, spec, s: Settings, card, env, device_map) -> list[Finding]:
     """The plan's verdict for the card (or the need, without one), and where device_map='auto' would put modules."""
-    from vramguard.plan import estimate, plan
+    from vramguard.plan import choose, estimate, plan
     if card is None:
-        est = estimate(spec, s)
+        est = estimate(choose(spec, s).model, s)
         return [finding_line("plan", "info", f"needs {fmt_gib(est.device_used_bytes)} on the card",
                              "no card to compare with", "pass gpu=NAME to check against a card")]
     v = plan(spec, s, gpus=[card], solve=False).cards[0]

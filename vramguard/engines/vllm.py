@@ -44,7 +44,9 @@ from vramguard.catalog.gpus import GpuSpec
 from vramguard.engines import vllm_kv as kv
 from vramguard.engines import vllm_weights as w
 from vramguard.errors import ConfigError, InvalidValue
+from vramguard.memory.model import MemoryModel
 from vramguard.memory.runtime import CUDA_CONTEXT_BYTES
+from vramguard.plan.choice import choose
 from vramguard.spec import ModelSpec
 from vramguard.units import GiB, MiB
 
@@ -265,9 +267,12 @@ NO_VLLM_MODEL_FIX = ("plan it for transformers, the default engine ({plan}); vLL
                      "list of supported models says), but vramguard's vLLM model does not cover it yet")
 
 
-def _check_spec(spec: ModelSpec) -> None:
-    w.linear_format(spec)  # raises ConfigError for a quantized layout that is not modelled
-    if spec.generic:  # the per-rank shards are modelled for the hand-written families only (MLA's are not)
+def _check_model(model: MemoryModel) -> None:
+    """Raise ConfigError for a quantized layout that is not modelled, or a model whose memory is taken from
+    transformers: vLLM's per-rank shards are modelled for the hand-written families only (MLA's are not)."""
+    spec = model.spec
+    w.linear_format(spec)
+    if model.needs_transformers:
         raise ConfigError("config.json:model_type", spec.model_type, "a family with a hand-written vLLM model "
                           "(llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe, gemma, gemma2, "
                           "gemma3_text, phi3)", NO_VLLM_MODEL_FIX.format(model_type=spec.model_type,
@@ -300,15 +305,18 @@ def _budget_terms(spec: ModelSpec, s: VllmSettings, dt: int, tokens: int, seqs: 
     return _Budget(weights, forward, sampler, NON_TORCH_BYTES, nccl, graphs)
 
 
-def plan_vllm(spec: ModelSpec, gpu: GpuSpec, settings: VllmSettings | None = None) -> VllmPlan:
-    """Plan ``spec`` served by vLLM on GPUs like ``gpu`` (one per worker); a plan refused for memory carries the
-    plans that fit (:attr:`VllmPlan.fit_tp`, :attr:`VllmPlan.fit_card`).
+def plan_vllm(model: ModelSpec | MemoryModel, gpu: GpuSpec, settings: VllmSettings | None = None) -> VllmPlan:
+    """Plan ``model`` (a spec, or its memory model from :func:`vramguard.plan.choice.choose`) served by vLLM on GPUs
+    like ``gpu`` (one per worker); a plan refused for memory carries the plans that fit (:attr:`VllmPlan.fit_tp`,
+    :attr:`VllmPlan.fit_card`).
 
     Raises:
         InvalidValue: a parallel size vLLM refuses for this model (heads or vocabulary not divisible).
         ConfigError: a quantized checkpoint, or a family without a hand-written model.
     """
-    s = settings or VllmSettings()
+    memory = model if isinstance(model, MemoryModel) else choose(model).model
+    _check_model(memory)
+    spec, s = memory.spec, settings or VllmSettings()
     p = _plan(spec, gpu, s)
     if p.refused_by not in ("weights_load", "weights_budget", "kv_cache"):
         return p
@@ -345,7 +353,6 @@ def _fit_card(spec: ModelSpec, gpu: GpuSpec, s: VllmSettings) -> VllmPlan | None
 
 
 def _plan(spec: ModelSpec, gpu: GpuSpec, s: VllmSettings) -> VllmPlan:
-    _check_spec(spec)
     dtype, notes = model_dtype(spec, s, gpu)
     dt = _DTYPE_BYTES[dtype]
     kv_dt = dt if s.kv_cache_dtype in ("auto", "bfloat16", "float16") else 1

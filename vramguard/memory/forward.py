@@ -25,6 +25,8 @@ Per-element costs that decide long prompts (``sc = seqs x heads x q_len x k_len`
 
 from __future__ import annotations
 
+from typing import Callable
+
 from vramguard.memory.common import BNB_4BIT_FUSED_MAX_ROWS, ForwardPeak, sdpa_runs_math
 from vramguard.memory.kv import kv_cache_bytes, kv_tensor_bytes
 from vramguard.memory.tape import Tape
@@ -291,37 +293,47 @@ class _Forward:
 def forward_peak(spec: ModelSpec, s: Settings, past: int, chunk: int, phase: str = "prefill") -> ForwardPeak:
     """Peak bytes above the weights of one forward of ``chunk`` tokens per sequence after ``past`` cached ones.
 
-    Raises nothing for valid inputs; ``past >= 0``, ``chunk >= 1``. A generic spec (any architecture) is answered
-    by a replay of transformers' own forward (:func:`vramguard.introspect.generic.forward_peak`).
+    Raises nothing for valid inputs; ``past >= 0``, ``chunk >= 1``.
     """
-    if spec.generic:
-        from vramguard.introspect.generic import forward_peak as generic_peak
-        return generic_peak(spec, s, past, chunk, phase)
     return _Forward(spec, s, past, chunk, phase).run()
 
 
-def prefill_peak(spec: ModelSpec, s: Settings) -> ForwardPeak:
+def inputs_bytes(spec: ModelSpec, s: Settings, past: int, chunk: int, hidden: int) -> int:
+    """The tensors of a forward's start that stay alive to its end, as :class:`_Forward` replays them: the
+    embeddings' output of ``hidden`` bytes (and its scaled copy), the rotary cos/sin and the attention masks."""
+    r = _Forward(spec, s, past, chunk, "prefill")
+    r.masks()
+    embeds = hidden * (2 if spec.scaled_embeddings else 1)
+    return embeds + 2 * s.sequences * chunk * spec.head_dim * DTYPE_BYTES[s.act_dtype] + r.t.live_bytes
+
+
+def prefill_peak(spec: ModelSpec, s: Settings, peak_of: Callable[..., ForwardPeak] | None = None) -> ForwardPeak:
     """Peak of the prefill: the whole prompt in one forward, or chunk by chunk with ``s.prefill_chunk``.
 
     With chunks, the peak is in the last full-size chunk or in the final partial one (the KV cache only grows).
+    ``peak_of(s, past, chunk, phase)``: the peak of one forward (default: the hand model's, :func:`forward_peak`;
+    a :class:`~vramguard.memory.model.MemoryModel` passes its own).
     """
+    peak = peak_of or (lambda s_, past, chunk, phase: forward_peak(spec, s_, past, chunk, phase))
     p = s.prompt_tokens
     c = s.prefill_chunk
     if not c or c >= p:
-        return forward_peak(spec, s, 0, p, "prefill")
+        return peak(s, 0, p, "prefill")
     n_full, rest = divmod(p, c)
-    cands = [forward_peak(spec, s, (n_full - 1) * c, c, "prefill")]
+    cands = [peak(s, (n_full - 1) * c, c, "prefill")]
     if rest:
-        cands.append(forward_peak(spec, s, n_full * c, rest, "prefill"))
+        cands.append(peak(s, n_full * c, rest, "prefill"))
     return max(cands, key=lambda f: f.peak_bytes)
 
 
-def decode_peak(spec: ModelSpec, s: Settings) -> ForwardPeak | None:
-    """Peak of the last decode step (the cache at its longest), or ``None`` when at most one token is generated.
+def decode_peak(spec: ModelSpec, s: Settings, peak_of: Callable[..., ForwardPeak] | None = None) -> ForwardPeak | None:
+    """Peak of the last decode step (the cache at its longest), or ``None`` when at most one token is generated
+    (``peak_of`` as for :func:`prefill_peak`).
 
     The last forward of ``generate`` runs with ``prompt + new - 2`` cached tokens and adds one: the token it
     samples is never fed back.
     """
     if s.max_new_tokens <= 1:
         return None
-    return forward_peak(spec, s, s.prompt_tokens + s.max_new_tokens - 2, 1, "decode")
+    peak = peak_of or (lambda s_, past, chunk, phase: forward_peak(spec, s_, past, chunk, phase))
+    return peak(s, s.prompt_tokens + s.max_new_tokens - 2, 1, "decode")

@@ -25,14 +25,8 @@ from vramguard.spec import ModelSpec
 
 
 def linear_groups(spec: ModelSpec) -> list[LinearGroup]:
-    """All projection matrices of the model, grouped by shape (decoder layers, experts and lm_head).
-
-    A generic spec (any architecture) answers from transformers' own module tree
-    (:func:`vramguard.introspect.generic.linear_groups`).
-    """
-    if spec.generic:
-        from vramguard.introspect.generic import linear_groups as generic_groups
-        return generic_groups(spec)
+    """All projection matrices of a hand-written family's model, grouped by shape (decoder layers, experts and
+    lm_head)."""
     h, nh, nkv, d, n = spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.num_layers
     g: list[LinearGroup] = []
     if spec.fused_qkv:
@@ -75,7 +69,8 @@ def _norm_numel(spec: ModelSpec) -> int:
 
 
 def weight_bytes(spec: ModelSpec, s: Settings) -> WeightBytes:
-    """Weight memory of ``spec`` loaded with ``s.quant`` (see the module docstring for each layout).
+    """Weight memory of a hand-written family's ``spec`` loaded with ``s.quant`` (see the module docstring for each
+    layout).
 
     Unquantized modules (embeddings, lm_head, norms, biases, routers) take ``s.dtype`` bytes per value.
     Example (Llama-2-7B, NF4 + double quant, bf16): 224 quantized matrices with 6,476,005,376 weights ->
@@ -84,18 +79,8 @@ def weight_bytes(spec: ModelSpec, s: Settings) -> WeightBytes:
     Measured after load on an H200: 3,876,562,944 B (benchmarks/results).
 
     transformers 5 stores MoE experts as fused 3-D parameters, which bitsandbytes does not convert: they stay in
-    ``s.act_dtype`` (``integrations/bitsandbytes.py::replace_with_bnb_linear`` swaps ``nn.Linear`` only). A
-    generic spec answers from transformers itself (:func:`vramguard.introspect.generic.weight_bytes`); a
-    pre-quantized checkpoint whose headers were read, from what it stores
-    (:func:`vramguard.hub.prequant.prequantized_weight_bytes`).
+    ``s.act_dtype`` (``integrations/bitsandbytes.py::replace_with_bnb_linear`` swaps ``nn.Linear`` only).
     """
-    if getattr(spec, "checkpoint", None) is not None and spec.prequantized:
-        from vramguard.hub.prequant import prequantized_weight_bytes, uses_headers
-        if uses_headers(spec):  # a pre-quantized checkpoint: what it stores is the truth
-            return prequantized_weight_bytes(spec, s)
-    if spec.generic:
-        from vramguard.introspect.generic import weight_bytes as generic_weights
-        return generic_weights(spec, s)
     dt = DTYPE_BYTES[s.act_dtype]
     q_lin = q_state = dense = bias = n_q = 0
     lm_head = 0

@@ -9,10 +9,12 @@ from vramguard.memory.allocator import AllocatorConfig
 from vramguard.settings import Settings
 
 
-def with_allocator(spec, s: Settings, est, cards: list, alloc_conf: str, solve: bool, freed_before: bool = False):
-    """The estimate and card verdicts with reserved memory, fit and the largest prompt from the allocator model
-    under ``alloc_conf`` (``PYTORCH_CUDA_ALLOC_CONF`` text); (est, cards) unchanged where the tape does not cover
-    ``s``. Raises ValueError for an ``alloc_conf`` value that is not allocator options.
+def with_allocator(model, s: Settings, est, cards: list, conf: AllocatorConfig, alloc_conf: str, solve: bool,
+                   freed_before: bool = False):
+    """The estimate and card verdicts of ``model`` (a :class:`~vramguard.memory.model.MemoryModel`) with reserved
+    memory, fit and the largest prompt from the allocator model under ``conf``, parsed from ``alloc_conf``
+    (``PYTORCH_CUDA_ALLOC_CONF`` text) by :func:`vramguard.plan.choice.choose`; (est, cards) unchanged where the
+    tape does not cover ``s``.
 
     ``freed_before``: a process that has given a model's memory back to CUDA before, where cudaMalloc may place
     new segments above the older ones or below them (:class:`~vramguard.memory.allocator.AllocatorConfig`): both
@@ -25,11 +27,10 @@ def with_allocator(spec, s: Settings, est, cards: list, alloc_conf: str, solve: 
     does not fit there, the formula's need stands. Each card's need is its own capped replay's peak where that
     fits (so need, fit and headroom agree), else the estimate's."""
     from dataclasses import replace
-    conf = AllocatorConfig.parse(alloc_conf)
-    fresh_est, fresh_cards = _with_conf(spec, s, est, cards, conf, alloc_conf, solve)
+    fresh_est, fresh_cards = _with_conf(model, s, est, cards, conf, alloc_conf, solve)
     if not freed_before or fresh_est.allocator is None or conf.expandable_segments:  # one layout
         return fresh_est, fresh_cards
-    up_est, up_cards = _with_conf(spec, s, est, cards, replace(conf, freed_before=True), alloc_conf, solve)
+    up_est, up_cards = _with_conf(model, s, est, cards, replace(conf, freed_before=True), alloc_conf, solve)
     worse = up_est if up_est.peak_reserved_bytes > fresh_est.peak_reserved_bytes else fresh_est
     return (replace(worse, freed_layout_reserved_bytes=up_est.peak_reserved_bytes,
                     fresh_layout_reserved_bytes=fresh_est.peak_reserved_bytes),
@@ -47,9 +48,10 @@ def _worse(a, b):
     return replace(w, max_prompt_tokens=None if None in prompts else min(prompts))
 
 
-def _with_conf(spec, s: Settings, est, cards: list, conf: AllocatorConfig, alloc_conf: str, solve: bool):
+def _with_conf(model, s: Settings, est, cards: list, conf: AllocatorConfig, alloc_conf: str, solve: bool):
     """:func:`with_allocator` under the parsed ``conf``."""
     from dataclasses import replace
+    spec = model.spec
     ctx_bytes = est.cuda_context_bytes
     device = replace(conf, allowed_bytes=max(c.usable_bytes for c in cards) - ctx_bytes) if cards else conf
     r = replay_generate(spec, s, device, rescale=solve)  # the edge search samples the same stretch: share its replays
@@ -75,7 +77,7 @@ def _with_conf(spec, s: Settings, est, cards: list, conf: AllocatorConfig, alloc
             else max(est.device_used_bytes, c.usable_bytes + 1)
         c = replace(c, need_bytes=need, fits=fits, headroom_bytes=c.usable_bytes - need)
         if solve:
-            c = replace(c, max_prompt_tokens=edge_prompt_tokens(spec, s, capped, c.max_prompt_tokens))
+            c = replace(c, max_prompt_tokens=edge_prompt_tokens(model, s, capped, c.max_prompt_tokens))
         out.append(c)
     return est, out
 
@@ -194,7 +196,7 @@ def reserve_formula_finding(why: str, level: str = "info", fix: str | None = Non
 PROBE_TOKENS = 4096  # the second point of the slope when no start is given
 
 
-def edge_prompt_tokens(spec, s: Settings, config: AllocatorConfig, formula_tokens: int | None) -> int | None:
+def edge_prompt_tokens(model, s: Settings, config: AllocatorConfig, formula_tokens: int | None) -> int | None:
     """The largest prompt the allocator model places under ``config.allowed_bytes`` (None when a 1-token prompt
     does not fit), found from the formula's answer ``formula_tokens`` (None: start from one token).
 
@@ -202,19 +204,20 @@ def edge_prompt_tokens(spec, s: Settings, config: AllocatorConfig, formula_token
     prefix does not fit does not fit, so the bracket's upper end is exact. Its lower end is then replayed in full,
     and where the later decode steps do not fit, steps down from it that double, then bisection, find the edge
     with full replays (:func:`_gallop`)."""
+    spec = model.spec
     ctx = spec.max_position_embeddings - s.max_new_tokens
 
     def replay(p: int, full: bool):
         return replay_generate(spec, s.with_(prompt_tokens=p), config, rescale=True, later_steps=full)
 
-    edge = _edge(lambda p: replay(p, s.max_new_tokens <= 3), spec, s, config, formula_tokens, ctx)
+    edge = _edge(lambda p: replay(p, s.max_new_tokens <= 3), model, s, config, formula_tokens, ctx)
     if edge is None or s.max_new_tokens <= 3 or replay(edge, True).fits:
         return edge
     a, b = _gallop(lambda p: p > 0 and replay(p, True).fits, 0, edge, ctx)
     return _bisect(lambda p: replay(p, True).fits, a, b) if b is not None else a
 
 
-def _edge(replay, spec, s: Settings, config: AllocatorConfig, formula_tokens: int | None, ctx: int) -> int | None:
+def _edge(replay, model, s: Settings, config: AllocatorConfig, formula_tokens: int | None, ctx: int) -> int | None:
     """The largest prompt for which ``replay(p)`` fits, to 0.25%: a first guess, the prompt at which the formula's
     need (:func:`vramguard.plan.estimator.need_bytes`, which grows with the square of the prompt where attention
     scores do) has grown by the room the replay at the start leaves under the cap; from no start, the line through
@@ -222,7 +225,7 @@ def _edge(replay, spec, s: Settings, config: AllocatorConfig, formula_tokens: in
     (up while the prompt fits, down while it does not), then bisection to 0.25%. A guess off by a factor k costs
     about log2(k * 100) replays, not k * 50."""
     from vramguard.plan.estimator import need_bytes
-    from vramguard.plan.solve import _largest
+    from vramguard.plan.limits import largest as _largest
     lo = max(1, min(formula_tokens or 1, ctx))
 
     def fits(p: int) -> bool:
@@ -240,8 +243,8 @@ def _edge(replay, spec, s: Settings, config: AllocatorConfig, formula_tokens: in
         lo, guess = PROBE_TOKENS, min(ctx, PROBE_TOKENS + max(0, config.allowed_bytes - probe.peak_reserved_bytes)
                                       // slope)
     else:
-        start = need_bytes(spec, s.with_(prompt_tokens=lo))
-        guess = _largest(lo, ctx, lambda p: need_bytes(spec, s.with_(prompt_tokens=p)), start + room) or lo
+        start = need_bytes(model, s.with_(prompt_tokens=lo))
+        guess = _largest(lo, ctx, lambda p: need_bytes(model, s.with_(prompt_tokens=p)), start + room) or lo
     a, b = _gallop(fits, lo, guess, ctx)
     return a if b is None else _bisect(fits, a, b)
 

@@ -170,16 +170,15 @@ def _candidates(spec, s: Settings, pool, on_cuda: bool, weights_loaded: bool) ->
     """(strategy, planned bytes beyond the loaded weights) for each strategy of ``pool`` that can run, and why the
     others cannot."""
     from vramguard.errors import NotPlannable
-    from vramguard.plan import estimate
-    cands: list[tuple[Strategy, int]] = []
-    skipped: list[str] = []
+    from vramguard.plan import choose, estimate
+    model, cands, skipped = choose(spec, s).model, [], []  # (strategy, bytes) pairs; why the others cannot run
     for st in pool:
         ok, why = st.available(on_cuda)
         if not ok:
             skipped.append(f"{st.name}: {why}")
             continue
         try:
-            est = estimate(spec, s.with_(**st.plan))
+            est = estimate(model, s.with_(**st.plan))
         except NotPlannable as e:  # the architecture cannot run this strategy (a static cache with ALiBi...)
             skipped.append(f"{st.name}: not plannable for this model ({e.fix})")
             continue
@@ -579,7 +578,7 @@ def prompt_budget(model, max_new_tokens: int, budget_bytes: int | None = None, a
     """The longest prompt (tokens) that some strategy can run with ``max_new_tokens`` in the memory left: the
     plan's :func:`~vramguard.plan.solve.max_prompt_tokens` per strategy, the largest of them; the model's context when
     there is no CUDA device to plan against."""
-    from vramguard.plan import estimate
+    from vramguard.plan import choose, estimate
     from vramguard.plan.solve import _largest
     h = as_loaded(model)
     ctx = h.spec.max_position_embeddings - max_new_tokens
@@ -587,14 +586,14 @@ def prompt_budget(model, max_new_tokens: int, budget_bytes: int | None = None, a
     if usable is None:
         return ctx
     s = h.settings.with_(max_new_tokens=max_new_tokens)
-    best = 0
+    memory, best = choose(h.spec, s).model, 0
     for st in STRATEGIES if auto else STRATEGIES[:1]:
         if not st.available(h.on_cuda)[0]:
             continue
         ss = s.with_(**st.plan)
 
         def need(p: int, ss=ss) -> int:  # beyond the loaded weights, as preflight counts it
-            est = estimate(h.spec, ss.with_(prompt_tokens=p))
+            est = estimate(memory, ss.with_(prompt_tokens=p))
             return est.peak_reserved_bytes - est.weights.total_bytes
         best = max(best, _largest(1, ctx, need, usable) or 0)
     return best

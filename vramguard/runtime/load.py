@@ -338,9 +338,9 @@ def _default_device_map(spec, quant, on_cuda, report, kwargs) -> dict | str:
     import torch
 
     from vramguard.memory.runtime import CUDA_CONTEXT_BYTES
-    from vramguard.memory.weights import weight_bytes
+    from vramguard.plan.choice import choose
     from vramguard.settings import Settings
-    need = weight_bytes(spec, Settings(quant=quant)).total_bytes + CUDA_CONTEXT_BYTES
+    need = choose(spec).model.weight_bytes(Settings(quant=quant)).total_bytes + CUDA_CONTEXT_BYTES
     free = [free_bytes(i) for i in range(torch.cuda.device_count())]
     if need <= free[0] or len(free) == 1:
         return {"": 0}
