@@ -159,7 +159,7 @@ class _Allocations(torch.utils._python_dispatch.TorchDispatchMode):
 
 def test_the_hybrid_cache_holds_attention_kv_and_mamba_states_as_a_real_generate(falcon_h1):
     from vramguard.introspect.replay import cache_tensors
-    from vramguard.memory.common import rounded
+    from vramguard.memory.weights import rounded
     folder, model = falcon_h1
     prompt, new = 40, 6
     out = model.generate(torch.randint(3, 200, (1, prompt)), max_new_tokens=new, min_new_tokens=new, do_sample=False,

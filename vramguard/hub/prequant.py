@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from vramguard.hub.headers import FLOAT_DTYPES, CheckpointHeaders, TensorHeader
-from vramguard.memory.common import WeightBytes, rounded
+from vramguard.memory.weights import rounded, WeightBytes
 from vramguard.memory.model import MemoryModel
 from vramguard.settings import DTYPE_BYTES
 

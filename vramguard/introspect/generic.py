@@ -14,9 +14,10 @@ from __future__ import annotations
 from functools import lru_cache
 
 from vramguard.errors import NotModelled
-from vramguard.memory.common import (SCALE_ZERO_BYTES, ForwardPeak, KvBytes, LinearGroup, WeightBytes,
-                                     quantized_tensor_bytes, rounded)
+from vramguard.memory.forward import ForwardPeak
+from vramguard.memory.kv import SCALE_ZERO_BYTES, KvBytes
 from vramguard.memory.model import LoadPlan
+from vramguard.memory.weights import LinearGroup, WeightBytes, quantized_tensor_bytes, rounded
 from vramguard.settings import DTYPE_BYTES, KV_BITS, Settings, short_dtype
 
 

@@ -10,7 +10,9 @@ from typing import ClassVar
 
 from vramguard.finding import Finding
 from vramguard.introspect import generic
-from vramguard.memory.common import ForwardPeak, KvBytes, LinearGroup, WeightBytes
+from vramguard.memory.forward import ForwardPeak
+from vramguard.memory.kv import KvBytes
+from vramguard.memory.weights import LinearGroup, WeightBytes
 from vramguard.memory.model import ForwardParts, LoadPlan, MemoryModel, logit_parts
 from vramguard.settings import Settings
 from vramguard.spec import ModelSpec

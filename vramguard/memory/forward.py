@@ -18,20 +18,47 @@ Per-element costs that decide long prompts (``sc = seqs x heads x q_len x k_len`
 * SDPA math: q, k, v upcast to float32 and float32 scores and probabilities, 8 B per score.
 * RMSNorm upcasts to float32: ``x.float()`` and ``x * rsqrt(var)`` are both alive, 8 B per hidden value.
 * bitsandbytes 4-bit linears dequantize the whole weight to the compute dtype for more than
-  :data:`~vramguard.memory.common.BNB_4BIT_FUSED_MAX_ROWS` rows of input (``out x in x compute bytes``), but run
+  :data:`BNB_4BIT_FUSED_MAX_ROWS` rows of input (``out x in x compute bytes``), but run
   the fused 4-bit kernel without dequantizing for up to that many (decode at batch 1 to 4).
   A compute dtype different from the activation dtype adds a cast copy of the input and of the output.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
-from vramguard.memory.common import BNB_4BIT_FUSED_MAX_ROWS, ForwardPeak, sdpa_runs_math
 from vramguard.memory.kv import kv_cache_bytes, kv_tensor_bytes
 from vramguard.memory.tape import Tape
 from vramguard.settings import DTYPE_BYTES, Settings
 from vramguard.spec import ModelSpec
+
+# bitsandbytes 0.50 ``gemm_4bit`` on CUDA (``bitsandbytes/backends/cuda/ops.py``: ``_GEMM_4BIT_CUSTOM_FLOOR_M``): up to
+# this many rows of input the fused 4-bit kernel runs on every CUDA GPU and no weight is dequantized; above it a
+# per-architecture rule picks the kernel or ``dequantize_4bit`` + ``linear`` (up to 1,536 rows), then always the
+# latter, which the model assumes. H200 traces (benchmarks/README.md): no dequantized weight in batch-4 decode.
+BNB_4BIT_FUSED_MAX_ROWS = 4
+
+
+@dataclass(frozen=True)
+class ForwardPeak:
+    """Peak bytes of one forward above the weights, by component (``components`` sums to ``peak_bytes``)."""
+
+    phase: str
+    past_tokens: int
+    chunk_tokens: int
+    peak_bytes: int
+    components: dict[str, int]
+    at: str
+    largest_alloc: int
+
+
+def sdpa_runs_math(s: Settings) -> bool:
+    """SDPA runs its math kernel (float32 scores): pinned to math, or float32 activations with a pinned flash or
+    cuDNN kernel (both need 16-bit inputs). Otherwise a flash-class kernel runs (memory-efficient accepts float32
+    and masks)."""
+    return s.sdpa_kernel == "math" or (s.act_dtype == "fp32" and s.sdpa_kernel in ("flash", "cudnn"))
+
 
 NORM_BYTES_PER_VALUE = 8  # float32 upcast + float32 normalized value, both alive inside RMSNorm
 

@@ -21,9 +21,27 @@ the layer in use and the one being prefetched on the GPU and the rest in CPU RAM
 
 from __future__ import annotations
 
-from vramguard.memory.common import SCALE_ZERO_BYTES, KvBytes, rounded
+from dataclasses import dataclass
+
+from vramguard.memory.weights import rounded
 from vramguard.settings import DTYPE_BYTES, KV_BITS, Settings
 from vramguard.spec import ModelSpec
+
+SCALE_ZERO_BYTES = 2 * 2  # one 16-bit scale and one 16-bit zero-point per group (quantized KV cache)
+
+
+@dataclass(frozen=True)
+class KvBytes:
+    """KV cache bytes on the GPU (``gpu_bytes``) and in CPU RAM (``cpu_bytes``, offloaded cache)."""
+
+    gpu_bytes: int
+    cpu_bytes: int
+    full_layer_bytes: int
+    sliding_layer_bytes: int
+    tokens: int
+    largest_tensor_bytes: int = 0
+
+
 
 
 def layer_tokens(spec: ModelSpec, layer_type: str, n_tokens: int, s: Settings, in_prefill_chunk: int = 0) -> int:

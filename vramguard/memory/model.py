@@ -21,10 +21,12 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, ClassVar
 
 from vramguard.finding import Finding
-from vramguard.memory.common import ForwardPeak, KvBytes, LinearGroup, WeightBytes
 from vramguard.memory import forward as hand_forward
 from vramguard.memory import kv as hand_kv
 from vramguard.memory import weights as hand_weights
+from vramguard.memory.forward import ForwardPeak
+from vramguard.memory.kv import KvBytes
+from vramguard.memory.weights import LinearGroup, WeightBytes
 from vramguard.settings import DTYPE_BYTES, Settings
 from vramguard.spec import ModelSpec
 

@@ -23,7 +23,9 @@ from dataclasses import dataclass, field
 
 from vramguard.catalog.gpus import GpuSpec
 from vramguard.finding import Finding
-from vramguard.memory.common import ForwardPeak, KvBytes, WeightBytes
+from vramguard.memory.forward import ForwardPeak
+from vramguard.memory.kv import KvBytes
+from vramguard.memory.weights import WeightBytes
 from vramguard.memory.model import LoadPlan, MemoryModel
 from vramguard.memory.runtime import CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES, allocator_reserve_bytes
 from vramguard.settings import Settings

@@ -5,7 +5,7 @@ Pure arithmetic over the spec and settings; each caller words its own finding.""
 
 from __future__ import annotations
 
-from vramguard.memory.common import LinearGroup
+from vramguard.memory.weights import LinearGroup
 from vramguard.memory.model import MemoryModel
 from vramguard.settings import DTYPE_BYTES, Settings
 from vramguard.spec import ModelSpec
