@@ -61,3 +61,23 @@ def test_the_reserve_is_chosen_with_its_reason():
     assert not int8.reserve.replay and int8.finding.code == "reserve_formula" and "int8" in int8.finding.message
     with pytest.raises(InvalidValue, match="alloc_conf"):
         choose(spec, Settings(), "expandable_segments:maybe")
+
+
+def test_one_reading_of_quantization_config_with_transformers_defaults():
+    """A config.json's quantization_config without bnb_4bit_quant_type is FP4 without double quant and with
+    float32 compute, as transformers' BitsAndBytesConfig reads it; the handle's settings say the same."""
+    from types import SimpleNamespace
+
+    from transformers import BitsAndBytesConfig
+
+    from vramguard.runtime.handle import decode_quantization_config, loaded_settings
+    bare = {"quant_method": "bitsandbytes", "load_in_4bit": True}
+    real = BitsAndBytesConfig(load_in_4bit=True)
+    assert decode_quantization_config(bare) == decode_quantization_config(real) == ("fp4", False, "fp32")
+    assert decode_quantization_config({"load_in_8bit": True})[0] == "int8"
+    assert decode_quantization_config({"quant_method": "gptq"})[0] == "gptq"
+    assert decode_quantization_config(None)[0] is None
+    model = SimpleNamespace(dtype="torch.bfloat16", config=SimpleNamespace(quantization_config=bare,
+                                                                           _attn_implementation="sdpa"))
+    s = loaded_settings(model)
+    assert (s.quant, s.double_quant, s.compute_dtype, s.dtype) == ("fp4", False, "fp32", "bf16")

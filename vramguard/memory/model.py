@@ -175,7 +175,7 @@ class HandModel(MemoryModel):
     source), ``load_source`` says where it comes from."""
 
     spec: ModelSpec
-    load: Callable[[ModelSpec, Settings], LoadPlan] | None = field(default=None, compare=False)
+    load: Callable[[ModelSpec, Settings], LoadPlan | None] | None = field(default=None, compare=False)
     load_source: str = "not planned"
 
     @property

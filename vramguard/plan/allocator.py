@@ -67,11 +67,12 @@ def _with_conf(model, s: Settings, est, cards: list, conf: AllocatorConfig, allo
                   alloc_conf=alloc_conf, peak_phase="load" if load_need > run_need else gen_phase)
     out = []
     for c in cards:
-        capped = replace(conf, allowed_bytes=allowed_bytes(c.usable_bytes - ctx_bytes, r.base_reserved_bytes))
+        cap = allowed_bytes(c.usable_bytes - ctx_bytes, r.base_reserved_bytes)
+        capped = replace(conf, allowed_bytes=cap)
         # without expandable segments a new segment adds exactly what the cap check counts, so a replay that never
         # reserved past the cap runs the same under it: only a larger peak needs the capped replay
-        same = r.fits and not conf.expandable_segments and r.peak_reserved_bytes <= capped.allowed_bytes
-        mine = r if same else replay_generate(spec, s, capped, rescale=solve)
+        same = r.fits and not conf.expandable_segments and r.peak_reserved_bytes <= cap
+        mine = r if same else replay_generate(spec, s, capped, rescale=solve) or r  # covered: r's settings
         fits = mine.fits and load_need <= c.usable_bytes
         need = max(max(mine.peak_reserved_bytes, est.peak_allocated_bytes) + ctx_bytes, load_need) if fits \
             else max(est.device_used_bytes, c.usable_bytes + 1)

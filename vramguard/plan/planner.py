@@ -209,7 +209,7 @@ def _reserved(choice: Choice, s: Settings, est: MemoryEstimate, cards: list[Card
                                           reserve_formula_finding, with_allocator)
     freed = process_freed_memory() if freed_before is None else freed_before
     why, reserve = choice.finding, choice.reserve
-    if reserve.replay:
+    if reserve.config is not None and reserve.alloc_conf is not None:  # the allocator model
         try:
             est, cards = with_allocator(choice.model, s, est, cards, reserve.config, reserve.alloc_conf, solve, freed)
         except NotPlannable as e:

@@ -197,8 +197,8 @@ def hardware_changes(model: MemoryModel, s: Settings, target: GpuSpec, need: int
     bigger = sorted((g for g in GPUS.values() if g.total_bytes >= need), key=lambda g: g.total_bytes)
     if bigger:
         g = bigger[0]
-        short = g.label.replace("NVIDIA ", "").replace("GeForce ", "")
-        out.append(Change(f"a larger card: {short} ({fmt_bytes(g.total_bytes)} as its driver reports, "
+        label = g.label.replace("NVIDIA ", "").replace("GeForce ", "")
+        out.append(Change(f"a larger card: {label} ({fmt_bytes(g.total_bytes)} as its driver reports, "
                           f"{fmt_bytes(g.total_bytes - need)} to spare)", {"gpu": g.name}, need, 0, (g.name,)))
     return sorted(out, key=lambda c: (not c.fits_on, c.need_bytes > usable))
 

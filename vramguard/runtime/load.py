@@ -28,7 +28,8 @@ from vramguard.probe.kernels import AttentionKernel, profile_attention
 from vramguard.errors import ConfigError, InvalidValue, UnknownModel
 from vramguard.resolve import local_model_folder, resolve_model
 from vramguard.runtime.device import MemorySnapshot, free_bytes
-from vramguard.runtime.handle import LoadedModel, as_loaded, forget, known, loaded_settings, register
+from vramguard.runtime.handle import (LoadedModel, as_loaded, decode_quantization_config, forget, known,
+                                      loaded_settings, register)
 from vramguard.runtime.handle import pin_sdpa as _pin_sdpa
 from vramguard.runtime.handle import unpin_sdpa as _unpin_sdpa
 from vramguard.settings import TORCH_DTYPE_NAMES
@@ -353,11 +354,7 @@ def _default_device_map(spec, quant, on_cuda, report, kwargs) -> dict | str:
 def _active(m) -> dict:
     import torch
     q = getattr(m.config, "quantization_config", None)
-    quant = "none"
-    if q is not None:
-        qd = q.to_dict() if hasattr(q, "to_dict") else dict(q)
-        quant = ("nf4" if qd.get("bnb_4bit_quant_type") == "nf4" else "fp4") if qd.get("load_in_4bit") else (
-            "int8" if qd.get("load_in_8bit") else str(qd.get("quant_method")))
+    quant = decode_quantization_config(q)[0] or "none"
     compute = None
     for mod in m.modules():
         if hasattr(mod, "compute_dtype") and getattr(mod, "compute_dtype", None) is not None:

@@ -9,6 +9,7 @@ Needs torch, transformers and accelerate; pure otherwise (no CUDA call).
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 from vramguard.catalog.gpus import GpuSpec
 from vramguard.errors import InvalidValue
@@ -105,6 +106,7 @@ def plan_gpus(model: str | ModelSpec | MemoryModel, settings: Settings | None = 
     check_context(spec, s)
     check_cards(gpus, tp)
     notes = []
+    split: Any  # the tensor-parallel shards, or the device_map split
     if tp is not None:
         from vramguard.plan.multigpu.tensorparallel import tp_shards
         split, layout = tp_shards(spec, s, tp), "tp"

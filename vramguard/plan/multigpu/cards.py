@@ -122,14 +122,12 @@ def _card(i: int, gpu: GpuSpec, weights: int, runs: bool, per_phase: list[tuple[
     """A card's need from its weights and, per phase, (phase, KV, activations, largest allocation); the allocator
     reserve is :func:`~vramguard.memory.runtime.allocator_reserve_bytes` of what the phase allocates on the card
     (a static cache, allocated once, excluded)."""
-    best = None
+    rows = []
     for phase, kv, act, largest in per_phase:
         dynamic = act + (0 if static_cache else kv)
         reserve = allocator_reserve_bytes(dynamic, min(largest, dynamic)) if dynamic else 0
-        total = kv + act + reserve
-        if best is None or total > best[0]:
-            best = (total, phase, kv, act, reserve)
-    total, phase, kv, act, reserve = best
+        rows.append((kv + act + reserve, phase, kv, act, reserve))
+    total, phase, kv, act, reserve = max(rows, key=lambda r: r[0])  # the first of the largest
     cublas = CUBLAS_WORKSPACE_BYTES if runs else 0
     context = CUDA_CONTEXT_BYTES if runs or weights else 0  # a card given nothing is never touched
     need = weights + cublas + total + context
