@@ -83,9 +83,10 @@ def _with_conf(model, s: Settings, est, cards: list, conf: AllocatorConfig, allo
     return est, out
 
 
-def auto_alloc_conf(spec, s: Settings) -> tuple[str | None, Finding | None]:
-    """The ``PYTORCH_CUDA_ALLOC_CONF`` a default plan models (this process's environment, ``""`` when unset) and
-    None; or (None, the :func:`reserve_formula_finding` that says why the formula is used instead): no config.json,
+def auto_alloc_conf(spec, s: Settings) -> tuple[str | None, AllocatorConfig | None, Finding | None]:
+    """The ``PYTORCH_CUDA_ALLOC_CONF`` a default plan models (this process's environment, ``""`` when unset), its
+    parsed :class:`AllocatorConfig` and None; or (None, None, the :func:`reserve_formula_finding` that says why the
+    formula is used instead): no config.json,
     settings the tape does not cover (:func:`~vramguard.introspect.alloc_replay.not_covered`), a generation longer
     than :data:`AUTO_MAX_NEW_TOKENS`, torch or transformers not installed (with the install command), or an
     environment value that is not allocator options (a ``warn``: PyTorch refuses it at the first CUDA allocation)."""
@@ -94,28 +95,30 @@ def auto_alloc_conf(spec, s: Settings) -> tuple[str | None, Finding | None]:
     from vramguard.allocconf import env_alloc_conf
     env = env_alloc_conf()
     if not spec.config_json:
-        return None, reserve_formula_finding("the model has no config.json to build its forward from")
+        return None, None, reserve_formula_finding("the model has no config.json to build its forward from")
     if (setting := not_covered(s)) is not None:
-        return None, reserve_formula_finding(f"its tape does not cover {setting}")
+        return None, None, reserve_formula_finding(f"its tape does not cover {setting}")
     if s.max_new_tokens > AUTO_MAX_NEW_TOKENS:
-        return None, reserve_formula_finding(f"it replays every decode step, and above {AUTO_MAX_NEW_TOKENS:,} new "
-                                             "tokens that takes minutes (alloc_conf='' asks for it)")
+        return None, None, reserve_formula_finding(
+            f"it replays every decode step, and above {AUTO_MAX_NEW_TOKENS:,} new tokens that takes minutes "
+            "(alloc_conf='' asks for it)")
     missing = [m for m in ("torch", "transformers") if importlib.util.find_spec(m) is None]
     if missing:
-        return None, reserve_formula_finding(f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not "
-                                             "installed", fix=GPU_EXTRA_FIX)
+        return None, None, reserve_formula_finding(
+            f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not installed", fix=GPU_EXTRA_FIX)
     from vramguard.memory.allocator import backend
     if backend(env) != "native":  # a valid setting, but another allocator than the one modelled
-        return None, reserve_formula_finding(f"PYTORCH_CUDA_ALLOC_CONF={env!r} selects the {backend(env)} backend, "
-                                             "not the caching allocator the model follows")
+        return None, None, reserve_formula_finding(
+            f"PYTORCH_CUDA_ALLOC_CONF={env!r} selects the {backend(env)} backend, not the caching allocator the "
+            "model follows")
     try:
-        AllocatorConfig.parse(env)
+        config = AllocatorConfig.parse(env)
     except ValueError as e:
-        return None, reserve_formula_finding(
+        return None, None, reserve_formula_finding(
             f"PYTORCH_CUDA_ALLOC_CONF={env!r} is not valid allocator options ({e}); PyTorch refuses it at the first "
             "CUDA allocation, so run and serve would fail with it too", "warn",
             "fix PYTORCH_CUDA_ALLOC_CONF (e.g. expandable_segments:True) or unset it")
-    return env, None
+    return env, config, None
 
 
 FREED_MODEL_BYTES = 1 << 30  # given back to CUDA before: a model's memory, more than a warm-up releases

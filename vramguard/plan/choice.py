@@ -97,8 +97,8 @@ def _reserve(spec: ModelSpec, s: Settings, alloc_conf: str | None) -> tuple[Rese
     if alloc_conf is None:
         return Reserve(None), None
     if alloc_conf == AUTO:
-        conf, why = auto_alloc_conf(spec, s)
-        return (Reserve(None), why) if conf is None else (Reserve(conf, AllocatorConfig.parse(conf)), None)
+        conf, config, why = auto_alloc_conf(spec, s)  # this process's PYTORCH_CUDA_ALLOC_CONF, parsed there
+        return Reserve(conf, config), why
     if (setting := not_covered(s)) is not None:  # asked for, not possible: said, not skipped silently
         return Reserve(None), reserve_formula_finding(f"its tape does not cover {setting}")
     try:
