@@ -158,9 +158,10 @@ class Plan:
     findings: list[Finding] = field(default_factory=list)
     changes: list[Change] = field(default_factory=list)
     kv_growth_at: dict[int, dict[str, int]] = field(default_factory=dict)  # tokens held -> bytes the next token
-    # adds per layer kind (vramguard.memory.kv.kv_growth_per_token), at the prompt and the run's last token: a
-    # generic spec's is a replay of transformers' cache, kept with the plan so that printing it replays nothing
-    layer_kinds: tuple[str, ...] = ()  # a generic spec's layer kinds as its config names them; () for a hand spec
+    # adds per layer kind (MemoryModel.kv_growth_per_token), at the prompt and the run's last token: transformers'
+    # is a replay of its cache, kept with the plan so that printing it replays nothing
+    layer_kinds: tuple[str, ...] = ()  # MemoryModel.layer_kinds: the config's names where the growth is reported
+    # per layer kind (transformers' model); () for a hand family (full and sliding layers)
 
     @property
     def fits(self) -> bool:
