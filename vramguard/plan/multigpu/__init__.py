@@ -15,6 +15,7 @@ from vramguard.catalog.gpus import GpuSpec
 from vramguard.errors import InvalidValue
 from vramguard.memory.model import MemoryModel
 from vramguard.memory.runtime import CUDA_CONTEXT_BYTES
+from vramguard.plan.choice import choose
 from vramguard.plan.multigpu.cards import (CardNeed, MaxMemoryFix, MultiGpuPlan, check_cards, device_map_needs,
                                            tp_needs)
 from vramguard.settings import Settings
@@ -93,7 +94,6 @@ def plan_gpus(model: str | ModelSpec | MemoryModel, settings: Settings | None = 
     """
     from vramguard.plan.limits import check_context
     from vramguard.resolve import resolve_model
-    from vramguard.plan.choice import choose
     if not isinstance(model, MemoryModel):
         model = choose(model if isinstance(model, ModelSpec) else resolve_model(model)).model
     spec = model.spec
