@@ -14,6 +14,7 @@ from vramguard.plan import estimate
 from vramguard.resolve import resolve_model
 from vramguard.settings import Settings
 from vramguard.units import GiB
+from vramguard.plan.choice import choose
 
 # initializer_range 0.2: attention then decides the next token (with the default 0.02 the tokens follow the last
 # token's embedding, and a mask or position off by one changes none of them, so identity would prove little)
@@ -338,10 +339,10 @@ def test_preflight_puts_the_graph_first_and_says_when_it_does_not_fit():
     s = Settings(quant="nf4", attn="sdpa", prompt_tokens=4096, max_new_tokens=512)
     order, why = G.preflight(spec, s, 18 * GiB, auto=True, on_cuda=True, weights_loaded=True, fast_decode=True)
     assert [st for st, _ in order[:2]] == [G.GRAPH_STRATEGY, G.GRAPH_CHUNKED] and "fast decode" not in why
-    one = estimate(spec, s.with_(cache="static"))  # one prefill forward into the static cache
+    one = estimate(choose(spec).model, s.with_(cache="static"))  # one prefill forward into the static cache
     assert order[0][1] == one.peak_reserved_bytes - one.weights.total_bytes
     static = next(st for st in G.STRATEGIES if st.name.startswith("static cache"))
-    est = estimate(spec, s.with_(**static.plan))
+    est = estimate(choose(spec).model, s.with_(**static.plan))
     assert order[1][1] == est.peak_reserved_bytes - est.weights.total_bytes  # the static strategy's plan exactly
     # then the order without fast decode, unchanged
     plain, _ = G.preflight(spec, s, 18 * GiB, auto=True, on_cuda=True, weights_loaded=True)

@@ -9,7 +9,7 @@ import pytest
 
 from vramguard.catalog.gpus import GpuSpec
 from vramguard.errors import InvalidValue
-from vramguard.runtime.handle import bnb_format, loaded_settings
+from vramguard.runtime.handle import decode_quantization_config, loaded_settings
 from vramguard.serve.config import ServeConfig
 
 
@@ -23,11 +23,12 @@ def test_a_4bit_config_without_its_type_reads_as_transformers_loads_it():
     and the load report read the same."""
     transformers = pytest.importorskip("transformers")
     q = transformers.BitsAndBytesConfig.from_dict({"load_in_4bit": True})
-    assert bnb_format({"load_in_4bit": True}) == (q.bnb_4bit_quant_type, q.bnb_4bit_use_double_quant)
-    assert bnb_format({"load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True}) == (
-        "nf4", True)
-    assert bnb_format({"load_in_8bit": True}) == ("int8", False)
-    assert bnb_format({"quant_method": "gptq"}) == (None, False)
+    assert decode_quantization_config({"load_in_4bit": True})[:2] == (q.bnb_4bit_quant_type,
+                                                                      q.bnb_4bit_use_double_quant)
+    assert decode_quantization_config({"load_in_4bit": True, "bnb_4bit_quant_type": "nf4",
+                                       "bnb_4bit_use_double_quant": True})[:2] == ("nf4", True)
+    assert decode_quantization_config({"load_in_8bit": True})[:2] == ("int8", False)
+    assert decode_quantization_config({"quant_method": "gptq"})[:2] == ("gptq", False)
     model = SimpleNamespace(dtype=None, config=SimpleNamespace(quantization_config={"load_in_4bit": True},
                                                                _attn_implementation="sdpa"))
     assert loaded_settings(model).quant == "fp4" and loaded_settings(model).double_quant is False

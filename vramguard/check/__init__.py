@@ -18,7 +18,7 @@ from vramguard.finding import Finding
 from vramguard.hardware import gpu_from_catalog, require_card_name
 from vramguard.hub import fetched_line
 from vramguard.introspect.build import attention_support, cached_config
-from vramguard.plan import check_context, estimate, plan
+from vramguard.plan import check_context, choose, estimate, plan
 from vramguard.probe.checkpoint import CheckpointInfo, hub_checkpoint_info, read_checkpoint, resolve_param_dtype
 from vramguard.probe.env import Env, probe_env
 from vramguard.probe.kernels import AttentionKernel, profile_attention
@@ -181,7 +181,7 @@ def _default_dtype_why(card, dtype: str, why: str) -> str:
 def _plan_findings(model, spec, s: Settings, card, env, device_map) -> list[Finding]:
     """The plan's verdict for the card (or the need, without one), and where device_map='auto' would put modules."""
     if card is None:
-        est = estimate(spec, s)
+        est = estimate(choose(spec, s).model, s)
         return [finding_line("plan", "info", f"needs {fmt_gib(est.device_used_bytes)} on the card",
                              "no card to compare with", "pass gpu=NAME to check against a card")]
     v = plan(spec, s, gpus=[card], solve=False).cards[0]

@@ -126,8 +126,10 @@ def plan_cards(model: str, s, cards: tuple, context: int | None, device_map: str
     # several cards' planner: loaded when a plan asks for them, not at the CLI's start
     from vramguard.plan.multigpu import plan_gpus
     from vramguard.plan.multigpu.tensorparallel import check_tp_heads, check_tp_quant
+    from vramguard.plan.choice import choose
     gpus, tp, gpu, vram = cards
-    check_tp_heads(model, tp)  # a model fact: said before the cards are looked for
+    spec = model if hasattr(model, "max_position_embeddings") else resolve_model(model)
+    check_tp_heads(choose(spec).model, tp)  # a model fact: said before the cards are looked for
     check_tp_quant(s, tp)  # two options that do not go together: said before the cards too
     if gpus is None and tp is None and max_memory and "," in max_memory and "," not in (gpu or "") + (vram or ""):
         gpus = len(max_memory.split(","))  # as many cards as sizes given
@@ -144,8 +146,7 @@ def plan_cards(model: str, s, cards: tuple, context: int | None, device_map: str
         if len(mm) != len(found):
             raise InvalidValue("--max-memory", max_memory, f"one size, or {len(found)} (one per card)",
                                f"name {len(found)} sizes, e.g. --max-memory " + ",".join(["20GiB"] * len(found)))
-    spec = with_context(model if hasattr(model, "max_position_embeddings") else resolve_model(model), context) \
-        if context else model
+    spec = with_context(spec, context) if context else spec
     return plan_gpus(spec, s, gpus=found, tp=tp, max_memory=mm, device_map=device_map)
 
 

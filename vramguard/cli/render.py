@@ -222,8 +222,8 @@ def kv_growth_at(p: Plan, n_tokens: int) -> dict[str, int]:
 def sliding_growth_tokens(p: Plan) -> int:
     """How many of the run's new tokens still grow the sliding-window layers (they stop at the window)."""
     s, prompt = p.settings, p.settings.prompt_tokens
-    if p.model.generic:
-        return 0  # the generic growth is reported at the run's length, per layer kind
+    if p.layer_kinds:
+        return 0  # a growth per layer kind is reported at the run's length
 
     def grows(n: int) -> bool:
         return kv_growth_per_token(p.model, s, n).get("sliding_attention", 0) > 0
@@ -240,7 +240,7 @@ def sliding_growth_tokens(p: Plan) -> int:
 def kv_growth_text(p: Plan) -> str:
     """The KV growth per new token a user sees in this run, per layer type: sliding layers stop at the window."""
     spec, s = p.model, p.settings
-    if spec.generic:
+    if p.layer_kinds:  # the model reports its growth per layer kind as its config names them
         from collections import Counter
         growth = kv_growth_at(p, s.total_tokens - 1)
         counts = Counter(p.layer_kinds)

@@ -48,7 +48,9 @@ from vramguard.engines import vllm_weights as w
 from vramguard.engines.vllm_arch import VLLM_FAMILIES, VllmModel, vllm_model
 from vramguard.engines.vllm_versions import rules_for
 from vramguard.errors import ConfigError, InvalidValue
+from vramguard.memory.model import MemoryModel
 from vramguard.memory.runtime import CUDA_CONTEXT_BYTES
+from vramguard.plan.choice import choose
 from vramguard.spec import ModelSpec
 from vramguard.units import GiB, MiB
 
@@ -330,9 +332,12 @@ NO_VLLM_MODEL_FIX = ("plan it for transformers, the default engine ({plan}); vLL
                      "list of supported models says), but vramguard's vLLM model does not cover it yet")
 
 
-def _check_spec(spec: ModelSpec) -> None:
-    w.linear_format(spec)  # raises ConfigError for a quantized layout that is not modelled
-    if spec.generic:  # the per-rank shards are modelled for the hand-written families only (MLA's are not)
+def _check_model(model: MemoryModel) -> None:
+    """Raise ConfigError for a quantized layout that is not modelled, or a model whose memory is taken from
+    transformers: vLLM's per-rank shards are modelled for the hand-written families only (MLA's are not)."""
+    spec = model.spec
+    w.linear_format(spec)
+    if model.needs_transformers:
         raise ConfigError("config.json:model_type", spec.model_type, "a family with a hand-written vLLM model "
                           "(llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe, gemma, gemma2, "
                           "gemma3_text, phi3)", NO_VLLM_MODEL_FIX.format(model_type=spec.model_type,
@@ -363,9 +368,10 @@ class _Budget:
 
 def _vllm_model(spec: ModelSpec, s: VllmSettings) -> VllmModel:
     """The model vLLM builds (:func:`~vramguard.engines.vllm_arch.vllm_model`); a generic family without a vLLM
-    model here is refused by :func:`_check_spec`."""
-    if spec.generic and w.config_dict(spec).get("model_type") not in VLLM_FAMILIES:
-        _check_spec(spec)
+    model here is refused by :func:`_check_model`."""
+    memory = choose(spec).model
+    if memory.needs_transformers and w.config_dict(spec).get("model_type") not in VLLM_FAMILIES:
+        _check_model(memory)
     return vllm_model(spec, s.quantization)
 
 
@@ -405,15 +411,17 @@ def _batch(spec: ModelSpec, s: VllmSettings, gpu: GpuSpec, max_len: int) -> tupl
     return s.max_num_batched_tokens or tokens, s.max_num_seqs or seqs
 
 
-def plan_vllm(spec: ModelSpec, gpu: GpuSpec, settings: VllmSettings | None = None) -> VllmPlan:
-    """Plan ``spec`` served by vLLM on GPUs like ``gpu`` (one per worker); a plan refused for memory carries the
-    plans that fit (:attr:`VllmPlan.fit_tp`, :attr:`VllmPlan.fit_card`).
+def plan_vllm(model: ModelSpec | MemoryModel, gpu: GpuSpec, settings: VllmSettings | None = None) -> VllmPlan:
+    """Plan ``model`` (a spec, or its memory model from :func:`vramguard.plan.choice.choose`) served by vLLM on GPUs
+    like ``gpu`` (one per worker); a plan refused for memory carries the plans that fit (:attr:`VllmPlan.fit_tp`,
+    :attr:`VllmPlan.fit_card`).
 
     Raises:
         InvalidValue: a parallel size vLLM refuses for this model (heads or vocabulary not divisible).
         ConfigError: a quantization format not modelled, or a family without a vLLM model here.
     """
-    s = settings or VllmSettings()
+    memory = model if isinstance(model, MemoryModel) else choose(model).model
+    spec, s = memory.spec, settings or VllmSettings()  # the model vLLM builds is checked by _plan
     p = _plan(spec, gpu, s)
     if p.refused_by not in ("weights_load", "weights_budget", "kv_cache"):
         return p
@@ -452,7 +460,7 @@ def _fit_card(spec: ModelSpec, gpu: GpuSpec, s: VllmSettings) -> VllmPlan | None
 def _plan(spec: ModelSpec, gpu: GpuSpec, s: VllmSettings) -> VllmPlan:
     m = _vllm_model(spec, s)
     spec = m.text
-    _check_spec(spec)
+    _check_model(choose(spec).model)
     dtype, notes = model_dtype(spec, s, gpu)
     dt = _DTYPE_BYTES[dtype]
     kv_dt = dt if s.kv_cache_dtype in ("auto", "bfloat16", "float16") else 1

@@ -38,7 +38,7 @@ from functools import lru_cache
 from vramguard.introspect import hand
 from vramguard.memory import hand_tape
 from vramguard.memory.allocator import AllocatorConfig, Block, CachingAllocator, OutOfMemory
-from vramguard.memory.common import BNB_4BIT_FUSED_MAX_ROWS
+from vramguard.memory.forward import BNB_4BIT_FUSED_MAX_ROWS
 from vramguard.memory.decode_steps import DecodeSteps, Placer
 from vramguard.memory.runtime import CUBLAS_WORKSPACE_BYTES
 from vramguard.settings import DTYPE_BYTES, Settings
@@ -90,7 +90,7 @@ def load_events(spec, s: Settings) -> tuple[int, list[tuple[int, int]]]:
     copies and the 16-bit weight (without double quant the first absmax is the state). An 8-bit weight is read,
     quantized to its ``numel`` bytes and state, and freed."""
     from vramguard.introspect.generic import structure_of
-    from vramguard.memory.common import BNB_4BIT_BLOCKSIZE, rounded
+    from vramguard.memory.weights import BNB_4BIT_BLOCKSIZE, rounded
     from vramguard.memory.weights import quantized_tensor_bytes
     act = DTYPE_BYTES[s.act_dtype]
     st = hand.structure(spec, s) if hand.covers(spec) else structure_of(spec, s)
@@ -495,7 +495,7 @@ def _fused_sdpa_mode():
 def _bnb_kernels(model, quantized: set[str], s: Settings):
     """While a converted layer runs, the tensors its bitsandbytes kernel allocates, in the order the caching
     allocator's trace of bitsandbytes 0.50 under torch 2.11 on an H200 records them (``benchmarks/results/h200_edge/
-    run2``): for more than :data:`~vramguard.memory.common.BNB_4BIT_FUSED_MAX_ROWS` rows (``dequantize_4bit``, then
+    run2``): for more than :data:`~vramguard.memory.forward.BNB_4BIT_FUSED_MAX_ROWS` rows (``dequantize_4bit``, then
     ``linear``), with double quant two float32 copies of the absmax (``ceil(numel / 64) x 4`` B each), then the
     weight in the compute dtype, all held until the layer's output is allocated and freed in that order; for up to
     that many rows (the fused kernel) nothing of 1 MiB or more; int8 holds its int8 input and int32 product (as

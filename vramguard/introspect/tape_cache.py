@@ -26,7 +26,7 @@ from vramguard.diskcache import write_text_gz
 # the modules whose code decides what a tape holds (vramguard/introspect/*, and the memory rules they read)
 _SOURCES = ("alloc_replay.py", "build.py", "generic.py", "keys.py", "layer_trim.py", "mixers.py", "replay.py",
             "tracker.py",
-            "../memory/forward.py", "../memory/common.py", "../settings.py", "../memory/allocator.py",
+            "../memory/forward.py", "../memory/kv.py", "../settings.py", "../memory/allocator.py",
             "../memory/decode_steps.py", "../memory/weights.py", "hand.py", "../memory/hand_tape.py",
             "../memory/metatensor.py")
 

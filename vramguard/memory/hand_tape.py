@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 from functools import lru_cache
 
-from vramguard.memory.common import BNB_4BIT_FUSED_MAX_ROWS, sdpa_runs_math
+from vramguard.memory.forward import BNB_4BIT_FUSED_MAX_ROWS, sdpa_runs_math
 from vramguard.memory.metatensor import T, Tape, cat, linear, matmul
 from vramguard.settings import DTYPE_BYTES, Settings
 

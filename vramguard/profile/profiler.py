@@ -12,7 +12,7 @@ from vramguard.resolve import local_model_folder
 from vramguard.runtime.load import LoadedModel, load_model, unload
 from vramguard.runtime.device import StepSample, require_cuda
 from vramguard.memory.runtime import CUBLAS_WORKSPACE_BYTES
-from vramguard.plan import estimate
+from vramguard.plan import choose, estimate
 from vramguard.profile.measured_run import RunResult, run_generate
 from vramguard.settings import Settings
 
@@ -62,7 +62,7 @@ def kv_growth_per_token(samples: list[StepSample]) -> int | None:
 
 def build_rows(run: RunResult, weights_bytes: int | None, spec, s: Settings) -> list[ProfileRow]:
     """The profile table from one run's samples and the plan of the same settings."""
-    est = estimate(spec, s)
+    est = estimate(choose(spec, s).model, s)
     base = est.weights.total_bytes + CUBLAS_WORKSPACE_BYTES
     pre = run.samples[0] if run.samples else None
     dec = run.samples[1:]

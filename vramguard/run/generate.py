@@ -199,12 +199,12 @@ def _planned_bytes(spec, s: Settings) -> tuple[int, int]:
     Raises:
         NotPlannable: from the estimate (never kept).
     """
-    from vramguard.plan import estimate
+    from vramguard.plan import choose, estimate
     path = diskcache.entry_key("run_strategy", spec, spec.config_json, spec.checkpoint, s)
     kept = diskcache.read(path)
     if isinstance(kept, tuple) and len(kept) == 2 and all(isinstance(v, int) for v in kept):
         return kept
-    est = estimate(spec, s)
+    est = estimate(choose(spec, s).model, s)
     out = (int(est.peak_reserved_bytes), int(est.weights.total_bytes))
     diskcache.write(path, out)
     return out
@@ -556,7 +556,7 @@ def prompt_budget(model, max_new_tokens: int, budget_bytes: int | None = None, a
     """The longest prompt (tokens) that some strategy can run with ``max_new_tokens`` in the memory left: the
     plan's :func:`~vramguard.plan.solve.max_prompt_tokens` per strategy, the largest of them; the model's context when
     there is no CUDA device to plan against."""
-    from vramguard.plan import estimate
+    from vramguard.plan import choose, estimate
     from vramguard.plan.solve import _largest
     h = as_loaded(model)
     ctx = h.spec.max_position_embeddings - max_new_tokens
@@ -564,14 +564,14 @@ def prompt_budget(model, max_new_tokens: int, budget_bytes: int | None = None, a
     if usable is None:
         return ctx
     s = h.settings.with_(max_new_tokens=max_new_tokens)
-    best = 0
+    memory, best = choose(h.spec, s).model, 0
     for st in STRATEGIES if auto else STRATEGIES[:1]:
         if not st.available(h.on_cuda)[0]:
             continue
         ss = s.with_(**st.plan)
 
         def need(p: int, ss=ss) -> int:  # beyond the loaded weights, as preflight counts it
-            est = estimate(h.spec, ss.with_(prompt_tokens=p))
+            est = estimate(memory, ss.with_(prompt_tokens=p))
             return est.peak_reserved_bytes - est.weights.total_bytes
         best = max(best, _largest(1, ctx, need, usable) or 0)
     return best

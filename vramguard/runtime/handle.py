@@ -183,49 +183,40 @@ def describe(model, tokenizer=None) -> LoadedModel:
     return LoadedModel(model, tokenizer, None, spec, loaded_settings(model))
 
 
-# transformers' BitsAndBytesConfig defaults (its __init__), for a quantization_config that leaves a field out
-BNB_4BIT_QUANT_TYPE = "fp4"
-BNB_4BIT_USE_DOUBLE_QUANT = False
+# transformers' BitsAndBytesConfig defaults (``utils/quantization_config.py``): what a quantization_config without
+# the key means
+BNB_DEFAULT_QUANT_TYPE, BNB_DEFAULT_DOUBLE_QUANT, BNB_DEFAULT_COMPUTE_DTYPE = "fp4", False, "fp32"
 
 
-def quantization_dict(model) -> dict | None:
-    """``model.config.quantization_config`` as a dict (a config object's ``to_dict()``), or None without one."""
-    q = getattr(model.config, "quantization_config", None)
+def decode_quantization_config(q) -> tuple[str | None, bool, str | None]:
+    """(weight format, double quant, 4-bit compute dtype) of a model's ``quantization_config`` (a
+    ``BitsAndBytesConfig`` or its dict): ``"nf4"``/``"fp4"`` for ``load_in_4bit`` (``bnb_4bit_quant_type``),
+    ``"int8"`` for ``load_in_8bit``, the ``quant_method`` of any other method; None without a config. A key the
+    config lacks means what transformers' ``BitsAndBytesConfig`` defaults it to (``fp4``, no double quant, float32
+    compute): the one reading of it that both the handle's settings and the load report use."""
     if q is None:
-        return None
-    return q.to_dict() if hasattr(q, "to_dict") else dict(q)
-
-
-def bnb_format(q: dict) -> tuple[str | None, bool]:
-    """The bitsandbytes weight format of a quantization config and its double quantization: ``("nf4" | "fp4",
-    double)`` for ``load_in_4bit`` (``bnb_4bit_quant_type`` and ``bnb_4bit_use_double_quant``, transformers'
-    defaults where left out: fp4, no double quantization), ``("int8", False)`` for ``load_in_8bit``, ``(None,
-    False)`` for another method. The one reading of it for the handle's settings and the load report.
-
-    >>> bnb_format({"load_in_4bit": True, "bnb_4bit_quant_type": "nf4"})
-    ('nf4', False)
-    """
-    if q.get("load_in_4bit"):
-        kind = q.get("bnb_4bit_quant_type") or BNB_4BIT_QUANT_TYPE
-        return ("nf4" if kind == "nf4" else "fp4"), bool(q.get("bnb_4bit_use_double_quant", BNB_4BIT_USE_DOUBLE_QUANT))
-    return ("int8", False) if q.get("load_in_8bit") else (None, False)
+        return None, BNB_DEFAULT_DOUBLE_QUANT, None
+    d = q.to_dict() if hasattr(q, "to_dict") else dict(q)
+    if d.get("load_in_4bit"):
+        quant = "nf4" if d.get("bnb_4bit_quant_type", BNB_DEFAULT_QUANT_TYPE) == "nf4" else "fp4"
+        compute = short_dtype(d.get("bnb_4bit_compute_dtype")) or BNB_DEFAULT_COMPUTE_DTYPE
+        return quant, bool(d.get("bnb_4bit_use_double_quant", BNB_DEFAULT_DOUBLE_QUANT)), compute
+    if d.get("load_in_8bit"):
+        return "int8", BNB_DEFAULT_DOUBLE_QUANT, None
+    return str(d.get("quant_method")), BNB_DEFAULT_DOUBLE_QUANT, None
 
 
 def loaded_settings(model) -> Settings:
     """The settings a loaded model runs with, read from it: the weight format from ``config.quantization_config``
-    (:func:`bnb_format`; a model without one: its dtype), the compute dtype from ``bnb_4bit_compute_dtype``, the
-    dtype of the unquantized modules from ``model.dtype`` and the attention from ``config._attn_implementation``
-    (SDPA for any other implementation)."""
+    (:func:`decode_quantization_config`; a method other than bitsandbytes' is ``bf16``, otherwise the model's
+    dtype), the dtype of the unquantized modules from ``model.dtype`` and the attention from
+    ``config._attn_implementation`` (SDPA for any other implementation)."""
     dtype = short_dtype(getattr(model, "dtype", None)) or "bf16"
-    q = quantization_dict(model)
-    compute, double = None, True
-    if q is None:
-        quant = dtype
-    else:
-        fmt, bnb_double = bnb_format(q)
-        quant = fmt or "bf16"
-        if fmt in ("nf4", "fp4"):
-            compute, double = short_dtype(q.get("bnb_4bit_compute_dtype")), bnb_double
+    q = getattr(model.config, "quantization_config", None)
+    method, double, compute = decode_quantization_config(q)
+    quant = dtype if method is None else method if method in ("nf4", "fp4", "int8") else "bf16"
+    if method not in ("nf4", "fp4"):
+        double = True  # the Settings default, which only 4-bit reads
     attn = getattr(model.config, "_attn_implementation", "sdpa") or "sdpa"
     return Settings(quant=quant, double_quant=double, attn=attn if attn in ATTNS else "sdpa",
                     compute_dtype=compute, dtype=None if q is None else dtype)

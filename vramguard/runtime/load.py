@@ -25,15 +25,15 @@ from pathlib import Path
 from vramguard.extras import extra_of
 from vramguard.introspect.build import attention_support, cached_config
 from vramguard.memory.runtime import CUDA_CONTEXT_BYTES
-from vramguard.memory.weights import weight_bytes
+from vramguard.plan.choice import choose
 from vramguard.probe.checkpoint import read_checkpoint, resolve_param_dtype
 from vramguard.probe.env import probe_env
 from vramguard.probe.kernels import AttentionKernel, profile_attention
 from vramguard.errors import ConfigError, InvalidValue, UnknownModel
 from vramguard.resolve import local_model_folder, resolve_model
 from vramguard.runtime.device import MemorySnapshot, free_bytes
-from vramguard.runtime.handle import (LoadedModel, as_loaded, bnb_format, forget, known, loaded_settings,
-                                      quantization_dict, register)
+from vramguard.runtime.handle import (LoadedModel, as_loaded, decode_quantization_config, forget, known,
+                                      loaded_settings, register)
 from vramguard.runtime.handle import pin_sdpa as _pin_sdpa
 from vramguard.runtime.handle import unpin_sdpa as _unpin_sdpa
 from vramguard.runtime.tokenizer import folder_tokenizer
@@ -337,7 +337,7 @@ def _default_device_map(spec, quant, on_cuda, report, kwargs) -> dict | str:
     if not on_cuda:
         return {"": "cpu"}
     import torch
-    need = weight_bytes(spec, Settings(quant=quant)).total_bytes + CUDA_CONTEXT_BYTES
+    need = choose(spec).model.weight_bytes(Settings(quant=quant)).total_bytes + CUDA_CONTEXT_BYTES
     free = [free_bytes(i) for i in range(torch.cuda.device_count())]
     if need <= free[0] or len(free) == 1:
         return {"": 0}
@@ -349,8 +349,9 @@ def _default_device_map(spec, quant, on_cuda, report, kwargs) -> dict | str:
 
 def _active(m) -> dict:
     import torch
-    q = quantization_dict(m)
-    quant = "none" if q is None else bnb_format(q)[0] or str(q.get("quant_method"))
+    q = getattr(m.config, "quantization_config", None)
+    method, double, _ = decode_quantization_config(q)
+    quant = method or "none"
     compute = None
     for mod in m.modules():
         if hasattr(mod, "compute_dtype") and getattr(mod, "compute_dtype", None) is not None:
@@ -360,7 +361,7 @@ def _active(m) -> dict:
     dmap = getattr(m, "hf_device_map", None) or {"": str(emb.device)}
     on_gpu = any(str(v) not in ("cpu", "disk") for v in dmap.values())
     offloaded = sorted(k for k, v in dmap.items() if str(v) in ("cpu", "disk")) if on_gpu else []
-    return {"quant": quant, "double_quant": q.get("bnb_4bit_use_double_quant") if q is not None else None,
+    return {"quant": quant, "double_quant": double if method in ("nf4", "fp4") else None,
             "compute_dtype": compute, "dtype": str(emb.dtype).replace("torch.", ""),
             "attn": m.config._attn_implementation, "device_map": {k: str(v) for k, v in dmap.items()},
             "offloaded_modules": offloaded, "device": str(emb.device),

@@ -37,7 +37,7 @@ from dataclasses import asdict, dataclass, field
 from enum import Enum
 
 from vramguard.errors import Infeasible, NotPlannable
-from vramguard.plan import estimate
+from vramguard.plan import choose, estimate
 from vramguard.plan.solve import _largest
 from vramguard.run.generate import STRATEGIES, preflight
 from vramguard.runtime.device import is_oom
@@ -108,18 +108,19 @@ class GeneratePlan:
                 f"{fmt_gib(self.usable_bytes)} usable, {self.source}); longer ones are planned one by one")
 
 
-def _need(spec, s, prompt_tokens: int, max_new_tokens: int) -> int:
-    """Planned bytes beyond the loaded weights of one ``generate`` call with the dynamic cache."""
+def _need(model, s, prompt_tokens: int, max_new_tokens: int) -> int:
+    """Planned bytes beyond the loaded weights of one ``generate`` call with the dynamic cache (``model``: the
+    :class:`~vramguard.memory.model.MemoryModel` :func:`vramguard.plan.choice.choose` gives)."""
     with _PLAN_LOCK:
-        est = estimate(spec, s.with_(prompt_tokens=prompt_tokens, max_new_tokens=max_new_tokens, batch=1))
+        est = estimate(model, s.with_(prompt_tokens=prompt_tokens, max_new_tokens=max_new_tokens, batch=1))
     return est.peak_reserved_bytes - est.weights.total_bytes
 
 
-def _bound(spec, s, tokens: int) -> int:
+def _bound(model, s, tokens: int) -> int:
     """The need that bounds every request of at most ``tokens`` in all (module docstring)."""
     if tokens < 2:
-        return _need(spec, s, 1, 1)
-    return max(_need(spec, s, tokens - 1, 1), _need(spec, s, 1, tokens - 1))
+        return _need(model, s, 1, 1)
+    return max(_need(model, s, tokens - 1, 1), _need(model, s, 1, tokens - 1))
 
 
 def plan_requests(spec, s, usable_bytes: int, context_length: int, source: str) -> GeneratePlan:
@@ -128,16 +129,17 @@ def plan_requests(spec, s, usable_bytes: int, context_length: int, source: str) 
     Raises:
         Infeasible: not even a request of two tokens (one prompt, one new) fits; the message has both numbers.
     """
+    model = choose(spec, s).model
     top = max(context_length, 2)
-    tokens = _largest(2, top, lambda t: _bound(spec, s, t), usable_bytes)
+    tokens = _largest(2, top, lambda t: _bound(model, s, t), usable_bytes)
     if tokens is None:
-        need = _bound(spec, s, 2)
+        need = _bound(model, s, 2)
         raise Infeasible("vram_budget", f"{usable_bytes:,} B left after the weights",
                          f"at least {need:,} B ({fmt_bytes(need)}) for one request of 1 prompt + 1 new token",
                          f"raise vram_budget= by at least {fmt_bytes(need - usable_bytes)}, or quantize the weights")
     with _PLAN_LOCK:
-        kv = estimate(spec, s.with_(prompt_tokens=max(tokens - 1, 1), max_new_tokens=1, batch=1)).kv_bytes_per_token
-    return GeneratePlan(usable_bytes, tokens, _bound(spec, s, tokens), kv, context_length, source)
+        kv = estimate(model, s.with_(prompt_tokens=max(tokens - 1, 1), max_new_tokens=1, batch=1)).kv_bytes_per_token
+    return GeneratePlan(usable_bytes, tokens, _bound(model, s, tokens), kv, context_length, source)
 
 
 @dataclass
@@ -177,6 +179,8 @@ class GenerateEngine(Engine):
         super().__init__(model, tokenizer, plan, max_queue=max_queue, seed=seed, metrics=metrics,
                          greedy_only=greedy_only, deterministic=deterministic)
         self.spec, self.settings = spec, settings
+        from vramguard.plan import choose
+        self.memory = choose(spec, settings).model  # the memory model each request is planned with
         self.max_running = 1
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
         self._running_job: _Job | None = None
@@ -468,7 +472,7 @@ class GenerateEngine(Engine):
         return order
 
     def _need_of(self, prompt_tokens: int, max_new_tokens: int) -> int:
-        return _need(self.spec, self.settings, prompt_tokens, max_new_tokens)
+        return _need(self.memory, self.settings, prompt_tokens, max_new_tokens)
 
     def _generate(self, job: _Job, strategy) -> None:
         """One ``generate`` call of ``strategy`` from the prompt plus the tokens generated so far."""

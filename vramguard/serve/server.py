@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 
 from vramguard.errors import EXIT_DEVICE_ERROR, ConfigError, Infeasible, InvalidValue, VramguardError
-from vramguard.plan import load_plan_or_none
+from vramguard.plan.choice import choose
 from vramguard.resolve import resolve_model
 from vramguard.runtime.device import is_oom, restore_cap, set_cap, total_bytes, usable_bytes
 from vramguard.runtime.handle import handle_of, unpin_sdpa
@@ -435,7 +435,8 @@ def _check_load_fits(model: str, quant: str, dtype: str | None, budget: int) -> 
         Infeasible: the planned reserved peak of the load is over ``budget``.
     """
     try:
-        ld = load_plan_or_none(resolve_model(model), Settings(quant=quant, dtype=dtype))
+        s = Settings(quant=quant, dtype=dtype)
+        ld = choose(resolve_model(model), s).model.load_plan(s)
     except VramguardError:  # an unreadable model or setting: the load reports it with its own error
         return
     if ld is not None and ld.peak_reserved_bytes > budget:
