@@ -372,7 +372,7 @@ def _vllm_model(spec: ModelSpec, s: VllmSettings) -> VllmModel:
     memory = choose(spec).model
     if memory.needs_transformers and w.config_dict(spec).get("model_type") not in VLLM_FAMILIES:
         _check_model(memory)
-    return vllm_model(spec, s.quantization)
+    return vllm_model(spec, s.quantization, not memory.needs_transformers)
 
 
 def _options(m: VllmModel, s: VllmSettings, gpu: GpuSpec) -> w.LayerOptions:

@@ -2,7 +2,7 @@
 multimodal checkpoint, MLA's latent shapes, and the quantized storage of its layers.
 
 Pure functions of a :class:`~vramguard.spec.ModelSpec` and its config.json; no torch, no transformers. Families
-whose memory transformers' generic path plans (``spec.generic``) but that vLLM runs with model files of its own are
+whose memory transformers' generic path plans (not a hand family) but that vLLM runs with model files of its own are
 read here from the config, as vLLM's model files read them:
 
 * ``gpt_oss`` (``vllm/model_executor/models/gpt_oss.py``): attention with biases and per-head sinks, a router with
@@ -25,6 +25,7 @@ from vramguard.engines.vllm_quant import WeightFormat, weight_format
 from vramguard.engines.vllm_weights import config_dict
 from vramguard.errors import ConfigError
 from vramguard.spec import ModelSpec, spec_from_config
+from vramguard.plan.choice import choose
 
 VLLM_FAMILIES = ("gpt_oss", "deepseek_v2", "deepseek_v3", "mistral3", "gemma3")
 
@@ -74,15 +75,19 @@ class VllmModel:
     attention_sinks: bool = False
 
 
-def vllm_model(spec: ModelSpec, quantization: str | None = None) -> VllmModel:
-    """The :class:`VllmModel` of ``spec`` (``quantization``: vLLM's engine argument, e.g. ``bitsandbytes``).
+def vllm_model(spec: ModelSpec, quantization: str | None = None, hand_written: bool | None = None) -> VllmModel:
+    """The :class:`VllmModel` of ``spec`` (``quantization``: vLLM's engine argument, e.g. ``bitsandbytes``;
+    ``hand_written``: the memory model :func:`vramguard.plan.choice.choose` gives is a hand family's; None: asked
+    of it here).
 
     Raises:
         ConfigError: a quantization format or a generic family vramguard does not model for vLLM.
     """
     cfg = config_dict(spec)
     fmt = weight_format(cfg, quantization)
-    if not spec.generic:
+    if hand_written is None:
+        hand_written = not choose(spec).model.needs_transformers
+    if hand_written:
         return VllmModel(spec, fmt)
     kind = str(cfg.get("model_type"))
     if kind == "gpt_oss":

@@ -179,7 +179,6 @@ class GenerateEngine(Engine):
         super().__init__(model, tokenizer, plan, max_queue=max_queue, seed=seed, metrics=metrics,
                          greedy_only=greedy_only, deterministic=deterministic)
         self.spec, self.settings = spec, settings
-        from vramguard.plan import choose
         self.memory = choose(spec, settings).model  # the memory model each request is planned with
         self.max_running = 1
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
