@@ -21,6 +21,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from vramguard.plan import estimate  # noqa: E402
 from vramguard.resolve import resolve_model  # noqa: E402
 from vramguard.settings import Settings  # noqa: E402
+from vramguard.plan.choice import choose  # noqa: E402
 
 GiB = 2**30
 
@@ -42,7 +43,7 @@ def compare(gens: list[dict], cap_bytes: int) -> list[dict]:
     for g in gens:
         s = Settings(quant=g["quant"], attn=g["attn"], batch=g["batch"], prompt_tokens=g["prompt"],
                      max_new_tokens=g["new"])
-        est = estimate(resolve_model(g["model"]), s)
+        est = estimate(choose(resolve_model(g["model"])).model, s)
         pred = est.peak_allocated_bytes
         row = {k: g[k] for k in ("model", "quant", "attn", "batch", "prompt", "new", "ok")}
         row.update(predicted_peak=pred, predicted_reserved=est.peak_reserved_bytes,

@@ -12,6 +12,7 @@ import glob
 import json
 import os
 import sys
+from vramguard.plan.choice import choose
 from dataclasses import replace
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
@@ -44,8 +45,8 @@ def main() -> None:
         hand = resolve_model(r["model"])
         s = Settings(quant=r["quant"], attn=r["attn"], prompt_tokens=r["prompt"], max_new_tokens=r["new"],
                      batch=r["batch"])
-        h = estimate(hand, s).peak_allocated_bytes
-        g = estimate(replace(hand, generic=True), s).peak_allocated_bytes
+        h = estimate(choose(hand).model, s).peak_allocated_bytes
+        g = estimate(choose(replace(hand, generic=True)).model, s).peak_allocated_bytes
         m = r["peak_total"]
         rec = {"model": r["model"], "quant": r["quant"], "attn": r["attn"], "prompt": r["prompt"], "batch": r["batch"],
                "measured": m, "hand": h, "generic": g, "generic_vs_hand_pct": round(100 * (g - h) / h, 3),

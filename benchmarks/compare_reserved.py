@@ -31,6 +31,7 @@ from vramguard.introspect.alloc_replay import replay_generate  # noqa: E402
 from vramguard.memory.allocator import AllocatorConfig  # noqa: E402
 from vramguard.resolve import resolve_model  # noqa: E402
 from vramguard.settings import Settings  # noqa: E402
+from vramguard.plan.choice import choose  # noqa: E402
 
 GiB = 2**30
 HERE = os.path.join(os.path.dirname(__file__), "results")
@@ -178,7 +179,7 @@ def edges() -> list[dict]:
         cfg = AllocatorConfig.parse(conf)
         base = replay_generate(spec, s.with_(prompt_tokens=1), cfg).base_reserved_bytes
         cfg = AllocatorConfig.parse(conf, allowed_bytes(EDGE_CAP[arch], base))
-        planned = edge_prompt_tokens(spec, s, cfg, FORMULA_EDGES[arch])
+        planned = edge_prompt_tokens(choose(spec).model, s, cfg, FORMULA_EDGES[arch])
         out.append(dict(src=src, model=arch, quant=quant, conf=conf, new=new, cap=EDGE_CAP[arch], measured_ok=ok,
                         measured_fail=fail, planned=planned, formula=FORMULA_EDGES[arch]))
     return out

@@ -49,7 +49,7 @@ def rows(m) -> list[str]:
         planned = w.rank_weights(m._spec(model), tp, 1, 2)[0].total_bytes / GiB
         out.append(f"| {_name(model)} | weights, TP {tp} (known miss) | {logged} GiB | {planned:.4f} GiB | "
                    f"**{(planned / logged - 1) * 100:+.2f}%** | {_link(src)} |")
-    for model, tp, kv_gib, max_len, tokens, conc, src in m.FROM_LOGGED_MEMORY:
+    for model, tp, kv_gib, max_len, tokens, _conc, src in m.FROM_LOGGED_MEMORY:
         spec = m._spec(model)
         groups = kv.kv_groups(spec, list(spec.layer_types) or ["full_attention"] * spec.num_layers,
                               kv.page_bytes(spec, tp, 2, 16))

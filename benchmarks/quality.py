@@ -371,6 +371,9 @@ def load_models(folder: str, device: str, compute: torch.dtype, layers: int | No
                            bnb_4bit_compute_dtype=compute)
     nf4_model = AutoModelForCausalLM.from_pretrained(folder, quantization_config=q, dtype=compute, device_map=device,
                                                      attn_implementation="sdpa", **extra).eval()
+    for m in nf4_model.modules():  # bitsandbytes' CPU kernel on an AVX512-BF16 CPU repacks the weights on the first
+        if hasattr(m, "support_avx512bf16_for_cpu"):  # forward and computes in bfloat16 (bitsandbytes.nn.Linear4bit
+            m.support_avx512bf16_for_cpu = False  # .forward): the reference stays bitsandbytes' NF4 in `compute`
     plain = None
     if need_bf16:
         plain = AutoModelForCausalLM.from_pretrained(folder, dtype=compute, device_map=device,

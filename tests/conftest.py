@@ -112,6 +112,9 @@ def _no_gpu_detection(monkeypatch):
     monkeypatch.setenv("VRAMGUARD_TAPE_CACHE", os.environ[SESSION_TAPES])
     # every plan computed: tests change rules in-process (tests/test_plan_speed.py turns the plan cache on)
     monkeypatch.setenv("VRAMGUARD_PLAN_CACHE", "0")
+    # every kernel checked in full: tests turn kernels off or make them disagree in-process (tests/test_kernel_cache.py
+    # keeps verdicts in a folder of its own)
+    monkeypatch.setenv("VRAMGUARD_KERNEL_CACHE", "0")
 
 
 SESSION_TAPES = "VRAMGUARD_TEST_SESSION_TAPES"

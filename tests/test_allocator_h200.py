@@ -153,7 +153,7 @@ def test_no_dequantized_weight_for_up_to_four_rows(tmp_path):
     bf16 weight (gate_proj 64 x 192 x 2 = 24,576 B) in its decode tape; at batch 5 every 4-bit layer does."""
     from tests.conftest import save_tiny_llama
     from vramguard.introspect.alloc_replay import _cached_events
-    from vramguard.memory.common import BNB_4BIT_FUSED_MAX_ROWS
+    from vramguard.memory.forward import BNB_4BIT_FUSED_MAX_ROWS
     from vramguard.resolve import resolve_model
     from vramguard.settings import Settings
     assert BNB_4BIT_FUSED_MAX_ROWS == 4

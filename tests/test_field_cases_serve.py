@@ -24,6 +24,7 @@ from vramguard.resolve import resolve_model
 from vramguard.settings import Settings
 from vramguard.spec import spec_from_config
 from vramguard.units import GiB, MiB
+from vramguard.plan.choice import choose
 
 VOCAB = 300
 CFG = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -71,7 +72,7 @@ def test_c8_the_plan_counts_last_position_logits_for_generate():
     assert p.logits_case.startswith("last position only")
     # the preflight of guarded generation plans every strategy with the same last-position logits
     for st in G.STRATEGIES:
-        est = estimate(spec, Settings(prompt_tokens=8191, max_new_tokens=1).with_(**st.plan))
+        est = estimate(choose(spec).model, Settings(prompt_tokens=8191, max_new_tokens=1).with_(**st.plan))
         assert est.components.get("logits", 0) < MiB, st.name
 
 

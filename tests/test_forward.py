@@ -6,6 +6,7 @@ from vramguard.plan import estimate, plan
 from vramguard.resolve import resolve_model
 from vramguard.settings import Settings
 from vramguard.units import GiB, MiB
+from vramguard.plan.choice import choose
 
 
 def test_eager_bytes_per_score_by_dtype():
@@ -102,7 +103,7 @@ def test_compute_dtype_float32_costs_memory():
     spec = resolve_model("mistral-7b-v0.3")
     s = Settings(quant="nf4", batch=32, prompt_tokens=512, max_new_tokens=512)
     fp32 = s.with_(compute_dtype="fp32")
-    assert estimate(spec, fp32).prefill.peak_bytes > estimate(spec, s).prefill.peak_bytes
+    assert estimate(choose(spec).model, fp32).prefill.peak_bytes > estimate(choose(spec).model, s).prefill.peak_bytes
     p = plan(spec, fp32, gpu="rtx-4090", solve=False)
     f = next(f for f in p.findings if f.code == "compute_dtype_mismatch")
     assert "224.00 MiB" in f.message and "112.00 MiB" in f.message

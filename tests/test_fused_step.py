@@ -174,3 +174,19 @@ def test_fused_support_names_what_it_cannot_run(nf4_model):
     qwen = transformers.AutoModelForCausalLM.from_config(qcfg)
     assert fused_support(qwen, StaticCache(config=qcfg, max_cache_len=8)) == (
         False, "model_type 'qwen2' (the fused step knows llama, mistral)")
+
+
+def test_weights_bitsandbytes_repacked_for_its_cpu_kernel_are_refused(nf4_model):
+    """On a CPU with AVX512-BF16 bitsandbytes repacks a 4-bit weight into its own layout on the first forward
+    (``quant_state.packing_format_for_cpu``): the fused kernels read the standard layout, so they must not run."""
+    from transformers import StaticCache
+
+    from vramguard.run.fused_step import fused_support
+    qs = nf4_model.model.layers[0].mlp.up_proj.weight.quant_state
+    qs.packing_format_for_cpu = True
+    try:
+        ok, why = fused_support(nf4_model, StaticCache(config=nf4_model.config, max_cache_len=8))
+    finally:
+        qs.packing_format_for_cpu = False
+    assert (ok, why) == (False, "layer 0: mlp.up_proj: bitsandbytes repacked the weight for its CPU kernel "
+                                "(another layout)")

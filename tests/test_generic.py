@@ -10,8 +10,8 @@ transformers = pytest.importorskip("transformers")
 
 from archs import ARCHS, CB_REFUSED, CB_REFUSED_524, save_arch  # noqa: E402
 
-from vramguard.memory.weights import rounded, weight_bytes  # noqa: E402
-from vramguard.memory.kv import kv_cache_bytes  # noqa: E402
+from vramguard.memory.weights import rounded  # noqa: E402
+from vramguard.plan.choice import choose  # noqa: E402
 from vramguard.resolve import resolve_model  # noqa: E402
 from vramguard.settings import Settings  # noqa: E402
 
@@ -59,7 +59,7 @@ def test_bf16_weights_equal_the_loaded_parameters(arch_dir, model_type):
     spec = resolve_model(str(folder))
     assert spec.generic and spec.model_type == model_type
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
-    w = weight_bytes(spec, Settings(quant="bf16"))
+    w = choose(spec).model.weight_bytes(Settings(quant="bf16"))
     assert w.total_bytes - w.buffer_bytes == _param_bytes(model)
     assert w.parameter_count == model.num_parameters()
 
@@ -75,7 +75,7 @@ def test_nf4_weights_equal_what_bitsandbytes_keeps(arch_dir, model_type):
         folder, dtype=torch.bfloat16, device_map="cpu",
         quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
                                                bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.bfloat16))
-    w = weight_bytes(resolve_model(str(folder)), Settings(quant="nf4"))
+    w = choose(resolve_model(str(folder))).model.weight_bytes(Settings(quant="nf4"))
     assert w.total_bytes - w.buffer_bytes == _param_bytes(q)
 
 
@@ -94,7 +94,7 @@ def test_kv_equals_the_cache_after_a_real_generate(arch_dir, model_type):
     real = sum(rounded(t.numel() * t.element_size()) for _, _, t in cache_tensors(out.past_key_values))
     spec = resolve_model(str(folder))
     s = Settings(quant="bf16", prompt_tokens=prompt, max_new_tokens=new)
-    assert kv_cache_bytes(spec, s, prompt + new - 1).gpu_bytes == real
+    assert choose(spec).model.kv_cache_bytes(s, prompt + new - 1).gpu_bytes == real
 
 
 def test_generic_replay_agrees_with_the_hand_model_on_llama():
@@ -102,14 +102,14 @@ def test_generic_replay_agrees_with_the_hand_model_on_llama():
     1% on the prefill and decode peaks, for eager, SDPA and FlashAttention-2."""
     from dataclasses import replace
 
-    from vramguard.memory.forward import decode_peak, prefill_peak
-    hand = resolve_model("llama-3.1-8b")
-    gen = replace(hand, generic=True)
+    hand = choose(resolve_model("llama-3.1-8b")).model
+    gen = choose(replace(hand.spec, generic=True)).model
+    assert (hand.needs_transformers, gen.needs_transformers) == (False, True)
     for attn in ("eager", "sdpa", "flash_attention_2"):
         s = Settings(quant="bf16", attn=attn, prompt_tokens=4096, max_new_tokens=64)
-        for fn in (prefill_peak, decode_peak):
-            h, g = fn(hand, s).peak_bytes, fn(gen, s).peak_bytes
-            assert abs(g - h) / g < 0.01, (attn, fn.__name__, h, g)
+        for fn in ("prefill_peak", "decode_peak"):
+            h, g = getattr(hand, fn)(s).peak_bytes, getattr(gen, fn)(s).peak_bytes
+            assert abs(g - h) / g < 0.01, (attn, fn, h, g)
 
 
 def test_mixtral_nf4_keeps_the_fused_experts_in_bf16():
@@ -117,8 +117,8 @@ def test_mixtral_nf4_keeps_the_fused_experts_in_bf16():
     H200 (transformers 5.17, bitsandbytes 0.50.2); both the hand model and transformers' quantizer say so."""
     from dataclasses import replace
     hand = resolve_model("mixtral-8x7b")
-    assert weight_bytes(hand, Settings(quant="nf4")).total_bytes == 91_413_880_832
-    gen = weight_bytes(replace(hand, generic=True), Settings(quant="nf4"))
+    assert choose(hand).model.weight_bytes(Settings(quant="nf4")).total_bytes == 91_413_880_832
+    gen = choose(replace(hand, generic=True)).model.weight_bytes(Settings(quant="nf4"))
     assert gen.total_bytes - gen.buffer_bytes == 91_413_880_832
 
 
@@ -129,7 +129,7 @@ def test_gemma2_without_tie_word_embeddings_is_tied_by_the_class_default(tmp_pat
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     spec = resolve_model(str(tmp_path))
     assert spec.tie_word_embeddings
-    assert weight_bytes(spec, Settings(quant="bf16")).lm_head_bytes == 0
+    assert choose(spec).model.weight_bytes(Settings(quant="bf16")).lm_head_bytes == 0
 
 
 @pytest.mark.parametrize("model_type", TYPES)
@@ -265,11 +265,10 @@ def test_kv_growth_per_layer_kind_matches_a_real_cache(arch_dir):
     from transformers import AutoModelForCausalLM
 
     from vramguard.introspect.replay import cache_tensors
-    from vramguard.memory.kv import kv_growth_per_token
     folder = arch_dir("qwen3_next")
     spec = resolve_model(str(folder))
     assert spec.layer_types.count("full_attention") == 2
-    g = kv_growth_per_token(spec, Settings(quant="bf16"), 100)
+    g = choose(spec).model.kv_growth_per_token(Settings(quant="bf16"), 100)
     # 2 full layers x K and V x 2 KV heads x head_dim 16 x 2 B = 256 B; linear attention adds nothing
     assert g == {"linear_attention": 0, "full_attention": 2 * 2 * 2 * 16 * 2}
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
@@ -305,8 +304,8 @@ def test_generic_replay_agrees_with_the_hand_models_on_the_measured_matrix(case)
     hand = resolve_model(case["model"])
     s = Settings(quant=case["quant"], attn=case["attn"], prompt_tokens=case["prompt"], max_new_tokens=case["new"],
                  batch=case["batch"])
-    h = estimate(hand, s).peak_allocated_bytes
-    g = estimate(replace(hand, generic=True), s).peak_allocated_bytes
+    h = estimate(choose(hand).model, s).peak_allocated_bytes
+    g = estimate(choose(replace(hand, generic=True)).model, s).peak_allocated_bytes
     assert abs(g - h) / h < 0.01
     assert abs(g - case["peak_total"]) / case["peak_total"] < 0.01
 

@@ -12,6 +12,7 @@ from vramguard import plan
 from vramguard.introspect import alloc_replay
 from vramguard.resolve import resolve_model
 from vramguard.settings import Settings
+from vramguard.plan.choice import choose
 
 
 @pytest.fixture(scope="module")
@@ -184,8 +185,7 @@ class _Allocations(torch.utils._python_dispatch.TorchDispatchMode):
 
 def test_the_hybrid_cache_holds_attention_kv_and_mamba_states_as_a_real_generate(falcon_h1):
     from vramguard.introspect.replay import cache_tensors
-    from vramguard.memory.common import rounded
-    from vramguard.memory.kv import kv_cache_bytes
+    from vramguard.memory.weights import rounded
     folder, model = falcon_h1
     prompt, new = 40, 6
     out = model.generate(torch.randint(3, 200, (1, prompt)), max_new_tokens=new, min_new_tokens=new, do_sample=False,
@@ -193,14 +193,13 @@ def test_the_hybrid_cache_holds_attention_kv_and_mamba_states_as_a_real_generate
     real = cache_tensors(out.past_key_values)
     assert {attr for _, attr, _ in real} == {"keys", "values", "conv_states.0", "recurrent_states.0"}
     spec = resolve_model(str(folder))
-    planned = kv_cache_bytes(spec, Settings(quant="bf16", prompt_tokens=prompt, max_new_tokens=new), prompt + new - 1)
+    planned = choose(spec).model.kv_cache_bytes(Settings(quant="bf16", prompt_tokens=prompt, max_new_tokens=new), prompt + new - 1)
     # per layer: K and V 2 heads x 45 tokens x 16 x 2 B = 2,880 B each (3,072 B rounded to 512), the conv state
     # 96 channels x 4 x 2 B = 768 B (1,024 B), the SSM state 8 heads x 8 x 16 x 4 B (float32) = 4,096 B: 11,264 B
     assert planned.gpu_bytes == sum(rounded(t.numel() * t.element_size()) for _, _, t in real) == 2 * 11_264
     # a new token grows only the attention half: 2 layers x K and V x 2 KV heads x 16 x 2 B, in the "hybrid" layers
     # transformers' config names (the config.json lists none: not "full-attention layers")
-    from vramguard.memory.kv import kv_growth_per_token
-    assert kv_growth_per_token(spec, Settings(quant="bf16"), 100) == {"hybrid": 2 * 2 * 2 * 16 * 2}
+    assert choose(spec).model.kv_growth_per_token(Settings(quant="bf16"), 100) == {"hybrid": 2 * 2 * 2 * 16 * 2}
 
 
 def test_the_hybrid_prefill_peak_agrees_with_the_allocations_of_a_cpu_forward(falcon_h1):
@@ -342,7 +341,7 @@ def test_an_unmeasured_mixer_path_is_unverified_and_never_a_bare_fits(falcon_h1)
     from vramguard.plan.verified import unverified
     folder, _ = falcon_h1
     p = plan(str(folder), Settings(quant="bf16", prompt_tokens=256, max_new_tokens=8), vram="24GiB", solve=False)
-    missing = unverified(p.model, p.settings)
+    missing = unverified(choose(p.model).model, p.settings)
     assert "layer:hybrid" in missing  # the parallel hybrid layer: no measurement on any transformers version
     assert p.cards[0].fits and p.cards[0].unverified and "hybrid layers" in p.cards[0].unverified
     [f] = [f for f in p.findings if f.code == "unverified_path"]
@@ -362,7 +361,7 @@ def test_a_measured_architecture_keeps_a_plain_fits(config_of):
     from vramguard.plan.verified import unverified
     p = plan(config_of("olmo2"), Settings(quant="bf16", prompt_tokens=64, max_new_tokens=4), vram="24GiB",
              solve=False)  # full attention only, no kernel-backed mixer: measured (deepseek-v2-lite)
-    assert unverified(p.model, p.settings) == () and p.cards[0].unverified is None
+    assert unverified(choose(p.model).model, p.settings) == () and p.cards[0].unverified is None
     assert not [f for f in p.findings if f.code == "unverified_path"]
 
 

@@ -18,6 +18,7 @@ from vramguard.errors import InvalidValue
 from vramguard.hardware import gpu_from_vram
 from vramguard.settings import Settings
 from vramguard.spec import spec_from_config
+from vramguard.plan.choice import choose
 
 SMALL = dict(hidden_size=64, intermediate_size=100, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
              vocab_size=301, max_position_embeddings=512)
@@ -77,7 +78,7 @@ def test_split_and_per_card_bytes_agree_with_accelerate(name):
     from vramguard.resolve import resolve_model
     spec = _spec(name) if name in HAND or name in GENERIC else resolve_model(name)  # catalog: real sizes, on meta
     mm = _split_memory(spec)
-    split = split_weights(spec, Settings(quant="bf16"), mm)
+    split = split_weights(choose(spec).model, Settings(quant="bf16"), mm)
     model = _meta(spec)
     no_split = model._no_split_modules
     limits = {0: mm[0], 1: mm[1], "cpu": 2**60}
@@ -109,7 +110,7 @@ def test_nf4_split_counts_what_the_quantizer_counts(name):
     model, quantizer = meta_model_as_loaded(spec, s)
     sizes = compute_module_sizes(model, quantizer)[0]
     mm = (int(sizes[""] * 0.75), int(sizes[""] * 0.65))
-    split = split_weights(spec, s, mm)
+    split = split_weights(choose(spec).model, s, mm)
     per_card = [sum(sizes[k] for k, d in split.device_map.items() if d == c) for c in (0, 1)]
     assert list(split.raw_bytes) == [int(x) for x in per_card]
     # the packed weights plus their state (absmax, codes) are what the card really holds: more than the raw half-byte
@@ -287,7 +288,7 @@ def test_a_card_given_nothing_needs_nothing():
 
 @pytest.mark.parametrize("name,quant", [(n, q) for n in (*HAND, *MORE_HAND) for q in ("bf16", "nf4")] + [
     ("llama-3.1-8b", "nf4"), ("gemma-2-9b", "bf16"), ("mixtral-8x7b", "bf16"), ("qwen2.5-7b", "nf4"),
-    ("phi-3-mini-4k", "bf16")])
+    ("phi-3-mini-4k", "bf16"), ("llama", "int8"), ("llama-3.1-8b", "int8"), ("qwen2", "fp32"), ("mixtral", "int8")])
 def test_torch_free_split_equals_transformers(name, quant):
     """The layer-wise split a hand family gets without torch (its module tree sized from the spec, transformers'
     placement rule ported) is transformers' own on the meta model: the device map, the bytes per card (raw and as
@@ -305,6 +306,7 @@ def test_torch_free_split_equals_transformers(name, quant):
         assert mine.device_map == ref.device_map, (a, b)
         assert (mine.raw_bytes, mine.weight_bytes, mine.layers) == (ref.raw_bytes, ref.weight_bytes, ref.layers)
         assert (mine.input_card, mine.output_card, mine.offloaded) == (ref.input_card, ref.output_card, ref.offloaded)
+        assert mine.no_split == ref.no_split
 
 
 def test_without_torch_a_hand_family_is_split_and_planned_the_same():
@@ -359,7 +361,7 @@ def test_every_layer_on_one_card_needs_what_the_single_card_plan_says(name, s):
     p = plan_gpus(spec, s, gpus=[gpu_from_vram("200GiB"), gpu_from_vram("10GiB")],
                   max_memory=(150 * 2**30, 2**30), device_map="sequential", solve=False)
     assert p.cards[0].layers == tuple(range(spec.num_layers)) and p.cards[1].need_bytes == 0
-    assert 0 <= p.cards[0].need_bytes - estimate(spec, s).generate_device_bytes <= 3 * 512
+    assert 0 <= p.cards[0].need_bytes - estimate(choose(spec).model, s).generate_device_bytes <= 3 * 512
 
 
 def test_when_a_card_is_short_and_another_has_room_the_fix_is_a_max_memory_that_fits():
@@ -388,7 +390,7 @@ def test_sequential_fills_each_card_in_turn_as_accelerate_does(name):
     model = _meta(spec)
     total = compute_module_sizes(model)[0][""]
     mm = (int(total * 0.4), total)
-    split = split_weights(spec, Settings(quant="bf16"), mm, "sequential")
+    split = split_weights(choose(spec).model, Settings(quant="bf16"), mm, "sequential")
     expected = infer_auto_device_map(model, max_memory={0: mm[0], 1: mm[1], "cpu": 2**60},
                                      no_split_module_classes=model._no_split_modules)
     assert split.device_map == dict(expected)

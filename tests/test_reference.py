@@ -11,6 +11,7 @@ from vramguard.plan import estimate, plan
 from vramguard.resolve import resolve_model
 from vramguard.settings import Settings
 from vramguard.units import GiB
+from vramguard.plan.choice import choose
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "h200_matrix"
 
@@ -26,7 +27,7 @@ def test_reference_llama2_peaks_within_5_percent(shared_reference):
     completed = [r for r in recs if r["ok"]]
     assert len(completed) == 7
     for r in completed:
-        pred = estimate(spec, _settings(r)).peak_allocated_bytes
+        pred = estimate(choose(spec).model, _settings(r)).peak_allocated_bytes
         assert abs(pred - r["peak_total"]) / r["peak_total"] < 0.05, (r, pred)
 
 
@@ -51,7 +52,7 @@ def test_committed_h200_matrix_median_and_max_error():
     assert len(gens) >= 72
     errs, cap = [], 24 * GiB
     for g in gens:
-        est = estimate(resolve_model(g["model"]), _settings(g))
+        est = estimate(choose(resolve_model(g["model"])).model, _settings(g))
         if g["ok"]:
             errs.append(abs(est.peak_allocated_bytes - g["peak_total"]) / g["peak_total"])
             assert est.peak_reserved_bytes <= cap, g

@@ -78,6 +78,9 @@ def test_cli_run_stops_where_transformers_stops(smollm2, reference, text):
     t = out["timings"]
     assert t["decode_steps"] == len(want) - 1 and all(t[k] > 0 for k in ("import_s", "load_s", "prefill_s"))
     assert t["total_s"] >= t["import_s"] + t["load_s"] + t["prefill_s"] + t["decode_s"]
+    # the first token's time since the interpreter started holds every phase before it, and the decode follows it
+    before = t["startup_s"] + t["import_s"] + t["prepare_s"] + t["load_s"] + t["plan_s"] + t["prefill_s"]
+    assert before <= t["command_first_token_s"] <= t["total_s"] - t["decode_s"]
 
 
 def test_cli_run_text_summary_says_what_ran_and_why_it_stopped(smollm2, loaded, reference):

@@ -329,7 +329,7 @@ def test_burst_beyond_the_queue_gets_429_and_the_rest_complete(folder):
         busy = [(r, dt) for r, dt in results if r.status_code == 429]
         assert 4 <= len(ok) < 12 and busy
         assert all(r.json()["usage"]["completion_tokens"] == 16 for r in ok)
-        for r, dt in busy:
+        for r, _dt in busy:
             assert int(r.headers["Retry-After"]) >= 1 and _err(r)["code"] == "queue_full"
         assert _metric(url, 'vramguard_requests_total{outcome="rejected_overload"}') == len(busy)
     finally:

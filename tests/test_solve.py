@@ -6,17 +6,18 @@ from vramguard.settings import Settings
 from vramguard.plan.solve import max_batch, max_new_tokens, max_prompt_tokens, ranked_changes
 from vramguard.catalog.gpus import GPUS
 from vramguard.units import GiB
+from vramguard.plan.choice import choose
 
 
 def _need(spec, s):
-    return estimate(spec, s).device_used_bytes
+    return estimate(choose(spec).model, s).device_used_bytes
 
 
 def test_max_prompt_is_the_exact_boundary():
     spec = resolve_model("llama-3.1-8b")
     s = Settings(quant="nf4", attn="sdpa", max_new_tokens=256)
     usable = 12 * GiB
-    p = max_prompt_tokens(spec, s, usable)
+    p = max_prompt_tokens(choose(spec).model, s, usable)
     assert p is not None and 1000 < p < 131_072
     assert _need(spec, s.with_(prompt_tokens=p)) <= usable < _need(spec, s.with_(prompt_tokens=p + 1))
 
@@ -25,18 +26,18 @@ def test_max_new_tokens_and_batch_are_boundaries():
     spec = resolve_model("llama-2-7b")
     s = Settings(quant="nf4", attn="sdpa", prompt_tokens=1024, max_new_tokens=128)
     usable = 8 * GiB
-    n = max_new_tokens(spec, s, usable)
+    n = max_new_tokens(choose(spec).model, s, usable)
     assert n == spec.max_position_embeddings - 1024 or (
         _need(spec, s.with_(max_new_tokens=n)) <= usable < _need(spec, s.with_(max_new_tokens=n + 1)))
-    b = max_batch(spec, s, usable)
+    b = max_batch(choose(spec).model, s, usable)
     assert _need(spec, s.with_(batch=b)) <= usable < _need(spec, s.with_(batch=b + 1))
 
 
 def test_nothing_fits_gives_none():
     spec = resolve_model("llama-3.1-70b")
     s = Settings(quant="bf16", prompt_tokens=128, max_new_tokens=128)
-    assert max_prompt_tokens(spec, s, 24 * GiB) is None
-    assert max_batch(spec, s, 24 * GiB) is None
+    assert max_prompt_tokens(choose(spec).model, s, 24 * GiB) is None
+    assert max_batch(choose(spec).model, s, 24 * GiB) is None
 
 
 def test_c6_ranks_kv_quantization_and_shorter_context():
@@ -74,7 +75,7 @@ def test_c6_ranks_kv_quantization_and_shorter_context():
 def test_eager_to_sdpa_is_ranked_with_its_saving():
     spec = resolve_model("llama-2-7b")
     s = Settings(quant="nf4", attn="eager", batch=4, prompt_tokens=3968, max_new_tokens=128)
-    changes = ranked_changes(spec, s, [GPUS["rtx-4090"]])
+    changes = ranked_changes(choose(spec).model, s, [GPUS["rtx-4090"]])
     top = changes[0]
     assert top.settings["attn"] == "sdpa" and not top.reduces_request
     assert top.saved_bytes > 15 * GiB and "rtx-4090" in top.fits_on

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from vramguard.settings import Settings
+from vramguard.plan.choice import choose
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "vramguard"
@@ -256,9 +257,9 @@ def test_load_model_returns_the_handle_with_what_was_loaded(tiny):
     again = as_loaded(loaded.model)  # a verb given the bare model finds the same facts
     assert again.spec == loaded.spec and again.settings == loaded.settings and again.report is loaded.report
     (first, need), = G.strategy_order(loaded.model, 20, 4, auto=False)[0]
-    est = estimate(loaded.spec, s.with_(prompt_tokens=20, max_new_tokens=4))
+    est = estimate(choose(loaded.spec).model, s.with_(prompt_tokens=20, max_new_tokens=4))
     assert first.name == "dynamic" and need == est.peak_reserved_bytes - est.weights.total_bytes
-    bf16 = estimate(loaded.spec, Settings(quant="nf4", prompt_tokens=20, max_new_tokens=4))
+    bf16 = estimate(choose(loaded.spec).model, Settings(quant="nf4", prompt_tokens=20, max_new_tokens=4))
     assert need > bf16.peak_reserved_bytes - bf16.weights.total_bytes  # the float32 activations are counted
     unload(loaded)
     assert not known(loaded.model)
@@ -336,7 +337,7 @@ def test_plan_and_check_apply_the_same_rules():
         assert "dequantized_weight_bytes(" in text and "attention_map_bytes(" in text and "(8, 0)" not in text
         assert "supports_flash_attn2" in text and "supports_bf16" in text  # the catalog's rule of what a card runs
     spec = resolve_model("llama-3.1-8b")
-    big, wide, narrow = dequantized_weight_bytes(spec, "fp16", "bf16")
+    big, wide, narrow = dequantized_weight_bytes(choose(spec).model, "fp16", "bf16")
     assert (big.out_features, big.in_features, wide, narrow) in ((14336, 4096, 117_440_512, 117_440_512),
                                                                   (4096, 14336, 117_440_512, 117_440_512))
     s = Settings(output_attentions=True, attn="eager", prompt_tokens=1024)

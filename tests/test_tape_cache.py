@@ -15,16 +15,19 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atte
 def tiny(tmp_path, monkeypatch):
     from transformers import LlamaConfig
 
-    from vramguard.introspect import alloc_replay
+    from vramguard.introspect import alloc_replay, hand
     from vramguard.resolve import resolve_model
     from vramguard.settings import Settings
     LlamaConfig(**TINY).save_pretrained(tmp_path / "model")
     monkeypatch.setenv("VRAMGUARD_CACHE_DIR", str(tmp_path / "vg"))
     monkeypatch.setenv("VRAMGUARD_TAPE_CACHE", "1")
+    monkeypatch.setattr(hand, "ENABLED", False)  # the tapes of transformers' forward (a Llama's is written by hand)
+    alloc_replay._hand_spec.cache_clear()
     alloc_replay._cached_events.cache_clear()
     yield resolve_model(str(tmp_path / "model")), Settings(quant="nf4", attn="sdpa", prompt_tokens=1,
                                                            max_new_tokens=1), tmp_path / "vg" / "tapes"
     alloc_replay._cached_events.cache_clear()
+    alloc_replay._hand_spec.cache_clear()
 
 
 def test_second_read_is_the_recorded_tape(tiny):

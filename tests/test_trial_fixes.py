@@ -23,28 +23,29 @@ def test_serve_without_cuda_defaults_to_float32_weights_as_run_does(monkeypatch)
     """No --quant on a machine without CUDA: serve loads float32 weights (run's default there), and says why."""
     from vramguard.cli import serve as serve_cmd
     from vramguard.serve import server
+    from vramguard.serve.config import ServeConfig
 
     seen = {}
 
     class Stop(Exception):
         pass
 
-    def fake_build(model, **options):
-        seen.update(options)
+    def fake_build(model, config):
+        seen.update(quant=config.quant)
         raise Stop
 
     monkeypatch.setattr(server, "build", fake_build)
     notes = []
     monkeypatch.setattr(serve_cmd, "say", notes.append)
     try:
-        serve_cmd.serve_one("m", "127.0.0.1", 0, None, quant=None)
+        serve_cmd.serve_one("m", "127.0.0.1", 0, None, ServeConfig(quant=None))
     except Stop:
         pass
     assert seen["quant"] == "fp32"
     assert notes and notes[0].startswith("note: weights fp32: no CUDA device")
     seen.clear()
     try:
-        serve_cmd.serve_one("m", "127.0.0.1", 0, None, quant="nf4")  # an explicit choice is kept
+        serve_cmd.serve_one("m", "127.0.0.1", 0, None, ServeConfig(quant="nf4"))  # an explicit choice is kept
     except Stop:
         pass
     assert seen["quant"] == "nf4"

@@ -92,7 +92,7 @@ def test_serve_counts_have_an_upper_bound_named_by_their_option():
     import pytest as _pytest
 
     from vramguard.errors import InvalidValue
-    from vramguard.serve.server import MAX_COUNT, _check_limits
+    from vramguard.serve.config import MAX_COUNT, _check_limits
     with _pytest.raises(InvalidValue) as e:
         _check_limits(10.0, page_size=(10**14, 4))
     assert e.value.field == "page_size" and f"{MAX_COUNT:,}" in e.value.fix

@@ -23,7 +23,7 @@ import pytest
 from vramguard.catalog.gpus import GpuSpec
 from vramguard.engines import vllm_kv as kv
 from vramguard.engines import vllm_weights as w
-from vramguard.engines.vllm import VllmSettings, plan_vllm
+from vramguard.engines.vllm import VllmSettings, plan_vllm, settings_for_version
 from vramguard.hardware import gpu_from_catalog
 from vramguard.resolve import resolve_model
 from vramguard.spec import spec_from_config
@@ -218,10 +218,10 @@ V0_TOKENS = [
 
 
 def _v0_plan(model, total_gib, util, max_len):
+    # V0 (vLLM 0.6.4): one prefill of max_model_len tokens over 256 sequences, the sort sampler, CUDA graphs outside
     gpu = GpuSpec("case", "logged card", int(total_gib * GiB), (8, 6))
-    s = VllmSettings(gpu_memory_utilization=util, max_model_len=max_len, max_num_batched_tokens=max_len,
-                     max_num_seqs=256, cudagraph_in_budget=False, sampler="sort")
-    return plan_vllm(_spec(model), gpu, s)
+    return plan_vllm(_spec(model), gpu, settings_for_version("0.6.4", gpu_memory_utilization=util,
+                                                             max_model_len=max_len))
 
 
 @pytest.mark.parametrize("model, total_gib, util, max_len, blocks, source", V0_TOKENS)

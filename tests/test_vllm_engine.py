@@ -108,9 +108,9 @@ def test_families_without_a_vllm_model_are_refused():
     assert e.value.field == "config.json:model_type"
     assert e.value.fix.startswith("plan it for transformers, the default engine (vramguard.plan); vLLM itself may "
                                   "serve olmoe")
-    with pytest.raises(ConfigError) as e:
+    with pytest.raises(ConfigError) as e:  # says it is AWQ, without the quantization_config that says how
         plan_vllm(dataclasses.replace(LLAMA31, prequantized="awq"), card(80 * GiB))
-    assert "quantization_config" in e.value.field
+    assert e.value.field == "config.json:quantization_config"
 
 
 def _quantized(llama_cfg: dict, weights: dict, method: str = "compressed-tensors") -> dict:
@@ -130,13 +130,21 @@ def test_8bit_compressed_tensors_linears():
     # embeddings and LM head stay bf16 (lm_head ignored): 2 x 128,256 x 4,096 x 2 B
     r = w.rank_weights(fp8, 1, 1, 2)[0]
     assert r.embedding_bytes + r.lm_head_bytes == 2 * 128_256 * 4_096 * 2
+    # W4A16 (Marlin, group 128): o_proj 4,096 x 4,096 / 2 B + 32 x 4,096 x 2 B scales = 8,650,752 B
+    w4 = spec_from_config(_quantized(cfg, {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128}),
+                          name="w4")
+    assert w.linear_format(w4).linear_bytes(4096, 4096, 1, 2) == 8_650_752
+    # block FP8: 1 B per weight + one fp32 per 128 x 128 block: 16,777,216 + 32 x 32 x 4 = 16,781,312 B
+    blk = spec_from_config(_quantized(cfg, {"num_bits": 8, "type": "float", "strategy": "block",
+                                            "block_structure": [128, 128]}), name="blk")
+    assert w.linear_format(blk).linear_bytes(4096, 4096, 1, 2) == 16_781_312
+    for q in (w4, blk):
+        assert plan_vllm(q, card(80 * GiB)).starts
     from vramguard.errors import ConfigError
-    for bad in (_quantized(cfg, {"num_bits": 4, "type": "int", "strategy": "group"}),  # W4A16
-                _quantized(cfg, {"num_bits": 8, "type": "float", "strategy": "block"}),  # block FP8
-                _quantized(cfg, {"num_bits": 8, "type": "float", "strategy": "channel"}, method="fp8")):
-        with pytest.raises(ConfigError) as e:
-            plan_vllm(spec_from_config(bad, name="q"), card(80 * GiB))
-        assert e.value.field == "config.json:quantization_config"
+    bad = _quantized(cfg, {"num_bits": 2, "type": "int", "strategy": "group"})
+    with pytest.raises(ConfigError) as e:
+        plan_vllm(spec_from_config(bad, name="q"), card(80 * GiB))
+    assert e.value.field == "config.json:quantization_config.config_groups"
 
 
 def test_blocks_tokens_and_concurrency_match_vllm_logs():

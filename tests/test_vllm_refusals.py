@@ -2,6 +2,7 @@
 that do not fit), the options only the transformers plan reads, the wrapped command, and local folders for targets
 that run elsewhere."""
 
+import json
 import shlex
 import shutil
 import subprocess
@@ -88,7 +89,7 @@ def test_cli_70b_on_a_4090_names_the_weights_and_the_tp_that_fits():
 
 
 @pytest.mark.parametrize("option, instead", [
-    (["--quant", "nf4"], "quantized checkpoint"), (["--kv-dtype", "int4"], "--kv-cache-dtype"),
+    (["--kv-dtype", "int4"], "--kv-cache-dtype"),
     (["--prompt-tokens", "4096"], "--max-model-len"), (["--batch", "8"], "--max-num-seqs"),
     (["--attn", "eager"], "leave --attn out"), (["--alloc-conf", "expandable_segments:True"], "leave --alloc-conf"),
     (["--freed-before"], "leave --freed-before")])
@@ -144,6 +145,31 @@ def test_a_refused_plan_labels_its_command_and_a_load_failure_logs_no_kv_cache()
     assert "command as planned (vLLM refuses it: apply a fix above first):" in r.stdout.splitlines()
     ok = run_cli("plan", "llama-3.1-8b", "--engine", "vllm", "--gpu", "h100", columns="80")
     assert "command:" in ok.stdout.splitlines() and "GPU KV cache size" in ok.stdout
+
+
+def test_quant_nf4_is_vllms_bitsandbytes_at_load_and_other_quants_are_refused():
+    r = run_cli("plan", "qwen2.5-7b", "--engine", "vllm", "--gpu", "h100", "--quant", "nf4", "--format", "json")
+    assert r.returncode == 0, r.stderr
+    data = json.loads(r.stdout)
+    assert data["flags"]["quantization"] == "bitsandbytes" and "--quantization bitsandbytes" in data["command"]
+    bf16 = json.loads(run_cli("plan", "qwen2.5-7b", "--engine", "vllm", "--gpu", "h100", "--format", "json").stdout)
+    # NF4: about a quarter of the bf16 linears (0.5 B + absmax per weight), bf16 embeddings and LM head
+    assert data["per_gpu"]["weights_bytes"] < 0.45 * bf16["per_gpu"]["weights_bytes"]
+    r = run_cli("plan", "qwen2.5-7b", "--engine", "vllm", "--gpu", "h100", "--quant", "int8")
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.startswith("error --quant: 'int8'") and "--quant nf4" in r.stderr
+
+
+def test_vllm_version_selects_the_release_rules():
+    old = json.loads(run_cli("plan", "qwen2.5-7b", "--engine", "vllm", "--gpu", "h100", "--tp", "2",
+                             "--vllm-version", "0.19.0", "--format", "json").stdout)
+    new = json.loads(run_cli("plan", "qwen2.5-7b", "--engine", "vllm", "--gpu", "h100", "--tp", "2",
+                             "--vllm-version", "0.33.0", "--format", "json").stdout)
+    # 0.19: NCCL in the budget, CUDA graphs outside it (estimate off by default), Triton sampler; 0.33: the reverse
+    assert old["per_gpu"]["nccl_in_budget"] and not old["per_gpu"]["cudagraph_in_budget"]
+    assert not new["per_gpu"]["nccl_in_budget"] and new["per_gpu"]["cudagraph_in_budget"]
+    r = run_cli("plan", "qwen2.5-7b", "--engine", "vllm", "--gpu", "h100", "--vllm-version", "latest")
+    assert r.returncode == 2 and r.stderr.startswith("error --vllm-version: 'latest'")
 
 
 def test_a_family_without_a_vllm_model_points_to_the_transformers_plan(tmp_path):

@@ -43,6 +43,8 @@ import re
 from dataclasses import dataclass, field
 
 from vramguard.errors import InvalidValue
+from vramguard.memory.forward import logits_bytes
+from vramguard.memory.kv import kv_tensor_bytes
 from vramguard.memory.runtime import CUDA_CONTEXT_BYTES
 from vramguard.units import GiB, KiB, MiB, TiB, fmt_bytes, plural
 
@@ -401,8 +403,6 @@ def _match(req: int, candidates: dict[str, int] | None) -> str | None:
 
 def plan_candidates(spec, s) -> dict[str, int]:
     """Named single allocations of a run (bytes), to match against a failed request."""
-    from vramguard.memory.forward import logits_bytes
-    from vramguard.memory.kv import kv_tensor_bytes
     seqs, p = s.sequences, s.prompt_tokens
     scores = seqs * spec.num_heads * p * p
     native, fp32 = logits_bytes(spec, seqs, p, s.act_dtype)

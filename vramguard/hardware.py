@@ -9,7 +9,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from vramguard.catalog.gpus import GPU_ALIASES, GPUS, NVIDIA_SMI_MEMORY_QUERY, SEVERAL_MEMORY_SIZES, GpuSpec
+from vramguard.catalog.gpus import (DEFAULT_CARD_SIZES_GIB, GPUS, GPU_ALIASES, NVIDIA_SMI_MEMORY_QUERY,
+                                    SEVERAL_MEMORY_SIZES, GpuSpec)
 from vramguard.errors import InvalidValue, UnknownGpu
 from vramguard.units import GiB, parse_card_size
 
@@ -240,7 +241,6 @@ def resolve_gpus(gpu: str | None = None, vram: str | None = None) -> tuple[list[
     det = detect_gpus()
     if det.gpus:
         return [det.gpus[0]], f"detected: {det.reason}"
-    from vramguard.catalog.gpus import DEFAULT_CARD_SIZES_GIB
     cards = [gpu_from_vram(f"{n}GiB") for n in DEFAULT_CARD_SIZES_GIB]
     return cards, f"no GPU detected ({det.reason}); planning against common card sizes"
 

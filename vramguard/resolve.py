@@ -17,7 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from vramguard.catalog.models import ALIASES, MODELS
-from vramguard.errors import UnknownModel
+from vramguard.errors import HubError, InvalidValue, UnknownModel
+from vramguard.hub import hub_spec, looks_like_repo_id, with_local_checkpoint
+from vramguard.hub.fetch import from_cache
 from vramguard.inputs import read_config, weight_files_regular
 from vramguard.spec import ModelSpec, spec_from_config
 
@@ -227,10 +229,8 @@ def resolve_model(model: str, revision: str | None = None) -> ModelSpec:
         HubError: a Hub id the Hub or the cache cannot give (gated, not found, no network).
         ConfigError: the config exists but cannot be planned (missing fields, unsupported family).
     """
-    from vramguard.hub import hub_spec, looks_like_repo_id, with_local_checkpoint
     model = os.fspath(model) if isinstance(model, os.PathLike) else model
     if not isinstance(model, str):
-        from vramguard.errors import InvalidValue
         raise InvalidValue("model", model, f"{ACCEPTED_MODEL_FORMS}, as a str (or a path), not type "
                            f"{type(model).__name__}", "pass e.g. model='llama-3.2-1b' (a catalog name), a Hub id "
                            "'owner/name' or a model folder")
@@ -258,11 +258,9 @@ def resolve_model(model: str, revision: str | None = None) -> ModelSpec:
     if key and revision is None:
         return _catalog_spec(key)
     if looks_like_repo_id(model) and not model.startswith((".", "/", "~")):
-        from vramguard.hub.fetch import from_cache
         cached = from_cache(model, "main") if revision is None else None
         if cached is None and revision is None and catalog_for_repo_id(model):
             return _catalog_spec(catalog_for_repo_id(model), model)
-        from vramguard.errors import HubError
         try:
             return hub_spec(model, revision, cached)
         except HubError as e:
@@ -279,7 +277,6 @@ def resolve_model(model: str, revision: str | None = None) -> ModelSpec:
 def _check_revision_target(model: str, revision: str, p: Path, repo_id: bool) -> None:
     """Raise InvalidValue when ``revision`` cannot apply to ``model``: only a Hub id has revisions (a catalog
     name, a local folder or file has none); an empty ``revision`` is refused too."""
-    from vramguard.errors import InvalidValue
     accepted = "a branch, tag or commit of a Hub id (owner/name)"
     if not revision.strip():
         raise InvalidValue("revision", revision, accepted, "pass revision=main, or no revision")

@@ -56,6 +56,12 @@ class GpuSpec:
     total_estimated: bool = False
 
     @property
+    def usable_bytes(self) -> int:
+        """The card's memory this process may plan with: ``total_bytes - used_by_others_bytes`` (the one
+        definition; the planner's CUDA context and reserve come out of it)."""
+        return self.total_bytes - self.used_by_others_bytes
+
+    @property
     def supports_bf16(self) -> bool | None:
         """Native bfloat16 arithmetic: compute capability >= 8.0 (None: unknown)."""
         cc = self.compute_capability

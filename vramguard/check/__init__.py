@@ -10,12 +10,23 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from vramguard.catalog.gpus import GpuSpec
+from vramguard.catalog.models import MODELS
+from vramguard.check.devicemap import auto_placement
 from vramguard.check.rules import environment_findings, finding_line, model_findings, runtime_findings
+from vramguard.errors import InvalidValue
 from vramguard.finding import Finding
-from vramguard.probe.checkpoint import CheckpointInfo, read_checkpoint, resolve_param_dtype
+from vramguard.hardware import gpu_from_catalog, require_card_name
+from vramguard.hub import fetched_line
+from vramguard.introspect.build import attention_support, cached_config
+from vramguard.plan import check_context, choose, estimate, plan
+from vramguard.probe.checkpoint import CheckpointInfo, hub_checkpoint_info, read_checkpoint, resolve_param_dtype
 from vramguard.probe.env import Env, probe_env
-from vramguard.probe.kernels import AttentionKernel
-from vramguard.settings import Settings
+from vramguard.probe.kernels import AttentionKernel, profile_attention
+from vramguard.resolve import catalog_name, model_folder, resolve_model
+from vramguard.runtime.handle import pin_sdpa
+from vramguard.runtime.load import _not_native, choose_dtypes, load_model, unload
+from vramguard.runtime.tokenizer import folder_tokenizer
+from vramguard.settings import Settings, require_bool, require_settings
 from vramguard.units import fmt_gib
 
 __all__ = ["CheckReport", "Finding", "check"]
@@ -42,10 +53,6 @@ def _check_arguments(model: object, settings: object, device_map: object, gpu: o
     or None; ``settings`` not a Settings or None; ``device_map`` not one from_pretrained takes; ``gpu`` not a card
     name or None; a switch (``verify``, ``unquantized``, ``loader_defaults``) not a bool."""
     import os
-
-    from vramguard.errors import InvalidValue
-    from vramguard.hardware import require_card_name
-    from vramguard.settings import require_bool, require_settings
     if model is not None and not isinstance(model, (str, os.PathLike)):
         raise InvalidValue("model", model, f"a model as a str (or a path) or None, not type {type(model).__name__}",
                            "pass e.g. model='llama-3.2-1b' (a catalog name), a Hub id 'owner/name' or a model "
@@ -86,9 +93,6 @@ def check(model: str | None = None, settings: Settings | None = None, *, dtype: 
         InvalidValue: an argument of another type than the one named here, or a ``device_map`` from_pretrained
             does not take.
     """
-    from vramguard.hardware import gpu_from_catalog
-    from vramguard.resolve import model_folder, resolve_model
-
     _check_arguments(model, settings, device_map, gpu, verify=verify, unquantized=unquantized,
                      loader_defaults=loader_defaults)
     spec = resolve_model(model, revision) if model else None  # a bad model or card is said before the probe
@@ -98,7 +102,6 @@ def check(model: str | None = None, settings: Settings | None = None, *, dtype: 
     card = named or (env.gpus[0] if env.gpus else None)
     source = "named with gpu= (catalog)" if gpu else ("detected by NVML" if card else "")
     folder = model_folder(model) if model and revision is None else None
-    from vramguard.probe.checkpoint import hub_checkpoint_info
     hub_ckpt = hub_checkpoint_info(spec) if spec is not None and folder is None else None
     ckpt = read_checkpoint(folder) if folder else hub_ckpt or (
         CheckpointInfo("", (), None, None, spec.checkpoint_dtype, False) if spec else None)
@@ -125,14 +128,12 @@ def check(model: str | None = None, settings: Settings | None = None, *, dtype: 
     if folder is not None:
         findings += _tokenizer_findings(folder)
     if hub_ckpt is not None:
-        from vramguard.hub import fetched_line
         findings.append(finding_line("checkpoint_read", "info", f"{spec.checkpoint.format}, "
                                      f"{len(spec.checkpoint.files)} file(s)", fetched_line(spec) or spec.source))
     if why_c:
         findings = [replace(f, message=f.message + why_c) if f.code == "compute_dtype" else f for f in findings]
     report = CheckReport(findings, param_dtype, card, model=spec.name if spec else None)
     if spec is not None:
-        from vramguard.plan import check_context
         check_context(spec, s, beyond=" (a RoPE-scaled model may allow more: plan with context=N)")
     if spec is not None:
         findings += _plan_findings(model, spec, s, card, env, device_map)
@@ -146,7 +147,6 @@ def _tokenizer_findings(folder) -> list[Finding]:
     prompts need one (``run``, the server's chat endpoint); none without transformers installed (the environment
     findings say so)."""
     try:
-        from vramguard.runtime.tokenizer import folder_tokenizer
         tok, why = folder_tokenizer(folder)
     except ModuleNotFoundError:
         return []
@@ -162,7 +162,6 @@ def _loader_dtypes(card, s: Settings, compute_dtype: str | None, dtype: str | No
     """(compute dtype, dtype) with what is unset taken as :func:`vramguard.runtime.load.choose_dtypes` chooses it.
     A bf16 given is checked as given (the bf16 finding says where it is not native): the one left unset pairs with
     it, not with the fp16 a load would put in its place on such a card."""
-    from vramguard.runtime.load import choose_dtypes
     asked_bf16 = "bf16" in (dtype, compute_dtype)
     cd, dt = choose_dtypes(None if asked_bf16 else card, s.quant, compute_dtype, dtype, None, False)
     return compute_dtype or (cd if s.is_4bit else None), dtype or dt
@@ -171,7 +170,6 @@ def _loader_dtypes(card, s: Settings, compute_dtype: str | None, dtype: str | No
 def _default_dtype_why(card, dtype: str, why: str) -> str:
     """Why a dtype nobody passed is checked (``why``: the reason :func:`resolve_param_dtype` gives for ``dtype``):
     what :func:`vramguard.runtime.load.choose_dtypes` passes, and why."""
-    from vramguard.runtime.load import _not_native
     if not why.startswith(f"dtype={dtype} passed"):
         return why  # the dtype is not what decides (e.g. quant=bf16 weights)
     head = f"none given: vramguard run and serve pass {dtype} to from_pretrained"
@@ -182,9 +180,8 @@ def _default_dtype_why(card, dtype: str, why: str) -> str:
 
 def _plan_findings(model, spec, s: Settings, card, env, device_map) -> list[Finding]:
     """The plan's verdict for the card (or the need, without one), and where device_map='auto' would put modules."""
-    from vramguard.plan import estimate, plan
     if card is None:
-        est = estimate(spec, s)
+        est = estimate(choose(spec, s).model, s)
         return [finding_line("plan", "info", f"needs {fmt_gib(est.device_used_bytes)} on the card",
                              "no card to compare with", "pass gpu=NAME to check against a card")]
     v = plan(spec, s, gpus=[card], solve=False).cards[0]
@@ -203,10 +200,6 @@ def _attention_support_findings(spec, s: Settings) -> list[Finding]:
     if spec is None or not spec.config_json or s.attn == "eager":
         return []
     try:
-        from vramguard.introspect.build import attention_support, cached_config
-    except ImportError:
-        return []
-    try:
         supports = attention_support(cached_config(spec.config_json, spec.name))
     except ImportError:
         return []
@@ -220,10 +213,6 @@ def _attention_support_findings(spec, s: Settings) -> list[Finding]:
 
 def _placement_finding(model, spec, s, card, env) -> Finding:
     import json
-
-    from vramguard.catalog.models import MODELS
-    from vramguard.check.devicemap import auto_placement
-    from vramguard.resolve import catalog_name, model_folder
     key = catalog_name(model) if model else None
     if key:
         cfg = dict(MODELS[key])
@@ -232,7 +221,7 @@ def _placement_finding(model, spec, s, card, env) -> Finding:
         cfg = json.loads((folder / "config.json").read_text()) if folder else (
             json.loads(spec.config_json) if spec.config_json else {})
     try:
-        pl = auto_placement(cfg, s, card.total_bytes - card.used_by_others_bytes, env.ram_available_bytes or 0)
+        pl = auto_placement(cfg, s, card.usable_bytes, env.ram_available_bytes or 0)
     except Exception as e:  # accelerate cannot build this config: say so instead of guessing
         return finding_line("device_map", "info", "auto", f"placement unknown ({type(e).__name__}: {e})")
     if pl is None:
@@ -249,7 +238,6 @@ def _placement_finding(model, spec, s, card, env) -> Finding:
 def _verify_kernel(folder: str, s: Settings, param_dtype: str, report: CheckReport) -> list[Finding]:
     """Load with the requested settings (no automatic choice), profile one forward, unload: the attention kernel
     finding, and the unload finding (memory back to the pre-load baseline, or what still holds it)."""
-    from vramguard.runtime.load import load_model, unload
     attn = s.attn
     try:
         loaded = load_model(folder, quant=s.quant, double_quant=s.double_quant,
@@ -259,8 +247,6 @@ def _verify_kernel(folder: str, s: Settings, param_dtype: str, report: CheckRepo
         return [finding_line("attention_kernel", "fail", f"{attn}: the model did not load",
                              f"{type(e).__name__}: {str(e).splitlines()[0][:300]}",
                              "use attn_implementation='sdpa'" if attn == "flash_attention_2" else None)]
-    from vramguard.probe.kernels import profile_attention
-    from vramguard.runtime.handle import pin_sdpa
     pinned = s.sdpa_kernel if attn == "sdpa" and s.sdpa_kernel != "auto" else None
     weights = loaded.report.weights_bytes
     try:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from vramguard.settings import Settings
+from vramguard.settings import TORCH_DTYPE_NAMES, Settings
 
 GPU_FRACTION_NUM, GPU_FRACTION_DEN = 9, 10  # transformers keeps ~10% of GPU memory back for "auto"
 
@@ -39,8 +39,7 @@ def auto_placement(config_dict: dict, s: Settings, gpu_free_bytes: int, ram_byte
                                                if k not in ("source", "architectures", "torch_dtype")})
     with init_empty_weights():
         model = transformers.AutoModelForCausalLM.from_config(cfg)
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[s.weight_dtype] \
-        if not s.is_bnb else torch.int8
+    dtype = getattr(torch, TORCH_DTYPE_NAMES[s.weight_dtype]) if not s.is_bnb else torch.int8
     budget = gpu_free_bytes * GPU_FRACTION_NUM // GPU_FRACTION_DEN
     if s.is_4bit:  # int8-sized modules are twice the 4-bit size: give accelerate twice the budget instead
         budget *= 2

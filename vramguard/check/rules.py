@@ -11,6 +11,7 @@ from vramguard.catalog.gpus import GpuSpec
 from vramguard.finding import Finding
 from vramguard.probe.checkpoint import CheckpointInfo
 from vramguard.probe.env import Env
+from vramguard.plan.choice import choose
 from vramguard.plan.rules import attention_map_bytes, dequantized_weight_bytes
 from vramguard.settings import DTYPE_BYTES, TORCH_DTYPE_NAMES, Settings
 from vramguard.spec import ModelSpec
@@ -184,11 +185,10 @@ def model_findings(spec: ModelSpec | None, ckpt: CheckpointInfo | None, s: Setti
     elif param_dtype == "fp32" and (stored in ("bf16", "fp16") or (stored == "fp32" and not dtype_passed)):
         cost = ""
         if spec is not None:
-            from vramguard.memory.weights import weight_bytes
+            weight_bytes = choose(spec, s).model.weight_bytes
             q = s.quant if s.is_bnb else "fp32"
-            f32 = weight_bytes(spec, s.with_(quant=q, dtype="fp32", compute_dtype=None)).total_bytes
-            b16 = weight_bytes(spec, s.with_(quant=q if s.is_bnb else "bf16", dtype="bf16",
-                                             compute_dtype=None)).total_bytes
+            f32 = weight_bytes(s.with_(quant=q, dtype="fp32", compute_dtype=None)).total_bytes
+            b16 = weight_bytes(s.with_(quant=q if s.is_bnb else "bf16", dtype="bf16", compute_dtype=None)).total_bytes
             cost = (f" (weights {f32 / 1e9:.1f} GB in float32 against {b16 / 1e9:.1f} GB in bfloat16)" if b16 >= 1e8
                     else f" (weights {f32:,} B in float32 against {b16:,} B in bfloat16)")
         f.append(finding_line("param_dtype", "warn", f"float32 (checkpoint stores {stored})",
@@ -207,7 +207,7 @@ def model_findings(spec: ModelSpec | None, ckpt: CheckpointInfo | None, s: Setti
                                   "activation memory and a slow path",
                                   f"load with dtype=torch.{half_name} and bnb_4bit_compute_dtype=torch.{half_name}"))
         elif compute != param_dtype:
-            big, wide, narrow = dequantized_weight_bytes(spec, compute, param_dtype)
+            big, wide, narrow = dequantized_weight_bytes(choose(spec, s).model, compute, param_dtype)
             cost = (f"largest dequantized weight {big.out_features} x {big.in_features}: {fmt_bytes(wide)} "
                     f"against {fmt_bytes(narrow)}" if wide != narrow else "a cast copy of every input and output")
             f.append(finding_line("compute_dtype", "warn", f"bnb_4bit_compute_dtype {compute}, activations "

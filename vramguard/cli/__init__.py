@@ -13,6 +13,7 @@ import sys
 
 import typer
 
+from vramguard import __version__
 from vramguard.cli import check as _check
 from vramguard.cli import explain as _explain
 from vramguard.cli import export as _export
@@ -24,6 +25,7 @@ from vramguard.cli.common import (EXIT_CODES, EXIT_INTERNAL, closed_pipe, instal
                                   run_guarded, say)
 from vramguard.cli.explain import read_message
 from vramguard.cli.options import repeated_option, split_size
+from vramguard.cli.usage import usage_error_text
 
 __all__ = ["app", "main", "EXIT_CODES", "EXIT_INTERNAL", "install_fix", "quiet_known_warnings", "read_message",
            "run_guarded"]
@@ -35,8 +37,6 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
 def _version(value: bool) -> None:
     if value:
         import importlib.metadata
-
-        import vramguard
         try:
             torch_v = importlib.metadata.version("torch")
         except importlib.metadata.PackageNotFoundError:
@@ -45,7 +45,7 @@ def _version(value: bool) -> None:
             tf_v = importlib.metadata.version("transformers")
         except importlib.metadata.PackageNotFoundError:
             tf_v = "not installed"
-        print(f"vramguard {vramguard.__version__} (torch {torch_v}, transformers {tf_v})")
+        print(f"vramguard {__version__} (torch {torch_v}, transformers {tf_v})")
         raise typer.Exit()
 
 
@@ -116,7 +116,6 @@ def _dispatch() -> int | None:
         print(e.ctx.get_help() if e.ctx else str(e))
         return 0
     except usage as e:
-        from vramguard.cli.usage import usage_error_text
         say("error " + usage_error_text(e, sys.argv[1:]))
         return 2
     except typer.Exit as e:

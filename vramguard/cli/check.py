@@ -7,11 +7,13 @@ from typing import Optional
 
 import typer
 
+from vramguard.check import check as check_fn
 from vramguard.cli.common import run_guarded, write_json
 from vramguard.cli.options import (Attn, CheckQuant, Dtype, DtypeArg, Format, SdpaKernel, attn_option, batch_option,
                                    format_option, max_new_tokens_option, prompt_tokens_option, revision_option)
 from vramguard.errors import InvalidValue
-from vramguard.cli.render import console
+from vramguard.cli.render import check_to_json, console, print_check
+from vramguard.settings import Settings
 
 
 def check(
@@ -45,9 +47,6 @@ def check(
 ) -> None:
     """Check the environment and the load settings; name the attention kernel that really runs (GPU).
     Exits 1 when a finding fails."""
-    from vramguard.check import check as check_fn
-    from vramguard.cli.render import check_to_json, print_check
-    from vramguard.settings import Settings
 
     def build():
         q = "bf16" if quant == CheckQuant['none'] else quant.value

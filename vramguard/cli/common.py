@@ -21,6 +21,8 @@ from vramguard.errors import (EXIT_CLOSED_PIPE, EXIT_INTERNAL, ConfigError, Infe
 from vramguard.cli.render import console  # rich only: no torch import
 from vramguard.extras import extra_of
 from vramguard.cli.flags import FIELD_FLAGS, as_flags
+from vramguard.hardware import detect_gpus
+from vramguard.units import decimal_size_note, parse_card_size
 
 # each error's exit code, as its class defines it (vramguard.errors says what each code means)
 EXIT_CODES: dict[type, int] = {c: c.exit_code for c in (InvalidValue, ConfigError, UnknownModel, UnknownGpu,
@@ -70,7 +72,6 @@ def install_fix(extra: str, torch_missing: bool) -> str:
     cmd = f"pip install 'vramguard[{extra}]'"
     if not torch_missing:
         return cmd
-    from vramguard.hardware import detect_gpus
     det = detect_gpus()
     if det.gpus:
         return cmd + " (installs the CUDA build of torch)"
@@ -136,7 +137,7 @@ def run_guarded(fn, *args, as_json: bool = False, progress: str | None = None, *
         if as_json:
             sys.stdout.write(json.dumps({"error": {"type": "internal", "exception": type(e).__name__,
                                                    "message": first}}) + "\n")
-        raise typer.Exit(EXIT_INTERNAL)
+        raise typer.Exit(EXIT_INTERNAL) from None
 
 
 # library warnings a vramguard command triggers but the user can do nothing about, matched by their start only:
@@ -170,7 +171,6 @@ def size_option(text: str, field: str) -> int:
     """A size option parsed into bytes; a decimal GB/TB size gets a note on stderr saying what it was read as and
     what a card sold as that size has (:func:`vramguard.units.decimal_size_note`); a size above any card is
     refused (:func:`vramguard.units.parse_card_size`)."""
-    from vramguard.units import decimal_size_note, parse_card_size
     value = parse_card_size(text, field)
     note = decimal_size_note(text, field)
     if note:

@@ -12,7 +12,10 @@ import typer
 from vramguard.cli.common import run_guarded, say, write_json
 from vramguard.cli.options import (Attn, Format, Quant, attn_option, batch_option, format_option, max_new_tokens_option,
                                    prompt_tokens_option, quant_option, revision_option, say_fetched)
-from vramguard.cli.render import console
+from vramguard.cli.render import console, explanation_to_json, oomlog_to_json, print_explanation, print_oomlog
+from vramguard.errors import InvalidValue
+from vramguard.resolve import resolve_model
+from vramguard.settings import Settings
 
 
 def oom_log(
@@ -23,9 +26,7 @@ def oom_log(
 ) -> None:
     """Read the kernel OOM killer's records and explain each kill ("Killed" -> which process, how much memory, why).
     Exits 1 when no kernel log could be read."""
-    from vramguard.oomlog import oom_log as oom_log_fn
-    from vramguard.cli.render import oomlog_to_json, print_oomlog
-
+    from vramguard.oomlog import oom_log as oom_log_fn  # loaded when the command runs
     r = run_guarded(oom_log_fn, file, since, year, as_json=fmt == Format['json'])
     if fmt == Format['json']:
         write_json(oomlog_to_json(r))
@@ -55,13 +56,11 @@ def read_message(message: str | None, stdin=None) -> str:
             with open(message, encoding="utf-8", errors="replace") as f:
                 text = f.read()
         except OSError as e:
-            from vramguard.errors import InvalidValue
             raise InvalidValue("MESSAGE", message, "a message, or a readable file that holds one",
                                f"check the file ({e.strerror or e}), or pass - and pipe the message in") from None
         say(f"reading the message from the file {message}")
         return text
     if message not in (None, "-") and _looks_like_a_path(message):
-        from vramguard.errors import InvalidValue
         raise InvalidValue("MESSAGE", message, "a message, or a readable file that holds one",
                            f"no such file: {os.path.abspath(os.path.expanduser(message))}; check the path, or pass "
                            "the message itself (quoted), or - and pipe it in")
@@ -88,16 +87,12 @@ def explain(
     """Classify a CUDA out-of-memory message: fragmentation, one allocation too large (algorithmic), memory held
     by other processes, or steady growth; also CUDA's own 'CUDA error: out of memory' (cuBLAS, NCCL, kernels), cuBLAS,
     MPS and accelerate offload errors; with the evidence and the fix."""
-    from vramguard.explain import explain as explain_fn
-    from vramguard.explain import plan_candidates
-    from vramguard.cli.render import explanation_to_json, print_explanation
+    from vramguard.explain import explain as explain_fn, plan_candidates  # loaded when the command runs
 
     def build():
         text = read_message(message)
         cands = None
         if model:
-            from vramguard.resolve import resolve_model
-            from vramguard.settings import Settings
             spec = resolve_model(model, revision)
             say_fetched(spec)
             cands = plan_candidates(spec, Settings(quant=quant.value, attn=attn.value, batch=batch,

@@ -30,7 +30,8 @@ FIELD_FLAGS = {"batch": "--batch", "num_beams": "--num-beams", "num_return_seque
                "gpu_memory_utilization": "--gpu-memory-utilization", "max_model_len": "--max-model-len",
                "max_num_seqs": "--max-num-seqs", "max_num_batched_tokens": "--max-num-batched-tokens",
                "kv_cache_dtype": "--kv-cache-dtype", "replicas": "--replicas",
-               "kv_offloading_size_bytes": "--kv-offload"}
+               "kv_offloading_size_bytes": "--kv-offload", "vllm_version": "--vllm-version",
+               "max_lora_rank": "--max-lora-rank", "max_loras": "--max-loras"}
 # a library keyword argument and value -> the CLI's words for it, where no option of that name takes the value
 KWARG_FLAGS = {"chat=None": "no --chat-template", "chat=False": "--raw", "do_sample=True": "--do-sample",
                "greedy=True": "--greedy", "summarize=True": "--summarize", "auto=True": "--auto",

@@ -6,9 +6,14 @@ from __future__ import annotations
 import typer
 
 from vramguard.catalog.gpus import GpuSpec
-from vramguard.errors import InvalidValue
+from vramguard.cli.common import write_json
+from vramguard.cli.render import console, finding_to_json, gib_cell, short_label, source_label, to_jsonable
+from vramguard.errors import InvalidValue, UnknownGpu
+from vramguard.hardware import detect_gpus, gpu_from_catalog, gpu_from_vram
 from vramguard.plan.limits import bound_by
-from vramguard.units import fmt_gib
+from vramguard.plan.planner import with_context
+from vramguard.resolve import resolve_model
+from vramguard.units import MiB, fmt_gib, parse_card_size
 
 
 def gpus_option():
@@ -43,8 +48,6 @@ def defaults_card(gpu: str | None) -> str | None:
     returned as given (its error comes with the cards)."""
     if not gpu or "," not in gpu:
         return gpu
-    from vramguard.errors import UnknownGpu
-    from vramguard.hardware import gpu_from_catalog
     names = [p.strip() for p in gpu.split(",") if p.strip()]
     try:
         cards = [gpu_from_catalog(n) for n in names]
@@ -83,7 +86,6 @@ def resolve_cards(gpus: int | None, tp: int | None, gpu: str | None, vram: str |
             neither a card nor enough detected GPUs.
         UnknownGpu: an unknown card name.
     """
-    from vramguard.hardware import detect_gpus, gpu_from_catalog, gpu_from_vram
     for flag, n in (("--gpus", gpus), ("--tp", tp)):
         if n is not None and n < 2:
             raise InvalidValue(flag, n, "2 or more cards", f"pass {flag} 2 or more (one card: leave {flag} out)")
@@ -121,13 +123,13 @@ def plan_cards(model: str, s, cards: tuple, context: int | None, device_map: str
     Raises:
         InvalidValue: see :func:`resolve_cards`; ``--max-memory`` not one size or one per card.
     """
+    # several cards' planner: loaded when a plan asks for them, not at the CLI's start
     from vramguard.plan.multigpu import plan_gpus
-    from vramguard.plan.planner import with_context
-    from vramguard.resolve import resolve_model
-    from vramguard.units import parse_card_size
     from vramguard.plan.multigpu.tensorparallel import check_tp_heads, check_tp_quant
+    from vramguard.plan.choice import choose
     gpus, tp, gpu, vram = cards
-    check_tp_heads(model, tp)  # a model fact: said before the cards are looked for
+    spec = model if hasattr(model, "max_position_embeddings") else resolve_model(model)
+    check_tp_heads(choose(spec).model, tp)  # a model fact: said before the cards are looked for
     check_tp_quant(s, tp)  # two options that do not go together: said before the cards too
     if gpus is None and tp is None and max_memory and "," in max_memory and "," not in (gpu or "") + (vram or ""):
         gpus = len(max_memory.split(","))  # as many cards as sizes given
@@ -144,8 +146,7 @@ def plan_cards(model: str, s, cards: tuple, context: int | None, device_map: str
         if len(mm) != len(found):
             raise InvalidValue("--max-memory", max_memory, f"one size, or {len(found)} (one per card)",
                                f"name {len(found)} sizes, e.g. --max-memory " + ",".join(["20GiB"] * len(found)))
-    spec = with_context(model if hasattr(model, "max_position_embeddings") else resolve_model(model), context) \
-        if context else model
+    spec = with_context(spec, context) if context else spec
     return plan_gpus(spec, s, gpus=found, tp=tp, max_memory=mm, device_map=device_map)
 
 
@@ -153,9 +154,6 @@ def emit(p, as_json: bool, exit_code: bool, findings: tuple = ()) -> None:
     """Print the plan (JSON, with ``findings``, or the table) on stdout; with ``exit_code``, exit 1 when a card
     does not fit."""
     import typer
-
-    from vramguard.cli.common import write_json
-    from vramguard.cli.render import console
     if as_json:
         write_json(plan_to_json(p, findings))
     else:
@@ -167,7 +165,6 @@ def emit(p, as_json: bool, exit_code: bool, findings: tuple = ()) -> None:
 def plan_to_json(p, findings: tuple = ()) -> dict:
     """The multi-card plan as a JSON object: every size an int of bytes; ``findings`` (the CLI's: an option that
     plans one card, not applied) as a one-card plan's."""
-    from vramguard.cli.render import finding_to_json, to_jsonable
     split = p.split
     out = {"model": p.model.name, "settings": p.settings.as_dict(), "layout": p.layout, "fits": p.fits,
            "limit_card": p.limit_card, "max_prompt_tokens": p.max_prompt_tokens,
@@ -205,8 +202,6 @@ def print_plan(p, out) -> None:
     cut), the limiting card and the largest prompt."""
     from rich import box
     from rich.table import Table
-
-    from vramguard.cli.render import gib_cell, short_label, source_label
     s = p.settings
     how = (f"tp_plan='auto' over {len(p.cards)} ranks, {p.split.kv_heads_per_rank} KV heads per rank"
            if p.layout == "tp" else f"device_map='{p.device_map}' over {len(p.cards)} cards")
@@ -251,7 +246,6 @@ def print_plan(p, out) -> None:
 
 def fix_text(fix) -> str:
     """The fix as the arguments to pass, and where the layers then go."""
-    from vramguard.units import MiB
     mm = ", ".join(f"{i}: '{b // MiB}MiB'" for i, b in enumerate(fix.max_memory_bytes))
     where = "; ".join(f"card {i}: " + (f"layers {ls[0]}-{ls[-1]}" if ls else "no layer, unused" if not c.need_bytes
                                        else "no layer")

@@ -7,7 +7,10 @@ from enum import Enum
 
 import typer
 
+from vramguard.cli.common import say
+from vramguard.hub import fetched_line
 from vramguard.settings import ATTNS, CACHES, DTYPES, KERNELS, KV_DTYPES, LOGITS, QUANTS, SDPA_KERNELS
+from vramguard.units import UNIT_WORDS
 
 DEFAULT_PROMPT_TOKENS = 128  # a short chat prompt: system prompt, one user turn and the chat template
 DEFAULT_MAX_NEW_TOKENS = 256
@@ -62,8 +65,6 @@ def revision_option():
 
 def say_fetched(spec) -> None:
     """On stderr, what was read to plan a Hub model and how many bytes (nothing for other models)."""
-    from vramguard.cli.common import say
-    from vramguard.hub import fetched_line
     line = fetched_line(spec)
     if line:
         say(line)
@@ -79,7 +80,6 @@ SIZE_OPTIONS = ("--vram", "--vram-budget", "--max-body-size", "--max-memory")
 def split_size(args: list[str]) -> str | None:
     """The error for a size typed as two words (``--vram 24 GiB``: the shell passes ``GiB`` as the next argument,
     which would be read as a model name), or None."""
-    from vramguard.units import UNIT_WORDS
     for i, a in enumerate(args[:-2]):
         number, unit = args[i + 1], args[i + 2]
         if a in SIZE_OPTIONS and number.replace(".", "", 1).isdigit() and unit.lower() in UNIT_WORDS | {"b"}:

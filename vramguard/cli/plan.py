@@ -6,23 +6,36 @@ from typing import Optional
 
 import typer
 
+from vramguard.catalog.gpus import GPUS
+from vramguard.catalog.models import MODELS
 from vramguard.cli import engine as eng
 from vramguard.cli.common import run_guarded, say, write_json
-from vramguard.cli.options import (Attn, Cache, Dtype, Format, Kernels, KvDtype, Logits, Quant, batch_option,
-                                   format_option, max_new_tokens_option, prompt_tokens_option, quant_option,
-                                   revision_option, say_fetched)
-from vramguard.cli.multigpu import device_map_option, gpus_option, max_memory_option, tp_option, wants_cards
-from vramguard.cli.render import console
+from vramguard.cli.options import (DEFAULT_MAX_NEW_TOKENS, DEFAULT_PROMPT_TOKENS, Attn, Cache, Dtype, Format, Kernels,
+                                   KvDtype, Logits, Quant, batch_option, format_option, max_new_tokens_option,
+                                   prompt_tokens_option, quant_option, revision_option, say_fetched)
+from vramguard.cli.multigpu import (defaults_card, device_map_option, emit, gpus_option, max_memory_option, plan_cards,
+                                    tp_option, wants_cards)
+from vramguard.cli.render import console, plan_to_json, print_plan, to_jsonable
+from vramguard.errors import InvalidValue
+from vramguard.finding import Finding
+from vramguard.hardware import card_defaults
+from vramguard.plan import plan as plan_fn
+from vramguard.plan.planner import AUTO
+from vramguard.resolve import resolve_model
+from vramguard.settings import MAX_TOKENS, Settings, require_count
+from vramguard.units import MAX_CARD_BYTES, decimal_size_note, parse_card_size, parse_size
 
 
 HELP = """Predict memory by component, say whether it fits, solve for what fits, and rank the fixes.
 
-Speed: a catalog name, or a folder, config.json or Hub id of a hand-modelled family (llama, mistral, mixtral, qwen2,
-qwen2_moe, qwen3, qwen3_moe, gemma, gemma2, gemma3_text, phi3), is read without torch or transformers; any other
-architecture is read by transformers. The first plan of a model, settings and cards builds transformers' meta model
-for the load and the allocator model (torch and transformers imported: seconds to tens of seconds); it is kept on
-disk (VRAMGUARD_PLAN_CACHE=0 turns that off), so the same plan again, in any process, takes about a second and
-imports neither."""
+Speed (what is imported): a catalog name, or a folder, config.json or Hub id, of the llama, qwen2 and mistral
+families without sliding-window layers is planned without torch or transformers, the load and the allocator model
+included (with a dynamic cache, unpadded prompts, sdpa or eager attention: the defaults; about two CPU seconds the
+first time). The other hand-modelled families (mixtral, qwen2_moe, qwen3, qwen3_moe, gemma, gemma2, gemma3_text,
+phi3, a sliding window) are read without them, but their first plan imports both for the load and the allocator
+model, as does every other setting and architecture (seconds to tens of seconds). A plan is kept on disk
+(VRAMGUARD_PLAN_CACHE=0 turns that off), so the same plan again, in any process, takes about a second and imports
+neither."""
 ATTN_HELP = ("attn_implementation (default: flash_attention_2 on a --gpu card of compute capability 8.0 or more, "
              "sdpa below it or with no card named)")
 GPU_HELP = ("a catalog card (see --list-gpus) or the name nvidia-smi prints, e.g. h100 or \"NVIDIA GeForce RTX "
@@ -79,17 +92,18 @@ def plan(
     kv_cache_dtype: eng.KvCacheDtype = eng.kv_cache_dtype_option(),
     max_num_seqs: Optional[int] = eng.max_num_seqs_option(),
     max_num_batched_tokens: Optional[int] = eng.max_num_batched_tokens_option(),
+    vllm_version: Optional[str] = eng.vllm_version_option(), enable_lora: bool = eng.enable_lora_option(),
+    max_lora_rank: int = eng.max_lora_rank_option(), max_loras: int = eng.max_loras_option(),
 ) -> None:
     """Predict memory by component, say whether it fits, solve for what fits, and rank the fixes."""
     vllm_args = eng.EngineArgs(tp or 1, pp, gpu_memory_utilization, max_model_len, kv_cache_dtype.value, max_num_seqs,
-                               max_num_batched_tokens, dtype.value if dtype else None)
+                               max_num_batched_tokens, dtype.value if dtype else None, None, vllm_version,
+                               enable_lora, max_lora_rank, max_loras)
     if list_models or list_gpus:
         return _listing(ctx, model, fmt == Format['json'])
     if engine == eng.Engine['vllm']:
         return _plan_vllm(model, gpu, vram, vllm_args, fmt == Format['json'], exit_code, _given(ctx))
     run_guarded(eng.refuse_vllm_options, vllm_args)
-    from vramguard.plan import plan as plan_fn
-    from vramguard.settings import Settings
     several = wants_cards(gpus, tp, gpu, vram) or max_memory is not None or device_map != "auto"
     notes: list[str] = []  # said once the plan is made: an error comes alone
     findings = []  # of the CLI's own, added to a plan of cards used together
@@ -104,12 +118,10 @@ def plan(
                      max_new_tokens=max_new_tokens, prefill_chunk=prefill_chunk, logits=logits.value,
                      output_attentions=output_attentions, padded=padded, do_sample=do_sample,
                      kernels=kernels.value if kernels else None)
-        from vramguard.resolve import resolve_model
         spec = resolve_model(_required_model(model), revision)
         say_fetched(spec)
         s = _defaults_in_context(spec, s, _given(ctx), context, notes)
         if several:
-            from vramguard.cli.multigpu import plan_cards
             findings.extend(_one_card_findings(freed_before, alloc_conf, notes))
             return plan_cards(spec, s, (gpus, tp, gpu, vram), context, device_map, max_memory)
         return plan_fn(spec, s, gpu=gpu, vram=vram, context=context, alloc_conf=_alloc_conf(alloc_conf),
@@ -125,7 +137,6 @@ def _one_card_findings(freed_before: bool, alloc_conf: str | None, notes: list[s
     says its error alone); [] without one."""
     if not (freed_before or (alloc_conf is not None and _alloc_conf(alloc_conf) is not None)):
         return []
-    from vramguard.finding import Finding
     code = "freed_before" if freed_before else "alloc_conf"
     flag = "--" + code.replace("_", "-")
     notes.append(f"note: {flag} plans one card; cards used together are planned with the reserve formula")
@@ -158,7 +169,6 @@ def _refuse_no_new_tokens(max_new_tokens: int, logits: str) -> None:
     """The usage error of a plan of generate (``logits="last"``) with no new tokens, worded as ``run``'s, and of
     one above :data:`~vramguard.settings.MAX_TOKENS` stating the same range from 1 (Settings' own check says it
     from 0); a forward over every position (``logits="all"``) may generate none."""
-    from vramguard.settings import MAX_TOKENS, require_count
     if logits == "last":
         require_count("max_new_tokens", max_new_tokens, 1, "pass a whole number of at least 1 (or --logits all "
                       "for a forward without generating)")
@@ -171,8 +181,6 @@ def _defaults_in_context(spec, s, given: dict, context: int | None, notes: list[
     ``ctx // 3`` and ``2 * (ctx // 3)`` new tokens (the defaults' 1:2 ratio), the change added to ``notes``.
     A length the user gave is kept, and over the context it stays an error."""
     from dataclasses import replace
-
-    from vramguard.cli.options import DEFAULT_MAX_NEW_TOKENS, DEFAULT_PROMPT_TOKENS
     ctx_tokens = context if isinstance(context, int) and context > 0 else spec.max_position_embeddings
     if {"prompt_tokens", "max_new_tokens"} & set(given) or s.total_tokens <= ctx_tokens or ctx_tokens < 3:
         return s
@@ -188,7 +196,6 @@ def _required_model(model: str | None) -> str:
     """``model``, or the usage error of a plan with none named, with examples of each accepted form."""
     if model is not None:
         return model
-    from vramguard.errors import InvalidValue
     raise InvalidValue("MODEL", "none given", "a model folder, its config.json, a catalog name or a Hub id",
                        "name the model to plan, e.g. vramguard plan meta-llama/Llama-3.1-8B-Instruct, vramguard "
                        "plan ./my-model or vramguard plan llama-3.1-8b (vramguard plan --list-models lists the "
@@ -205,9 +212,6 @@ def _given(ctx: typer.Context) -> dict[str, object]:
 def _card_defaults(gpu, vram, attn, dtype, compute_dtype, several: bool, notes: list[str]) -> tuple[str, str | None]:
     """The attention and dtype the named card runs by default (each default added to ``notes``, to be said on
     stderr), and the note on a decimal --vram size."""
-    from vramguard.cli.multigpu import defaults_card
-    from vramguard.hardware import card_defaults
-    from vramguard.units import decimal_size_note
     chosen_attn, chosen_dtype, found = card_defaults(defaults_card(gpu), attn.value if attn else None,
                                                      dtype.value if dtype else None, compute_dtype is not None)
     notes += found
@@ -222,8 +226,6 @@ def _card_defaults(gpu, vram, attn, dtype, compute_dtype, several: bool, notes: 
 def _refuse_sizes_above_any_card(sizes: list[str]) -> None:
     """Raise for a size above any card (:func:`~vramguard.units.parse_card_size`) before any note is said; a size
     that does not parse is left to the cards' own reading, whose error knows the whole list."""
-    from vramguard.errors import InvalidValue
-    from vramguard.units import MAX_CARD_BYTES, parse_card_size, parse_size
     for size in sizes:
         try:
             value = parse_size(size.strip(), "vram")
@@ -237,9 +239,11 @@ def _plan_vllm(model: str, gpu: str | None, vram: str | None, args, as_json: boo
                given: dict[str, object]) -> None:
     """``plan --engine vllm``: vLLM's plan per card, printed; exit 1 with ``--exit-code`` when none starts.
     ``given``: the options set on the command line (those only the transformers plan reads are refused)."""
+    from vramguard.cli.vllm import build_plans, print_plans  # vLLM's memory model: loaded when the command runs
     run_guarded(eng.refuse_transformers_options, given)
-    plans = run_guarded(lambda: eng.build_plans(_required_model(model), gpu, vram, args), as_json=as_json)
-    eng.print_plans(plans, model, as_json)
+    args = run_guarded(eng.with_quantization, args, given, as_json=as_json)
+    plans = run_guarded(lambda: build_plans(_required_model(model), gpu, vram, args), as_json=as_json)
+    print_plans(plans, model, as_json)
     if exit_code and not any(p.starts for p in plans):
         raise typer.Exit(1)
 
@@ -249,9 +253,7 @@ def _emit(p, several: bool, as_json: bool, exit_code: bool, notes: list[str], fi
     JSON); exit 1 with ``--exit-code`` when it fits none of the cards."""
     for note in notes:
         say(note)
-    from vramguard.cli.render import plan_to_json, print_plan
     if several:
-        from vramguard.cli.multigpu import emit
         return emit(p, as_json, exit_code, findings)
     if as_json:
         write_json(plan_to_json(p))
@@ -264,7 +266,6 @@ def _emit(p, several: bool, as_json: bool, exit_code: bool, notes: list[str], fi
 def _alloc_conf(given: str | None) -> str | None:
     """The allocator setting to plan with: the option ('default' is the default allocator, 'formula' the reserve
     formula), or, without it, the plan's own default (the allocator model where it can run)."""
-    from vramguard.plan.planner import AUTO
     if given is None:
         return AUTO
     word = given.strip().lower()
@@ -274,10 +275,7 @@ def _alloc_conf(given: str | None) -> str | None:
 def _print_catalog(models: bool, gpus: bool, as_json: bool = False) -> None:
     """The catalog's architectures and cards as tables, or as JSON: a list of objects (each card with its total
     in bytes), or, both asked, one object of the two lists."""
-    from vramguard.catalog.gpus import GPUS
-    from vramguard.catalog.models import MODELS
     if as_json:
-        from vramguard.cli.render import to_jsonable
         lists = {"models": [{"name": name, "source": cfg["source"]} for name, cfg in MODELS.items()] if models
                  else None, "gpus": [to_jsonable(g) for g in GPUS.values()] if gpus else None}
         return write_json(lists if models and gpus else lists["models"] if models else lists["gpus"])

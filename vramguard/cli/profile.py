@@ -7,11 +7,14 @@ from typing import Optional
 
 import typer
 
+from vramguard.allocconf import prefer_expandable_segments
 from vramguard.cli.common import run_guarded, say, size_option, write_json
 from vramguard.cli.options import (Attn, Format, Quant, Vary, attn_option, batch_option, format_option,
                                    max_new_tokens_option, prompt_tokens_option, quant_option)
 from vramguard.errors import InvalidValue
-from vramguard.cli.render import console
+from vramguard.cli.render import console, print_fit, print_profile, to_jsonable
+from vramguard.runtime.device import total_bytes
+from vramguard.settings import Settings
 
 
 def profile(
@@ -28,9 +31,7 @@ def profile(
 ) -> None:
     """A measured run beside the plan: weights, prefill peak, KV growth per token, decode peak, reserved vs
     allocated, fragmentation, memory outside PyTorch, TTFT and decode ms/token; a memory timeline picture."""
-    from vramguard.profile.profiler import profile as profile_fn
-    from vramguard.cli.render import print_profile, to_jsonable
-    from vramguard.settings import Settings
+    from vramguard.profile.profiler import profile as profile_fn  # loaded when the command runs
 
     def build():
         _allocator_note()
@@ -63,15 +64,11 @@ def fit(
 ) -> None:
     """Real runs that find the largest prompt / new tokens / batch that completes under a budget, seeded by the
     plan; emulates a smaller card with a per-process memory fraction."""
-    from vramguard.profile.fit import fit as fit_fn
-    from vramguard.cli.render import print_fit, to_jsonable
-    from vramguard.settings import Settings
+    from vramguard.profile.fit import fit as fit_fn  # loaded when the command runs
 
     def build():
         _allocator_note()
         import torch
-
-        from vramguard.runtime.device import total_bytes
         s = Settings(quant=quant.value, attn=attn.value, batch=batch, prompt_tokens=prompt_tokens,
                      max_new_tokens=max_new_tokens)
         budget = size_option(vram_budget, "vram_budget") if vram_budget else (
@@ -89,7 +86,6 @@ def fit(
 
 def _allocator_note() -> None:
     """Expandable segments for this process unless the user set the allocator (see :mod:`vramguard.allocconf`)."""
-    from vramguard.allocconf import prefer_expandable_segments
     note = prefer_expandable_segments()
     if note:
         say(note)

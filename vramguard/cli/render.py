@@ -13,6 +13,7 @@ from rich.text import Text
 
 from vramguard.catalog.gpus import GPUS
 from vramguard.cli.flags import as_flags
+from vramguard.memory.kv import kv_growth_per_token
 from vramguard.plan import Plan
 from vramguard.plan.limits import bound_by
 from vramguard.plan.solve import batch_search_cap
@@ -215,17 +216,15 @@ def _settings_line(p: Plan) -> str:
 def kv_growth_at(p: Plan, n_tokens: int) -> dict[str, int]:
     """The KV growth per new token by layer kind once ``n_tokens`` are held: the plan's own figure where it kept
     one (:attr:`Plan.kv_growth_at`), else computed (a hand spec's, pure arithmetic)."""
-    from vramguard.memory.kv import kv_growth_per_token
     found = p.kv_growth_at.get(n_tokens)
     return dict(found) if found is not None else kv_growth_per_token(p.model, p.settings, n_tokens)
 
 
 def sliding_growth_tokens(p: Plan) -> int:
     """How many of the run's new tokens still grow the sliding-window layers (they stop at the window)."""
-    from vramguard.memory.kv import kv_growth_per_token
     s, prompt = p.settings, p.settings.prompt_tokens
-    if p.model.generic:
-        return 0  # the generic growth is reported at the run's length, per layer kind
+    if p.layer_kinds:
+        return 0  # a growth per layer kind is reported at the run's length
 
     def grows(n: int) -> bool:
         return kv_growth_per_token(p.model, s, n).get("sliding_attention", 0) > 0
@@ -241,9 +240,8 @@ def sliding_growth_tokens(p: Plan) -> int:
 
 def kv_growth_text(p: Plan) -> str:
     """The KV growth per new token a user sees in this run, per layer type: sliding layers stop at the window."""
-    from vramguard.memory.kv import kv_growth_per_token
     spec, s = p.model, p.settings
-    if spec.generic:
+    if p.layer_kinds:  # the model reports its growth per layer kind as its config names them
         from collections import Counter
         growth = kv_growth_at(p, s.total_tokens - 1)
         counts = Counter(p.layer_kinds)
@@ -291,7 +289,7 @@ def allocator_line(est) -> str:
     if a is None:
         return ("reserved memory: the reserve formula (largest allocation plus 30% of the rest), which plans the "
                 "largest prompt about 12% short of the caching-allocator model's")
-    from vramguard.memory.allocator import ignored_options
+    from vramguard.memory.allocator import ignored_options  # loaded by the plan that replayed it
     how = "expandable segments" if a.expandable_segments else "default segments"
     conf = f"PYTORCH_CUDA_ALLOC_CONF={est.alloc_conf}" if est.alloc_conf else "the default allocator"
     ignored = ignored_options(est.alloc_conf)

@@ -35,18 +35,24 @@ def print_generation_summary(r, console: Console) -> None:
 
 
 def timing_line(t) -> str:
-    """A run's wall time per phase in seconds (:class:`vramguard.run.timing.RunTimings`), the phases it measured."""
+    """A run's wall time per phase in seconds (:class:`vramguard.run.timing.RunTimings`), in the order they ran,
+    the phases it measured; then when the first token came and the decode steps."""
     parts = []
     for name, value in (("startup", t.startup_s), ("import torch + transformers", t.import_s),
-                        ("tokenizer + context check", t.prepare_s),
-                        ("load", t.load_s), ("plan", t.plan_s), ("prefill (TTFT)", t.prefill_s)):
+                        ("tokenizer + context check", t.prepare_s), ("load", t.load_s), ("plan", t.plan_s)):
         if value is not None:
             parts.append(f"{name} {value:.2f}")
     if t.one_time_s:
-        what = [f"{n} {v:.2f}" for n, v in (("kernel self-test", t.selftest_s), ("capture", t.capture_s)) if v]
+        check = {"kept": "kernel check (kept verdict + spot check)", "full": "kernel self-test"}.get(
+            t.kernel_check or "", "kernel self-test")
+        what = [f"{n} {v:.2f}" for n, v in ((check, t.selftest_s), ("capture", t.capture_s)) if v]
         if t.warmup_steps:
-            what.append(f"{t.warmup_steps} warm-up step(s) {t.warmup_s:.2f}")
+            what.insert(1, f"{t.warmup_steps} warm-up step(s) {t.warmup_s:.2f}")
         parts.append(f"one-time {t.one_time_s:.2f} ({', '.join(what)})")
+    if t.prefill_s is not None:
+        parts.append(f"prefill (TTFT) {t.prefill_s:.2f}")
+    if t.command_first_token_s is not None:
+        parts.append(f"first token at {t.command_first_token_s:.2f}")
     parts.append(f"decode {t.decode_s:.2f} ({plural(t.decode_steps, 'step')})")
     if t.other_s >= 0.01:
         parts.append(f"other {t.other_s:.2f}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from typing import Optional
 
@@ -10,8 +11,17 @@ import typer
 
 from vramguard.cli.common import err, run_guarded, say, size_option, working, write_json
 from vramguard.cli.options import Format, Quant, format_option, max_new_tokens_option
+from vramguard.cli.render import to_jsonable
+from vramguard.cli.render_run import print_generation_summary
+from vramguard.diskcache import environment_version
 from vramguard.errors import InvalidValue
 from vramguard.inputs import read_text, regular_file
+from vramguard.resolve import local_model_folder
+from vramguard.run.generate import generate as generate_fn
+from vramguard.run.kernels import warm_triton
+from vramguard.run.prompt import prepare_prompt
+from vramguard.run.sampling import check_generation_args
+from vramguard.run.timing import process_age_s
 from vramguard.units import plural
 
 
@@ -51,17 +61,12 @@ def run(
 ) -> None:
     """Generate text without running out of memory: plan first, pick a strategy that fits, recover from OOM.
     Stops at the model's end of turn (or --max-new-tokens). The text streams to stdout; a summary (what was loaded
-    and why, strategy and why, why it stopped, time per phase: import, load, plan, prefill, one-time, decode) goes
+    and why, strategy and why, why it stopped, time per phase: import, load, plan, one-time, prefill, decode) goes
     to stderr."""
-    from vramguard.cli.render import to_jsonable
-    from vramguard.cli.render_run import print_generation_summary
-    from vramguard.run.timing import process_age_s
     t_entry = time.perf_counter()
     startup_s = process_age_s()
 
     def build():
-        from vramguard.resolve import local_model_folder
-        from vramguard.run.generate import check_generation_args
         # what can be refused without loading anything, before anything is printed
         check_generation_args(max_new_tokens, do_sample, temperature, top_p, top_k, seed)
         text = _read_prompt(prompt, prompt_file)
@@ -70,20 +75,19 @@ def run(
         local_model_folder(model)
         budget = size_option(vram_budget, "vram_budget") if vram_budget else None
         loaded, prepared, weights, why, times = _load_for_run(model, text, quant, max_new_tokens, chat_template)
-        from vramguard.run.generate import generate as generate_fn
-        from vramguard.run.prompt import prepare_prompt
         stream = None if fmt == Format['json'] else (lambda t: (sys.stdout.write(t), sys.stdout.flush()))
         if context:
             text = _with_context(loaded, text, context, summarize, chunk_tokens, max_new_tokens, budget, auto,
                                  chat_template)
             prepared = prepare_prompt(loaded.tokenizer, text, chat_template)
         say(f"prompt: {plural(len(prepared.ids), 'token')}, {prepared.reason}")
+        t_call = time.perf_counter()
         r = generate_fn(loaded, loaded.tokenizer, prepared.ids, max_new_tokens, budget_bytes=budget,
                         auto=auto, on_text=stream, do_sample=do_sample, temperature=temperature, top_p=top_p,
                         top_k=top_k, seed=seed, fast_decode=fast_decode, ignore_eos=ignore_eos)
         if r.loaded is not None:
             r.loaded["why"].insert(0, f"weights {weights}: {why}")
-        r.timings.import_s, r.timings.prepare_s, r.timings.load_s = times
+        _clock(r.timings, times, startup_s, t_call - t_entry)
         return r
 
     r = run_guarded(build, as_json=fmt == Format['json'])
@@ -96,12 +100,45 @@ def run(
         print_generation_summary(r, err)
 
 
+def _key_caches_meanwhile() -> None:
+    """Compute, in a daemon thread while torch and transformers import, what keys every cache on disk (the
+    libraries' versions and vramguard's source: :func:`vramguard.diskcache.environment_version`, about 0.1 s of
+    reading metadata and hashing files); the plan and the kernel check read it later without waiting."""
+    threading.Thread(target=_quietly, args=(environment_version,), name="vramguard-cache-key", daemon=True).start()
+
+
+def _key_triton_meanwhile() -> None:
+    """On a CUDA device, Triton's own cache key and the kernels' source keys
+    (:func:`vramguard.run.kernels.warm_triton`, 0.2 to 0.6 s) in a daemon thread while the weights load, so that
+    the graph decoder's first kernel launch does not wait for them."""
+    threading.Thread(target=_quietly, args=(warm_triton,), name="vramguard-triton-key", daemon=True).start()
+
+
+def _quietly(fn) -> None:
+    """Run ``fn`` ahead of need; an error is not printed from the thread: the step that needs the value computes it
+    again on its own path, where the error is reported as that step's."""
+    try:
+        fn()
+    except Exception:  # noqa: BLE001, S110 -- see the docstring: computed again, and reported, where it is needed
+        pass
+
+
+def _clock(t, times: tuple, startup_s: float | None, call_s: float) -> None:
+    """The command's phases into ``t`` (:class:`vramguard.run.timing.RunTimings`): import, tokenizer and load
+    seconds (``times``), and the first token's time since the interpreter started (``startup_s`` before the
+    command's first line, ``call_s`` from there to the call of ``generate``)."""
+    t.import_s, t.prepare_s, t.load_s = times
+    if startup_s is not None and t.first_token_s is not None:
+        t.command_first_token_s = startup_s + call_s + t.first_token_s
+
+
 def _load_for_run(model: str, text: str, quant: Quant | None, max_new_tokens: int, chat_template: bool):
     """Import torch and transformers, read the tokenizer and check the prompt against the context (before any
     weight is read), then load the weights: ``(loaded, prepared prompt, weight format, why, (import_s, prepare_s,
     load_s))``. Without ``--quant`` the format is the device's default
     (:func:`vramguard.runtime.load.default_quant`)."""
     t0 = time.perf_counter()
+    _key_caches_meanwhile()
     _allocator_note()  # imports torch; before CUDA starts
     import torch
     import transformers
@@ -113,10 +150,12 @@ def _load_for_run(model: str, text: str, quant: Quant | None, max_new_tokens: in
     from vramguard.runtime.load import default_quant, load_model
     import_s = time.perf_counter() - t0
     transformers.utils.logging.disable_progress_bar()
+    on_cuda = torch.cuda.is_available()
+    if on_cuda:
+        _key_triton_meanwhile()
     t0 = time.perf_counter()
     tokenizer, prepared, _ = preflight_prompt(model, text, max_new_tokens, chat_template)
     prepare_s = time.perf_counter() - t0
-    on_cuda = torch.cuda.is_available()
     weights, why = (quant.value, "--quant was given") if quant is not None else default_quant(on_cuda)
     t0 = time.perf_counter()
     with working(f"loading {model}"):

@@ -5,15 +5,22 @@ from __future__ import annotations
 
 import os
 import sys
+from dataclasses import replace
 from enum import Enum
 from typing import List, Optional
 
 import typer
 
+from vramguard.allocconf import prefer_expandable_segments
 from vramguard.cli.common import install_fix, run_guarded, say, size_option
+from vramguard.cli.flags import as_flags
 from vramguard.cli.options import DtypeArg, LoadAttn, Quant, strip_options
 from vramguard.errors import InvalidValue
-from vramguard.serve.generate_engine import ENGINES
+from vramguard.extras import missing as missing_packages
+from vramguard.resolve import local_model_folder
+from vramguard.runtime.load import default_quant
+from vramguard.serve.config import ENGINES, ServeConfig
+from vramguard.units import parse_size
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 ServeEngine = Enum("ServeEngine", {v: v for v in ENGINES}, type=str)
@@ -75,13 +82,11 @@ def serve(
 ) -> None:
     """Serve the model over an OpenAI-compatible API (/v1/chat/completions, /v1/completions, /v1/models, /health,
     /metrics) with a KV pool sized for the budget, a bounded queue, and recovery from out-of-memory errors."""
-    from vramguard.units import parse_size
     require_serve_packages()
     listening = announcer(ready_file, served_model_name or model)
 
     def start() -> int:
-        from vramguard.cli.flags import as_flags
-        from vramguard.serve.apierrors import word_messages_with
+        from vramguard.serve.apierrors import word_messages_with  # fastapi: loaded when serve runs
         previous = word_messages_with(as_flags)  # the clients of a server started here read its options
         try:
             return serve_from_here()
@@ -89,7 +94,6 @@ def serve(
             word_messages_with(previous)
 
     def serve_from_here() -> int:
-        from vramguard.resolve import local_model_folder
         budget = size_option(vram_budget, "vram_budget") if vram_budget else None
         body = parse_size(max_body_size, "--max-body-size", example="1MiB")
         check_address(host, port, api_key)
@@ -98,14 +102,15 @@ def serve(
         if gpus is not None:
             return serve_router(model, gpu_ids(gpus), host, port, api_key, listening, max_body_bytes=body,
                                 allowed_hosts=tuple(allowed_host or ()))
-        return serve_one(model, host, port, listening, vram_budget=budget, max_queue=max_queue,
-                         max_running=max_running, max_batch_tokens=max_batch_tokens, page_size=page_size,
-                         max_kv_blocks=max_kv_blocks, api_key=api_key, quant=quant.value if quant is not None else None,
-                         dtype=dtype.value if dtype and dtype.value != "auto" else None, attn=attn.value,
-                         trust_remote_code=trust_remote_code, allow_pickle=allow_pickle, seed=seed,
-                         served_name=served_model_name, n_max=n_max, default_max_tokens=default_max_tokens,
-                         max_body_bytes=body, greedy=greedy, hard_cap=True, engine_choice=engine.value,
-                         deterministic=deterministic, allowed_hosts=tuple(allowed_host or ()))
+        config = ServeConfig(vram_budget=budget, max_queue=max_queue, max_running=max_running,
+                             max_batch_tokens=max_batch_tokens, page_size=page_size, max_kv_blocks=max_kv_blocks,
+                             api_key=api_key, quant=quant.value if quant is not None else None,
+                             dtype=dtype.value if dtype and dtype.value != "auto" else None, attn=attn.value,
+                             trust_remote_code=trust_remote_code, allow_pickle=allow_pickle, seed=seed,
+                             served_name=served_model_name, n_max=n_max, default_max_tokens=default_max_tokens,
+                             max_body_bytes=body, greedy=greedy, hard_cap=True, engine_choice=engine.value,
+                             deterministic=deterministic, allowed_hosts=tuple(allowed_host or ()))
+        return serve_one(model, host, port, listening, config)
 
     rc = run_guarded(start)
     if rc:
@@ -116,7 +121,6 @@ def serve(
 def require_serve_packages() -> None:
     """Exit 3 naming the packages serve imports (:func:`vramguard.extras.needed_by`) that are not installed, and
     the command that installs them; checked before anything is loaded."""
-    from vramguard.extras import missing as missing_packages
     missing = missing_packages("serve")
     if missing:
         say(f"error serve: {', '.join(missing)} not installed.\nfix: " + install_fix("serve,gpu", "torch" in missing))
@@ -137,7 +141,7 @@ def announcer(ready_file: str | None, name: str):
 
 def check_address(host: str, port: int, api_key: str | None) -> None:
     """Before minutes of loading: a bad or busy port is known now; an open address without a key is warned of."""
-    from vramguard.serve.connections import check_bind
+    from vramguard.serve.connections import check_bind  # asyncio: loaded when serve runs, not at the CLI's start
     check_bind(host, port)
     if host not in LOOPBACK_HOSTS and not api_key:
         say(f"warning: binding {host} without --api-key: anyone who can reach this address can use the model")
@@ -166,26 +170,26 @@ def serve_router(model: str, ids: list[int], host: str, port: int, api_key: str 
     """One worker per GPU in ``ids``, each given this command line less :data:`ROUTER_OPTIONS`, behind the
     router (``limits``: :func:`~vramguard.serve.router.run_router`'s body size and allowed hosts); returns its
     exit code."""
-    from vramguard.serve.router import run_router
+    from vramguard.serve.router import run_router  # fastapi, httpx: loaded when serve runs
     args = [a for a in sys.argv[sys.argv.index("serve") + 2:]]
     args = strip_options(args, ROUTER_OPTIONS)
     return run_router(model, ids, args, host, port, api_key, on_listen=listening, **limits)
 
 
-def serve_one(model: str, host: str, port: int, listening, **options) -> int:
-    """Build the server of ``model`` in this process (``options``: :func:`vramguard.serve.server.build`'s), say what
-    was loaded, and serve until stopped; returns its exit code."""
+def serve_one(model: str, host: str, port: int, listening, config: ServeConfig) -> int:
+    """Build the server of ``model`` in this process (:func:`vramguard.serve.server.build`), say what was loaded,
+    and serve until stopped; returns its exit code. ``config.quant`` None: NF4 on a CUDA device, float32 weights
+    without one (said)."""
     import transformers
 
-    from vramguard.serve.server import build
+    from vramguard.serve.server import build  # fastapi, uvicorn: loaded when serve runs
     transformers.utils.logging.disable_progress_bar()
-    if options.get("quant") is None:  # as run: NF4 on a CUDA device, float32 weights without one (said)
+    if config.quant is None:  # as run: NF4 on a CUDA device, float32 weights without one (said)
         import torch
-
-        from vramguard.runtime.load import default_quant
-        options["quant"], why = default_quant(torch.cuda.is_available())
-        say(f"note: weights {options['quant']}: {why}")
-    served = build(model, **options)
+        quant, why = default_quant(torch.cuda.is_available())
+        config = replace(config, quant=quant)
+        say(f"note: weights {quant}: {why}")
+    served = build(model, config)
     a = served.report.active if served.report is not None else {}
     say("loaded: " + ", ".join(f"{k} {a[k]}" for k in ("quant", "compute_dtype", "dtype", "attn", "device")
                                if a.get(k) not in (None, "None") and (k, a[k]) != ("quant", "none")))
@@ -202,7 +206,6 @@ def serve_one(model: str, host: str, port: int, listening, **options) -> int:
 
 def _allocator_note() -> None:
     """Expandable segments for this process unless the user set the allocator (see :mod:`vramguard.allocconf`)."""
-    from vramguard.allocconf import prefer_expandable_segments
     note = prefer_expandable_segments()
     if note:
         say(note)

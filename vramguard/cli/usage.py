@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 
 from vramguard.errors import InvalidValue
+from vramguard.run.generate import SEED_ACCEPTED
 
 # click's and pydantic's words for a value of the wrong type -> what is accepted
 _TYPE_WORDS = (("valid integer", "an integer"), ("valid number", "a number"), ("valid float", "a number"),
@@ -120,7 +121,6 @@ def _choices(param, ctx) -> list[str]:
 def _integer_range(field: str) -> str | None:
     """What an integer option accepts, where the library's own check has a range to say (the sampling seed's)."""
     if field == "--seed":
-        from vramguard.run.generate import SEED_ACCEPTED
         return SEED_ACCEPTED
     return None
 

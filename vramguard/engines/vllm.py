@@ -26,7 +26,9 @@ vllm-project/vllm main at commit 35d5cda1 (an earlier V1) except where noted. Ea
   ``VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS`` is 1 (the default since v0.21). At 35d5cda1 graphs were captured
   after the KV cache, outside the budget: :attr:`VllmSettings.cudagraph_in_budget` False.
 * blocks, tokens and concurrency: :mod:`vramguard.engines.vllm_kv`; weights and activations:
-  :mod:`vramguard.engines.vllm_weights`.
+  :mod:`vramguard.engines.vllm_weights`; quantized storage: :mod:`vramguard.engines.vllm_quant`; the model vLLM
+  builds (gpt-oss, DeepSeek MLA, multimodal checkpoints): :mod:`vramguard.engines.vllm_arch`; what changed between
+  releases: :mod:`vramguard.engines.vllm_versions` (:func:`settings_for_version`).
 * defaults of ``max_num_batched_tokens`` / ``max_num_seqs`` for ``vllm serve``
   (``vllm/engine/arg_utils.py::EngineArgs.get_batch_defaults``): 16,384 / 1,024 on cards of at least 160 GiB;
   8,192 / 1,024 from 70 GiB except A100s; else 2,048 / 256.
@@ -43,8 +45,12 @@ from dataclasses import dataclass, field, replace
 from vramguard.catalog.gpus import GpuSpec
 from vramguard.engines import vllm_kv as kv
 from vramguard.engines import vllm_weights as w
+from vramguard.engines.vllm_arch import VLLM_FAMILIES, VllmModel, vllm_model
+from vramguard.engines.vllm_versions import rules_for
 from vramguard.errors import ConfigError, InvalidValue
+from vramguard.memory.model import MemoryModel
 from vramguard.memory.runtime import CUDA_CONTEXT_BYTES
+from vramguard.plan.choice import choose
 from vramguard.spec import ModelSpec
 from vramguard.units import GiB, MiB
 
@@ -58,6 +64,9 @@ _SPEC_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 # context is in it); vLLM logged 0.13-0.14 GiB on H100 (V1, llm-d-benchmark) and 0.25-0.35 GiB in V0 logs: the plan
 # keeps 0.25 GiB, between the two
 NON_TORCH_BYTES = 256 * MiB
+# the same term as V0 (releases before 0.8) logged it: "non_torch_memory=0.35GiB" for Llama-3.1-8B on an RTX 3090
+# (vLLM's V0 memory profiling line, github.com/vllm-project/vllm/issues/10517, at 20,000 and 29,000 tokens)
+NON_TORCH_V0_BYTES = 358 * MiB
 # NCCL's buffers at TP/PP >= 2 (NCCL_BUFFSIZE, 4 MiB by default, per channel and peer, send and receive:
 # docs.nvidia.com/deeplearning/nccl/user-guide/docs/env.html) with vLLM's custom all-reduce buffers: measured as the
 # step of vLLM's own non-torch memory from TP 1 to TP 2 on H100 NVLink, 0.14 -> 0.55 GiB (llm-d-benchmark,
@@ -69,6 +78,7 @@ NCCL_BYTES = 420 * MiB
 CUDAGRAPH_BYTES_PER_GRAPH = 1 * MiB
 CUDAGRAPH_MODES = 2
 MAX_CAPTURE_SIZE = 512  # vllm/config/vllm.py: max_cudagraph_capture_size = min(max_num_seqs x 2, 512)
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vllm/config/lora.py: LoRAConfig's possible max_lora_rank
 
 
 @dataclass(frozen=True)
@@ -96,6 +106,17 @@ class VllmSettings:
         allow_long_max_model_len: ``VLLM_ALLOW_LONG_MAX_MODEL_LEN=1`` is set: vLLM accepts a ``max_model_len``
             above the model's ``max_position_embeddings`` (``vllm/config/model.py::_get_and_verify_max_len``
             raises otherwise).
+        engine: ``v1``, or ``v0`` (releases before 0.8: one prefill of ``max(max_model_len, 2048)`` tokens over
+            256 sequences profiled, "# GPU blocks" logged).
+        tokens_by_blocks: "GPU KV cache size" is ``blocks // groups x block_size`` (releases before 0.20).
+        large_card_tier: the 16,384-token batch default from 160 GiB (releases from 0.20).
+        quantization: ``bitsandbytes``: vLLM's ``--quantization bitsandbytes``, 4-bit NF4 applied at load to an
+            unquantized checkpoint (a pre-quantized checkpoint's own format is read from its config.json).
+        enable_lora, max_lora_rank, max_loras: LoRA slots vLLM allocates at start
+            (:func:`~vramguard.engines.vllm_weights.lora_layer_bytes`).
+        mxfp4_hopper_backend: MXFP4 MoE kernel on compute capability 9.x: ``triton`` (Triton's kernels installed),
+            or ``marlin`` (vLLM 0.10's PyPI install, without them; ``mxfp4.py::_should_use_marlin``).
+        vllm_version: the release these rules were chosen for (:func:`settings_for_version`); None: as set.
     """
 
     tensor_parallel_size: int = 1
@@ -114,6 +135,15 @@ class VllmSettings:
     sampler: str = "triton"
     nccl_in_budget: bool = False
     allow_long_max_model_len: bool = False
+    engine: str = "v1"
+    tokens_by_blocks: bool = False
+    large_card_tier: bool = True
+    quantization: str | None = None
+    enable_lora: bool = False
+    max_lora_rank: int = 16
+    max_loras: int = 1
+    mxfp4_hopper_backend: str = "triton"
+    vllm_version: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "block_size"):
@@ -136,6 +166,19 @@ class VllmSettings:
             raise InvalidValue("sampler", self.sampler, ", ".join(w.SAMPLER_BYTES_PER_LOGIT), "pick one of them")
         if self.kv_offloading_size_bytes < 0:
             raise InvalidValue("kv_offloading_size_bytes", self.kv_offloading_size_bytes, "0 or more", "set 0")
+        self._check_lora_and_quantization()
+
+    def _check_lora_and_quantization(self) -> None:
+        if self.quantization not in (None, "bitsandbytes"):
+            raise InvalidValue("quantization", self.quantization, "bitsandbytes (NF4 at load), or unset",
+                               "leave it unset for a pre-quantized checkpoint: vLLM reads its format")
+        if self.engine not in ("v0", "v1"):
+            raise InvalidValue("engine", self.engine, "v0 or v1", "pick one of them")
+        if self.max_lora_rank not in LORA_RANKS:
+            raise InvalidValue("max_lora_rank", self.max_lora_rank, ", ".join(map(str, LORA_RANKS)),
+                               "pick one of vLLM's ranks (vllm/config/lora.py)")
+        if isinstance(self.max_loras, bool) or not isinstance(self.max_loras, int) or not 1 <= self.max_loras <= 1024:
+            raise InvalidValue("max_loras", self.max_loras, "an integer from 1 to 1,024", "set max_loras=1")
 
 
 @dataclass(frozen=True)
@@ -152,10 +195,12 @@ class VllmPlan:
     ``free_memory`` (less free than the budget at start), ``weights_load`` (the weights per GPU exceed the free
     memory: an out-of-memory while loading), ``weights_budget`` (the weights alone exceed the budget),
     ``kv_cache`` (nothing left for KV blocks) or ``max_model_len`` (one request does not fit the KV cache).
-    ``fit_tp`` / ``fit_card``: for the memory refusals, the plan at the smallest valid tensor parallel size and on
-    the smallest catalog card with room for the KV cache (None when none does). ``checkpoint_bytes``: the whole
-    checkpoint the workers read (its safetensors' stored bytes when they were read, else the weights of one GPU at
-    tensor and pipeline parallel 1 less the rope cache vLLM builds on the GPU).
+    ``lora_bytes`` / ``vision_bytes``: the LoRA slots and the vision encoder inside ``weights_bytes`` (the vision
+    encoder on the first stage); ``encoder_peak_bytes``: the vision encoder's profile run; ``weight_format``: the
+    checkpoint's quantization as vLLM stores it. ``fit_tp`` / ``fit_card``: for the memory refusals, the plan at the
+    smallest valid tensor parallel size and on the smallest catalog card with room for the KV cache (None when none
+    does). ``checkpoint_bytes``: the whole checkpoint the workers read (its safetensors' stored bytes when they were
+    read, else the weights of one GPU at tensor and pipeline parallel 1 less the rope cache vLLM builds on the GPU).
     """
 
     model: str
@@ -192,6 +237,10 @@ class VllmPlan:
     fit_tp: VllmPlan | None = None
     fit_card: VllmPlan | None = None
     checkpoint_bytes: int = 0
+    encoder_peak_bytes: int = 0
+    lora_bytes: int = 0
+    vision_bytes: int = 0
+    weight_format: str = "none"
 
     @property
     def starts(self) -> bool:
@@ -222,14 +271,32 @@ class VllmPlan:
             out["disable-hybrid-kv-cache-manager"] = True
         if s.kv_offloading_size_bytes:
             out["kv-offloading-size"] = round(s.kv_offloading_size_bytes / GiB, 2)
+        if s.quantization:
+            out["quantization"] = s.quantization
+        if s.enable_lora:
+            out.update({"enable-lora": True, "max-lora-rank": s.max_lora_rank, "max-loras": s.max_loras})
         return out
 
 
-def batch_defaults(gpu: GpuSpec) -> tuple[int, int]:
+def settings_for_version(version: str, **engine_args) -> VllmSettings:
+    """:class:`VllmSettings` with the memory rules of vLLM ``version``
+    (:func:`~vramguard.engines.vllm_versions.rules_for`); ``engine_args`` set the rest and override a rule.
+
+    Raises:
+        InvalidValue: a version that is not a number or older than the oldest modelled, or a bad engine argument.
+    """
+    r = rules_for(version)
+    rules = dict(engine=r.engine, sampler=r.sampler, nccl_in_budget=r.nccl_in_budget,
+                 cudagraph_in_budget=r.cudagraph_in_budget, tokens_by_blocks=r.tokens_by_blocks,
+                 large_card_tier=r.large_card_tier, mxfp4_hopper_backend=r.mxfp4_hopper_backend, vllm_version=version)
+    return VllmSettings(**{**rules, **engine_args})
+
+
+def batch_defaults(gpu: GpuSpec, large_card_tier: bool = True) -> tuple[int, int]:
     """``(max_num_batched_tokens, max_num_seqs)`` that ``vllm serve`` picks for ``gpu``
-    (``EngineArgs.get_batch_defaults``: at least 160 GiB -> 16,384 and 1,024; at least 70 GiB and not an A100 ->
-    8,192 and 1,024; else 2,048 and 256)."""
-    if gpu.total_bytes >= 160 * GiB:
+    (``EngineArgs.get_batch_defaults``: at least 160 GiB -> 16,384 and 1,024 when ``large_card_tier``; at least
+    70 GiB and not an A100 -> 8,192 and 1,024; else 2,048 and 256)."""
+    if large_card_tier and gpu.total_bytes >= 160 * GiB:
         return 16384, 1024
     if gpu.total_bytes >= 70 * GiB and "a100" not in gpu.label.lower():
         return 8192, 1024
@@ -265,9 +332,12 @@ NO_VLLM_MODEL_FIX = ("plan it for transformers, the default engine ({plan}); vLL
                      "list of supported models says), but vramguard's vLLM model does not cover it yet")
 
 
-def _check_spec(spec: ModelSpec) -> None:
-    w.linear_format(spec)  # raises ConfigError for a quantized layout that is not modelled
-    if spec.generic:  # the per-rank shards are modelled for the hand-written families only (MLA's are not)
+def _check_model(model: MemoryModel) -> None:
+    """Raise ConfigError for a quantized layout that is not modelled, or a model whose memory is taken from
+    transformers: vLLM's per-rank shards are modelled for the hand-written families only (MLA's are not)."""
+    spec = model.spec
+    w.linear_format(spec)
+    if model.needs_transformers:
         raise ConfigError("config.json:model_type", spec.model_type, "a family with a hand-written vLLM model "
                           "(llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe, gemma, gemma2, "
                           "gemma3_text, phi3)", NO_VLLM_MODEL_FIX.format(model_type=spec.model_type,
@@ -279,16 +349,47 @@ class _Budget:
     weights: list[w.RankWeights]
     forward: int
     sampler: int
+    encoder: int
     non_torch: int
     nccl: int
     graphs: int
 
+    def activation(self, stage: int) -> int:
+        """The profile run's peak on ``stage``: the forward; the vision encoder's on the first stage; the dummy
+        sampler on the last (``GPUModelRunner.profile_run`` samples where the logits are)."""
+        last = stage == len(self.weights) - 1
+        return max(self.forward, self.encoder if stage == 0 else 0, self.sampler if last else 0)
 
-def _budget_terms(spec: ModelSpec, s: VllmSettings, dt: int, tokens: int, seqs: int) -> _Budget:
-    tp = s.tensor_parallel_size
-    weights = w.rank_weights(spec, tp, s.pipeline_parallel_size, dt)
+    def non_kv(self, stage: int, s: VllmSettings) -> int:
+        """Bytes of ``stage``'s budget that are not KV cache."""
+        return (self.weights[stage].total_bytes + self.activation(stage) + self.non_torch
+                + (self.nccl if s.nccl_in_budget else 0) + (self.graphs if s.cudagraph_in_budget else 0))
+
+
+def _vllm_model(spec: ModelSpec, s: VllmSettings) -> VllmModel:
+    """The model vLLM builds (:func:`~vramguard.engines.vllm_arch.vllm_model`); a generic family without a vLLM
+    model here is refused by :func:`_check_model`."""
+    memory = choose(spec).model
+    if memory.needs_transformers and w.config_dict(spec).get("model_type") not in VLLM_FAMILIES:
+        _check_model(memory)
+    return vllm_model(spec, s.quantization, not memory.needs_transformers)
+
+
+def _options(m: VllmModel, s: VllmSettings, gpu: GpuSpec) -> w.LayerOptions:
+    major = (gpu.compute_capability or (9, 0))[0]
+    backend = "marlin" if major < 9 else s.mxfp4_hopper_backend if major == 9 else "flashinfer"
+    return w.LayerOptions(fmt=m.fmt, mla=m.mla, expert_bias=m.expert_bias, sinks=m.attention_sinks,
+                          mxfp4_backend=backend, lora_rank=s.max_lora_rank if s.enable_lora else 0,
+                          max_loras=s.max_loras)
+
+
+def _budget_terms(m: VllmModel, s: VllmSettings, gpu: GpuSpec, dt: int, tokens: int, seqs: int) -> _Budget:
+    spec, tp = m.text, s.tensor_parallel_size
+    weights = w.rank_weights(spec, tp, s.pipeline_parallel_size, dt, _options(m, s, gpu),
+                             m.vision.params if m.vision else 0)
     forward = w.forward_peak_bytes(spec, tp, tokens, dt)
     sampler = w.sampler_peak_bytes(spec, tokens, min(seqs, tokens), dt, s.sampler)
+    encoder = w.encoder_peak_bytes(m.vision, spec.hidden_size, tokens, dt) if m.vision else 0
     graphs = 0
     if not s.enforce_eager:
         capture = min(seqs * 2, MAX_CAPTURE_SIZE)
@@ -297,18 +398,30 @@ def _budget_terms(spec: ModelSpec, s: VllmSettings, dt: int, tokens: int, seqs: 
         graphs = (w.forward_peak_bytes(spec, tp, capture, dt)
                   + CUDAGRAPH_MODES * (sizes - 1) * CUDAGRAPH_BYTES_PER_GRAPH)
     nccl = NCCL_BYTES if tp * s.pipeline_parallel_size > 1 else 0
-    return _Budget(weights, forward, sampler, NON_TORCH_BYTES, nccl, graphs)
+    non_torch = NON_TORCH_V0_BYTES if s.engine == "v0" else NON_TORCH_BYTES
+    return _Budget(weights, forward, sampler, encoder, non_torch, nccl, graphs)
 
 
-def plan_vllm(spec: ModelSpec, gpu: GpuSpec, settings: VllmSettings | None = None) -> VllmPlan:
-    """Plan ``spec`` served by vLLM on GPUs like ``gpu`` (one per worker); a plan refused for memory carries the
-    plans that fit (:attr:`VllmPlan.fit_tp`, :attr:`VllmPlan.fit_card`).
+def _batch(spec: ModelSpec, s: VllmSettings, gpu: GpuSpec, max_len: int) -> tuple[int, int]:
+    """``(max_num_batched_tokens, max_num_seqs)``: as set, else the release's defaults (V0: one prefill of
+    ``max(max_model_len, 2048)`` tokens, 256 sequences)."""
+    if s.engine == "v0":
+        return s.max_num_batched_tokens or max(max_len, 2048), s.max_num_seqs or 256
+    tokens, seqs = batch_defaults(gpu, s.large_card_tier)
+    return s.max_num_batched_tokens or tokens, s.max_num_seqs or seqs
+
+
+def plan_vllm(model: ModelSpec | MemoryModel, gpu: GpuSpec, settings: VllmSettings | None = None) -> VllmPlan:
+    """Plan ``model`` (a spec, or its memory model from :func:`vramguard.plan.choice.choose`) served by vLLM on GPUs
+    like ``gpu`` (one per worker); a plan refused for memory carries the plans that fit (:attr:`VllmPlan.fit_tp`,
+    :attr:`VllmPlan.fit_card`).
 
     Raises:
         InvalidValue: a parallel size vLLM refuses for this model (heads or vocabulary not divisible).
-        ConfigError: a quantized checkpoint, or a family without a hand-written model.
+        ConfigError: a quantization format not modelled, or a family without a vLLM model here.
     """
-    s = settings or VllmSettings()
+    memory = model if isinstance(model, MemoryModel) else choose(model).model
+    spec, s = memory.spec, settings or VllmSettings()  # the model vLLM builds is checked by _plan
     p = _plan(spec, gpu, s)
     if p.refused_by not in ("weights_load", "weights_budget", "kv_cache"):
         return p
@@ -345,35 +458,29 @@ def _fit_card(spec: ModelSpec, gpu: GpuSpec, s: VllmSettings) -> VllmPlan | None
 
 
 def _plan(spec: ModelSpec, gpu: GpuSpec, s: VllmSettings) -> VllmPlan:
-    _check_spec(spec)
+    m = _vllm_model(spec, s)
+    spec = m.text
+    _check_model(choose(spec).model)
     dtype, notes = model_dtype(spec, s, gpu)
     dt = _DTYPE_BYTES[dtype]
     kv_dt = dt if s.kv_cache_dtype in ("auto", "bfloat16", "float16") else 1
     if s.kv_cache_dtype in ("bfloat16", "float16"):
         kv_dt = 2
-    default_tokens, default_seqs = batch_defaults(gpu)
-    tokens = s.max_num_batched_tokens or default_tokens
-    seqs = s.max_num_seqs or default_seqs
     max_len = s.max_model_len or spec.max_position_embeddings
+    tokens, seqs = _batch(spec, s, gpu, max_len)
     if max_len > spec.max_position_embeddings and s.allow_long_max_model_len:
         notes.append(f"max_model_len {max_len:,} is above the model's {spec.max_position_embeddings:,}: allowed by "
                      "VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 (positions past those the model was trained on)")
-    b = _budget_terms(spec, s, dt, tokens, seqs)
+    b = _budget_terms(m, s, gpu, dt, tokens, seqs)
     requested = int(gpu.total_bytes * s.gpu_memory_utilization)
-    weights = max(r.total_bytes for r in b.weights)
-    activation = max(b.forward, b.sampler)
-    non_kv = (weights + activation + b.non_torch + (b.nccl if s.nccl_in_budget else 0)
-              + (b.graphs if s.cudagraph_in_budget else 0))
-    available = requested - non_kv
     page = kv.page_bytes(spec, s.tensor_parallel_size, kv_dt, s.block_size)
     stages = _stage_layer_kinds(spec, s.pipeline_parallel_size)
     stage_groups = [kv.kv_groups(spec, kinds, page, s.hybrid_kv_cache_manager) for kinds in stages]
     # every worker gets the same number of blocks: the smallest over the stages (get_kv_cache_configs)
-    stage_available = [requested - (r.total_bytes + non_kv - weights) for r in b.weights]
+    stage_available = [requested - b.non_kv(i, s) for i in range(len(stages))]
     per_stage = [kv.num_blocks(g, a) for g, a in zip(stage_groups, stage_available)]
     worst = per_stage.index(min(per_stage))
     groups, blocks, available = stage_groups[worst], per_stage[worst], stage_available[worst]
-    weights = b.weights[worst].total_bytes
     free = gpu.total_bytes - gpu.used_by_others_bytes - CUDA_CONTEXT_BYTES - (0 if s.nccl_in_budget else b.nccl)
     need = kv.request_kv_bytes(groups, max_len, tokens, s.block_size)
     largest = kv.largest_model_len(groups, max(available, 0), max_len, tokens, s.block_size)
@@ -381,29 +488,50 @@ def _plan(spec: ModelSpec, gpu: GpuSpec, s: VllmSettings) -> VllmPlan:
         not s.allow_long_max_model_len else 0
     start = _Start(free, requested, max(r.total_bytes for r in b.weights), available, need)
     refused_by, refusal = _refusal(gpu, s, start, max_len, largest, over)
+    by_blocks = kv.kv_tokens_by_blocks(groups, blocks, s.block_size)
     return VllmPlan(
         model=spec.name, gpu=gpu, settings=s, dtype=dtype, max_model_len=max_len, max_num_seqs=seqs,
         max_num_batched_tokens=tokens, total_bytes=gpu.total_bytes, requested_bytes=requested,
-        free_at_start_bytes=free, weights_bytes=weights, weights_by_stage=tuple(r.total_bytes for r in b.weights),
-        activation_bytes=activation, forward_peak_bytes=b.forward, sampler_peak_bytes=b.sampler,
-        non_torch_bytes=b.non_torch, nccl_bytes=b.nccl, cudagraph_bytes=b.graphs, available_kv_bytes=available,
-        kv_groups=tuple(groups), padding_layers=kv.padding_layers(stages[worst], groups), num_blocks=blocks,
-        kv_tokens=kv.kv_tokens(groups, blocks, max_len, tokens, s.block_size),
-        kv_tokens_by_blocks=kv.kv_tokens_by_blocks(groups, blocks, s.block_size),
-        max_concurrency=kv.max_concurrency(groups, blocks, max_len, tokens, s.block_size),
-        request_kv_bytes=need, largest_model_len=largest, refusal=refusal, notes=tuple(notes),
+        free_at_start_bytes=free, weights_bytes=b.weights[worst].total_bytes,
+        weights_by_stage=tuple(r.total_bytes for r in b.weights), activation_bytes=b.activation(worst),
+        forward_peak_bytes=b.forward, sampler_peak_bytes=b.sampler, non_torch_bytes=b.non_torch, nccl_bytes=b.nccl,
+        cudagraph_bytes=b.graphs, available_kv_bytes=available, kv_groups=tuple(groups),
+        padding_layers=kv.padding_layers(stages[worst], groups), num_blocks=blocks,
+        kv_tokens=by_blocks if s.tokens_by_blocks else kv.kv_tokens(groups, blocks, max_len, tokens, s.block_size),
+        kv_tokens_by_blocks=by_blocks, max_concurrency=kv.max_concurrency(groups, blocks, max_len, tokens,
+                                                                          s.block_size),
+        request_kv_bytes=need, largest_model_len=largest, refusal=refusal, notes=tuple(notes + list(_notes(m, s))),
         refused_by=refused_by, model_max_len=spec.max_position_embeddings,
-        checkpoint_bytes=_checkpoint_bytes(spec, dt))
+        checkpoint_bytes=_checkpoint_bytes(m, dt), encoder_peak_bytes=b.encoder,
+        lora_bytes=b.weights[worst].lora_bytes, vision_bytes=b.weights[0].vision_bytes,
+        weight_format=m.fmt.name or m.fmt.kind)
 
 
-def _checkpoint_bytes(spec: ModelSpec, dt: int) -> int:
+def _notes(m: VllmModel, s: VllmSettings) -> list[str]:
+    """What the plan covers beyond a text model in the model dtype."""
+    out = []
+    if m.fmt.kind != "none":
+        out.append(f"weights: {m.fmt.name or m.fmt.kind} ({m.fmt.kind}) as vLLM stores them after loading")
+    if m.vision:
+        out.append(f"multimodal: the {m.vision.kind} vision encoder and projector ({m.vision.params:,} parameters) "
+                   "are loaded beside the language model, and profiled on its largest image")
+    if s.vllm_version:
+        out.append(f"rules of vLLM {s.vllm_version} ({s.engine.upper()} engine, {s.sampler} sampler, NCCL "
+                   f"{'in' if s.nccl_in_budget else 'outside'} the budget, CUDA graphs "
+                   f"{'in' if s.cudagraph_in_budget else 'outside'} it)")
+    return out
+
+
+def _checkpoint_bytes(m: VllmModel, dt: int) -> int:
     """The bytes of the checkpoint the workers read: the stored bytes of its safetensors headers, or the
     unsharded weights in the model dtype without the rope cache (Llama-3.1-8B in bf16: 16,094,076,928 B -
     33,554,432 B = 16,060,522,496 B, the size of its safetensors)."""
-    stored = getattr(spec.checkpoint, "total_bytes", None)
+    stored = getattr(m.text.checkpoint, "total_bytes", None)
     if stored:
         return int(stored)
-    return sum(r.total_bytes - r.rope_cache_bytes for r in w.rank_weights(spec, 1, 1, dt))
+    opts = w.LayerOptions(fmt=m.fmt, mla=m.mla, expert_bias=m.expert_bias, sinks=m.attention_sinks)
+    return sum(r.total_bytes - r.rope_cache_bytes
+               for r in w.rank_weights(m.text, 1, 1, dt, opts, m.vision.params if m.vision else 0))
 
 
 def _gib(n: int) -> str:

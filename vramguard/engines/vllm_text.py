@@ -75,7 +75,9 @@ def plan_to_json(p: VllmPlan, model_ref: str) -> dict:
                     "sampler_peak_bytes": p.sampler_peak_bytes, "non_torch_bytes": p.non_torch_bytes,
                     "nccl_bytes": p.nccl_bytes, "cudagraph_bytes": p.cudagraph_bytes,
                     "cudagraph_in_budget": s.cudagraph_in_budget, "nccl_in_budget": s.nccl_in_budget,
-                    "sampler": s.sampler, "available_kv_bytes": p.available_kv_bytes},
+                    "sampler": s.sampler, "available_kv_bytes": p.available_kv_bytes, "lora_bytes": p.lora_bytes,
+                    "vision_bytes": p.vision_bytes, "encoder_peak_bytes": p.encoder_peak_bytes},
+        "weight_format": p.weight_format, "vllm_version": s.vllm_version, "vllm_engine": s.engine,
         "kv_cache": {"groups": [{"kind": g.kind, "num_layers": g.num_layers, "page_bytes": g.page_bytes,
                                  "sliding_window": g.sliding_window} for g in p.kv_groups],
                      "padding_layers": p.padding_layers, "block_size": s.block_size, "num_blocks": p.num_blocks,
@@ -103,12 +105,21 @@ def plan_lines(p: VllmPlan, model_ref: str, width: int | None = None, words=None
          f"{p.dtype}, one GPU's share:"),
         (f"  budget        {_g(p.requested_bytes)} = {_g(p.total_bytes)} total x gpu_memory_utilization "
          f"{s.gpu_memory_utilization}"),
-        f"  - weights     {_g(p.weights_bytes)}  (sharded per rank, vocabulary padded to 64; 'Model loading took')",
+        f"  - weights     {_g(p.weights_bytes)}  (sharded per rank, vocabulary padded to 64; 'Model loading took')"
+        + (f"; {p.weight_format}" if p.weight_format != "none" else ""),
         (f"  - activation  {_g(p.activation_bytes)}  (profile run: forward of {p.max_num_batched_tokens:,} tokens "
          f"{_g(p.forward_peak_bytes)}, sampler on {min(p.max_num_seqs, p.max_num_batched_tokens):,} requests "
          f"{_g(p.sampler_peak_bytes)}; the larger)"),
         f"  - non-torch   {_g(p.non_torch_bytes)}  (kernels loaded during the profile run)",
     ]
+    if p.lora_bytes:
+        lines.insert(3, f"      of which {_g(p.lora_bytes)} of LoRA slots (max_loras {s.max_loras} x rank "
+                        f"{s.max_lora_rank}, every wrapped linear)")
+    if p.vision_bytes:
+        lines.insert(3, f"      of which {_g(p.vision_bytes)} of vision encoder and projector (first stage)")
+    if p.encoder_peak_bytes:
+        lines.insert(-1, f"    vision encoder profile {_g(p.encoder_peak_bytes)} (its largest images; in the "
+                         "activation when larger)")
     if p.nccl_bytes:
         if s.nccl_in_budget:
             lines.append(f"  - NCCL        {_g(p.nccl_bytes)}  (NCCL buffers, TP/PP >= 2, in the non-torch term)")

@@ -34,7 +34,9 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from typing import Any
 
+from vramguard.engines.vllm_quant import WeightFormat, weight_format
 from vramguard.errors import ConfigError, InvalidValue
 from vramguard.memory.weights import rounded
 from vramguard.spec import ModelSpec
@@ -114,89 +116,126 @@ def _t(numel: int, dtype_bytes: int) -> int:
 
 
 @dataclass(frozen=True)
-class LinearFormat:
-    """How a checkpoint stores its decoder linears in vLLM: 8-bit weights (1 B) and fp32 scales.
+class LayerOptions:
+    """What a layer's bytes depend on beyond the spec (the :class:`~vramguard.engines.vllm_arch.VllmModel` of the
+    checkpoint, and the card).
 
-    ``strategy`` ``channel``: one fp32 scale per output row (``ChannelQuantScaleParameter``, shape
-    ``(sum(output_partition_sizes), 1)``); ``tensor``: one per logical shard (``PerTensorScaleParameter``), plus one
-    fp32 input scale when activations are static (``vllm/model_executor/layers/quantization/compressed_tensors/
-    schemes/compressed_tensors_w8a8_fp8.py`` and ``..._w8a8_int8.py``, ``utils/fp8_utils.py::
-    create_fp8_scale_parameter``).
+    Attributes:
+        fmt: the :class:`~vramguard.engines.vllm_quant.WeightFormat` of the linears and experts (None: read from
+            the spec's config.json).
+        mla: :class:`~vramguard.engines.vllm_arch.MlaShape` for DeepSeek's latent attention, else None.
+        expert_bias, sinks: gpt-oss's expert biases and per-head attention sinks.
+        mxfp4_backend: the MXFP4 MoE kernel (``marlin``, ``triton``, ``flashinfer``: its padding differs).
+        lora_rank, max_loras: ``enable_lora``'s ``max_lora_rank`` and ``max_loras`` (0: LoRA off).
     """
 
-    strategy: str
-    static_input: bool
+    fmt: WeightFormat | None = None
+    mla: Any = None
+    expert_bias: bool = False
+    sinks: bool = False
+    mxfp4_backend: str = "triton"
+    lora_rank: int = 0
+    max_loras: int = 1
 
-    def linear_bytes(self, out_rows: int, in_cols: int, shards: int) -> int:
-        """Weight and scales of one linear of ``out_rows x in_cols`` made of ``shards`` fused logical linears."""
-        scales = out_rows if self.strategy == "channel" else shards
-        return _t(out_rows * in_cols, 1) + _t(scales, 4) + (_t(shards, 4) if self.static_input else 0)
 
-
-def linear_format(spec: ModelSpec) -> LinearFormat | None:
-    """The 8-bit format of the checkpoint's linears (None: unquantized, planned in the model dtype).
-
-    Planned: ``compressed-tensors`` with one config group of 8-bit ``int`` or ``float`` weights, ``channel`` or
-    ``tensor`` strategy, targeting ``Linear``, with ``lm_head`` ignored (RedHatAI/neuralmagic FP8-dynamic and
-    W8A8 checkpoints), on a dense model.
+def linear_format(spec: ModelSpec) -> WeightFormat:
+    """The :class:`~vramguard.engines.vllm_quant.WeightFormat` of the checkpoint's config.json.
 
     Raises:
-        ConfigError: any other quantization (AWQ, GPTQ, block FP8, 4-bit, MoE experts), naming the field.
+        ConfigError: a quantization vramguard does not model for vLLM, or a spec that says it is pre-quantized
+            without the ``quantization_config`` that says how, naming the field.
     """
-    if not spec.prequantized:
-        return None
-    q = config_dict(spec).get("quantization_config") or {}
-    groups = list((q.get("config_groups") or {}).values())
-    group = groups[0] if len(groups) == 1 and isinstance(groups[0], dict) else {}
-    weights, acts = group.get("weights") or {}, group.get("input_activations") or {}
-    ok = (q.get("quant_method") == "compressed-tensors" and weights.get("num_bits") == 8
-          and weights.get("type") in ("int", "float") and weights.get("strategy") in ("channel", "tensor")
-          and group.get("targets") == ["Linear"] and "lm_head" in (q.get("ignore") or []) and not spec.is_moe)
-    if not ok:
+    cfg = config_dict(spec)
+    if spec.prequantized and not cfg.get("quantization_config"):
         raise ConfigError("config.json:quantization_config", spec.prequantized,
-                          "an unquantized checkpoint, or compressed-tensors 8-bit (int or float) channel/tensor "
-                          "weights of a dense model with lm_head ignored",
-                          "AWQ, GPTQ, block FP8 and 4-bit layouts are not modelled for vLLM; plan the unquantized "
-                          "model")
-    return LinearFormat(weights["strategy"], bool(acts) and not acts.get("dynamic", True))
+                          "the checkpoint's quantization_config (method, bits, group size)",
+                          "plan from the checkpoint's config.json, or plan the unquantized model")
+    return weight_format(cfg)
 
 
-def layer_weight_bytes(spec: ModelSpec, tp: int, dtype_bytes: int) -> int:
-    """Bytes of one decoder layer on one rank (see the module docstring for the sharding).
-
-    Example (Llama-3.1-8B, tp=1, bf16): qkv 6,144 x 4,096 + o 4,096 x 4,096 + gate_up 28,672 x 4,096 + down
-    4,096 x 14,336 = 218,103,808 weights x 2 B = 436,207,616 B, plus two norms of 4,096 x 2 B -> 436,224,000 B.
-    An 8-bit checkpoint (:func:`linear_format`) stores those linears at 1 B per weight with fp32 scales.
-    """
-    h, d, dt = spec.hidden_size, spec.head_dim, dtype_bytes
-    fmt = linear_format(spec)
-
-    def lin(out_rows: int, in_cols: int, shards: int = 1) -> int:
-        return fmt.linear_bytes(out_rows, in_cols, shards) if fmt else _t(out_rows * in_cols, dt)
-
+def _attention_bytes(spec: ModelSpec, tp: int, dt: int, fmt: WeightFormat, opts: LayerOptions) -> int:
+    """Attention of one layer on one rank: fused QKV and O (with their biases), or MLA's projections."""
+    h, d = spec.hidden_size, spec.head_dim
+    mla = opts.mla
+    if mla is not None:  # deepseek_v2.py::DeepseekV2MLAAttention
+        heads = spec.num_heads // tp
+        qk = mla.qk_nope_head_dim + mla.qk_rope_head_dim
+        if mla.q_lora_rank:
+            q = (fmt.linear_bytes(mla.q_lora_rank, h, 1, dt) + _t(mla.q_lora_rank, dt)
+                 + fmt.linear_bytes(heads * qk, mla.q_lora_rank, 1, dt))
+        else:
+            q = fmt.linear_bytes(heads * qk, h, 1, dt)
+        kv_b = heads * (mla.qk_nope_head_dim + mla.v_head_dim)
+        total = (q + fmt.linear_bytes(mla.kv_lora_rank + mla.qk_rope_head_dim, h, 1, dt) + _t(mla.kv_lora_rank, dt)
+                 + fmt.linear_bytes(kv_b, mla.kv_lora_rank, 1, dt) + fmt.linear_bytes(h, heads * mla.v_head_dim, 1, dt))
+        if fmt.kind != "none":  # mla_attention.py keeps model-dtype copies of a quantized kv_b_proj (W_UK, W_UV)
+            total += _t(kv_b * mla.kv_lora_rank, dt)
+        return total
     q_out = spec.num_heads // tp * d
-    kv_out = kv_heads_per_rank(spec, tp) * d
-    qkv_out = q_out + 2 * kv_out
-    total = lin(qkv_out, h, 3) + lin(h, q_out)
+    qkv_out = q_out + 2 * kv_heads_per_rank(spec, tp) * d
+    total = fmt.linear_bytes(qkv_out, h, 3, dt) + fmt.linear_bytes(h, q_out, 1, dt)
     if spec.qkv_bias:
         total += _t(qkv_out, dt)
     if spec.o_bias:
         total += _t(h, dt)
-    if spec.is_moe:
-        e, i = spec.num_experts, spec.moe_intermediate_size // tp
-        total += _t(e * 2 * i * h, dt) + _t(e * h * i, dt) + _t(e * h, dt)
-        if spec.shared_expert_intermediate_size:
-            si = spec.shared_expert_intermediate_size // tp
-            total += _t(2 * si * h, dt) + _t(h * si, dt) + _t(h, dt)
-    else:
-        i = spec.intermediate_size // tp
-        total += lin(2 * i, h, 2) + lin(h, i)
-        if spec.mlp_bias:
-            total += _t(2 * i, dt) + _t(h, dt)
-    total += spec.norms_per_layer * _t(h, dt)
+    if opts.sinks:
+        total += _t(spec.num_heads // tp, dt)
     if spec.qk_norm:
         total += 2 * _t(d, dt)
     return total
+
+
+def _mlp_bytes(spec: ModelSpec, tp: int, dt: int, fmt: WeightFormat, opts: LayerOptions, dense: bool) -> int:
+    """The MLP of one layer on one rank: a gated MLP, or the MoE experts, router and shared experts."""
+    h = spec.hidden_size
+    if dense:
+        i = spec.intermediate_size // tp
+        total = fmt.linear_bytes(2 * i, h, 2, dt) + fmt.linear_bytes(h, i, 1, dt)
+        return total + (_t(2 * i, dt) + _t(h, dt) if spec.mlp_bias else 0)
+    e, i = spec.num_experts, spec.moe_intermediate_size // tp
+    total = fmt.experts_bytes(e, i, h, dt, opts.mxfp4_backend, bias=opts.expert_bias)
+    total += _t(e * h, dt) + (_t(e, dt) if opts.expert_bias else 0)  # the router (ReplicatedLinear)
+    if spec.shared_expert_intermediate_size:
+        si = spec.shared_expert_intermediate_size // tp
+        total += fmt.linear_bytes(2 * si, h, 2, dt) + fmt.linear_bytes(h, si, 1, dt)
+        if opts.mla is None:  # Qwen's shared-expert gate
+            total += _t(h, dt)
+    return total
+
+
+def lora_layer_bytes(spec: ModelSpec, tp: int, dt: int, rank: int, max_loras: int) -> int:
+    """The LoRA slots ``enable_lora`` adds to one decoder layer on one rank (``vllm/lora/layers/base_linear.py::
+    create_lora_weights``): per wrapped linear and slice, ``lora_a`` of ``max_loras x rank x input`` and ``lora_b``
+    of ``max_loras x output x rank`` in the model dtype; QKV has 3 slices and gate_up 2 (column parallel: full input,
+    the rank's outputs), o and down are row parallel (the rank's inputs, full output).
+
+    Example (Qwen2.5-1.5B, rank 64, one LoRA, bf16): 64 x (3 x 1,536 + 2,048 + 1,536 + 1,536 + 2 x 1,536 + 17,920
+    + 8,960 + 1,536) x 2 B = 5,275,648 B per layer.
+    """
+    if not rank:
+        return 0
+    h, d = spec.hidden_size, spec.head_dim
+    q_out = spec.num_heads // tp * d
+    qkv_out = q_out + 2 * kv_heads_per_rank(spec, tp) * d
+    i = (spec.moe_intermediate_size if spec.is_moe else spec.intermediate_size) // tp
+    dense_mlp = 0 if spec.is_moe else (2 * h + 2 * i) + (i + h)  # MoE experts' LoRA: not modelled
+    cols = (3 * h + qkv_out) + (q_out + h) + dense_mlp
+    return max_loras * rank * cols * dt
+
+
+def layer_weight_bytes(spec: ModelSpec, tp: int, dtype_bytes: int, opts: LayerOptions | None = None,
+                       index: int = 0) -> int:
+    """Bytes of decoder layer ``index`` on one rank (see the module docstring for the sharding).
+
+    Example (Llama-3.1-8B, tp=1, bf16): qkv 6,144 x 4,096 + o 4,096 x 4,096 + gate_up 28,672 x 4,096 + down
+    4,096 x 14,336 = 218,103,808 weights x 2 B = 436,207,616 B, plus two norms of 4,096 x 2 B -> 436,224,000 B.
+    A quantized checkpoint stores its linears per :mod:`vramguard.engines.vllm_quant`.
+    """
+    opts = opts or LayerOptions()
+    fmt = opts.fmt or linear_format(spec)
+    dense = not spec.is_moe or (opts.mla is not None and index < opts.mla.first_k_dense_replace)
+    total = _attention_bytes(spec, tp, dtype_bytes, fmt, opts) + _mlp_bytes(spec, tp, dtype_bytes, fmt, opts, dense)
+    return total + spec.norms_per_layer * _t(spec.hidden_size, dtype_bytes)
 
 
 def rope_cache_bytes(spec: ModelSpec, dtype_bytes: int) -> int:
@@ -243,7 +282,8 @@ def pp_layer_counts(num_layers: int, pp: int) -> list[int]:
 class RankWeights:
     """Weights of one rank of one pipeline stage (bytes).
 
-    ``total_bytes = layers_bytes + embedding_bytes + lm_head_bytes + final_norm_bytes + rope_cache_bytes``.
+    ``total_bytes = layers_bytes + embedding_bytes + lm_head_bytes + final_norm_bytes + rope_cache_bytes
+    + vision_bytes + lora_bytes`` (the vision encoder of a multimodal checkpoint on the first stage; LoRA slots).
     """
 
     stage: int
@@ -253,15 +293,19 @@ class RankWeights:
     lm_head_bytes: int
     final_norm_bytes: int
     rope_cache_bytes: int
+    vision_bytes: int = 0
+    lora_bytes: int = 0
 
     @property
     def total_bytes(self) -> int:
         return (self.layers_bytes + self.embedding_bytes + self.lm_head_bytes + self.final_norm_bytes
-                + self.rope_cache_bytes)
+                + self.rope_cache_bytes + self.vision_bytes + self.lora_bytes)
 
 
-def rank_weights(spec: ModelSpec, tp: int, pp: int, dtype_bytes: int) -> list[RankWeights]:
-    """One :class:`RankWeights` per pipeline stage (every TP rank of a stage holds the same bytes).
+def rank_weights(spec: ModelSpec, tp: int, pp: int, dtype_bytes: int, opts: LayerOptions | None = None,
+                 vision_params: int = 0) -> list[RankWeights]:
+    """One :class:`RankWeights` per pipeline stage (every TP rank of a stage holds the same bytes);
+    ``vision_params``: a multimodal checkpoint's encoder and projector, whole on the first stage's ranks.
 
     Example (Llama-3.1-8B, tp=1, pp=1, bf16): 32 layers x 436,224,000 B + embeddings and LM head
     2 x 128,256 x 4,096 x 2 B + final norm 8,192 B + rope cache 33,554,432 B = 16,094,076,928 B (14.9888 GiB,
@@ -271,18 +315,25 @@ def rank_weights(spec: ModelSpec, tp: int, pp: int, dtype_bytes: int) -> list[Ra
     if pp > spec.num_layers:
         raise InvalidValue("pipeline_parallel_size", pp, f"at most num_hidden_layers ({spec.num_layers})",
                            "use fewer pipeline stages")
+    opts = opts or LayerOptions()
     vocab_rows = pad_vocab(spec.vocab_size) // tp
     table = _t(vocab_rows * spec.hidden_size, dtype_bytes)
-    per_layer = layer_weight_bytes(spec, tp, dtype_bytes)
+    first_dense = opts.mla.first_k_dense_replace if opts.mla is not None else 0
+    dense_layer = layer_weight_bytes(spec, tp, dtype_bytes, opts, 0) if first_dense else 0
+    later_layer = layer_weight_bytes(spec, tp, dtype_bytes, opts, first_dense)
+    lora = lora_layer_bytes(spec, tp, dtype_bytes, opts.lora_rank, opts.max_loras)
     rope = rope_cache_bytes(spec, dtype_bytes)
-    out = []
+    out, start = [], 0
     for stage, n in enumerate(pp_layer_counts(spec.num_layers, pp)):
         first, last = stage == 0, stage == pp - 1
         shares_head = spec.tie_word_embeddings and first
+        dense = max(0, min(first_dense, start + n) - start)
         out.append(RankWeights(
-            stage=stage, num_layers=n, layers_bytes=n * per_layer, embedding_bytes=table if first else 0,
-            lm_head_bytes=table if last and not shares_head else 0,
-            final_norm_bytes=_t(spec.hidden_size, dtype_bytes) if last else 0, rope_cache_bytes=rope))
+            stage=stage, num_layers=n, layers_bytes=dense * dense_layer + (n - dense) * later_layer,
+            embedding_bytes=table if first else 0, lm_head_bytes=table if last and not shares_head else 0,
+            final_norm_bytes=_t(spec.hidden_size, dtype_bytes) if last else 0, rope_cache_bytes=rope,
+            vision_bytes=_t(vision_params, dtype_bytes) if first else 0, lora_bytes=n * lora))
+        start += n
     return out
 
 
@@ -329,6 +380,22 @@ def forward_peak_bytes(spec: ModelSpec, tp: int, num_tokens: int, dtype_bytes: i
     else:
         mlp = n * dt * (3 * h + 3 * (spec.intermediate_size // tp))
     return max(attention, mlp)
+
+
+def encoder_peak_bytes(vision: Any, text_hidden: int, num_tokens: int, dtype_bytes: int) -> int:
+    """Peak of the vision encoder's profile run (bytes): vLLM encodes as many of the largest images as the
+    encoder budget (``max_num_batched_tokens`` of the language model's tokens) holds, at least one
+    (``GPUModelRunner.profile_run`` with ``_get_mm_dummy_batch``), and keeps their outputs. Modelled as the live
+    tensors of one encoder layer over all their patches (three of the encoder width, three of its MLP width, as
+    :func:`forward_peak_bytes` counts a decoder layer) plus the outputs in the text width.
+
+    Example (Pixtral in Mistral-Small-3.1/3.2: 1,540 px images, 12,100 patches, 3,025 tokens each; 8,192 tokens ->
+    2 images): 24,200 x 2 x (3 x 1,024 + 3 x 4,096) + 6,050 x 5,120 x 2 = 805,376,000 B.
+    """
+    items = max(1, num_tokens // vision.tokens_per_image)
+    patches = items * vision.max_patches
+    return (patches * dtype_bytes * 3 * (vision.hidden_size + vision.intermediate_size)
+            + items * vision.tokens_per_image * text_hidden * dtype_bytes)
 
 
 def sampler_peak_bytes(spec: ModelSpec, num_tokens: int, num_reqs: int, dtype_bytes: int,

@@ -24,6 +24,7 @@ from __future__ import annotations
 import re
 
 from vramguard.engines.vllm import VllmPlan
+from vramguard.engines.vllm_text import serve_command
 from vramguard.errors import InvalidValue
 from vramguard.units import GiB
 
@@ -211,7 +212,6 @@ def export(p: VllmPlan, model_ref: str, to: str, replicas: int = 1):
         InvalidValue: an unknown target, a replica count below 1, or a local path for a target that runs
             elsewhere (:func:`check_model_source`).
     """
-    from vramguard.engines.vllm_text import serve_command
     check_model_source(model_ref, to)
     if to == "vllm":
         check_replicas(replicas)

@@ -27,7 +27,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from vramguard.hub.headers import FLOAT_DTYPES, CheckpointHeaders, TensorHeader
-from vramguard.memory.common import WeightBytes, rounded
+from vramguard.memory.weights import rounded, WeightBytes
+from vramguard.memory.model import MemoryModel
 from vramguard.settings import DTYPE_BYTES
 
 # name endings of the packed / low-precision weight of a quantized layer
@@ -283,3 +284,68 @@ def stored_findings(p) -> list:
                            "check that config.json belongs to these weights (another revision or a merged "
                            "adapter can change them)"))
     return out
+
+
+@dataclass(frozen=True)
+class CheckpointModel(MemoryModel):
+    """A pre-quantized checkpoint whose safetensors headers were read (:func:`uses_headers`): its weights are what
+    it stores, loaded by the rule of the card it is planned for (:func:`prequantized_weight_bytes`); every other
+    figure is ``base``'s. The load's peak is not planned (transformers' meta model is not what it loads)."""
+
+    base: MemoryModel
+
+    @property
+    def spec(self):  # type: ignore[override]
+        return self.base.spec
+
+    @property
+    def needs_transformers(self) -> bool:  # type: ignore[override]
+        return self.base.needs_transformers
+
+    @property
+    def sources(self) -> dict[str, str]:
+        return {**self.base.sources, "weights": f"the checkpoint's safetensors headers ({self.spec.prequantized})",
+                "load": "not planned (a pre-quantized checkpoint loads as stored)"}
+
+    def with_spec(self, spec) -> CheckpointModel:
+        return CheckpointModel(self.base.with_spec(spec))
+
+    def weight_bytes(self, s) -> WeightBytes:
+        return prequantized_weight_bytes(self.spec, s)
+
+    def linear_groups(self, s=None):
+        return self.base.linear_groups(s)
+
+    def kv_cache_bytes(self, s, n_tokens: int, in_prefill_chunk: int = 0):
+        return self.base.kv_cache_bytes(s, n_tokens, in_prefill_chunk)
+
+    def kv_per_layer(self, s, n_tokens: int, in_prefill_chunk: int = 0) -> tuple[int, ...]:
+        return self.base.kv_per_layer(s, n_tokens, in_prefill_chunk)
+
+    def kv_bytes_per_token(self, s) -> int:
+        return self.base.kv_bytes_per_token(s)
+
+    def kv_growth_per_token(self, s, n_tokens: int) -> dict[str, int]:
+        return self.base.kv_growth_per_token(s, n_tokens)
+
+    def layer_kinds(self) -> tuple[str, ...]:
+        return self.base.layer_kinds()
+
+    def forward_peak(self, s, past: int, chunk: int, phase: str = "prefill"):
+        return self.base.forward_peak(s, past, chunk, phase)
+
+    def forward_parts(self, s, past: int, chunk: int):
+        return self.base.forward_parts(s, past, chunk)
+
+    def tp_rank(self, shards):
+        rank, divisor = self.base.tp_rank(shards)
+        return CheckpointModel(rank), divisor
+
+    def learned_positions(self) -> int | None:
+        return self.base.learned_positions()
+
+    def findings(self, s) -> list:
+        return self.base.findings(s)
+
+    def forward_parts_measured(self, s) -> tuple[str, ...]:
+        return self.base.forward_parts_measured(s)

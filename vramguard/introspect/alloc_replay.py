@@ -35,8 +35,10 @@ import contextlib
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
+from vramguard.introspect import hand
+from vramguard.memory import hand_tape
 from vramguard.memory.allocator import AllocatorConfig, Block, CachingAllocator, OutOfMemory
-from vramguard.memory.common import BNB_4BIT_FUSED_MAX_ROWS
+from vramguard.memory.forward import BNB_4BIT_FUSED_MAX_ROWS
 from vramguard.memory.decode_steps import DecodeSteps, Placer
 from vramguard.memory.runtime import CUBLAS_WORKSPACE_BYTES
 from vramguard.settings import DTYPE_BYTES, Settings
@@ -88,10 +90,11 @@ def load_events(spec, s: Settings) -> tuple[int, list[tuple[int, int]]]:
     copies and the 16-bit weight (without double quant the first absmax is the state). An 8-bit weight is read,
     quantized to its ``numel`` bytes and state, and freed."""
     from vramguard.introspect.generic import structure_of
-    from vramguard.memory.common import BNB_4BIT_BLOCKSIZE, rounded
+    from vramguard.memory.weights import BNB_4BIT_BLOCKSIZE, rounded
     from vramguard.memory.weights import quantized_tensor_bytes
     act = DTYPE_BYTES[s.act_dtype]
-    tensors = sorted((t for t in structure_of(spec, s).tensors if t.nbytes or t.kind == "quantized"),
+    st = hand.structure(spec, s) if hand.covers(spec) else structure_of(spec, s)
+    tensors = sorted((t for t in st.tensors if t.nbytes or t.kind == "quantized"),
                      key=lambda t: t.name)
     warm = sum(-(-t.numel // 2) if t.kind == "quantized" and t.dtype in ("nf4", "fp4") else
                (t.numel if t.kind == "quantized" else t.nbytes) for t in tensors if t.kind != "buffer")
@@ -270,6 +273,9 @@ RESCALE_MARGIN = 8  # tokens kept clear of a window's edge: decode steps cross i
 def _breakpoints(config_json: str, name: str) -> tuple[int, ...]:
     """Prompt lengths where a tensor's size stops following one polynomial: the sliding window, the attention chunk
     and the original context of a long-RoPE model, as the model's config gives them."""
+    spec = _hand_spec(config_json, name)
+    if spec is not None:
+        return hand.breakpoints(spec)
     from vramguard.introspect.build import cached_config, text_config
     cfg = text_config(cached_config(config_json, name))
     found = {getattr(cfg, k, None) for k in ("sliding_window", "attention_chunk_size",
@@ -337,7 +343,11 @@ def _rescaled_events(config_json: str, name: str, key: Settings, prompt: int, ne
 def _cached_events(config_json: str, name: str, key: Settings, prompt: int, new: int, steps: int = 3) -> tuple:
     """The events of the first ``min(new, steps)`` forwards (the prefill, decode step 1, 2...) replayed on the meta
     device, one tuple per forward (empty tuples up to three); read from the tape cache on disk where a plan of the
-    same model, settings and code recorded them (:mod:`vramguard.introspect.tape_cache`)."""
+    same model, settings and code recorded them (:mod:`vramguard.introspect.tape_cache`). A hand family's
+    forwards come from its hand tape (:mod:`vramguard.memory.hand_tape`: the same events, without torch)."""
+    spec = _hand_spec(config_json, name)
+    if spec is not None and hand_tape.covers(spec, key):
+        return hand.forwards(spec, key, prompt, new, steps)
     from vramguard.introspect import tape_cache
     path = tape_cache.tape_path(config_json, name, key, prompt, new, steps)
     if path is None:
@@ -347,6 +357,19 @@ def _cached_events(config_json: str, name: str, key: Settings, prompt: int, new:
         found = _record_events(config_json, name, key, prompt, new, steps)
         tape_cache.write(path, found)
     return found
+
+
+@lru_cache(maxsize=8)
+def _hand_spec(config_json: str, name: str):
+    """The hand family's spec of ``config_json`` where :mod:`vramguard.introspect.hand` answers it, else None."""
+    import json
+
+    from vramguard.spec import SUPPORTED_MODEL_TYPES, spec_from_config
+    raw = json.loads(config_json)
+    if raw.get("model_type") not in hand.FAMILIES or raw.get("model_type") not in SUPPORTED_MODEL_TYPES:
+        return None
+    spec = spec_from_config(raw, name=name)
+    return spec if hand.covers(spec) else None
 
 
 def _record_events(config_json: str, name: str, key: Settings, prompt: int, new: int, steps: int = 3) -> tuple:
@@ -472,7 +495,7 @@ def _fused_sdpa_mode():
 def _bnb_kernels(model, quantized: set[str], s: Settings):
     """While a converted layer runs, the tensors its bitsandbytes kernel allocates, in the order the caching
     allocator's trace of bitsandbytes 0.50 under torch 2.11 on an H200 records them (``benchmarks/results/h200_edge/
-    run2``): for more than :data:`~vramguard.memory.common.BNB_4BIT_FUSED_MAX_ROWS` rows (``dequantize_4bit``, then
+    run2``): for more than :data:`~vramguard.memory.forward.BNB_4BIT_FUSED_MAX_ROWS` rows (``dequantize_4bit``, then
     ``linear``), with double quant two float32 copies of the absmax (``ceil(numel / 64) x 4`` B each), then the
     weight in the compute dtype, all held until the layer's output is allocated and freed in that order; for up to
     that many rows (the fused kernel) nothing of 1 MiB or more; int8 holds its int8 input and int32 product (as

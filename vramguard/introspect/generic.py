@@ -1,7 +1,8 @@
 """The planner's memory functions for any architecture, answered by transformers itself: weights from the meta-device
 module tree and the quantizer's rules (:mod:`vramguard.introspect.build`), forward peaks and KV cache from a replay
 of the real forward (:mod:`vramguard.introspect.replay`). Same return types as the hand-written family models in
-:mod:`vramguard.memory`, which call into this module for a :class:`~vramguard.spec.ModelSpec` with ``generic=True``.
+:mod:`vramguard.memory`; :class:`vramguard.introspect.model.TransformersModel` answers the planner's
+:class:`~vramguard.memory.model.MemoryModel` with them.
 
 Two cache variants are not replayed but derived from the replayed 16-bit cache, by the same rules as the hand
 models (:mod:`vramguard.memory.kv`): a quantized cache (int8/int4, transformers ``QuantizedCache``) stores each
@@ -10,12 +11,13 @@ attention K/V tensor in the quantized format; an offloaded cache keeps the two l
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import lru_cache
 
 from vramguard.errors import NotModelled
-from vramguard.memory.common import (SCALE_ZERO_BYTES, ForwardPeak, KvBytes, LinearGroup, WeightBytes,
-                                     quantized_tensor_bytes, rounded)
+from vramguard.memory.forward import ForwardPeak
+from vramguard.memory.kv import SCALE_ZERO_BYTES, KvBytes
+from vramguard.memory.model import LoadPlan
+from vramguard.memory.weights import LinearGroup, WeightBytes, quantized_tensor_bytes, rounded
 from vramguard.settings import DTYPE_BYTES, KV_BITS, Settings, short_dtype
 
 
@@ -53,9 +55,12 @@ def weight_bytes(spec, s: Settings) -> WeightBytes:
     every other parameter the dtype the meta model gives it (``s.act_dtype``, float32 where transformers keeps a
     module in float32). Buffers (rotary ``inv_freq``...) are ``buffer_bytes``.
     """
-    st = structure_of(spec, s)
+    return weights_of(structure_of(spec, s), _embedding_names(spec), s)
+
+
+def weights_of(st, embed_names: dict[str, frozenset[str]], s: Settings) -> WeightBytes:
+    """:func:`weight_bytes` of the structure ``st`` with its embeddings' parameter names (``input``, ``output``)."""
     q_lin = q_state = dense = embed = lm_head = norms = bias = buffers = n_q = n_params = 0
-    embed_names = _embedding_names(spec)
     for t in st.tensors:
         if t.kind == "buffer":
             buffers += rounded(t.nbytes)
@@ -302,36 +307,20 @@ def kv_bytes_per_token(spec, s: Settings) -> int:
 WARMUP_ROUND = 2 << 20
 
 
-@dataclass(frozen=True)
-class LoadPlan:
-    """Memory while ``from_pretrained`` loads the model (bytes).
-
-    ``warmup_bytes``: transformers 5's ``caching_allocator_warmup`` allocates, before reading any weight, one block
-    of the model's size by its own count (``get_total_byte_count``: every parameter's ``numel`` times
-    ``hf_quantizer.param_element_size``, 0.5 B for a 4-bit weight, tied ones once) and frees it into the cache;
-    under a per-process cap that block must fit in one piece. ``largest_transient_bytes``: the largest weight held
-    in 16-bit on the GPU while bitsandbytes quantizes it (0 without quantization). ``peak_allocated_bytes``: the
-    final weights plus that transient.
-    """
-
-    weights_bytes: int
-    warmup_bytes: int
-    largest_transient_bytes: int
-    peak_reserved_bytes: int
-    converted: tuple[str, ...] = ()
-
-
 def load_plan(spec, s: Settings) -> LoadPlan:
     """The :class:`LoadPlan` of ``spec`` loaded with ``s`` (any spec that carries its config.json).
 
     Raises:
         ConfigError: the spec has no config.json (planned from bare numbers).
     """
-    from dataclasses import replace
-    gspec = spec if spec.generic else replace(spec, generic=True)
-    _config(gspec)
-    w = weight_bytes(gspec, s)
-    st = structure_of(gspec, s)
+    _config(spec)
+    st = structure_of(spec, s)
+    return load_plan_of(weight_bytes(spec, s), st, _converted(spec, st), s)
+
+
+def load_plan_of(w: WeightBytes, st, converted: dict[str, tuple[int, int]], s: Settings) -> LoadPlan:
+    """:func:`load_plan` from the weights ``w``, the structure ``st`` and the parameters fused at load
+    (``converted``: name -> (bytes, operations))."""
     per_quantized = {"nf4": 0.5, "fp4": 0.5, "int8": 1.0}
     warm = 0.0
     transient = 0
@@ -345,7 +334,6 @@ def load_plan(spec, s: Settings) -> LoadPlan:
             warm += t.nbytes
     warmup = int(warm) // 2 * 2
     warmup = -(-warmup // WARMUP_ROUND) * WARMUP_ROUND
-    converted = _converted(gspec, st)
     for nbytes, n_ops in converted.values():
         transient = max(transient, nbytes * (1 + n_ops))
     from vramguard.memory.runtime import RESERVE_SEGMENT_BYTES

@@ -33,7 +33,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from vramguard.introspect.tracker import DataPolicy, StorageTracker
-from vramguard.memory.common import BNB_4BIT_FUSED_MAX_ROWS
+from vramguard.memory.forward import BNB_4BIT_FUSED_MAX_ROWS
 from vramguard.settings import DTYPE_BYTES, Settings
 
 FA2_REPLAY = "vramguard_fa2"  # registered in transformers' AttentionInterface for the replay
@@ -270,7 +270,7 @@ def _replay(model, config, s: Settings, past: int, chunk: int, quantized, policy
 
 
 def _replay_forward(model, config, s: Settings, past: int, chunk: int, quantized, policy) -> Replayed:
-    from vramguard.memory.common import sdpa_runs_math
+    from vramguard.memory.forward import sdpa_runs_math
     cache = _new_cache(model, config, s)
     logits_to_keep = 0 if s.logits == "all" else 1
     with torch.no_grad():
@@ -301,7 +301,7 @@ def _replay_forward(model, config, s: Settings, past: int, chunk: int, quantized
             components = tracker.peak_by_label(relabel)
     per_layer: dict[int, int] = {}
     for layer, _, t in kv:
-        from vramguard.memory.common import rounded
+        from vramguard.memory.weights import rounded
         per_layer[layer] = per_layer.get(layer, 0) + (rounded(t.untyped_storage().nbytes()) if t.numel() else 0)
     n_layers = max(per_layer) + 1 if per_layer else 0
     return Replayed(tracker.peak.bytes, components, _peak_where(tracker.peak, relabel), tracker.largest_alloc,

@@ -5,8 +5,10 @@ through the allocator model (a JSON object), which depends on nothing else.
 One gzipped JSON file per tape under ``$VRAMGUARD_CACHE_DIR/tapes`` (else ``tapes/`` beside the Hub headers,
 :func:`vramguard.hub.fetch.header_cache_dir`). Its name is the SHA-256 of everything the tape depends on: the
 config text, the model name, the settings, the prompt, the number of forwards, the versions of torch and
-transformers, the kernel packages installed (the path ``kernels='installed'`` replays) and the source of the modules
-that record the tape (so a changed tracker never reads an old tape).
+transformers (from their installed metadata, without importing them), the kernel packages installed (the path
+``kernels='installed'`` replays) and the source of the modules that record the tape (so a changed tracker never
+reads an old tape). A hand family's tape (:mod:`vramguard.memory.hand_tape`) is written afresh each time: only the
+replays through the allocator model are kept for it.
 ``VRAMGUARD_TAPE_CACHE=0`` turns it off; ``VRAMGUARD_TAPE_CACHE=/a/folder`` keeps the tapes there. A file that
 cannot be read or written is recomputed and the plan goes on.
 """
@@ -25,8 +27,9 @@ from vramguard.diskcache import write_text_gz
 # the modules whose code decides what a tape holds (vramguard/introspect/*, and the memory rules they read)
 _SOURCES = ("alloc_replay.py", "build.py", "generic.py", "keys.py", "layer_trim.py", "mixers.py", "replay.py",
             "tracker.py",
-            "../memory/forward.py", "../memory/common.py", "../settings.py", "../memory/allocator.py",
-            "../memory/decode_steps.py", "../memory/weights.py")
+            "../memory/forward.py", "../memory/kv.py", "../settings.py", "../memory/allocator.py",
+            "../memory/decode_steps.py", "../memory/weights.py", "hand.py", "../memory/hand_tape.py",
+            "../memory/metatensor.py")
 
 
 def enabled() -> bool:
@@ -49,11 +52,8 @@ def tape_cache_dir() -> Path:
 def _code_version() -> str | None:
     """SHA-256 of the tape-recording modules' source, and the torch and transformers versions; None when a source
     file cannot be read (an install without sources: no tape is cached)."""
-    import torch
-    import transformers
-
     from vramguard.introspect.mixers import installed_packages
-    h = hashlib.sha256(f"{torch.__version__}|{transformers.__version__}|{installed_packages()}".encode())
+    h = hashlib.sha256(f"{_version('torch')}|{_version('transformers')}|{installed_packages()}".encode())
     here = Path(__file__).parent
     try:
         for name in _SOURCES:
@@ -61,6 +61,15 @@ def _code_version() -> str | None:
     except OSError:
         return None
     return h.hexdigest()
+
+
+def _version(package: str) -> str:
+    """The installed version of ``package`` as its metadata records it (read without importing it), else ``-``."""
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return "-"
 
 
 def tape_path(*key: object) -> Path | None:

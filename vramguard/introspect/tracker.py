@@ -28,7 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from vramguard.errors import NotModelled
-from vramguard.memory.common import rounded
+from vramguard.memory.weights import rounded
 
 aten = torch.ops.aten
 

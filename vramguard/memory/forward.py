@@ -18,18 +18,47 @@ Per-element costs that decide long prompts (``sc = seqs x heads x q_len x k_len`
 * SDPA math: q, k, v upcast to float32 and float32 scores and probabilities, 8 B per score.
 * RMSNorm upcasts to float32: ``x.float()`` and ``x * rsqrt(var)`` are both alive, 8 B per hidden value.
 * bitsandbytes 4-bit linears dequantize the whole weight to the compute dtype for more than
-  :data:`~vramguard.memory.common.BNB_4BIT_FUSED_MAX_ROWS` rows of input (``out x in x compute bytes``), but run
+  :data:`BNB_4BIT_FUSED_MAX_ROWS` rows of input (``out x in x compute bytes``), but run
   the fused 4-bit kernel without dequantizing for up to that many (decode at batch 1 to 4).
   A compute dtype different from the activation dtype adds a cast copy of the input and of the output.
 """
 
 from __future__ import annotations
 
-from vramguard.memory.common import BNB_4BIT_FUSED_MAX_ROWS, ForwardPeak, sdpa_runs_math
+from dataclasses import dataclass
+from typing import Callable
+
 from vramguard.memory.kv import kv_cache_bytes, kv_tensor_bytes
 from vramguard.memory.tape import Tape
 from vramguard.settings import DTYPE_BYTES, Settings
 from vramguard.spec import ModelSpec
+
+# bitsandbytes 0.50 ``gemm_4bit`` on CUDA (``bitsandbytes/backends/cuda/ops.py``: ``_GEMM_4BIT_CUSTOM_FLOOR_M``): up to
+# this many rows of input the fused 4-bit kernel runs on every CUDA GPU and no weight is dequantized; above it a
+# per-architecture rule picks the kernel or ``dequantize_4bit`` + ``linear`` (up to 1,536 rows), then always the
+# latter, which the model assumes. H200 traces (benchmarks/README.md): no dequantized weight in batch-4 decode.
+BNB_4BIT_FUSED_MAX_ROWS = 4
+
+
+@dataclass(frozen=True)
+class ForwardPeak:
+    """Peak bytes of one forward above the weights, by component (``components`` sums to ``peak_bytes``)."""
+
+    phase: str
+    past_tokens: int
+    chunk_tokens: int
+    peak_bytes: int
+    components: dict[str, int]
+    at: str
+    largest_alloc: int
+
+
+def sdpa_runs_math(s: Settings) -> bool:
+    """SDPA runs its math kernel (float32 scores): pinned to math, or float32 activations with a pinned flash or
+    cuDNN kernel (both need 16-bit inputs). Otherwise a flash-class kernel runs (memory-efficient accepts float32
+    and masks)."""
+    return s.sdpa_kernel == "math" or (s.act_dtype == "fp32" and s.sdpa_kernel in ("flash", "cudnn"))
+
 
 NORM_BYTES_PER_VALUE = 8  # float32 upcast + float32 normalized value, both alive inside RMSNorm
 
@@ -291,37 +320,47 @@ class _Forward:
 def forward_peak(spec: ModelSpec, s: Settings, past: int, chunk: int, phase: str = "prefill") -> ForwardPeak:
     """Peak bytes above the weights of one forward of ``chunk`` tokens per sequence after ``past`` cached ones.
 
-    Raises nothing for valid inputs; ``past >= 0``, ``chunk >= 1``. A generic spec (any architecture) is answered
-    by a replay of transformers' own forward (:func:`vramguard.introspect.generic.forward_peak`).
+    Raises nothing for valid inputs; ``past >= 0``, ``chunk >= 1``.
     """
-    if spec.generic:
-        from vramguard.introspect.generic import forward_peak as generic_peak
-        return generic_peak(spec, s, past, chunk, phase)
     return _Forward(spec, s, past, chunk, phase).run()
 
 
-def prefill_peak(spec: ModelSpec, s: Settings) -> ForwardPeak:
+def inputs_bytes(spec: ModelSpec, s: Settings, past: int, chunk: int, hidden: int) -> int:
+    """The tensors of a forward's start that stay alive to its end, as :class:`_Forward` replays them: the
+    embeddings' output of ``hidden`` bytes (and its scaled copy), the rotary cos/sin and the attention masks."""
+    r = _Forward(spec, s, past, chunk, "prefill")
+    r.masks()
+    embeds = hidden * (2 if spec.scaled_embeddings else 1)
+    return embeds + 2 * s.sequences * chunk * spec.head_dim * DTYPE_BYTES[s.act_dtype] + r.t.live_bytes
+
+
+def prefill_peak(spec: ModelSpec, s: Settings, peak_of: Callable[..., ForwardPeak] | None = None) -> ForwardPeak:
     """Peak of the prefill: the whole prompt in one forward, or chunk by chunk with ``s.prefill_chunk``.
 
     With chunks, the peak is in the last full-size chunk or in the final partial one (the KV cache only grows).
+    ``peak_of(s, past, chunk, phase)``: the peak of one forward (default: the hand model's, :func:`forward_peak`;
+    a :class:`~vramguard.memory.model.MemoryModel` passes its own).
     """
+    peak = peak_of or (lambda s_, past, chunk, phase: forward_peak(spec, s_, past, chunk, phase))
     p = s.prompt_tokens
     c = s.prefill_chunk
     if not c or c >= p:
-        return forward_peak(spec, s, 0, p, "prefill")
+        return peak(s, 0, p, "prefill")
     n_full, rest = divmod(p, c)
-    cands = [forward_peak(spec, s, (n_full - 1) * c, c, "prefill")]
+    cands = [peak(s, (n_full - 1) * c, c, "prefill")]
     if rest:
-        cands.append(forward_peak(spec, s, n_full * c, rest, "prefill"))
+        cands.append(peak(s, n_full * c, rest, "prefill"))
     return max(cands, key=lambda f: f.peak_bytes)
 
 
-def decode_peak(spec: ModelSpec, s: Settings) -> ForwardPeak | None:
-    """Peak of the last decode step (the cache at its longest), or ``None`` when at most one token is generated.
+def decode_peak(spec: ModelSpec, s: Settings, peak_of: Callable[..., ForwardPeak] | None = None) -> ForwardPeak | None:
+    """Peak of the last decode step (the cache at its longest), or ``None`` when at most one token is generated
+    (``peak_of`` as for :func:`prefill_peak`).
 
     The last forward of ``generate`` runs with ``prompt + new - 2`` cached tokens and adds one: the token it
     samples is never fed back.
     """
     if s.max_new_tokens <= 1:
         return None
-    return forward_peak(spec, s, s.prompt_tokens + s.max_new_tokens - 2, 1, "decode")
+    peak = peak_of or (lambda s_, past, chunk, phase: forward_peak(spec, s_, past, chunk, phase))
+    return peak(s, s.prompt_tokens + s.max_new_tokens - 2, 1, "decode")

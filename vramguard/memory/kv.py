@@ -21,9 +21,27 @@ the layer in use and the one being prefetched on the GPU and the rest in CPU RAM
 
 from __future__ import annotations
 
-from vramguard.memory.common import SCALE_ZERO_BYTES, KvBytes, rounded
+from dataclasses import dataclass
+
+from vramguard.memory.weights import rounded
 from vramguard.settings import DTYPE_BYTES, KV_BITS, Settings
 from vramguard.spec import ModelSpec
+
+SCALE_ZERO_BYTES = 2 * 2  # one 16-bit scale and one 16-bit zero-point per group (quantized KV cache)
+
+
+@dataclass(frozen=True)
+class KvBytes:
+    """KV cache bytes on the GPU (``gpu_bytes``) and in CPU RAM (``cpu_bytes``, offloaded cache)."""
+
+    gpu_bytes: int
+    cpu_bytes: int
+    full_layer_bytes: int
+    sliding_layer_bytes: int
+    tokens: int
+    largest_tensor_bytes: int = 0
+
+
 
 
 def layer_tokens(spec: ModelSpec, layer_type: str, n_tokens: int, s: Settings, in_prefill_chunk: int = 0) -> int:
@@ -62,26 +80,23 @@ def kv_tensor_bytes(spec: ModelSpec, s: Settings, n_tokens: int, kv_dtype: str |
     return rounded(q_bytes) + rounded(scale_bytes) + rounded(resid_bytes)
 
 
+def kv_per_layer(spec: ModelSpec, s: Settings, n_tokens: int, in_prefill_chunk: int = 0) -> tuple[int, ...]:
+    """Bytes of keys and values of each layer after ``n_tokens`` (they sum to :func:`kv_cache_bytes`'s total):
+    ``2 x`` :func:`kv_tensor_bytes` of the tokens the layer holds (:func:`layer_tokens`)."""
+    return tuple(2 * kv_tensor_bytes(spec, s, layer_tokens(spec, lt, n_tokens, s, in_prefill_chunk),
+                                     residual=0 if in_prefill_chunk >= n_tokens else None)
+                 for lt in spec.layer_types)
+
+
 def kv_cache_bytes(spec: ModelSpec, s: Settings, n_tokens: int, in_prefill_chunk: int = 0) -> KvBytes:
     """KV cache of all layers after ``n_tokens`` tokens (keys and values, all sequences).
 
     Example (Llama-3.1-70B, 131,072 tokens, bf16): 80 layers x 2 x 8 heads x 131,072 x 128 x 2 B
-    = 42,949,672,960 B = 40.00 GiB. A generic spec (any architecture) is answered by the tensors of the cache
-    transformers creates (:func:`vramguard.introspect.generic.kv_cache_bytes`).
+    = 42,949,672,960 B = 40.00 GiB.
     """
-    if spec.generic:
-        from vramguard.introspect.generic import kv_cache_bytes as generic_kv
-        return generic_kv(spec, s, n_tokens, in_prefill_chunk)
-    full = sliding = 0
-    per_layer: list[int] = []
-    for lt in spec.layer_types:
-        n = layer_tokens(spec, lt, n_tokens, s, in_prefill_chunk)
-        b = 2 * kv_tensor_bytes(spec, s, n, residual=0 if in_prefill_chunk >= n_tokens else None)
-        per_layer.append(b)
-        if lt == "sliding_attention":
-            sliding += b
-        else:
-            full += b
+    per_layer = kv_per_layer(spec, s, n_tokens, in_prefill_chunk)
+    full = sum(b for b, lt in zip(per_layer, spec.layer_types) if lt != "sliding_attention")
+    sliding = sum(per_layer) - full
     total = full + sliding
     largest = max(per_layer) // 2 if per_layer else 0
     if s.cache == "offloaded":
@@ -91,11 +106,7 @@ def kv_cache_bytes(spec: ModelSpec, s: Settings, n_tokens: int, in_prefill_chunk
 
 
 def kv_bytes_per_token(spec: ModelSpec, s: Settings) -> int:
-    """Bytes one more token adds to the cache over all full-attention layers (the steady decode growth); for a
-    generic spec, the growth at the run's length measured on transformers' cache."""
-    if spec.generic:
-        from vramguard.introspect.generic import kv_bytes_per_token as generic_growth
-        return generic_growth(spec, s)
+    """Bytes one more token adds to the cache over all full-attention layers (the steady decode growth)."""
     n_full = sum(1 for t in spec.layer_types if t != "sliding_attention")
     values = 2 * n_full * s.sequences * spec.num_kv_heads * spec.head_dim
     kv = s.resolved_kv_dtype
@@ -111,13 +122,7 @@ def kv_growth_per_token(spec: ModelSpec, s: Settings, n_tokens: int) -> dict[str
 
     Example (Gemma-2-9B: 21 full + 21 sliding layers, 8 KV heads x head_dim 256, window 4,096, bf16, batch 1):
     at 384 tokens each layer type adds 21 x 2 x 8 x 256 x 2 B = 172,032 B; at 8,192 tokens the sliding layers add 0.
-    A generic
-    spec answers from transformers' cache, per the config's own layer kinds
-    (:func:`vramguard.introspect.generic.kv_growth_per_token`).
     """
-    if spec.generic:
-        from vramguard.introspect.generic import kv_growth_per_token as generic_growth
-        return generic_growth(spec, s, n_tokens)
     values = 2 * s.sequences * spec.num_kv_heads * spec.head_dim
     kv = s.resolved_kv_dtype
     per_layer = (values * DTYPE_BYTES[kv] if kv in ("bf16", "fp16", "fp32")

@@ -18,21 +18,91 @@ transformers 5 (``MixtralExperts.gate_up_proj``...) are not ``nn.Linear`` either
 
 from __future__ import annotations
 
-from vramguard.memory.common import (ALLOC_ROUND, BNB_4BIT_BLOCKSIZE, BNB_DQ_BLOCKSIZE, LinearGroup,  # noqa: F401
-                                     WeightBytes, quantized_tensor_bytes, rounded)
+from dataclasses import dataclass
+
 from vramguard.settings import DTYPE_BYTES, Settings
 from vramguard.spec import ModelSpec
 
+ALLOC_ROUND = 512  # bytes; CUDA caching allocator minimum block (kMinBlockSize)
+BNB_4BIT_BLOCKSIZE = 64  # weights per absmax (bitsandbytes Params4bit default on CUDA)
+BNB_DQ_BLOCKSIZE = 256  # absmax values per second-level absmax (quantize_blockwise in double quant)
+
+
+def rounded(nbytes: int) -> int:
+    """Bytes the caching allocator reserves for one tensor of ``nbytes``: ceil to a multiple of 512."""
+    return -(-nbytes // ALLOC_ROUND) * ALLOC_ROUND
+
+
+@dataclass(frozen=True)
+class LinearGroup:
+    """``count`` matrices of shape (out_features, in_features) in the whole model."""
+
+    name: str
+    out_features: int
+    in_features: int
+    count: int
+    bias: bool = False
+    quantizable: bool = True
+
+    @property
+    def numel(self) -> int:
+        return self.out_features * self.in_features
+
+
+def quantized_tensor_bytes(numel: int, quant: str, double_quant: bool, out_features: int) -> tuple[int, int]:
+    """(weight bytes, quantization-state bytes) of one quantized matrix of ``numel`` weights.
+
+    4-bit: weight ``ceil(numel/2)``; state = absmax ``nblocks`` x (1 B with double quant, else 4 B) with
+    ``nblocks = ceil(numel/64)``, plus with double quant ``ceil(nblocks/256) x 4`` B second-level absmax, a
+    1,024 B code and a 4 B offset; plus the 64 B 4-bit code. 8-bit: weight ``numel`` B, state ``out_features x 4``.
+    Each tensor is rounded to 512 B.
+
+    Example (Llama-2-7B q_proj, 4096 x 4096 = 16,777,216 weights, NF4 + double quant):
+    weight 8,388,608 B; nblocks 262,144 -> absmax 262,144 B, second level 1,024 x 4 = 4,096 B,
+    code2 1,024 B, offset 512 B (rounded), code 512 B (rounded) -> state 268,288 B.
+    """
+    if quant == "int8":
+        return rounded(numel), rounded(out_features * 4)
+    nblocks = -(-numel // BNB_4BIT_BLOCKSIZE)
+    state = rounded(16 * 4)  # the NF4/FP4 code of this tensor
+    if double_quant:
+        state += rounded(nblocks) + rounded(-(-nblocks // BNB_DQ_BLOCKSIZE) * 4) + rounded(256 * 4) + rounded(4)
+    else:
+        state += rounded(nblocks * 4)
+    return rounded(-(-numel // 2)), state
+
+
+@dataclass(frozen=True)
+class WeightBytes:
+    """Weight memory on the GPU, by component (bytes).
+
+    ``total_bytes = quantized_linear_bytes + quant_state_bytes + dense_linear_bytes + embedding_bytes
+    + lm_head_bytes + norm_bytes + bias_bytes + buffer_bytes``. ``buffer_bytes``: registered buffers (rotary
+    ``inv_freq``...), counted by the generic path only (a few KiB).
+    """
+
+    quantized_linear_bytes: int
+    quant_state_bytes: int
+    dense_linear_bytes: int
+    embedding_bytes: int
+    lm_head_bytes: int
+    norm_bytes: int
+    bias_bytes: int
+    parameter_count: int
+    quantized_parameter_count: int
+    buffer_bytes: int = 0
+
+    @property
+    def total_bytes(self) -> int:
+        return (self.quantized_linear_bytes + self.quant_state_bytes + self.dense_linear_bytes
+                + self.embedding_bytes + self.lm_head_bytes + self.norm_bytes + self.bias_bytes + self.buffer_bytes)
+
+
+
 
 def linear_groups(spec: ModelSpec) -> list[LinearGroup]:
-    """All projection matrices of the model, grouped by shape (decoder layers, experts and lm_head).
-
-    A generic spec (any architecture) answers from transformers' own module tree
-    (:func:`vramguard.introspect.generic.linear_groups`).
-    """
-    if spec.generic:
-        from vramguard.introspect.generic import linear_groups as generic_groups
-        return generic_groups(spec)
+    """All projection matrices of a hand-written family's model, grouped by shape (decoder layers, experts and
+    lm_head)."""
     h, nh, nkv, d, n = spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.num_layers
     g: list[LinearGroup] = []
     if spec.fused_qkv:
@@ -75,7 +145,8 @@ def _norm_numel(spec: ModelSpec) -> int:
 
 
 def weight_bytes(spec: ModelSpec, s: Settings) -> WeightBytes:
-    """Weight memory of ``spec`` loaded with ``s.quant`` (see the module docstring for each layout).
+    """Weight memory of a hand-written family's ``spec`` loaded with ``s.quant`` (see the module docstring for each
+    layout).
 
     Unquantized modules (embeddings, lm_head, norms, biases, routers) take ``s.dtype`` bytes per value.
     Example (Llama-2-7B, NF4 + double quant, bf16): 224 quantized matrices with 6,476,005,376 weights ->
@@ -84,18 +155,8 @@ def weight_bytes(spec: ModelSpec, s: Settings) -> WeightBytes:
     Measured after load on an H200: 3,876,562,944 B (benchmarks/results).
 
     transformers 5 stores MoE experts as fused 3-D parameters, which bitsandbytes does not convert: they stay in
-    ``s.act_dtype`` (``integrations/bitsandbytes.py::replace_with_bnb_linear`` swaps ``nn.Linear`` only). A
-    generic spec answers from transformers itself (:func:`vramguard.introspect.generic.weight_bytes`); a
-    pre-quantized checkpoint whose headers were read, from what it stores
-    (:func:`vramguard.hub.prequant.prequantized_weight_bytes`).
+    ``s.act_dtype`` (``integrations/bitsandbytes.py::replace_with_bnb_linear`` swaps ``nn.Linear`` only).
     """
-    if getattr(spec, "checkpoint", None) is not None and spec.prequantized:
-        from vramguard.hub.prequant import prequantized_weight_bytes, uses_headers
-        if uses_headers(spec):  # a pre-quantized checkpoint: what it stores is the truth
-            return prequantized_weight_bytes(spec, s)
-    if spec.generic:
-        from vramguard.introspect.generic import weight_bytes as generic_weights
-        return generic_weights(spec, s)
     dt = DTYPE_BYTES[s.act_dtype]
     q_lin = q_state = dense = bias = n_q = 0
     lm_head = 0

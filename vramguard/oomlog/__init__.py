@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 
 from vramguard.errors import InvalidValue
-from vramguard.oomlog.parse import OomRecord, parse_lines
+from vramguard.oomlog.parse import OomRecord, parse_lines, split_line
 from vramguard.oomlog.sources import PERMISSION_HELP, boot_time, cmdline_of, read_source
 from vramguard.units import fmt_bytes, plural
 
@@ -161,7 +161,6 @@ def _sort_key(k: OomKill) -> tuple:
 def lines_in_window(lines: list[str], cutoff: datetime, year: int | None = None) -> tuple[int, int]:
     """(lines dated at or after ``cutoff``, lines that carry no wall-clock time) of a kernel log: what a report
     "since" a time has read in its window. A time without a zone is local, as the kills' times are read."""
-    from vramguard.oomlog.parse import split_line
     inside = undated = 0
     for line in lines:
         when = split_line(line, year)[0]

@@ -9,10 +9,12 @@ from vramguard.memory.allocator import AllocatorConfig
 from vramguard.settings import Settings
 
 
-def with_allocator(spec, s: Settings, est, cards: list, alloc_conf: str, solve: bool, freed_before: bool = False):
-    """The estimate and card verdicts with reserved memory, fit and the largest prompt from the allocator model
-    under ``alloc_conf`` (``PYTORCH_CUDA_ALLOC_CONF`` text); (est, cards) unchanged where the tape does not cover
-    ``s``. Raises ValueError for an ``alloc_conf`` value that is not allocator options.
+def with_allocator(model, s: Settings, est, cards: list, conf: AllocatorConfig, alloc_conf: str, solve: bool,
+                   freed_before: bool = False):
+    """The estimate and card verdicts of ``model`` (a :class:`~vramguard.memory.model.MemoryModel`) with reserved
+    memory, fit and the largest prompt from the allocator model under ``conf``, parsed from ``alloc_conf``
+    (``PYTORCH_CUDA_ALLOC_CONF`` text) by :func:`vramguard.plan.choice.choose`; (est, cards) unchanged where the
+    tape does not cover ``s``.
 
     ``freed_before``: a process that has given a model's memory back to CUDA before, where cudaMalloc may place
     new segments above the older ones or below them (:class:`~vramguard.memory.allocator.AllocatorConfig`): both
@@ -25,11 +27,10 @@ def with_allocator(spec, s: Settings, est, cards: list, alloc_conf: str, solve: 
     does not fit there, the formula's need stands. Each card's need is its own capped replay's peak where that
     fits (so need, fit and headroom agree), else the estimate's."""
     from dataclasses import replace
-    conf = AllocatorConfig.parse(alloc_conf)
-    fresh_est, fresh_cards = _with_conf(spec, s, est, cards, conf, alloc_conf, solve)
+    fresh_est, fresh_cards = _with_conf(model, s, est, cards, conf, alloc_conf, solve)
     if not freed_before or fresh_est.allocator is None or conf.expandable_segments:  # one layout
         return fresh_est, fresh_cards
-    up_est, up_cards = _with_conf(spec, s, est, cards, replace(conf, freed_before=True), alloc_conf, solve)
+    up_est, up_cards = _with_conf(model, s, est, cards, replace(conf, freed_before=True), alloc_conf, solve)
     worse = up_est if up_est.peak_reserved_bytes > fresh_est.peak_reserved_bytes else fresh_est
     return (replace(worse, freed_layout_reserved_bytes=up_est.peak_reserved_bytes,
                     fresh_layout_reserved_bytes=fresh_est.peak_reserved_bytes),
@@ -47,9 +48,10 @@ def _worse(a, b):
     return replace(w, max_prompt_tokens=None if None in prompts else min(prompts))
 
 
-def _with_conf(spec, s: Settings, est, cards: list, conf: AllocatorConfig, alloc_conf: str, solve: bool):
+def _with_conf(model, s: Settings, est, cards: list, conf: AllocatorConfig, alloc_conf: str, solve: bool):
     """:func:`with_allocator` under the parsed ``conf``."""
     from dataclasses import replace
+    spec = model.spec
     ctx_bytes = est.cuda_context_bytes
     device = replace(conf, allowed_bytes=max(c.usable_bytes for c in cards) - ctx_bytes) if cards else conf
     r = replay_generate(spec, s, device, rescale=solve)  # the edge search samples the same stretch: share its replays
@@ -65,24 +67,26 @@ def _with_conf(spec, s: Settings, est, cards: list, conf: AllocatorConfig, alloc
                   alloc_conf=alloc_conf, peak_phase="load" if load_need > run_need else gen_phase)
     out = []
     for c in cards:
-        capped = replace(conf, allowed_bytes=allowed_bytes(c.usable_bytes - ctx_bytes, r.base_reserved_bytes))
+        cap = allowed_bytes(c.usable_bytes - ctx_bytes, r.base_reserved_bytes)
+        capped = replace(conf, allowed_bytes=cap)
         # without expandable segments a new segment adds exactly what the cap check counts, so a replay that never
         # reserved past the cap runs the same under it: only a larger peak needs the capped replay
-        same = r.fits and not conf.expandable_segments and r.peak_reserved_bytes <= capped.allowed_bytes
-        mine = r if same else replay_generate(spec, s, capped, rescale=solve)
+        same = r.fits and not conf.expandable_segments and r.peak_reserved_bytes <= cap
+        mine = r if same else replay_generate(spec, s, capped, rescale=solve) or r  # covered: r's settings
         fits = mine.fits and load_need <= c.usable_bytes
         need = max(max(mine.peak_reserved_bytes, est.peak_allocated_bytes) + ctx_bytes, load_need) if fits \
             else max(est.device_used_bytes, c.usable_bytes + 1)
         c = replace(c, need_bytes=need, fits=fits, headroom_bytes=c.usable_bytes - need)
         if solve:
-            c = replace(c, max_prompt_tokens=edge_prompt_tokens(spec, s, capped, c.max_prompt_tokens))
+            c = replace(c, max_prompt_tokens=edge_prompt_tokens(model, s, capped, c.max_prompt_tokens))
         out.append(c)
     return est, out
 
 
-def auto_alloc_conf(spec, s: Settings) -> tuple[str | None, Finding | None]:
-    """The ``PYTORCH_CUDA_ALLOC_CONF`` a default plan models (this process's environment, ``""`` when unset) and
-    None; or (None, the :func:`reserve_formula_finding` that says why the formula is used instead): no config.json,
+def auto_alloc_conf(spec, s: Settings) -> tuple[str | None, AllocatorConfig | None, Finding | None]:
+    """The ``PYTORCH_CUDA_ALLOC_CONF`` a default plan models (this process's environment, ``""`` when unset), its
+    parsed :class:`AllocatorConfig` and None; or (None, None, the :func:`reserve_formula_finding` that says why the
+    formula is used instead): no config.json,
     settings the tape does not cover (:func:`~vramguard.introspect.alloc_replay.not_covered`), a generation longer
     than :data:`AUTO_MAX_NEW_TOKENS`, torch or transformers not installed (with the install command), or an
     environment value that is not allocator options (a ``warn``: PyTorch refuses it at the first CUDA allocation)."""
@@ -91,28 +95,30 @@ def auto_alloc_conf(spec, s: Settings) -> tuple[str | None, Finding | None]:
     from vramguard.allocconf import env_alloc_conf
     env = env_alloc_conf()
     if not spec.config_json:
-        return None, reserve_formula_finding("the model has no config.json to build its forward from")
+        return None, None, reserve_formula_finding("the model has no config.json to build its forward from")
     if (setting := not_covered(s)) is not None:
-        return None, reserve_formula_finding(f"its tape does not cover {setting}")
+        return None, None, reserve_formula_finding(f"its tape does not cover {setting}")
     if s.max_new_tokens > AUTO_MAX_NEW_TOKENS:
-        return None, reserve_formula_finding(f"it replays every decode step, and above {AUTO_MAX_NEW_TOKENS:,} new "
-                                             "tokens that takes minutes (alloc_conf='' asks for it)")
+        return None, None, reserve_formula_finding(
+            f"it replays every decode step, and above {AUTO_MAX_NEW_TOKENS:,} new tokens that takes minutes "
+            "(alloc_conf='' asks for it)")
     missing = [m for m in ("torch", "transformers") if importlib.util.find_spec(m) is None]
     if missing:
-        return None, reserve_formula_finding(f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not "
-                                             "installed", fix=GPU_EXTRA_FIX)
+        return None, None, reserve_formula_finding(
+            f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not installed", fix=GPU_EXTRA_FIX)
     from vramguard.memory.allocator import backend
     if backend(env) != "native":  # a valid setting, but another allocator than the one modelled
-        return None, reserve_formula_finding(f"PYTORCH_CUDA_ALLOC_CONF={env!r} selects the {backend(env)} backend, "
-                                             "not the caching allocator the model follows")
+        return None, None, reserve_formula_finding(
+            f"PYTORCH_CUDA_ALLOC_CONF={env!r} selects the {backend(env)} backend, not the caching allocator the "
+            "model follows")
     try:
-        AllocatorConfig.parse(env)
+        config = AllocatorConfig.parse(env)
     except ValueError as e:
-        return None, reserve_formula_finding(
+        return None, None, reserve_formula_finding(
             f"PYTORCH_CUDA_ALLOC_CONF={env!r} is not valid allocator options ({e}); PyTorch refuses it at the first "
             "CUDA allocation, so run and serve would fail with it too", "warn",
             "fix PYTORCH_CUDA_ALLOC_CONF (e.g. expandable_segments:True) or unset it")
-    return env, None
+    return env, config, None
 
 
 FREED_MODEL_BYTES = 1 << 30  # given back to CUDA before: a model's memory, more than a warm-up releases
@@ -194,7 +200,7 @@ def reserve_formula_finding(why: str, level: str = "info", fix: str | None = Non
 PROBE_TOKENS = 4096  # the second point of the slope when no start is given
 
 
-def edge_prompt_tokens(spec, s: Settings, config: AllocatorConfig, formula_tokens: int | None) -> int | None:
+def edge_prompt_tokens(model, s: Settings, config: AllocatorConfig, formula_tokens: int | None) -> int | None:
     """The largest prompt the allocator model places under ``config.allowed_bytes`` (None when a 1-token prompt
     does not fit), found from the formula's answer ``formula_tokens`` (None: start from one token).
 
@@ -202,19 +208,20 @@ def edge_prompt_tokens(spec, s: Settings, config: AllocatorConfig, formula_token
     prefix does not fit does not fit, so the bracket's upper end is exact. Its lower end is then replayed in full,
     and where the later decode steps do not fit, steps down from it that double, then bisection, find the edge
     with full replays (:func:`_gallop`)."""
+    spec = model.spec
     ctx = spec.max_position_embeddings - s.max_new_tokens
 
     def replay(p: int, full: bool):
         return replay_generate(spec, s.with_(prompt_tokens=p), config, rescale=True, later_steps=full)
 
-    edge = _edge(lambda p: replay(p, s.max_new_tokens <= 3), spec, s, config, formula_tokens, ctx)
+    edge = _edge(lambda p: replay(p, s.max_new_tokens <= 3), model, s, config, formula_tokens, ctx)
     if edge is None or s.max_new_tokens <= 3 or replay(edge, True).fits:
         return edge
     a, b = _gallop(lambda p: p > 0 and replay(p, True).fits, 0, edge, ctx)
     return _bisect(lambda p: replay(p, True).fits, a, b) if b is not None else a
 
 
-def _edge(replay, spec, s: Settings, config: AllocatorConfig, formula_tokens: int | None, ctx: int) -> int | None:
+def _edge(replay, model, s: Settings, config: AllocatorConfig, formula_tokens: int | None, ctx: int) -> int | None:
     """The largest prompt for which ``replay(p)`` fits, to 0.25%: a first guess, the prompt at which the formula's
     need (:func:`vramguard.plan.estimator.need_bytes`, which grows with the square of the prompt where attention
     scores do) has grown by the room the replay at the start leaves under the cap; from no start, the line through
@@ -222,7 +229,7 @@ def _edge(replay, spec, s: Settings, config: AllocatorConfig, formula_tokens: in
     (up while the prompt fits, down while it does not), then bisection to 0.25%. A guess off by a factor k costs
     about log2(k * 100) replays, not k * 50."""
     from vramguard.plan.estimator import need_bytes
-    from vramguard.plan.solve import _largest
+    from vramguard.plan.limits import largest as _largest
     lo = max(1, min(formula_tokens or 1, ctx))
 
     def fits(p: int) -> bool:
@@ -240,8 +247,8 @@ def _edge(replay, spec, s: Settings, config: AllocatorConfig, formula_tokens: in
         lo, guess = PROBE_TOKENS, min(ctx, PROBE_TOKENS + max(0, config.allowed_bytes - probe.peak_reserved_bytes)
                                       // slope)
     else:
-        start = need_bytes(spec, s.with_(prompt_tokens=lo))
-        guess = _largest(lo, ctx, lambda p: need_bytes(spec, s.with_(prompt_tokens=p)), start + room) or lo
+        start = need_bytes(model, s.with_(prompt_tokens=lo))
+        guess = _largest(lo, ctx, lambda p: need_bytes(model, s.with_(prompt_tokens=p)), start + room) or lo
     a, b = _gallop(fits, lo, guess, ctx)
     return a if b is None else _bisect(fits, a, b)
 

@@ -1,6 +1,8 @@
 """The memory estimate of a transformers inference run, by component, before anything is loaded.
 
-Pure computation: no torch, no CUDA. The GPU to plan against comes from :mod:`vramguard.hardware`.
+No CUDA call: every figure comes from the :class:`~vramguard.memory.model.MemoryModel` it is given (pure
+arithmetic for a hand-written family; transformers on the meta device for any other architecture and for a load,
+as :func:`vramguard.plan.choice.choose` picked). The GPU to plan against comes from :mod:`vramguard.hardware`.
 
 What is predicted (all ints of bytes):
 
@@ -9,8 +11,8 @@ What is predicted (all ints of bytes):
 * ``peak_reserved_bytes``: the caching allocator's reserved peak (``allocated + reserve``).
 * ``device_used_bytes``: what ``nvidia-smi`` shows for this process at the peak (``reserved + CUDA context``), of
   ``generate`` or of the load, whichever is larger: a load holds transients beside the weights (a weight in 16-bit
-  while bitsandbytes quantizes it; MoE experts fused from per-expert checkpoint tensors), taken from transformers
-  by :func:`vramguard.introspect.generic.load_plan` when it is installed.
+  while bitsandbytes quantizes it; MoE experts fused from per-expert checkpoint tensors): the model's
+  :meth:`~vramguard.memory.model.MemoryModel.load_plan` (None: not planned).
 
 A card fits when ``device_used_bytes <= total - memory used by other processes``.
 """
@@ -21,10 +23,11 @@ from dataclasses import dataclass, field
 
 from vramguard.catalog.gpus import GpuSpec
 from vramguard.finding import Finding
-from vramguard.memory.forward import ForwardPeak, decode_peak, prefill_peak
-from vramguard.memory.kv import KvBytes, kv_bytes_per_token, kv_cache_bytes
+from vramguard.memory.forward import ForwardPeak
+from vramguard.memory.kv import KvBytes
+from vramguard.memory.weights import WeightBytes
+from vramguard.memory.model import LoadPlan, MemoryModel
 from vramguard.memory.runtime import CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES, allocator_reserve_bytes
-from vramguard.memory.weights import WeightBytes, weight_bytes
 from vramguard.plan.kernels import KernelChoice
 from vramguard.settings import Settings
 from vramguard.spec import ModelSpec
@@ -64,7 +67,7 @@ class MemoryEstimate:
     cuda_context_bytes: int
     device_used_bytes: int
     kv_bytes_per_token: int
-    load: object | None = None  # vramguard.introspect.generic.LoadPlan, None without transformers
+    load: LoadPlan | None = None  # None: the model plans no load (no transformers, a pre-quantized checkpoint)
     generate_device_bytes: int = 0  # device_used_bytes of generate alone (device_used_bytes is the larger of the
     # load and generate needs)
     allocator: object | None = None  # vramguard.introspect.alloc_replay.AllocatorReplay when reserved memory is
@@ -76,28 +79,12 @@ class MemoryEstimate:
     fresh_layout_reserved_bytes: int | None = None
 
 
-def load_plan_or_none(spec: ModelSpec, s: Settings):
-    """The load's :class:`~vramguard.introspect.generic.LoadPlan`, or None where it cannot be taken from
-    transformers (not installed, or a spec without its config.json)."""
-    if not spec.config_json:
-        return None
-    from vramguard.hub.prequant import uses_headers
-    if uses_headers(spec):  # a pre-quantized checkpoint: transformers' meta model is not what it loads
-        return None
-    try:
-        import transformers  # noqa: F401
-    except ImportError:
-        return None
-    from vramguard.introspect.generic import load_plan
-    return load_plan(spec, s)
-
-
-def _peak(spec: ModelSpec, s: Settings) -> tuple[WeightBytes, ForwardPeak, ForwardPeak | None, ForwardPeak,
-                                                 dict[str, int], int, int]:
+def _peak(model: MemoryModel, s: Settings) -> tuple[WeightBytes, ForwardPeak, ForwardPeak | None, ForwardPeak,
+                                                    dict[str, int], int, int]:
     """(weights, prefill, decode, the larger of the two, components at the peak, allocated, reserve)."""
-    w = weight_bytes(spec, s)
-    pf = prefill_peak(spec, s)
-    dc = decode_peak(spec, s)
+    w = model.weight_bytes(s)
+    pf = model.prefill_peak(s)
+    dc = model.decode_peak(s)
     peak = pf if dc is None or pf.peak_bytes >= dc.peak_bytes else dc
     comps = {"weights": w.total_bytes - w.quant_state_bytes, "quant_state": w.quant_state_bytes,
              "cublas_workspace": CUBLAS_WORKSPACE_BYTES}
@@ -110,19 +97,20 @@ def _peak(spec: ModelSpec, s: Settings) -> tuple[WeightBytes, ForwardPeak, Forwa
     return w, pf, dc, peak, comps, allocated, reserve
 
 
-def need_bytes(spec: ModelSpec, s: Settings) -> int:
-    """``estimate(spec, s).device_used_bytes`` without the parts of the estimate the need does not use (the KV
+def need_bytes(model: MemoryModel, s: Settings) -> int:
+    """``estimate(model, s).device_used_bytes`` without the parts of the estimate the need does not use (the KV
     cache at the end of the run and its growth per token): what the solvers evaluate many times."""
-    *_, allocated, reserve = _peak(spec, s)
-    load = load_plan_or_none(spec, s)
+    *_, allocated, reserve = _peak(model, s)
+    load = model.load_plan(s)
     return max(allocated + reserve, load.peak_reserved_bytes if load else 0) + CUDA_CONTEXT_BYTES
 
 
-def estimate(spec: ModelSpec, s: Settings) -> MemoryEstimate:
-    """Predict the memory of ``generate`` for ``spec`` with settings ``s`` (see the module docstring)."""
-    w, pf, dc, peak, comps, allocated, reserve = _peak(spec, s)
-    kv_full = kv_cache_bytes(spec, s, s.total_tokens)
-    load = load_plan_or_none(spec, s)
+def estimate(model: MemoryModel, s: Settings) -> MemoryEstimate:
+    """Predict the memory of ``generate`` for ``model`` (:func:`vramguard.plan.choice.choose`) with settings ``s``
+    (see the module docstring)."""
+    w, pf, dc, peak, comps, allocated, reserve = _peak(model, s)
+    kv_full = model.kv_cache_bytes(s, s.total_tokens)
+    load = model.load_plan(s)
     run_need = allocated + reserve + CUDA_CONTEXT_BYTES
     load_need = load.peak_reserved_bytes + CUDA_CONTEXT_BYTES if load else 0
     return MemoryEstimate(
@@ -132,7 +120,7 @@ def estimate(spec: ModelSpec, s: Settings) -> MemoryEstimate:
                                                                            if k not in COMPONENT_ORDER and v},
         peak_allocated_bytes=allocated, allocator_reserve_bytes=reserve, peak_reserved_bytes=allocated + reserve,
         cuda_context_bytes=CUDA_CONTEXT_BYTES, device_used_bytes=max(run_need, load_need),
-        kv_bytes_per_token=kv_bytes_per_token(spec, s), load=load, generate_device_bytes=run_need)
+        kv_bytes_per_token=model.kv_bytes_per_token(s), load=load, generate_device_bytes=run_need)
 
 
 def verdict(est: MemoryEstimate, gpu: GpuSpec) -> CardVerdict:
@@ -171,9 +159,10 @@ class Plan:
     findings: list[Finding] = field(default_factory=list)
     changes: list[Change] = field(default_factory=list)
     kv_growth_at: dict[int, dict[str, int]] = field(default_factory=dict)  # tokens held -> bytes the next token
-    # adds per layer kind (vramguard.memory.kv.kv_growth_per_token), at the prompt and the run's last token: a
-    # generic spec's is a replay of transformers' cache, kept with the plan so that printing it replays nothing
-    layer_kinds: tuple[str, ...] = ()  # a generic spec's layer kinds as its config names them; () for a hand spec
+    # adds per layer kind (MemoryModel.kv_growth_per_token), at the prompt and the run's last token: transformers'
+    # is a replay of its cache, kept with the plan so that printing it replays nothing
+    layer_kinds: tuple[str, ...] = ()  # MemoryModel.layer_kinds: the config's names where the growth is reported
+    # per layer kind (transformers' model); () for a hand family (full and sliding layers)
     kernel_path: KernelChoice | None = None  # the path replayed for kernel-backed mixers (None: the model has none)
 
     @property

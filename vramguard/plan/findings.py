@@ -4,20 +4,22 @@ stake and the fix. Each finding is computed from the plan's own numbers (never a
 from __future__ import annotations
 
 from vramguard.memory.forward import eager_bytes_per_score, logits_bytes
-from vramguard.memory.weights import weight_bytes
+from vramguard.memory.model import MemoryModel
 from vramguard.plan.estimator import Finding, Plan
 from vramguard.plan.rules import attention_map_bytes, dequantized_weight_bytes
 from vramguard.settings import DTYPE_BYTES
 from vramguard.units import fmt_bytes, fmt_gib
 
 
-def plan_findings(p: Plan) -> list[Finding]:
-    """All findings for plan ``p`` (see the module docstring)."""
+def plan_findings(p: Plan, model: MemoryModel) -> list[Finding]:
+    """All findings for plan ``p`` of ``model`` (see the module docstring), the model's own among them
+    (:meth:`~vramguard.memory.model.MemoryModel.findings`)."""
     spec, s, est = p.model, p.settings, p.estimate
+    weight_bytes = model.weight_bytes
     out: list[Finding] = [Finding("model_note", "info", n) for n in spec.notes]
     if spec.checkpoint_dtype == "fp32" and s.dtype is None and s.act_dtype != "fp32":
-        f32 = weight_bytes(spec, s.with_(quant="fp32" if s.quant in ("bf16", "fp16") else s.quant,
-                                         dtype="fp32")).total_bytes
+        f32 = weight_bytes(s.with_(quant="fp32" if s.quant in ("bf16", "fp16") else s.quant,
+                                   dtype="fp32")).total_bytes
         out.append(Finding("checkpoint_fp32", "warn", f"the checkpoint's config says float32: this plan assumes "
                            f"dtype={s.act_dtype} is passed to from_pretrained; without it transformers 5 loads "
                            f"float32 (weights {fmt_bytes(f32)} against {fmt_bytes(est.weights.total_bytes)})",
@@ -26,7 +28,7 @@ def plan_findings(p: Plan) -> list[Finding]:
     half = s.with_(quant="bf16" if s.quant == "fp32" else s.quant, dtype="bf16")
     if s.attn == "flash_attention_2" and s.act_dtype == "fp32":
         f32 = est.weights.total_bytes
-        b16 = weight_bytes(spec, half).total_bytes
+        b16 = weight_bytes(half).total_bytes
         out.append(Finding("fa2_needs_half", "fail",
                            "flash_attention_2 runs only in float16/bfloat16, and the parameters resolve to float32 "
                            f"(weights {fmt_bytes(f32)} in float32 against {fmt_bytes(b16)} in bfloat16)",
@@ -34,27 +36,21 @@ def plan_findings(p: Plan) -> list[Finding]:
                            f32 - b16))
     elif s.act_dtype == "fp32":
         f32 = est.weights.total_bytes
-        b16 = weight_bytes(spec, half).total_bytes
+        b16 = weight_bytes(half).total_bytes
         out.append(Finding("fp32_params", "warn", f"parameters in float32: weights {fmt_bytes(f32)} against "
                            f"{fmt_bytes(b16)} in bfloat16", "pass dtype=torch.bfloat16", f32 - b16))
-    if spec.generic:
-        from vramguard.introspect.generic import replay_note
-        note = replay_note(spec, s)
-        if note:
-            refused = note.startswith("transformers refuses")
-            out.append(Finding("attn_replayed", "warn" if refused else "info", note,
-                               "pass attn=eager (what this model loads with)" if refused else None))
-    _card_findings(p, out)
+    out.extend(model.findings(s))
+    _card_findings(p, out, model)
     _attention_findings(p, out)
     _memory_findings(p, out)
     return out
 
 
-def _card_findings(p: Plan, out: list) -> None:
+def _card_findings(p: Plan, out: list, model: MemoryModel) -> None:
     """Weights larger than a card; settings the cards cannot run (FA2, bf16 below compute capability 8.0) and
     the compute dtype."""
     from vramguard.memory.runtime import CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES
-    spec, s, est = p.model, p.settings, p.estimate
+    s, est = p.settings, p.estimate
     floor = est.weights.total_bytes + CUBLAS_WORKSPACE_BYTES + CUDA_CONTEXT_BYTES
     for card in p.cards:
         if floor > card.usable_bytes:
@@ -80,7 +76,7 @@ def _card_findings(p: Plan, out: list) -> None:
                                f"bfloat16 is not native below compute capability 8.0 ({card.gpu.label}: {ccs})",
                                "use float16 compute (bnb_4bit_compute_dtype=torch.float16, dtype=torch.float16)"))
     if s.is_4bit and s.resolved_compute_dtype != s.act_dtype:
-        big, wide, narrow = dequantized_weight_bytes(spec, s.resolved_compute_dtype, s.act_dtype)
+        big, wide, narrow = dequantized_weight_bytes(model, s.resolved_compute_dtype, s.act_dtype)
         out.append(Finding("compute_dtype_mismatch", "warn",
                            f"4-bit compute dtype {s.resolved_compute_dtype} differs from the activation dtype "
                            f"{s.act_dtype}: every linear casts its input and dequantizes to "

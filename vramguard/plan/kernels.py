@@ -44,15 +44,16 @@ def this_machine(gpus: list[GpuSpec], cards_reason: str) -> bool:
     return all(g.total_bytes == here.total_bytes and g.compute_capability == here.compute_capability for g in gpus)
 
 
-def choose(spec: ModelSpec, s: Settings, gpus: list[GpuSpec], cards_reason: str,
-           compute: Callable[[Settings], object]):
+def choose_path(model, s: Settings, gpus: list[GpuSpec], cards_reason: str,
+                compute: Callable[[Settings], object]):
     """``(plan, choice)``: ``compute(settings)`` on the path this plan follows (see the module docstring); choice
     None for a model without a kernel-backed mixer (the path changes nothing). Where both paths are planned, the
     one whose card need (``estimate.device_used_bytes``, then the peak allocated) is larger is returned, its
     settings' ``kernels`` set to that path."""
     from vramguard.introspect.generic import kernel_paths
     from vramguard.introspect.mixers import installed_packages
-    paths = kernel_paths(spec, s) if spec.generic and spec.config_json else ()
+    spec = model.spec  # a MemoryModel (vramguard.plan.choice.choose): only transformers' replays kernel paths
+    paths = kernel_paths(spec, s) if model.needs_transformers and spec.config_json else ()
     if not paths:
         return compute(s), None
     packages = ", ".join(dict.fromkeys(p.package for p in paths))

@@ -1,15 +1,17 @@
 """``plan``: the estimate of a run, a verdict per card, the findings and the ranked changes.
 
-Pure computation: no torch, no CUDA. The memory model is :mod:`vramguard.plan.estimator`, the solvers
+No CUDA call. Where each figure comes from (a hand-written family's arithmetic, transformers on the meta device, a
+pre-quantized checkpoint's headers; the reserve formula or the caching-allocator replay) is decided once, by
+:func:`vramguard.plan.choice.choose`; the estimate is :mod:`vramguard.plan.estimator`, the solvers
 :mod:`vramguard.plan.solve`, the findings :mod:`vramguard.plan.findings`.
 """
 
 from __future__ import annotations
 
 from vramguard.catalog.gpus import GpuSpec
-from vramguard.introspect.generic import layer_kinds
-from vramguard.memory.kv import kv_growth_per_token
 from vramguard import diskcache as cache
+from vramguard.memory.model import MemoryModel
+from vramguard.plan.choice import AUTO, Choice, choose
 from vramguard.plan.estimator import CardVerdict, MemoryEstimate, Plan, estimate, verdict
 from vramguard.plan.findings import plan_findings
 from vramguard.plan.limits import check_context
@@ -17,7 +19,7 @@ from vramguard.plan.solve import ranked_changes, solve_card
 from vramguard.settings import Settings
 from vramguard.spec import ModelSpec
 
-AUTO = "auto"  # plan's alloc_conf default: the allocator model where it can run, else the reserve formula
+__all__ = ["AUTO", "plan", "with_context"]
 
 
 def plan(model: str | ModelSpec, settings: Settings | None = None, *, gpu: str | None = None,
@@ -56,14 +58,12 @@ def plan(model: str | ModelSpec, settings: Settings | None = None, *, gpu: str |
 
     _check_arguments(settings, gpu, vram, gpus, solve, alloc_conf)
     spec = model if isinstance(model, ModelSpec) else resolve_model(model)
+    s = settings or Settings()
     if context is not None:
         spec = with_context(spec, context)
-    s = settings or Settings()
-    if spec.generic and s.total_tokens > spec.max_position_embeddings:
-        from vramguard.introspect.generic import learned_positions
-        check_context(spec, s, beyond=None if learned_positions(spec) else
+    if s.total_tokens > spec.max_position_embeddings:
+        check_context(spec, s, beyond=None if choose(spec).model.learned_positions() else
                       " (a RoPE-scaled model may allow more: plan with context=N)")
-    check_context(spec, s)
     if gpus is None:
         gpus, why = resolve_gpus(gpu, vram)
     else:
@@ -74,15 +74,16 @@ def plan(model: str | ModelSpec, settings: Settings | None = None, *, gpu: str |
     found = cache.read(path)
     if isinstance(found, Plan):
         return found
-    p = _compute(spec, s, gpus, why, solve, alloc_conf, freed_before)
+    _check_freed_before(freed_before)
+    p = _compute(choose(spec, s, alloc_conf), s, gpus, why, solve, freed_before)
     cache.write(path, p)
     return p
 
 
-def _kv_growth_at(spec: ModelSpec, s: Settings) -> dict[int, dict[str, int]]:
+def _kv_growth_at(model: MemoryModel, s: Settings) -> dict[int, dict[str, int]]:
     """The KV growth per new token by layer kind where a plan's output reports it: once the prompt is held (JSON)
-    and at the run's last token (a generic spec's table line)."""
-    return {n: kv_growth_per_token(spec, s, n) for n in sorted({s.prompt_tokens, max(s.total_tokens - 1, 0)})}
+    and at the run's last token (the table line of a model that reports it per layer kind)."""
+    return {n: model.kv_growth_per_token(s, n) for n in sorted({s.prompt_tokens, max(s.total_tokens - 1, 0)})}
 
 
 def _cache_entry(spec: ModelSpec, s: Settings, gpus: list[GpuSpec], why: str, solve: bool, alloc_conf: str | None,
@@ -101,47 +102,49 @@ def _cache_entry(spec: ModelSpec, s: Settings, gpus: list[GpuSpec], why: str, so
                            freed)
 
 
-def _compute(spec: ModelSpec, s: Settings, gpus: list[GpuSpec], why: str, solve: bool, alloc_conf: str | None,
+def _compute(choice: Choice, s: Settings, gpus: list[GpuSpec], why: str, solve: bool,
              freed_before: bool | None) -> Plan:
-    """:func:`plan` for a resolved spec and cards, computed on the kernel path of
-    :func:`vramguard.plan.kernels.choose` (both paths where it cannot be known, the larger kept), which it names."""
+    """:func:`plan` for a resolved spec and cards, computed with the memory model and reserve ``choice`` gives, on
+    the kernel path of :func:`vramguard.plan.kernels.choose_path` (both paths where it cannot be known, the larger
+    kept), which it names."""
     from dataclasses import replace
 
-    from vramguard.plan.kernels import choose, kernel_finding
-    p, choice = choose(spec, s, gpus, why, lambda path: _compute_path(spec, path, gpus, why, solve, alloc_conf,
-                                                                      freed_before))
-    if choice is None:
+    from vramguard.plan.kernels import choose_path, kernel_finding
+    p, path = choose_path(choice.model, s, gpus, why, lambda ps: _compute_path(choice, ps, gpus, why, solve,
+                                                                               freed_before))
+    if path is None:
         return p
-    p = replace(p, kernel_path=choice)
+    p = replace(p, kernel_path=path)
     p.findings.append(kernel_finding(p))
     return p
 
 
-def _compute_path(spec: ModelSpec, s: Settings, gpus: list[GpuSpec], why: str, solve: bool, alloc_conf: str | None,
+def _compute_path(choice: Choice, s: Settings, gpus: list[GpuSpec], why: str, solve: bool,
                   freed_before: bool | None) -> Plan:
-    """:func:`plan` for a resolved spec, cards and kernel path, computed."""
-    est = estimate(spec, s)
+    """:func:`plan` for a resolved spec, cards and kernel path (``s.kernels``), computed."""
+    model = choice.model
+    est = estimate(model, s)
     cards = [verdict(est, g) for g in gpus]
     if solve:
-        cards = [solve_card(spec, s, c) for c in cards]
-    est, cards, reserved_findings = _reserved(spec, s, est, cards, alloc_conf, solve, freed_before)
-    cards, unverified = _mark_unverified(spec, s, cards)
+        cards = [solve_card(model, s, c) for c in cards]
+    est, cards, reserved_findings = _reserved(choice, s, est, cards, solve, freed_before)
+    cards, unverified = _mark_unverified(model, s, cards)
     logits_case = ("all positions: a forward over the whole prompt (scoring, output_logits), with a float32 copy"
                    if s.logits == "all" else
                    "last position only: generate() passes logits_to_keep=1 and copies that row to float32")
-    p = Plan(spec, s, est, cards, why, logits_case, kv_growth_at=_kv_growth_at(spec, s),
-             layer_kinds=tuple(layer_kinds(spec)) if spec.generic else ())
-    p.findings.extend(plan_findings(p))
+    p = Plan(model.spec, s, est, cards, why, logits_case, kv_growth_at=_kv_growth_at(model, s),
+             layer_kinds=model.layer_kinds())
+    p.findings.extend(plan_findings(p, model))
     from vramguard.hub.prequant import prequant_findings
     p.findings.extend(prequant_findings(p))
     p.findings.extend(reserved_findings)
     p.findings.extend(unverified)
     if solve:
-        p.changes.extend(ranked_changes(spec, s, gpus))
+        p.changes.extend(ranked_changes(model, s, gpus))
     return p
 
 
-def _mark_unverified(spec: ModelSpec, s: Settings, cards: list[CardVerdict]):
+def _mark_unverified(model: MemoryModel, s: Settings, cards: list[CardVerdict]):
     """(cards, findings): each card's ``unverified`` set where a part of the forward has no GPU measurement
     (:func:`vramguard.plan.verified.unverified`), with a ``warn`` finding ``unverified_path`` that says which;
     unchanged, and no finding, where every part is measured."""
@@ -149,7 +152,7 @@ def _mark_unverified(spec: ModelSpec, s: Settings, cards: list[CardVerdict]):
 
     from vramguard.finding import Finding
     from vramguard.plan.verified import describe, unverified
-    missing = unverified(spec, s)
+    missing = unverified(model, s)
     if not missing:
         return cards, []
     why = describe(missing)
@@ -169,9 +172,8 @@ def with_context(spec: ModelSpec, context: object) -> ModelSpec:
     if isinstance(context, bool) or not isinstance(context, int) or not 1 <= context <= MAX_TOKENS:
         raise InvalidValue("context", context, f"a number of tokens from 1 to {MAX_TOKENS:,}",
                            "pass the context length the model runs at, e.g. context=131072")
-    if spec.generic and context > spec.max_position_embeddings:
-        from vramguard.introspect.generic import learned_positions
-        learned = learned_positions(spec)
+    if context > spec.max_position_embeddings:
+        learned = choose(spec).model.learned_positions()
         if learned:
             raise InvalidValue("context", context, f"at most {learned:,}: the model has {learned:,} learned "
                                "position embeddings, which no scaling extends", f"pass context={learned}")
@@ -185,7 +187,7 @@ def _check_arguments(settings: object, gpu: object, vram: object, gpus: object, 
     """Raise InvalidValue for an argument of :func:`plan` of the wrong type: ``settings`` not a Settings or None,
     ``gpu`` not a card name or None, ``gpus`` not a non-empty list of GpuSpec or given with ``gpu`` / ``vram``,
     ``solve`` not a bool, ``alloc_conf`` not a str or None (``model`` is checked by ``resolve_model``, ``vram``
-    by its size parser, ``freed_before`` by :func:`_reserved`)."""
+    by its size parser, ``freed_before`` by :func:`_check_freed_before`)."""
     from vramguard.errors import InvalidValue
     from vramguard.hardware import require_card_name, require_gpu_specs
     from vramguard.settings import require_bool, require_settings
@@ -204,70 +206,32 @@ def _check_arguments(settings: object, gpu: object, vram: object, gpus: object, 
                            "(the reserve formula)")
 
 
-def _reserved(spec: ModelSpec, s: Settings, est: MemoryEstimate, cards: list[CardVerdict], alloc_conf: str | None,
-              solve: bool, freed_before: bool | None):
-    """(est, cards, findings): :func:`_reserved_by` for ``freed_before`` (as :func:`plan`; None: this process's
-    state), with the ``freed_before`` finding where it applies. Raises InvalidValue for a ``freed_before`` that is
-    not a bool or None."""
-    from vramguard.plan.allocator import decode_replay_finding, freed_before_finding, process_freed_memory
+def _check_freed_before(freed_before: object) -> None:
+    """Raise InvalidValue for a ``freed_before`` that is not a bool or None."""
     if freed_before is not None and not isinstance(freed_before, bool):
         from vramguard.errors import InvalidValue
         raise InvalidValue("freed_before", freed_before, "True, False or None (this process's own state)",
                            "pass freed_before=True to plan for a process that has deleted a model and emptied the "
                            "cache")
+
+
+def _reserved(choice: Choice, s: Settings, est: MemoryEstimate, cards: list[CardVerdict], solve: bool,
+              freed_before: bool | None):
+    """(est, cards, findings): est and cards with reserved memory from the allocator model where ``choice`` took
+    it (:attr:`Choice.reserve`; ``freed_before`` as :func:`plan`, None: this process's state), with the
+    ``reserve_formula``, ``freed_before`` and decode-replay findings where they apply. A replay the default
+    (``"auto"``) chose that transformers cannot record falls back to the formula, said; one asked for raises."""
+    from vramguard.errors import NotPlannable
+    from vramguard.plan.allocator import (decode_replay_finding, freed_before_finding, process_freed_memory,
+                                          reserve_formula_finding, with_allocator)
     freed = process_freed_memory() if freed_before is None else freed_before
-    est, cards, why = _reserved_by(spec, s, est, cards, alloc_conf, solve, freed)
+    why, reserve = choice.finding, choice.reserve
+    if reserve.config is not None and reserve.alloc_conf is not None:  # the allocator model
+        try:
+            est, cards = with_allocator(choice.model, s, est, cards, reserve.config, reserve.alloc_conf, solve, freed)
+        except NotPlannable as e:
+            if reserve.asked:
+                raise
+            why = reserve_formula_finding(f"transformers' forward could not be recorded for it ({e})")
     return est, cards, [f for f in (why, freed_before_finding(est, freed), decode_replay_finding(est))
                         if f is not None]
-
-
-def _reserved_by(spec: ModelSpec, s: Settings, est: MemoryEstimate, cards: list[CardVerdict], alloc_conf: str | None,
-                 solve: bool, freed_before: bool):
-    """(est, cards, finding): est and cards with reserved memory from the allocator model under ``alloc_conf``
-    (``AUTO``: where it can run), and the ``reserve_formula`` finding where the formula was used instead of a model
-    that was asked for or defaulted to (else None)."""
-    from vramguard.plan.allocator import auto_alloc_conf, reserve_formula_finding
-    auto, why = alloc_conf == AUTO, None
-    if auto:
-        alloc_conf, why = auto_alloc_conf(spec, s)
-    if alloc_conf is None:
-        return est, cards, why
-    from vramguard.errors import NotPlannable
-    from vramguard.introspect.alloc_replay import not_covered
-    if not auto and (setting := not_covered(s)) is not None:  # asked for, not possible: said, not skipped silently
-        return est, cards, reserve_formula_finding(f"its tape does not cover {setting}")
-    try:
-        return (*_with_allocator(spec, s, est, cards, alloc_conf, solve, freed_before), None)
-    except NotPlannable as e:
-        if not auto:
-            raise
-        return est, cards, reserve_formula_finding(f"transformers' forward could not be recorded for it ({e})")
-
-
-def _with_allocator(spec: ModelSpec, s: Settings, est: MemoryEstimate, cards: list[CardVerdict], alloc_conf: str,
-                    solve: bool, freed_before: bool = False) -> tuple[MemoryEstimate, list[CardVerdict]]:
-    """(est, cards) with the caching-allocator model's figures.
-
-    Raises:
-        InvalidValue: ``alloc_conf`` is not allocator options. NotPlannable: transformers is not installed or the
-        model has no config to build (the tape is transformers' own forward): asked for, it is never skipped silently.
-    """
-    from vramguard.errors import InvalidValue, NotPlannable
-    from vramguard.memory.allocator import AllocatorConfig
-    try:
-        AllocatorConfig.parse(alloc_conf)
-    except ValueError as e:
-        raise InvalidValue("alloc_conf", alloc_conf, "PYTORCH_CUDA_ALLOC_CONF options, e.g. expandable_segments:True",
-                           f"pass options the caching allocator takes ({e})") from None
-    if not spec.config_json:
-        raise NotPlannable("alloc_conf", alloc_conf, "a model with a config.json (the allocator tape is its forward)",
-                           "plan a model folder, a catalog name or a Hub id, or leave alloc_conf out")
-    try:
-        import transformers  # noqa: F401
-    except ImportError as e:
-        from vramguard.plan.allocator import GPU_EXTRA_FIX
-        raise NotPlannable("alloc_conf", alloc_conf or "default", "torch and transformers installed (the allocator "
-                           "tape is transformers' forward replayed on meta tensors)",
-                           f"{GPU_EXTRA_FIX}, or leave alloc_conf out ({e})") from None
-    from vramguard.plan.allocator import with_allocator
-    return with_allocator(spec, s, est, cards, alloc_conf, solve, freed_before)

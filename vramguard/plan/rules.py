@@ -5,7 +5,8 @@ Pure arithmetic over the spec and settings; each caller words its own finding.""
 
 from __future__ import annotations
 
-from vramguard.memory.weights import LinearGroup, linear_groups
+from vramguard.memory.weights import LinearGroup
+from vramguard.memory.model import MemoryModel
 from vramguard.settings import DTYPE_BYTES, Settings
 from vramguard.spec import ModelSpec
 
@@ -16,9 +17,9 @@ def attention_map_bytes(spec: ModelSpec, s: Settings, act_dtype: str) -> int:
     return s.sequences * spec.num_heads * s.prompt_tokens * s.prompt_tokens * DTYPE_BYTES[act_dtype]
 
 
-def dequantized_weight_bytes(spec: ModelSpec, compute_dtype: str, act_dtype: str) -> tuple[LinearGroup, int, int]:
+def dequantized_weight_bytes(model: MemoryModel, compute_dtype: str, act_dtype: str) -> tuple[LinearGroup, int, int]:
     """The largest quantizable linear and its dequantized weight in ``compute_dtype`` and in ``act_dtype``
     (bytes): what a 4-bit layer holds when its compute dtype is not the activations' (bitsandbytes dequantizes the
     weight to the compute dtype and casts the input to it)."""
-    big = max((g for g in linear_groups(spec) if g.quantizable), key=lambda g: g.numel)
+    big = max((g for g in model.linear_groups() if g.quantizable), key=lambda g: g.numel)
     return big, big.numel * DTYPE_BYTES[compute_dtype], big.numel * DTYPE_BYTES[act_dtype]

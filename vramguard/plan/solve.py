@@ -4,7 +4,7 @@ Every memory need is monotone in prompt tokens, new tokens and batch, so each ma
 integer model (:func:`vramguard.plan.need_bytes`): ``need(v) <= usable < need(v + 1)``, never an extrapolation. The
 search interpolates between the bracket's ends (the need is nearly linear in each variable) and bisects whenever
 interpolation stops halving the bracket, so a boundary costs a few evaluations, which matters when each one is a
-replay of transformers' forward (a generic spec).
+replay of transformers' forward (:class:`~vramguard.introspect.model.TransformersModel`).
 """
 
 from __future__ import annotations
@@ -13,17 +13,17 @@ from dataclasses import replace
 
 from vramguard.catalog.gpus import GpuSpec
 from vramguard.errors import VramguardError
+from vramguard.memory.model import MemoryModel
 from vramguard.plan.estimator import CardVerdict, Change, estimate, need_bytes
 from vramguard.plan.limits import largest as _largest
 from vramguard.settings import Settings
-from vramguard.spec import ModelSpec
 
 MAX_BATCH_SEARCH = 1 << 16
 MIN_USEFUL_TOKENS = 64  # a shorter prompt or generation below this is no answer to "what fits"
 
 
-def _need(spec: ModelSpec, s: Settings) -> int:
-    return need_bytes(spec, s)
+def _need(model: MemoryModel, s: Settings) -> int:
+    return need_bytes(model, s)
 
 
 def _linear_guess(x0: int, f0: int, x1: int, f1: int, usable: int, hi: int) -> int:
@@ -34,16 +34,16 @@ def _linear_guess(x0: int, f0: int, x1: int, f1: int, usable: int, hi: int) -> i
     return min(max(x1 + (usable - f1) * (x1 - x0) // (f1 - f0) + 1, x1), hi)
 
 
-def max_prompt_tokens(spec: ModelSpec, s: Settings, usable_bytes: int) -> int | None:
+def max_prompt_tokens(model: MemoryModel, s: Settings, usable_bytes: int) -> int | None:
     """Largest prompt (tokens) that fits ``usable_bytes`` with ``s.max_new_tokens`` new tokens, or None."""
-    hi = spec.max_position_embeddings - s.max_new_tokens
-    return _largest(1, hi, lambda p: _need(spec, _with(s, prompt_tokens=p)), usable_bytes)
+    hi = model.spec.max_position_embeddings - s.max_new_tokens
+    return _largest(1, hi, lambda p: _need(model, _with(s, prompt_tokens=p)), usable_bytes)
 
 
-def max_new_tokens(spec: ModelSpec, s: Settings, usable_bytes: int) -> int | None:
+def max_new_tokens(model: MemoryModel, s: Settings, usable_bytes: int) -> int | None:
     """Largest number of new tokens that fits with ``s.prompt_tokens``, or None when the prompt alone does not."""
-    hi = spec.max_position_embeddings - s.prompt_tokens
-    return _largest(0, hi, lambda n: _need(spec, _with(s, max_new_tokens=n)), usable_bytes)
+    hi = model.spec.max_position_embeddings - s.prompt_tokens
+    return _largest(0, hi, lambda n: _need(model, _with(s, max_new_tokens=n)), usable_bytes)
 
 
 def batch_search_cap(s: Settings) -> int:
@@ -52,13 +52,13 @@ def batch_search_cap(s: Settings) -> int:
     return max(MAX_BATCH_SEARCH, s.batch)
 
 
-def max_batch(spec: ModelSpec, s: Settings, usable_bytes: int) -> int | None:
+def max_batch(model: MemoryModel, s: Settings, usable_bytes: int) -> int | None:
     """Largest batch that fits, up to :func:`batch_search_cap` (a bound: a larger one may fit too), or None when
     1 does not. The need is nearly linear in the batch:
     the line through batch 1 and 2 gives the first upper end of the bracket (doubled while it still fits), then
     :func:`_largest` finds the exact boundary inside it."""
     def need(b: int) -> int:
-        return _need(spec, _with(s, batch=b))
+        return _need(model, _with(s, batch=b))
     f1 = need(1)
     if f1 > usable_bytes:
         return None
@@ -78,14 +78,14 @@ def _with(s: Settings, **changes) -> Settings:
     return replace(s, **changes)
 
 
-def solve_card(spec: ModelSpec, s: Settings, v: CardVerdict) -> CardVerdict:
+def solve_card(model: MemoryModel, s: Settings, v: CardVerdict) -> CardVerdict:
     """``v`` with the largest prompt, new tokens and batch for its card filled in."""
     u = v.usable_bytes
-    return replace(v, max_prompt_tokens=max_prompt_tokens(spec, s, u), max_new_tokens=max_new_tokens(spec, s, u),
-                   max_batch=max_batch(spec, s, u))
+    return replace(v, max_prompt_tokens=max_prompt_tokens(model, s, u), max_new_tokens=max_new_tokens(model, s, u),
+                   max_batch=max_batch(model, s, u))
 
 
-def _candidates(spec: ModelSpec, s: Settings, target: GpuSpec | None) -> list[tuple[str, dict]]:
+def _candidates(model: MemoryModel, s: Settings, target: GpuSpec | None) -> list[tuple[str, dict]]:
     c: list[tuple[str, dict]] = []
     if s.output_attentions:
         c.append(("stop requesting attention maps (output_attentions=False)", {"output_attentions": False}))
@@ -115,13 +115,13 @@ def _candidates(spec: ModelSpec, s: Settings, target: GpuSpec | None) -> list[tu
         c.append(("logits for the last position only", {"logits": "last"}))
     if target is not None:
         u = target.total_bytes - target.used_by_others_bytes
-        n = max_new_tokens(spec, s, u)
+        n = max_new_tokens(model, s, u)
         if n is not None and MIN_USEFUL_TOKENS <= n < s.max_new_tokens:
             c.append((f"shorter generation: {n:,} new tokens", {"max_new_tokens": n}))
-        p = max_prompt_tokens(spec, s, u)
+        p = max_prompt_tokens(model, s, u)
         if p is not None and MIN_USEFUL_TOKENS <= p < s.prompt_tokens:
             c.append((f"shorter prompt: {p:,} tokens", {"prompt_tokens": p}))
-        b = max_batch(spec, s, u)
+        b = max_batch(model, s, u)
         if b is not None and b < s.batch:
             c.append((f"smaller batch: {b}", {"batch": b}))
     if s.num_beams > 1 or s.num_return_sequences > 1:
@@ -130,7 +130,7 @@ def _candidates(spec: ModelSpec, s: Settings, target: GpuSpec | None) -> list[tu
     return c
 
 
-def ranked_changes(spec: ModelSpec, s: Settings, gpus: list[GpuSpec]) -> list[Change]:
+def ranked_changes(model: MemoryModel, s: Settings, gpus: list[GpuSpec]) -> list[Change]:
     """Changes that lower the memory need, largest saving first, each with the cards it would fit.
 
     Changes that keep the request whole (attention, quantization, KV cache type, chunked prefill, offload) rank
@@ -141,15 +141,15 @@ def ranked_changes(spec: ModelSpec, s: Settings, gpus: list[GpuSpec]) -> list[Ch
     :func:`hardware_changes` that fit a card, then the rest in the order above (a change of hardware that fits no
     card among those that keep the request).
     """
-    need = _need(spec, s)
+    need = _need(model, s)
     usable = {g.name: g.total_bytes - g.used_by_others_bytes for g in gpus}
     not_fitting = [g for g in gpus if need > usable[g.name]]
     target = max(not_fitting, key=lambda g: g.total_bytes) if not_fitting else None
     out: list[Change] = []
-    for desc, ch in _candidates(spec, s, target):
+    for desc, ch in _candidates(model, s, target):
         try:
             s2 = _with(s, **ch)
-            need2 = _need(spec, s2)
+            need2 = _need(model, s2)
         except VramguardError:
             continue
         if need2 < need:
@@ -157,14 +157,14 @@ def ranked_changes(spec: ModelSpec, s: Settings, gpus: list[GpuSpec]) -> list[Ch
             reduces = bool({"prompt_tokens", "max_new_tokens", "batch", "num_beams"} & set(ch))
             out.append(Change(desc, ch, need2, need - need2, fits, reduces))
     out.sort(key=lambda c: (c.reduces_request, -c.saved_bytes))
-    combined = _combined(spec, s, out, usable, need, target)
+    combined = _combined(model, s, out, usable, need, target)
     if combined:
         out.insert(0, combined)
     if target is None:
         return out
     # what makes the run fit the target as asked: settings that fit it, then other hardware, then the rest
     # (a change of hardware that fits no card, e.g. a second card still too small, goes with the rest by saving)
-    hw = hardware_changes(spec, s, target, need)
+    hw = hardware_changes(model, s, target, need)
     fit = [c for c in out if target.name in c.fits_on and not c.reduces_request]
     rest = [c for c in out if c not in fit] + [c for c in hw if not c.fits_on]
     rest.sort(key=lambda c: (c.reduces_request, -c.saved_bytes))
@@ -174,7 +174,7 @@ def ranked_changes(spec: ModelSpec, s: Settings, gpus: list[GpuSpec]) -> list[Ch
 HARDWARE_KEYS = ("cpu_offload_bytes", "gpus", "gpu")  # Change.settings keys of changes of hardware, not settings
 
 
-def hardware_changes(spec: ModelSpec, s: Settings, target: GpuSpec, need: int) -> list[Change]:
+def hardware_changes(model: MemoryModel, s: Settings, target: GpuSpec, need: int) -> list[Change]:
     """Changes of hardware that make the run fit as asked when ``target`` is too small, each with the bytes it
     needs: weights offloaded to CPU RAM (the shortfall), a second such card (:func:`_second_card`: the two-card
     plan's split, its fuller card's need), the smallest catalog card whose reported total holds ``need``."""
@@ -183,7 +183,7 @@ def hardware_changes(spec: ModelSpec, s: Settings, target: GpuSpec, need: int) -
     usable = target.total_bytes - target.used_by_others_bytes
     if need <= usable:
         return []
-    est = estimate(spec, s)
+    est = estimate(model, s)
     short = need - usable
     out: list[Change] = []
     if short < est.weights.total_bytes:
@@ -191,19 +191,19 @@ def hardware_changes(spec: ModelSpec, s: Settings, target: GpuSpec, need: int) -
                           "slower: offloaded layers cross PCIe each forward)", {"device_map": "auto",
                                                                                 "cpu_offload_bytes": short},
                           usable, short, (target.name,)))
-    second = _second_card(spec, s, target, need)
+    second = _second_card(model, s, target, need)
     if second is not None:
         out.append(second)
     bigger = sorted((g for g in GPUS.values() if g.total_bytes >= need), key=lambda g: g.total_bytes)
     if bigger:
         g = bigger[0]
-        short = g.label.replace("NVIDIA ", "").replace("GeForce ", "")
-        out.append(Change(f"a larger card: {short} ({fmt_bytes(g.total_bytes)} as its driver reports, "
+        label = g.label.replace("NVIDIA ", "").replace("GeForce ", "")
+        out.append(Change(f"a larger card: {label} ({fmt_bytes(g.total_bytes)} as its driver reports, "
                           f"{fmt_bytes(g.total_bytes - need)} to spare)", {"gpu": g.name}, need, 0, (g.name,)))
     return sorted(out, key=lambda c: (not c.fits_on, c.need_bytes > usable))
 
 
-def _second_card(spec: ModelSpec, s: Settings, target: GpuSpec, need: int) -> Change | None:
+def _second_card(model: MemoryModel, s: Settings, target: GpuSpec, need: int) -> Change | None:
     """A second card like ``target``, planned as the two-card plan plans it (the split of
     :func:`vramguard.plan.multigpu.plan_gpus`, ``device_map='auto'``): the need of its fuller card, and fits only
     when every card fits and no module is left for CPU RAM. None when that split cannot be computed here (a
@@ -211,7 +211,7 @@ def _second_card(spec: ModelSpec, s: Settings, target: GpuSpec, need: int) -> Ch
     from vramguard.plan.multigpu import plan_gpus
     from vramguard.units import fmt_bytes
     try:
-        two = plan_gpus(spec, s, gpus=[target, target], solve=False)
+        two = plan_gpus(model, s, gpus=[target, target], solve=False)
     except VramguardError:
         return None
     worst = max(c.need_bytes for c in two.cards)
@@ -222,7 +222,7 @@ def _second_card(spec: ModelSpec, s: Settings, target: GpuSpec, need: int) -> Ch
                   {"gpus": 2}, worst, need - worst, (target.name,) if two.fits else ())
 
 
-def _combined(spec: ModelSpec, s: Settings, changes: list[Change], usable: dict, need: int,
+def _combined(model: MemoryModel, s: Settings, changes: list[Change], usable: dict, need: int,
               target: GpuSpec | None) -> Change | None:
     """When no single change that keeps the request makes the run fit the target card, apply them in order of
     saving, one setting family at a time, until it fits; None when a single change suffices or none helps."""
@@ -238,7 +238,7 @@ def _combined(spec: ModelSpec, s: Settings, changes: list[Change], usable: dict,
             continue  # one value per setting: the larger saving came first
         trial = {**applied, **c.settings}
         try:
-            need2 = _need(spec, _with(s, **trial))
+            need2 = _need(model, _with(s, **trial))
         except VramguardError:
             continue
         applied, names = trial, names + [c.description]

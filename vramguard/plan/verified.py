@@ -42,28 +42,17 @@ MEASURED: tuple[Measured, ...] = (
 )
 
 
-def parts(spec, s: Settings) -> tuple[str, ...]:
-    """The parts of ``spec``'s forward a measurement must cover (see :class:`Measured`): its layer kinds (from the
-    config transformers builds; ``full_attention`` where it names none) and the path of each kernel package the
-    replay for ``s.kernels`` takes."""
-    from vramguard.introspect.generic import _text, kernel_paths
-    from vramguard.introspect.mixers import takes_kernel
-    kinds = getattr(_text(spec), "layer_types", None) or ["full_attention"]
-    found = [f"layer:{k}" for k in dict.fromkeys(kinds)]
-    for p in kernel_paths(spec, s):
-        found.append(f"path:{p.package}:{'kernel' if takes_kernel(p, s.kernels) else 'reference'}")
-    return tuple(dict.fromkeys(found))
-
-
-def unverified(spec, s: Settings) -> tuple[str, ...]:
-    """The parts of a generic ``spec``'s forward with ``s`` that no entry of :data:`MEASURED` covers for the
-    installed transformers; () for a hand-written family (measured in benchmarks/results/h200_matrix)."""
-    if not spec.generic or not spec.config_json:
+def unverified(model, s: Settings) -> tuple[str, ...]:
+    """The parts of ``model``'s forward with ``s`` (:meth:`~vramguard.memory.model.MemoryModel.forward_parts_measured`:
+    none for a hand-written family, measured as a whole in benchmarks/results/h200_matrix) that no entry of
+    :data:`MEASURED` covers for the installed transformers."""
+    wanted = model.forward_parts_measured(s)
+    if not wanted:
         return ()
     import transformers
     version = transformers.__version__
     covered = {m.part for m in MEASURED if m.transformers in (None, version)}
-    return tuple(p for p in parts(spec, s) if p not in covered)
+    return tuple(p for p in wanted if p not in covered)
 
 
 def describe(missing: tuple[str, ...]) -> str:

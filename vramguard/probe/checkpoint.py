@@ -10,9 +10,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from vramguard.hub.headers import check_weights
+from vramguard.hub.headers import FLOAT_DTYPES, check_weights
+from vramguard.settings import short_dtype
 
-_SAFETENSORS_DTYPES = {"F32": "fp32", "BF16": "bf16", "F16": "fp16", "F64": "fp64"}
 
 
 @dataclass(frozen=True)
@@ -41,8 +41,8 @@ def _stored_dtype(path: Path) -> str | None:
         with safe_open(str(path), framework="np") as f:
             for key in f.keys():
                 dt = f.get_slice(key).get_dtype()
-                if dt in _SAFETENSORS_DTYPES:
-                    return _SAFETENSORS_DTYPES[dt]
+                if dt in FLOAT_DTYPES:
+                    return FLOAT_DTYPES[dt]
     except Exception:  # no safetensors library or an unreadable header: the dtype stays unknown
         return None
     return None
@@ -65,7 +65,6 @@ def read_checkpoint(folder: str | Path) -> CheckpointInfo:
             cfg = json.loads((p / "config.json").read_text())
         except (OSError, json.JSONDecodeError):
             cfg = {}
-    from vramguard.settings import short_dtype
     cd = cfg.get("dtype") or cfg.get("torch_dtype")
     return CheckpointInfo(
         folder=str(p), shards=tuple((f.name, f.stat().st_size) for f in files),

@@ -21,7 +21,16 @@ from functools import lru_cache
 from typing import Callable
 
 from vramguard.errors import InvalidValue
-from vramguard.plan import estimate
+from vramguard.explain import explain
+from vramguard.introspect.alloc_replay import allowed_bytes, replay_generate, supported
+from vramguard.memory.allocator import AllocatorConfig
+from vramguard.plan import choose, estimate
+from vramguard.plan.allocator import edge_prompt_tokens
+from vramguard.profile.measured_run import free_memory, run_generate
+from vramguard.profile.timeline import write_fit_plot
+from vramguard.resolve import local_model_folder
+from vramguard.runtime.device import memory_cap, require_cuda, total_bytes
+from vramguard.runtime.load import LoadedModel, load_model
 from vramguard.settings import Settings
 from vramguard.plan.solve import _largest
 from vramguard.spec import ModelSpec
@@ -81,8 +90,9 @@ def seeds(spec: ModelSpec, s: Settings, vary: str, budget: int,
         found = allocator_seeds(spec, s, budget, os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
         if found is not None:
             return found
-    cons = _largest(lo, hi, lambda v: estimate(spec, s.with_(**{key: v})).peak_reserved_bytes, budget)
-    opt = _largest(lo, hi, lambda v: estimate(spec, s.with_(**{key: v})).peak_allocated_bytes, budget)
+    model = choose(spec, s).model
+    cons = _largest(lo, hi, lambda v: estimate(model, s.with_(**{key: v})).peak_reserved_bytes, budget)
+    opt = _largest(lo, hi, lambda v: estimate(model, s.with_(**{key: v})).peak_allocated_bytes, budget)
     return cons, opt
 
 
@@ -95,9 +105,6 @@ def allocator_seeds(spec: ModelSpec, s: Settings, budget: int, alloc_conf: str |
         import transformers  # noqa: F401
     except ImportError:
         return None
-    from vramguard.introspect.alloc_replay import allowed_bytes, replay_generate, supported
-    from vramguard.plan.allocator import edge_prompt_tokens
-    from vramguard.memory.allocator import AllocatorConfig
     if not spec.config_json or not supported(s):
         return None
     try:
@@ -106,8 +113,9 @@ def allocator_seeds(spec: ModelSpec, s: Settings, budget: int, alloc_conf: str |
         return None
     base = replay_generate(spec, s.with_(prompt_tokens=1), conf).base_reserved_bytes
     from dataclasses import replace
-    cons = edge_prompt_tokens(spec, s, replace(conf, allowed_bytes=allowed_bytes(budget, base)), None)
-    opt = edge_prompt_tokens(spec, s, replace(conf, allowed_bytes=budget), cons)
+    model = choose(spec, s).model
+    cons = edge_prompt_tokens(model, s, replace(conf, allowed_bytes=allowed_bytes(budget, base)), None)
+    opt = edge_prompt_tokens(model, s, replace(conf, allowed_bytes=budget), cons)
     return (cons, opt) if cons and opt else None
 
 
@@ -119,8 +127,9 @@ def _reserved_slope(spec: ModelSpec, s: Settings, vary: str, v: int) -> float:
     """Planned reserved bytes per unit of the varied value at ``v`` (finite difference over 1%)."""
     key = VARY[vary]
     dv = max(1, v // 100)
-    hi = estimate(spec, s.with_(**{key: v + dv})).peak_reserved_bytes
-    lo = estimate(spec, s.with_(**{key: v})).peak_reserved_bytes
+    model = choose(spec, s).model
+    hi = estimate(model, s.with_(**{key: v + dv})).peak_reserved_bytes
+    lo = estimate(model, s.with_(**{key: v})).peak_reserved_bytes
     return max((hi - lo) / dv, 1.0)
 
 
@@ -203,7 +212,7 @@ def binding_component(spec: ModelSpec, s: Settings, vary: str, boundary: int | N
     fragmentation when the measured reserved-minus-allocated is larger than it, or the weights."""
     if boundary is None:
         return "weights", {}
-    est = estimate(spec, s.with_(**{VARY[vary]: boundary}))
+    est = estimate(choose(spec, s).model, s.with_(**{VARY[vary]: boundary}))
     comps = {k: v for k, v in est.components.items()}
     dyn = {k: comps.get(k, 0) for k in DYNAMIC}
     name, size = max(dyn.items(), key=lambda kv: kv[1])
@@ -227,11 +236,6 @@ def fit(model, s: Settings, vary: str, budget_bytes: int, out_dir: str | None = 
         InvalidValue: unknown ``vary``, or a budget above the card.
         NoCudaGpu: no CUDA device (fit makes real runs).
     """
-    from vramguard.explain import explain
-    from vramguard.runtime.load import LoadedModel, load_model
-    from vramguard.runtime.device import memory_cap, require_cuda, total_bytes
-    from vramguard.profile.measured_run import free_memory, run_generate
-    from vramguard.resolve import local_model_folder
     if vary not in VARY:
         raise InvalidValue("vary", vary, " | ".join(VARY), "vary one of those")
     if not isinstance(model, LoadedModel):
@@ -268,8 +272,6 @@ def fit(model, s: Settings, vary: str, budget_bytes: int, out_dir: str | None = 
     rep = FitReport(vary, budget_bytes, best, fail, runs, cons, opt, binding, comps)
     if out_dir:
         from pathlib import Path
-
-        from vramguard.profile.timeline import write_fit_plot
         Path(out_dir).mkdir(parents=True, exist_ok=True)
         rep.plot = str(write_fit_plot([r.value for r in runs], [r.peak_allocated for r in runs],
                                       [r.ok for r in runs], budget_bytes, vary, best,

@@ -7,10 +7,12 @@ import html
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from vramguard.profile.timeline import write_timeline
+from vramguard.resolve import local_model_folder
 from vramguard.runtime.load import LoadedModel, load_model, unload
-from vramguard.runtime.device import StepSample
+from vramguard.runtime.device import StepSample, require_cuda
 from vramguard.memory.runtime import CUBLAS_WORKSPACE_BYTES
-from vramguard.plan import estimate
+from vramguard.plan import choose, estimate
 from vramguard.profile.measured_run import RunResult, run_generate
 from vramguard.settings import Settings
 
@@ -60,7 +62,7 @@ def kv_growth_per_token(samples: list[StepSample]) -> int | None:
 
 def build_rows(run: RunResult, weights_bytes: int | None, spec, s: Settings) -> list[ProfileRow]:
     """The profile table from one run's samples and the plan of the same settings."""
-    est = estimate(spec, s)
+    est = estimate(choose(spec, s).model, s)
     base = est.weights.total_bytes + CUBLAS_WORKSPACE_BYTES
     pre = run.samples[0] if run.samples else None
     dec = run.samples[1:]
@@ -98,9 +100,6 @@ def profile(model: str | LoadedModel, s: Settings, out_dir: str | None = None, m
         NoCudaGpu: no CUDA device (profile measures GPU memory). Loading errors of :func:`load_model`.
     """
     import torch
-
-    from vramguard.resolve import local_model_folder
-    from vramguard.runtime.device import require_cuda
     if not isinstance(model, LoadedModel):
         local_model_folder(model)  # a missing path or a name with no weights is said before anything else
     require_cuda("profile", "profile measures GPU memory: run it on a machine with an NVIDIA GPU (vramguard plan "
@@ -145,6 +144,5 @@ def profile(model: str | LoadedModel, s: Settings, out_dir: str | None = None, m
 
 def write_outputs(report: ProfileReport, out: Path, title: str) -> tuple[Path, Path]:
     """The timeline PNG and HTML page (with the table) for ``report``."""
-    from vramguard.profile.timeline import write_timeline
     planned_peak = next((r.planned for r in report.rows if r.name == "peak allocated"), None)
     return write_timeline(report.samples, out, title, _table_html(report.rows), planned_peak)

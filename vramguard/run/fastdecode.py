@@ -6,14 +6,15 @@ removes that overhead:
 
 1. A transformers ``StaticCache`` of ``max_cache_len`` tokens (``prompt + max_new_tokens - 1`` for one request:
    the last token is never fed back, which is how ``generate`` sizes its own static cache).
-2. The prefill runs as ordinary forward calls (optionally in chunks), outside any graph.
-3. One decode step (token ids ``[1, 1]``, position ids ``[1, 1]``, a ``[1, 1, 1, max_cache_len]`` causal mask built
+2. One decode step (token ids ``[1, 1]``, position ids ``[1, 1]``, a ``[1, 1, 1, max_cache_len]`` causal mask built
    *inside* the step from the position buffer, ``logits_to_keep=1``) is run eagerly on a side stream for
-   ``warmup_steps`` real tokens, then captured once with ``torch.cuda.graph`` (PyTorch's "CUDA Graphs" notes:
-   https://pytorch.org/docs/stable/notes/cuda.html#cuda-graphs) and replayed for every later token. Before each
-   replay the next token and its position are copied into the static buffers in place; the next token is chosen on
-   the device from the graph's float32 logits, outside the graph (greedy argmax, or transformers' temperature /
-   top-k / top-p warpers and ``torch.multinomial``, as ``generate`` does).
+   ``warmup_steps`` dummy tokens, then captured once with ``torch.cuda.graph`` (PyTorch's "CUDA Graphs" notes:
+   https://pytorch.org/docs/stable/notes/cuda.html#cuda-graphs), and the cache is reset in place. This one-time
+   work comes before the prefill, so the stream after the first token runs at the decode rate the result reports.
+3. The prefill runs as ordinary forward calls (optionally in chunks), outside any graph; every later token replays
+   the graph. Before each replay the next token and its position are copied into the static buffers in place; the
+   next token is chosen on the device from the graph's float32 logits, outside the graph (greedy argmax, or
+   transformers' temperature / top-k / top-p warpers and ``torch.multinomial``, as ``generate`` does).
 
 What a replay would not update, and how it is handled:
 
@@ -32,7 +33,8 @@ the weights are read as bitsandbytes stores them) and transformers' attention fo
 transformers' ``AttentionInterface`` and switched on with ``set_attn_implementation`` for the step only: GQA without
 ``repeat_kv`` copies, no mask, the filled length read from the position buffer on the device). Before the first
 kernel step each kernel is run once on the model's own weights and cache against the library it replaces and turned
-off, with the reason, if it fails or disagrees; :attr:`DecodeResult.kernels` says what ran. With both kernels on, a
+off, with the reason, if it fails or disagrees (:mod:`vramguard.run.kernel_check`; that verdict is kept on disk and
+a later process runs a spot check instead); :attr:`DecodeResult.kernels` says what ran. With both kernels on, a
 Llama-style model whose projections are 4-bit runs the whole step as :mod:`vramguard.run.fused_step` instead (nine
 kernels per layer, checked against the step above before use; ``fused=False`` keeps the step above).
 
@@ -49,6 +51,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from vramguard.errors import InvalidValue
+from vramguard.run.kernel_check import KernelChoice
 from vramguard.run.sampling import Sampler, eos_list
 from vramguard.run.timing import DecodeResult
 from vramguard.settings import require_count
@@ -195,11 +198,8 @@ class GraphDecoder:
         self._pos = torch.zeros((1, 1), dtype=torch.long, device=self.device)
         self._kv_idx = torch.arange(max_cache_len, device=self.device).view(1, 1, 1, max_cache_len)
         self._graph_ok, self._why = graph_support(model) if use_graph else (False, "use_graph=False was passed")
-        self._nf4, self._attn_kernel, self._kernel_why = self._kernel_choice(kernels)
-        self._route = None  # the 4-bit dispatch mode of the last kernel step (its counts go to the report)
-        self._selftested = False
-        self._fused, self._fused_ok = None, fused is not False
-        self._fused_why = "" if self._fused_ok else "fused step not used: fused=False was passed"
+        nf4, attn, why = self._kernel_choice(kernels)
+        self._k = KernelChoice(model, nf4, attn, why, fused is not False, self._mask_dtype)
         self._replay: Callable[[], None] | None = None
         self._logits = None
         self._label = "eager"
@@ -214,78 +214,6 @@ class GraphDecoder:
         if kernels and not (nf4 or attn):
             raise InvalidValue("kernels", True, f"kernels that apply to this model ({why})", "pass kernels=None")
         return nf4, attn, why
-
-    @contextlib.contextmanager
-    def _kernels(self):
-        """The decode step's kernels: bitsandbytes' ``gemm_4bit`` routed to :mod:`vramguard.run.kernels.nf4`, and
-        the model switched to :mod:`vramguard.run.kernels.decode_attention` (``set_attn_implementation``, undone
-        after). Only the Python of a step runs in here; a graph replay needs neither."""
-        with contextlib.ExitStack() as stack:
-            if self._attn_kernel:
-                from vramguard.run.kernels.decode_attention import register
-                before = self.model.config._attn_implementation
-                self.model.set_attn_implementation(register())
-                stack.callback(self.model.set_attn_implementation, before)
-            if self._nf4:
-                from vramguard.run.kernels.route import gemm_4bit_route
-                self._route = stack.enter_context(gemm_4bit_route())
-            yield
-
-    def _kernel_selftest(self, filled: int) -> None:
-        """Before the first kernel step: run each kernel once on this model's real weights and cache and compare it
-        with bitsandbytes' op / a torch reference (relative error under 2e-2: bfloat16 rounding is 4e-3). A kernel
-        that fails to compile or disagrees is turned off, with the reason, before it touches the cache."""
-        if self._selftested or not (self._nf4 or self._attn_kernel):
-            return
-        import torch
-
-        from vramguard.run.kernels.selftest import check_4bit_layers_or_gather, check_decode_attention
-        self._selftested = True
-        try:
-            if self._nf4:
-                note = check_4bit_layers_or_gather(self.model, self._kernels, self._mask_dtype)
-                if note:
-                    self._kernel_why = f"4-bit matmul: {note}"
-        except Exception as e:  # noqa: BLE001 -- compile or launch failure: bitsandbytes' own kernels run instead
-            if isinstance(e, torch.OutOfMemoryError):
-                raise
-            self._nf4 = False
-            self._kernel_why = f"4-bit matmul kernel off: {type(e).__name__}: {str(e).strip()[:300]}"
-        try:
-            if self._attn_kernel:
-                check_decode_attention(self.cache.layers[0].keys, self.cache.layers[0].values,
-                                       self.model.config.num_attention_heads, filled)
-        except Exception as e:  # noqa: BLE001 -- as above: transformers' attention runs instead
-            if isinstance(e, torch.OutOfMemoryError):
-                raise
-            self._attn_kernel = False
-            self._kernel_why = f"decode attention kernel off: {type(e).__name__}: {str(e).strip()[:300]}"
-        if self._nf4 and self._attn_kernel and self._fused_ok:
-            from vramguard.run.fused_step import build
-            self._pos.fill_(filled)  # the check steps write slot `filled`; the first real step writes it again
-            self._fused, self._fused_why = build(self.model, self.cache, self.max_cache_len, filled, self._ids,
-                                                 self._pos, self._step)
-
-    def _kernel_note(self) -> str | None:
-        if not (self._nf4 or self._attn_kernel):
-            return None if self._kernel_why.startswith("no CUDA graph") else f"none: {self._kernel_why}"
-        done = []
-        if self._nf4:
-            c = self._route.counts if self._route is not None else {}
-            done.append(f"4-bit matmul (Triton) for {c.get('routed', 0)} bitsandbytes gemm_4bit call(s) per step"
-                        + (f", {c['declined']} left to bitsandbytes ({c['declined_why']})" if c.get("declined")
-                           else ""))
-        if self._fused is not None:
-            done = [("fused step: 4-bit matmul (Triton) for q/k/v in one launch, gate/up with SiLU times up in one, o "
-                     "and down; RMSNorm with the residual add; rotary with the cache write; decode attention "
-                     f"(split-K); {self._fused_why}")]
-        elif self._attn_kernel:
-            done.append("decode attention (Triton, split-K, GQA without copies, the filled length only)")
-            if self._fused_why:
-                done.append(self._fused_why)
-        if " off" in self._kernel_why:
-            done.append(self._kernel_why)
-        return "; ".join(done)
 
     # -- the forward calls ------------------------------------------------------------------------------------
     def _mask(self, positions):
@@ -306,12 +234,13 @@ class GraphDecoder:
     def _step(self):
         """One decode step from the static buffers: float32 logits ``[1, vocab]``. Captured as the graph. With the
         decode-attention kernel no mask is built (the kernel reads the filled length from the position)."""
-        if self._fused is not None:
-            return self._fused(self._ids, self._pos)
-        if not (self._nf4 or self._attn_kernel):
+        k = self._k
+        if k.fused is not None:
+            return k.fused(self._ids, self._pos)
+        if not (k.nf4 or k.attn):
             return self._forward(self._ids, self._pos, self._mask(self._pos.view(1, 1, 1, 1)))
-        with self._kernels():
-            mask = None if self._attn_kernel else self._mask(self._pos.view(1, 1, 1, 1))
+        with k.kernels():
+            mask = None if k.attn else self._mask(self._pos.view(1, 1, 1, 1))
             return self._forward(self._ids, self._pos, mask)
 
     def _prefill(self, ids):
@@ -355,8 +284,8 @@ class GraphDecoder:
                     logits = self._step()
                 self._replay, self._logits, self._label = graph.replay, logits, "cuda_graph"
                 torch.cuda.synchronize(self.device)
-            self._why = (f"one decode step captured after {self._warmed} warm-up step(s) on a side stream; later "
-                         "tokens replay it")
+            self._why = (f"one decode step captured after {self._warmed} warm-up step(s) on a side stream, before "
+                         "the prefill; every decode step replays it")
         except Exception as e:  # noqa: BLE001 -- any capture failure: report it, continue eagerly with the same step
             first = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
             ctx = e.__context__
@@ -434,9 +363,41 @@ class GraphDecoder:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+    def _prepare(self, max_new: int) -> _Times:
+        """The one-time work, before the prefill, so that every step after the first token is decode: a plain step
+        at position 0 (it creates the cache's tensors), the kernels' check (:class:`KernelChoice`), ``warmup_steps``
+        eager steps on a side stream and the capture, all on a dummy token (the caller resets the cache). Nothing
+        once done (a later request reuses the graph), for a one-token request, or, without kernels, for a request
+        with no more decode steps than the warm-up (its steps run eagerly). Returns the seconds of each part."""
+        t = _Times()
+        capture = self._replay is None and self._graph_ok and max_new - 1 > self.warmup_steps
+        if max_new < 2 or not (capture or self._k.pending):
+            return t
+        t0 = time.perf_counter()
+        self._ids.fill_(0)
+        self._pos.fill_(0)
+        # on the current stream: the cache's tensors it creates live as long as the decoder and are used there
+        self._forward(self._ids, self._pos, self._mask(self._pos.view(1, 1, 1, 1)))
+        self._pos.fill_(1)
+        self._k.check(self.cache, self.max_cache_len, 1, self._ids, self._pos, self._step)
+        self._sync()
+        t.selftest_s = time.perf_counter() - t0
+        if capture:
+            t0 = time.perf_counter()
+            for i in range(self.warmup_steps):  # positions 1, 2, ...: slots the prefill writes again after the reset
+                self._pos.fill_(1 + i)
+                with self._side_stream():
+                    self._step()
+                self._warmed += 1
+            self._sync()
+            t.warmup_s, t.warmup_steps = time.perf_counter() - t0, self.warmup_steps
+            t.capture_s = self._capture()
+        return t
+
     def _run(self, ids: list[int], max_new: int, pick: Sampler, eos: set[int], on_token, on_logits,
              sync_every: int) -> DecodeResult:
         import torch
+        t = self._prepare(max_new)
         self.cache.reset()  # in place: the graph keeps pointing at the same tensors
         t0 = time.perf_counter()
         logits = self._prefill(torch.tensor([ids], device=self.device))
@@ -448,34 +409,17 @@ class GraphDecoder:
         if on_token is not None:
             on_token(out[0])
         stop = "eos" if out[0] in eos else None
-        t = _Times()
-        if stop is None and max_new > 1 and not self._selftested and (self._nf4 or self._attn_kernel):
-            t0_check = time.perf_counter()
-            self._kernel_selftest(len(ids))
-            t.selftest_s = time.perf_counter() - t0_check
         pending: list = []
-        steps = warm = replays = 0
-        t_replay0 = None
+        steps = replays = 0
         while stop is None and len(out) + len(pending) < max_new:
             n = len(out) + len(pending)  # tokens so far; this step feeds the last one, at position len(ids) + n - 1
-            if self._replay is None and self._graph_ok and self._warmed >= self.warmup_steps:
-                t.capture_s = self._capture()
-            t_step = time.perf_counter()
-            warming = self._replay is None and self._graph_ok  # an eager step before a capture: one-time work
             self._ids.copy_(tok)
             self._pos.fill_(len(ids) + n - 1)
             if self._replay is not None:
-                if t_replay0 is None:
-                    self._sync()
-                    t_replay0 = t_step = time.perf_counter()
                 self._replay()
                 logits, replays = self._logits, replays + 1
             else:
-                with self._side_stream() if self._graph_ok else contextlib.nullcontext():
-                    logits = self._step()
-                warm += 1
-                if self._graph_ok:
-                    self._warmed += 1
+                logits = self._step()
             steps += 1
             if on_logits is not None:
                 on_logits(n, logits)
@@ -484,13 +428,9 @@ class GraphDecoder:
             if len(pending) >= sync_every or n + 1 >= max_new or self._replay is None:
                 stop = self._drain(pending, out, eos, on_token)
                 t_last = time.perf_counter()
-            if warming:  # eager steps sync at every token (_drain above), so their time is their own
-                t.warmup_s += time.perf_counter() - t_step
-                t.warmup_steps += 1
-        t_end = time.perf_counter()
         self._check_positions(len(ids) + steps)
-        return self._result(out, stop or "max_new_tokens", len(ids), t0, t_first, t_last, t_end, warm, replays,
-                            t, t_replay0)
+        return self._result(out, stop or "max_new_tokens", len(ids), t0, t_first, t_last, steps - replays, replays,
+                            t)
 
     def _drain(self, pending: list, out: list[int], eos: set[int], on_token) -> str | None:
         """Move the device tokens in ``pending`` to ``out`` (one host sync), stopping at the first EOS."""
@@ -512,25 +452,24 @@ class GraphDecoder:
                                "cache's write position and the position buffer disagree; rerun with "
                                "use_graph=False and report this")
 
-    def _result(self, out, stop, n_prompt, t0, t_first, t_last, t_end, warm, replays, t: _Times,
-                t_replay0) -> DecodeResult:
-        capture_s = t.capture_s
-        decode_steps = len(out) - 1 - t.warmup_steps
-        decode_s = max(t_last - t_first - t.one_time_s(), 0.0) if decode_steps > 0 else 0.0
+    def _result(self, out, stop, n_prompt, t0, t_first, t_last, eager, replays, t: _Times) -> DecodeResult:
+        decode_steps = len(out) - 1
+        decode_s = t_last - t_first if decode_steps > 0 else 0.0
         mode = self._label if replays else "eager"
         why = self._why
         if not replays and not self._graph_ok and not why.startswith("graph capture failed"):
             why += ": every step ran eagerly (the same static-input step, without a graph)"
         elif not replays and self._graph_ok:
-            why = (f"the request ended after {warm} decode step(s), before the capture (it follows "
+            why = (f"the request ended after {eager} decode step(s), before the capture (it follows "
                    f"{self.warmup_steps} warm-up steps): every step ran eagerly")
-        elif replays and capture_s is None:
+        elif replays and t.capture_s is None:
             why = "the graph captured by an earlier call was replayed"
-        return DecodeResult(out, mode, why, stop, n_prompt, self.max_cache_len, t_first - t0, decode_s,
-                            decode_s * 1000 / decode_steps if decode_steps > 0 else None, warm, replays,
-                            (t_end - t_replay0) * 1000 / replays if replays else None, capture_s,
-                            kernels=self._kernel_note() if warm or replays else None, decode_steps=max(decode_steps, 0),
-                            warmup_s=t.warmup_s, warmup_steps=t.warmup_steps, selftest_s=t.selftest_s)
+        per_token = decode_s * 1000 / decode_steps if decode_steps > 0 else None
+        return DecodeResult(out, mode, why, stop, n_prompt, self.max_cache_len, t_first - t0, decode_s, per_token,
+                            eager, replays, per_token if replays == decode_steps and replays else None, t.capture_s,
+                            kernels=self._k.note() if eager or replays else None, decode_steps=decode_steps,
+                            warmup_s=t.warmup_s, warmup_steps=t.warmup_steps, selftest_s=t.selftest_s,
+                            kernel_check=self._k.how)
 
     def close(self) -> None:
         """Drop the graph and the cache (their memory returns to PyTorch's allocator)."""
@@ -540,7 +479,7 @@ class GraphDecoder:
 
 @dataclass
 class _Times:
-    """One call's one-time work after the first token, in seconds (see :class:`DecodeResult`)."""
+    """One call's one-time work before its prefill, in seconds (see :class:`DecodeResult`)."""
 
     selftest_s: float = 0.0
     warmup_s: float = 0.0

@@ -50,6 +50,8 @@ def _layer_problem(layer, cache_layer, dtype) -> str | None:
             return f"{blk}.{name} is not a bitsandbytes 4-bit layer"
         if qs.quant_type not in ("nf4", "fp4") or getattr(mod, "bias", None) is not None:
             return f"{blk}.{name}: quant_type {qs.quant_type!r} or a bias"
+        if getattr(qs, "packing_format_for_cpu", False):  # bitsandbytes.functional._convert_weight_packed_for_cpu
+            return f"{blk}.{name}: bitsandbytes repacked the weight for its CPU kernel (another layout)"
     for n in ("input_layernorm", "post_attention_layernorm"):
         w = getattr(getattr(layer, n, None), "weight", None)
         if w is None or w.dtype != dtype or getattr(getattr(layer, n), "variance_epsilon", None) is None:

@@ -34,13 +34,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from vramguard import diskcache
 from vramguard.errors import Infeasible
-from vramguard.run.sampling import eos_list
+from vramguard.run.sampling import (  # noqa: F401 -- MAX_SEED, SEED_ACCEPTED, check_seed: read here by serve
+    MAX_SEED, SEED_ACCEPTED, check_generation_args, check_seed, eos_list, resolve_sampling)
 from vramguard.run.timing import RunTimings, stop_reason
 from vramguard.runtime.device import is_oom, memory_cap, usable_bytes
 from vramguard.runtime.first_prefill import measure_first_prefill, noted, scaled
 from vramguard.runtime.handle import LoadedModel, as_loaded
-from vramguard.settings import Settings, require_count
+from vramguard.settings import Settings
 from vramguard.units import fmt_bytes
 
 OOM_INJECTOR: Callable[[str, int, int], None] | None = None  # tests: (phase, attempt, step) -> raise or not
@@ -129,7 +131,7 @@ class Attempt:
     decode_reason: str | None = None
     decode_ms_per_token: float | None = None
     sdpa_note: str | None = None  # load_model's SDPA pin lifted for this attempt, and why
-    ttft_s: float | None = None  # this attempt's first token (its prefill), seconds after it started
+    ttft_s: float | None = None  # its prefill: the prompt in, its first token out (one-time work apart)
     decode_s: float | None = None  # its decode steps alone (one-time work after the first token left out)
     decode_steps: int = 0
     one_time: dict = field(default_factory=dict)  # graph strategy: selftest_s, warmup_s, capture_s
@@ -141,9 +143,11 @@ class GenerationResult:
     (``peak_allocated_bytes``: the finishing attempt's peak; each attempt keeps its own). ``decode_mode`` and
     ``decode_reason`` are set when the graph strategy finished (``fast_decode``). ``stop`` says why generation
     ended: ``"eos"`` (one of ``eos_token_ids``, the model's end tokens, was generated, and is the last id) or
-    ``"max_new_tokens"``; ``stop_detail`` says it in words. ``timings`` splits the wall time (plan, prefill,
-    one-time work, decode; :class:`~vramguard.run.timing.RunTimings`); ``decode_ms_per_token`` counts decode steps
-    only. ``loaded`` says what ran (weight format, dtypes, attention, device) when the model came from
+    ``"max_new_tokens"``; ``stop_detail`` says it in words. ``timings`` splits the wall time (plan, one-time work,
+    prefill, decode; :class:`~vramguard.run.timing.RunTimings`); ``ttft_s`` is the prefill (the prompt in, the
+    first token out: ``timings.prefill_s``) and ``decode_ms_per_token`` counts decode steps only, the one-time work
+    of the graph strategy (kernel check, warm-up, capture) done before the prefill and timed apart. ``loaded`` says
+    what ran (weight format, dtypes, attention, device) when the model came from
     :func:`~vramguard.runtime.load.load_model`."""
 
     text: str
@@ -171,7 +175,6 @@ def _candidates(spec, s: Settings, pool, on_cuda: bool, weights_loaded: bool) ->
     """(strategy, planned bytes beyond the loaded weights) for each strategy of ``pool`` that can run, and why the
     others cannot."""
     from vramguard.errors import NotPlannable
-    from vramguard.plan import estimate
     cands: list[tuple[Strategy, int]] = []
     skipped: list[str] = []
     for st in pool:
@@ -180,12 +183,32 @@ def _candidates(spec, s: Settings, pool, on_cuda: bool, weights_loaded: bool) ->
             skipped.append(f"{st.name}: {why}")
             continue
         try:
-            est = estimate(spec, s.with_(**st.plan))
+            reserved, weights = _planned_bytes(spec, s.with_(**st.plan))
         except NotPlannable as e:  # the architecture cannot run this strategy (a static cache with ALiBi...)
             skipped.append(f"{st.name}: not plannable for this model ({e.fix})")
             continue
-        cands.append((st, est.peak_reserved_bytes - (est.weights.total_bytes if weights_loaded else 0)))
+        cands.append((st, reserved - (weights if weights_loaded else 0)))
     return cands, skipped
+
+
+def _planned_bytes(spec, s: Settings) -> tuple[int, int]:
+    """(peak reserved, weights) bytes of :func:`vramguard.plan.estimate` for ``spec`` and ``s``, kept on disk by
+    :mod:`vramguard.diskcache` (keyed by the spec with its config text and checkpoint headers, the settings, the
+    library versions and vramguard's source), so a later run of the same model and request reads two integers
+    instead of planning again.
+
+    Raises:
+        NotPlannable: from the estimate (never kept).
+    """
+    from vramguard.plan import choose, estimate
+    path = diskcache.entry_key("run_strategy", spec, spec.config_json, spec.checkpoint, s)
+    kept = diskcache.read(path)
+    if isinstance(kept, tuple) and len(kept) == 2 and all(isinstance(v, int) for v in kept):
+        return kept
+    est = estimate(choose(spec, s).model, s)
+    out = (int(est.peak_reserved_bytes), int(est.weights.total_bytes))
+    diskcache.write(path, out)
+    return out
 
 
 def preflight(spec, s: Settings, usable: int | None, auto: bool, on_cuda: bool, weights_loaded: bool,
@@ -301,15 +324,15 @@ def _done(generated: list[int], max_new_tokens: int, eos: list[int], ignore_eos:
 def _attempts(model, tokenizer, prompt_ids: list[int], max_new_tokens: int, order, on_text, sample: dict,
               seed: int | None, eos: list[int], ignore_eos: bool) -> tuple[list[int], list[Attempt], float | None]:
     """Run the strategies in ``order`` until one completes; each continues from the tokens produced so far and
-    stops as transformers' ``generate`` does (at an ``eos`` id unless ``ignore_eos``, else after the budget)."""
+    stops as transformers' ``generate`` does (at an ``eos`` id unless ``ignore_eos``, else after the budget).
+    Returns the tokens, the attempts and the ``time.perf_counter()`` of the first token (None: none came)."""
     import torch
 
     from vramguard.runtime.handle import sdpa_unpinned
     on_cuda = next(model.parameters()).device.type == "cuda"
     generated: list[int] = []
     attempts: list[Attempt] = []
-    t0 = time.perf_counter()
-    ttft = None
+    first_at = None  # time.perf_counter() when the first token was streamed
     for i, (st, _need) in enumerate(order):
         tap = _Tap(tokenizer, on_text, i, generated, len(prompt_ids))
         hook = _inject_hook(model, i, tap)
@@ -336,8 +359,8 @@ def _attempts(model, tokenizer, prompt_ids: list[int], max_new_tokens: int, orde
             attempts.append(Attempt(st.name, len(generated) - tap.start,
                                     peak_allocated_bytes=torch.cuda.max_memory_allocated() if on_cuda else None,
                                     sdpa_note=sdpa_note, **{**_timing_fields(tap, t_start), **_decode_fields(dec)}))
-            ttft = ttft if ttft is not None else (tap.t_first - t0 if tap.t_first else None)
-            return generated, attempts, ttft
+            first_at = first_at if first_at is not None else tap.t_first
+            return generated, attempts, first_at
         except RuntimeError as e:  # out of memory: free what the attempt held, then the next strategy continues
             if not is_oom(e):
                 raise
@@ -346,9 +369,9 @@ def _attempts(model, tokenizer, prompt_ids: list[int], max_new_tokens: int, orde
                                     "prefill" if added == 0 else "decode", added,
                                     torch.cuda.max_memory_allocated() if on_cuda else None,
                                     **_timing_fields(tap, t_start)))
-            ttft = ttft if ttft is not None else (tap.t_first - t0 if tap.t_first else None)
+            first_at = first_at if first_at is not None else tap.t_first
             if _done(generated, max_new_tokens, eos, ignore_eos):  # it ran out after the last token: nothing is
-                return generated, attempts, ttft  # left to continue (an end token was already produced)
+                return generated, attempts, first_at  # left to continue (an end token was already produced)
             del ids
             gc.collect()
             if on_cuda:
@@ -379,7 +402,8 @@ def _graph_attempt(model, ids, remaining: int, tap: _Tap, sample: dict, chunk: i
 
 def _timing_fields(tap: _Tap, t_start: float) -> dict:
     """An attempt's first-token time and decode time from its streamer (every step after the first token is
-    decode; the graph strategy's one-time work is taken out by :func:`_decode_fields`)."""
+    decode; the graph strategy's own split, its one-time work before the prefill apart, replaces these:
+    :func:`_decode_fields`)."""
     if tap.t_first is None:
         return {}
     steps = len(tap.ids) - tap.start - 1
@@ -393,9 +417,9 @@ def _decode_fields(dec) -> dict:
         return {}
     note = (f"; kernels: {dec.kernels}" if dec.kernels else "") + (f"; {dec.sdpa_note}" if dec.sdpa_note else "")
     return {"decode_mode": dec.mode, "decode_reason": dec.reason + note, "decode_s": dec.decode_s,
-            "decode_steps": dec.decode_steps, "decode_ms_per_token": dec.decode_ms_per_token,
+            "decode_steps": dec.decode_steps, "decode_ms_per_token": dec.decode_ms_per_token, "ttft_s": dec.ttft_s,
             "one_time": {"selftest_s": dec.selftest_s, "warmup_s": dec.warmup_s, "warmup_steps": dec.warmup_steps,
-                         "capture_s": dec.capture_s}}
+                         "capture_s": dec.capture_s, "kernel_check": dec.kernel_check}}
 
 
 def strategy_order(model, prompt_tokens: int, max_new_tokens: int, *, budget_bytes: int | None = None,
@@ -416,37 +440,6 @@ def strategy_order(model, prompt_tokens: int, max_new_tokens: int, *, budget_byt
     usable, _ = usable_bytes(budget_bytes) if h.on_cuda else (None, 0)
     first = measure_first_prefill(h, s)  # a short prefill measured now where the plan is unverified, else None
     return noted(first, preflight(h.spec, s, usable, auto, h.on_cuda, True, fast_decode, first.scale if first else 1))
-
-
-MAX_SEED = 2**63 - 1  # torch.manual_seed takes a signed 64-bit seed ("Overflow when unpacking long long" above)
-SEED_ACCEPTED = f"an integer from 0 to {MAX_SEED:,} (2**63 - 1)"
-
-
-def check_seed(seed: int | None) -> None:
-    """Raise InvalidValue for a sampling seed outside ``0 .. MAX_SEED`` (``torch.manual_seed`` unpacks it as a
-    signed 64-bit integer and fails above it); None (no seed) passes."""
-    from vramguard.errors import InvalidValue
-    if seed is not None and not (isinstance(seed, int) and 0 <= seed <= MAX_SEED):
-        raise InvalidValue("seed", seed, SEED_ACCEPTED, "pass a seed from 0 to 2**63 - 1, e.g. seed=0")
-
-
-def check_generation_args(max_new_tokens: int, do_sample: bool = False, temperature: float | None = None,
-                          top_p: float | None = None, top_k: int | None = None, seed: int | None = None) -> None:
-    """Raise InvalidValue for a generation argument :func:`generate` refuses (checked before any loading):
-    ``max_new_tokens`` below 1, a sampling value :func:`vramguard.inputs.check_sampling` refuses, or
-    any of the three without ``do_sample`` (greedy decoding would ignore it: refused rather than dropped), and a
-    ``seed`` outside :func:`check_seed`'s range."""
-    from vramguard.errors import InvalidValue
-    from vramguard.inputs import check_sampling
-    require_count("max_new_tokens", max_new_tokens, 1)
-    check_seed(seed)
-    check_sampling(temperature, top_p, top_k)
-    sampling = {"temperature": temperature, "top_p": top_p, "top_k": top_k}
-    given = [n for n, v in sampling.items() if v is not None]
-    if given and not do_sample:  # greedy decoding would ignore them: refuse rather than drop the user's setting
-        raise InvalidValue(given[0], sampling[given[0]], "only with do_sample (greedy decoding ignores it)",
-                           f"pass do_sample=True to sample with {', '.join(given)}, or leave "
-                           "them out for greedy decoding")
 
 
 def generate(model, tokenizer, prompt: str | list[int], max_new_tokens: int = 256, *, budget_bytes: int | None = None,
@@ -483,8 +476,8 @@ def generate(model, tokenizer, prompt: str | list[int], max_new_tokens: int = 25
                            "max_new_tokens, or leave it out to stop at the model's end of turn")
     if isinstance(model, LoadedModel) and tokenizer is None:
         tokenizer = model.tokenizer
-    prompt_ids = _prompt_ids(tokenizer, prompt)
     t_plan = time.perf_counter()
+    prompt_ids = _prompt_ids(tokenizer, prompt)
     h = as_loaded(model)
     model, on_cuda = h.model, h.on_cuda
     eos = eos_list(model, "model")
@@ -500,8 +493,8 @@ def generate(model, tokenizer, prompt: str | list[int], max_new_tokens: int = 25
     t0 = time.perf_counter()
     sample, sampling_note = resolve_sampling(model, do_sample, temperature, top_p, top_k)
     with memory_cap(budget_bytes if on_cuda else None):
-        generated, attempts, ttft = _attempts(model, tokenizer, prompt_ids, max_new_tokens, order, on_text, sample,
-                                              seed, eos, ignore_eos)
+        generated, attempts, first_at = _attempts(model, tokenizer, prompt_ids, max_new_tokens, order, on_text,
+                                                  sample, seed, eos, ignore_eos)
     elapsed = time.perf_counter() - t0
     last = attempts[-1]
     if budget_bytes is not None and not on_cuda:
@@ -517,9 +510,9 @@ def generate(model, tokenizer, prompt: str | list[int], max_new_tokens: int = 25
         reason += f"; {sampling_note}"
     text = tokenizer.decode(generated, skip_special_tokens=True) if tokenizer is not None else ""
     stop, stop_detail = stop_reason(generated, max_new_tokens, eos, ignore_eos, tokenizer)
-    timings = RunTimings.of_attempts(attempts, plan_s, ttft, elapsed)
+    timings = RunTimings.of_attempts(attempts, plan_s, elapsed, first_at - t_plan if first_at else None)
     return GenerationResult(text, list(generated), last.strategy, reason, attempts,
-                            last.peak_allocated_bytes, ttft,
+                            last.peak_allocated_bytes, timings.prefill_s,
                             len(generated) / elapsed if elapsed > 0 else None, order[0][1], usable,
                             last.decode_mode, last.decode_reason, timings.decode_ms_per_token, stop, stop_detail,
                             eos, ignore_eos, timings, _loaded_as(h))
@@ -559,27 +552,11 @@ def fast_decode_choice(model, fast_decode: bool | None) -> tuple[bool, str]:
     return True, f"batch 1 on {why}"
 
 
-def resolve_sampling(model, do_sample: bool, temperature, top_p, top_k) -> tuple[dict, str | None]:
-    """The sampling arguments every strategy gets, explicit: a value the caller left ``None`` is the model's own
-    (``model.generation_config``, e.g. a checkpoint's temperature 0.6 / top_p 0.9), so no path drops it and the
-    graph decoder and ``generate`` sample alike. Returns (kwargs, a note naming the values taken from the model)."""
-    gc = getattr(model, "generation_config", None)
-    out = {"do_sample": do_sample}
-    taken = []
-    for name, value in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k)):
-        if value is None and do_sample and gc is not None and getattr(gc, name, None) is not None:
-            value = getattr(gc, name)
-            taken.append(f"{name} {value}")
-        out[name] = value
-    note = ("sampling with the model's generation_config: " + ", ".join(taken)) if taken else None
-    return out, note
-
-
 def prompt_budget(model, max_new_tokens: int, budget_bytes: int | None = None, auto: bool = True) -> int:
     """The longest prompt (tokens) that some strategy can run with ``max_new_tokens`` in the memory left: the
     plan's :func:`~vramguard.plan.solve.max_prompt_tokens` per strategy, the largest of them; the model's context when
     there is no CUDA device to plan against."""
-    from vramguard.plan import estimate
+    from vramguard.plan import choose, estimate
     from vramguard.plan.solve import _largest
     h = as_loaded(model)
     ctx = h.spec.max_position_embeddings - max_new_tokens
@@ -587,14 +564,14 @@ def prompt_budget(model, max_new_tokens: int, budget_bytes: int | None = None, a
     if usable is None:
         return ctx
     s = h.settings.with_(max_new_tokens=max_new_tokens)
-    best = 0
+    memory, best = choose(h.spec, s).model, 0
     for st in STRATEGIES if auto else STRATEGIES[:1]:
         if not st.available(h.on_cuda)[0]:
             continue
         ss = s.with_(**st.plan)
 
         def need(p: int, ss=ss) -> int:  # beyond the loaded weights, as preflight counts it
-            est = estimate(h.spec, ss.with_(prompt_tokens=p))
+            est = estimate(memory, ss.with_(prompt_tokens=p))
             return est.peak_reserved_bytes - est.weights.total_bytes
         best = max(best, _largest(1, ctx, need, usable) or 0)
     return best

@@ -1,10 +1,11 @@
 """Where a ``run`` spends its wall time, and why its generation ended; knows nothing about how tokens are made.
 
 The split follows what a person waits for: importing torch and transformers, reading the tokenizer and config
-(``prepare``), loading the weights, planning the strategy, the prefill (time to first token, TTFT), one-time work
-after the first token (the Triton kernels' self-test with their compilation, the eager warm-up steps before a CUDA
-graph capture, the capture) and the decode steps. ``decode_ms_per_token`` is decode time over decode steps only,
-so on a short answer it is not inflated by one-time work (that has its own line).
+(``prepare``), loading the weights, planning the strategy, one-time work (the Triton kernels' check, with their
+compilation the first time, the eager warm-up steps before a CUDA graph capture, the capture: all before the
+prefill), the prefill (time to first token, TTFT) and the decode steps. ``decode_ms_per_token`` is decode time over
+decode steps, the first token to the last, so it is the rate a person watching the stream sees; one-time work has
+its own line, and ``first_token_s`` / ``command_first_token_s`` say when the first token came.
 """
 
 from __future__ import annotations
@@ -17,9 +18,12 @@ class RunTimings:
     """Seconds per phase of one run (None: not measured by the caller, e.g. ``import_s`` outside the CLI).
 
     ``generate_s`` is the wall time inside :func:`vramguard.run.generate.generate` after planning;
-    ``prefill_s + one_time_s + decode_s + other_s == generate_s``, ``other_s`` being what no phase names (prefills
-    that continue after an out-of-memory error, the last token's streaming). ``total_s`` is the command's wall time
-    from the start of the interpreter (CLI only).
+    ``one_time_s + prefill_s + decode_s + other_s == generate_s``, ``other_s`` being what no phase names (prefills
+    that continue after an out-of-memory error, the last token's streaming). ``first_token_s`` runs from the call of
+    ``generate`` (planning included) to the first token; ``command_first_token_s`` and ``total_s`` from the start of
+    the interpreter (CLI only). ``kernel_check`` says how the Triton kernels were checked: ``"full"`` (each kernel
+    on the model's weights, compiled the first time), ``"kept"`` (the verdict kept on disk and a spot check), None
+    (no kernels).
     """
 
     startup_s: float | None = None  # interpreter start to the command's first line (the CLI's own imports)
@@ -27,7 +31,7 @@ class RunTimings:
     prepare_s: float | None = None  # tokenizer, prompt and context check before loading
     load_s: float | None = None
     plan_s: float | None = None
-    prefill_s: float | None = None  # time to first token (TTFT)
+    prefill_s: float | None = None  # time to first token (TTFT): the prompt in, the first token out
     selftest_s: float = 0.0
     warmup_s: float = 0.0
     warmup_steps: int = 0
@@ -37,18 +41,22 @@ class RunTimings:
     decode_ms_per_token: float | None = None
     other_s: float = 0.0
     generate_s: float | None = None
+    first_token_s: float | None = None
+    command_first_token_s: float | None = None
     total_s: float | None = None
+    kernel_check: str | None = None
 
     @property
     def one_time_s(self) -> float:
-        """Kernel self-test (Triton compilation included), warm-up steps and graph capture, in seconds."""
+        """Kernel check (Triton compilation included), warm-up steps and graph capture, in seconds."""
         return self.selftest_s + self.warmup_s + self.capture_s
 
     @classmethod
-    def of_attempts(cls, attempts, plan_s: float, ttft_s: float | None, generate_s: float) -> RunTimings:
-        """The split of a generation from its attempts (:class:`vramguard.run.generate.Attempt`): prefill is the
-        time to the first token; decode and one-time work are summed over the attempts."""
-        t = cls(plan_s=plan_s, prefill_s=ttft_s, generate_s=generate_s)
+    def of_attempts(cls, attempts, plan_s: float, generate_s: float, first_token_s: float | None) -> RunTimings:
+        """The split of a generation from its attempts (:class:`vramguard.run.generate.Attempt`): the prefill is that
+        of the attempt that produced the first token; decode and one-time work are summed over the attempts."""
+        t = cls(plan_s=plan_s, generate_s=generate_s, first_token_s=first_token_s)
+        t.prefill_s = next((a.ttft_s for a in attempts if a.new_tokens > 0 and a.ttft_s is not None), None)
         for a in attempts:
             t.decode_s += a.decode_s or 0.0
             t.decode_steps += a.decode_steps
@@ -57,8 +65,9 @@ class RunTimings:
             t.warmup_s += one.get("warmup_s") or 0.0
             t.warmup_steps += one.get("warmup_steps") or 0
             t.capture_s += one.get("capture_s") or 0.0
+            t.kernel_check = one.get("kernel_check") or t.kernel_check
         t.decode_ms_per_token = t.decode_s * 1000 / t.decode_steps if t.decode_steps else None
-        t.other_s = max(generate_s - (ttft_s or 0.0) - t.one_time_s - t.decode_s, 0.0)
+        t.other_s = max(generate_s - (t.prefill_s or 0.0) - t.one_time_s - t.decode_s, 0.0)
         return t
 
     def to_json(self) -> dict:
@@ -115,14 +124,15 @@ def process_age_s() -> float | None:
 class DecodeResult:
     """One request's tokens and how they were produced.
 
-    ``mode`` is ``"cuda_graph"`` when at least one token came from a graph replay, else ``"eager"`` (or the label of a
-    test's capture override); ``reason`` says why. Times are seconds, rates ms per generated token. The time after the
-    first token is split in two: one-time work (``selftest_s``: the kernels' check on the model's own weights, with
-    their Triton compilation; ``warmup_s``: the eager steps before a capture, which compile the kernels' first
-    launch; ``capture_s``) and decode (``decode_s`` over ``decode_steps`` steps: the replayed steps, or every step
-    when no graph is captured). ``decode_ms_per_token`` counts decode only, so ``ttft_s + one_time_s + decode_s`` is
-    the call's wall time; ``replay_ms_per_token`` is the replayed steps alone (token selection and streaming
-    included).
+    ``mode`` is ``"cuda_graph"`` when the decode steps came from a graph replay, else ``"eager"`` (or the label of a
+    test's capture override); ``reason`` says why. Times are seconds, rates ms per generated token. One-time work runs
+    before the prefill, on a dummy token, so that every step after the first token is decode: ``selftest_s`` (the
+    kernels' check on the model's own weights, with their Triton compilation the first time, or a spot check of the
+    verdict kept on disk: ``kernel_check`` says which), ``warmup_s`` (``warmup_steps`` eager steps before a capture)
+    and ``capture_s``. ``ttft_s`` is the prefill (the prompt in, the first token out); ``decode_s`` spans the first
+    token to the last over ``decode_steps`` steps, so ``decode_ms_per_token`` is what a person watching the stream
+    sees. ``eager_steps`` and ``replay_steps`` split the decode steps; ``replay_ms_per_token`` is set when every
+    step was replayed.
     """
 
     token_ids: list[int]
@@ -134,18 +144,19 @@ class DecodeResult:
     ttft_s: float
     decode_s: float
     decode_ms_per_token: float | None
-    eager_steps: int = 0  # decode steps run without the graph: the warm-up, or all of them in eager mode
+    eager_steps: int = 0  # decode steps run without the graph (all of them in eager mode)
     replay_steps: int = 0
     replay_ms_per_token: float | None = None
     capture_s: float | None = None
-    decode_steps: int = 0  # the steps decode_s covers
-    warmup_s: float = 0.0  # eager steps before the capture (they produce real tokens)
+    decode_steps: int = 0  # the steps decode_s covers: every token after the first
+    warmup_s: float = 0.0  # eager steps on a dummy token before the capture
     warmup_steps: int = 0
     selftest_s: float = 0.0
+    sdpa_note: str | None = None
+    kernels: str | None = None  # which Triton kernels ran in the decode steps (None: none), or why none did
+    kernel_check: str | None = None  # "full" (every kernel checked) or "kept" (the verdict on disk + a spot check)
 
     @property
     def one_time_s(self) -> float:
-        """Seconds of one-time work after the first token: kernel self-test, warm-up steps, graph capture."""
+        """Seconds of one-time work before the prefill: kernel check, warm-up steps, graph capture."""
         return self.selftest_s + self.warmup_s + (self.capture_s or 0.0)
-    sdpa_note: str | None = None
-    kernels: str | None = None  # which Triton kernels ran in the decode steps (None: none), or why none did

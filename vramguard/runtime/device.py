@@ -13,6 +13,8 @@ import contextlib
 import time
 from dataclasses import dataclass, field, fields
 
+from vramguard.errors import NoCudaGpu
+
 
 class CudaProbe:
     """Reads the caching allocator's counters and the device's free memory (one CUDA device)."""
@@ -165,7 +167,6 @@ def require_cuda(work: str, fix: str) -> None:
     import torch
     if torch.cuda.is_available():
         return
-    from vramguard.errors import NoCudaGpu
     why = ("this torch is a CPU build" if torch.version.cuda is None else
            f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees no CUDA device")
     raise NoCudaGpu(work, "none", why, fix)

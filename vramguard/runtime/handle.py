@@ -13,9 +13,10 @@ from __future__ import annotations
 import contextlib
 import weakref
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from vramguard.settings import ATTNS, Settings, short_dtype
+from vramguard.spec import spec_from_config
 
 if TYPE_CHECKING:
     from vramguard.runtime.device import MemorySnapshot
@@ -69,7 +70,7 @@ class LoadedModel:
         sdpa_pin: the :class:`SdpaPin` every forward runs under, or None (:func:`pin_sdpa`).
     """
 
-    model: object
+    model: Any  # transformers' PreTrainedModel (torch is not imported here)
     tokenizer: object = None
     report: object = None
     spec: ModelSpec | None = None
@@ -165,33 +166,57 @@ def as_loaded(model, tokenizer=None) -> LoadedModel:
     return h if tokenizer is None else replace(h, tokenizer=tokenizer)
 
 
+def handle_of(model, tokenizer=None) -> LoadedModel:
+    """The handle a runtime verb works from, without a lookup: ``model`` itself when it is a
+    :class:`LoadedModel` (``tokenizer``, when given, replacing its own), else one described from the bare model
+    (:func:`describe`). Verbs take the handle :func:`~vramguard.runtime.load.load_model` returned; the table
+    :func:`as_loaded` reads serves callers that unpacked it into a bare model."""
+    if isinstance(model, LoadedModel):
+        return model if tokenizer is None else replace(model, tokenizer=tokenizer)
+    return describe(model, tokenizer)
+
+
 def describe(model, tokenizer=None) -> LoadedModel:
     """A handle for a model vramguard did not load: the spec from ``model.config``, the settings from its
     quantization config, parameter dtype and attention implementation (:func:`loaded_settings`)."""
-    from vramguard.spec import spec_from_config
     spec = spec_from_config(model.config.to_dict(), name=getattr(model.config, "_name_or_path", "model"))
     return LoadedModel(model, tokenizer, None, spec, loaded_settings(model))
 
 
+# transformers' BitsAndBytesConfig defaults (``utils/quantization_config.py``): what a quantization_config without
+# the key means
+BNB_DEFAULT_QUANT_TYPE, BNB_DEFAULT_DOUBLE_QUANT, BNB_DEFAULT_COMPUTE_DTYPE = "fp4", False, "fp32"
+
+
+def decode_quantization_config(q) -> tuple[str | None, bool, str | None]:
+    """(weight format, double quant, 4-bit compute dtype) of a model's ``quantization_config`` (a
+    ``BitsAndBytesConfig`` or its dict): ``"nf4"``/``"fp4"`` for ``load_in_4bit`` (``bnb_4bit_quant_type``),
+    ``"int8"`` for ``load_in_8bit``, the ``quant_method`` of any other method; None without a config. A key the
+    config lacks means what transformers' ``BitsAndBytesConfig`` defaults it to (``fp4``, no double quant, float32
+    compute): the one reading of it that both the handle's settings and the load report use."""
+    if q is None:
+        return None, BNB_DEFAULT_DOUBLE_QUANT, None
+    d = q.to_dict() if hasattr(q, "to_dict") else dict(q)
+    if d.get("load_in_4bit"):
+        quant = "nf4" if d.get("bnb_4bit_quant_type", BNB_DEFAULT_QUANT_TYPE) == "nf4" else "fp4"
+        compute = short_dtype(d.get("bnb_4bit_compute_dtype")) or BNB_DEFAULT_COMPUTE_DTYPE
+        return quant, bool(d.get("bnb_4bit_use_double_quant", BNB_DEFAULT_DOUBLE_QUANT)), compute
+    if d.get("load_in_8bit"):
+        return "int8", BNB_DEFAULT_DOUBLE_QUANT, None
+    return str(d.get("quant_method")), BNB_DEFAULT_DOUBLE_QUANT, None
+
+
 def loaded_settings(model) -> Settings:
     """The settings a loaded model runs with, read from it: the weight format from ``config.quantization_config``
-    (bitsandbytes' ``load_in_4bit`` / ``bnb_4bit_quant_type`` / ``load_in_8bit``; otherwise the model's dtype),
-    the compute dtype and double quant from ``bnb_4bit_compute_dtype`` / ``bnb_4bit_use_double_quant``, the dtype
-    of the unquantized modules from ``model.dtype`` and the attention from ``config._attn_implementation`` (SDPA
-    for any other implementation)."""
+    (:func:`decode_quantization_config`; a method other than bitsandbytes' is ``bf16``, otherwise the model's
+    dtype), the dtype of the unquantized modules from ``model.dtype`` and the attention from
+    ``config._attn_implementation`` (SDPA for any other implementation)."""
     dtype = short_dtype(getattr(model, "dtype", None)) or "bf16"
     q = getattr(model.config, "quantization_config", None)
-    compute, double = None, True
-    if q is None:
-        quant = dtype
-    else:
-        d = q.to_dict() if hasattr(q, "to_dict") else dict(q)
-        if d.get("load_in_4bit"):
-            quant = "fp4" if d.get("bnb_4bit_quant_type") == "fp4" else "nf4"
-            compute = short_dtype(d.get("bnb_4bit_compute_dtype"))
-            double = bool(d.get("bnb_4bit_use_double_quant", True))
-        else:
-            quant = "int8" if d.get("load_in_8bit") else "bf16"
+    method, double, compute = decode_quantization_config(q)
+    quant = dtype if method is None else method if method in ("nf4", "fp4", "int8") else "bf16"
+    if method not in ("nf4", "fp4"):
+        double = True  # the Settings default, which only 4-bit reads
     attn = getattr(model.config, "_attn_implementation", "sdpa") or "sdpa"
     return Settings(quant=quant, double_quant=double, attn=attn if attn in ATTNS else "sdpa",
                     compute_dtype=compute, dtype=None if q is None else dtype)

@@ -22,16 +22,22 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from vramguard.probe.checkpoint import read_checkpoint
+from vramguard.extras import extra_of
+from vramguard.introspect.build import attention_support, cached_config
+from vramguard.memory.runtime import CUDA_CONTEXT_BYTES
+from vramguard.plan.choice import choose
+from vramguard.probe.checkpoint import read_checkpoint, resolve_param_dtype
 from vramguard.probe.env import probe_env
 from vramguard.probe.kernels import AttentionKernel, profile_attention
 from vramguard.errors import ConfigError, InvalidValue, UnknownModel
 from vramguard.resolve import local_model_folder, resolve_model
 from vramguard.runtime.device import MemorySnapshot, free_bytes
-from vramguard.runtime.handle import LoadedModel, as_loaded, forget, known, loaded_settings, register
+from vramguard.runtime.handle import (LoadedModel, as_loaded, decode_quantization_config, forget, known,
+                                      loaded_settings, register)
 from vramguard.runtime.handle import pin_sdpa as _pin_sdpa
 from vramguard.runtime.handle import unpin_sdpa as _unpin_sdpa
-from vramguard.settings import TORCH_DTYPE_NAMES
+from vramguard.runtime.tokenizer import folder_tokenizer
+from vramguard.settings import TORCH_DTYPE_NAMES, Settings
 
 SDPA_PIN_ORDER = ("flash", "cudnn", "efficient")
 
@@ -50,7 +56,7 @@ class LoadReport:
     notes: list[str] = field(default_factory=list)
 
 
-def _override(report: LoadReport | None, strict: bool, field_: str, value, accepted: str, new, why: str) -> object:
+def _override(report: LoadReport | None, strict: bool, field_: str, value, accepted: str, new: str, why: str) -> str:
     """``new`` in place of ``value``, recorded in ``report.overrides`` and warned; ``strict`` raises InvalidValue
     instead; ``report`` None records and warns nothing (a caller asking only what a load would choose)."""
     if strict:
@@ -191,7 +197,9 @@ def load_model(model: str, *, quant: str = "nf4", double_quant: bool = True, com
             prompt before loading); None reads it here.
 
     Returns:
-        LoadedModel (iterable as ``model, tokenizer, report``).
+        The :class:`~vramguard.runtime.handle.LoadedModel` every runtime verb takes: the model, its tokenizer, the
+        report, the spec it was resolved to, the settings as loaded and the pre-load snapshot (iterable as
+        ``model, tokenizer, report``).
 
     Raises:
         UnknownModel: no local weights for ``model``. InvalidValue: a bad setting (or one that cannot run, with
@@ -199,9 +207,6 @@ def load_model(model: str, *, quant: str = "nf4", double_quant: bool = True, com
     """
     import torch
     import transformers
-
-    from vramguard.probe.checkpoint import resolve_param_dtype
-    from vramguard.settings import Settings
 
     Settings(quant=quant, double_quant=double_quant, compute_dtype=compute_dtype, dtype=dtype)  # validates
     if attn not in ("auto", "flash_attention_2", "sdpa", "eager"):
@@ -231,7 +236,9 @@ def load_model(model: str, *, quant: str = "nf4", double_quant: bool = True, com
         kwargs["quantization_config"] = _bnb_config(quant, double_quant, cd)
     kwargs["device_map"] = device_map if device_map is not None else _default_device_map(spec, quant, on_cuda,
                                                                                        report, kwargs)
-    baseline = workspace = snapshot = None
+    baseline: int | None = None
+    workspace = 0
+    snapshot = None
     if on_cuda:  # baseline and residual (unload) both leave cuBLAS workspaces out: dropped here and there
         clear_cublas_workspaces()
         snapshot = MemorySnapshot.take()
@@ -242,8 +249,7 @@ def load_model(model: str, *, quant: str = "nf4", double_quant: bool = True, com
         workspace = torch.cuda.memory_allocated() - baseline
     m = _from_pretrained(folder, spec, kwargs)
     report.baseline_allocated_bytes = baseline
-    report.weights_bytes = torch.cuda.memory_allocated() - baseline - workspace if on_cuda else None
-    from vramguard.runtime.tokenizer import folder_tokenizer
+    report.weights_bytes = torch.cuda.memory_allocated() - baseline - workspace if baseline is not None else None
     tok, no_tokenizer = (tokenizer, "") if tokenizer is not None else folder_tokenizer(folder, trust_remote_code)
     if tok is None:  # a folder with weights but no tokenizer files
         report.notes.append(f"no tokenizer loaded: {no_tokenizer}")
@@ -276,8 +282,6 @@ def _require_bitsandbytes(quant: str) -> None:
         ConfigError: ``quant`` is nf4/fp4/int8 and ``importlib.util.find_spec("bitsandbytes")`` finds nothing.
     """
     import importlib.util
-
-    from vramguard.extras import extra_of
     if importlib.util.find_spec("bitsandbytes") is None:
         raise ConfigError("quant", quant, "a 16-bit or 32-bit dtype when bitsandbytes is not installed "
                           f"({quant} weights are quantized by bitsandbytes)",
@@ -312,8 +316,6 @@ def _no_progress_bar():
 def _from_pretrained(folder, spec, kwargs: dict):
     """``AutoModelForCausalLM.from_pretrained`` in eval mode; a config with no causal-LM class is a ConfigError."""
     import transformers
-
-    from vramguard.errors import ConfigError
     try:
         with _no_progress_bar():
             m = transformers.AutoModelForCausalLM.from_pretrained(str(folder), **kwargs)
@@ -328,7 +330,6 @@ def _from_pretrained(folder, spec, kwargs: dict):
 
 
 def _attention_support(spec) -> dict[str, bool]:
-    from vramguard.introspect.build import attention_support, cached_config
     return attention_support(cached_config(spec.config_json, spec.name)) if spec.config_json else {}
 
 
@@ -336,11 +337,7 @@ def _default_device_map(spec, quant, on_cuda, report, kwargs) -> dict | str:
     if not on_cuda:
         return {"": "cpu"}
     import torch
-
-    from vramguard.memory.runtime import CUDA_CONTEXT_BYTES
-    from vramguard.memory.weights import weight_bytes
-    from vramguard.settings import Settings
-    need = weight_bytes(spec, Settings(quant=quant)).total_bytes + CUDA_CONTEXT_BYTES
+    need = choose(spec).model.weight_bytes(Settings(quant=quant)).total_bytes + CUDA_CONTEXT_BYTES
     free = [free_bytes(i) for i in range(torch.cuda.device_count())]
     if need <= free[0] or len(free) == 1:
         return {"": 0}
@@ -353,11 +350,8 @@ def _default_device_map(spec, quant, on_cuda, report, kwargs) -> dict | str:
 def _active(m) -> dict:
     import torch
     q = getattr(m.config, "quantization_config", None)
-    quant = "none"
-    if q is not None:
-        qd = q.to_dict() if hasattr(q, "to_dict") else dict(q)
-        quant = ("nf4" if qd.get("bnb_4bit_quant_type") == "nf4" else "fp4") if qd.get("load_in_4bit") else (
-            "int8" if qd.get("load_in_8bit") else str(qd.get("quant_method")))
+    method, double, _ = decode_quantization_config(q)
+    quant = method or "none"
     compute = None
     for mod in m.modules():
         if hasattr(mod, "compute_dtype") and getattr(mod, "compute_dtype", None) is not None:
@@ -367,8 +361,7 @@ def _active(m) -> dict:
     dmap = getattr(m, "hf_device_map", None) or {"": str(emb.device)}
     on_gpu = any(str(v) not in ("cpu", "disk") for v in dmap.values())
     offloaded = sorted(k for k, v in dmap.items() if str(v) in ("cpu", "disk")) if on_gpu else []
-    return {"quant": quant, "double_quant": (q.to_dict().get("bnb_4bit_use_double_quant") if q is not None and
-                                              hasattr(q, "to_dict") else None),
+    return {"quant": quant, "double_quant": double if method in ("nf4", "fp4") else None,
             "compute_dtype": compute, "dtype": str(emb.dtype).replace("torch.", ""),
             "attn": m.config._attn_implementation, "device_map": {k: str(v) for k, v in dmap.items()},
             "offloaded_modules": offloaded, "device": str(emb.device),
@@ -436,7 +429,7 @@ def unload(model) -> UnloadReport:
     handle = as_loaded(model) if isinstance(model, LoadedModel) or known(model) else None
     model = handle.model if handle is not None else model
     on_cuda = torch.cuda.is_available()
-    before = torch.cuda.memory_allocated() if on_cuda else None
+    before = torch.cuda.memory_allocated() if on_cuda else 0
     baseline = handle.baseline.allocated if handle is not None and handle.baseline is not None else None
     forget(model)
     for mod in model.modules():

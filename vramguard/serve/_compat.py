@@ -14,6 +14,10 @@ from __future__ import annotations
 import dataclasses
 from functools import lru_cache
 
+from vramguard.runtime.device import is_oom
+from vramguard.serve import recovery
+from vramguard.serve.faults import device_fault
+
 
 def cb_config(page_size: int, **kw):
     """A ``ContinuousBatchingConfig`` with the fields this transformers knows (``page_size`` or ``block_size``);
@@ -50,10 +54,6 @@ def blocks_per_pool_block(config) -> int:
 def guarded_manager_class():
     """The ``ContinuousBatchingManager`` subclass whose loop survives an OOM inside a step (see engine.py)."""
     from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager
-
-    from vramguard.serve import recovery
-    from vramguard.runtime.device import is_oom
-    from vramguard.serve.faults import device_fault
 
     class GuardedManager(ContinuousBatchingManager):
         """transformers' manager whose steps are reported to ``vg_engine`` (:class:`~vramguard.serve.engine.Engine`),

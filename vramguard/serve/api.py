@@ -29,9 +29,11 @@ from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from vramguard.serve.access import AccessLog, throughput_loop
 from vramguard.serve.admission import Admission, RefusalLog, read_body, shutting_down
 from vramguard.serve.apierrors import ApiError, shown  # ApiError: also imported from here by the router
 from vramguard.serve.browsers import BrowserGuard
+from vramguard.serve.config import BODY_TIMEOUT_S  # also imported from here by the router
 from vramguard.serve.engine import Engine, EngineStopped, Sampling
 from vramguard.serve.metrics import Metrics
 from vramguard.serve.prompts import PromptEncoder
@@ -41,7 +43,6 @@ from vramguard.serve.streaming import Outputs
 from vramguard.serve.validate import Limits, check_tokens, parse_request
 
 SHUTDOWN_GRACE_S = 5.0  # seconds open requests get to end on Ctrl-C/SIGTERM (uvicorn's graceful timeout too)
-BODY_TIMEOUT_S = 10.0  # the whole request body must arrive within this many seconds of the headers
 
 
 @dataclass
@@ -163,7 +164,6 @@ class _Api:
 
     @contextlib.asynccontextmanager
     async def lifespan(self, _app):
-        from vramguard.serve.access import throughput_loop
         task = asyncio.create_task(self._watch())
         throughput = asyncio.create_task(throughput_loop(self.engine, self.metrics, self.options.log_every_s))
         try:
@@ -329,7 +329,6 @@ def create_app(engine: Engine, tokenizer, options: ServeOptions, metrics: Metric
     if options.api_key:  # added last: the outermost layer, so a request without the key never reaches the gate
         app.add_middleware(_ApiKey, key=options.api_key, on_reject=lambda: metrics.requests.labels(
             "rejected_auth").inc())
-    from vramguard.serve.access import AccessLog
     app.add_middleware(AccessLog)  # outermost: every request gets its line, refused ones too
     _routes(app, api)
     return app

@@ -27,6 +27,9 @@ from __future__ import annotations
 import contextlib
 import logging
 
+from vramguard.run.kernels.selftest import check_4bit_layers_or_gather, fastest_4bit_paths
+from vramguard.runtime.device import is_oom
+
 log = logging.getLogger("vramguard.serve")
 
 SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # requests a decode graph is padded to
@@ -72,7 +75,6 @@ def choose_gemm(model) -> tuple[object | None, str | None]:
         return None, "decode steps: bitsandbytes' 4-bit matmul (vramguard's switched off)"
     from vramguard.run.kernels import nf4_gemm
     from vramguard.run.kernels.route import gemm_4bit_route
-    from vramguard.run.kernels.selftest import check_4bit_layers_or_gather, fastest_4bit_paths
     route = functools.partial(gemm_4bit_route, nf4_gemm.MAX_ROWS)
     p = next(model.parameters())
     dtype = model.dtype if model.dtype.is_floating_point else p.dtype
@@ -84,7 +86,7 @@ def choose_gemm(model) -> tuple[object | None, str | None]:
             notes = [check_4bit_layers_or_gather(model, functools.partial(route, choice), dtype, rows=rows,
                                                  every_shape=True) for rows in CHECK_ROWS]
     except Exception as e:  # noqa: BLE001 - a kernel that fails to compile or disagrees is not used: say why
-        if isinstance(e, torch.OutOfMemoryError):
+        if is_oom(e):
             raise
         return None, (f"decode steps: bitsandbytes' 4-bit matmul (vramguard's failed its check: "
                       f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})")

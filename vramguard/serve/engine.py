@@ -37,6 +37,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
+from vramguard.errors import Infeasible
+from vramguard.serve import _compat
+from vramguard.serve.decode_graphs import SIZES, DecodeGraphs, choose_gemm, unsupported
 # the failure rules the module docstring names, defined with the rest of them in serve/faults.py
 from vramguard.runtime.device import is_oom  # noqa: F401
 from vramguard.serve.faults import (DEVICE_FAULT_MARKERS, MAX_FAILURES_IN_A_ROW, MAX_OOM_RETRIES,  # noqa: F401
@@ -44,6 +47,7 @@ from vramguard.serve.faults import (DEVICE_FAULT_MARKERS, MAX_FAILURES_IN_A_ROW,
 from vramguard.serve.attention import choose as choose_attention
 from vramguard.serve.pool import PoolPlan, blocks_needed
 from vramguard.serve.sampler import DRAW, GREEDY, SEEDED, RowSampler, sampling_rows
+from vramguard.units import fmt_bytes
 
 log = logging.getLogger("vramguard.serve")
 
@@ -235,10 +239,8 @@ class Engine:
     def _start(self) -> None:
         import torch
         from transformers import GenerationConfig
-
-        from vramguard.serve._compat import blocks_per_pool_block, cb_config, guarded_manager_class
         text_cfg = self.model.config.get_text_config()
-        self._cb_blocks_per_block = blocks_per_pool_block(text_cfg)
+        self._cb_blocks_per_block = _compat.blocks_per_pool_block(text_cfg)
         eos = getattr(self.model.generation_config, "eos_token_id", None)
         if eos is None and self.tokenizer is not None:
             eos = self.tokenizer.eos_token_id
@@ -246,14 +248,14 @@ class Engine:
         gen = GenerationConfig(max_new_tokens=16, eos_token_id=eos if eos is not None else -1,
                                pad_token_id=getattr(text_cfg, "pad_token_id", None) or 0,
                                **(sampling or {"do_sample": False}))
-        cfg = cb_config(num_blocks=self.pool.num_blocks * self._cb_blocks_per_block, page_size=self.pool.page_size,
-                        max_batch_tokens=self.pool.max_batch_tokens,
-                        max_requests_per_batch=1 if self.deterministic else self.pool.max_requests,
-                        use_async_batching=False, per_request_processors=not self.greedy_only,
-                        drop_unsupported_processors=False,
-                        max_memory_percent=1.0, seed=self.seed, allow_block_sharing=False)
+        cfg = _compat.cb_config(num_blocks=self.pool.num_blocks * self._cb_blocks_per_block,
+                                page_size=self.pool.page_size, max_batch_tokens=self.pool.max_batch_tokens,
+                                max_requests_per_batch=1 if self.deterministic else self.pool.max_requests,
+                                use_async_batching=False, per_request_processors=not self.greedy_only,
+                                drop_unsupported_processors=False,
+                                max_memory_percent=1.0, seed=self.seed, allow_block_sharing=False)
         before = self.model.config._attn_implementation
-        cls = guarded_manager_class()
+        cls = _compat.guarded_manager_class()  # through the module: a test replaces it
         switched_from, note = choose_attention(self.model) if self.own_kernels else (None, None)
         try:
             self._manager = _quiet_manager(cls, self.model, gen, cfg)
@@ -271,7 +273,6 @@ class Engine:
                               "others running (they take turns, step by step)")
         self.graphs_wanted = switched_from is not None and GRAPHS
         if self.graphs_wanted:
-            from vramguard.serve.decode_graphs import choose_gemm
             self._gemm_route, note = choose_gemm(self.model)
             if note is not None:
                 self.notes.append(note)
@@ -316,9 +317,6 @@ class Engine:
         """transformers' engine refused the pool: its own check of free memory (on the CPU: host RAM, less what
         this process holds) is stricter than the budget. An :class:`Infeasible` naming both numbers and the fix."""
         import re
-
-        from vramguard.errors import Infeasible
-        from vramguard.units import fmt_bytes
         nums = [int(x) for x in re.findall(r"\d{4,}", str(err))]
         p = self.pool
         seen, fix = str(err), "lower vram_budget= (or cap the pool with max_kv_blocks=) and start again"
@@ -550,7 +548,6 @@ class Engine:
         if not self.graphs_wanted:
             return None
         if self._graphs is None or self._graphs[0] is not bp:
-            from vramguard.serve.decode_graphs import DecodeGraphs, unsupported
             why = unsupported(bp)
             if why is not None:
                 self.graphs_wanted = False
@@ -564,7 +561,6 @@ class Engine:
     def install_sampler(self, bp) -> None:
         """Give batch processor ``bp`` this engine's token choice (:class:`~vramguard.serve.sampler.RowSampler`),
         before any step of it runs or is captured in a CUDA graph."""
-        from vramguard.serve.decode_graphs import SIZES
         rows = max(self.pool.max_batch_tokens, self.pool.max_requests, SIZES[-1])  # logits rows <= query tokens
         device = next(self.model.parameters()).device
         if self._sampler is None or self._sampler.args.device != device:

@@ -36,7 +36,12 @@ import time
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 
+from vramguard.errors import Infeasible, NotPlannable
+from vramguard.plan import choose, estimate
+from vramguard.plan.solve import _largest
+from vramguard.run.generate import STRATEGIES, preflight
 from vramguard.runtime.device import is_oom
+from vramguard.runtime.handle import sdpa_unpinned
 from vramguard.serve.engine import Engine, EngineStopped, Handle, Sampling, StepRecord
 from vramguard.serve.sampler import choice_seed
 from vramguard.serve.faults import MAX_FAILURES_IN_A_ROW, MAX_OOM_RETRIES, _first_line, device_fault
@@ -44,7 +49,6 @@ from vramguard.units import fmt_bytes, fmt_gib
 
 log = logging.getLogger("vramguard.serve")
 
-ENGINES = ("auto", "continuous", "generate")  # the serve engines a user may choose ("auto": continuous when it runs)
 _PLAN_LOCK = threading.Lock()  # the replay of a plan runs under global module hooks: one plan at a time
 
 
@@ -104,19 +108,19 @@ class GeneratePlan:
                 f"{fmt_gib(self.usable_bytes)} usable, {self.source}); longer ones are planned one by one")
 
 
-def _need(spec, s, prompt_tokens: int, max_new_tokens: int) -> int:
-    """Planned bytes beyond the loaded weights of one ``generate`` call with the dynamic cache."""
-    from vramguard.plan import estimate
+def _need(model, s, prompt_tokens: int, max_new_tokens: int) -> int:
+    """Planned bytes beyond the loaded weights of one ``generate`` call with the dynamic cache (``model``: the
+    :class:`~vramguard.memory.model.MemoryModel` :func:`vramguard.plan.choice.choose` gives)."""
     with _PLAN_LOCK:
-        est = estimate(spec, s.with_(prompt_tokens=prompt_tokens, max_new_tokens=max_new_tokens, batch=1))
+        est = estimate(model, s.with_(prompt_tokens=prompt_tokens, max_new_tokens=max_new_tokens, batch=1))
     return est.peak_reserved_bytes - est.weights.total_bytes
 
 
-def _bound(spec, s, tokens: int) -> int:
+def _bound(model, s, tokens: int) -> int:
     """The need that bounds every request of at most ``tokens`` in all (module docstring)."""
     if tokens < 2:
-        return _need(spec, s, 1, 1)
-    return max(_need(spec, s, tokens - 1, 1), _need(spec, s, 1, tokens - 1))
+        return _need(model, s, 1, 1)
+    return max(_need(model, s, tokens - 1, 1), _need(model, s, 1, tokens - 1))
 
 
 def plan_requests(spec, s, usable_bytes: int, context_length: int, source: str) -> GeneratePlan:
@@ -125,19 +129,17 @@ def plan_requests(spec, s, usable_bytes: int, context_length: int, source: str) 
     Raises:
         Infeasible: not even a request of two tokens (one prompt, one new) fits; the message has both numbers.
     """
-    from vramguard.errors import Infeasible
-    from vramguard.plan.solve import _largest
+    model = choose(spec, s).model
     top = max(context_length, 2)
-    tokens = _largest(2, top, lambda t: _bound(spec, s, t), usable_bytes)
+    tokens = _largest(2, top, lambda t: _bound(model, s, t), usable_bytes)
     if tokens is None:
-        need = _bound(spec, s, 2)
+        need = _bound(model, s, 2)
         raise Infeasible("vram_budget", f"{usable_bytes:,} B left after the weights",
                          f"at least {need:,} B ({fmt_bytes(need)}) for one request of 1 prompt + 1 new token",
                          f"raise vram_budget= by at least {fmt_bytes(need - usable_bytes)}, or quantize the weights")
-    from vramguard.plan import estimate
     with _PLAN_LOCK:
-        kv = estimate(spec, s.with_(prompt_tokens=max(tokens - 1, 1), max_new_tokens=1, batch=1)).kv_bytes_per_token
-    return GeneratePlan(usable_bytes, tokens, _bound(spec, s, tokens), kv, context_length, source)
+        kv = estimate(model, s.with_(prompt_tokens=max(tokens - 1, 1), max_new_tokens=1, batch=1)).kv_bytes_per_token
+    return GeneratePlan(usable_bytes, tokens, _bound(model, s, tokens), kv, context_length, source)
 
 
 @dataclass
@@ -177,6 +179,7 @@ class GenerateEngine(Engine):
         super().__init__(model, tokenizer, plan, max_queue=max_queue, seed=seed, metrics=metrics,
                          greedy_only=greedy_only, deterministic=deterministic)
         self.spec, self.settings = spec, settings
+        self.memory = choose(spec, settings).model  # the memory model each request is planned with
         self.max_running = 1
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
         self._running_job: _Job | None = None
@@ -273,8 +276,6 @@ class GenerateEngine(Engine):
     def _preflight(self, prompt_tokens: int, max_new_tokens: int, below: int | None = None) -> list | str:
         """:func:`vramguard.run.generate.preflight` for one request: the strategies that fit (``below``: only those
         planned to need less than that), or the reason none does."""
-        from vramguard.errors import Infeasible, NotPlannable
-        from vramguard.run.generate import preflight
         s = self.settings.with_(prompt_tokens=prompt_tokens, max_new_tokens=max_new_tokens, batch=1)
         on_cuda = next(self.model.parameters()).is_cuda
         try:
@@ -382,7 +383,6 @@ class GenerateEngine(Engine):
             the error itself when it is a device fault; a known-good request's error after
             ``MAX_FAILURES_IN_A_ROW`` failed requests in a row (:meth:`_probe`).
         """
-        from vramguard.run.generate import STRATEGIES
         h = job.handle
         order = list(job.order) if job.order else [(STRATEGIES[0], None)]
         while True:
@@ -471,15 +471,13 @@ class GenerateEngine(Engine):
         return order
 
     def _need_of(self, prompt_tokens: int, max_new_tokens: int) -> int:
-        return _need(self.spec, self.settings, prompt_tokens, max_new_tokens)
+        return _need(self.memory, self.settings, prompt_tokens, max_new_tokens)
 
     def _generate(self, job: _Job, strategy) -> None:
         """One ``generate`` call of ``strategy`` from the prompt plus the tokens generated so far."""
         import contextlib
 
         import torch
-
-        from vramguard.runtime.handle import sdpa_unpinned
         device = next(self.model.parameters()).device
         ids = torch.tensor([job.prompt + job.generated], device=device)
         remaining = job.handle.max_new_tokens - len(job.generated)

@@ -11,6 +11,8 @@ import gc
 import itertools
 import logging
 
+from vramguard.serve.faults import MAX_FAILURES_IN_A_ROW, MAX_OOM_RETRIES, MAX_STEP_FAILURES, _first_line
+
 log = logging.getLogger("vramguard.serve")
 
 EVENTS_KEPT = 256
@@ -68,8 +70,6 @@ def on_oom(engine, manager, bp, error: BaseException) -> None:
     starts again once it produced a token (:func:`after_step`): it fails after ``MAX_OOM_RETRIES`` in a row. A
     batch that runs out of memory at the smallest budget is isolated (one request per step), so that one is found."""
     import torch
-
-    from vramguard.serve.faults import MAX_OOM_RETRIES
     sched = bp.scheduler
     requeued, failed = [], []
     states = step_states(bp)
@@ -116,7 +116,6 @@ def on_step_failure(engine, manager, bp, error: BaseException) -> None:
         the error itself when it recurs ``MAX_FAILURES_IN_A_ROW`` times with no request in the step, or when the
         known-good probe fails alone (a broken engine, not a request: the caller's fatal path takes it).
     """
-    from vramguard.serve.faults import MAX_FAILURES_IN_A_ROW, MAX_STEP_FAILURES, _first_line
     sched = bp.scheduler
     states = step_states(bp)
     if not states or (len(states) == 1 and states[0].request_id == engine._probe_id):

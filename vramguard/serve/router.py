@@ -33,9 +33,12 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from starlette.requests import ClientDisconnect
 
+from vramguard.serve.access import AccessLog
 from vramguard.serve.admission import RefusalLog, read_body
 from vramguard.serve.api import BODY_TIMEOUT_S, SHUTDOWN_GRACE_S, ApiError, _ApiKey
 from vramguard.serve.browsers import BrowserGuard
+from vramguard.serve.metrics import GatewayGauges, combined_stats
+from vramguard.serve.server import EXIT_DEVICE_ERROR, make_server
 
 log = logging.getLogger("vramguard.serve")
 
@@ -103,7 +106,6 @@ class _Router:
                             registry=self.registry)
         self.rejected = Counter("vramguard_router_rejected", "Requests answered 429 by the router (every worker "
                                 "full)", registry=self.registry)
-        from vramguard.serve.metrics import GatewayGauges
         self.gateway = GatewayGauges(self.registry)  # the pod as one model server, for an inference gateway
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5),
                                         limits=httpx.Limits(max_connections=None, max_keepalive_connections=1024))
@@ -159,7 +161,6 @@ class _Router:
     async def metrics(self):
         """The router's counters, and the Model Server Protocol's gauges of all healthy workers together (as of
         the last /health poll)."""
-        from vramguard.serve.metrics import combined_stats
         up = [w for w in self.workers if w.healthy]
         name = next((str(w.stats.get("model")) for w in up if w.stats.get("model")), "vramguard")
         self.gateway.set(combined_stats([w.stats for w in up]), name)
@@ -267,7 +268,6 @@ def create_router(workers: list[Worker], api_key: str | None = None, on_fatal=No
         app.add_middleware(_ApiKey, key=api_key, on_reject=lambda: None)
     else:
         app.add_middleware(BrowserGuard, allowed_hosts=allowed_hosts, on_refuse=router.refusals.refused)
-    from vramguard.serve.access import AccessLog
     app.add_middleware(AccessLog)
     app.get("/health")(router.health)
     app.get("/metrics")(router.metrics)
@@ -344,7 +344,6 @@ def run_router(model: str, gpus: list[int], worker_args: list[str], host: str, p
     """Spawn the workers, serve the router until interrupted; returns 0, or 3 when a worker died.
     ``max_body_bytes``: the workers' limit (their ``--max-body-size``); ``allowed_hosts``: see
     :func:`create_router`."""
-    from vramguard.serve.server import EXIT_DEVICE_ERROR, make_server
     workers = spawn_workers(model, gpus, worker_args)
     code = {"rc": 0}
     server = None

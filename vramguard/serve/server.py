@@ -6,20 +6,30 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import sys
 import threading
 import time
 from dataclasses import dataclass, field
 
-from vramguard.errors import EXIT_DEVICE_ERROR, ConfigError, InvalidValue
-from vramguard.serve.api import BODY_TIMEOUT_S, SHUTDOWN_GRACE_S, ServeOptions, create_app
+from vramguard.errors import EXIT_DEVICE_ERROR, ConfigError, Infeasible, InvalidValue, VramguardError
+from vramguard.plan.choice import choose
+from vramguard.resolve import resolve_model
+from vramguard.runtime.device import is_oom, restore_cap, set_cap, total_bytes, usable_bytes
+from vramguard.runtime.handle import handle_of, unpin_sdpa
+from vramguard.runtime.load import UnloadReport, load_model, unload
+from vramguard.serve.api import SHUTDOWN_GRACE_S, ServeOptions, create_app
+from vramguard.serve.attention import ATTN_NAME
+from vramguard.serve.config import ServeConfig
 from vramguard.serve.connections import Registry, connection_cap, install_accept_errors, protocol_class
-from vramguard.serve.engine import Engine
+from vramguard.serve.engine import Engine, Sampling
+from vramguard.serve.generate_engine import GenerateEngine, plan_requests
 from vramguard.serve.metrics import Metrics
 from vramguard.memory.kv import paged_pool_bytes
-from vramguard.serve.pool import PoolPlan, plan_pool
+from vramguard.serve.pool import PoolPlan, blocks_needed, plan_pool
 from vramguard.runtime.first_prefill import usable_after_first_prefill
+from vramguard.settings import Settings
 from vramguard.units import GiB, fmt_bytes, fmt_gib
 
 log = logging.getLogger("vramguard.serve")
@@ -32,8 +42,6 @@ SWITCH_INTERVAL_S = 0.001
 
 def _usable(budget: int | None, model) -> tuple[int, str]:
     import torch
-
-    from vramguard.runtime.device import usable_bytes
     if torch.cuda.is_available() and next(model.parameters()).is_cuda:
         usable, allocated = usable_bytes(budget)  # the same rule as guarded generation
         return usable, (f"vram_budget= minus {allocated:,} B allocated after loading" if budget is not None
@@ -147,15 +155,12 @@ class Served:
         import gc
 
         import torch
-
-        from vramguard.runtime.load import UnloadReport, unload
         on_cuda = torch.cuda.is_available()
         before = torch.cuda.memory_allocated() if on_cuda else None
         self.stop()
         self.engine.release()
         self.server = None
         if self.cap_before is not None:
-            from vramguard.runtime.device import restore_cap
             restore_cap(self.cap_before)
             self.cap_before = None
         if not unload_model:
@@ -240,7 +245,6 @@ class ContinuousBatchingRefused(ConfigError):
 
 def _first_request_error(engine) -> str | None:
     """Run one two-token greedy request through a started engine; the error text it ended with, or None."""
-    from vramguard.serve.engine import Sampling
 
     async def one_request():
         h = engine.submit([min(1, engine.vocab_size - 1)] * 2, 2, Sampling(temperature=0))
@@ -266,8 +270,6 @@ def _warm_up(engine) -> str:
     clients do not pay for first-use work (kernel compiles, library heuristics and module loads per shape, the
     allocator's growth to the step peak). Returns a note with the time taken, or why it was skipped or failed
     (never raises: it is an optimisation)."""
-    from vramguard.serve.engine import Sampling
-    from vramguard.serve.pool import blocks_needed
     p = engine.pool
     prompt = max(1, min(p.max_batch_tokens // 4, p.pool_tokens // max(p.max_requests, 1) - WARM_UP_NEW_TOKENS))
     per_request = blocks_needed(prompt + WARM_UP_NEW_TOKENS, p.page_size)
@@ -329,7 +331,6 @@ def _started_engine(model, tokenizer, pool, warm_up: bool = True, **kw) -> Engin
 
 def _start_continuous(model, tokenizer, pool, warm_up: bool, **kw) -> Engine:
     """:func:`_started_engine` for one attention choice (``own_kernels`` in ``kw``: see :class:`Engine`)."""
-    from vramguard.serve.attention import ATTN_NAME
     model_type = getattr(model.config, "model_type", "?")
     before = model.config._attn_implementation
     engine = None
@@ -348,7 +349,7 @@ def _start_continuous(model, tokenizer, pool, warm_up: bool, **kw) -> Engine:
             engine.notes.append(_warm_up(engine))
     except (ContinuousBatchingRefused, ValueError, NotImplementedError, TypeError, KeyError, AttributeError,
             RuntimeError) as e:  # RuntimeError: transformers 5.17 reports a layer type it lacks as "did not start"
-        if isinstance(e, RuntimeError) and "out of memory" in str(e).lower():
+        if is_oom(e):
             raise
         own = model.config._attn_implementation == ATTN_NAME
         if engine is not None:
@@ -370,9 +371,7 @@ def _generate_engine(model, tokenizer, spec, settings, vram_budget: int | None, 
     Raises:
         Infeasible: not even a two-token request fits. ConfigError: the model's generate failed on that request.
     """
-    from vramguard.runtime.handle import as_loaded
-    from vramguard.serve.generate_engine import GenerateEngine, plan_requests
-    usable, source = usable_after_first_prefill(as_loaded(model), *_usable(vram_budget, model))
+    usable, source = usable_after_first_prefill(handle_of(model), *_usable(vram_budget, model))
     plan = plan_requests(spec, settings, usable, spec.max_position_embeddings, source)
     engine = GenerateEngine(model, tokenizer, plan, spec, settings, **kw)
     kw["metrics"]._engine_stats = engine.stats
@@ -436,12 +435,9 @@ def _check_load_fits(model: str, quant: str, dtype: str | None, budget: int) -> 
     Raises:
         Infeasible: the planned reserved peak of the load is over ``budget``.
     """
-    from vramguard.errors import Infeasible, VramguardError
-    from vramguard.plan import load_plan_or_none
-    from vramguard.resolve import resolve_model
-    from vramguard.settings import Settings
     try:
-        ld = load_plan_or_none(resolve_model(model), Settings(quant=quant, dtype=dtype))
+        s = Settings(quant=quant, dtype=dtype)
+        ld = choose(resolve_model(model), s).model.load_plan(s)
     except VramguardError:  # an unreadable model or setting: the load reports it with its own error
         return
     if ld is not None and ld.peak_reserved_bytes > budget:
@@ -455,25 +451,9 @@ def _check_load_fits(model: str, quant: str, dtype: str | None, budget: int) -> 
 def public_name(model: str) -> str:
     """The name a server shows for ``model`` when none is given: a local folder's last part (clients never see a
     path of this machine), else ``model`` itself (a model id such as ``org/name``)."""
-    import os
     if os.path.isdir(model):
         return os.path.basename(os.path.normpath(os.path.abspath(model)))
     return model
-
-
-MAX_COUNT = 1 << 20  # requests, tokens per step or per block beyond this are no serving setting
-
-
-def _check_limits(body_timeout_s: float, **counts: tuple[int, int]) -> None:
-    """Raise :class:`InvalidValue` for a body timeout <= 0 or a count outside ``[lo, MAX_COUNT]``
-    (``name=(value, lo)``)."""
-    if not body_timeout_s > 0:
-        raise InvalidValue("body_timeout_s", body_timeout_s, "a number of seconds > 0", "pass e.g. 10")
-    for name, (value, lo) in counts.items():
-        if value < lo:
-            raise InvalidValue(name, value, f"an integer >= {lo}", f"pass {lo} or more")
-        if value > MAX_COUNT:
-            raise InvalidValue(name, value, f"an integer from {lo} to {MAX_COUNT:,}", f"pass at most {MAX_COUNT:,}")
 
 
 def _paged_pool(spec, m, usable: int, source: str, *, page_size: int, max_batch_tokens: int, max_requests: int,
@@ -504,7 +484,6 @@ def _hard_cap(model: str, quant: str, dtype: str | None, vram_budget: int | None
     import torch
     if vram_budget is None or not torch.cuda.is_available():
         return None
-    from vramguard.runtime.device import set_cap, total_bytes
     total = total_bytes()
     if vram_budget > total:
         raise InvalidValue("vram_budget", vram_budget, f"at most the card's {total:,} B", "pass a smaller vram_budget=")
@@ -512,79 +491,63 @@ def _hard_cap(model: str, quant: str, dtype: str | None, vram_budget: int | None
     return set_cap(vram_budget)
 
 
-def build(model: str, *, vram_budget: int | None = None, max_queue: int = 64, max_running: int = 64,
-          max_batch_tokens: int = 2048, page_size: int = 256, api_key: str | None = None, quant: str = "nf4",
-          dtype: str | None = None, attn: str = "auto", trust_remote_code: bool = False, allow_pickle: bool = False,
-          seed: int = 0, served_name: str | None = None, n_max: int = 4, default_max_tokens: int = 256,
-          max_body_bytes: int = 1 << 20, max_kv_blocks: int | None = None, greedy: bool = False,
-          hard_cap: bool = False, verify: bool = True, loaded=None, deterministic: bool = False,
-          body_timeout_s: float = BODY_TIMEOUT_S, engine_choice: str = "auto", warm_up: bool = True,
-          allowed_hosts: tuple[str, ...] = ()) -> Served:
-    """Load ``model`` and prepare the server (no socket yet). ``body_timeout_s``: a request body must arrive
-    within this many seconds of its headers (408 otherwise). ``engine_choice``: "continuous" (transformers'
-    continuous batching with a paged KV pool), "generate" (the model's own generate, one request at a time,
-    admitted by the plan: :mod:`vramguard.serve.generate_engine`) or "auto" (continuous where it runs the model).
-    ``warm_up``: on a CUDA device the continuous engine runs the load it is sized for once before serving (a few
-    seconds), so the first clients are served at the speed of the later ones. ``deterministic``: the continuous
-    engine computes one request per step, so a request's text does not depend on the others in the batch (its
-    cost: benchmarks/README.md); temperature 0 is the argmax and reproducible one request after another without it.
-    ``served_name``: the name clients
-    send and see (default: the folder's last part for a local folder, never its path; else the model id).
-    ``allowed_hosts``: without ``api_key``, the names (``.suffix`` for a domain, ``*`` for any) that ``Host`` and
-    ``Origin`` may carry beyond loopback (:class:`~vramguard.serve.browsers.BrowserGuard`).
+def build(model: str, config: ServeConfig | None = None, *, loaded=None, **options) -> Served:
+    """Load ``model`` and prepare the server (no socket yet) with ``config`` (:class:`ServeConfig`; or its fields
+    as keywords, ``options``). ``loaded``: a :class:`~vramguard.runtime.handle.LoadedModel` already loaded, served
+    as it is.
 
     Raises:
-        InvalidValue: a limit out of range. Infeasible: the budget leaves no room for the pool.
+        InvalidValue: a limit out of range (from :class:`ServeConfig`). Infeasible: the budget leaves no room for
+            the pool.
         UnknownModel / ConfigError: from :func:`vramguard.runtime.load.load_model`.
     """
-    from vramguard.serve.generate_engine import ENGINES
-    if engine_choice not in ENGINES:
-        raise InvalidValue("engine", engine_choice, " | ".join(ENGINES), "pass one of: " + ", ".join(ENGINES))
-    from vramguard.run.generate import check_seed
-    check_seed(seed)
-    _check_limits(body_timeout_s, max_queue=(max_queue, 0), max_running=(max_running, 1),
-                  max_batch_tokens=(max_batch_tokens, 16), page_size=(page_size, 4), n_max=(n_max, 1),
-                  default_max_tokens=(default_max_tokens, 1))
-    from vramguard.resolve import resolve_model
-    from vramguard.runtime.load import load_model
-    cap_before = _hard_cap(model, quant, dtype, vram_budget) if hard_cap else None
+    c = _config(config, options)
+    cap_before = _hard_cap(model, c.quant, c.dtype, c.vram_budget) if c.hard_cap else None
     if loaded is None:
-        loaded = load_model(model, quant=quant, dtype=dtype, attn=attn, trust_remote_code=trust_remote_code,
-                            allow_pickle=allow_pickle, verify=verify)
-    from vramguard.runtime.handle import as_loaded, unpin_sdpa
-    loaded = as_loaded(loaded)
+        loaded = load_model(model, quant=c.quant, dtype=c.dtype, attn=c.attn, trust_remote_code=c.trust_remote_code,
+                            allow_pickle=c.allow_pickle, verify=c.verify)
+    loaded = handle_of(loaded)
     m, tok, report = loaded
     unpinned = loaded.sdpa_pin.backend if loaded.sdpa_pin is not None else None
     unpin_sdpa(m)
     spec = loaded.spec if loaded.spec is not None else resolve_model(str(model))
-    usable, source = _usable(vram_budget, m)
+    usable, source = _usable(c.vram_budget, m)
     if usable <= 0:
-        from vramguard.errors import Infeasible
-        held = -usable + (vram_budget or 0)
-        raise Infeasible("vram_budget", fmt_bytes(vram_budget or 0), f"more than the {fmt_bytes(held)} already "
+        held = -usable + (c.vram_budget or 0)
+        raise Infeasible("vram_budget", fmt_bytes(c.vram_budget or 0), f"more than the {fmt_bytes(held)} already "
                          "taken by the weights and runtime", "raise vram_budget="
-                         + (", or quantize the weights (quant=nf4)" if quant not in ("nf4", "fp4") else ""))
-    if max_kv_blocks is not None and max_kv_blocks < 1:
-        raise InvalidValue("max_kv_blocks", max_kv_blocks, "an integer >= 1", "pass max_kv_blocks=1 or more")
+                         + (", or quantize the weights (quant=nf4)" if c.quant not in ("nf4", "fp4") else ""))
     metrics = Metrics()
 
     def paged_pool():
-        return _paged_pool(spec, m, *usable_after_first_prefill(loaded, usable, source), page_size=page_size,
-                           max_batch_tokens=max_batch_tokens, max_requests=max_running, max_kv_blocks=max_kv_blocks)
+        return _paged_pool(spec, m, *usable_after_first_prefill(loaded, usable, source), page_size=c.page_size,
+                           max_batch_tokens=c.max_batch_tokens, max_requests=c.max_running,
+                           max_kv_blocks=c.max_kv_blocks)
 
-    engine = _chosen_engine(engine_choice, m, tok, spec, loaded.settings, vram_budget, paged_pool, warm_up=warm_up,
-                            max_queue=max_queue, seed=seed, metrics=metrics, greedy_only=greedy,
-                            deterministic=deterministic)
-    pool = engine.pool
-    import os
-    served_name = served_name or public_name(str(model))
-    aliases = tuple(sorted({str(model), os.path.abspath(str(model)), os.path.basename(os.path.normpath(str(model))),
-                            str(getattr(m.config, "_name_or_path", "") or model)} - {served_name}))
-    options = ServeOptions(model_id=served_name, model_aliases=aliases, allowed_hosts=tuple(allowed_hosts),
-                           context_length=spec.max_position_embeddings,
-                           api_key=api_key, max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s, n_max=n_max,
-                           default_max_tokens=default_max_tokens)
+    engine = _chosen_engine(c.engine_choice, m, tok, spec, loaded.settings, c.vram_budget, paged_pool,
+                            warm_up=c.warm_up, max_queue=c.max_queue, seed=c.seed, metrics=metrics,
+                            greedy_only=c.greedy, deterministic=c.deterministic)
+    options = _http_options(model, m, spec, c)
     options.notes += _serving_notes(tok, unpinned)
-    served = Served(app=None, engine=engine, pool=pool, options=options, report=report, cap_before=cap_before)
+    served = Served(app=None, engine=engine, pool=engine.pool, options=options, report=report, cap_before=cap_before)
     served.app = create_app(engine, tok, options, metrics, on_fatal=served.on_fatal)
     return served
+
+
+def _config(config: ServeConfig | None, options: dict) -> ServeConfig:
+    """``config``, or the :class:`ServeConfig` of ``options`` (its fields as keywords); both given is a
+    TypeError, as an unknown keyword is."""
+    if config is not None and options:
+        raise TypeError(f"build() takes a ServeConfig or its fields, not both: {', '.join(options)}")
+    return config if config is not None else ServeConfig(**options)
+
+
+def _http_options(model: str, m, spec, c: ServeConfig) -> ServeOptions:
+    """The HTTP layer's options: the served name and the names it also answers to, the limits of a request."""
+    served_name = c.served_name or public_name(str(model))
+    aliases = tuple(sorted({str(model), os.path.abspath(str(model)), os.path.basename(os.path.normpath(str(model))),
+                            str(getattr(m.config, "_name_or_path", "") or model)} - {served_name}))
+    return ServeOptions(model_id=served_name, model_aliases=aliases, allowed_hosts=c.allowed_hosts,
+                        context_length=spec.max_position_embeddings, api_key=c.api_key,
+                        max_body_bytes=c.max_body_bytes, body_timeout_s=c.body_timeout_s, n_max=c.n_max,
+                        default_max_tokens=c.default_max_tokens)

@@ -9,10 +9,13 @@ Needs torch, transformers and accelerate; pure otherwise (no CUDA call).
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 from vramguard.catalog.gpus import GpuSpec
 from vramguard.errors import InvalidValue
+from vramguard.memory.model import MemoryModel
 from vramguard.memory.runtime import CUDA_CONTEXT_BYTES
+from vramguard.plan.choice import choose
 from vramguard.plan.multigpu.cards import (CardNeed, MaxMemoryFix, MultiGpuPlan, check_cards, device_map_needs,
                                            tp_needs)
 from vramguard.settings import Settings
@@ -46,27 +49,29 @@ def _require_libraries(field: str = "gpus") -> None:
                                f"pip install 'vramguard[gpu]' ({str(e).splitlines()[0][:120]})") from None
 
 
-def _needs(spec: ModelSpec, s: Settings, split, gpus: list[GpuSpec], layout: str) -> tuple[CardNeed, ...]:
-    return tp_needs(spec, s, split, gpus) if layout == "tp" else device_map_needs(spec, s, split, gpus)
+def _needs(model: MemoryModel, s: Settings, split, gpus: list[GpuSpec], layout: str) -> tuple[CardNeed, ...]:
+    return tp_needs(model, s, split, gpus) if layout == "tp" else device_map_needs(model, s, split, gpus)
 
 
-def _largest_prompt(spec: ModelSpec, s: Settings, split, gpus: list[GpuSpec], layout: str) -> int | None:
+def _largest_prompt(model: MemoryModel, s: Settings, split, gpus: list[GpuSpec], layout: str) -> int | None:
     """The largest prompt with which every card fits (``s.max_new_tokens`` new tokens), or None."""
     from vramguard.plan.limits import largest
 
     def worst(p: int) -> int:
-        return max(c.need_bytes - c.usable_bytes for c in _needs(spec, replace(s, prompt_tokens=p), split, gpus,
+        return max(c.need_bytes - c.usable_bytes for c in _needs(model, replace(s, prompt_tokens=p), split, gpus,
                                                                   layout))
-    return largest(1, spec.max_position_embeddings - s.max_new_tokens, worst, 0)
+    return largest(1, model.spec.max_position_embeddings - s.max_new_tokens, worst, 0)
 
 
-def plan_gpus(model: str | ModelSpec, settings: Settings | None = None, *, gpus: list[GpuSpec], tp: int | None = None,
+def plan_gpus(model: str | ModelSpec | MemoryModel, settings: Settings | None = None, *, gpus: list[GpuSpec],
+              tp: int | None = None,
               max_memory: list[int] | tuple[int, ...] | None = None, device_map: str = "auto",
               solve: bool = True) -> MultiGpuPlan:
     """Plan ``model`` run by one process over ``gpus`` together.
 
     Args:
-        model: a ModelSpec, or anything :func:`vramguard.resolve.resolve_model` accepts.
+        model: a MemoryModel (:func:`vramguard.plan.choice.choose`), a ModelSpec, or anything
+            :func:`vramguard.resolve.resolve_model` accepts.
         settings: the run's settings (default :class:`Settings`).
         gpus: the cards, in device order (2 or more; they may differ).
         tp: tensor parallelism over the cards (``tp_plan="auto"``, one rank per card); None: ``device_map="auto"``.
@@ -89,21 +94,24 @@ def plan_gpus(model: str | ModelSpec, settings: Settings | None = None, *, gpus:
     """
     from vramguard.plan.limits import check_context
     from vramguard.resolve import resolve_model
-    spec = model if isinstance(model, ModelSpec) else resolve_model(model)
+    if not isinstance(model, MemoryModel):
+        model = choose(model if isinstance(model, ModelSpec) else resolve_model(model)).model
+    spec = model.spec
     from vramguard.plan.multigpu.tensorparallel import check_tp_heads, check_tp_quant
-    check_tp_heads(spec, tp)
+    check_tp_heads(model, tp)
     check_tp_quant(settings or Settings(), tp)
-    if tp is not None or spec.generic:  # a hand family's device_map split also runs without them
+    if tp is not None or model.needs_transformers:  # a hand family's device_map split also runs without them
         _require_libraries("tp" if tp is not None else "gpus")
     s = settings or Settings()
     check_context(spec, s)
     check_cards(gpus, tp)
     notes = []
+    split: Any  # the tensor-parallel shards, or the device_map split
     if tp is not None:
         from vramguard.plan.multigpu.tensorparallel import tp_shards
         split, layout = tp_shards(spec, s, tp), "tp"
         notes.append(NCCL_NOTE)
-        if spec.generic:
+        if model.needs_transformers:
             notes.append("activations of this architecture are kept whole on every rank (an upper bound); its KV "
                          "cache is divided by tp")
     else:
@@ -115,7 +123,7 @@ def plan_gpus(model: str | ModelSpec, settings: Settings | None = None, *, gpus:
         if device_map not in ("auto", "sequential"):
             raise InvalidValue("device_map", device_map, "auto or sequential",
                                "pass device_map='auto' (balanced) or 'sequential'")
-        split, layout = split_weights(spec, s, mm, device_map), "device_map"
+        split, layout = split_weights(model, s, mm, device_map), "device_map"
         if split.offloaded:
             notes.append(f"{len(split.offloaded)} module(s) do not fit the cards' max_memory and go to CPU RAM "
                          f"({sum(split.offloaded.values()):,} B): device_map='{device_map}' runs them from the CPU, "
@@ -125,20 +133,20 @@ def plan_gpus(model: str | ModelSpec, settings: Settings | None = None, *, gpus:
                             "unquantized in float32 on the CPU" if s.is_bnb else ""))
         if s.is_bnb:
             notes.append(LOAD_NOTE)
-    cards = _needs(spec, s, split, gpus, layout)
+    cards = _needs(model, s, split, gpus, layout)
     used = [c for c in cards if c.need_bytes] or list(cards)
     limit = min(used, key=lambda c: c.headroom_bytes).card  # of the cards in use: the least headroom
-    best = _largest_prompt(spec, s, split, gpus, layout) if solve else None
+    best = _largest_prompt(model, s, split, gpus, layout) if solve else None
     offloaded = sum(split.offloaded.values()) if layout == "device_map" else 0
     fits = all(c.fits for c in cards) and not offloaded
-    fix = fix_max_memory(spec, s, gpus, cards) if solve and layout == "device_map" and not fits else None
+    fix = fix_max_memory(model, s, gpus, cards) if solve and layout == "device_map" and not fits else None
     return MultiGpuPlan(spec, s, layout, cards, limit, best, split, notes, offloaded, device_map, fix)
 
 
 FIX_ROUNDS = 8
 
 
-def fix_max_memory(spec: ModelSpec, s: Settings, gpus: list[GpuSpec], cards) -> MaxMemoryFix | None:
+def fix_max_memory(model: MemoryModel, s: Settings, gpus: list[GpuSpec], cards) -> MaxMemoryFix | None:
     """A ``device_map="sequential"`` ``max_memory`` under which every card fits, or None.
 
     Each card starts with room for weights of ``usable - (need - weights)`` (what its runtime leaves), whole MiB;
@@ -154,8 +162,8 @@ def fix_max_memory(spec: ModelSpec, s: Settings, gpus: list[GpuSpec], cards) -> 
     for _ in range(FIX_ROUNDS):
         if not all(room):
             return None
-        split = split_weights(spec, s, tuple(room), "sequential")
-        needs = device_map_needs(spec, s, split, gpus)
+        split = split_weights(model, s, tuple(room), "sequential")
+        needs = device_map_needs(model, s, split, gpus)
         if all(c.fits for c in needs) and not split.offloaded:
             return MaxMemoryFix("sequential", tuple(room), split.layers, needs)
         room = [r - (-(-(-c.headroom_bytes) // MiB) * MiB if not c.fits else 0) for r, c in zip(room, needs)]

@@ -18,22 +18,22 @@ Two layouts, as transformers loads them:
 
 Per card: ``weights + cuBLAS workspace + max over prefill and decode of (KV + activations + allocator reserve) +
 CUDA context`` (the terms of :mod:`vramguard.memory.runtime`, each card a CUDA context of its own). The activations
-of a hand-written family come from its replayed forward (:mod:`vramguard.memory.forward`); a generic architecture's
-from transformers' replay of the whole forward, kept whole on every card holding layers (an upper bound). Not in
+of each card are the model's :meth:`~vramguard.memory.model.MemoryModel.forward_parts`: a hand-written family's
+replayed layer program (:mod:`vramguard.memory.forward`); another architecture's whole forward as transformers
+replays it, kept whole on every card holding layers (an upper bound). Not in
 the need: NCCL's communicator buffers under tensor parallelism (allocated outside PyTorch's allocator) and the
 load's transients; both are said in :attr:`MultiGpuPlan.notes`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from vramguard.catalog.gpus import GpuSpec
 from vramguard.errors import InvalidValue
-from vramguard.memory.forward import forward_peak, logits_bytes
-from vramguard.memory.kv import kv_tensor_bytes, layer_tokens
+from vramguard.memory.model import MemoryModel
 from vramguard.memory.runtime import CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES, allocator_reserve_bytes
-from vramguard.settings import DTYPE_BYTES, Settings
+from vramguard.settings import Settings
 from vramguard.spec import ModelSpec
 
 MAX_CARDS = 64
@@ -100,27 +100,6 @@ class MultiGpuPlan:
         return all(c.fits for c in self.cards) and not self.offloaded_bytes
 
 
-def kv_per_layer(spec: ModelSpec, s: Settings, n_tokens: int, in_prefill_chunk: int = 0) -> tuple[int, ...]:
-    """Bytes of keys and values of each layer after ``n_tokens`` (the per-layer terms of
-    :func:`vramguard.memory.kv.kv_cache_bytes`, which sum to it; a generic spec: the cache transformers builds,
-    layer by layer)."""
-    if spec.generic:
-        from vramguard.introspect.generic import kv_cache_bytes, replayed
-        r = replayed(spec, s, max(n_tokens - 1, 0), 1) if n_tokens > 1 else replayed(spec, s, 0, 1)
-        per = list(r.cache_bytes)
-        total = kv_cache_bytes(spec, s, n_tokens, in_prefill_chunk).gpu_bytes
-        if per and sum(per) != total:  # a quantized cache: its bytes shared out by the 16-bit layer sizes
-            scaled = [b * total // sum(per) for b in per]
-            scaled[-1] += total - sum(scaled)
-            per = scaled
-        return tuple(per)
-    out = []
-    for lt in spec.layer_types:
-        n = layer_tokens(spec, lt, n_tokens, s, in_prefill_chunk)
-        out.append(2 * kv_tensor_bytes(spec, s, n, residual=0 if in_prefill_chunk >= n_tokens else None))
-    return tuple(out)
-
-
 def phases(s: Settings) -> list[tuple[str, int, int]]:
     """(phase, cached tokens, tokens in the forward) of the forwards that can hold the peak: the (last full and
     last partial) prefill chunk and the last decode step, as :mod:`vramguard.memory.forward` picks them."""
@@ -138,64 +117,17 @@ def phases(s: Settings) -> list[tuple[str, int, int]]:
     return out
 
 
-@dataclass(frozen=True)
-class _Forward:
-    """One forward's memory by where it lives: ``layer`` bytes of one decoder layer's program (no KV, no logits),
-    ``largest`` its largest allocation, ``hidden`` one residual-stream tensor, ``logits``/``logits_fp32`` the
-    output rows and their float32 copy, ``softcap`` the transient of a final soft-capping."""
-
-    layer: int
-    largest: int
-    hidden: int
-    logits: int
-    logits_fp32: int
-    softcap: int
-    cat: int
-    inputs: int = 0  # what the input's card keeps for the whole forward: embeddings output, rotary cos/sin, masks
-
-
-def forward_parts(spec: ModelSpec, s: Settings, past: int, chunk: int) -> _Forward:
-    """The parts of one forward's peak (see :class:`_Forward`). A hand family is replayed without logits (a
-    vocabulary of 1) for the layer's own program; a generic one keeps its whole replayed peak above the KV."""
-    if spec.generic:
-        fp = forward_peak(spec, s, past, chunk)
-        layer = fp.peak_bytes - fp.components.get("kv_cache", 0)
-    else:
-        fp = forward_peak(replace(spec, vocab_size=1), s, past, chunk)
-        layer = fp.peak_bytes - fp.components.get("kv_cache", 0) - fp.components.get("logits", 0)
-    positions = chunk if s.logits == "all" else 1
-    native, fp32 = logits_bytes(spec, s.sequences, positions, s.act_dtype)
-    hidden = s.sequences * chunk * spec.hidden_size * DTYPE_BYTES[s.act_dtype]
-    cat = kv_tensor_bytes(spec, s, past) if past and s.cache == "dynamic" and not spec.generic else 0
-    return _Forward(layer, fp.largest_alloc, hidden, native, fp32,
-                    2 * native if spec.final_logit_softcapping else 0, cat,
-                    0 if spec.generic else _inputs_bytes(spec, s, past, chunk, hidden))
-
-
-def _inputs_bytes(spec: ModelSpec, s: Settings, past: int, chunk: int, hidden: int) -> int:
-    """The tensors of the forward's start that stay alive to its end, as the hand model's replay has them
-    (:mod:`vramguard.memory.forward`): the embeddings' output (and its scaled copy), the rotary cos/sin and the
-    attention masks."""
-    from vramguard.memory.forward import _Forward as Replay
-    r = Replay(spec, s, past, chunk, "prefill")
-    r.masks()
-    embeds = hidden * (2 if spec.scaled_embeddings else 1)
-    return embeds + 2 * s.sequences * chunk * spec.head_dim * DTYPE_BYTES[s.act_dtype] + r.t.live_bytes
-
-
 def _card(i: int, gpu: GpuSpec, weights: int, runs: bool, per_phase: list[tuple[str, int, int, int]],
           layers: tuple[int, ...], holds: tuple[str, ...], static_cache: bool) -> CardNeed:
     """A card's need from its weights and, per phase, (phase, KV, activations, largest allocation); the allocator
     reserve is :func:`~vramguard.memory.runtime.allocator_reserve_bytes` of what the phase allocates on the card
     (a static cache, allocated once, excluded)."""
-    best = None
+    rows = []
     for phase, kv, act, largest in per_phase:
         dynamic = act + (0 if static_cache else kv)
         reserve = allocator_reserve_bytes(dynamic, min(largest, dynamic)) if dynamic else 0
-        total = kv + act + reserve
-        if best is None or total > best[0]:
-            best = (total, phase, kv, act, reserve)
-    total, phase, kv, act, reserve = best
+        rows.append((kv + act + reserve, phase, kv, act, reserve))
+    total, phase, kv, act, reserve = max(rows, key=lambda r: r[0])  # the first of the largest
     cublas = CUBLAS_WORKSPACE_BYTES if runs else 0
     context = CUDA_CONTEXT_BYTES if runs or weights else 0  # a card given nothing is never touched
     need = weights + cublas + total + context
@@ -204,12 +136,12 @@ def _card(i: int, gpu: GpuSpec, weights: int, runs: bool, per_phase: list[tuple[
                     need <= usable, layers, holds, phase if need else "unused")
 
 
-def device_map_needs(spec: ModelSpec, s: Settings, split, gpus: list[GpuSpec]) -> tuple[CardNeed, ...]:
+def device_map_needs(model: MemoryModel, s: Settings, split, gpus: list[GpuSpec]) -> tuple[CardNeed, ...]:
     """Each card's need under the :class:`~vramguard.plan.multigpu.devicemap.DeviceSplit` ``split``."""
     per_phase: list[list[tuple[str, int, int, int]]] = [[] for _ in gpus]
     for phase, past, chunk in phases(s):
-        kv_layers = kv_per_layer(spec, s, past + chunk, in_prefill_chunk=chunk if phase == "prefill" else 0)
-        f = forward_parts(spec, s, past, chunk)
+        kv_layers = model.kv_per_layer(s, past + chunk, in_prefill_chunk=chunk if phase == "prefill" else 0)
+        f = model.forward_parts(s, past, chunk)
         for c in range(len(gpus)):
             layers = split.layers[c]
             act = f.layer + f.cat if layers else 0
@@ -231,36 +163,20 @@ def device_map_needs(spec: ModelSpec, s: Settings, split, gpus: list[GpuSpec]) -
     return tuple(out)
 
 
-def rank_spec(spec: ModelSpec, shards) -> ModelSpec:
-    """The model as one tensor-parallel rank computes it: query and KV heads, and the MLP intermediate (dense,
-    experts, shared expert), divided as rank 0 holds them (the largest shard, ``ceil(n / tp)``)."""
-    from vramguard.plan.multigpu.tensorparallel import chunk_size
-    tp = shards.tp
-    changes: dict = {}
-    if shards.heads_sharded:
-        changes.update(num_heads=spec.num_heads // tp, num_kv_heads=shards.kv_heads_per_rank)
-    if shards.mlp_sharded:
-        changes.update(intermediate_size=chunk_size(spec.intermediate_size, tp, 0),
-                       moe_intermediate_size=chunk_size(spec.moe_intermediate_size, tp, 0),
-                       shared_expert_intermediate_size=chunk_size(spec.shared_expert_intermediate_size, tp, 0))
-    return replace(spec, **changes)
-
-
-def tp_needs(spec: ModelSpec, s: Settings, shards, gpus: list[GpuSpec]) -> tuple[CardNeed, ...]:
+def tp_needs(model: MemoryModel, s: Settings, shards, gpus: list[GpuSpec]) -> tuple[CardNeed, ...]:
     """Each rank's need under tensor parallelism (:class:`~vramguard.plan.multigpu.tensorparallel.TpShards`): rank ``r``
-    on card ``r``. A generic architecture's KV is divided by ``tp`` (its cache tensors keep heads on one dim) and its
-    activations are kept whole (an upper bound)."""
-    rs = spec if spec.generic else rank_spec(spec, shards)
+    on card ``r``, computing the model of :meth:`~vramguard.memory.model.MemoryModel.tp_rank` (a hand family's
+    heads and MLP divided; transformers' whole model with its KV divided by ``tp``, activations kept whole)."""
+    rank, kv_divisor = model.tp_rank(shards)
     per_phase = []
     for phase, past, chunk in phases(s):
-        kv = sum(kv_per_layer(rs, s, past + chunk, in_prefill_chunk=chunk if phase == "prefill" else 0))
-        if spec.generic and shards.heads_sharded:
-            kv //= shards.tp
-        f = forward_parts(rs, s, past, chunk)
+        kv = sum(rank.kv_per_layer(s, past + chunk, in_prefill_chunk=chunk if phase == "prefill" else 0))
+        kv //= kv_divisor
+        f = rank.forward_parts(s, past, chunk)
         local_logits = f.logits // shards.tp  # this rank's columns of lm_head before the gather
         at_logits = f.hidden + local_logits + f.logits + f.softcap + f.logits_fp32
         per_phase.append((phase, kv, max(f.layer + f.cat, at_logits), max(f.largest, f.logits_fp32)))
-    layers = tuple(range(spec.num_layers))
+    layers = tuple(range(model.spec.num_layers))
     return tuple(_card(r, gpu, shards.weight_bytes[r], True, per_phase, layers, ("every layer, sharded",),
                        s.cache == "static") for r, gpu in enumerate(gpus))
 

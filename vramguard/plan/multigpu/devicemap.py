@@ -107,12 +107,14 @@ def _tensor_bytes(t, s: Settings, converted: frozenset[str]) -> tuple[int, int]:
     return rounded(t.nbytes), t.nbytes
 
 
-def split_weights(spec, s: Settings, max_memory_bytes: tuple[int, ...], mode: str = "auto") -> DeviceSplit:
-    """The device map of ``spec`` loaded with ``s`` over cards with ``max_memory_bytes`` each, and the bytes each
+def split_weights(model, s: Settings, max_memory_bytes: tuple[int, ...], mode: str = "auto") -> DeviceSplit:
+    """The device map of ``model.spec`` (``model`` a :class:`~vramguard.memory.model.MemoryModel`) loaded with
+    ``s`` over cards with ``max_memory_bytes`` each, and the bytes each
     card holds (see :class:`DeviceSplit`); ``mode`` is the ``device_map`` string (``auto``: balanced over the
     cards, ``sequential``: each card filled in turn). Host memory is unbounded: modules that fit no card go to
     ``"cpu"``.
-    Without torch, a hand-written family is split by :mod:`vramguard.plan.multigpu.layerwise` (the same rule).
+    A hand-written family is split by :mod:`vramguard.plan.multigpu.layerwise` (the same rule, without importing
+    torch: the tests compare the two).
 
     Raises:
         NotPlannable: see :func:`meta_model_as_loaded`.
@@ -120,21 +122,10 @@ def split_weights(spec, s: Settings, max_memory_bytes: tuple[int, ...], mode: st
     weights_only = Settings(quant=s.quant, double_quant=s.double_quant, compute_dtype=s.compute_dtype,
                             dtype=s.dtype)
     mm = tuple(int(b) for b in max_memory_bytes)
-    if not spec.generic and not libraries_present():
+    if not model.needs_transformers:
         from vramguard.plan.multigpu.layerwise import layerwise_split
-        return layerwise_split(spec, weights_only, mm, mode)
-    return _split(spec, weights_only, mm, mode)
-
-
-def libraries_present() -> bool:
-    """torch, transformers and accelerate are importable (the split is then taken from them)."""
-    try:
-        import accelerate  # noqa: F401
-        import torch  # noqa: F401
-        import transformers  # noqa: F401
-    except ImportError:
-        return False
-    return True
+        return layerwise_split(model.spec, weights_only, mm, mode)
+    return _split(model.spec, weights_only, mm, mode)
 
 
 @lru_cache(maxsize=16)

@@ -16,6 +16,11 @@ from dataclasses import dataclass, field
 from vramguard.memory.weights import quantized_tensor_bytes, rounded
 from vramguard.settings import DTYPE_BYTES, Settings
 
+# each family's ``_no_split_modules`` (its decoder layer class, ``<Family>PreTrainedModel`` in transformers 5)
+NO_SPLIT = {"llama": "LlamaDecoderLayer", "mistral": "MistralDecoderLayer", "mixtral": "MixtralDecoderLayer",
+            "qwen2": "Qwen2DecoderLayer", "qwen2_moe": "Qwen2MoeDecoderLayer", "qwen3": "Qwen3DecoderLayer",
+            "qwen3_moe": "Qwen3MoeDecoderLayer", "gemma": "GemmaDecoderLayer", "gemma2": "Gemma2DecoderLayer",
+            "gemma3_text": "Gemma3DecoderLayer", "phi3": "Phi3DecoderLayer"}
 BALANCE_BUFFER = 1.25  # get_balanced_memory: 1.25 x the largest no-split layer or leaf module
 QUANT_MAX_MEMORY = 0.90  # Bnb4BitHfQuantizer / Bnb8BitHfQuantizer.adjust_max_memory
 
@@ -116,7 +121,9 @@ def model_tree(spec, s: Settings) -> Module:
 
 def _max_layer(queue: list[Module]) -> tuple[float, list[str]]:
     """accelerate's ``get_max_layer_size``: the largest module that has no children or may not be split."""
-    best, names, todo = 0, [], list(queue)
+    best: float = 0
+    names: list[str] = []
+    todo = list(queue)
     while todo:
         m = todo.pop(0)
         if not m.children or m.no_split:
@@ -156,7 +163,7 @@ def place(root: Module, max_memory: dict, tied: bool) -> dict[str, int | str]:
     ``embed_tokens`` when ``tied``), then ``clean_device_map``."""
     devices = list(max_memory) + ([] if "disk" in max_memory else ["disk"])
     main = [devices[0], "cpu"] if isinstance(devices[0], int) else ["cpu"]
-    used = dict.fromkeys(devices, 0)
+    used: dict[int | str, float] = dict.fromkeys(devices, 0)
     dmap: dict[str, int | str] = {}
     queue = list(root.children)
     current = 0
@@ -167,9 +174,9 @@ def place(root: Module, max_memory: dict, tied: bool) -> dict[str, int | str]:
         if not max_names:
             max_size, max_names = _max_layer(queue)
         dev = devices[current]
-        limit = max_memory[dev] if dev != "disk" else None
-        reserved = 0
-        if dev in main:
+        limit: float | None = max_memory[dev] if dev != "disk" else None
+        reserved: float = 0
+        if dev in main and limit is not None:  # the main devices are a GPU and the CPU, never the disk
             limit, reserved = limit - max_size, max_size
         partner = None  # the tied lm_head travels with the embeddings (it counts 0 B)
         if tied and m.name in ("model", "model.embed_tokens"):
@@ -219,13 +226,14 @@ def layerwise_split(spec, s: Settings, max_memory_bytes: tuple[int, ...], mode: 
         mm = {k: v * QUANT_MAX_MEMORY for k, v in mm.items()}
     dmap = place(root, mm, spec.tie_word_embeddings)
     n = len(max_memory_bytes)
-    weights, raw, layers = [0] * n, [0] * n, [[] for _ in range(n)]
+    weights, raw = [0] * n, [0] * n
+    layers: list[list[int]] = [[] for _ in range(n)]
     offloaded: dict[str, int] = {}
     model = root.children[0]
     units = [model.children[0], *model.children[1].children, *model.children[2:], root.children[1]]
     for u in units:
         dev = device_of(u.name, dmap)
-        if dev in OFF_GPU:
+        if dev in OFF_GPU or not isinstance(dev, int):
             key = map_key(u.name, dmap)
             offloaded[key] = offloaded.get(key, 0) + int(u.raw)
             continue
@@ -235,4 +243,4 @@ def layerwise_split(spec, s: Settings, max_memory_bytes: tuple[int, ...], mode: 
             layers[dev].append(int(u.name.rsplit(".", 1)[1]))
     return DeviceSplit(dmap, tuple(weights), tuple(raw), tuple(tuple(x) for x in layers),
                        device_of("model.embed_tokens", dmap), device_of("lm_head", dmap), offloaded,
-                       tuple(int(b) for b in max_memory_bytes), ())
+                       tuple(int(b) for b in max_memory_bytes), (NO_SPLIT[spec.model_type],))

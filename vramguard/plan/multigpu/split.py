@@ -24,8 +24,7 @@ class DeviceSplit:
         offloaded: entries of the device map placed on the CPU or disk (they did not fit the cards), with their
             unrounded bytes.
         max_memory: the ``max_memory`` handed to transformers (bytes per card).
-        no_split: the model's ``_no_split_modules`` (empty from the torch-free split, whose only unsplit modules
-            are the decoder layers).
+        no_split: the model's ``_no_split_modules`` (the torch-free split: the family's decoder layer class).
     """
 
     device_map: dict[str, int | str]

@@ -136,14 +136,15 @@ def _kv_heads_error(kv: int, tp: int) -> InvalidValue:
     return InvalidValue("tp", tp, f"a divisor of num_key_value_heads={kv}", fix)
 
 
-def check_tp_heads(spec, tp: int | None) -> None:
-    """Raise InvalidValue when ``tp`` ranks cannot split ``spec``'s KV heads, before anything else is read: the
-    check :func:`tp_shards` makes on the model's own plan, here for the hand families, whose plans all shard
-    ``k_proj`` (or ``qkv_proj``) by heads. A generic architecture is checked by :func:`tp_shards`."""
-    if tp is None or isinstance(tp, bool) or not isinstance(tp, int) or tp < 2 or spec.generic:
+def check_tp_heads(model, tp: int | None) -> None:
+    """Raise InvalidValue when ``tp`` ranks cannot split the KV heads of ``model`` (a
+    :class:`~vramguard.memory.model.MemoryModel`), before anything else is read: the check :func:`tp_shards` makes
+    on the model's own plan, here for the hand families, whose plans all shard ``k_proj`` (or ``qkv_proj``) by
+    heads. A model taken from transformers is checked by :func:`tp_shards`."""
+    if tp is None or isinstance(tp, bool) or not isinstance(tp, int) or tp < 2 or model.needs_transformers:
         return
-    if spec.num_kv_heads % tp:
-        raise _kv_heads_error(int(spec.num_kv_heads), tp)
+    if model.spec.num_kv_heads % tp:
+        raise _kv_heads_error(int(model.spec.num_kv_heads), tp)
 
 
 def tp_shards(spec, s: Settings, tp: int) -> TpShards:

@@ -30,3 +30,25 @@ def triton_status(device) -> tuple[bool, str]:
     if os.environ.get("TRITON_INTERPRET") == "1":
         return True, "triton's interpreter on the CPU (TRITON_INTERPRET=1)"
     return False, f"triton kernels need a CUDA device (the model is on {device})"
+
+
+def warm_triton() -> None:
+    """Compute, once per process, what Triton computes before its first compilation or on-disk cache lookup:
+    ``triton_key`` (a SHA-256 of Triton's own sources and its ``libtriton`` library, about 400 MB in Triton 3.6:
+    0.2 to 0.6 s, most of it in hashlib, which releases the GIL; ``triton/runtime/cache.py``) and the source key of
+    each of vramguard's kernels (``JITFunction.cache_key``, behind a lock of its own). Meant for a background thread
+    while the model loads, so that the first kernel launch finds both; nothing where Triton is missing or names them
+    otherwise."""
+    try:
+        from triton.runtime.cache import triton_key
+    except ImportError:
+        try:
+            from triton.compiler.compiler import triton_key  # Triton before 3.3
+        except ImportError:
+            return
+    triton_key()
+    from vramguard.run.kernels import decode_attention, fused, nf4
+    for module in (nf4, fused, decode_attention):
+        for value in list(vars(module).values()):
+            if type(value).__name__ == "JITFunction":
+                value.cache_key  # noqa: B018 -- computed and kept by the function itself

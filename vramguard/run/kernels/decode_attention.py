@@ -50,10 +50,13 @@ def split_plan(max_len: int, kv_heads: int) -> tuple[int, int]:
 if tl is not None:
     @triton.jit
     def _split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, acc_ptr, ml_ptr, scaling,
-                      stride_qh, stride_kh, stride_kl, stride_vh, stride_vl,
+                      stride_qh, stride_kh, stride_kl, stride_vh, stride_vl, SPLITS,
                       G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BL: tl.constexpr, ITERS: tl.constexpr,
-                      SPLITS: tl.constexpr, IEEE: tl.constexpr):
-        """One chunk of one KV head: unnormalised output [G_PAD, D], running max and sum [G_PAD]."""
+                      IEEE: tl.constexpr):
+        """One chunk of one KV head: unnormalised output [G_PAD, D], running max and sum [G_PAD]. ``SPLITS`` follows
+        the cache length every :data:`BLOCK_L` x ``ITERS`` slots, so it is a run-time integer (as a constexpr each new
+        prompt length would compile the kernel again, in every process); ``ITERS`` changes every
+        ``TARGET_PROGRAMS / Hkv`` x :data:`BLOCK_L` slots (2,048 for 8 KV heads)."""
         hk = tl.program_id(0)
         sp = tl.program_id(1)
         length = tl.load(pos_ptr).to(tl.int32) + 1
@@ -93,8 +96,8 @@ if tl is not None:
         tl.store(ml_ptr + (base + rg) * 2 + 1, l_i)
 
     @triton.jit
-    def _merge_kernel(acc_ptr, ml_ptr, out_ptr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
-                      SPLITS: tl.constexpr, S_PAD: tl.constexpr):
+    def _merge_kernel(acc_ptr, ml_ptr, out_ptr, SPLITS, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
+                      S_PAD: tl.constexpr):
         """Merge the chunks of query head hk*G + g (program (hk, g)) in one pass: weights exp(m_s - max m).
         Chunk 0 always holds key 0, so the max is finite; empty chunks carry max -inf and sum 0 (weight 0)."""
         hk = tl.program_id(0)
@@ -139,10 +142,10 @@ def decode_attention(q, k, v, position, scaling: float):
     ml = torch.empty((hkv, splits, g_pad, 2), dtype=torch.float32, device=q.device)
     out = torch.empty((1, 1, h, d), dtype=q.dtype, device=q.device)
     _split_kernel[(hkv, splits)](q, k, v, position, acc, ml, float(scaling), q.stride(1), k.stride(1), k.stride(2),
-                                 v.stride(1), v.stride(2), G=g, G_PAD=g_pad, D=d, BL=BLOCK_L, ITERS=iters,
-                                 SPLITS=splits, IEEE=q.dtype == torch.float32, num_warps=4)
-    _merge_kernel[(hkv, g)](acc, ml, out, G=g, G_PAD=g_pad, D=d, SPLITS=splits,
-                                S_PAD=triton.next_power_of_2(splits), num_warps=4)
+                                 v.stride(1), v.stride(2), splits, G=g, G_PAD=g_pad, D=d, BL=BLOCK_L, ITERS=iters,
+                                 IEEE=q.dtype == torch.float32, num_warps=4)
+    _merge_kernel[(hkv, g)](acc, ml, out, splits, G=g, G_PAD=g_pad, D=d, S_PAD=triton.next_power_of_2(splits),
+                            num_warps=4)
     return out
 
 

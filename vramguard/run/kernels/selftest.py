@@ -19,10 +19,11 @@ def _rel(got, want) -> float:
     return float((got.float() - want.float()).norm() / want.float().norm().clamp_min(1e-30))
 
 
-def check_4bit_layers(model, kernels, dtype, rows: int = 1, every_shape: bool = False) -> None:
+def check_4bit_layers(model, kernels, dtype, rows: int = 1, every_shape: bool = False,
+                      limit: int | None = None) -> None:
     """One bitsandbytes 4-bit layer per distinct (in_features, double quant), or with ``every_shape`` per distinct
-    (out_features, in_features, double quant): its output for ``rows`` random rows with ``kernels()`` active (the
-    routed Triton kernels) against bitsandbytes' own.
+    (out_features, in_features, double quant), the first ``limit`` of them (None: all): its output for ``rows``
+    random rows with ``kernels()`` active (the routed Triton kernels) against bitsandbytes' own.
 
     Raises:
         RuntimeError: a relative difference of :data:`TOLERANCE` or more (or NaN).
@@ -34,6 +35,8 @@ def check_4bit_layers(model, kernels, dtype, rows: int = 1, every_shape: bool = 
         key = (tuple(qs.shape) if every_shape else qs.shape[1], qs.nested) if qs is not None else None
         if qs is None or key in seen:
             continue
+        if limit is not None and len(seen) >= limit:
+            return
         seen.add(key)
         x = torch.randn((1, rows, qs.shape[1]), generator=_generator(m.weight.device),
                         device=m.weight.device).to(dtype)
