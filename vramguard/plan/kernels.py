@@ -11,7 +11,6 @@ from typing import Callable
 
 from vramguard.catalog.gpus import GpuSpec
 from vramguard.settings import Settings
-from vramguard.spec import ModelSpec
 
 
 @dataclass(frozen=True)
