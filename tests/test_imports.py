@@ -14,7 +14,7 @@ PACKAGE = ROOT / "vramguard"
 # left is a door to a heavy path, one per command where its library is not loaded at the CLI's start (fastapi's
 # server, vLLM's model, Triton's kernels, asyncio's connections) or a test's seam.
 BUDGET = {"": 3, "catalog": 0, "check": 0, "cli": 19, "engines": 1, "export": 0, "hub": 12, "introspect": 44,
-          "memory": 0, "oomlog": 0, "plan": 49, "probe": 0, "profile": 0, "run": 44, "runtime": 0, "serve": 5}
+          "memory": 0, "oomlog": 0, "plan": 56, "probe": 0, "profile": 0, "run": 44, "runtime": 0, "serve": 5}
 # the optional packages the CLI's start must not import (pyproject's extras, and what they bring)
 HEAVY = {"torch", "transformers", "accelerate", "bitsandbytes", "safetensors", "huggingface_hub", "numpy", "triton",
          "fastapi", "starlette", "uvicorn", "pydantic", "httpx", "sse_starlette", "prometheus_client", "matplotlib",

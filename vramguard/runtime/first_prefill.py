@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from vramguard.plan import choose, estimate
+from vramguard.plan.verified import unverified
 from vramguard.units import fmt_bytes
 
 FIRST_PREFILL_TOKENS = 256  # short enough to cost little on any card, long enough to cover a chunk of a Mamba scan
@@ -49,17 +51,16 @@ def measure_first_prefill(handle, settings=None) -> FirstPrefill | None:
     """The :class:`FirstPrefill` of ``handle``'s model (a :class:`~vramguard.runtime.handle.LoadedModel`) with
     ``settings`` (default: as loaded); None where the plan is verified or the model has no spec to plan
     (nothing to measure against)."""
-    from vramguard.plan.verified import unverified
     spec = handle.spec
     s = settings or handle.settings
     if spec is None or s is None:
         return None
-    missing = unverified(spec, s)
+    model = choose(spec, s).model
+    missing = unverified(model, s)
     if not missing:
         return None
-    from vramguard.plan import estimate
     tokens = min(FIRST_PREFILL_TOKENS, max(1, s.prompt_tokens))
-    planned = estimate(spec, s.with_(prompt_tokens=tokens, max_new_tokens=1, batch=1)).prefill.peak_bytes
+    planned = estimate(model, s.with_(prompt_tokens=tokens, max_new_tokens=1, batch=1)).prefill.peak_bytes
     measured = prefill_peak_bytes(handle.model, tokens, handle.on_cuda)
     return FirstPrefill(tokens, planned, measured, missing, "cuda" if handle.on_cuda else "cpu")
 
