@@ -73,6 +73,7 @@ def test_cli_run_stops_where_transformers_stops(smollm2, reference, text):
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["token_ids"] == want and out["stop"] == "eos"
+    assert out["prompt_tokens"] == len(ids)  # the chat template's ids, as sent to the model
     assert (out["loaded"]["quant"], out["loaded"]["dtype"], out["loaded"]["device"]) == ("fp32", "float32", "cpu")
     assert out["loaded"]["why"][0].startswith("weights fp32: no CUDA device: full-precision float32 weights")
     t = out["timings"]

@@ -143,7 +143,7 @@ class GenerationResult:
     ``"max_new_tokens"``; ``stop_detail`` says it in words. ``timings`` splits the wall time (plan, prefill,
     one-time work, decode; :class:`~vramguard.run.timing.RunTimings`); ``decode_ms_per_token`` counts decode steps
     only. ``loaded`` says what ran (weight format, dtypes, attention, device) when the model came from
-    :func:`~vramguard.runtime.load.load_model`."""
+    :func:`~vramguard.runtime.load.load_model`; ``prompt_tokens`` is the prompt's length in tokens."""
 
     text: str
     token_ids: list[int]
@@ -164,6 +164,7 @@ class GenerationResult:
     ignore_eos: bool = False
     timings: RunTimings = field(default_factory=RunTimings)
     loaded: dict | None = None
+    prompt_tokens: int | None = None  # the prompt's token ids, as sent to the model (chat template applied)
 
 
 def _candidates(spec, s: Settings, pool, on_cuda: bool, weights_loaded: bool) -> tuple[list, list[str]]:
@@ -522,7 +523,7 @@ def generate(model, tokenizer, prompt: str | list[int], max_new_tokens: int = 25
                             last.peak_allocated_bytes, ttft,
                             len(generated) / elapsed if elapsed > 0 else None, order[0][1], usable,
                             last.decode_mode, last.decode_reason, timings.decode_ms_per_token, stop, stop_detail,
-                            eos, ignore_eos, timings, _loaded_as(h))
+                            eos, ignore_eos, timings, _loaded_as(h), prompt_tokens=len(prompt_ids))
 
 
 def _loaded_as(h) -> dict | None:
