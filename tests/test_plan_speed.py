@@ -105,6 +105,7 @@ def test_plan_read_back_from_disk_is_byte_identical(tmp_path, model_type, monkey
         _plan_json(str(folder), vram="16GiB")
 
 
+COLUMNS = "100"  # the table's width, in this process and the fresh one alike
 PROBE = """
 import json, runpy, sys
 sys.argv = ["vramguard", "plan", *sys.argv[1:]]
@@ -123,23 +124,31 @@ def _cli_in_fresh_process(tmp_path, *args: str) -> tuple[str, dict]:
     import os
     import subprocess
     import sys
-    env = {**os.environ, "VRAMGUARD_PLAN_CACHE": str(tmp_path / "plans"), "PYTHONPATH": os.getcwd()}
+    env = {**os.environ, "VRAMGUARD_PLAN_CACHE": str(tmp_path / "plans"), "PYTHONPATH": os.getcwd(),
+           "COLUMNS": COLUMNS}
     r = subprocess.run([sys.executable, "-c", PROBE, *args], capture_output=True, text=True, env=env, timeout=300)
     return r.stdout, json.loads(r.stderr.strip().splitlines()[-1])
 
 
 @pytest.mark.parametrize("model, fmt", [("qwen2.5-0.5b", "json"), ("llama", "human"), ("gpt2", "human")])
-def test_a_second_plan_in_a_fresh_process_imports_neither_torch_nor_transformers(tmp_path, model, fmt):
-    """A catalog name, a hand family's folder and another architecture's folder: the first plan computes (with
-    transformers: the load and the allocator tape are its own), the second, in a new process, reads what it learned
-    and prints the same JSON or table without importing torch or transformers."""
+def test_a_second_plan_in_a_fresh_process_imports_neither_torch_nor_transformers(tmp_path, model, fmt, monkeypatch):
+    """A catalog name, a hand family's folder and another architecture's folder: the first plan computes (here, in
+    this process: the CLI's own code, which keeps what it learned on disk), the second, in a new process, reads
+    it and prints the same JSON or table without importing torch or transformers."""
+    from conftest import run_cli
+
+    from vramguard.plan import planner
     target = model if model == "qwen2.5-0.5b" else str(_config_folder(tmp_path, model))
     args = (target, "--vram", "24GiB", "--prompt-tokens", "256", "--format", fmt)
-    first, how = _cli_in_fresh_process(tmp_path, *args)
-    assert how == {"code": 0, "heavy": ["torch", "transformers"]}
+    monkeypatch.setenv("VRAMGUARD_PLAN_CACHE", str(tmp_path / "plans"))
+    computed = []
+    compute = planner._compute
+    monkeypatch.setattr(planner, "_compute", lambda *a, **k: computed.append(1) or compute(*a, **k))
+    first = run_cli("plan", *args, columns=COLUMNS)
+    assert first.returncode == 0 and computed == [1], first.stderr
     second, how = _cli_in_fresh_process(tmp_path, *args)
     assert how == {"code": 0, "heavy": []}
-    assert second == first
+    assert second == first.stdout
 
 
 def test_a_hand_family_is_read_without_transformers_in_a_fresh_process(tmp_path):

@@ -143,7 +143,7 @@ class GenerationResult:
     ``"max_new_tokens"``; ``stop_detail`` says it in words. ``timings`` splits the wall time (plan, prefill,
     one-time work, decode; :class:`~vramguard.run.timing.RunTimings`); ``decode_ms_per_token`` counts decode steps
     only. ``loaded`` says what ran (weight format, dtypes, attention, device) when the model came from
-    :func:`~vramguard.runtime.load.load_model`; ``prompt_tokens`` is the prompt's length in tokens."""
+    :func:`~vramguard.runtime.load.load_model`; ``prompt_tokens``: the prompt's ids as sent (chat template applied)."""
 
     text: str
     token_ids: list[int]
@@ -164,7 +164,7 @@ class GenerationResult:
     ignore_eos: bool = False
     timings: RunTimings = field(default_factory=RunTimings)
     loaded: dict | None = None
-    prompt_tokens: int | None = None  # the prompt's token ids, as sent to the model (chat template applied)
+    prompt_tokens: int | None = None
 
 
 def _candidates(spec, s: Settings, pool, on_cuda: bool, weights_loaded: bool) -> tuple[list, list[str]]:
@@ -503,8 +503,7 @@ def generate(model, tokenizer, prompt: str | list[int], max_new_tokens: int = 25
     with memory_cap(budget_bytes if on_cuda else None):
         generated, attempts, ttft = _attempts(model, tokenizer, prompt_ids, max_new_tokens, order, on_text, sample,
                                               seed, eos, ignore_eos)
-    elapsed = time.perf_counter() - t0
-    last = attempts[-1]
+    elapsed, last = time.perf_counter() - t0, attempts[-1]
     if budget_bytes is not None and not on_cuda:
         why += "; no CUDA device: the memory budget was not applied"
     reason = why if len(attempts) == 1 else (

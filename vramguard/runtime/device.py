@@ -208,8 +208,8 @@ def restore_cap(fraction: float, device: int | None = None) -> None:
 # cuDNN report a failed workspace allocation as CUBLAS_STATUS_ALLOC_FAILED / CUDNN_STATUS_ALLOC_FAILED
 # (cublas_api.h, cudnn_graph.h), which PyTorch raises as a plain RuntimeError; NCCL's CUDACHECK macro
 # (src/include/checks.h) reports a failed cudaMalloc of its buffers as "Cuda failure 'out of memory'" (newer
-# releases print the error number too: "Cuda failure 2 'out of memory'"), raised as torch.distributed's DistBackendError,
-# a RuntimeError.
+# releases print the error number too: "Cuda failure 2 'out of memory'"), raised as torch.distributed's
+# DistBackendError, a RuntimeError.
 # CUBLAS_STATUS_NOT_INITIALIZED is not one of them, on purpose: cublasCreate returns it whenever the CUDA runtime
 # could not set up the handle, a full card or a driver/context fault alike (cuBLAS documentation of cublasCreate), so
 # a run does not retry on it as on an allocation failure. vramguard.explain, which a person reads, names it as the
