@@ -63,10 +63,11 @@ def _plan_json(model, **kw) -> str:
     return json.dumps(plan_to_json(plan(model, **kw)), sort_keys=True)
 
 
-@pytest.mark.parametrize("key", ["qwen2.5-0.5b", "gemma-2-2b", "phi-3-mini-128k"])
+@pytest.mark.parametrize("key", ["gemma-2-2b"])
 def test_catalog_plan_without_transformers_is_byte_identical(key, monkeypatch):
     """The whole default plan (allocator model and solvers included) of a catalog name read with the table and
-    through AutoConfig: the same JSON to the byte (every catalog entry's spec is compared field by field above)."""
+    through AutoConfig: the same JSON to the byte (every catalog entry's spec is compared field by field above, and
+    a plan is a function of the spec; Gemma-2: sliding and full layers, soft-capping, tied embeddings by default)."""
     fast = _plan_json(key, vram="24GiB")
     monkeypatch.setattr(spec_module, "READ_FAMILIES_THROUGH_TRANSFORMERS", True)
     assert _plan_json(key, vram="24GiB") == fast
@@ -88,9 +89,10 @@ def _config_folder(tmp_path, model_type: str):
     return folder
 
 
-@pytest.mark.parametrize("model_type", ["llama", "gemma2", "gpt2", "olmoe", "starcoder2", "deepseek_v2", "gpt_oss"])
+@pytest.mark.parametrize("model_type", ["llama", "deepseek_v2", "gpt_oss"])
 def test_plan_read_back_from_disk_is_byte_identical(tmp_path, model_type, monkeypatch):
-    """A plan kept on disk and read back (no estimate run) gives the same JSON as the one computed."""
+    """A plan kept on disk and read back (no estimate run) gives the same JSON as the one computed: a hand family,
+    and two generic ones whose plans hold the most kinds of parts (MLA; sliding window with MoE and sinks)."""
     from vramguard.plan import planner
     monkeypatch.setenv("VRAMGUARD_PLAN_CACHE", str(tmp_path / "plans"))
     folder = _config_folder(tmp_path, model_type)

@@ -65,9 +65,11 @@ def test_generate_stops_where_transformers_stops(loaded, reference, text):
     assert r.loaded["quant"] == "fp32" and r.loaded["device"] == "cpu"
 
 
-@pytest.mark.parametrize("text", PROMPTS)
+@pytest.mark.parametrize("text", PROMPTS[:2])
 def test_cli_run_stops_where_transformers_stops(smollm2, reference, text):
-    """The CLI's default on a machine without CUDA: float32 weights (said, with why), the end of turn, in JSON."""
+    """The CLI's default on a machine without CUDA: float32 weights (said, with why), the end of turn, in JSON.
+    Two prompts (the longest answer and a short one): the library's tokens on all five are compared above, and
+    the CLI adds its load and its JSON, which no prompt changes."""
     ids, want = reference[text]
     r = run_cli("run", str(smollm2), "--prompt", text, "--max-new-tokens", str(NEW), "--format", "json")
     assert r.returncode == 0, r.stderr
