@@ -18,7 +18,7 @@ OUTDIR/router.log).
 
 FOLDER (default: the test suite's ~/.cache/vramguard-tests/smollm2-135m-instruct-fp32, built by
 tests/real_model.py) is served as it is; with ``--tiny``, a tiny random Llama (2 layers of width 64) with FOLDER's
-tokenizer, chat template and context (OUTDIR/tiny-llama) is served instead: the same tokenizer's work per prompt,
+tokenizer, chat template and context (in a temporary folder) is served instead: the same tokenizer's work per prompt,
 with the model's compute out of the normal request's time.
 """
 
@@ -33,6 +33,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -222,7 +223,7 @@ def main():
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     res = os.path.join(args.out, "results.jsonl")
-    model = tiny_model(args.model, os.path.join(args.out, "tiny-llama")) if args.tiny else args.model
+    model = tiny_model(args.model, tempfile.mkdtemp(prefix="vramguard-tiny-")) if args.tiny else args.model
     emit(res, {"case": "setup", "model": args.model, "tiny": args.tiny, "load_avg_1m": os.getloadavg()[0],
                "cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d %H:%M")})
     proc, url = spawn(model, os.path.join(args.out, "serve.log"))
