@@ -1,19 +1,25 @@
-"""serve under attack, round two, on the CPU (loopback only, every loop bounded): one ``vramguard serve`` process of
-a real model (SmolLM2-135M-Instruct, float32) limited to 1,024 file descriptors, and what a normal chat request
-costs while it is attacked:
+"""serve under attack, round two, on the CPU (loopback only, every loop bounded): one ``vramguard serve`` process
+limited to 1,024 file descriptors, and what a normal chat request costs while it is attacked:
 
 * ``baseline``: the median of 15 normal chat requests (4 new tokens) alone;
 * ``flood_1mb`` / ``flood_cjk``: the same with four clients sending ~1 MB prompts (ASCII words, CJK text) that can
   never fit the context, in a loop (each refused after a prefix);
 * ``browser``: the status of a DNS-rebinding Host, a cross-site Origin, a text/plain POST, and a loopback request;
 * ``idle_1100``: 1,100 connections that send nothing or part of their headers, then normal requests;
-* ``sigterm``: seconds from SIGTERM (a stream generating, the idle connections open) to the process's exit.
+* ``sigterm``: seconds from SIGTERM (a stream generating, the idle connections open) to the process's exit;
+* ``router_bodyless`` (with ``--router``): the multi-GPU front process (``vramguard.serve.router.run_router``) over
+  one real worker process on the CPU, 2 x (running + queue) = 48 connections that send headers and no body held
+  against it, and the normal requests' times and status meanwhile; then what each body-less connection got.
 
-One JSON line per case on stdout and in OUTDIR/results.jsonl; the server's log in OUTDIR/serve.log.
+One JSON line per case on stdout and in OUTDIR/results.jsonl; the server's log in OUTDIR/serve.log (the router's in
+OUTDIR/router.log).
 
-    python benchmarks/cpu_serve_attack.py OUTDIR [--model FOLDER]
+    python benchmarks/cpu_serve_attack.py OUTDIR [--model FOLDER] [--tiny] [--router]
 
-(default FOLDER: the test suite's ~/.cache/vramguard-tests/smollm2-135m-instruct-fp32, built by tests/real_model.py)
+FOLDER (default: the test suite's ~/.cache/vramguard-tests/smollm2-135m-instruct-fp32, built by
+tests/real_model.py) is served as it is; with ``--tiny``, a tiny random Llama (2 layers of width 64) with FOLDER's
+tokenizer, chat template and context (in a temporary folder) is served instead: the same tokenizer's work per prompt,
+with the model's compute out of the normal request's time.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -35,6 +42,7 @@ from benchmarks.common import emit  # noqa: E402
 
 DEFAULT_MODEL = os.path.expanduser("~/.cache/vramguard-tests/smollm2-135m-instruct-fp32")
 DESCRIPTORS = 1024
+WORKER_ARGS = ["--quant", "fp32", "--max-running", "8", "--max-queue", "16", "--served-model-name", "m"]
 
 
 def spawn(model: str, log: str):
@@ -43,18 +51,52 @@ def spawn(model: str, log: str):
         os.remove(ready)
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
     proc = subprocess.Popen([sys.executable, "-m", "vramguard", "serve", model, "--port", "0", "--ready-file", ready,
-                             "--quant", "fp32", "--max-running", "8", "--max-queue", "16", "--served-model-name", "m"],
-                            stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                             *WORKER_ARGS], stdout=open(log, "w"), stderr=subprocess.STDOUT,
                             preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (DESCRIPTORS, hard)))
+    return proc, wait_ready(proc, ready, log)
+
+
+def spawn_router(model: str, log: str):
+    """``run_router`` in a process of its own over one worker process (``--gpus 0`` as the CLI starts it; the
+    CLI refuses ``--gpus`` without CUDA, so the router is started from Python): both run on the CPU."""
+    ready = log + ".url"
+    if os.path.exists(ready):
+        os.remove(ready)
+    code = ("import sys\nfrom vramguard.cli.serve import announcer\nfrom vramguard.serve.router import run_router\n"
+            f"sys.exit(run_router({model!r}, [0], {WORKER_ARGS!r}, '127.0.0.1', 0, "
+            f"on_listen=announcer({ready!r}, 'the router')))")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    return proc, wait_ready(proc, ready, log)
+
+
+def wait_ready(proc, ready: str, log: str) -> str:
     deadline = time.time() + 300
     while not os.path.exists(ready):
         if proc.poll() is not None or time.time() > deadline:
             raise RuntimeError(f"server did not start (exit {proc.poll()}): {open(log).read()[-3000:]}")
         time.sleep(0.2)
-    return proc, open(ready).read().strip()
+    return open(ready).read().strip()
 
 
-def normal_p50(url: str, n: int = 15) -> tuple[float, list[int]]:
+def tiny_model(tokenizer_folder: str, out: str) -> str:
+    """A tiny random Llama (seed 0; 2 layers, width 64) with ``tokenizer_folder``'s tokenizer, chat template,
+    generation config, vocabulary and context, saved in ``out``."""
+    import shutil
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    cfg = AutoConfig.from_pretrained(tokenizer_folder)
+    cfg.update(dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=16))
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(out)
+    for name in os.listdir(tokenizer_folder):
+        if name.startswith(("tokenizer", "special_tokens", "chat_template", "generation_config")):
+            shutil.copy(os.path.join(tokenizer_folder, name), out)
+    return out
+
+
+def normal_times(url: str, n: int) -> tuple[list[float], list[int]]:
     import httpx
     times, codes = [], []
     with httpx.Client(timeout=60) as c:
@@ -64,6 +106,11 @@ def normal_p50(url: str, n: int = 15) -> tuple[float, list[int]]:
                                                            "messages": [{"role": "user", "content": f"Count to {i}"}]})
             times.append(time.perf_counter() - t0)
             codes.append(r.status_code)
+    return times, codes
+
+
+def normal_p50(url: str, n: int = 15) -> tuple[float, list[int]]:
+    times, codes = normal_times(url, n)
     return statistics.median(times), sorted(set(codes))
 
 
@@ -137,14 +184,49 @@ def idle_then_sigterm(url: str, proc) -> tuple[dict, dict]:
     return idle, term
 
 
+def router_bodyless(url: str, proc, running_plus_queue: int = 24) -> dict:
+    """Normal requests alone, then with 2 x (running + queue) body-less connections held against the router; what
+    the body-less ones got; then SIGTERM to the router and its exit."""
+    alone, _ = normal_times(url, 9)
+    host, port = url.removeprefix("http://").split(":")
+    socks = []
+    for _ in range(2 * running_plus_queue):
+        c = socket.create_connection((host, int(port)), timeout=30)
+        c.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\n"
+                  b"content-length: 100\r\n\r\n")
+        socks.append(c)
+    time.sleep(0.5)  # each waiting for its body
+    held, codes = normal_times(url, 9)
+    answers = []
+    for c in socks:
+        try:
+            answers.append(c.recv(65536).split(b"\r\n", 1)[0].decode())
+        except OSError as e:
+            answers.append(type(e).__name__)
+        c.close()
+    t0 = time.perf_counter()
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=60)
+    return {"bodyless_connections": len(socks), "alone_p50_ms": round(1000 * statistics.median(alone), 1),
+            "normal_p50_ms": round(1000 * statistics.median(held), 1), "normal_max_ms": round(1000 * max(held), 1),
+            "normal_status": sorted(set(codes)),
+            "bodyless_answers": {a: answers.count(a) for a in sorted(set(answers))},
+            "sigterm_seconds_to_exit": round(time.perf_counter() - t0, 2), "exit_code": proc.returncode}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
     ap.add_argument("--model", default=DEFAULT_MODEL)
+    ap.add_argument("--tiny", action="store_true", help="serve a tiny random Llama with the model's tokenizer")
+    ap.add_argument("--router", action="store_true", help="also the router over a worker process")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     res = os.path.join(args.out, "results.jsonl")
-    proc, url = spawn(args.model, os.path.join(args.out, "serve.log"))
+    model = tiny_model(args.model, tempfile.mkdtemp(prefix="vramguard-tiny-")) if args.tiny else args.model
+    emit(res, {"case": "setup", "model": args.model, "tiny": args.tiny, "load_avg_1m": os.getloadavg()[0],
+               "cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d %H:%M")})
+    proc, url = spawn(model, os.path.join(args.out, "serve.log"))
     try:
         p50, codes = normal_p50(url)
         emit(res, {"case": "baseline", "normal_p50_ms": round(1000 * p50, 1), "normal_status": codes,
@@ -161,6 +243,16 @@ def main():
     log = open(os.path.join(args.out, "serve.log")).read()
     emit(res, {"case": "log", "tracebacks": log.count("Traceback"),
                "cap_lines": sum("to stay under the cap" in x for x in log.splitlines())})
+    if args.router:
+        proc, url = spawn_router(model, os.path.join(args.out, "router.log"))
+        try:
+            emit(res, {"case": "router_bodyless", **router_bodyless(url, proc)})
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        log = open(os.path.join(args.out, "router.log")).read()
+        emit(res, {"case": "router_log", "tracebacks": log.count("Traceback"),
+                   "timeout_lines": sum("request_timeout" in x for x in log.splitlines())})
 
 
 if __name__ == "__main__":

@@ -120,6 +120,16 @@ def _no_gpu_detection(monkeypatch):
 SESSION_TAPES = "VRAMGUARD_TEST_SESSION_TAPES"
 
 
+@pytest.fixture
+def shared_plans(_no_gpu_detection, monkeypatch):
+    """The plan cache on, in one folder for the whole run (beside the session's tapes, shared by the workers): for
+    the tests of what the CLI prints, where a plan of the same model, settings and cards is asked for again and
+    again. A plan is keyed by everything it depends on (:func:`vramguard.plan.planner._cache_entry`: the spec, the
+    settings, the cards, the allocator settings, this process's freed memory, vramguard's code), so a test reads
+    the plan it would compute. Never for a test that changes a rule in-process (the autouse default: off)."""
+    monkeypatch.setenv("VRAMGUARD_PLAN_CACHE", os.path.join(os.environ[SESSION_TAPES], "plans"))
+
+
 def pytest_configure(config):
     """One temporary tape folder for the whole run, made by the first process (the xdist workers inherit it)."""
     if SESSION_TAPES not in os.environ:

@@ -253,3 +253,26 @@ def test_the_cli_refuses_an_ambiguous_card_name_with_the_query_that_tells():
     assert "error --gpu: 'NVIDIA GeForce RTX 4060 Ti' is not valid" in err
     assert "nvidia-smi --query-gpu=name,memory.total --format=csv" in err
     assert "e.g. --gpu rtx-4060-ti-16gb, or pass its total as --vram" in err
+
+
+@pytest.mark.parametrize("typed,meant", [("rtx4900", ["rtx-4090", "rtx-4080"]), ("h2000", ["h200"]),
+                                         ("l40x", ["l40s"]), ("foo", [])])
+def test_an_unknown_card_name_says_which_catalog_card_was_meant(typed, meant):
+    from vramguard.errors import UnknownGpu
+    from vramguard.hardware import gpu_from_catalog
+    with pytest.raises(UnknownGpu) as e:
+        gpu_from_catalog(typed)
+    assert (f"did you mean {' or '.join(meant)}?" in e.value.fix) if meant else "did you mean" not in e.value.fix
+
+
+@pytest.mark.parametrize("typed,meant", [("lama-3.1-8b", "llama-3.1-8b"), ("qwen25-7b", "qwen2.5-7b"),
+                                         ("gema-2-9b", "gemma-2-9b"), ("mixtral-8x7", "mixtral-8x7b"),
+                                         ("llama-3.1-405b", None), ("gemma-3-12b", None), ("gpt-oss-20b", None)])
+def test_an_unknown_model_name_says_which_catalog_name_was_meant_never_another_size(typed, meant):
+    """A typo of a catalog name is named; a real model the catalog lacks (another size or generation: different
+    digits) is never called a typo of a catalog model."""
+    from vramguard.errors import UnknownModel
+    from vramguard.resolve import resolve_model
+    with pytest.raises(UnknownModel) as e:
+        resolve_model(typed)
+    assert (f"did you mean {meant}?" in e.value.fix) if meant else ("did you mean" not in e.value.fix), e.value.fix

@@ -10,6 +10,8 @@ import sys
 import pytest
 from conftest import run_cli
 
+pytestmark = pytest.mark.usefixtures("shared_plans")  # the same plans asked for again and again: each computed once
+
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "COLUMNS": "160"}
 
 

@@ -13,6 +13,8 @@ from vramguard.catalog.models import MODELS
 from vramguard.cli import app
 from vramguard.settings import MAX_TOKENS
 
+pytestmark = pytest.mark.usefixtures("shared_plans")  # the same plans asked for again and again: each computed once
+
 
 def invoke(*args):
     return CliRunner().invoke(app, list(args))

@@ -11,6 +11,8 @@ from conftest import run_cli as _run_cli
 from vramguard.errors import InvalidValue
 from vramguard.units import parse_card_size, parse_size
 
+pytestmark = pytest.mark.usefixtures("shared_plans")  # the same plans asked for again and again: each computed once
+
 M = "llama-3.1-8b"
 
 

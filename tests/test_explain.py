@@ -215,3 +215,24 @@ def test_cli_explains_cuda_error_with_exit_0():
     assert r.stdout.startswith("cuda_error: CUDA could not allocate memory") and "CUDA_LAUNCH_BLOCKING=1" in r.stdout
     j = run_cli("explain", "-", "--format", "json", input=NCCL_ERROR)
     assert j.returncode == 0 and json.loads(j.stdout)["kind"] == "cuda_error"
+
+
+EMPTY_TRACEBACK = ('Traceback (most recent call last):\n  File "/home/u/big.py", line 3, in <module>\n'
+                   '    x = torch.empty(100 * 2**30, dtype=torch.uint8, device="cuda")\n')
+ATTENTION_TRACEBACK = ('Traceback (most recent call last):\n  File "/x/modeling_llama.py", line 230, in forward\n'
+                       '    attn_weights = torch.matmul(query, key_states.transpose(2, 3)) * self.scaling\n')
+
+
+def test_a_plain_tensor_oom_gets_no_attention_fix_unless_the_traceback_names_attention():
+    """A traceback that names no attention code (a user's torch.empty larger than the card) gets the fix of its own
+    tensor, no attention setting; one through the attention's code, or a message without a traceback (nothing says
+    where the allocation was made), still gets the attention fix."""
+    plain = explain(EMPTY_TRACEBACK + "torch.OutOfMemoryError: " + BIGGER_THAN_CARD)
+    assert plain.kind == "algorithmic"
+    assert not any("attention" in f or "attn" in f or "prefill" in f for f in plain.fixes), plain.fixes
+    assert plain.fixes[0].startswith("make the tensor of the traceback's last frame smaller")
+    assert any("names no attention code" in x for x in plain.evidence)
+    for text in (ATTENTION_TRACEBACK + "torch.OutOfMemoryError: " + BIGGER_THAN_CARD, BIGGER_THAN_CARD):
+        e = explain(text)
+        assert e.kind == "algorithmic" and any("eager attention" in f for f in e.fixes), e.fixes
+        assert not any("names no attention code" in x for x in e.evidence)

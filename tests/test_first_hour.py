@@ -11,6 +11,8 @@ import pytest
 
 from conftest import run_cli
 
+pytestmark = pytest.mark.usefixtures("shared_plans")  # the same plans asked for again and again: each computed once
+
 
 def _only_error(r, flag: str) -> list[str]:
     """The result's stderr lines, after checking that it is a usage error (exit 2) of ``flag`` with nothing on

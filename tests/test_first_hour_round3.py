@@ -16,6 +16,8 @@ from vramguard.plan.limits import bound_by
 from vramguard.resolve import resolve_model
 from vramguard.settings import Settings
 
+pytestmark = pytest.mark.usefixtures("shared_plans")  # the same plans asked for again and again: each computed once
+
 
 def test_bound_by_compares_with_the_context_less_the_other_part():
     spec = resolve_model("llama-2-7b")  # max_position_embeddings 4,096

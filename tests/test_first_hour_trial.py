@@ -14,6 +14,8 @@ import pytest
 from conftest import run_cli
 from test_first_hour import _findings, _only_error, tiny_llama  # noqa: F401 (tiny_llama: a fixture)
 
+pytestmark = pytest.mark.usefixtures("shared_plans")  # the same plans asked for again and again: each computed once
+
 
 def test_tp_with_nf4_is_a_usage_error_naming_both_options():
     # no card named and none detected: the two options that do not go together are said first, as exit 2

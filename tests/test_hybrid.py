@@ -1,6 +1,8 @@
 """A plan follows the path the forward takes: the decode-step shortcut falls back to replaying the steps where it
 cannot apply (never an internal error), over random shapes of every architecture in tests/archs.py."""
 
+import inspect
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -213,9 +215,11 @@ def test_the_hybrid_prefill_peak_agrees_with_the_allocations_of_a_cpu_forward(fa
     tokens = 512
     ids, mask = torch.randint(3, 200, (1, tokens)), torch.ones((1, tokens), dtype=torch.long)
     counted = _Allocations()
+    # the cache's keyword as the installed transformers names it ("cache" from 5.24, "past_key_values" before)
+    cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     with torch.no_grad(), counted:
         out = model(input_ids=ids, attention_mask=mask, position_ids=torch.arange(tokens)[None],
-                    past_key_values=DynamicCache(config=model.config), use_cache=True, logits_to_keep=1)
+                    use_cache=True, logits_to_keep=1, **{cache_kw: DynamicCache(config=model.config)})
         out.logits[:, -1, :].to(copy=True, dtype=torch.float32)
     replayed = generic.forward_peak(resolve_model(str(folder)), Settings(quant="bf16", attn="eager",
                                                                          prompt_tokens=tokens, max_new_tokens=1),

@@ -63,10 +63,11 @@ def _plan_json(model, **kw) -> str:
     return json.dumps(plan_to_json(plan(model, **kw)), sort_keys=True)
 
 
-@pytest.mark.parametrize("key", ["qwen2.5-0.5b", "gemma-2-2b", "phi-3-mini-128k"])
+@pytest.mark.parametrize("key", ["gemma-2-2b"])
 def test_catalog_plan_without_transformers_is_byte_identical(key, monkeypatch):
     """The whole default plan (allocator model and solvers included) of a catalog name read with the table and
-    through AutoConfig: the same JSON to the byte (every catalog entry's spec is compared field by field above)."""
+    through AutoConfig: the same JSON to the byte (every catalog entry's spec is compared field by field above, and
+    a plan is a function of the spec; Gemma-2: sliding and full layers, soft-capping, tied embeddings by default)."""
     fast = _plan_json(key, vram="24GiB")
     monkeypatch.setattr(spec_module, "READ_FAMILIES_THROUGH_TRANSFORMERS", True)
     assert _plan_json(key, vram="24GiB") == fast
@@ -88,9 +89,10 @@ def _config_folder(tmp_path, model_type: str):
     return folder
 
 
-@pytest.mark.parametrize("model_type", ["llama", "gemma2", "gpt2", "olmoe", "starcoder2", "deepseek_v2", "gpt_oss"])
+@pytest.mark.parametrize("model_type", ["llama", "deepseek_v2", "gpt_oss"])
 def test_plan_read_back_from_disk_is_byte_identical(tmp_path, model_type, monkeypatch):
-    """A plan kept on disk and read back (no estimate run) gives the same JSON as the one computed."""
+    """A plan kept on disk and read back (no estimate run) gives the same JSON as the one computed: a hand family,
+    and two generic ones whose plans hold the most kinds of parts (MLA; sliding window with MoE and sinks)."""
     from vramguard.plan import planner
     monkeypatch.setenv("VRAMGUARD_PLAN_CACHE", str(tmp_path / "plans"))
     folder = _config_folder(tmp_path, model_type)
@@ -105,6 +107,7 @@ def test_plan_read_back_from_disk_is_byte_identical(tmp_path, model_type, monkey
         _plan_json(str(folder), vram="16GiB")
 
 
+COLUMNS = "100"  # the table's width, in this process and the fresh one alike
 PROBE = """
 import json, runpy, sys
 sys.argv = ["vramguard", "plan", *sys.argv[1:]]
@@ -123,7 +126,8 @@ def _cli_in_fresh_process(tmp_path, *args: str) -> tuple[str, dict]:
     import os
     import subprocess
     import sys
-    env = {**os.environ, "VRAMGUARD_PLAN_CACHE": str(tmp_path / "plans"), "PYTHONPATH": os.getcwd()}
+    env = {**os.environ, "VRAMGUARD_PLAN_CACHE": str(tmp_path / "plans"), "PYTHONPATH": os.getcwd(),
+           "COLUMNS": COLUMNS}
     r = subprocess.run([sys.executable, "-c", PROBE, *args], capture_output=True, text=True, env=env, timeout=300)
     return r.stdout, json.loads(r.stderr.strip().splitlines()[-1])
 
@@ -142,7 +146,7 @@ def test_a_second_plan_in_a_fresh_process_imports_neither_torch_nor_transformers
     assert how == {"code": 0, "heavy": ["torch", "transformers"] if heavy else []}
     second, how = _cli_in_fresh_process(tmp_path, *args)
     assert how == {"code": 0, "heavy": []}
-    assert second == first
+    assert second == first.stdout
 
 
 def test_a_hand_family_is_read_without_transformers_in_a_fresh_process(tmp_path):

@@ -65,14 +65,17 @@ def test_generate_stops_where_transformers_stops(loaded, reference, text):
     assert r.loaded["quant"] == "fp32" and r.loaded["device"] == "cpu"
 
 
-@pytest.mark.parametrize("text", PROMPTS)
+@pytest.mark.parametrize("text", PROMPTS[:2])
 def test_cli_run_stops_where_transformers_stops(smollm2, reference, text):
-    """The CLI's default on a machine without CUDA: float32 weights (said, with why), the end of turn, in JSON."""
+    """The CLI's default on a machine without CUDA: float32 weights (said, with why), the end of turn, in JSON.
+    Two prompts (the longest answer and a short one): the library's tokens on all five are compared above, and
+    the CLI adds its load and its JSON, which no prompt changes."""
     ids, want = reference[text]
     r = run_cli("run", str(smollm2), "--prompt", text, "--max-new-tokens", str(NEW), "--format", "json")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["token_ids"] == want and out["stop"] == "eos"
+    assert out["prompt_tokens"] == len(ids)  # the chat template's ids, as sent to the model
     assert (out["loaded"]["quant"], out["loaded"]["dtype"], out["loaded"]["device"]) == ("fp32", "float32", "cpu")
     assert out["loaded"]["why"][0].startswith("weights fp32: no CUDA device: full-precision float32 weights")
     t = out["timings"]

@@ -176,6 +176,11 @@ def test_is_oom_knows_the_allocation_failures_of_cuda_cublas_and_cudnn():
     assert is_oom(RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"))
     assert is_oom(RuntimeError("cuDNN error: CUDNN_STATUS_ALLOC_FAILED"))
     assert is_oom(RuntimeError("CUDA error: out of memory"))
+    # NCCL's CUDACHECK on its buffers, as torch.distributed raises it (DistBackendError is a RuntimeError)
+    assert is_oom(RuntimeError("NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled cuda error (run with "
+                               "NCCL_DEBUG=INFO for details), NCCL version 2.21.5\nLast error:\nCuda failure "
+                               "'out of memory'"))
+    assert is_oom(RuntimeError("include/alloc.h:114 NCCL WARN Cuda failure 2 'out of memory'"))
     assert not is_oom(RuntimeError("CUDA error: an illegal memory access was encountered"))
     assert not is_oom(RuntimeError("CUBLAS_STATUS_EXECUTION_FAILED"))
     assert not is_oom(ValueError("CUDA out of memory"))  # only errors PyTorch raises for it

@@ -170,8 +170,12 @@ def explain(text: str, alloc_conf: str | None = None, candidates: dict[str, int]
     usable = m.allowed_bytes or m.total_bytes
     ev = _evidence(m, req, usable)
     matched = _match(req, candidates)
-    kind, summary, fixes, more = _classify(m, req, usable, matched, alloc_conf)
+    attention = attention_in_traceback(text)
+    kind, summary, fixes, more = _classify(m, req, usable, matched, alloc_conf, attention)
     ev += more
+    if attention is False and kind == "algorithmic":
+        ev.append("the traceback names no attention code (attn, attention, sdpa, softmax): the allocation is the "
+                  "traceback's own tensor, so attention settings would not change it")
     if matched:
         ev.append(f"the request matches {matched}")
     elif candidates:
@@ -228,16 +232,30 @@ def _room(m: OomMessage) -> int | None:
     return m.free_bytes
 
 
+_TRACEBACK_FRAME = re.compile(r'File "[^"\n]+", line \d+')
+_ATTENTION_CODE = re.compile(r"attn|attention|sdpa|scaled_dot_product|softmax", re.IGNORECASE)
+
+
+def attention_in_traceback(text: str) -> bool | None:
+    """Whether the Python traceback pasted with the message names attention code (a frame or a line of source
+    with ``attn``, ``attention``, ``sdpa``, ``scaled_dot_product`` or ``softmax``); None when the text holds no
+    traceback frame (``File "...", line N``), so nothing is known of where the allocation was made."""
+    if not _TRACEBACK_FRAME.search(text):
+        return None
+    return bool(_ATTENTION_CODE.search(text))
+
+
 def _classify(m: OomMessage, req: int, usable: int | None, matched: str | None,
-              alloc_conf: str | None) -> tuple[str, str, list[str], list[str]]:
-    """(kind, summary, fixes, further evidence) by the rules of the module docstring, in their order."""
+              alloc_conf: str | None, attention: bool | None = None) -> tuple[str, str, list[str], list[str]]:
+    """(kind, summary, fixes, further evidence) by the rules of the module docstring, in their order;
+    ``attention``: :func:`attention_in_traceback`."""
     frag = m.reserved_unallocated_bytes
     others = sum(b for _, b in m.other_processes)
     foreign = _foreign_bytes(m)
     if usable and req > usable:
         summary = (f"one allocation of {fmt_bytes(req)} is larger than all the memory the process may use "
                    f"({fmt_bytes(usable)}): no allocator setting can fit it")
-        return "algorithmic", summary, _algorithmic_fixes(matched), []
+        return "algorithmic", summary, _algorithmic_fixes(matched, attention), []
     if frag is not None and req and frag >= req:
         summary = (f"{_size(frag)} are reserved but unallocated, {_ratio(frag, req)} the "
                    f"{fmt_bytes(req)} requested, but not as one block")
@@ -255,7 +273,7 @@ def _classify(m: OomMessage, req: int, usable: int | None, matched: str | None,
             "plan with the memory that is left: vramguard plan MODEL with vram=SIZE"], []
     if usable and req * ALGORITHMIC_FRACTION_DEN >= usable:
         summary = f"one allocation of {fmt_bytes(req)} is {req / usable:.0%} of the usable memory: an algorithmic cost"
-        return "algorithmic", summary, _algorithmic_fixes(matched), []
+        return "algorithmic", summary, _algorithmic_fixes(matched, attention), []
     if m.allocated_bytes is not None and usable:
         summary = (f"a request of {fmt_bytes(req)} with {fmt_bytes(m.allocated_bytes)} already allocated of "
                    f"{fmt_bytes(usable)}: memory grew until it ran out")
@@ -379,13 +397,21 @@ def _cuda_error(t: str) -> Explanation:
                        OomMessage(format="cuda_error"))
 
 
-def _algorithmic_fixes(matched: str | None) -> list[str]:
+def _algorithmic_fixes(matched: str | None, attention: bool | None = None) -> list[str]:
+    """The fixes of one allocation too large: attention's only where the matched allocation is eager attention's
+    scores, or nothing says where it was made (``attention`` None); never for a traceback that names no attention
+    code (``attention`` False: a plain ``torch.empty`` of the user's)."""
     fixes = []
     if matched and "eager" in matched:
         fixes.append("use attn_implementation='sdpa' (or flash_attention_2): no score matrix is materialized")
     if matched and "logits" in matched:
         fixes.append("keep logits for the positions you need (logits_to_keep), or score in chunks")
-    if not (matched and "eager" in matched):
+    if attention is False:
+        if not matched:
+            return ["make the tensor of the traceback's last frame smaller (a smaller batch or a shorter sequence), "
+                    "or build it in chunks", "vramguard plan MODEL with your settings shows the largest allocation "
+                    "of a generation and what fits"]
+    elif not (matched and "eager" in matched):
         fixes.append("if the run uses eager attention (attn_implementation='eager', or output_attentions=True): use "
                      "sdpa or flash attention (eager holds batch x heads x q x k float32 scores)")
     fixes += ["chunked prefill (generation_config.prefill_chunk_size), a smaller batch, or a shorter prompt",

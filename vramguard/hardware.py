@@ -6,6 +6,7 @@ branch through :data:`DETECT_OVERRIDE`.
 
 from __future__ import annotations
 
+import difflib
 import re
 from dataclasses import dataclass
 
@@ -122,8 +123,25 @@ def gpu_from_catalog(name: str) -> GpuSpec:
     if starts:
         raise UnknownGpu("gpu", name, ", ".join(g.name for g in starts),
                          f"name one of them, e.g. gpu={starts[-1].name}")
-    raise UnknownGpu("gpu", name, ", ".join(GPUS), "pick a catalog card (vramguard.catalog.gpus.GPUS lists them); "
-                     "a plan also takes the memory of any card: vram=24GiB")
+    near = close_card_names(name)
+    meant = f"did you mean {' or '.join(near)}? " if near else ""
+    raise UnknownGpu("gpu", name, ", ".join(GPUS), f"{meant}pick a catalog card (vramguard.catalog.gpus.GPUS lists "
+                     "them); a plan also takes the memory of any card: vram=24GiB")
+
+
+def close_card_names(name: str, n: int = 2) -> list[str]:
+    """Up to ``n`` catalog cards whose names are spelt nearly as ``name`` (a typo: ``rtx4900`` -> ``rtx-4090``):
+    :func:`difflib.get_close_matches` over the names without dashes and dots, vendor words dropped (cutoff 0.75)."""
+    words = [w for w in _norm(name).split("-") if w and w not in _NOISE_WORDS]
+    key = _flat("-".join(words))
+    flat = {}
+    for card in GPUS:
+        flat.setdefault(_flat(card), card)
+        flat.setdefault(_flat(card).removeprefix("rtx"), card)
+    for alias, card in GPU_ALIASES.items():
+        flat.setdefault(_flat(alias), card)
+    near = difflib.get_close_matches(key, list(flat), n=4, cutoff=0.75) if key else []
+    return list(dict.fromkeys(flat[k] for k in near))[:n]
 
 
 def gpu_from_vram(text: str) -> GpuSpec:

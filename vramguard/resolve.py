@@ -9,6 +9,7 @@ config.json, a catalog name (``llama-2-7b``; :data:`vramguard.catalog.models.MOD
 
 from __future__ import annotations
 
+import difflib
 import json
 import math
 import os
@@ -169,7 +170,6 @@ def closest_catalog_name(model: str, names: list[str] | None = None) -> str | No
     :data:`MAX_SIZE_RATIO` (``gemma-3-12b`` -> ``gemma-2-9b``, not ``gemma-2-2b``; ``gpt-oss-20b`` -> none); a
     name without a size: a family member whose name is nearly the same (``difflib`` ratio of at least 0.8).
     ``names`` replaces the catalog's (tests)."""
-    import difflib
     names = list(MODELS) if names is None else names
     tail = _bare_name(model)
     if tail in names or ALIASES.get(tail) in names:
@@ -270,8 +270,24 @@ def resolve_model(model: str, revision: str | None = None) -> ModelSpec:
             raise
     if model.startswith((".", "/", "~")) or model.endswith(".json"):
         raise UnknownModel("MODEL", model, ACCEPTED_MODEL_FORMS, missing_path_fix(model))
-    raise UnknownModel("MODEL", model, ACCEPTED_MODEL_FORMS, "pass a Hub id (owner/name), a model folder, or a "
-                       "catalog name: " + (_catalog_hint(model) or "vramguard.catalog.models.MODELS lists them"))
+    near = close_catalog_names(model)
+    meant = f"did you mean {' or '.join(near)}? " if near else ""
+    raise UnknownModel("MODEL", model, ACCEPTED_MODEL_FORMS, meant + "pass a Hub id (owner/name), a model folder, "
+                       "or a catalog name: " + (_catalog_hint(model) or "vramguard.catalog.models.MODELS lists them"))
+
+
+def close_catalog_names(model: str, n: int = 2) -> list[str]:
+    """Up to ``n`` catalog names spelt nearly as ``model`` (a typo: ``lama-3.1-8b`` -> ``llama-3.1-8b``,
+    ``qwen25-7b`` -> ``qwen2.5-7b``): :func:`difflib.get_close_matches` over the names and aliases (cutoff 0.8),
+    keeping those with the same digits, so that a model the catalog lacks (``llama-3.1-405b``, ``gemma-3-12b``) is
+    never called a typo of another size or generation. Empty when ``model`` is a catalog name."""
+    tail = _bare_name(model)
+    if catalog_name(tail):
+        return []
+    digits = sorted(re.sub(r"\D", "", tail))
+    near = difflib.get_close_matches(tail, [*MODELS, *ALIASES], n=6, cutoff=0.8)
+    keys = [ALIASES.get(k, k) for k in near if sorted(re.sub(r"\D", "", k)) == digits]
+    return list(dict.fromkeys(keys))[:n]
 
 
 def _check_revision_target(model: str, revision: str, p: Path, repo_id: bool) -> None:

@@ -148,7 +148,8 @@ class GenerationResult:
     first token out: ``timings.prefill_s``) and ``decode_ms_per_token`` counts decode steps only, the one-time work
     of the graph strategy (kernel check, warm-up, capture) done before the prefill and timed apart. ``loaded`` says
     what ran (weight format, dtypes, attention, device) when the model came from
-    :func:`~vramguard.runtime.load.load_model`."""
+    :func:`~vramguard.runtime.load.load_model`; ``prompt_tokens``: the prompt's ids as sent (chat template
+    applied)."""
 
     text: str
     token_ids: list[int]
@@ -169,6 +170,7 @@ class GenerationResult:
     ignore_eos: bool = False
     timings: RunTimings = field(default_factory=RunTimings)
     loaded: dict | None = None
+    prompt_tokens: int | None = None
 
 
 def _candidates(spec, s: Settings, pool, on_cuda: bool, weights_loaded: bool) -> tuple[list, list[str]]:
@@ -515,7 +517,7 @@ def generate(model, tokenizer, prompt: str | list[int], max_new_tokens: int = 25
                             last.peak_allocated_bytes, timings.prefill_s,
                             len(generated) / elapsed if elapsed > 0 else None, order[0][1], usable,
                             last.decode_mode, last.decode_reason, timings.decode_ms_per_token, stop, stop_detail,
-                            eos, ignore_eos, timings, _loaded_as(h))
+                            eos, ignore_eos, timings, _loaded_as(h), prompt_tokens=len(prompt_ids))
 
 
 def _loaded_as(h) -> dict | None:

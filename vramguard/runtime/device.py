@@ -207,13 +207,16 @@ def restore_cap(fraction: float, device: int | None = None) -> None:
 # What CUDA libraries print when an allocation fails: PyTorch's caching allocator raises torch.OutOfMemoryError
 # ("CUDA out of memory"); the driver's cudaErrorMemoryAllocation reads "CUDA error: out of memory"; cuBLAS and
 # cuDNN report a failed workspace allocation as CUBLAS_STATUS_ALLOC_FAILED / CUDNN_STATUS_ALLOC_FAILED
-# (cublas_api.h, cudnn_graph.h), which PyTorch raises as a plain RuntimeError.
+# (cublas_api.h, cudnn_graph.h), which PyTorch raises as a plain RuntimeError; NCCL's CUDACHECK macro
+# (src/include/checks.h) reports a failed cudaMalloc of its buffers as "Cuda failure 'out of memory'" (newer
+# releases print the error number too: "Cuda failure 2 'out of memory'"), raised as torch.distributed's
+# DistBackendError, a RuntimeError.
 # CUBLAS_STATUS_NOT_INITIALIZED is not one of them, on purpose: cublasCreate returns it whenever the CUDA runtime
 # could not set up the handle, a full card or a driver/context fault alike (cuBLAS documentation of cublasCreate), so
 # a run does not retry on it as on an allocation failure. vramguard.explain, which a person reads, names it as the
 # likely shortage it most often is; this is the one place the two rules differ.
 OOM_MARKERS = ("CUDA out of memory", "CUDA error: out of memory", "CUBLAS_STATUS_ALLOC_FAILED",
-               "CUDNN_STATUS_ALLOC_FAILED")
+               "CUDNN_STATUS_ALLOC_FAILED", "Cuda failure 'out of memory'", "Cuda failure 2 'out of memory'")
 
 
 def is_oom(error: BaseException) -> bool:

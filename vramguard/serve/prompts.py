@@ -6,8 +6,9 @@ that send such prompts in a loop should neither cost that second each nor hold t
 other request waits for. Two rules:
 
 * with a byte-level tokenizer that drops no character (no normalizer, no pre-tokenizer that removes text: GPT-2,
-  Llama 3, Qwen, SmolLM), every token covers at most its vocabulary entry's length in characters, so a prompt longer
-  than the context times the longest entry cannot fit: it is refused before any tokenization;
+  Llama 3, Qwen, SmolLM), every token covers at most its vocabulary entry's length in bytes of UTF-8 (each character
+  of an entry stands for one byte), so a prompt of more bytes than the context times the longest entry cannot fit:
+  it is refused before any tokenization (a megabyte of CJK text, three bytes a character, as well as of ASCII);
 * a longer prompt is tokenized first in prefixes of 1, 2, 4 and 8 characters per context token
   (:data:`PREFIX_STAGES`, each cut at a space, where pre-tokenizers split); when a prefix alone already has more
   tokens than the context (less :data:`BOUNDARY_TOKENS` for the cut), the prompt is refused (400
@@ -59,11 +60,13 @@ class PromptEncoder:
         """
         tok = self.long_tokenizer if getattr(self._lane, "long", False) else self.tokenizer
         most = self.max_token_chars
-        if most and len(text) > self.context_length * most:
-            raise ApiError.of("context_length_exceeded", f"{field}: {len(text):,} characters are at least "
-                              f"{-(-len(text) // most):,} tokens (no token of this tokenizer is longer than {most} "
-                              f"characters); this model's maximum context length is {self.context_length:,} "
-                              "tokens: shorten the prompt", param=field)
+        if most and len(text) * 4 > self.context_length * most:  # a character is 1 to 4 bytes of UTF-8
+            size = len(text.encode("utf-8", "surrogatepass"))
+            if size > self.context_length * most:
+                raise ApiError.of("context_length_exceeded", f"{field}: {size:,} bytes of UTF-8 are at least "
+                                  f"{-(-size // most):,} tokens (no token of this tokenizer covers more than {most} "
+                                  f"bytes); this model's maximum context length is {self.context_length:,} "
+                                  "tokens: shorten the prompt", param=field)
         for per_token in PREFIX_STAGES:
             cut = self.context_length * per_token
             if len(text) <= cut:
@@ -88,7 +91,8 @@ class PromptEncoder:
 def max_token_chars(tokenizer) -> int | None:
     """The longest vocabulary entry (added tokens included) of a byte-level fast tokenizer that drops no character
     of the text: no normalizer, a ``ByteLevel`` pre-tokenizer and none that removes what it splits on. Each token
-    then covers at most that many characters (an entry's characters are bytes; a character is one byte or more).
+    then covers at most that many bytes of the text's UTF-8 (an entry's characters are bytes), hence at most that many
+    characters. An added token is matched on the text itself: its length is counted in bytes of UTF-8.
     None for any other tokenizer (a normalizer or a whitespace split may drop characters)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None or backend.normalizer is not None or backend.pre_tokenizer is None:
@@ -99,4 +103,6 @@ def max_token_chars(tokenizer) -> int | None:
         return None
     if b'"ByteLevel"' not in state or b'"Removed"' in state:
         return None
-    return max((len(k) for k in backend.get_vocab(with_added_tokens=True)), default=None)
+    model = backend.get_vocab(with_added_tokens=False)
+    added = set(backend.get_vocab(with_added_tokens=True)) - set(model)
+    return max([len(k) for k in model] + [len(k.encode("utf-8")) for k in added], default=None)

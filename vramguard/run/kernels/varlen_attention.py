@@ -144,7 +144,8 @@ if tl is not None:
                              H: tl.constexpr, D: tl.constexpr, S_PAD: tl.constexpr, HAS_SEQ: tl.constexpr):
         """Program (i, h): the splits of request i, query head h, merged with weights exp(m_s - max m) into the
         request's query row. Split 0 holds the request's first key, so the max is finite; an empty split has max
-        -inf and sum 0 (weight 0). A request without query tokens writes nothing."""
+        -inf and sum 0 (weight 0). A request without query tokens writes nothing (and computes no NaN: every split
+        of it is empty)."""
         i = tl.program_id(0)
         h = tl.program_id(1)
         s, t, has_q = _request_query(i, seq_ptr, cu_q_ptr, HAS_SEQ)
@@ -155,8 +156,11 @@ if tl is not None:
         m_s = tl.load(ml_ptr + row * 2, mask=ok, other=float("-inf"))
         l_s = tl.load(ml_ptr + row * 2 + 1, mask=ok, other=0.0)
         a_s = tl.load(acc_ptr + row[:, None] * D + rd[None, :], mask=ok[:, None], other=0.0)
-        w = tl.where(ok, tl.exp(m_s - tl.max(m_s, axis=0)), 0.0)
-        res = tl.sum(a_s * w[:, None], axis=0) / tl.sum(l_s * w, axis=0)
+        m_max = tl.max(m_s, axis=0)
+        m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # a request without queries: weights 0, not NaN
+        w = tl.where(ok, tl.exp(m_s - m_max), 0.0)
+        den = tl.sum(l_s * w, axis=0)
+        res = tl.sum(a_s * w[:, None], axis=0) / tl.where(den == 0.0, 1.0, den)  # its row is not written anyway
         tl.store(out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + rd, res.to(out_ptr.dtype.element_ty),
                  mask=(rd < D) & has_q)
 
