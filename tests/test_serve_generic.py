@@ -218,6 +218,7 @@ def test_a_request_that_fails_fails_alone(served):
 def test_a_request_beyond_the_budget_is_refused_with_the_numbers(tmp_path_factory):
     """The budget leaves room for a 64-token request of DeepSeek-V2 (MLA) and not for 5 + 400 tokens: 400
     kv_budget_exceeded naming the field and what always fits; the requests that fit are served."""
+    from vramguard.plan import choose
     from vramguard.resolve import resolve_model
     from vramguard.runtime.load import load_model
     from vramguard.serve.generate_engine import _bound
@@ -226,7 +227,8 @@ def test_a_request_beyond_the_budget_is_refused_with_the_numbers(tmp_path_factor
     folder = _folder(tmp_path_factory, "deepseek_v2")
     loaded = load_model(str(folder), quant="fp32", verify=False)
     held = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
-    usable = _bound(resolve_model(str(folder)), Settings(quant="fp32", attn="sdpa"), 64)
+    s32 = Settings(quant="fp32", attn="sdpa")
+    usable = _bound(choose(resolve_model(str(folder)), s32).model, s32, 64)
     s = build(str(folder), loaded=loaded, vram_budget=held + usable, engine_choice="generate", **BUILD)
     url = s.start_background()
     try:
