@@ -105,10 +105,10 @@ def test_serve_re_plans_its_memory_from_the_first_prefill(olmo2, unverified, mea
 
 
 def _planned_prefill(model, tokens: int) -> int:
-    from vramguard.plan import estimate
+    from vramguard.plan import choose, estimate
     from vramguard.runtime.handle import as_loaded
     h = as_loaded(model)
-    return estimate(h.spec, h.settings.with_(prompt_tokens=tokens, max_new_tokens=1, batch=1)).prefill.peak_bytes
+    return estimate(choose(h.spec, h.settings).model, h.settings.with_(prompt_tokens=tokens, max_new_tokens=1, batch=1)).prefill.peak_bytes
 
 
 def _fmt(n: int) -> str:

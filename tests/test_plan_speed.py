@@ -146,7 +146,7 @@ def test_a_second_plan_in_a_fresh_process_imports_neither_torch_nor_transformers
     assert how == {"code": 0, "heavy": ["torch", "transformers"] if heavy else []}
     second, how = _cli_in_fresh_process(tmp_path, *args)
     assert how == {"code": 0, "heavy": []}
-    assert second == first.stdout
+    assert second == first
 
 
 def test_a_hand_family_is_read_without_transformers_in_a_fresh_process(tmp_path):

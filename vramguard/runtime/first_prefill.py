@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from vramguard.plan import choose, estimate
-from vramguard.plan.verified import unverified
+from vramguard.plan import verified
 from vramguard.units import fmt_bytes
 
 FIRST_PREFILL_TOKENS = 256  # short enough to cost little on any card, long enough to cover a chunk of a Mamba scan
@@ -56,7 +56,7 @@ def measure_first_prefill(handle, settings=None) -> FirstPrefill | None:
     if spec is None or s is None:
         return None
     model = choose(spec, s).model
-    missing = unverified(model, s)
+    missing = verified.unverified(model, s)
     if not missing:
         return None
     tokens = min(FIRST_PREFILL_TOKENS, max(1, s.prompt_tokens))
