@@ -11,6 +11,7 @@ transformers = pytest.importorskip("transformers")
 from archs import ARCHS
 
 from vramguard import plan
+from vramguard.runtime.first_prefill import cpu_allocations
 from vramguard.introspect import alloc_replay
 from vramguard.resolve import resolve_model
 from vramguard.settings import Settings
@@ -159,32 +160,6 @@ def falcon_h1(tmp_path_factory):
     return folder, model
 
 
-class _Allocations(torch.utils._python_dispatch.TorchDispatchMode):
-    """Counts the storages real (CPU) operators create and free, each rounded to 512 B as the replay rounds them:
-    the live bytes' peak."""
-
-    def __init__(self):
-        super().__init__()
-        self.live, self.now, self.peak = {}, 0, 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        import weakref
-
-        from torch.utils._pytree import tree_flatten
-        out = func(*args, **(kwargs or {}))
-        inputs = {id(a.untyped_storage()) for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)}
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and id(st := t.untyped_storage()) not in inputs | self.live.keys():
-                self.live[id(st)] = -(-st.nbytes() // 512) * 512
-                self.now += self.live[id(st)]
-                self.peak = max(self.peak, self.now)
-                weakref.finalize(st, self._free, id(st))
-        return out
-
-    def _free(self, key):
-        self.now -= self.live.pop(key, 0)
-
-
 def test_the_hybrid_cache_holds_attention_kv_and_mamba_states_as_a_real_generate(falcon_h1):
     from vramguard.introspect.replay import cache_tensors
     from vramguard.memory.weights import rounded
@@ -214,7 +189,7 @@ def test_the_hybrid_prefill_peak_agrees_with_the_allocations_of_a_cpu_forward(fa
     folder, model = falcon_h1
     tokens = 512
     ids, mask = torch.randint(3, 200, (1, tokens)), torch.ones((1, tokens), dtype=torch.long)
-    counted = _Allocations()
+    counted = cpu_allocations()
     # the cache's keyword as the installed transformers names it ("cache" from 5.24, "past_key_values" before)
     cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     with torch.no_grad(), counted:

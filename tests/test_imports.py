@@ -7,6 +7,8 @@ import ast
 import collections
 from pathlib import Path
 
+from test_spine import _sources as _modules  # every vramguard module by dotted name
+
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "vramguard"
 
@@ -19,16 +21,6 @@ BUDGET = {"": 3, "catalog": 0, "check": 0, "cli": 19, "engines": 1, "export": 0,
 HEAVY = {"torch", "transformers", "accelerate", "bitsandbytes", "safetensors", "huggingface_hub", "numpy", "triton",
          "fastapi", "starlette", "uvicorn", "pydantic", "httpx", "sse_starlette", "prometheus_client", "matplotlib",
          "yaml", "gguf", "hqq"}
-
-
-def _modules() -> dict[str, Path]:
-    out = {}
-    for p in sorted(PACKAGE.rglob("*.py")):
-        parts = list(p.relative_to(ROOT).with_suffix("").parts)
-        if parts[-1] == "__init__":
-            parts.pop()
-        out[".".join(parts)] = p
-    return out
 
 
 def _is_own(node: ast.AST) -> bool:

@@ -144,15 +144,21 @@ def write_text_gz(path: Path, text: str, unwritable) -> None:
 _WARNED: set[str] = set()
 
 
-def _warn_unwritable(folder: Path, e: OSError) -> None:
-    """Say once per folder (a ``UserWarning``) that plans cannot be kept there: each is computed again."""
-    if str(folder) in _WARNED:
+def warn_unwritable_once(folder: Path, e: OSError, what: str, consequence: str) -> None:
+    """Say once per folder (a ``UserWarning``) that ``what`` (e.g. "the plan cache folder") at ``folder`` cannot be
+    written, and ``consequence``."""
+    if f"{what}\0{folder}" in _WARNED:
         return
-    _WARNED.add(str(folder))
+    _WARNED.add(f"{what}\0{folder}")
     import warnings
-    warnings.warn(f"vramguard: the plan cache folder {folder} cannot be written ({e.strerror or e}): each plan is "
-                  "computed again; set VRAMGUARD_PLAN_CACHE to a writable folder, or to 0 to turn the cache off",
-                  UserWarning, stacklevel=3)
+    warnings.warn(f"vramguard: {what} {folder} cannot be written ({e.strerror or e}): {consequence}", UserWarning,
+                  stacklevel=4)
+
+
+def _warn_unwritable(folder: Path, e: OSError) -> None:
+    """Plans cannot be kept in ``folder``: each is computed again."""
+    warn_unwritable_once(folder, e, "the plan cache folder", "each plan is computed again; set VRAMGUARD_PLAN_CACHE "
+                         "to a writable folder, or to 0 to turn the cache off")
 
 
 def encode(obj: Any) -> Any:

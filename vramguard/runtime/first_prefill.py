@@ -104,7 +104,7 @@ def prefill_peak_bytes(model, tokens: int, on_cuda: bool) -> int:
             torch.cuda.synchronize()
             peak = torch.cuda.max_memory_allocated() - before
         else:
-            with _cpu_allocations() as counted:
+            with cpu_allocations() as counted:
                 out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
             peak = counted.peak
     del out
@@ -113,8 +113,9 @@ def prefill_peak_bytes(model, tokens: int, on_cuda: bool) -> int:
     return peak
 
 
-def _cpu_allocations():
-    """A dispatch mode that keeps the live bytes of the storages real (CPU) operators create, and their peak."""
+def cpu_allocations():
+    """A dispatch mode that keeps the live bytes of the storages real (CPU) operators create, each rounded up to 512 B
+    as the replay rounds them (``now``), and their peak (``peak``), in bytes."""
     import weakref
 
     import torch

@@ -112,9 +112,6 @@ def read_verdict(path: Path | None) -> tuple[KernelVerdict | None, str | None]:
     return obj, None
 
 
-_WARNED: set[str] = set()
-
-
 def write_verdict(path: Path | None, verdict: KernelVerdict) -> None:
     """Keep ``verdict`` in ``path`` (atomically, :func:`vramguard.diskcache.write_text_gz`); said once per folder
     (a ``UserWarning``) when the folder cannot be written; nothing when ``path`` is None."""
@@ -124,10 +121,5 @@ def write_verdict(path: Path | None, verdict: KernelVerdict) -> None:
 
 
 def _warn_unwritable(folder: Path, e: OSError) -> None:
-    if str(folder) in _WARNED:
-        return
-    _WARNED.add(str(folder))
-    import warnings
-    warnings.warn(f"vramguard: the kernel cache folder {folder} cannot be written ({e.strerror or e}): the kernels "
-                  "are checked again in every process; set VRAMGUARD_KERNEL_CACHE to a writable folder, or to 0",
-                  UserWarning, stacklevel=3)
+    diskcache.warn_unwritable_once(folder, e, "the kernel cache folder", "the kernels are checked again in every "
+                                   "process; set VRAMGUARD_KERNEL_CACHE to a writable folder, or to 0")
