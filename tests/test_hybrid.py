@@ -360,3 +360,15 @@ def test_each_measured_part_is_a_measurement_in_the_results():
         assert len(runs) >= 2 and len({r["prompt"] for r in runs}) >= 2, m  # two lengths at least
         for r in runs:
             assert abs(r["plan_peak"] - r["peak_total"]) <= r["peak_total"] // 100, (m, r["prompt"], r["quant"])
+
+
+def test_a_kernel_choice_for_a_model_without_kernel_backed_layers_is_said_not_dropped():
+    """``kernels='fast'`` on a Llama changes nothing: the plan says so (a user's setting is never dropped silently)
+    and its figures are those without the setting."""
+    spec = resolve_model("llama-3.1-8b")
+    asked = plan(spec, Settings(kernels="fast"), vram="24GiB", solve=False)
+    plain = plan(spec, Settings(), vram="24GiB", solve=False)
+    note = [f for f in asked.findings if f.code == "kernels_ignored"]
+    assert len(note) == 1 and "kernels='fast' changes nothing for llama" in note[0].message
+    assert asked.estimate.peak_allocated_bytes == plain.estimate.peak_allocated_bytes
+    assert not [f for f in plain.findings if f.code == "kernels_ignored"]

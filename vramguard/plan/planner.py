@@ -9,6 +9,7 @@ pre-quantized checkpoint's headers; the reserve formula or the caching-allocator
 from __future__ import annotations
 
 from vramguard.catalog.gpus import GpuSpec
+from vramguard.finding import Finding
 from vramguard import diskcache as cache
 from vramguard.memory.model import MemoryModel
 from vramguard.plan.choice import AUTO, Choice, choose
@@ -113,6 +114,10 @@ def _compute(choice: Choice, s: Settings, gpus: list[GpuSpec], why: str, solve: 
     p, path = choose_path(choice.model, s, gpus, why, lambda ps: _compute_path(choice, ps, gpus, why, solve,
                                                                                freed_before))
     if path is None:
+        if s.kernels is not None:  # said, not dropped silently
+            p.findings.append(Finding("kernels_ignored", "info", f"kernels='{s.kernels}' changes nothing for "
+                                      f"{choice.model.spec.model_type}: its forward has no Mamba scan, causal "
+                                      "convolution or gated delta rule (the layers with package kernels)"))
         return p
     p = replace(p, kernel_path=path)
     p.findings.append(kernel_finding(p))
@@ -150,7 +155,6 @@ def _mark_unverified(model: MemoryModel, s: Settings, cards: list[CardVerdict]):
     unchanged, and no finding, where every part is measured."""
     from dataclasses import replace
 
-    from vramguard.finding import Finding
     from vramguard.plan.verified import describe, unverified
     missing = unverified(model, s)
     if not missing:
