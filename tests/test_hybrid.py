@@ -372,3 +372,36 @@ def test_a_kernel_choice_for_a_model_without_kernel_backed_layers_is_said_not_dr
     assert len(note) == 1 and "kernels='fast' changes nothing for llama" in note[0].message
     assert asked.estimate.peak_allocated_bytes == plain.estimate.peak_allocated_bytes
     assert not [f for f in plain.findings if f.code == "kernels_ignored"]
+
+
+def test_the_cache_goes_in_and_out_under_the_name_the_forward_takes():
+    """Mamba-2's forward in transformers 5.17 takes and returns its cache as ``cache_params`` (generate passes it so);
+    the replay passes it under that name where the signature has it, else as ``past_key_values``."""
+    from vramguard.introspect.replay import cache_keyword
+
+    class Mamba2Style(torch.nn.Module):
+        def forward(self, input_ids=None, cache_params=None, use_cache=None, **kwargs):
+            return input_ids
+
+    class Attention(torch.nn.Module):
+        def forward(self, input_ids=None, past_key_values=None, cache_params=None, **kwargs):
+            return input_ids
+
+    assert cache_keyword(Mamba2Style()) == "cache_params"
+    assert cache_keyword(Attention()) == "past_key_values"
+    assert cache_keyword(transformers.LlamaForCausalLM(transformers.LlamaConfig(**ARCHS["olmo2"]))) \
+        == "past_key_values"
+
+
+def test_eager_attention_is_not_said_to_cost_scores_in_a_model_without_attention(tmp_path, config_of):
+    """A pure Mamba-2 model has no score matrix: eager attention adds no finding about one (an attention model
+    planned the same way does get it)."""
+    cfg = transformers.AutoConfig.for_model("mamba2", hidden_size=64, num_hidden_layers=2, state_size=16, head_dim=16,
+                                            num_heads=8, expand=2, n_groups=1, chunk_size=16, vocab_size=256)
+    cfg.save_pretrained(tmp_path)
+    s = Settings(attn="eager", prompt_tokens=32, max_new_tokens=4)
+    mamba = plan(str(tmp_path), s, vram="24GiB", solve=False)
+    assert set(mamba.layer_kinds) == {"linear_attention"}
+    assert not [f for f in mamba.findings if f.code == "eager_scores"]
+    attention = plan(config_of("olmo2"), s, vram="24GiB", solve=False)
+    assert [f for f in attention.findings if f.code == "eager_scores"]

@@ -404,7 +404,7 @@ def _trace(config_json: str, name: str, key: Settings, prompt: int, new: int, st
     from vramguard.introspect.build import _quiet, cached_config, text_config
     from vramguard.introspect.generic import _replay_model, _structure
     from vramguard.introspect.mixers import replayed_paths
-    from vramguard.introspect.replay import _new_cache
+    from vramguard.introspect.replay import _new_cache, cache_keyword
     from vramguard.introspect.tracker import DataPolicy, StorageTracker
     from vramguard.memory.forward import sdpa_runs_math
     s = key.with_(prompt_tokens=prompt, max_new_tokens=new)
@@ -423,7 +423,7 @@ def _trace(config_json: str, name: str, key: Settings, prompt: int, new: int, st
             (_fused_sdpa_mode() if flash else contextlib.nullcontext()):
         if not found:
             return None
-        cache = _new_cache(model, cfg, s)
+        cache, name = _new_cache(model, cfg, s), cache_keyword(model)
         ids = torch.zeros((seqs, prompt), dtype=torch.long, device=meta)
         mask = torch.ones((seqs, prompt), dtype=torch.long, device=meta)
         step_ids = ids
@@ -432,10 +432,10 @@ def _trace(config_json: str, name: str, key: Settings, prompt: int, new: int, st
             if not s.padded:
                 tracker.fill(mask, 1)
             pos = torch.arange(past, past + step_ids.shape[1], device=meta).unsqueeze(0).expand(seqs, -1)
-            out = model(input_ids=step_ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
+            out = model(input_ids=step_ids, attention_mask=mask, position_ids=pos, **{name: cache},
                         use_cache=True, logits_to_keep=1)
             last = out.logits[:, -1, :].to(copy=True, dtype=torch.float32)  # generate's next-token logits
-            cache = out.past_key_values
+            cache = getattr(out, name)
             del out, pos
             step_ids = last.argmax(-1)[:, None]
             del last

@@ -25,6 +25,7 @@ Data-dependent values follow :class:`~vramguard.introspect.tracker.DataPolicy`.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from dataclasses import dataclass
 from collections.abc import Set
 from typing import Any
@@ -238,6 +239,15 @@ def _inputs(s: Settings, past: int, chunk: int, tracker: StorageTracker) -> dict
     return {"input_ids": ids, "attention_mask": mask, "position_ids": pos}
 
 
+def cache_keyword(model) -> str:
+    """The keyword under which ``model``'s forward takes its cache, and the output field that returns it:
+    ``past_key_values``, or ``cache_params`` where the forward's signature names that instead (Mamba and Mamba-2 in
+    transformers 5.17: ``Mamba2ForCausalLM.forward(cache_params=...)`` returning ``Mamba2CausalLMOutput.cache_params``;
+    generate passes the cache under that name, ``GenerationMixin._prepare_cache_for_generation``)."""
+    params = inspect.signature(model.forward).parameters
+    return "cache_params" if "cache_params" in params and "past_key_values" not in params else "past_key_values"
+
+
 def _new_cache(model, config, s: Settings):
     from transformers import DynamicCache, StaticCache
     if s.cache == "static":
@@ -272,12 +282,13 @@ def _replay(model, config, s: Settings, past: int, chunk: int, quantized, policy
 def _replay_forward(model, config, s: Settings, past: int, chunk: int, quantized, policy) -> Replayed:
     from vramguard.memory.forward import sdpa_runs_math
     cache = _new_cache(model, config, s)
+    name = cache_keyword(model)
     logits_to_keep = 0 if s.logits == "all" else 1
     with torch.no_grad():
         if past:
             with StorageTracker(policy=policy or DataPolicy()) as fill, _FlashSdpa():
-                out = model(**_inputs(s, 0, past, fill), past_key_values=cache, use_cache=True, logits_to_keep=1)
-            cache = out.past_key_values
+                out = model(**_inputs(s, 0, past, fill), **{name: cache}, use_cache=True, logits_to_keep=1)
+            cache = getattr(out, name)
             del out
         labels = _Labels(model)
         tracker = StorageTracker(label=labels, policy=policy or DataPolicy())
@@ -289,13 +300,13 @@ def _replay_forward(model, config, s: Settings, past: int, chunk: int, quantized
                 for _, _, t in held:
                     tracker.adopt(t, "kv_cache")
                 del held, t  # a name left bound would keep the last layer's old tensor alive past its update
-            out = model(**_inputs(s, past, chunk, tracker), past_key_values=cache, use_cache=True,
+            out = model(**_inputs(s, past, chunk, tracker), **{name: cache}, use_cache=True,
                         logits_to_keep=logits_to_keep)
             labels.override = "logits"
             last = out.logits[:, -1, :].to(copy=True, dtype=torch.float32)
             labels.override = None
             del last
-            cache = out.past_key_values
+            cache = getattr(out, name)
             kv = cache_tensors(cache) if cache is not None else []
             relabel = {serial: "kv_cache" for serial in (tracker.serial(t) for _, _, t in kv) if serial is not None}
             components = tracker.peak_by_label(relabel)

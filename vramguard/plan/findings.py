@@ -98,7 +98,7 @@ def _attention_findings(p: Plan, out: list) -> None:
                            f"{fmt_bytes(per_layer * 4 // DTYPE_BYTES[s.act_dtype])} per layer while it runs",
                            "request attention maps only for the layers and lengths you need",
                            per_layer * spec.num_layers))
-    if s.effective_attn == "eager" and not s.output_attentions:
+    if s.effective_attn == "eager" and not s.output_attentions and _has_softmax_attention(p):
         sc = s.sequences * spec.num_heads * s.prompt_tokens * s.prompt_tokens
         scores = fmt_bytes(sc * eager_bytes_per_score(s.act_dtype))
         out.append(Finding("eager_scores", "warn" if sc * 10 > est.weights.total_bytes // 4 else "info",
@@ -107,6 +107,16 @@ def _attention_findings(p: Plan, out: list) -> None:
     if spec.attn_logit_softcapping and s.effective_attn == "sdpa":
         out.append(Finding("sdpa_softcap", "fail", f"{spec.model_type} uses attention logit soft-capping, which SDPA "
                            "does not implement", "use attn_implementation='eager' or 'flash_attention_2'"))
+
+
+RECURRENT_LAYER_KINDS = frozenset({"linear_attention", "mamba", "conv"})  # transformers' cache layer kinds
+# without a score matrix (Mamba/Mamba-2 mixers, linear attention, short convolutions: cache_utils.py)
+
+
+def _has_softmax_attention(p: Plan) -> bool:
+    """Whether some layer of the planned model computes attention scores (False for a pure Mamba-2 model, whose
+    layers the plan reports as ``linear_attention`` only: eager attention then changes nothing)."""
+    return not p.layer_kinds or not set(p.layer_kinds) <= RECURRENT_LAYER_KINDS
 
 
 def _memory_findings(p: Plan, out: list) -> None:
