@@ -176,7 +176,7 @@ def plans_in_background(args, archs: list[str], cap: int) -> dict:
     for arch in archs:
         folder = os.path.join(args.ckpt_dir, arch + "-config")
         AutoConfig.for_model(CONFIGS[arch]["model_type"], **config_fields(arch, False)).save_pretrained(folder)
-        for case in (c for c in CASES if c[0] == arch):
+        for case in (c for c in args.cases if c[0] == arch):
             futures[case] = pool.submit(_plan_case, folder, *case, cap)
     args.pool = pool
     return futures
@@ -250,7 +250,10 @@ def main() -> None:
     ap.add_argument("--plan-workers", type=int, default=6, help="processes planning while the GPU measures")
     ap.add_argument("--no-plan", action="store_true", help="measure only (plan later with compare_hybrid.py)")
     ap.add_argument("--tiny", action="store_true", help="CPU check: tiny dimensions, plans only")
+    ap.add_argument("--quants", nargs="+", default=["bf16", "nf4"],
+                    help="only the cases in these formats (nf4 alone: a fresh process, no bf16 run before it)")
     args = ap.parse_args()
+    args.cases = [c for c in CASES if c[1] in args.quants]
     os.makedirs(args.out_dir, exist_ok=True)
     args.out = os.path.join(args.out_dir, "gpu_hybrid.jsonl")
     import transformers
@@ -266,7 +269,7 @@ def main() -> None:
     plans = {} if args.no_plan else plans_in_background(args, args.archs, int(args.cap_gib * GiB))
     for arch in args.archs:
         try:
-            measure(args, arch, [c for c in CASES if c[0] == arch], plans)
+            measure(args, arch, [c for c in args.cases if c[0] == arch], plans)
         except Exception as e:  # noqa: BLE001 - keep measuring the others; the record says what failed
             emit(args.out, {"kind": "arch_error", "model": arch, "err": repr(e)[:800]})
             shutil.rmtree(os.path.join(args.ckpt_dir, arch), ignore_errors=True)
