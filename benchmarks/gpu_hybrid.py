@@ -85,6 +85,19 @@ CONFIGS = {
                        "num_attention_heads": 40, "num_key_value_heads": 8, "head_dim": 128, "sliding_window": 4096,
                        "layer_types": ["sliding_attention"] * 3 + ["full_attention"], "vocab_size": 102400,
                        "max_position_embeddings": 131072, "tie_word_embeddings": False},
+    # chunked attention (8,192-token chunks) with one full-attention NoPE layer, top-1 MoE over 16 experts and a
+    # shared expert (2025): Llama-4-Scout's text model (transformers' Llama4TextConfig defaults), 2 of its 48 layers
+    "llama4-scout-2l": {"source": "meta-llama/Llama-4-Scout-17B-16E (text, 2 of 48 layers)",
+                        "model_type": "llama4_text", "num_hidden_layers": 2,
+                        "layer_types": ["chunked_attention", "full_attention"], "no_rope_layers": [1, 0],
+                        "moe_layers": [0, 1], "attention_chunk_size": 8192, "vocab_size": 202048,
+                        "tie_word_embeddings": False},
+    # gated DeltaNet linear attention 3:1 with full attention, 512 experts top 10 and a shared expert (2025):
+    # Qwen3-Next-80B-A3B (transformers' Qwen3NextConfig defaults), one period of 4 of its 48 layers
+    "qwen3-next-4l": {"source": "Qwen/Qwen3-Next-80B-A3B-Instruct (4 of 48 layers)", "model_type": "qwen3_next",
+                      "num_hidden_layers": 4,
+                      "layer_types": ["linear_attention"] * 3 + ["full_attention"], "vocab_size": 151936,
+                      "tie_word_embeddings": False},
 }
 DEFAULT_ARCHS = ["mamba-codestral-12l", "ernie4.5-21b-a3b-4l", "smollm3-3b", "exaone4-32b-4l"]
 
@@ -100,6 +113,8 @@ CASES = [
     ("ernie4.5-21b-a3b-4l", "bf16", 4096, 32), ("ernie4.5-21b-a3b-4l", "bf16", 8192, 32),
     ("smollm3-3b", "bf16", 8192, 32), ("smollm3-3b", "bf16", 16384, 32),
     ("exaone4-32b-4l", "bf16", 2048, 32), ("exaone4-32b-4l", "bf16", 8192, 32),
+    ("llama4-scout-2l", "bf16", 4096, 32), ("llama4-scout-2l", "bf16", 16384, 32),
+    ("qwen3-next-4l", "bf16", 2048, 32), ("qwen3-next-4l", "bf16", 8192, 32),
 ]
 
 # --tiny: the same architectures at a few layers and small widths (a CPU check that configs build and plan)
