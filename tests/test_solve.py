@@ -182,3 +182,27 @@ def test_max_batch_is_the_exact_boundary_in_few_evaluations(monkeypatch):
                            ((5 * 10**9, 123_456_789, 0, 4096, 24 * 2**30), 168)):
         got, want, calls = run(*args)
         assert got == want == boundary and calls <= 6, (args, got, calls)
+
+
+def test_the_shorter_prompt_change_is_the_card_tables_largest_prompt():
+    """Where the allocator model gives a card's largest prompt, the change that shortens the prompt for that card
+    names the same prompt, and its need is the plan of that prompt on that card (which fits)."""
+    s = Settings(prompt_tokens=8192)
+    p = plan("llama-3.1-8b", s, vram="8GiB")
+    card = p.cards[0]
+    assert not card.fits and card.max_prompt_tokens is not None
+    shorter = [c for c in p.changes if set(c.settings) == {"prompt_tokens"}]
+    assert len(shorter) == 1 and shorter[0].settings["prompt_tokens"] == card.max_prompt_tokens
+    assert shorter[0].description == f"shorter prompt: {card.max_prompt_tokens:,} tokens"
+    at = plan("llama-3.1-8b", s.with_(prompt_tokens=card.max_prompt_tokens), vram="8GiB", solve=False).cards[0]
+    assert at.fits and at.need_bytes == shorter[0].need_bytes
+    assert shorter[0].need_bytes + shorter[0].saved_bytes == card.need_bytes
+
+
+def test_a_card_the_run_fits_never_shows_limits_below_the_run():
+    """A card the allocator model fits the run on shows at least the run's own prompt, new tokens and batch (the
+    reserve formula's search, higher than the allocator model, can find none)."""
+    s = Settings(prompt_tokens=6700)
+    card = plan("llama-3.1-8b", s, vram="8GiB").cards[0]
+    assert card.fits
+    assert card.max_prompt_tokens >= 6700 and card.max_new_tokens >= s.max_new_tokens and card.max_batch >= 1

@@ -79,6 +79,10 @@ def _with_conf(model, s: Settings, est, cards: list, conf: AllocatorConfig, allo
         c = replace(c, need_bytes=need, fits=fits, headroom_bytes=c.usable_bytes - need)
         if solve:
             c = replace(c, max_prompt_tokens=edge_prompt_tokens(model, s, capped, c.max_prompt_tokens))
+        if solve and fits:  # the run as asked fits this card: its own figures are the least each limit can be
+            c = replace(c, max_prompt_tokens=max(c.max_prompt_tokens or 0, s.prompt_tokens),
+                        max_new_tokens=max(c.max_new_tokens or 0, s.max_new_tokens), max_batch=max(c.max_batch or 0,
+                                                                                                s.batch))
         out.append(c)
     return est, out
 

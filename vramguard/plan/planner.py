@@ -145,8 +145,36 @@ def _compute_path(choice: Choice, s: Settings, gpus: list[GpuSpec], why: str, so
     p.findings.extend(reserved_findings)
     p.findings.extend(unverified)
     if solve:
-        p.changes.extend(ranked_changes(model, s, gpus))
+        p.changes.extend(_prompt_as_the_cards_say(choice, s, cards, ranked_changes(model, s, gpus), freed_before))
     return p
+
+
+def _prompt_as_the_cards_say(choice: Choice, s: Settings, cards: list[CardVerdict], changes: list,
+                             freed_before: bool | None) -> list:
+    """``changes`` with the shorter prompt that the card table gives: where the allocator model found the largest
+    prompt of the card the change is solved for (:func:`vramguard.plan.solve.ranked_changes`' target, the largest
+    card the run does not fit), the change names that prompt and its need is that card's plan at it (the
+    reserve formula of :func:`~vramguard.plan.solve.max_prompt_tokens` plans it shorter: two answers to one
+    question otherwise)."""
+    from dataclasses import replace
+    failing = [c for c in cards if not c.fits]
+    if not failing or choice.reserve.config is None:
+        return changes
+    target = max(failing, key=lambda c: c.gpu.total_bytes)
+    prompt = target.max_prompt_tokens
+    out = []
+    for ch in changes:
+        if set(ch.settings) == {"prompt_tokens"} and prompt is not None and prompt != ch.settings["prompt_tokens"]:
+            s2 = s.with_(prompt_tokens=prompt)
+            est2 = estimate(choice.model, s2)
+            _, mine, _ = _reserved(choice, s2, est2, [verdict(est2, target.gpu)], False, freed_before)
+            need = mine[0].need_bytes
+            if mine[0].fits and need < ch.need_bytes + ch.saved_bytes:
+                ch = replace(ch, description=f"shorter prompt: {prompt:,} tokens", settings={"prompt_tokens": prompt},
+                             need_bytes=need, saved_bytes=ch.need_bytes + ch.saved_bytes - need,
+                             fits_on=tuple(c.gpu.name for c in cards if need <= c.usable_bytes))
+        out.append(ch)
+    return out
 
 
 def _mark_unverified(model: MemoryModel, s: Settings, cards: list[CardVerdict]):
