@@ -29,6 +29,7 @@ GENERIC_RUN1 = "benchmarks/results/h200_generic/generic_run1.jsonl"
 GENERIC_RUN2 = "benchmarks/results/h200_generic/generic_run2.jsonl"
 FALCON_H1 = "benchmarks/results/h200_session_1202/hybrid_falcon_h1.jsonl"  # benchmarks/gpu_hybrid.py
 LFM2 = "benchmarks/results/h200_session_1202/hybrid_mamba2_lfm2.jsonl"
+LLAMA4_QWEN3_NEXT = "benchmarks/results/h200_hybrid3/llama4_qwen3next.jsonl"
 
 MEASURED: tuple[Measured, ...] = (
     Measured("layer:full_attention", None, "deepseek-v2-lite", GENERIC_RUN2),
@@ -39,6 +40,9 @@ MEASURED: tuple[Measured, ...] = (
     # attention and Mamba-2 side by side in every layer; the reference scan's memory differs between versions
     Measured("layer:hybrid", "5.17.0", "falcon-h1-1.5b-deep", FALCON_H1),
     Measured("layer:conv", "5.17.0", "lfm2-1.2b", LFM2),  # short convolutions beside attention
+    Measured("layer:chunked_attention", None, "llama4-scout-2l", LLAMA4_QWEN3_NEXT),  # 8,192-token chunks
+    # gated DeltaNet linear attention: transformers' torch_chunk_gated_delta_rule where fla is missing
+    Measured("path:fla:reference", "5.17.0", "qwen3-next-4l", LLAMA4_QWEN3_NEXT),
 )
 
 
