@@ -245,9 +245,10 @@ def rope_cache_bytes(spec: ModelSpec, dtype_bytes: int) -> int:
     ``max_position_embeddings`` for the default and ``llama3`` ropes; x ``factor`` for ``linear`` and ``dynamic``;
     ``original_max_position_embeddings x factor`` for ``yarn``; ``original + max`` (short and long caches) for
     ``longrope`` (Phi-3 128k). ``rotary_dim = head_dim x partial_rotary_factor``. Gemma-3 has a local and a global
-    rope (two caches).
+    rope (two caches). A multimodal checkpoint's rope is its ``text_config``'s (Gemma-3 4B-27B: ``linear`` x 8).
     """
     cfg = config_dict(spec)
+    cfg = cfg.get("text_config") or cfg
     rotary_dim = int(spec.head_dim * float(cfg.get("partial_rotary_factor") or 1.0))
     scaling = cfg.get("rope_scaling") or {}
     kind = str(scaling.get("rope_type") or scaling.get("type") or "default")
