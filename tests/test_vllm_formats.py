@@ -159,3 +159,12 @@ def test_multimodal_rope_is_read_from_the_text_config():
     gemma = vllm_model(spec_of("google/gemma-3-4b-it")).text
     # linear rope x 8: 131,072 x 8 positions x 256 x 2 B = 536,870,912 + the local rope 131,072 x 256 x 2 B
     assert w.rope_cache_bytes(gemma, 2) == 536_870_912 + 67_108_864
+
+
+def test_a_quantization_against_the_checkpoints_own_is_refused():
+    w8a8 = spec_of("RedHatAI/Meta-Llama-3.1-8B-Instruct-quantized.w8a8")
+    h100 = GpuSpec("h", "H100", int(79.19 * GiB), (9, 0))
+    with pytest.raises(ConfigError, match="compressed-tensors"):  # vLLM 0.19.0 stops on --quantization fp8 here
+        plan_vllm(w8a8, h100, settings_for_version("0.19.0", quantization="fp8", max_model_len=8192))
+    # the checkpoint's own method given again is accepted
+    assert weight_format({"quantization_config": {"quant_method": "bitsandbytes"}}, "bitsandbytes").kind == "bnb4"

@@ -141,7 +141,10 @@ def weight_format(config: dict, quantization: str | None = None) -> WeightFormat
     accuracy/results/v0.19.0/logs).
 
     Raises:
-        ConfigError: a quantization method vramguard does not model for vLLM, naming the field.
+        ConfigError: a quantization method vramguard does not model for vLLM, naming the field; a ``quantization``
+            that is not the pre-quantized checkpoint's own method (vLLM 0.19.0's ``ModelConfig._verify_quantization``
+            stops: "Quantization method specified in the model config ... does not match the quantization method
+            specified in the `quantization` argument").
     """
     q = config.get("quantization_config") or {}
     if not q:
@@ -154,6 +157,10 @@ def weight_format(config: dict, quantization: str | None = None) -> WeightFormat
         raise ConfigError("quantization", quantization, "bitsandbytes (4-bit NF4 at load) or fp8 (FP8 at load) for "
                           "an unquantized checkpoint", "use a pre-quantized checkpoint for other formats")
     method = str(q.get("quant_method") or "").lower()
+    if quantization not in (None, "none", method):  # vllm/config/model.py::_verify_quantization refuses it
+        raise ConfigError("quantization", quantization, f"unset, or the checkpoint's own {method}",
+                          f"leave it unset: vLLM reads the checkpoint's quantization_config ({method}) and stops on "
+                          f"another method given")
     if method in ("gptq", "awq", "gptq_marlin", "awq_marlin"):
         bits = int(q.get("bits") or q.get("w_bit") or 4)
         if bits != 4:
