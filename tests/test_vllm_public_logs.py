@@ -80,11 +80,7 @@ KNOWN_MISSES = {
     "llmd-gpt-oss-120b-h100": "the log's own terms exceed its budget: 64.38 GiB weights + 7.38 activation + 0.13 "
                               "non-torch = 71.89 GiB against 0.9 x 79.18 = 71.26 GiB, yet it reports 3.33 GiB of KV "
                               "cache; the plan (64.42 + 7.34 + 0.25) refuses it",
-    "llmdp-qwen-qwen2-5-72b-instruc-tp2pp1dp1-8192": "+6.5% of a 3.04 GiB cache: 0.20 GiB, the plan's weights 0.08 GiB "
-                                                     "under the 67.80 logged and its sampler peak 0.12 GiB under the "
-                                                     "2.29 GiB activation logged (every 0.19.0 run at 1,024 sequences "
-                                                     "logs 0.11-0.12 GiB more than the 12 B per logit counted)",
-    "llmdp-redhatai-llama-3-3-70b-i-tp1pp1dp1-8192": "+7.8% of a 5.01 GiB cache: vLLM 0.19.0 held 0.39 GiB more "
+    "llmdp-redhatai-llama-3-3-70b-i-tp1pp1dp1-8192": "+6.5% of a 5.01 GiB cache: vLLM 0.19.0 held 0.33 GiB more "
                                                      "outside the KV cache than the plan (the run's activation and "
                                                      "non-torch terms are not published; the same checkpoint at TP 2 "
                                                      "and 4 is within 0.5%)",

@@ -390,7 +390,8 @@ def _budget_terms(m: VllmModel, s: VllmSettings, gpu: GpuSpec, dt: int, tokens: 
     weights = w.rank_weights(spec, tp, s.pipeline_parallel_size, dt, _options(m, s, gpu),
                              m.vision.params if m.vision else 0)
     forward = w.forward_peak_bytes(spec, tp, tokens, dt)
-    sampler = w.sampler_peak_bytes(spec, tokens, min(seqs, tokens), dt, s.sampler)
+    sampler = w.sampler_peak_bytes(spec, tokens, min(seqs, tokens), dt, s.sampler,
+                                   w.SM_COUNTS.get(gpu.name, w.DEFAULT_SM_COUNT))
     encoder = w.encoder_peak_bytes(m.vision, spec.hidden_size, tokens, dt) if m.vision else 0
     graphs = 0
     if not s.enforce_eager:
