@@ -10,6 +10,8 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+from vramguard.errors import VramguardError
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -34,7 +36,12 @@ def rows(m) -> tuple[list[str], int, int]:
            "|---|---|---|---|---|---|---|---|---|"]
     good = 0
     for e in m.LOGS["logs"]:
-        what, logged, planned = m.compare(e)
+        try:
+            what, logged, planned = m.compare(e)
+        except VramguardError as exc:  # the tool refuses the model or a setting: a miss, shown with its reason
+            out.append(f"| {e['id']} | {e['model']} | {e.get('gpu') or 'not named'} | {e['vllm_version']} | - | - | "
+                       f"**refused by vramguard**: {type(exc).__name__} | - | [source]({e['source']}) |")
+            continue
         s = e["settings"]
         n = s.get("tensor_parallel_size", 1) * s.get("pipeline_parallel_size", 1)
         err = 0.0 if what == "refusal" else planned / logged - 1

@@ -445,10 +445,11 @@ def test_changes_that_fit_come_first_then_by_saving():
 def test_vllm_plan_says_no_kv_cache_instead_of_a_negative_size():
     r = run_cli("plan", "llama-3.1-70b", "--engine", "vllm", "--gpu", "rtx-4090", columns="300")
     out = r.stdout + r.stderr
-    # budget 21.14 GiB - weights 131.45 - activation 0.46 - non-torch 0.25 - CUDA graphs 0.20 = -111.23 GiB
-    assert ("= KV cache    none: the terms above exceed the budget by 111.23 GiB ('Available KV cache memory' "
+    # budget 21.14 GiB - weights 131.45 - activation 0.52 (the sampler, with the Triton kernel's buffer of 128 SMs x
+    # 128,256 x 4 B) - non-torch 0.25 - CUDA graphs 0.20 = -111.29 GiB
+    assert ("= KV cache    none: the terms above exceed the budget by 111.29 GiB ('Available KV cache memory' "
             "below zero)") in out
-    assert "-111.23" not in out
+    assert "-111.29" not in out
 
 
 def test_a_second_card_fits_only_when_the_two_card_plan_fits():

@@ -193,7 +193,9 @@ def test_activation_terms():
     assert w.forward_peak_bytes(LLAMA31, 1, 8192, 2) == 905_969_664
     # sampler (0.33.0's Triton top-k/top-p): hidden 8,192 x 4,096 x 2 + last 256 x 4,096 x 2
     # + 256 x 128,256 x (2 + 12)
-    assert w.sampler_peak_bytes(LLAMA31, 8192, 256, 2) == 67_108_864 + 2_097_152 + 459_669_504
+    # + the Triton kernel's buffer, 132 SMs x 128,256 x 4 B
+    assert w.sampler_peak_bytes(LLAMA31, 8192, 256, 2) == 67_108_864 + 2_097_152 + 459_669_504 + 67_719_168
+    assert w.triton_sampler_buffer_bytes(128256, 5, 40) == 8 * 128256 * 4  # 5 programs -> a buffer of 8 rows
     # the sort path of earlier V1 releases: 256 x 128,256 x (2 + 36); FlashInfer's: 256 x 128,256 x (2 + 8)
     assert w.sampler_peak_bytes(LLAMA31, 8192, 256, 2, "sort") == 67_108_864 + 2_097_152 + 1_247_674_368
     assert w.sampler_peak_bytes(LLAMA31, 8192, 256, 2, "flashinfer") == 67_108_864 + 2_097_152 + 328_335_360

@@ -119,3 +119,52 @@ def test_v0_profiles_one_prefill_of_max_model_len():
     p = plan_vllm(resolve_model("llama-3.1-8b"), GpuSpec("c", "RTX 3090", int(23.58 * GiB), (8, 6)),
                   settings_for_version("0.6.3", max_model_len=20000))
     assert (p.max_num_batched_tokens, p.max_num_seqs, p.kv_tokens) == (20000, 256, p.kv_tokens_by_blocks)
+
+
+def test_fp8_at_load_keeps_one_scale_per_tensor():
+    fp8 = weight_format({}, "fp8")
+    assert (fp8.kind, fp8.strategy) == ("int8_fp8", "tensor")
+    # Llama-3.1-8B's gate_up 28,672 x 4,096 from two shards: 117,440,512 B of fp8 + one 512 B block of scales
+    assert fp8.linear_bytes(28672, 4096, 2, 2) == 117_440_512 + 512
+    p = plan_vllm(resolve_model("llama-3.1-8b"), GpuSpec("h", "H100", int(79.19 * GiB), (9, 0)),
+                  settings_for_version("0.19.0", quantization="fp8", max_model_len=8192, gpu_memory_utilization=0.95))
+    # vLLM 0.19.0 logged "Model loading took 8.49 GiB" (github.com/llm-d-incubation/llm-d-planner, v0.19.0 logs)
+    assert abs(p.weights_bytes / GiB - 8.49) < 0.01
+    with pytest.raises(InvalidValue):
+        VllmSettings(quantization="awq")
+
+
+def test_granite_is_planned_as_llama():
+    granite = spec_of("ibm-granite/granite-3.1-8b-instruct")
+    m = vllm_model(granite)
+    assert (m.text.model_type, m.text.tie_word_embeddings, m.text.num_layers) == ("llama", True, 40)
+    p = plan_vllm(granite, GpuSpec("h", "H100", int(79.19 * GiB), (9, 0)),
+                  settings_for_version("0.19.0", max_model_len=8192, gpu_memory_utilization=0.95))
+    assert abs(p.weights_bytes / GiB - 15.25) < 0.05  # vLLM 0.19.0 logged 15.25 GiB
+
+
+def test_tensor_parallel_buffers_by_release():
+    # NCCL's 420 MiB before 0.19; 0.19's all-reduce fusion workspace and NCCL at TP >= 2, 1,894 MiB; pipeline
+    # parallelism alone keeps 420 MiB; 0.33 keeps them outside the budget
+    assert rules_for("0.14.0").tp_comm_bytes == 420 * 2**20
+    assert rules_for("0.19.0").tp_comm_bytes == rules_for("0.32.0").tp_comm_bytes == 1894 * 2**20
+    h100 = GpuSpec("h", "H100", int(79.19 * GiB), (9, 0))
+    llama = resolve_model("llama-3.1-8b")
+    tp2 = plan_vllm(llama, h100, settings_for_version("0.19.0", tensor_parallel_size=2, max_model_len=8192))
+    pp2 = plan_vllm(llama, h100, settings_for_version("0.19.0", pipeline_parallel_size=2, max_model_len=8192))
+    assert (tp2.nccl_bytes, pp2.nccl_bytes) == (1894 * 2**20, 420 * 2**20)
+
+
+def test_multimodal_rope_is_read_from_the_text_config():
+    gemma = vllm_model(spec_of("google/gemma-3-4b-it")).text
+    # linear rope x 8: 131,072 x 8 positions x 256 x 2 B = 536,870,912 + the local rope 131,072 x 256 x 2 B
+    assert w.rope_cache_bytes(gemma, 2) == 536_870_912 + 67_108_864
+
+
+def test_a_quantization_against_the_checkpoints_own_is_refused():
+    w8a8 = spec_of("RedHatAI/Meta-Llama-3.1-8B-Instruct-quantized.w8a8")
+    h100 = GpuSpec("h", "H100", int(79.19 * GiB), (9, 0))
+    with pytest.raises(ConfigError, match="compressed-tensors"):  # vLLM 0.19.0 stops on --quantization fp8 here
+        plan_vllm(w8a8, h100, settings_for_version("0.19.0", quantization="fp8", max_model_len=8192))
+    # the checkpoint's own method given again is accepted
+    assert weight_format({"quantization_config": {"quant_method": "bitsandbytes"}}, "bitsandbytes").kind == "bnb4"

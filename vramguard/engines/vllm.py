@@ -46,7 +46,7 @@ from vramguard.catalog.gpus import GpuSpec
 from vramguard.engines import vllm_kv as kv
 from vramguard.engines import vllm_weights as w
 from vramguard.engines.vllm_arch import VLLM_FAMILIES, VllmModel, vllm_model
-from vramguard.engines.vllm_versions import rules_for
+from vramguard.engines.vllm_versions import NCCL_BYTES, rules_for
 from vramguard.errors import ConfigError, InvalidValue
 from vramguard.memory.model import MemoryModel
 from vramguard.memory.runtime import CUDA_CONTEXT_BYTES
@@ -67,11 +67,6 @@ NON_TORCH_BYTES = 256 * MiB
 # the same term as V0 (releases before 0.8) logged it: "non_torch_memory=0.35GiB" for Llama-3.1-8B on an RTX 3090
 # (vLLM's V0 memory profiling line, github.com/vllm-project/vllm/issues/10517, at 20,000 and 29,000 tokens)
 NON_TORCH_V0_BYTES = 358 * MiB
-# NCCL's buffers at TP/PP >= 2 (NCCL_BUFFSIZE, 4 MiB by default, per channel and peer, send and receive:
-# docs.nvidia.com/deeplearning/nccl/user-guide/docs/env.html) with vLLM's custom all-reduce buffers: measured as the
-# step of vLLM's own non-torch memory from TP 1 to TP 2 on H100 NVLink, 0.14 -> 0.55 GiB (llm-d-benchmark,
-# config_explorer/empirical-vllm-memory-results.md); PCIe cards without P2P showed less (about 0.13 GiB)
-NCCL_BYTES = 420 * MiB
 # CUDA graph estimate: the first (largest) capture, modelled as the forward peak at the largest capture size, plus
 # at least 1 MiB per further graph (profile_cudagraph_memory's floor), for each of the two modes of the default
 # FULL_AND_PIECEWISE cudagraph mode
@@ -111,9 +106,13 @@ class VllmSettings:
         tokens_by_blocks: "GPU KV cache size" is ``blocks // groups x block_size`` (releases before 0.20).
         large_card_tier: the 16,384-token batch default from 160 GiB (releases from 0.20).
         quantization: ``bitsandbytes``: vLLM's ``--quantization bitsandbytes``, 4-bit NF4 applied at load to an
-            unquantized checkpoint (a pre-quantized checkpoint's own format is read from its config.json).
+            unquantized checkpoint; ``fp8``: ``--quantization fp8``, FP8 weights with one scale per tensor made at
+            load (a pre-quantized checkpoint's own format is read from its config.json).
         enable_lora, max_lora_rank, max_loras: LoRA slots vLLM allocates at start
             (:func:`~vramguard.engines.vllm_weights.lora_layer_bytes`).
+        tp_comm_bytes: NCCL and all-reduce buffers at tensor parallel size >= 2 (:data:`~vramguard.engines.
+            vllm_versions.NCCL_BYTES`; vLLM 0.19's all-reduce fusion workspace: ``TP_COMM_BYTES_0_19``); pipeline
+            parallelism alone takes ``NCCL_BYTES``.
         mxfp4_hopper_backend: MXFP4 MoE kernel on compute capability 9.x: ``triton`` (Triton's kernels installed),
             or ``marlin`` (vLLM 0.10's PyPI install, without them; ``mxfp4.py::_should_use_marlin``).
         vllm_version: the release these rules were chosen for (:func:`settings_for_version`); None: as set.
@@ -143,6 +142,7 @@ class VllmSettings:
     max_lora_rank: int = 16
     max_loras: int = 1
     mxfp4_hopper_backend: str = "triton"
+    tp_comm_bytes: int = NCCL_BYTES
     vllm_version: str | None = None
 
     def __post_init__(self) -> None:
@@ -169,8 +169,9 @@ class VllmSettings:
         self._check_lora_and_quantization()
 
     def _check_lora_and_quantization(self) -> None:
-        if self.quantization not in (None, "bitsandbytes"):
-            raise InvalidValue("quantization", self.quantization, "bitsandbytes (NF4 at load), or unset",
+        if self.quantization not in (None, "bitsandbytes", "fp8"):
+            raise InvalidValue("quantization", self.quantization, "bitsandbytes (NF4 at load), fp8 (FP8 at load), "
+                               "or unset",
                                "leave it unset for a pre-quantized checkpoint: vLLM reads its format")
         if self.engine not in ("v0", "v1"):
             raise InvalidValue("engine", self.engine, "v0 or v1", "pick one of them")
@@ -288,7 +289,8 @@ def settings_for_version(version: str, **engine_args) -> VllmSettings:
     r = rules_for(version)
     rules = dict(engine=r.engine, sampler=r.sampler, nccl_in_budget=r.nccl_in_budget,
                  cudagraph_in_budget=r.cudagraph_in_budget, tokens_by_blocks=r.tokens_by_blocks,
-                 large_card_tier=r.large_card_tier, mxfp4_hopper_backend=r.mxfp4_hopper_backend, vllm_version=version)
+                 large_card_tier=r.large_card_tier, mxfp4_hopper_backend=r.mxfp4_hopper_backend, vllm_version=version,
+                 tp_comm_bytes=r.tp_comm_bytes)
     return VllmSettings(**{**rules, **engine_args})
 
 
@@ -388,7 +390,8 @@ def _budget_terms(m: VllmModel, s: VllmSettings, gpu: GpuSpec, dt: int, tokens: 
     weights = w.rank_weights(spec, tp, s.pipeline_parallel_size, dt, _options(m, s, gpu),
                              m.vision.params if m.vision else 0)
     forward = w.forward_peak_bytes(spec, tp, tokens, dt)
-    sampler = w.sampler_peak_bytes(spec, tokens, min(seqs, tokens), dt, s.sampler)
+    sampler = w.sampler_peak_bytes(spec, tokens, min(seqs, tokens), dt, s.sampler,
+                                   w.SM_COUNTS.get(gpu.name, w.DEFAULT_SM_COUNT))
     encoder = w.encoder_peak_bytes(m.vision, spec.hidden_size, tokens, dt) if m.vision else 0
     graphs = 0
     if not s.enforce_eager:
@@ -397,7 +400,7 @@ def _budget_terms(m: VllmModel, s: VllmSettings, gpu: GpuSpec, dt: int, tokens: 
         sizes = len([n for n in [1, 2, 4, *range(8, 256, 8), *range(256, capture + 1, 16)] if n <= capture])
         graphs = (w.forward_peak_bytes(spec, tp, capture, dt)
                   + CUDAGRAPH_MODES * (sizes - 1) * CUDAGRAPH_BYTES_PER_GRAPH)
-    nccl = NCCL_BYTES if tp * s.pipeline_parallel_size > 1 else 0
+    nccl = s.tp_comm_bytes if tp > 1 else NCCL_BYTES if s.pipeline_parallel_size > 1 else 0
     non_torch = NON_TORCH_V0_BYTES if s.engine == "v0" else NON_TORCH_BYTES
     return _Budget(weights, forward, sampler, encoder, non_torch, nccl, graphs)
 

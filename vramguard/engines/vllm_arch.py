@@ -13,6 +13,10 @@ read here from the config, as vLLM's model files read them:
   ``kv_b_proj`` to ``heads x (qk_nope_head_dim + v_head_dim)``, ``o_proj`` from ``heads x v_head_dim``; dense MLPs
   for the first ``first_k_dense_replace`` layers, then ``n_routed_experts`` experts of ``moe_intermediate_size`` and
   ``n_shared_experts`` shared ones.
+* ``granite`` (``vllm/model_executor/models/granite.py``, vLLM 0.19.0): Llama's layers and parameters (fused
+  ``qkv_proj`` and ``gate_up_proj``, RMSNorms, tied embeddings where the config ties them); its
+  ``embedding_multiplier``, ``residual_multiplier``, ``attention_multiplier`` and ``logits_scaling`` are scalars
+  applied in the forward, so it is planned as the Llama family.
 * multimodal wrappers (``mistral3.py`` with ``pixtral.py``'s encoder; ``gemma3_mm.py`` with ``siglip.py``): the
   ``text_config`` as its hand family, plus the vision encoder and projector vLLM loads beside it.
 """
@@ -27,7 +31,7 @@ from vramguard.errors import ConfigError
 from vramguard.spec import ModelSpec, spec_from_config
 from vramguard.plan.choice import choose
 
-VLLM_FAMILIES = ("gpt_oss", "deepseek_v2", "deepseek_v3", "mistral3", "gemma3")
+VLLM_FAMILIES = ("gpt_oss", "deepseek_v2", "deepseek_v3", "mistral3", "gemma3", "granite")
 
 
 @dataclass(frozen=True)
@@ -99,6 +103,9 @@ def vllm_model(spec: ModelSpec, quantization: str | None = None, hand_written: b
         return _deepseek(spec, cfg, fmt)
     if kind in ("mistral3", "gemma3"):
         return _multimodal(spec, cfg, kind, fmt)
+    if kind == "granite":
+        text = spec_from_config({**cfg, "model_type": "llama"}, name=spec.name, source=spec.source)
+        return VllmModel(replace(text, config_json=spec.config_json), fmt)
     raise ConfigError("config.json:model_type", kind, "a family with a vLLM model here (hand families, "
                       + ", ".join(VLLM_FAMILIES) + ")", "plan it for transformers, the default engine")
 

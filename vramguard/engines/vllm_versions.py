@@ -19,7 +19,14 @@ for the newest rules); a release between two read ones follows the older one's r
   after, yet the non-torch term still grew by 0.42 GiB from TP 1 to TP 2 on H100 in logs of that period (NCCL's
   buffers are set up at the first collectives, in the profile run; github.com/llm-d/llm-d-benchmark,
   config_explorer/empirical-vllm-memory-results.md): in the budget until 0.33.0, which sets them up before its
-  snapshot.
+  snapshot. How much: :data:`NCCL_BYTES` (0.42 GiB) before 0.19.0; from 0.19.0 :data:`TP_COMM_BYTES_0_19` at
+  tensor parallel sizes >= 2. 0.19.0 enables the all-reduce + RMSNorm fusion pass at TP >= 2 ("Enabled custom
+  fusions: allreduce_rms", ``vllm/compilation/passes/fusion/allreduce_rms_fusion.py``), whose FlashInfer workspace
+  (``vllm/distributed/device_communicators/flashinfer_all_reduce.py::_create_workspace``: the ``trtllm`` IPC
+  buffers, ``cudaMalloc`` outside torch) and NCCL's lazily connected algorithms are set up during the profile run:
+  the H100 sweep of vLLM 0.19.0 (github.com/jgchn/llm-d-planner, accuracy/results/v0.19.0) logged 2.06-2.21 GiB of
+  non-torch memory in the profile run at TP 2 and 4 against 0.24-0.27 GiB at TP 1, and 0.07 GiB at pipeline
+  parallelism alone (no all-reduce), which keeps :data:`NCCL_BYTES`.
 * CUDA graphs: the estimate is subtracted from the budget from 0.21.0 (``VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS``
   defaults to 0 in 0.19.0's ``vllm/envs.py``; vLLM's own log says "CUDA graph memory profiling is enabled (default
   since v0.21.0)").
@@ -42,6 +49,16 @@ from dataclasses import dataclass
 from vramguard.errors import InvalidValue
 
 LATEST_MODELLED = "0.33.0"
+MiB = 2**20
+# NCCL's buffers at TP/PP >= 2 (NCCL_BUFFSIZE, 4 MiB by default, per channel and peer, send and receive:
+# docs.nvidia.com/deeplearning/nccl/user-guide/docs/env.html) with vLLM's custom all-reduce buffers: measured as the
+# step of vLLM's own non-torch memory from TP 1 to TP 2 on H100 NVLink, 0.14 -> 0.55 GiB (llm-d-benchmark,
+# config_explorer/empirical-vllm-memory-results.md); PCIe cards without P2P showed less (about 0.13 GiB)
+NCCL_BYTES = 420 * MiB
+# vLLM 0.19.0 at TP >= 2 (H100 SXM): the step of the logged non-torch memory of the profile run from TP 1 (0.24-0.27
+# GiB) to TP 2 and 4 (2.06-2.21 GiB), github.com/jgchn/llm-d-planner accuracy/results/v0.19.0/results_raw.csv
+# (column non_torch_forward_gib, eleven TP runs): 1.85 GiB, the middle of the 1.79-1.97 GiB steps
+TP_COMM_BYTES_0_19 = 1894 * MiB
 OLDEST_MODELLED = "0.5.0"
 
 
@@ -59,6 +76,8 @@ class VersionRules:
             ``int(max_concurrency * max_model_len)``).
         large_card_tier: the 16,384-token batch default from 160 GiB exists.
         mxfp4_hopper_backend: the MXFP4 MoE kernel on compute capability 9.x (``marlin`` or ``triton``).
+        tp_comm_bytes: bytes of NCCL and all-reduce buffers at tensor parallel size >= 2 (pipeline parallelism
+            alone keeps :data:`NCCL_BYTES`).
     """
 
     version: str
@@ -69,6 +88,7 @@ class VersionRules:
     tokens_by_blocks: bool
     large_card_tier: bool
     mxfp4_hopper_backend: str = "triton"
+    tp_comm_bytes: int = NCCL_BYTES
 
 
 def parse_version(text: str) -> tuple[int, int, int]:
@@ -104,7 +124,8 @@ def rules_for(version: str) -> VersionRules:
         sampler = "triton"
     return VersionRules(version, "v1", sampler, nccl_in_budget=v < (0, 33, 0), cudagraph_in_budget=v >= (0, 21, 0),
                         tokens_by_blocks=v < (0, 20, 0), large_card_tier=v >= (0, 20, 0),
-                        mxfp4_hopper_backend="marlin" if v < (0, 11, 0) else "triton")
+                        mxfp4_hopper_backend="marlin" if v < (0, 11, 0) else "triton",
+                        tp_comm_bytes=TP_COMM_BYTES_0_19 if (0, 19, 0) <= v < (0, 33, 0) else NCCL_BYTES)
 
 
 def installed_version() -> str | None:

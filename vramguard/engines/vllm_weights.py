@@ -245,9 +245,10 @@ def rope_cache_bytes(spec: ModelSpec, dtype_bytes: int) -> int:
     ``max_position_embeddings`` for the default and ``llama3`` ropes; x ``factor`` for ``linear`` and ``dynamic``;
     ``original_max_position_embeddings x factor`` for ``yarn``; ``original + max`` (short and long caches) for
     ``longrope`` (Phi-3 128k). ``rotary_dim = head_dim x partial_rotary_factor``. Gemma-3 has a local and a global
-    rope (two caches).
+    rope (two caches). A multimodal checkpoint's rope is its ``text_config``'s (Gemma-3 4B-27B: ``linear`` x 8).
     """
     cfg = config_dict(spec)
+    cfg = cfg.get("text_config") or cfg
     rotary_dim = int(spec.head_dim * float(cfg.get("partial_rotary_factor") or 1.0))
     scaling = cfg.get("rope_scaling") or {}
     kind = str(scaling.get("rope_type") or scaling.get("type") or "default")
@@ -398,16 +399,40 @@ def encoder_peak_bytes(vision: Any, text_hidden: int, num_tokens: int, dtype_byt
             + items * vision.tokens_per_image * text_hidden * dtype_bytes)
 
 
+# streaming multiprocessors per card (NVIDIA's datasheets), for the Triton top-k/top-p kernel's per-program buffer;
+# a card not listed is planned with the H100's 132, more than most smaller cards have (the safe side)
+SM_COUNTS = {"t4": 40, "v100-16gb": 80, "v100-32gb": 80, "a10": 72, "a10g": 80, "l4": 58, "l40s": 142,
+             "a100-40gb": 108, "a100-80gb": 108, "h100-80gb": 132, "h100-nvl": 132, "h200": 132, "rtx-3090": 82,
+             "rtx-4090": 128, "rtx-5090": 170, "rtx-a6000": 84, "rtx-6000-ada": 142}
+DEFAULT_SM_COUNT = 132
+
+
+def triton_sampler_buffer_bytes(vocab_size: int, num_reqs: int, sm_count: int = DEFAULT_SM_COUNT) -> int:
+    """The fp32 buffer ``apply_top_k_top_p_triton`` keeps for its programs (bytes): ``min(next_power_of_2(min(SMs,
+    rows)), SMs)`` rows of the vocabulary, cached in ``_TRITON_BUFFER_CACHE`` and never freed
+    (``vllm/v1/sample/ops/topk_topp_triton.py``, read at commit 08a57232; vLLM 0.19.0's H100 logs show the
+    activation 0.11-0.12 GiB over the 12 B per logit without it).
+
+    Example (Llama-3.1-8B, 1,024 requests, H100): 132 x 128,256 x 4 = 67,719,168 B.
+    """
+    programs = min(sm_count, num_reqs)
+    rows = min(1 << max(programs - 1, 0).bit_length(), sm_count)
+    return rows * pad_vocab(vocab_size) * 4
+
+
 def sampler_peak_bytes(spec: ModelSpec, num_tokens: int, num_reqs: int, dtype_bytes: int,
-                       sampler: str = "triton") -> int:
+                       sampler: str = "triton", sm_count: int = DEFAULT_SM_COUNT) -> int:
     """Peak of the dummy sampler run that follows the profile forward (bytes): the forward's hidden states
     (``num_tokens x hidden``) and the last positions (``num_reqs x hidden``) stay alive while the logits of
     ``num_reqs`` rows over the padded vocabulary are computed in the model dtype and sampled with top-k/top-p
-    (:data:`SAMPLER_BYTES_PER_LOGIT` of the ``sampler`` path). Logits are gathered whole on every TP rank.
+    (:data:`SAMPLER_BYTES_PER_LOGIT` of the ``sampler`` path, and the Triton kernel's buffer on ``sm_count``
+    SMs, :func:`triton_sampler_buffer_bytes`). Logits are gathered whole on every TP rank.
 
-    Example (Llama-3.1-8B, 8,192 tokens, 256 requests, bf16, "triton"): hidden 67,108,864 + last 2,097,152 +
-    logits 256 x 128,256 x (2 + 12) = 459,669,504 -> 528,875,520 B.
+    Example (Llama-3.1-8B, 8,192 tokens, 256 requests, bf16, "triton", H100): hidden 67,108,864 + last 2,097,152 +
+    logits 256 x 128,256 x (2 + 12) = 459,669,504 + buffer 132 x 128,256 x 4 = 67,719,168 -> 596,594,688 B.
     """
     h, dt = spec.hidden_size, dtype_bytes
     logits = num_reqs * pad_vocab(spec.vocab_size) * (dt + SAMPLER_BYTES_PER_LOGIT[sampler])
+    if sampler == "triton":
+        logits += triton_sampler_buffer_bytes(spec.vocab_size, num_reqs, sm_count)
     return num_tokens * h * dt + num_reqs * h * dt + logits
