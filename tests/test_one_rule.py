@@ -3,14 +3,49 @@ settings checked in one place."""
 
 from __future__ import annotations
 
+import ast
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
+from vramguard import dtypes
 from vramguard.catalog.gpus import GpuSpec
 from vramguard.errors import InvalidValue
 from vramguard.runtime.handle import decode_quantization_config, loaded_settings
 from vramguard.serve.config import ServeConfig
+
+PACKAGE = Path(__file__).resolve().parent.parent / "vramguard"
+
+
+def _modules() -> list[tuple[str, ast.Module]]:
+    return [(str(p.relative_to(PACKAGE)), ast.parse(p.read_text())) for p in sorted(PACKAGE.rglob("*.py"))]
+
+
+def test_each_row_of_the_dtype_table_is_torchs_element_size():
+    torch = pytest.importorskip("torch")
+    for d in dtypes.TABLE:
+        assert getattr(torch, d.torch_name).itemsize == d.bytes, d
+    assert len({d.name for d in dtypes.TABLE}) == len({d.safetensors for d in dtypes.TABLE}) == len(dtypes.TABLE)
+
+
+def _names_a_dtype_table(node: ast.Dict) -> bool:
+    """A dict literal keyed by two or more dtype names (any spelling) whose values are their element sizes or
+    other names of a dtype: a second dtype table."""
+    size = dtypes.BYTES | dtypes.TORCH_BYTES | dtypes.SAFETENSORS_BYTES
+    names = set(size)
+    pairs = [(k.value, v.value) for k, v in zip(node.keys, node.values)
+             if isinstance(k, ast.Constant) and k.value in names and isinstance(v, ast.Constant)]
+    return len([1 for k, v in pairs if v == size[k] or v in names]) >= 2
+
+
+def test_there_is_one_dtype_table():
+    """Element sizes and dtype names come from vramguard.dtypes: no other module spells a table of them."""
+    found = [f"{name}:{node.lineno}" for name, tree in _modules() if name != "dtypes.py"
+             for node in ast.walk(tree) if isinstance(node, ast.Dict) and _names_a_dtype_table(node)]
+    assert found == []
+    assert "torch" not in {a.name for n in ast.walk(ast.parse((PACKAGE / "dtypes.py").read_text()))
+                           if isinstance(n, ast.Import) for a in n.names}
 
 
 def test_a_cards_usable_memory_is_its_total_less_other_processes():
@@ -45,3 +80,4 @@ def test_the_servers_settings_are_checked_before_anything_is_loaded():
     with pytest.raises(TypeError):
         build("no-such-folder", ServeConfig(), max_queue=1)  # a config and its fields: one or the other
     assert ServeConfig(allowed_hosts=["a.example"]).allowed_hosts == ("a.example",)
+
