@@ -81,3 +81,12 @@ def test_the_servers_settings_are_checked_before_anything_is_loaded():
         build("no-such-folder", ServeConfig(), max_queue=1)  # a config and its fields: one or the other
     assert ServeConfig(allowed_hosts=["a.example"]).allowed_hosts == ("a.example",)
 
+
+def test_no_module_but_the_cards_own_subtracts_other_processes_memory():
+    """``GpuSpec.usable_bytes`` is the one usable-memory rule of a plan: no other module spells
+    ``total_bytes - used_by_others_bytes``."""
+    found = [f"{name}:{node.lineno}" for name, tree in _modules() if name != "catalog/gpus.py"
+             for node in ast.walk(tree) if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Sub)
+             and any(isinstance(n, ast.Attribute) and n.attr == "used_by_others_bytes" for n in ast.walk(node))]
+    assert found == []
+

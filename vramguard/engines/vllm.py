@@ -481,7 +481,7 @@ def _plan(spec: ModelSpec, gpu: GpuSpec, s: VllmSettings) -> VllmPlan:
     per_stage = [kv.num_blocks(g, a) for g, a in zip(stage_groups, stage_available)]
     worst = per_stage.index(min(per_stage))
     groups, blocks, available = stage_groups[worst], per_stage[worst], stage_available[worst]
-    free = gpu.total_bytes - gpu.used_by_others_bytes - CUDA_CONTEXT_BYTES - (0 if s.nccl_in_budget else b.nccl)
+    free = gpu.usable_bytes - CUDA_CONTEXT_BYTES - (0 if s.nccl_in_budget else b.nccl)
     need = kv.request_kv_bytes(groups, max_len, tokens, s.block_size)
     largest = kv.largest_model_len(groups, max(available, 0), max_len, tokens, s.block_size)
     over = spec.max_position_embeddings if max_len > spec.max_position_embeddings and \
