@@ -90,3 +90,16 @@ def test_no_module_but_the_cards_own_subtracts_other_processes_memory():
              and any(isinstance(n, ast.Attribute) and n.attr == "used_by_others_bytes" for n in ast.walk(node))]
     assert found == []
 
+
+def test_every_out_of_memory_check_is_is_oom():
+    """``vramguard.runtime.device.is_oom`` is the one predicate: no other module tests an error's type against
+    ``torch.OutOfMemoryError`` (which would miss cuBLAS, cuDNN and NCCL allocation failures) or catches it."""
+    found = []
+    for name, tree in _modules():
+        if name == "runtime/device.py":
+            continue
+        raised = {id(n) for r in ast.walk(tree) if isinstance(r, ast.Raise) for n in ast.walk(r)}
+        found += [f"{name}:{n.lineno}" for n in ast.walk(tree) if id(n) not in raised
+                  and isinstance(n, (ast.Attribute, ast.Name)) and "OutOfMemoryError" in (getattr(n, "attr", None),
+                                                                                            getattr(n, "id", None))]
+    assert found == []
