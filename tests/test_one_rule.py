@@ -103,3 +103,24 @@ def test_every_out_of_memory_check_is_is_oom():
                   and isinstance(n, (ast.Attribute, ast.Name)) and "OutOfMemoryError" in (getattr(n, "attr", None),
                                                                                             getattr(n, "id", None))]
     assert found == []
+
+
+def test_a_loaded_model_is_carried_as_its_handle_not_found_again_in_a_table():
+    """Verbs take the LoadedModel load_model returns (runtime.handle.handle_of describes a model vramguard did not
+    load); no module keeps a table from model objects to what loading knew (the SDPA pin's is the one weak table)."""
+    from vramguard.runtime import handle
+    assert not hasattr(handle, "as_loaded") and not hasattr(handle, "register")
+    tables = [f"{name}:{n.lineno}" for name, tree in _modules() for n in ast.walk(tree)
+              if isinstance(n, ast.Attribute) and n.attr in ("WeakKeyDictionary", "WeakValueDictionary")]
+    assert len(set(tables)) == 1 and tables[0].startswith("runtime/handle.py:"), tables  # _PINS alone
+
+
+def test_only_the_handle_reads_a_bitsandbytes_quantization_config():
+    """runtime.handle.decode_quantization_config is the one reading of load_in_4bit / load_in_8bit /
+    bnb_4bit_quant_type / bnb_4bit_use_double_quant / bnb_4bit_compute_dtype in a config."""
+    keys = {"load_in_4bit", "load_in_8bit", "bnb_4bit_quant_type", "bnb_4bit_use_double_quant",
+            "bnb_4bit_compute_dtype"}
+    found = [f"{name}:{n.lineno}" for name, tree in _modules() if name != "runtime/handle.py" for n in ast.walk(tree)
+             if isinstance(n, ast.Constant) and n.value in keys]
+    assert found == []
+

@@ -189,7 +189,7 @@ def _with_context(loaded, question, files, summarize, chunk_tokens, max_new_toke
     """:func:`vramguard.run.context.context_prompt` (the prompt counted as it is sent, with ``chat``), its summary
     line on stderr."""
     from vramguard.run.context import context_prompt
-    packed, limit = context_prompt(loaded.model, loaded.tokenizer, question, files, chunk_tokens=chunk_tokens,
+    packed, limit = context_prompt(loaded, loaded.tokenizer, question, files, chunk_tokens=chunk_tokens,
                                    max_new_tokens=max_new_tokens, budget_bytes=budget, auto=auto,
                                    summarize=summarize, chat=chat)
     say(f"context: {len(packed.used)} of {packed.total_chunks} chunks"
