@@ -124,3 +124,33 @@ def test_only_the_handle_reads_a_bitsandbytes_quantization_config():
              if isinstance(n, ast.Constant) and n.value in keys]
     assert found == []
 
+
+def _parameters(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> list[str]:
+    a = fn.args
+    return [x.arg for x in a.posonlyargs + a.args + a.kwonlyargs if x.arg not in ("self", "cls")]
+
+
+def test_below_a_command_the_options_travel_as_one_object():
+    """Typer needs one parameter per option in a command's function; below it the options are one object (the
+    plan's PlanRequest, serve's ServeConfig): no function but a command or a Triton kernel takes more than 15
+    parameters, and the plan command's body reads its options through the request alone."""
+    from vramguard.cli import COMMANDS
+    from vramguard.cli.plan import PlanRequest
+    commands = {(fn.__module__, fn.__name__) for _, fn, _ in COMMANDS}
+    wide = []
+    for name, tree in _modules():
+        module = "vramguard." + name.removesuffix(".py").replace("/", ".").removesuffix(".__init__")
+        for fn in ast.walk(tree):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) or (module, fn.name) in commands:
+                continue
+            if any("jit" in ast.unparse(d) or "autotune" in ast.unparse(d) for d in fn.decorator_list):
+                continue  # a Triton kernel takes each pointer, stride and block size as its own parameter
+            if len(_parameters(fn)) > 15:
+                wide.append(f"{name}:{fn.lineno} {fn.name} ({len(_parameters(fn))})")
+    assert wide == []
+    tree = ast.parse((PACKAGE / "cli/plan.py").read_text())
+    command = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "plan")
+    options = set(_parameters(command)) - {"ctx"}
+    assert options == {f for f in PlanRequest.__dataclass_fields__} - {"given"}
+    read = {n.id for stmt in command.body for n in ast.walk(stmt) if isinstance(n, ast.Name)}
+    assert read & options == set()
