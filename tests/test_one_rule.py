@@ -132,10 +132,11 @@ def _parameters(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> list[str]:
 
 def test_below_a_command_the_options_travel_as_one_object():
     """Typer needs one parameter per option in a command's function; below it the options are one object (the
-    plan's PlanRequest, serve's ServeConfig): no function but a command or a Triton kernel takes more than 15
-    parameters, and the plan command's body reads its options through the request alone."""
+    plan's PlanRequest, run's RunRequest, serve's ServeConfig): no function but a command or a Triton kernel takes
+    more than 15 parameters, and the plan and run commands' bodies read their options through the request alone."""
     from vramguard.cli import COMMANDS
     from vramguard.cli.plan import PlanRequest
+    from vramguard.cli.run import RunRequest
     commands = {(fn.__module__, fn.__name__) for _, fn, _ in COMMANDS}
     wide = []
     for name, tree in _modules():
@@ -148,9 +149,10 @@ def test_below_a_command_the_options_travel_as_one_object():
             if len(_parameters(fn)) > 15:
                 wide.append(f"{name}:{fn.lineno} {fn.name} ({len(_parameters(fn))})")
     assert wide == []
-    tree = ast.parse((PACKAGE / "cli/plan.py").read_text())
-    command = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "plan")
-    options = set(_parameters(command)) - {"ctx"}
-    assert options == {f for f in PlanRequest.__dataclass_fields__} - {"given"}
-    read = {n.id for stmt in command.body for n in ast.walk(stmt) if isinstance(n, ast.Name)}
-    assert read & options == set()
+    for name, request in (("plan", PlanRequest), ("run", RunRequest)):
+        tree = ast.parse((PACKAGE / f"cli/{name}.py").read_text())
+        command = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name)
+        options = set(_parameters(command)) - {"ctx"}
+        assert options == {f for f in request.__dataclass_fields__} - {"given"}
+        read = {n.id for stmt in command.body for n in ast.walk(stmt) if isinstance(n, ast.Name)}
+        assert read & options == set(), name
