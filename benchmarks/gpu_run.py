@@ -30,11 +30,11 @@ def ids_of(n, vocab, seed=0):
     return torch.randint(100, vocab - 100, (n,), generator=g).tolist()
 
 
-def guarded(model, log, case, prompt_len, new, budget, **kw):
+def guarded(loaded, log, case, prompt_len, new, budget, **kw):
     from vramguard.run import generate as G
     t0 = time.perf_counter()
     try:
-        r = G.generate(model, None, ids_of(prompt_len, model.config.vocab_size), new, budget_bytes=budget,
+        r = G.generate(loaded, None, ids_of(prompt_len, loaded.model.config.vocab_size), new, budget_bytes=budget,
                        ignore_eos=True, **kw)
         emit(log, {"kind": case, "ok": True, "prompt": prompt_len, "new": new, "budget": budget,
                    "strategy": r.strategy, "reason": r.reason, "tokens": len(r.token_ids),
@@ -67,13 +67,12 @@ def main():
     path = "/dev/shm/vg_run"
     build_checkpoint("llama-3.1-8b", path)
     loaded = load_model(path, quant="nf4", attn="sdpa", verify=False)
-    model = loaded.model
 
     # recovery from a real OOM: let the preflight allow the plain dynamic cache, which cannot fit
     real_preflight = G.preflight
     G.preflight = lambda spec, s, usable, auto, on_cuda, weights_loaded: real_preflight(
         spec, s, 10**15, auto, on_cuda, weights_loaded)
-    guarded(model, log, "recovery_real_oom", 70_000, 32, 24 * GiB)
+    guarded(loaded, log, "recovery_real_oom", 70_000, 32, 24 * GiB)
     G.preflight = real_preflight
 
     # capacity under 12 GiB: plain generate's longest prompt, then vramguard at 2.5x
@@ -82,10 +81,10 @@ def main():
     emit(log, {"kind": "plain_12gib", "boundary": fr.boundary, "smallest_failure": fr.smallest_failure,
                "runs": [(r.value, r.ok) for r in fr.runs]})
     if fr.boundary:
-        guarded(model, log, "guarded_12gib", int(fr.boundary * 2.5), 64, 12 * GiB)
+        guarded(loaded, log, "guarded_12gib", int(fr.boundary * 2.5), 64, 12 * GiB)
 
     if not args.skip_131k:
-        guarded(model, log, "guarded_24gib_131k", 131_072 - 64, 64, 24 * GiB)
+        guarded(loaded, log, "guarded_24gib_131k", 131_072 - 64, 64, 24 * GiB)
 
 
 if __name__ == "__main__":

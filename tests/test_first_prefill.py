@@ -51,14 +51,14 @@ def _plain_order(model, monkeypatch, prompt_tokens: int, new: int):
 def test_run_measures_the_first_prefill_and_scales_the_plan_by_it(olmo2, unverified, measured, monkeypatch):
     from vramguard import load_model
     from vramguard.run.generate import generate
-    model, tok, _ = load_model(str(olmo2), quant="fp32")
+    loaded = load_model(str(olmo2), quant="fp32")
     prompt = "w1 w2 w3 w4 w5 w6 w7 w8"
-    plain = _plain_order(model, monkeypatch, 8, 4)
+    plain = _plain_order(loaded, monkeypatch, 8, 4)
     measured["times"] = 3  # three times what the real forward allocates: more than the plan
-    r = generate(model, tok, prompt, max_new_tokens=4)
+    r = generate(loaded, None, prompt, max_new_tokens=4)
     [got] = measured["bytes"]
     assert got > 0
-    first = first_prefill.FirstPrefill(8, _planned_prefill(model, 8), got, ("layer:full_attention",), "cpu")
+    first = first_prefill.FirstPrefill(8, _planned_prefill(loaded, 8), got, ("layer:full_attention",), "cpu")
     assert first.scale > 1
     assert first.note() in r.reason and "a first prefill of 8 tokens measured on cpu" in r.reason
     assert f"scaled by {first.scale:.2f}" in r.reason
@@ -69,11 +69,11 @@ def test_run_measures_the_first_prefill_and_scales_the_plan_by_it(olmo2, unverif
 def test_a_first_prefill_within_the_plan_keeps_it(olmo2, unverified, measured, monkeypatch):
     from vramguard import load_model
     from vramguard.run.generate import generate
-    model, tok, _ = load_model(str(olmo2), quant="fp32")
-    plain = _plain_order(model, monkeypatch, 8, 4)
-    r = generate(model, tok, "w1 w2 w3 w4 w5 w6 w7 w8", max_new_tokens=4)
+    loaded = load_model(str(olmo2), quant="fp32")
+    plain = _plain_order(loaded, monkeypatch, 8, 4)
+    r = generate(loaded, None, "w1 w2 w3 w4 w5 w6 w7 w8", max_new_tokens=4)
     [got] = measured["bytes"]
-    assert got <= _planned_prefill(model, 8)  # the replay of OLMo-2's forward is not below the real one
+    assert got <= _planned_prefill(loaded, 8)  # the replay of OLMo-2's forward is not below the real one
     assert "the plan is kept (it is not lowered on one measurement)" in r.reason
     assert r.planned_need_bytes == plain[0][1]
 
@@ -81,8 +81,8 @@ def test_a_first_prefill_within_the_plan_keeps_it(olmo2, unverified, measured, m
 def test_a_verified_plan_runs_without_measuring(olmo2, measured):
     from vramguard import load_model
     from vramguard.run.generate import generate
-    model, tok, _ = load_model(str(olmo2), quant="fp32")
-    r = generate(model, tok, "w1 w2 w3", max_new_tokens=2)
+    loaded = load_model(str(olmo2), quant="fp32")
+    r = generate(loaded, None, "w1 w2 w3", max_new_tokens=2)
     assert measured["bytes"] == [] and "first prefill" not in r.reason
 
 
@@ -98,16 +98,14 @@ def test_serve_re_plans_its_memory_from_the_first_prefill(olmo2, unverified, mea
         text = s.pool.source
         assert "a first prefill of 128 tokens measured on cpu" in text and "scaled by" in text
         held = sum(p.numel() * p.element_size() for p in s.engine.model.parameters())
-        scale = got / _planned_prefill(s.engine.model, 128)
+        scale = got / _planned_prefill(s.loaded, 128)
         assert f"(usable {_fmt(2**30 - held)} / {scale:.2f})" in text
     finally:
         s.close()  # the engine's thread too (stop() ends a started HTTP server only)
 
 
-def _planned_prefill(model, tokens: int) -> int:
+def _planned_prefill(h, tokens: int) -> int:
     from vramguard.plan import choose, estimate
-    from vramguard.runtime.handle import as_loaded
-    h = as_loaded(model)
     return estimate(choose(h.spec, h.settings).model, h.settings.with_(prompt_tokens=tokens, max_new_tokens=1, batch=1)).prefill.peak_bytes
 
 

@@ -142,8 +142,7 @@ def test_run_generates_on_architectures_outside_the_families(tmp_path, model_typ
     from vramguard.run.generate import generate
     save_arch(tmp_path, model_type)
     save_word_tokenizer(tmp_path, 256)
-    model, tok, report = load_model(str(tmp_path), quant="bf16")
-    r = generate(model, tok, "w1 w2 w3 w4", max_new_tokens=5)
+    r = generate(load_model(str(tmp_path), quant="bf16"), None, "w1 w2 w3 w4", max_new_tokens=5)
     assert len(r.token_ids) == 5 and r.planned_need_bytes and r.planned_need_bytes > 0
 
 

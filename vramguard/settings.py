@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
+from vramguard.dtypes import BYTES, TORCH_NAMES
 from vramguard.errors import InvalidValue
 
 QUANTS = ("nf4", "fp4", "int8", "bf16", "fp16", "fp32")
@@ -22,8 +23,8 @@ KERNELS = ("installed", "fast", "torch")
 KV_DTYPES = ("bf16", "fp16", "int8", "int4")
 CACHES = ("dynamic", "static", "offloaded")
 LOGITS = ("last", "all")
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "int8": 1}
-TORCH_DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # short name -> torch.<name>
+DTYPE_BYTES = BYTES  # bytes per element by short name (vramguard.dtypes holds the one table)
+TORCH_DTYPE_NAMES = {d: TORCH_NAMES[d] for d in DTYPES}  # the settings' float dtypes -> torch.<name>
 _SHORT_DTYPES = {v: k for k, v in TORCH_DTYPE_NAMES.items()} | {"float": "fp32", "half": "fp16"}
 KV_BITS = {"bf16": 16, "fp16": 16, "int8": 8, "int4": 4}
 

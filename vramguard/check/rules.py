@@ -51,7 +51,7 @@ def environment_findings(env: Env, gpu: GpuSpec | None, gpu_source: str) -> list
     if gpu is not None:
         used = gpu.used_by_others_bytes
         # free memory is measured on a detected card only; a catalog card or a --vram size has its total alone
-        free = (f", {fmt_gib(gpu.total_bytes - used)} free" if gpu.source == "detected" else
+        free = (f", {fmt_gib(gpu.usable_bytes)} free" if gpu.source == "detected" else
                 f" ({'catalog card' if gpu.source == 'catalog' else 'a size given'}, not measured)")
         f.append(finding_line("gpu", "ok", f"{gpu.label}, compute capability {_cc(gpu)}, "
                               f"{fmt_gib(gpu.total_bytes)} total{free}", gpu_source))

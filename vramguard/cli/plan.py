@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Optional
 
 import typer
@@ -96,39 +97,121 @@ def plan(
     max_lora_rank: int = eng.max_lora_rank_option(), max_loras: int = eng.max_loras_option(),
 ) -> None:
     """Predict memory by component, say whether it fits, solve for what fits, and rank the fixes."""
-    vllm_args = eng.EngineArgs(tp or 1, pp, gpu_memory_utilization, max_model_len, kv_cache_dtype.value, max_num_seqs,
-                               max_num_batched_tokens, dtype.value if dtype else None, None, vllm_version,
-                               enable_lora, max_lora_rank, max_loras)
-    if list_models or list_gpus:
-        return _listing(ctx, model, fmt == Format['json'])
-    if engine == eng.Engine['vllm']:
-        return _plan_vllm(model, gpu, vram, vllm_args, fmt == Format['json'], exit_code, _given(ctx))
-    run_guarded(eng.refuse_vllm_options, vllm_args)
-    several = wants_cards(gpus, tp, gpu, vram) or max_memory is not None or device_map != "auto"
+    req = PlanRequest.of(ctx)
+    if req.list_models or req.list_gpus:
+        return _listing(ctx, req.model, req.as_json)
+    if req.engine == eng.Engine['vllm'].value:
+        return _plan_vllm(req)
+    run_guarded(eng.refuse_vllm_options, req.engine_args)
     notes: list[str] = []  # said once the plan is made: an error comes alone
-    findings = []  # of the CLI's own, added to a plan of cards used together
+    findings: list[Finding] = []  # of the CLI's own, added to a plan of cards used together
+    p = run_guarded(lambda: _build(req, notes, findings), as_json=req.as_json, progress=f"planning {req.model}")
+    _emit(p, req, notes, findings)
 
-    def build():
-        _refuse_no_new_tokens(max_new_tokens, logits.value)
-        chosen_attn, chosen_dtype = _card_defaults(gpu, vram, attn, dtype, compute_dtype, several, notes)
-        s = Settings(quant=quant.value, double_quant=double_quant,
-                     compute_dtype=compute_dtype.value if compute_dtype else None, dtype=chosen_dtype,
-                     attn=chosen_attn, kv_dtype=kv_dtype.value if kv_dtype else None, cache=cache.value, batch=batch,
-                     num_beams=num_beams, num_return_sequences=num_return_sequences, prompt_tokens=prompt_tokens,
-                     max_new_tokens=max_new_tokens, prefill_chunk=prefill_chunk, logits=logits.value,
-                     output_attentions=output_attentions, padded=padded, do_sample=do_sample,
-                     kernels=kernels.value if kernels else None)
-        spec = resolve_model(_required_model(model), revision)
-        say_fetched(spec)
-        s = _defaults_in_context(spec, s, _given(ctx), context, notes)
-        if several:
-            findings.extend(_one_card_findings(freed_before, alloc_conf, notes))
-            return plan_cards(spec, s, (gpus, tp, gpu, vram), context, device_map, max_memory)
-        return plan_fn(spec, s, gpu=gpu, vram=vram, context=context, alloc_conf=_alloc_conf(alloc_conf),
-                       freed_before=freed_before)
 
-    p = run_guarded(build, as_json=fmt == Format['json'], progress=f"planning {model}")
-    _emit(p, several, fmt == Format['json'], exit_code, notes, findings)
+@dataclass(frozen=True)
+class PlanRequest:
+    """What ``vramguard plan`` was asked: each option's value as parsed (a choice as its string), built once from
+    the command's parameters (:meth:`of`); every step below the command reads it.
+
+    Attributes:
+        given: the options set on the command line or in the environment, by parameter name (their values as
+            typer parsed them); the rest of the fields are the command's parameters by the same names.
+    """
+
+    model: str | None
+    revision: str | None
+    quant: str
+    double_quant: bool
+    compute_dtype: str | None
+    dtype: str | None
+    attn: str | None
+    kv_dtype: str | None
+    kernels: str | None
+    cache: str
+    batch: int
+    num_beams: int
+    num_return_sequences: int
+    prompt_tokens: int
+    max_new_tokens: int
+    prefill_chunk: int | None
+    logits: str
+    output_attentions: bool
+    padded: bool
+    do_sample: bool
+    context: int | None
+    gpu: str | None
+    vram: str | None
+    gpus: int | None
+    tp: int | None
+    device_map: str
+    max_memory: str | None
+    alloc_conf: str | None
+    freed_before: bool
+    fmt: str
+    list_models: bool
+    list_gpus: bool
+    exit_code: bool
+    engine: str
+    pp: int
+    gpu_memory_utilization: float
+    max_model_len: int | None
+    kv_cache_dtype: str
+    max_num_seqs: int | None
+    max_num_batched_tokens: int | None
+    vllm_version: str | None
+    enable_lora: bool
+    max_lora_rank: int
+    max_loras: int
+    given: dict[str, object] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, ctx: typer.Context) -> PlanRequest:
+        """The request of the command ``ctx`` runs (``ctx.params``: each parameter by name)."""
+        return cls(**{k: getattr(v, "value", v) for k, v in ctx.params.items()}, given=_given(ctx))
+
+    @property
+    def as_json(self) -> bool:
+        return self.fmt == Format['json'].value
+
+    @property
+    def several(self) -> bool:
+        """Whether cards used together are planned (several cards, a tensor-parallel size, a device map...)."""
+        return (wants_cards(self.gpus, self.tp, self.gpu, self.vram) or self.max_memory is not None
+                or self.device_map != "auto")
+
+    @property
+    def engine_args(self) -> eng.EngineArgs:
+        """The vLLM options as given (``--tp`` and ``--dtype`` are options of both plans)."""
+        return eng.EngineArgs(self.tp or 1, self.pp, self.gpu_memory_utilization, self.max_model_len,
+                              self.kv_cache_dtype, self.max_num_seqs, self.max_num_batched_tokens, self.dtype, None,
+                              self.vllm_version, self.enable_lora, self.max_lora_rank, self.max_loras)
+
+    def settings(self, attn: str, dtype: str | None) -> Settings:
+        """The run's :class:`~vramguard.settings.Settings` with the attention and dtype chosen for the card."""
+        return Settings(quant=self.quant, double_quant=self.double_quant, compute_dtype=self.compute_dtype,
+                        dtype=dtype, attn=attn, kv_dtype=self.kv_dtype, cache=self.cache, batch=self.batch,
+                        num_beams=self.num_beams, num_return_sequences=self.num_return_sequences,
+                        prompt_tokens=self.prompt_tokens, max_new_tokens=self.max_new_tokens,
+                        prefill_chunk=self.prefill_chunk, logits=self.logits, output_attentions=self.output_attentions,
+                        padded=self.padded, do_sample=self.do_sample, kernels=self.kernels)
+
+
+def _build(req: PlanRequest, notes: list[str], findings: list[Finding]):
+    """The plan ``req`` asks for (of one card, or of cards used together), its notes added to ``notes`` and, for
+    cards used together, the CLI's own findings to ``findings``."""
+    _refuse_no_new_tokens(req.max_new_tokens, req.logits)
+    chosen_attn, chosen_dtype = _card_defaults(req, notes)
+    s = req.settings(chosen_attn, chosen_dtype)
+    spec = resolve_model(_required_model(req.model), req.revision)
+    say_fetched(spec)
+    s = _defaults_in_context(spec, s, req.given, req.context, notes)
+    if req.several:
+        findings.extend(_one_card_findings(req.freed_before, req.alloc_conf, notes))
+        return plan_cards(spec, s, (req.gpus, req.tp, req.gpu, req.vram), req.context, req.device_map,
+                          req.max_memory)
+    return plan_fn(spec, s, gpu=req.gpu, vram=req.vram, context=req.context, alloc_conf=_alloc_conf(req.alloc_conf),
+                   freed_before=req.freed_before)
 
 
 def _one_card_findings(freed_before: bool, alloc_conf: str | None, notes: list[str]) -> list:
@@ -209,13 +292,14 @@ def _given(ctx: typer.Context) -> dict[str, object]:
             if getattr(ctx.get_parameter_source(name), "name", None) in given}
 
 
-def _card_defaults(gpu, vram, attn, dtype, compute_dtype, several: bool, notes: list[str]) -> tuple[str, str | None]:
+def _card_defaults(req: PlanRequest, notes: list[str]) -> tuple[str, str | None]:
     """The attention and dtype the named card runs by default (each default added to ``notes``, to be said on
     stderr), and the note on a decimal --vram size."""
-    chosen_attn, chosen_dtype, found = card_defaults(defaults_card(gpu), attn.value if attn else None,
-                                                     dtype.value if dtype else None, compute_dtype is not None)
+    chosen_attn, chosen_dtype, found = card_defaults(defaults_card(req.gpu), req.attn, req.dtype,
+                                                     req.compute_dtype is not None)
     notes += found
-    sizes = [x for x in ((vram or "").split(",") if several else [vram]) if x and x.strip()]
+    vram = req.vram
+    sizes = [x for x in ((vram or "").split(",") if req.several else [vram]) if x and x.strip()]
     _refuse_sizes_above_any_card(sizes)
     for size in sizes:
         if decimal_size_note(size.strip()):
@@ -235,31 +319,30 @@ def _refuse_sizes_above_any_card(sizes: list[str]) -> None:
             parse_card_size(size.strip(), "vram")
 
 
-def _plan_vllm(model: str, gpu: str | None, vram: str | None, args, as_json: bool, exit_code: bool,
-               given: dict[str, object]) -> None:
-    """``plan --engine vllm``: vLLM's plan per card, printed; exit 1 with ``--exit-code`` when none starts.
-    ``given``: the options set on the command line (those only the transformers plan reads are refused)."""
+def _plan_vllm(req: PlanRequest) -> None:
+    """``plan --engine vllm``: vLLM's plan per card, printed; exit 1 with ``--exit-code`` when none starts. The
+    options set on the command line that only the transformers plan reads are refused."""
     from vramguard.cli.vllm import build_plans, print_plans  # vLLM's memory model: loaded when the command runs
-    run_guarded(eng.refuse_transformers_options, given)
-    args = run_guarded(eng.with_quantization, args, given, as_json=as_json)
-    plans = run_guarded(lambda: build_plans(_required_model(model), gpu, vram, args), as_json=as_json)
-    print_plans(plans, model, as_json)
-    if exit_code and not any(p.starts for p in plans):
+    run_guarded(eng.refuse_transformers_options, req.given)
+    args = run_guarded(eng.with_quantization, req.engine_args, req.given, as_json=req.as_json)
+    plans = run_guarded(lambda: build_plans(_required_model(req.model), req.gpu, req.vram, args), as_json=req.as_json)
+    print_plans(plans, req.model, req.as_json)
+    if req.exit_code and not any(p.starts for p in plans):
         raise typer.Exit(1)
 
 
-def _emit(p, several: bool, as_json: bool, exit_code: bool, notes: list[str], findings: list) -> None:
+def _emit(p, req: PlanRequest, notes: list[str], findings: list) -> None:
     """Say ``notes`` on stderr, print a plan (JSON or the tables; ``findings``, of cards used together, in its
     JSON); exit 1 with ``--exit-code`` when it fits none of the cards."""
     for note in notes:
         say(note)
-    if several:
-        return emit(p, as_json, exit_code, findings)
-    if as_json:
+    if req.several:
+        return emit(p, req.as_json, req.exit_code, findings)
+    if req.as_json:
         write_json(plan_to_json(p))
     else:
         print_plan(p, console())
-    if exit_code and not any(c.fits for c in p.cards):
+    if req.exit_code and not any(c.fits for c in p.cards):
         raise typer.Exit(1)
 
 

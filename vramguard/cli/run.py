@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from typing import Optional
 
 import typer
@@ -26,6 +27,7 @@ from vramguard.units import plural
 
 
 def run(
+    ctx: typer.Context,
     model: str = typer.Argument(..., metavar="MODEL",
                                  help="model folder or cached model id (weights and tokenizer needed)"),
     prompt: Optional[str] = typer.Option(None, help="the prompt text"),
@@ -65,39 +67,70 @@ def run(
     to stderr."""
     t_entry = time.perf_counter()
     startup_s = process_age_s()
-
-    def build():
-        # what can be refused without loading anything, before anything is printed
-        check_generation_args(max_new_tokens, do_sample, temperature, top_p, top_k, seed)
-        text = _read_prompt(prompt, prompt_file)
-        for f in context or ():  # a missing file, a FIFO or a device is said before the model loads
-            regular_file(f, "--context", "text file", InvalidValue, "pass a regular text file")
-        local_model_folder(model)
-        budget = size_option(vram_budget, "vram_budget") if vram_budget else None
-        loaded, prepared, weights, why, times = _load_for_run(model, text, quant, max_new_tokens, chat_template)
-        stream = None if fmt == Format['json'] else (lambda t: (sys.stdout.write(t), sys.stdout.flush()))
-        if context:
-            text = _with_context(loaded, text, context, summarize, chunk_tokens, max_new_tokens, budget, auto,
-                                 chat_template)
-            prepared = prepare_prompt(loaded.tokenizer, text, chat_template)
-        say(f"prompt: {plural(len(prepared.ids), 'token')}, {prepared.reason}")
-        t_call = time.perf_counter()
-        r = generate_fn(loaded, loaded.tokenizer, prepared.ids, max_new_tokens, budget_bytes=budget,
-                        auto=auto, on_text=stream, do_sample=do_sample, temperature=temperature, top_p=top_p,
-                        top_k=top_k, seed=seed, fast_decode=fast_decode, ignore_eos=ignore_eos)
-        if r.loaded is not None:
-            r.loaded["why"].insert(0, f"weights {weights}: {why}")
-        _clock(r.timings, times, startup_s, t_call - t_entry)
-        return r
-
-    r = run_guarded(build, as_json=fmt == Format['json'])
+    req = RunRequest(**{k: getattr(v, "value", v) for k, v in ctx.params.items()})
+    r = run_guarded(lambda: _generate(req, t_entry, startup_s), as_json=req.as_json)
     r.timings.startup_s = startup_s
     r.timings.total_s = startup_s + time.perf_counter() - t_entry if startup_s is not None else None
-    if fmt == Format['json']:
+    if req.as_json:
         write_json(to_jsonable(r))
     else:
         sys.stdout.write("\n")
         print_generation_summary(r, err)
+
+
+@dataclass(frozen=True)
+class RunRequest:
+    """What ``vramguard run`` was asked: each option's value as parsed (a choice as its string), by the command's
+    parameter names, built once from its parameters; the steps below the command read it."""
+
+    model: str
+    prompt: str | None
+    prompt_file: str | None
+    max_new_tokens: int
+    vram_budget: str | None
+    auto: bool
+    quant: str | None
+    do_sample: bool
+    temperature: float | None
+    top_p: float | None
+    top_k: int | None
+    seed: int | None
+    context: list[str] | None
+    summarize: bool
+    fast_decode: bool | None
+    chunk_tokens: int
+    chat_template: bool | None
+    ignore_eos: bool
+    fmt: str
+
+    @property
+    def as_json(self) -> bool:
+        return self.fmt == Format['json'].value
+
+
+def _generate(req: RunRequest, t_entry: float, startup_s: float | None):
+    """Check what can be refused without loading anything (before anything is printed), load, build the prompt
+    (with its context files), and generate, the text streamed to stdout unless the output is JSON."""
+    check_generation_args(req.max_new_tokens, req.do_sample, req.temperature, req.top_p, req.top_k, req.seed)
+    text = _read_prompt(req.prompt, req.prompt_file)
+    for f in req.context or ():  # a missing file, a FIFO or a device is said before the model loads
+        regular_file(f, "--context", "text file", InvalidValue, "pass a regular text file")
+    local_model_folder(req.model)
+    budget = size_option(req.vram_budget, "vram_budget") if req.vram_budget else None
+    loaded, prepared, weights, why, times = _load_for_run(req, text)
+    stream = None if req.as_json else (lambda t: (sys.stdout.write(t), sys.stdout.flush()))
+    if req.context:
+        text = _with_context(loaded, text, req, budget)
+        prepared = prepare_prompt(loaded.tokenizer, text, req.chat_template)
+    say(f"prompt: {plural(len(prepared.ids), 'token')}, {prepared.reason}")
+    t_call = time.perf_counter()
+    r = generate_fn(loaded, loaded.tokenizer, prepared.ids, req.max_new_tokens, budget_bytes=budget, auto=req.auto,
+                    on_text=stream, do_sample=req.do_sample, temperature=req.temperature, top_p=req.top_p,
+                    top_k=req.top_k, seed=req.seed, fast_decode=req.fast_decode, ignore_eos=req.ignore_eos)
+    if r.loaded is not None:
+        r.loaded["why"].insert(0, f"weights {weights}: {why}")
+    _clock(r.timings, times, startup_s, t_call - t_entry)
+    return r
 
 
 def _key_caches_meanwhile() -> None:
@@ -132,7 +165,7 @@ def _clock(t, times: tuple, startup_s: float | None, call_s: float) -> None:
         t.command_first_token_s = startup_s + call_s + t.first_token_s
 
 
-def _load_for_run(model: str, text: str, quant: Quant | None, max_new_tokens: int, chat_template: bool):
+def _load_for_run(req: RunRequest, text: str):
     """Import torch and transformers, read the tokenizer and check the prompt against the context (before any
     weight is read), then load the weights: ``(loaded, prepared prompt, weight format, why, (import_s, prepare_s,
     load_s))``. Without ``--quant`` the format is the device's default
@@ -154,9 +187,10 @@ def _load_for_run(model: str, text: str, quant: Quant | None, max_new_tokens: in
     if on_cuda:
         _key_triton_meanwhile()
     t0 = time.perf_counter()
-    tokenizer, prepared, _ = preflight_prompt(model, text, max_new_tokens, chat_template)
+    model = req.model
+    tokenizer, prepared, _ = preflight_prompt(model, text, req.max_new_tokens, req.chat_template)
     prepare_s = time.perf_counter() - t0
-    weights, why = (quant.value, "--quant was given") if quant is not None else default_quant(on_cuda)
+    weights, why = (req.quant, "--quant was given") if req.quant is not None else default_quant(on_cuda)
     t0 = time.perf_counter()
     with working(f"loading {model}"):
         loaded = load_model(model, quant=weights, verify=on_cuda, tokenizer=tokenizer)
@@ -185,13 +219,13 @@ def _read_prompt(prompt: str | None, prompt_file: str | None) -> str:
     return text
 
 
-def _with_context(loaded, question, files, summarize, chunk_tokens, max_new_tokens, budget, auto, chat) -> str:
-    """:func:`vramguard.run.context.context_prompt` (the prompt counted as it is sent, with ``chat``), its summary
-    line on stderr."""
+def _with_context(loaded, question: str, req: RunRequest, budget: int | None) -> str:
+    """:func:`vramguard.run.context.context_prompt` over ``req.context`` (the prompt counted as it is sent, with
+    ``req.chat_template``), its summary line on stderr."""
     from vramguard.run.context import context_prompt
-    packed, limit = context_prompt(loaded.model, loaded.tokenizer, question, files, chunk_tokens=chunk_tokens,
-                                   max_new_tokens=max_new_tokens, budget_bytes=budget, auto=auto,
-                                   summarize=summarize, chat=chat)
+    packed, limit = context_prompt(loaded, loaded.tokenizer, question, req.context, chunk_tokens=req.chunk_tokens,
+                                   max_new_tokens=req.max_new_tokens, budget_bytes=budget, auto=req.auto,
+                                   summarize=req.summarize, chat=req.chat_template)
     say(f"context: {len(packed.used)} of {packed.total_chunks} chunks"
         + (" (summarized)" if packed.summarized else "") + f", prompt {packed.prompt_tokens:,} of "
         f"{limit:,} tokens the plan allows" + ("; " + "; ".join(packed.notes) if packed.notes else ""))

@@ -43,6 +43,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from vramguard.catalog.gpus import GpuSpec
+from vramguard.dtypes import TORCH_BYTES
 from vramguard.engines import vllm_kv as kv
 from vramguard.engines import vllm_weights as w
 from vramguard.engines.vllm_arch import VLLM_FAMILIES, VllmModel, vllm_model
@@ -51,13 +52,12 @@ from vramguard.errors import ConfigError, InvalidValue
 from vramguard.memory.model import MemoryModel
 from vramguard.memory.runtime import CUDA_CONTEXT_BYTES
 from vramguard.plan.choice import choose
+from vramguard.settings import TORCH_DTYPE_NAMES
 from vramguard.spec import ModelSpec
 from vramguard.units import GiB, MiB
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2")
-_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
-_SPEC_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 # memory outside torch that appears during the profile run at TP=1 (kernel images loaded on first use: FlashAttention,
 # Inductor's Triton kernels; 0.33.0 creates the cuBLAS/cuBLASLt handles before its start snapshot, and the CUDA
@@ -311,7 +311,7 @@ def model_dtype(spec: ModelSpec, s: VllmSettings, gpu: GpuSpec) -> tuple[str, li
     notes: list[str] = []
     if s.dtype != "auto":
         return s.dtype, notes
-    name = _SPEC_DTYPES.get(spec.checkpoint_dtype or "bf16", "bfloat16")
+    name = TORCH_DTYPE_NAMES.get(spec.checkpoint_dtype or "bf16", "bfloat16")
     if name == "float32":
         name = "bfloat16"
         notes.append("dtype auto: the float32 checkpoint runs in bfloat16, as vLLM's auto dtype does")
@@ -465,7 +465,7 @@ def _plan(spec: ModelSpec, gpu: GpuSpec, s: VllmSettings) -> VllmPlan:
     spec = m.text
     _check_model(choose(spec).model)
     dtype, notes = model_dtype(spec, s, gpu)
-    dt = _DTYPE_BYTES[dtype]
+    dt = TORCH_BYTES[dtype]
     kv_dt = dt if s.kv_cache_dtype in ("auto", "bfloat16", "float16") else 1
     if s.kv_cache_dtype in ("bfloat16", "float16"):
         kv_dt = 2
@@ -484,7 +484,7 @@ def _plan(spec: ModelSpec, gpu: GpuSpec, s: VllmSettings) -> VllmPlan:
     per_stage = [kv.num_blocks(g, a) for g, a in zip(stage_groups, stage_available)]
     worst = per_stage.index(min(per_stage))
     groups, blocks, available = stage_groups[worst], per_stage[worst], stage_available[worst]
-    free = gpu.total_bytes - gpu.used_by_others_bytes - CUDA_CONTEXT_BYTES - (0 if s.nccl_in_budget else b.nccl)
+    free = gpu.usable_bytes - CUDA_CONTEXT_BYTES - (0 if s.nccl_in_budget else b.nccl)
     need = kv.request_kv_bytes(groups, max_len, tokens, s.block_size)
     largest = kv.largest_model_len(groups, max(available, 0), max_len, tokens, s.block_size)
     over = spec.max_position_embeddings if max_len > spec.max_position_embeddings and \

@@ -33,6 +33,9 @@ from dataclasses import dataclass
 
 from vramguard.errors import ConfigError
 from vramguard.memory.weights import rounded
+from vramguard.runtime.handle import decode_quantization_config
+
+
 
 FORMATS = ("none", "int8_fp8", "marlin4", "fp8_block", "bnb4", "bnb8", "mxfp4")
 
@@ -176,7 +179,7 @@ def weight_format(config: dict, quantization: str | None = None) -> WeightFormat
     if method == "fp8":
         return WeightFormat("int8_fp8", "fp8", strategy="channel")
     if method == "bitsandbytes":
-        eight = bool(q.get("load_in_8bit"))
+        eight = decode_quantization_config(q)[0] == "int8"
         return WeightFormat("bnb8" if eight else "bnb4", "bitsandbytes")
     if method == "mxfp4":
         return WeightFormat("mxfp4", "mxfp4", linears=False)

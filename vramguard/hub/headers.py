@@ -16,12 +16,9 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+from vramguard.dtypes import SAFETENSORS_BYTES, SAFETENSORS_FLOATS
 from vramguard.errors import ConfigError
 
-# bytes per element of each safetensors dtype (safetensors' ``Dtype`` enum); sub-byte types count per element
-DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8,
-               "U32": 4, "U16": 2, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1}
-FLOAT_DTYPES = {"F64": "fp64", "F32": "fp32", "F16": "fp16", "BF16": "bf16"}
 MAX_HEADER_BYTES = 100_000_000  # safetensors refuses larger headers (``MAX_HEADER_SIZE`` in safetensors' lib.rs)
 
 
@@ -90,8 +87,8 @@ class CheckpointHeaders:
     def stored_float_dtype(self) -> str | None:
         """``bf16``/``fp16``/``fp32`` of the floating tensors holding the most bytes, or None."""
         for dt in self.bytes_by_dtype():
-            if dt in FLOAT_DTYPES:
-                return FLOAT_DTYPES[dt]
+            if dt in SAFETENSORS_FLOATS:
+                return SAFETENSORS_FLOATS[dt]
         return None
 
     def to_json(self) -> dict:
@@ -163,7 +160,7 @@ def _check_offsets(path: Path, header: dict, data_bytes: int) -> None:
     end_max = 0
     for t in tensors_from_header(header, path.name):
         begin, end = header[t.name]["data_offsets"]
-        width = DTYPE_BYTES.get(t.dtype)
+        width = SAFETENSORS_BYTES.get(t.dtype)
         if not (isinstance(begin, int) and isinstance(end, int) and 0 <= begin <= end <= data_bytes) or \
                 (width is not None and end - begin != t.numel * width):
             raise ConfigError(f"{path.name}:{t.name}", [begin, end], f"offsets inside the file's {data_bytes:,} "

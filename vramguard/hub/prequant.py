@@ -26,7 +26,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from vramguard.hub.headers import FLOAT_DTYPES, CheckpointHeaders, TensorHeader
+from vramguard.dtypes import SAFETENSORS_FLOATS
+from vramguard.hub.headers import CheckpointHeaders, TensorHeader
 from vramguard.memory.weights import rounded, WeightBytes
 from vramguard.memory.model import MemoryModel
 from vramguard.settings import DTYPE_BYTES
@@ -48,7 +49,7 @@ def tensor_kind(t: TensorHeader) -> str:
     codes), ``embedding``, ``lm_head``, ``norm``, ``bias`` or ``dense`` (a floating matrix left unquantized)."""
     if t.name.endswith(_QSTATE_ENDINGS) or ".quant_state." in t.name:
         return "qstate"
-    if t.name.endswith(_QWEIGHT_ENDINGS) or (t.name.endswith(".weight") and t.dtype not in FLOAT_DTYPES):
+    if t.name.endswith(_QWEIGHT_ENDINGS) or (t.name.endswith(".weight") and t.dtype not in SAFETENSORS_FLOATS):
         return "qweight"
     if t.name.endswith(".bias") or t.name.endswith("_bias"):
         return "bias"
@@ -177,7 +178,7 @@ def header_weight_bytes(ck: CheckpointHeaders, method: str, qcfg: dict, act_dtyp
             parts["qstate"] += 0 if rule.dequantize else rounded(t.nbytes)
             continue
         n_params += t.numel
-        parts[kind] += rounded(t.numel * dt) if t.dtype in FLOAT_DTYPES else rounded(t.nbytes)
+        parts[kind] += rounded(t.numel * dt) if t.dtype in SAFETENSORS_FLOATS else rounded(t.nbytes)
     q_lin, dense = (0, parts["qweight"]) if rule.dequantize else (parts["qweight"], 0)
     return WeightBytes(quantized_linear_bytes=q_lin, quant_state_bytes=parts["qstate"],
                        dense_linear_bytes=dense + parts["dense"], embedding_bytes=parts["embedding"],

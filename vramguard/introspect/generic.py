@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+from vramguard.dtypes import TORCH_BYTES
 from vramguard.errors import NotModelled
 from vramguard.memory.forward import ForwardPeak
 from vramguard.memory.kv import SCALE_ZERO_BYTES, KvBytes
@@ -260,10 +261,6 @@ def _layer_kinds(spec, n: int) -> tuple[str, ...]:
     return kinds + ("full_attention",) * max(n - len(kinds), 0)
 
 
-_ELEM = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8, "int8": 1, "uint8": 1, "int64": 8, "int32": 4,
-         "bool": 1}
-
-
 def _raw_per_layer(r) -> tuple[int, ...]:
     """Bytes of each layer's cache tensors without the allocator's rounding (growth per token is below 512 B on
     small models)."""
@@ -272,7 +269,7 @@ def _raw_per_layer(r) -> tuple[int, ...]:
         n = 1
         for d in shape:
             n *= d
-        per[layer] = per.get(layer, 0) + n * _ELEM.get(dtype, 2)
+        per[layer] = per.get(layer, 0) + n * TORCH_BYTES.get(dtype, 2)
     return tuple(per.get(i, 0) for i in range(max(per) + 1)) if per else ()
 
 

@@ -20,7 +20,7 @@ from functools import lru_cache
 from vramguard.introspect.build import Structure, TensorInfo
 from vramguard.introspect.layer_trim import MIN_SAVED_LAYERS, expand
 from vramguard.memory import hand_tape
-from vramguard.settings import TORCH_DTYPE_NAMES, Settings
+from vramguard.settings import DTYPE_BYTES, TORCH_DTYPE_NAMES, Settings
 
 FAMILIES = ("llama", "qwen2", "mistral")
 ENABLED = True  # False: every spec is answered by transformers (the reference the tests compare with)
@@ -51,7 +51,7 @@ def _structure(spec, dtype: str, quant: str) -> Structure:
     H, h, kvh, d = spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim
     inter = spec.intermediate_size
     torch_dtype = TORCH_DTYPE_NAMES[dtype]
-    elem = {"float32": 4, "bfloat16": 2, "float16": 2}[torch_dtype]
+    elem = DTYPE_BYTES[dtype]
     bnb = quant in ("nf4", "fp4", "int8")
     out: list[TensorInfo] = []
     qnames: list[str] = []

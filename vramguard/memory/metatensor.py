@@ -12,7 +12,7 @@ local variables, allocates and frees in the order the meta-device replay records
 
 from __future__ import annotations
 
-ELEM = {"bool": 1, "uint8": 1, "int64": 8, "fp32": 4, "bf16": 2, "fp16": 2}
+from vramguard.dtypes import BYTES
 
 
 class Tape:
@@ -29,7 +29,7 @@ class Tape:
             n *= d
         st = Storage(self, self.next_key)
         self.next_key += 1
-        self.events.append((st.key, n * ELEM[dtype]))
+        self.events.append((st.key, n * BYTES[dtype]))
         return T(self, tuple(shape), _contiguous(shape), dtype, st)
 
 

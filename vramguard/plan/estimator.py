@@ -125,7 +125,7 @@ def estimate(model: MemoryModel, s: Settings) -> MemoryEstimate:
 
 def verdict(est: MemoryEstimate, gpu: GpuSpec) -> CardVerdict:
     """Fit of an estimate on one card (no solving)."""
-    usable = gpu.total_bytes - gpu.used_by_others_bytes
+    usable = gpu.usable_bytes
     need = est.device_used_bytes
     return CardVerdict(gpu, usable, need, need <= usable, usable - need)
 

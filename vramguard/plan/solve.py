@@ -114,7 +114,7 @@ def _candidates(model: MemoryModel, s: Settings, target: GpuSpec | None) -> list
     if s.logits == "all":
         c.append(("logits for the last position only", {"logits": "last"}))
     if target is not None:
-        u = target.total_bytes - target.used_by_others_bytes
+        u = target.usable_bytes
         n = max_new_tokens(model, s, u)
         if n is not None and MIN_USEFUL_TOKENS <= n < s.max_new_tokens:
             c.append((f"shorter generation: {n:,} new tokens", {"max_new_tokens": n}))
@@ -142,7 +142,7 @@ def ranked_changes(model: MemoryModel, s: Settings, gpus: list[GpuSpec]) -> list
     card among those that keep the request).
     """
     need = _need(model, s)
-    usable = {g.name: g.total_bytes - g.used_by_others_bytes for g in gpus}
+    usable = {g.name: g.usable_bytes for g in gpus}
     not_fitting = [g for g in gpus if need > usable[g.name]]
     target = max(not_fitting, key=lambda g: g.total_bytes) if not_fitting else None
     out: list[Change] = []
@@ -180,7 +180,7 @@ def hardware_changes(model: MemoryModel, s: Settings, target: GpuSpec, need: int
     plan's split, its fuller card's need), the smallest catalog card whose reported total holds ``need``."""
     from vramguard.catalog.gpus import GPUS
     from vramguard.units import fmt_bytes
-    usable = target.total_bytes - target.used_by_others_bytes
+    usable = target.usable_bytes
     if need <= usable:
         return []
     est = estimate(model, s)

@@ -10,7 +10,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from vramguard.hub.headers import FLOAT_DTYPES, check_weights
+from vramguard.dtypes import SAFETENSORS_FLOATS
+from vramguard.hub.headers import check_weights
 from vramguard.settings import short_dtype
 
 
@@ -41,8 +42,8 @@ def _stored_dtype(path: Path) -> str | None:
         with safe_open(str(path), framework="np") as f:
             for key in f.keys():
                 dt = f.get_slice(key).get_dtype()
-                if dt in FLOAT_DTYPES:
-                    return FLOAT_DTYPES[dt]
+                if dt in SAFETENSORS_FLOATS:
+                    return SAFETENSORS_FLOATS[dt]
     except Exception:  # no safetensors library or an unreadable header: the dtype stays unknown
         return None
     return None

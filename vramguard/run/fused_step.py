@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import sys
 
+from vramguard.runtime.device import is_oom
+
 FAMILIES = ("llama", "mistral")  # model types whose decoder layer is exactly the one above
 TOLERANCE = 2e-2  # relative (Frobenius) per kernel; bfloat16 rounding of the outputs alone is about 4e-3
 STEP_TOLERANCE = 0.1  # relative, the logits of a whole step: 32 layers of bfloat16 rounding against a wrong kernel
@@ -223,7 +225,6 @@ def build(model, cache, max_cache_len: int, filled: int, ids, position, unfused_
     Raises:
         torch.OutOfMemoryError: from either step (the caller's OOM handling decides).
     """
-    import torch
     ok, why = fused_support(model, cache)
     if not ok:
         return None, f"fused step not used: {why}"
@@ -236,7 +237,7 @@ def build(model, cache, max_cache_len: int, filled: int, ids, position, unfused_
         err = _require("the fused step's logits", step(ids, position), want, STEP_TOLERANCE)
         return step, f"logits {err:.2g} from the unfused step (relative)"
     except Exception as e:  # noqa: BLE001 -- a compile failure or a disagreement: the unfused step runs
-        if isinstance(e, torch.OutOfMemoryError):
+        if is_oom(e):
             raise
         return None, f"fused step off: {type(e).__name__}: {str(e).strip()[:300]}"
     finally:

@@ -41,7 +41,7 @@ from vramguard.run.sampling import (  # noqa: F401 -- MAX_SEED, SEED_ACCEPTED, c
 from vramguard.run.timing import RunTimings, stop_reason
 from vramguard.runtime.device import is_oom, memory_cap, usable_bytes
 from vramguard.runtime.first_prefill import measure_first_prefill, noted, scaled
-from vramguard.runtime.handle import LoadedModel, as_loaded
+from vramguard.runtime.handle import LoadedModel, handle_of
 from vramguard.settings import Settings
 from vramguard.units import fmt_bytes
 
@@ -436,7 +436,7 @@ def strategy_order(model, prompt_tokens: int, max_new_tokens: int, *, budget_byt
         InvalidValue: the request is over the model's context. Infeasible: no strategy fits, before any GPU work.
     """
     from vramguard.plan import check_context
-    h = as_loaded(model)
+    h = handle_of(model)
     s = (settings or h.settings).with_(prompt_tokens=prompt_tokens, max_new_tokens=max_new_tokens, batch=1)
     check_context(h.spec, s, beyond=None)
     usable, _ = usable_bytes(budget_bytes) if h.on_cuda else (None, 0)
@@ -480,7 +480,7 @@ def generate(model, tokenizer, prompt: str | list[int], max_new_tokens: int = 25
         tokenizer = model.tokenizer
     t_plan = time.perf_counter()
     prompt_ids = _prompt_ids(tokenizer, prompt)
-    h = as_loaded(model)
+    h = handle_of(model)
     model, on_cuda = h.model, h.on_cuda
     eos = eos_list(model, "model")
     fast, fast_why = fast_decode_choice(model, fast_decode)
@@ -560,7 +560,7 @@ def prompt_budget(model, max_new_tokens: int, budget_bytes: int | None = None, a
     there is no CUDA device to plan against."""
     from vramguard.plan import choose, estimate
     from vramguard.plan.solve import _largest
-    h = as_loaded(model)
+    h = handle_of(model)
     ctx = h.spec.max_position_embeddings - max_new_tokens
     usable, _ = usable_bytes(budget_bytes) if h.on_cuda else (None, 0)
     if usable is None:

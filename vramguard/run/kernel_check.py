@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 
 from vramguard.run.kernels.verdict import KernelVerdict, read_verdict, verdict_key, write_verdict
+from vramguard.runtime.device import is_oom
 
 SPOT_SLOTS = 64  # cache slots the attention checks fill with random keys and values (the cache is reset after)
 
@@ -105,8 +106,6 @@ class KernelChoice:
     def _spot_check(self, kept: KernelVerdict, cache, max_cache_len: int) -> str | None:
         """One 4-bit layer and one attention check for the kernels ``kept`` turns on; None when they agree, else
         what failed."""
-        import torch
-
         from vramguard.run.kernels import nf4 as nf4_module
         from vramguard.run.kernels.selftest import check_4bit_layers
         if (kept.nf4 and not self.nf4) or (kept.attn and not self.attn):
@@ -120,7 +119,7 @@ class KernelChoice:
                 self._attention_check(cache, max_cache_len)
             return None
         except Exception as e:  # noqa: BLE001 -- any failure: the whole check runs again
-            if isinstance(e, torch.OutOfMemoryError):
+            if is_oom(e):
                 raise
             (self.nf4, self.attn), nf4_module.LUT = was, lut_was
             return f"{type(e).__name__}: {str(e).strip()}"
@@ -135,8 +134,6 @@ class KernelChoice:
         """Each kernel once on this model's real weights against bitsandbytes' op / a float32 softmax (relative error
         under 2e-2: bfloat16 rounding is 4e-3), then the fused step. A kernel that fails to compile or disagrees is
         turned off, with the reason, before it touches the cache."""
-        import torch
-
         from vramguard.run.kernels.selftest import check_4bit_layers_or_gather
         self.how = "full"
         try:
@@ -145,7 +142,7 @@ class KernelChoice:
                 if note:
                     self.why = f"4-bit matmul: {note}"
         except Exception as e:  # noqa: BLE001 -- compile or launch failure: bitsandbytes' own kernels run instead
-            if isinstance(e, torch.OutOfMemoryError):
+            if is_oom(e):
                 raise
             self.nf4 = False
             self.why = f"4-bit matmul kernel off: {type(e).__name__}: {str(e).strip()[:300]}"
@@ -153,7 +150,7 @@ class KernelChoice:
             if self.attn:
                 self._attention_check(cache, max_cache_len)
         except Exception as e:  # noqa: BLE001 -- as above: transformers' attention runs instead
-            if isinstance(e, torch.OutOfMemoryError):
+            if is_oom(e):
                 raise
             self.attn = False
             self.why = f"decode attention kernel off: {type(e).__name__}: {str(e).strip()[:300]}"

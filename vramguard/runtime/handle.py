@@ -2,10 +2,9 @@
 loaded, the baseline memory snapshot and the SDPA pin.
 
 vramguard sets no attribute on the model (an ``nn.Module`` of transformers). What it knows about a model it loaded
-lives in :class:`LoadedModel`; a bare model handed to a verb (``generate(model, tokenizer, ...)`` after
-``model, tokenizer, report = load_model(...)``) is found again in a side table keyed by the model object
-(a ``weakref.WeakKeyDictionary``, so the entry goes with the model), or, for a model vramguard did not load,
-described once by :func:`describe` from its config and parameters.
+lives in the :class:`LoadedModel` :func:`~vramguard.runtime.load.load_model` returns, which every verb takes; a
+bare model handed to a verb (one vramguard did not load) is described once by :func:`describe` from its config and
+parameters: nothing is looked up again in a table.
 """
 
 from __future__ import annotations
@@ -90,7 +89,6 @@ class LoadedModel:
         return next(self.model.parameters()).device.type == "cuda"
 
 
-_HANDLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its handle's fields, model left out
 _PINS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> SdpaPin
 
 
@@ -137,40 +135,10 @@ def sdpa_unpinned(model, why: str):
         pin_sdpa(model, pin.backend)
 
 
-def register(handle: LoadedModel) -> LoadedModel:
-    """Remember ``handle`` for its model (so a verb given the bare model finds it), and return it."""
-    _HANDLES[handle.model] = {k: v for k, v in vars(handle).items() if k != "model"}
-    return handle
-
-
-def known(model) -> bool:
-    """Whether :func:`register` remembers ``model`` (bare or a handle)."""
-    return _bare(model) in _HANDLES
-
-
-def forget(model) -> None:
-    """Drop what is remembered for ``model`` (after :func:`~vramguard.runtime.load.unload`), its pin included."""
-    unpin_sdpa(model)
-    _HANDLES.pop(_bare(model), None)
-
-
-def as_loaded(model, tokenizer=None) -> LoadedModel:
-    """The handle of ``model``: itself when it is one, the one :func:`register` remembered for a bare model, or a
-    new one described from the model (:func:`describe`). A ``tokenizer`` given replaces the remembered one."""
-    if isinstance(model, LoadedModel):
-        return model if tokenizer is None else replace(model, tokenizer=tokenizer)
-    known = _HANDLES.get(model)
-    if known is None:
-        return describe(model, tokenizer)
-    h = LoadedModel(model, **known)
-    return h if tokenizer is None else replace(h, tokenizer=tokenizer)
-
-
 def handle_of(model, tokenizer=None) -> LoadedModel:
     """The handle a runtime verb works from, without a lookup: ``model`` itself when it is a
     :class:`LoadedModel` (``tokenizer``, when given, replacing its own), else one described from the bare model
-    (:func:`describe`). Verbs take the handle :func:`~vramguard.runtime.load.load_model` returned; the table
-    :func:`as_loaded` reads serves callers that unpacked it into a bare model."""
+    (:func:`describe`). Verbs take the handle :func:`~vramguard.runtime.load.load_model` returned."""
     if isinstance(model, LoadedModel):
         return model if tokenizer is None else replace(model, tokenizer=tokenizer)
     return describe(model, tokenizer)

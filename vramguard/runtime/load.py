@@ -32,8 +32,7 @@ from vramguard.probe.kernels import AttentionKernel, profile_attention
 from vramguard.errors import ConfigError, InvalidValue, UnknownModel
 from vramguard.resolve import local_model_folder, resolve_model
 from vramguard.runtime.device import MemorySnapshot, free_bytes
-from vramguard.runtime.handle import (LoadedModel, as_loaded, decode_quantization_config, forget, known,
-                                      loaded_settings, register)
+from vramguard.runtime.handle import LoadedModel, decode_quantization_config, loaded_settings
 from vramguard.runtime.handle import pin_sdpa as _pin_sdpa
 from vramguard.runtime.handle import unpin_sdpa as _unpin_sdpa
 from vramguard.runtime.tokenizer import folder_tokenizer
@@ -258,7 +257,7 @@ def load_model(model: str, *, quant: str = "nf4", double_quant: bool = True, com
     elif verify:
         report.kernel = profile_attention(m, chosen_attn, seq_len=64 if not on_cuda else 256)
     report.active = {**_active(m), **report.active}
-    return register(LoadedModel(m, tok, report, spec, loaded_settings(m), snapshot))
+    return LoadedModel(m, tok, report, spec, loaded_settings(m), snapshot)
 
 
 def _weights_folder(model: str, allow_pickle: bool):
@@ -419,19 +418,20 @@ def clear_cublas_workspaces() -> int:
 
 
 def unload(model) -> UnloadReport:
-    """Free a model loaded by :func:`load_model` (or any ``nn.Module``): drop every parameter and buffer, break
-    reference cycles (``gc.collect()``: bitsandbytes' quantized modules hold cycles that plain ``del`` does not
-    free), drop cuBLAS workspaces, and return the cached blocks (``torch.cuda.empty_cache()``).
+    """Free a model loaded by :func:`load_model` (its :class:`LoadedModel`, whose baseline snapshot the residual is
+    measured from; or any ``nn.Module``): drop every parameter and buffer, break reference cycles (``gc.collect()``:
+    bitsandbytes' quantized modules hold cycles that plain ``del`` does not free), drop cuBLAS workspaces, and return
+    the cached blocks (``torch.cuda.empty_cache()``).
 
     The module object is left empty; use it no more.
     """
     import torch
-    handle = as_loaded(model) if isinstance(model, LoadedModel) or known(model) else None
+    handle = model if isinstance(model, LoadedModel) else None
     model = handle.model if handle is not None else model
     on_cuda = torch.cuda.is_available()
     before = torch.cuda.memory_allocated() if on_cuda else 0
     baseline = handle.baseline.allocated if handle is not None and handle.baseline is not None else None
-    forget(model)
+    _unpin_sdpa(model)
     for mod in model.modules():
         for name in list(mod._parameters):
             p = mod._parameters[name]

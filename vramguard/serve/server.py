@@ -60,7 +60,8 @@ def _usable(budget: int | None, model) -> tuple[int, str]:
 
 @dataclass
 class Served:
-    """A ready server: ``app`` (FastAPI), ``engine``, the ``pool`` plan and load report. Run it with :meth:`run`."""
+    """A ready server: ``app`` (FastAPI), ``engine``, the ``pool`` plan, load report and the model's handle
+    (``loaded``, the :class:`~vramguard.runtime.handle.LoadedModel`). Run it with :meth:`run`."""
 
     app: object
     engine: Engine
@@ -72,6 +73,7 @@ class Served:
     server: object = None
     notes: list[str] = field(default_factory=list)
     cap_before: float | None = None  # the process's memory fraction before build's hard cap (put back by close)
+    loaded: object = None
 
     def _server(self, host: str, port: int, on_listen=None):
         self.server = make_server(self.app, host, port, on_listen, on_shutdown=self._drain)
@@ -166,7 +168,7 @@ class Served:
         if not unload_model:
             gc.collect()
             return None
-        rep = unload(self.engine.model)
+        rep = unload(self.loaded if self.loaded is not None else self.engine.model)
         if before is None:
             return rep
         return UnloadReport(before - torch.cuda.memory_allocated(), rep.residual_bytes, rep.holders,
@@ -529,7 +531,8 @@ def build(model: str, config: ServeConfig | None = None, *, loaded=None, **optio
                             greedy_only=c.greedy, deterministic=c.deterministic)
     options = _http_options(model, m, spec, c)
     options.notes += _serving_notes(tok, unpinned)
-    served = Served(app=None, engine=engine, pool=engine.pool, options=options, report=report, cap_before=cap_before)
+    served = Served(app=None, engine=engine, pool=engine.pool, options=options, report=report, cap_before=cap_before,
+                    loaded=loaded)
     served.app = create_app(engine, tok, options, metrics, on_fatal=served.on_fatal)
     return served
 

@@ -32,7 +32,7 @@ def default_max_memory(gpus: list[GpuSpec]) -> tuple[int, ...]:
     """What ``from_pretrained`` takes as each card's ``max_memory`` when none is given: the free memory once the
     CUDA context exists (accelerate's ``get_max_memory`` reads ``torch.cuda.mem_get_info`` after creating it):
     ``total - used by other processes - CUDA context`` bytes."""
-    return tuple(max(g.total_bytes - g.used_by_others_bytes - CUDA_CONTEXT_BYTES, 0) for g in gpus)
+    return tuple(max(g.usable_bytes - CUDA_CONTEXT_BYTES, 0) for g in gpus)
 
 
 def _require_libraries(field: str = "gpus") -> None:

@@ -131,7 +131,7 @@ def _card(i: int, gpu: GpuSpec, weights: int, runs: bool, per_phase: list[tuple[
     cublas = CUBLAS_WORKSPACE_BYTES if runs else 0
     context = CUDA_CONTEXT_BYTES if runs or weights else 0  # a card given nothing is never touched
     need = weights + cublas + total + context
-    usable = gpu.total_bytes - gpu.used_by_others_bytes
+    usable = gpu.usable_bytes
     return CardNeed(i, gpu, weights, kv, act, reserve, cublas, context, need, usable, usable - need,
                     need <= usable, layers, holds, phase if need else "unused")
 

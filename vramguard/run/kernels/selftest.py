@@ -6,6 +6,8 @@ disagrees raises here, before it has written anything, and the decoder turns it 
 
 from __future__ import annotations
 
+from vramguard.runtime.device import is_oom
+
 TOLERANCE = 2e-2  # relative (Frobenius); bfloat16 rounding of the outputs alone is about 4e-3
 
 
@@ -78,8 +80,6 @@ def check_4bit_layers_or_gather(model, kernels, dtype, **kw) -> str | None:
     Raises:
         RuntimeError (or the compile error): the gather version fails too.
     """
-    import torch
-
     from vramguard.run.kernels import nf4
     if not nf4.LUT:
         check_4bit_layers(model, kernels, dtype, **kw)
@@ -88,7 +88,7 @@ def check_4bit_layers_or_gather(model, kernels, dtype, **kw) -> str | None:
         check_4bit_layers(model, kernels, dtype, **kw)
         return None
     except Exception as e:  # noqa: BLE001 -- a PTX or compile failure of the lookup: the gather version is tried
-        if isinstance(e, torch.OutOfMemoryError):
+        if is_oom(e):
             raise
         nf4.LUT = False
         check_4bit_layers(model, kernels, dtype, **kw)
@@ -144,7 +144,7 @@ def fastest_4bit_paths(model, route, dtype, rows_by_kind: dict) -> tuple[dict, l
                         m(x)  # compiled outside the capture
                         us[path] = graph_us(lambda: m(x))
                 except Exception as e:  # noqa: BLE001 - a path that does not compile here is left out, with why
-                    if isinstance(e, torch.OutOfMemoryError):
+                    if is_oom(e):
                         raise
                     failed[path] = f"{type(e).__name__}: {str(e).strip()[:120]}"
             choice[(n, k, kind)] = min(us, key=us.get)
