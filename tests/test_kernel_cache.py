@@ -232,3 +232,27 @@ def test_the_decode_attention_is_not_compiled_again_for_every_prompt_length():
         constexprs = {p.name for p in params if "constexpr" in str(p.annotation)}
         assert constexprs and not constexprs & per_length, constexprs
     assert A.split_plan(2255, 8) == (18, 2) and A.split_plan(2400, 8) == (19, 2)  # a new split count, same kernel
+
+
+def test_serves_4bit_matmul_timing_is_kept_and_read_back_by_the_next_process(folder, monkeypatch):
+    """``serve``'s choice of the fastest 4-bit matmul path per shape is timed once per model, GPU and versions: the
+    second engine start reads it back (tuple keys and all) instead of timing again, and says so in its note; a
+    kernel verdict in the same folder is not taken for it."""
+    from vramguard.serve import decode_graphs as D
+    calls = []
+    choice = {(128, 64, "gemv"): "gather", (128, 64, "gemm"): "lut"}
+    times = [{"shape": [128, 64], "rows": 8, "bnb_us": 9.5, "gather_us": 4.25}]
+
+    def timed(model, route, dtype, rows):
+        calls.append(rows)
+        return dict(choice), list(times)
+    monkeypatch.setattr(D, "fastest_4bit_paths", timed)
+    m = _llama()
+    first = D.timed_paths(m, None, torch.bfloat16, torch.device("cpu"))
+    second = D.timed_paths(m, None, torch.bfloat16, torch.device("cpu"))
+    assert first == (choice, times, False) and second == (choice, times, True) and len(calls) == 1
+    assert D.timed_paths(m, None, torch.float16, torch.device("cpu"))[2] is False  # another dtype: timed again
+    key = V.verdict_key(m, torch.device("cpu"), torch.bfloat16, ("other",))
+    V.write_verdict(key, VERDICT)
+    assert V.read_verdict(key, V.GemmChoice) == (None, f"the kept kernel check {key} holds KernelVerdict, not a "
+                                                       "4-bit matmul choice")

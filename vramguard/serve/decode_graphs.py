@@ -27,7 +27,9 @@ from __future__ import annotations
 import contextlib
 import logging
 
-from vramguard.run.kernels.selftest import check_4bit_layers_or_gather, fastest_4bit_paths
+from vramguard.run.kernels import nf4
+from vramguard.run.kernels.selftest import GEMM_PATHS, check_4bit_layers_or_gather, fastest_4bit_paths
+from vramguard.run.kernels.verdict import GemmChoice, read_verdict, verdict_key, write_verdict
 from vramguard.runtime.device import is_oom
 
 log = logging.getLogger("vramguard.serve")
@@ -78,11 +80,11 @@ def choose_gemm(model) -> tuple[object | None, str | None]:
     route = functools.partial(gemm_4bit_route, nf4_gemm.MAX_ROWS)
     p = next(model.parameters())
     dtype = model.dtype if model.dtype.is_floating_point else p.dtype
-    choice, times = {}, []
+    choice, times, kept = {}, [], False
     try:
         with torch.inference_mode():
             if p.is_cuda:  # the fastest path per shape and kind first, then a check of those paths at every size
-                choice, times = fastest_4bit_paths(model, route, dtype, TIMED_ROWS)
+                choice, times, kept = timed_paths(model, route, dtype, p.device)
             notes = [check_4bit_layers_or_gather(model, functools.partial(route, choice), dtype, rows=rows,
                                                  every_shape=True) for rows in CHECK_ROWS]
     except Exception as e:  # noqa: BLE001 - a kernel that fails to compile or disagrees is not used: say why
@@ -90,9 +92,10 @@ def choose_gemm(model) -> tuple[object | None, str | None]:
             raise
         return None, (f"decode steps: bitsandbytes' 4-bit matmul (vramguard's failed its check: "
                       f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})")
-    timed = "; ".join(f"{t['shape'][0]}x{t['shape'][1]} at {t['rows']} rows: "
-                      + ", ".join(f"{k[:-3]} {v:g}" for k, v in t.items() if k.endswith("_us"))
-                      + (f" (failed: {t['failed']})" if "failed" in t else "") for t in times)
+    timed = ("kept from an earlier process: " if times and kept else "") + "; ".join(
+        f"{t['shape'][0]}x{t['shape'][1]} at {t['rows']} rows: "
+        + ", ".join(f"{k[:-3]} {v:g}" for k, v in t.items() if k.endswith("_us"))
+        + (f" (failed: {t['failed']})" if "failed" in t else "") for t in times)
     if times and all(v == "bnb" for v in choice.values()):
         return None, f"decode steps: bitsandbytes' 4-bit matmul (the fastest here for every shape, us a call: {timed})"
     extra = "; ".join(n for n in notes if n)
@@ -101,6 +104,20 @@ def choose_gemm(model) -> tuple[object | None, str | None]:
         f"checked against bitsandbytes on every projection shape at {', '.join(map(str, CHECK_ROWS))} rows "
         f"({', '.join(f'{n}x{k} {kind}: {v}' for (n, k, kind), v in choice.items())}; GPU us per call: {timed})"
         + (f"; {extra}" if extra else ""))
+
+
+def timed_paths(model, route, dtype, device) -> tuple[dict, list, bool]:
+    """(choice, times, kept): :func:`~vramguard.run.kernels.selftest.fastest_4bit_paths` at :data:`TIMED_ROWS`
+    rows, or what it chose for the same model, GPU, dtype and versions in an earlier process (kept on disk beside
+    the kernel verdicts, :mod:`vramguard.run.kernels.verdict`; ``kept`` True then). Only the timing is kept: the
+    chosen paths are checked against bitsandbytes in every process (:func:`choose_gemm`)."""
+    key = verdict_key(model, device, dtype, ("serve_gemm", tuple(sorted(TIMED_ROWS.items())), GEMM_PATHS, nf4.LUT))
+    found, _ = read_verdict(key, GemmChoice)
+    if found is not None:
+        return found.choice, found.times, True
+    choice, times = fastest_4bit_paths(model, route, dtype, TIMED_ROWS)
+    write_verdict(key, GemmChoice(choice, times))
+    return choice, times, False
 
 
 def _bucket(n: int, floor: int = 1) -> int:

@@ -45,6 +45,16 @@ class KernelVerdict:
     fused_why: str
 
 
+@dataclass(frozen=True)
+class GemmChoice:
+    """What the timing of the 4-bit matmul paths chose for one model on one GPU
+    (:func:`vramguard.run.kernels.selftest.fastest_4bit_paths`, run by ``serve``'s decode steps): ``choice``
+    ``{(N, K, kind): path}`` and ``times``, the timings it was chosen from (microseconds a call, as measured)."""
+
+    choice: dict
+    times: list
+
+
 def cache_folder() -> Path | None:
     """``$VRAMGUARD_KERNEL_CACHE`` when it names a folder, None when it turns the cache off (``0``, ``false``,
     ``no``, ``off``), else ``kernels/`` in :func:`vramguard.diskcache.vramguard_cache_dir`."""
@@ -97,9 +107,10 @@ def verdict_key(model, device, dtype, options: tuple) -> Path | None:
     return folder / f"{KIND}-{h.hexdigest()}.json.gz"
 
 
-def read_verdict(path: Path | None) -> tuple[KernelVerdict | None, str | None]:
-    """(the verdict in ``path``, None) when it holds one; (None, None) when there is none; (None, why) when the
-    file exists but cannot be read or is not a verdict (then it is to be checked again and rewritten)."""
+def read_verdict(path: Path | None, kind: type = KernelVerdict):
+    """(the verdict in ``path``, None) when it holds one (a ``kind``: :class:`KernelVerdict` or
+    :class:`GemmChoice`); (None, None) when there is none; (None, why) when the file exists but cannot be read or is
+    not such a verdict (then it is to be checked again and rewritten)."""
     if path is None or not path.exists():
         return None, None
     try:
@@ -107,12 +118,13 @@ def read_verdict(path: Path | None) -> tuple[KernelVerdict | None, str | None]:
             obj = diskcache.decode(json.load(f))
     except (OSError, ValueError, EOFError, TypeError, KeyError, AttributeError, ImportError) as e:
         return None, f"the kept kernel check {path} could not be read ({type(e).__name__}: {str(e)[:120]})"
-    if not isinstance(obj, KernelVerdict):
-        return None, f"the kept kernel check {path} holds {type(obj).__name__}, not a kernel verdict"
+    if not isinstance(obj, kind):
+        what = "a kernel verdict" if kind is KernelVerdict else "a 4-bit matmul choice"
+        return None, f"the kept kernel check {path} holds {type(obj).__name__}, not {what}"
     return obj, None
 
 
-def write_verdict(path: Path | None, verdict: KernelVerdict) -> None:
+def write_verdict(path: Path | None, verdict: KernelVerdict | GemmChoice) -> None:
     """Keep ``verdict`` in ``path`` (atomically, :func:`vramguard.diskcache.write_text_gz`); said once per folder
     (a ``UserWarning``) when the folder cannot be written; nothing when ``path`` is None."""
     if path is None:
