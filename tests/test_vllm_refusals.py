@@ -160,6 +160,27 @@ def test_quant_nf4_is_vllms_bitsandbytes_at_load_and_other_quants_are_refused():
     assert r.stderr.startswith("error --quant: 'int8'") and "--quant nf4" in r.stderr
 
 
+def test_quantization_fp8_plans_fp8_at_load_and_goes_into_the_command():
+    """``--quantization fp8`` is vLLM's own option: FP8 weights at load (about half the bf16 linears), in the plan's
+    command and the export; it needs --engine vllm and is not given beside a different --quant."""
+    r = run_cli("plan", "qwen2.5-7b", "--engine", "vllm", "--gpu", "h100", "--quantization", "fp8", "--format",
+                "json")
+    assert r.returncode == 0, r.stderr
+    data = json.loads(r.stdout)
+    assert data["flags"]["quantization"] == "fp8" and "--quantization fp8" in data["command"]
+    bf16 = json.loads(run_cli("plan", "qwen2.5-7b", "--engine", "vllm", "--gpu", "h100", "--format", "json").stdout)
+    assert 0.5 * bf16["per_gpu"]["weights_bytes"] < data["per_gpu"]["weights_bytes"] \
+        < 0.75 * bf16["per_gpu"]["weights_bytes"]
+    out = run_cli("export", "qwen2.5-7b", "--to", "vllm", "--gpu", "h100", "--quantization", "fp8")
+    assert out.returncode == 0 and "--quantization fp8" in out.stdout
+    alone = run_cli("plan", "qwen2.5-7b", "--quantization", "fp8")
+    assert alone.returncode == 2 and alone.stderr.startswith("error --quantization: 'fp8'")
+    assert "--engine vllm" in alone.stderr
+    both = run_cli("plan", "qwen2.5-7b", "--engine", "vllm", "--gpu", "h100", "--quant", "nf4", "--quantization",
+                   "fp8")
+    assert both.returncode == 2 and both.stderr.startswith("error --quant: 'nf4'")
+
+
 def test_vllm_version_selects_the_release_rules():
     old = json.loads(run_cli("plan", "qwen2.5-7b", "--engine", "vllm", "--gpu", "h100", "--tp", "2",
                              "--vllm-version", "0.19.0", "--format", "json").stdout)

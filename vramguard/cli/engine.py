@@ -64,6 +64,14 @@ def max_lora_rank_option():
                         "320, 512)")
 
 
+VllmQuantization = Enum("VllmQuantization", {v: v for v in ("bitsandbytes", "fp8")}, type=str)
+
+
+def quantization_option():
+    return typer.Option(None, "--quantization", help="vLLM: quantize a 16-bit checkpoint at load: fp8 (FP8 weights, "
+                        "per-tensor scales) or bitsandbytes (NF4, as --quant nf4)")
+
+
 def max_loras_option():
     return typer.Option(1, "--max-loras", help="vLLM: LoRAs in one batch (each a slot in every layer)")
 
@@ -72,7 +80,8 @@ def refuse_vllm_options(a: EngineArgs) -> None:
     """Raise InvalidValue for a vLLM-only option set away from its default without ``--engine vllm``: the
     transformers plan would drop it silently (``--tp`` and ``--dtype`` are options of both)."""
     for name in ("pp", "gpu_memory_utilization", "max_model_len", "kv_cache_dtype", "max_num_seqs",
-                 "max_num_batched_tokens", "vllm_version", "enable_lora", "max_lora_rank", "max_loras"):
+                 "max_num_batched_tokens", "vllm_version", "enable_lora", "max_lora_rank", "max_loras",
+                 "quantization"):
         value = getattr(a, name)
         if value != EngineArgs.__dataclass_fields__[name].default:
             flag = "--" + name.replace("_", "-")
@@ -112,6 +121,9 @@ def with_quantization(a: EngineArgs, given: dict[str, object]) -> EngineArgs:
     if "quant" not in given:
         return a
     quant = getattr(given["quant"], "value", given["quant"])
+    if a.quantization is not None and not (quant == "nf4" and a.quantization == "bitsandbytes"):
+        raise InvalidValue("--quant", quant, f"no --quant beside --quantization {a.quantization} (vLLM applies one "
+                           "format at load)", f"leave --quant out to plan --quantization {a.quantization}")
     if quant == "nf4":
         return replace(a, quantization="bitsandbytes")
     if quant in ("bf16", "fp16", "fp32"):

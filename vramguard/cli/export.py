@@ -36,11 +36,12 @@ def export(
                                             "command as {command: [argv], env: {...}} (default: shell lines)"),
     vllm_version: Optional[str] = eng.vllm_version_option(), enable_lora: bool = eng.enable_lora_option(),
     max_lora_rank: int = eng.max_lora_rank_option(), max_loras: int = eng.max_loras_option(),
+    quantization: Optional[eng.VllmQuantization] = eng.quantization_option(),
 ) -> None:
     """Write a vLLM deployment (command, Ray Serve LLM, KServe or Kubernetes) with the planned flags."""
     a = eng.EngineArgs(tp, pp, gpu_memory_utilization, max_model_len, kv_cache_dtype.value, max_num_seqs,
                        max_num_batched_tokens, dtype.value if dtype else None, kv_offload, vllm_version, enable_lora,
-                       max_lora_rank, max_loras)
+                       max_lora_rank, max_loras, quantization.value if quantization else None)
     from vramguard.cli.vllm import deployment  # vLLM's memory model: loaded when the command runs
     out = run_guarded(deployment, model, gpu, vram, a, to.value, replicas, fmt is not None,
                       as_json=fmt == OutFormat['json'])

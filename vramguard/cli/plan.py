@@ -95,6 +95,7 @@ def plan(
     max_num_batched_tokens: Optional[int] = eng.max_num_batched_tokens_option(),
     vllm_version: Optional[str] = eng.vllm_version_option(), enable_lora: bool = eng.enable_lora_option(),
     max_lora_rank: int = eng.max_lora_rank_option(), max_loras: int = eng.max_loras_option(),
+    quantization: Optional[eng.VllmQuantization] = eng.quantization_option(),
 ) -> None:
     """Predict memory by component, say whether it fits, solve for what fits, and rank the fixes."""
     req = PlanRequest.of(ctx)
@@ -163,6 +164,7 @@ class PlanRequest:
     enable_lora: bool
     max_lora_rank: int
     max_loras: int
+    quantization: str | None
     given: dict[str, object] = field(default_factory=dict)
 
     @classmethod
@@ -185,7 +187,8 @@ class PlanRequest:
         """The vLLM options as given (``--tp`` and ``--dtype`` are options of both plans)."""
         return eng.EngineArgs(self.tp or 1, self.pp, self.gpu_memory_utilization, self.max_model_len,
                               self.kv_cache_dtype, self.max_num_seqs, self.max_num_batched_tokens, self.dtype, None,
-                              self.vllm_version, self.enable_lora, self.max_lora_rank, self.max_loras)
+                              self.vllm_version, self.enable_lora, self.max_lora_rank, self.max_loras,
+                              self.quantization)
 
     def settings(self, attn: str, dtype: str | None) -> Settings:
         """The run's :class:`~vramguard.settings.Settings` with the attention and dtype chosen for the card."""
