@@ -147,6 +147,15 @@ def _load(alloc: CachingAllocator, spec, s: Settings, workspace: bool = True) ->
     return list(live.values())
 
 
+def loaded_reserved_bytes(spec, s: Settings, config: AllocatorConfig) -> int:
+    """The reserved bytes after the load and the warm-up (:func:`_load`): the ``base_reserved_bytes`` of every
+    :func:`replay_generate` of ``spec`` with ``s``'s load settings under ``config``, whatever its cap (the load
+    is replayed without one)."""
+    alloc = CachingAllocator(replace(config, allowed_bytes=None))
+    _load(alloc, spec, s)
+    return alloc.reserved_bytes
+
+
 def replay_generate(spec, s: Settings, config: AllocatorConfig, rescale: bool = False,
                     later_steps: bool = True) -> AllocatorReplay | None:
     """Replay load, warm-up and ``generate`` for ``spec`` with ``s`` through the allocator model under ``config``
@@ -181,7 +190,7 @@ def _replay(spec, s: Settings, config: AllocatorConfig, rescale: bool, later_ste
     base = alloc.reserved_bytes
     alloc.config = config
     alloc.peak_reserved_bytes, alloc.peak_allocated_bytes = alloc.reserved_bytes, alloc.allocated_bytes
-    head, steps, note = _decode_tape(spec, s, rescale)
+    head, steps, note = _decode_tape(spec, s, rescale, later_steps)
     placer = Placer(alloc)
     if placer.place(head) and steps is not None and later_steps:
         placer.decode(steps)
@@ -206,7 +215,8 @@ FALLBACK_STEPS = 8  # decode forwards replayed to find two consecutive ones of o
 FULL_REPLAY_MAX_NEW_TOKENS = 64  # beyond that, a generation whose steps never repeat in structure is not replayed
 
 
-def _decode_tape(spec, s: Settings, rescale: bool) -> tuple[list[tuple[int, int]], DecodeSteps | None, str | None]:
+def _decode_tape(spec, s: Settings, rescale: bool,
+                 later_steps: bool = True) -> tuple[list[tuple[int, int]], DecodeSteps | None, str | None]:
     """(the forwards replayed in full as one tape, the later decode steps extrapolated from the last two of them or
     None, a note where the shortcut did not apply as the module docstring describes it, else None).
 
@@ -216,6 +226,10 @@ def _decode_tape(spec, s: Settings, rescale: bool) -> tuple[list[tuple[int, int]
     are extrapolated from; where none are found, every step is replayed (the full replay) up to
     :data:`FULL_REPLAY_MAX_NEW_TOKENS` new tokens.
 
+    ``later_steps=False``: the same forwards, without the later steps (None) where steps 1 and 2 allocate as many
+    tensors (the one condition of :meth:`DecodeSteps.from_steps`, so the answer takes the same branch), for the
+    replays of a prefix of the call.
+
     Raises:
         NotPlannable: no two consecutive decode steps of one structure and a longer generation than that.
     """
@@ -224,7 +238,7 @@ def _decode_tape(spec, s: Settings, rescale: bool) -> tuple[list[tuple[int, int]
     found = _rescaled_events(spec.config_json, spec.name, key, s.prompt_tokens, new) if rescale else None
     forwards = found or _cached_events(spec.config_json, spec.name, key, s.prompt_tokens, new)
     more = s.max_new_tokens - 3
-    if more <= 0:
+    if more <= 0 or not later_steps and _count(forwards[1]) == _count(forwards[2]):
         return [e for fw in forwards for e in fw], None, None
     steps = _extrapolated(forwards[1], forwards[2], more)
     if steps is None and found is not None:
@@ -286,7 +300,8 @@ def _breakpoints(config_json: str, name: str) -> tuple[int, ...]:
 @lru_cache(maxsize=32)
 def _stretch_events(config_json: str, name: str, key: Settings, lo: int, new: int) -> tuple | None:
     """The tape of the first three forwards for every prompt of the stretch from ``lo``, as (keys, sizes, forward
-    lengths, denominator):
+    lengths, denominator), each size None (a free), an int (the same at every prompt) or the quadratic's
+    coefficients times the denominator:
     each event's size is exactly ``a + b p + c p**2`` in the prompt p (activations grow with p, attention scores
     and masks with p**2) through the replays at ``lo + SAMPLE_OFFSETS[:3]``, which the fourth replay must match
     event for event (else None: the sizes follow no quadratic there, or the forwards differ in structure)."""
@@ -310,7 +325,8 @@ def _stretch_events(config_json: str, name: str, key: Settings, lo: int, new: in
         a = y0 - b * x0 - c * x0 * x0
         if a + b * x3 + c * x3 * x3 != y3:
             return None
-        poly.append((int(a * den), int(b * den), int(c * den)))  # den is a multiple of every denominator
+        poly.append(int(a) if b == c == 0 else (int(a * den), int(b * den), int(c * den)))  # den: a multiple of
+        # every denominator; a constant size (an integer: y0) is kept as it is
     return [k for k, _ in flat[0]], poly, marks, den
 
 
@@ -332,9 +348,10 @@ def _rescaled_events(config_json: str, name: str, key: Settings, prompt: int, ne
         return None
     keys, poly, marks, den = found
     p2, out, i = prompt * prompt, [], 0
+    sizes = [-1 if abc is None else abc if abc.__class__ is int else (abc[0] + abc[1] * prompt + abc[2] * p2) // den
+             for abc in poly]
     for count in marks:
-        out.append(tuple((k, -1 if abc is None else (abc[0] + abc[1] * prompt + abc[2] * p2) // den)
-                         for k, abc in zip(keys[i:i + count], poly[i:i + count])))
+        out.append(tuple(zip(keys[i:i + count], sizes[i:i + count])))
         i += count
     return tuple(out)
 
