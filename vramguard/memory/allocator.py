@@ -313,7 +313,15 @@ class CachingAllocator:
         ``release=False``: None, with nothing changed or recorded, where it would need ``release_cached_blocks``."""
         size = -(-nbytes // K_MIN_BLOCK) * K_MIN_BLOCK if nbytes > K_MIN_BLOCK else K_MIN_BLOCK  # round_size
         small = size <= K_SMALL_SIZE
-        block = self._get_free_block(size, small)
+        config = self.config
+        lst = self._free[small]
+        i = bisect_left(lst, (size,))
+        if i == len(lst):
+            block = None
+        elif config.max_split_size == NO_LIMIT and not lst[i][2].seg.expandable:  # best fit, taken as it is
+            block = lst.pop(i)[2]
+        else:
+            block = self._get_free_block(size, small)
         if block is None:
             block = self._alloc_block(size, small)
             if block is None and not release:
@@ -327,23 +335,50 @@ class CachingAllocator:
                     self.oom = OutOfMemory(self.requests - 1, size, allocation_size(size), self.allocated_bytes,
                                            self.reserved_bytes)
                 return None
-        return self._take(block, size, small)
+        remaining = block.size - size  # _take
+        if (remaining >= K_MIN_BLOCK if small or config.expandable_segments else  # _should_split
+                remaining > K_SMALL_SIZE and size < config.max_split_size):
+            rest = Block(block.seg, block.addr + size, remaining)
+            nxt = rest.next = block.next
+            rest.prev = block
+            if nxt is not None:
+                nxt.prev = rest
+            block.next = rest
+            block.size = size
+            insort(lst, (remaining, rest.addr, rest))
+        block.state = "used"
+        self.allocated_bytes += block.size
+        if self.allocated_bytes > self.peak_allocated_bytes:
+            self.peak_allocated_bytes = self.allocated_bytes
+        return block
 
     def free(self, block: Block | None) -> None:
-        """Return ``block`` to its pool, merged with its free neighbours (``free_block``)."""
+        """Return ``block`` to its pool, merged with its free neighbours (``free_block``; :meth:`_unlist` and
+        :meth:`_merge` written out here, the hottest path of a replay)."""
         if block is None or block.state != "used":
             return
         self.allocated_bytes -= block.size
         block.state = "free"
+        lst = self._free[block.seg.small]
         other = block.prev
         if other is not None and other.state == "free":
-            self._unlist(other)
-            self._merge(block, other)
+            i = bisect_left(lst, (other.size, other.addr))
+            if i < len(lst) and lst[i][2] is other:
+                del lst[i]
+            block.addr, block.prev, block.size = other.addr, other.prev, block.size + other.size
+            if block.prev is not None:
+                block.prev.next = block
+            else:
+                block.seg.head = block
         other = block.next
         if other is not None and other.state == "free":
-            self._unlist(other)
-            self._merge(block, other)
-        insort(self._free[block.seg.small], (block.size, block.addr, block))
+            i = bisect_left(lst, (other.size, other.addr))
+            if i < len(lst) and lst[i][2] is other:
+                del lst[i]
+            block.next, block.size = other.next, block.size + other.size
+            if block.next is not None:
+                block.next.prev = block
+        insort(lst, (block.size, block.addr, block))
 
     @classmethod
     def from_segments(cls, config: AllocatorConfig, segments: list[tuple[int, bool, list[tuple[int, bool]]]]):
@@ -424,24 +459,6 @@ class CachingAllocator:
         if size >= split_limit and block.size >= size + K_LARGE_BUFFER:
             return None
         lst.pop(i)
-        return block
-
-    def _take(self, block: Block, size: int, small: bool) -> Block:
-        remaining = block.size - size
-        if (remaining >= K_MIN_BLOCK if small or self.config.expandable_segments else  # _should_split
-                remaining > K_SMALL_SIZE and size < self.config.max_split_size):
-            rest = Block(block.seg, block.addr + size, remaining)
-            nxt = rest.next = block.next
-            rest.prev = block
-            if nxt is not None:
-                nxt.prev = rest
-            block.next = rest
-            block.size = size
-            insort(self._free[small], (remaining, rest.addr, rest))
-        block.state = "used"
-        self.allocated_bytes += block.size
-        if self.allocated_bytes > self.peak_allocated_bytes:
-            self.peak_allocated_bytes = self.allocated_bytes
         return block
 
     # ---- new memory ---------------------------------------------------------------------------------------------

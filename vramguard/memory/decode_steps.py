@@ -22,6 +22,7 @@ the previous step's small tensors that are still alive lie.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from vramguard.memory.allocator import K_SMALL_SIZE, CachingAllocator, round_size
@@ -69,6 +70,13 @@ class DecodeSteps:
         first = max(max(a2, default=0), max(a1, default=0)) + 1
         return cls(tuple(pattern), tuple(size2), tuple(y - x for x, y in zip(size1, size2)), tuple(a2), first, n)
 
+    @functools.cached_property
+    def _compiled(self) -> tuple[tuple[int, int, int, int], ...]:
+        """:meth:`events` for steps after the first as (0: this step's keys, 1: the previous step's, 2: none; the
+        key's offset; bytes at step 2, -1 for a free; growth a step, 0 for a free)."""
+        return tuple((0, i, self.size2[i], self.growth[i]) if op == ALLOC else (0, i, -1, 0) if op == FREE_SAME
+                     else (1, i, -1, 0) if op == FREE_PREV else (2, i, -1, 0) for op, i in self.pattern)
+
     @property
     def allocs(self) -> int:
         return len(self.size2)
@@ -89,6 +97,9 @@ class DecodeSteps:
         """Step ``j``'s tape, ``(key, bytes)`` and ``(key, -1)``."""
         n = len(self.size2)
         base, grow, size2, growth = self.first_key + j * n, j + 1, self.size2, self.growth
+        if j > 0:  # per event (which base its key adds to, the offset, size and growth: -1 and 0 for a free)
+            bases = (base, base - n, 0)
+            return [(bases[b] + i, s + g * grow) for b, i, s, g in self._compiled]
         if j == 0:
             prev = self.step2_keys
             return [(base + i, size2[i] + growth[i] * grow) if op == ALLOC else (base + i, -1) if op == FREE_SAME
@@ -149,9 +160,16 @@ class Placer:
         docstring); the result is that of ``place(steps.events(j))`` for every step."""
         seen: list = []
         alloc, template, period, j = self.alloc, None, 0, 0
+        known: dict[int, tuple] = {}
+
+        def small_requests(j: int) -> tuple:  # each step's, computed once
+            found = known.get(j)
+            if found is None:
+                found = known[j] = steps.small_requests(j)
+            return found
         while j < steps.n:
             if template is not None and j + period <= steps.n and all(
-                    steps.small_requests(j + m) == template.requests for m in range(period)):
+                    small_requests(j + m) == template.requests for m in range(period)):
                 done = self._skip(steps, j, period, template)
                 if done is None:
                     return
@@ -163,7 +181,7 @@ class Placer:
                     self.placed_in_full += 1
                 continue
             template = None
-            now_q, ahead = steps.small_requests(j), steps.small_requests(j + 1)
+            now_q, ahead = small_requests(j), small_requests(j + 1)
             if ahead != now_q or (seen and seen[-1][2] != now_q):  # a cycle has the same small requests throughout
                 seen = []
             if ahead == now_q:  # only such steps can start a cycle: no state is read for the others
