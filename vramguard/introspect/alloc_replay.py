@@ -151,9 +151,17 @@ def loaded_reserved_bytes(spec, s: Settings, config: AllocatorConfig) -> int:
     """The reserved bytes after the load and the warm-up (:func:`_load`): the ``base_reserved_bytes`` of every
     :func:`replay_generate` of ``spec`` with ``s``'s load settings under ``config``, whatever its cap (the load
     is replayed without one)."""
-    alloc = CachingAllocator(replace(config, allowed_bytes=None))
-    _load(alloc, spec, s)
-    return alloc.reserved_bytes
+    return _loaded(spec, s.with_(prompt_tokens=1, max_new_tokens=1), replace(config, allowed_bytes=None)).reserved_bytes
+
+
+@lru_cache(maxsize=8)
+def _loaded(spec, key: Settings, config: AllocatorConfig) -> CachingAllocator:
+    """The allocator after :func:`_load` under ``config`` (no cap), for settings ``key`` with a 1-token prompt and
+    one new token: the load reads only the weights' settings (dtype, quantization), never the prompt or the
+    generation, so every replay of ``spec`` continues a copy of this state (:meth:`CachingAllocator.copy`)."""
+    alloc = CachingAllocator(config)
+    _load(alloc, spec, key)
+    return alloc
 
 
 def replay_generate(spec, s: Settings, config: AllocatorConfig, rescale: bool = False,
@@ -185,8 +193,7 @@ def replay_generate(spec, s: Settings, config: AllocatorConfig, rescale: bool = 
 
 def _replay(spec, s: Settings, config: AllocatorConfig, rescale: bool, later_steps: bool) -> AllocatorReplay:
     """:func:`replay_generate`, replayed."""
-    alloc = CachingAllocator(replace(config, allowed_bytes=None))
-    _load(alloc, spec, s)
+    alloc = _loaded(spec, s.with_(prompt_tokens=1, max_new_tokens=1), replace(config, allowed_bytes=None)).copy()
     base = alloc.reserved_bytes
     alloc.config = config
     alloc.peak_reserved_bytes, alloc.peak_allocated_bytes = alloc.reserved_bytes, alloc.allocated_bytes

@@ -406,6 +406,27 @@ class CachingAllocator:
         a.peak_reserved_bytes, a.peak_allocated_bytes = a.reserved_bytes, a.allocated_bytes
         return a
 
+    def copy(self) -> CachingAllocator:
+        """An independent copy of this state (segments, blocks, free lists, counters; ``segment_addresses`` is
+        shared): a state replayed once, then continued in several ways, as each replay continues the load."""
+        from dataclasses import replace
+        new = replace(self, segments=[], _free={True: [], False: []}, _expandable={})
+        blocks: dict[int, Block] = {}
+        for seg in self.segments:
+            new.segments.append(copy := Segment(seg.addr, seg.small, seg.expandable))
+            prev = None
+            for b in seg.blocks():
+                blocks[id(b)] = c = Block(copy, b.addr, b.size, b.state)
+                c.prev = prev
+                if prev is None:
+                    copy.head = c
+                else:
+                    prev.next = c
+                prev = c
+        new._free = {small: [(n, a, blocks[id(b)]) for n, a, b in lst] for small, lst in self._free.items()}
+        new._expandable = {small: new.segments[self.segments.index(seg)] for small, seg in self._expandable.items()}
+        return new
+
     def empty_cache(self) -> None:
         """``torch.cuda.empty_cache()``: release every free segment (unmap free pages of expandable ones)."""
         self._release_cached_blocks()
