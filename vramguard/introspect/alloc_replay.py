@@ -164,6 +164,17 @@ def _loaded(spec, key: Settings, config: AllocatorConfig) -> CachingAllocator:
     return alloc
 
 
+def share_tapes(spec, s: Settings) -> None:
+    """Compute the forwards' tapes of ``s``'s prompt stretch (:func:`_decode_tape` with ``rescale``) into this
+    process's caches, so that processes forked after it (the card searches of a plan) find them there instead of
+    each computing them again. Where they cannot be computed (NotPlannable), nothing: the replay that needs them
+    says so."""
+    from vramguard.errors import NotPlannable
+    if supported(s) and spec.config_json:
+        with contextlib.suppress(NotPlannable):
+            _decode_tape(spec, s, True, later_steps=False)
+
+
 def replay_generate(spec, s: Settings, config: AllocatorConfig, rescale: bool = False,
                     later_steps: bool = True) -> AllocatorReplay | None:
     """Replay load, warm-up and ``generate`` for ``spec`` with ``s`` through the allocator model under ``config``

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from vramguard.finding import Finding
 from vramguard.introspect.alloc_replay import (allowed_bytes, loaded_reserved_bytes, not_covered, replay_generate,
-                                               supported)
+                                               share_tapes, supported)
 from vramguard.memory.allocator import AllocatorConfig
 from vramguard.settings import Settings
 
@@ -60,6 +60,8 @@ def _with_conf(model, s: Settings, est, cards: list, conf: AllocatorConfig, allo
         return est, cards
     base = loaded_reserved_bytes(spec, s, conf)  # the replays' base_reserved_bytes
     capped = [replace(conf, allowed_bytes=allowed_bytes(c.usable_bytes - ctx_bytes, base)) for c in cards]
+    if solve and _fork_pays(len(cards)):
+        share_tapes(spec, s)  # computed once, before the searches are split
     edges = _card_edges(model, s, cards, capped) if solve else None
     try:
         device = replace(conf, allowed_bytes=max(c.usable_bytes for c in cards) - ctx_bytes) if cards else conf
@@ -138,9 +140,11 @@ class _Forked:
     """``[w() for w in work]`` in a forked child process, its results sent back pickled through a pipe."""
 
     def __init__(self, work: list):
+        import gc
         import os
         self.work = work
         read, write = os.pipe()
+        gc.freeze()  # the collector leaves the objects of now alone: fewer pages copied on write in both processes
         self.pid = os.fork()
         if self.pid == 0:  # the child: compute, send, and leave without running this process's exit handlers
             os.close(read)
@@ -160,22 +164,26 @@ class _Forked:
 
     def result(self) -> list:
         """The child's results, or the work done here where the child failed (it raised, or was killed)."""
+        import gc
         import os
         import pickle
         with os.fdopen(self.read, "rb") as f:
             self.read, data = None, f.read()
         _, status = os.waitpid(self.pid, 0)
         self.pid = 0
+        gc.unfreeze()
         return pickle.loads(data) if status == 0 and data else [w() for w in self.work]
 
     def close(self) -> None:
         """End the child where its result was not taken (this process raised first)."""
+        import gc
         import os
         import signal
         if self.pid:
             os.kill(self.pid, signal.SIGKILL)
             os.waitpid(self.pid, 0)
             self.pid = 0
+            gc.unfreeze()
         if self.read is not None:
             os.close(self.read)
             self.read = None
