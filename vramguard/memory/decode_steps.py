@@ -25,7 +25,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from vramguard.memory.allocator import K_SMALL_SIZE, CachingAllocator, round_size
+from vramguard.memory.allocator import K_MIN_BLOCK, K_SMALL_SIZE, CachingAllocator, round_size
 
 ALLOC, FREE_SAME, FREE_PREV, FREE_OTHER = range(4)
 MAX_PERIOD = 12  # the longest cycle of steps looked for (Llama-3.1-8B repeats every 6 steps, Qwen2.5-7B every 1)
@@ -111,8 +111,14 @@ class DecodeSteps:
     def small_requests(self, j: int) -> tuple[int, ...]:
         """What decides step ``j``'s small requests beyond the constant ones: each growing allocation's rounded
         size while it is small, -1 once it is large."""
-        return tuple(-1 if r > K_SMALL_SIZE else r for r in
-                     (round_size(self.size(j, i)) for i, g in enumerate(self.growth) if g))
+        grow, unit = j + 1, K_MIN_BLOCK
+        rounded = (-(-n // unit) * unit if n > unit else unit for n in (s + g * grow for s, g in self._growing))
+        return tuple(-1 if r > K_SMALL_SIZE else r for r in rounded)  # round_size, written out
+
+    @functools.cached_property
+    def _growing(self) -> tuple[tuple[int, int], ...]:
+        """(bytes at step 2, growth a step) of every allocation that grows."""
+        return tuple((s, g) for s, g in zip(self.size2, self.growth) if g)
 
 
 @dataclass(frozen=True)
