@@ -333,7 +333,7 @@ def _stretch_events(config_json: str, name: str, key: Settings, lo: int, new: in
         return None
     x0, x1, x2, x3 = xs
     den = (x1 - x0) * (x2 - x0) * (x2 - x1)
-    poly: list[tuple[int, int, int] | None] = []
+    poly: list[int | tuple[int, int, int] | None] = []
     for y0, y1, y2, y3 in zip(*[[n for _, n in f] for f in flat]):
         if y0 < 0:
             poly.append(None)

@@ -417,12 +417,10 @@ class CachingAllocator:
             prev = None
             for b in seg.blocks():
                 blocks[id(b)] = c = Block(copy, b.addr, b.size, b.state)
-                c.prev = prev
-                if prev is None:
-                    copy.head = c
-                else:
-                    prev.next = c
+                if prev is not None:
+                    c.prev, prev.next = prev, c
                 prev = c
+            copy.head = blocks[id(seg.head)] if seg.head is not None else None
         new._free = {small: [(n, a, blocks[id(b)]) for n, a, b in lst] for small, lst in self._free.items()}
         new._expandable = {small: new.segments[self.segments.index(seg)] for small, seg in self._expandable.items()}
         return new
