@@ -167,6 +167,7 @@ class Placer:
         seen: list = []
         alloc, template, period, j = self.alloc, None, 0, 0
         known: dict[int, tuple] = {}
+        last: tuple = (-1, None)  # the state before step last[0], read after the step before was placed
 
         def small_requests(j: int) -> tuple:  # each step's, computed once
             found = known.get(j)
@@ -191,13 +192,15 @@ class Placer:
             if ahead != now_q or (seen and seen[-1][2] != now_q):  # a cycle has the same small requests throughout
                 seen = []
             if ahead == now_q:  # only such steps can start a cycle: no state is read for the others
-                seen = [*seen, (self._state(steps, j), alloc.small_segments_opened, now_q)][-MAX_PERIOD:]
+                state = last[1] if last[0] == j else (self._state(steps, j), alloc.small_segments_opened, now_q)
+                seen = [*seen, state][-MAX_PERIOD:]
             if not self.place(steps.events(j)):
                 return
             j += 1
             if ahead != now_q:
                 continue
             now = (self._state(steps, j), alloc.small_segments_opened, ahead)
+            last = (j, now)
             for period in range(1, len(seen) + 1):
                 if seen[-period] == now and all(q == now[2] for _, _, q in seen[-period:]):
                     template = self._template(steps, j, now[2])
