@@ -50,22 +50,28 @@ def _worse(a, b):
 
 
 def _with_conf(model, s: Settings, est, cards: list, conf: AllocatorConfig, alloc_conf: str, solve: bool):
-    """:func:`with_allocator` under the parsed ``conf``. Each card's largest prompt depends only on its cap, not on
-    the estimate's replay, so the searches start first and, where that pays, run in a forked process
-    (:func:`_card_edges`)."""
+    """:func:`with_allocator` under the parsed ``conf``. Each card's largest prompt depends only on its cap (from
+    the loaded model's reserved bytes), not on the estimate's replay: where a forked process pays
+    (:func:`_fork_pays`), the searches start before that replay and half of them run in the child
+    (:func:`_card_edges`); otherwise the estimate's replay comes first, as read from disk where a plan kept it."""
     from dataclasses import replace
     spec = model.spec
     ctx_bytes = est.cuda_context_bytes
     if not supported(s) or not spec.config_json:  # replay_generate answers None
         return est, cards
-    base = loaded_reserved_bytes(spec, s, conf)  # the replays' base_reserved_bytes
-    capped = [replace(conf, allowed_bytes=allowed_bytes(c.usable_bytes - ctx_bytes, base)) for c in cards]
-    if solve and _fork_pays(len(cards)):
+    device = replace(conf, allowed_bytes=max(c.usable_bytes for c in cards) - ctx_bytes) if cards else conf
+    fork = solve and _fork_pays(len(cards))
+    if fork:
         share_tapes(spec, s)  # computed once, before the searches are split
+    # the estimate's replay first where nothing is forked (read from disk where a plan kept it: no load replayed)
+    r = None if fork else replay_generate(spec, s, device, rescale=solve)  # the searches sample the same stretch
+    if not fork and r is None:
+        return est, cards
+    base = r.base_reserved_bytes if r is not None else loaded_reserved_bytes(spec, s, conf)
+    capped = [replace(conf, allowed_bytes=allowed_bytes(c.usable_bytes - ctx_bytes, base)) for c in cards]
     edges = _card_edges(model, s, cards, capped) if solve else None
     try:
-        device = replace(conf, allowed_bytes=max(c.usable_bytes for c in cards) - ctx_bytes) if cards else conf
-        r = replay_generate(spec, s, device, rescale=solve)  # the edge search samples the same stretch
+        r = r or replay_generate(spec, s, device, rescale=solve)
         if r is None:
             return est, cards
         return _judged(model, s, est, cards, conf, capped, r, alloc_conf, edges() if edges else None)
