@@ -12,6 +12,11 @@ the machine than the wall time), the machine's load average and the SHA-256 of w
 must print what the first did).
 
     python benchmarks/cpu_plan_time.py --wall --out benchmarks/results/cpu_plan_time/wall.jsonl
+
+``--hand``: only the catalog name and the hand family's folder; ``--repeat N``: each case N times (fresh caches
+each time), for the minimum and the median on a shared machine.
+
+    python benchmarks/cpu_plan_time.py --wall --hand --repeat 3 --out benchmarks/results/cpu_plan_time/wall_fast.jsonl
 """
 
 from __future__ import annotations
@@ -76,7 +81,7 @@ def _timed_plan(args: list[str], cache: Path) -> dict:
             "load_avg_1min": round(load, 2), "stdout_sha256": hashlib.sha256(r.stdout).hexdigest()[:16]}
 
 
-def wall(out: str) -> None:
+def wall(out: str, hand: bool = False, repeat: int = 1) -> None:
     """The ``--wall`` cases (see the module docstring), written to ``out`` one JSON object a line."""
     import subprocess
     from vramguard.catalog.models import MODELS
@@ -95,13 +100,14 @@ def wall(out: str) -> None:
     cases = [("catalog name", ["llama-3.1-8b", "--prompt-tokens", "8192"]),
              ("hand-family folder", [str(folder), "--prompt-tokens", "8192"]),
              ("non-family: DeepSeek-V2-Lite size", [str(tmp / "dsv2lite"), "--vram", "80GiB"]),
-             ("non-family: tiny OLMoE", [str(tmp / "olmoe")])]
+             ("non-family: tiny OLMoE", [str(tmp / "olmoe")])][:2 if hand else 4]
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     with open(out, "w") as f:
-        for i, (name, args) in enumerate(cases):
+        for i, (name, args) in ((i, c) for _ in range(repeat) for i, c in enumerate(cases)):
+            cache = Path(tempfile.mkdtemp(dir=tmp))
             for when in ("first", "second"):
                 rec = {"case": name, "when": when, "args": ["vramguard", "plan", *args[:1], *args[1:]],
-                       **_timed_plan(args, tmp / f"cache{i}")}
+                       **_timed_plan(args, cache / f"cache{i}")}
                 rec["args"][2] = Path(rec["args"][2]).name if "/" in rec["args"][2] else rec["args"][2]
                 print(json.dumps(rec), flush=True)
                 f.write(json.dumps(rec) + "\n")
@@ -112,9 +118,11 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--case", help="internal: run one case in this process")
     ap.add_argument("--wall", action="store_true", help="wall time of vramguard plan in new processes")
+    ap.add_argument("--hand", action="store_true", help="with --wall: the catalog name and hand-family folder only")
+    ap.add_argument("--repeat", type=int, default=1, help="with --wall: each case this many times")
     args = ap.parse_args()
     if args.wall:
-        return wall(args.out)
+        return wall(args.out, args.hand, args.repeat)
     if args.case:
         model, _, vram = args.case.partition("@")
         print(json.dumps(measure(model, vram or None)))

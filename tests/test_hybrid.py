@@ -98,8 +98,8 @@ def test_the_deepseek_v2_lite_command_that_failed_plans(tmp_path, monkeypatch):
     tapes = []
     decode_tape = alloc_replay._decode_tape
 
-    def recorded(spec, s, rescale):
-        out = decode_tape(spec, s, rescale)
+    def recorded(spec, s, rescale, *later_steps):
+        out = decode_tape(spec, s, rescale, *later_steps)
         tapes.append((s.prompt_tokens, out[2] is not None))
         return out
     monkeypatch.setattr(alloc_replay, "_decode_tape", recorded)

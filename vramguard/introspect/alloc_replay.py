@@ -147,6 +147,34 @@ def _load(alloc: CachingAllocator, spec, s: Settings, workspace: bool = True) ->
     return list(live.values())
 
 
+def loaded_reserved_bytes(spec, s: Settings, config: AllocatorConfig) -> int:
+    """The reserved bytes after the load and the warm-up (:func:`_load`): the ``base_reserved_bytes`` of every
+    :func:`replay_generate` of ``spec`` with ``s``'s load settings under ``config``, whatever its cap (the load
+    is replayed without one)."""
+    return _loaded(spec, s.with_(prompt_tokens=1, max_new_tokens=1), replace(config, allowed_bytes=None)).reserved_bytes
+
+
+@lru_cache(maxsize=8)
+def _loaded(spec, key: Settings, config: AllocatorConfig) -> CachingAllocator:
+    """The allocator after :func:`_load` under ``config`` (no cap), for settings ``key`` with a 1-token prompt and
+    one new token: the load reads only the weights' settings (dtype, quantization), never the prompt or the
+    generation, so every replay of ``spec`` continues a copy of this state (:meth:`CachingAllocator.copy`)."""
+    alloc = CachingAllocator(config)
+    _load(alloc, spec, key)
+    return alloc
+
+
+def share_tapes(spec, s: Settings) -> None:
+    """Compute the forwards' tapes of ``s``'s prompt stretch (:func:`_decode_tape` with ``rescale``) into this
+    process's caches, so that processes forked after it (the card searches of a plan) find them there instead of
+    each computing them again. Where they cannot be computed (NotPlannable), nothing: the replay that needs them
+    says so."""
+    from vramguard.errors import NotPlannable
+    if supported(s) and spec.config_json:
+        with contextlib.suppress(NotPlannable):
+            _decode_tape(spec, s, True, later_steps=False)
+
+
 def replay_generate(spec, s: Settings, config: AllocatorConfig, rescale: bool = False,
                     later_steps: bool = True) -> AllocatorReplay | None:
     """Replay load, warm-up and ``generate`` for ``spec`` with ``s`` through the allocator model under ``config``
@@ -176,12 +204,11 @@ def replay_generate(spec, s: Settings, config: AllocatorConfig, rescale: bool = 
 
 def _replay(spec, s: Settings, config: AllocatorConfig, rescale: bool, later_steps: bool) -> AllocatorReplay:
     """:func:`replay_generate`, replayed."""
-    alloc = CachingAllocator(replace(config, allowed_bytes=None))
-    _load(alloc, spec, s)
+    alloc = _loaded(spec, s.with_(prompt_tokens=1, max_new_tokens=1), replace(config, allowed_bytes=None)).copy()
     base = alloc.reserved_bytes
     alloc.config = config
     alloc.peak_reserved_bytes, alloc.peak_allocated_bytes = alloc.reserved_bytes, alloc.allocated_bytes
-    head, steps, note = _decode_tape(spec, s, rescale)
+    head, steps, note = _decode_tape(spec, s, rescale, later_steps)
     placer = Placer(alloc)
     if placer.place(head) and steps is not None and later_steps:
         placer.decode(steps)
@@ -206,7 +233,8 @@ FALLBACK_STEPS = 8  # decode forwards replayed to find two consecutive ones of o
 FULL_REPLAY_MAX_NEW_TOKENS = 64  # beyond that, a generation whose steps never repeat in structure is not replayed
 
 
-def _decode_tape(spec, s: Settings, rescale: bool) -> tuple[list[tuple[int, int]], DecodeSteps | None, str | None]:
+def _decode_tape(spec, s: Settings, rescale: bool,
+                 later_steps: bool = True) -> tuple[list[tuple[int, int]], DecodeSteps | None, str | None]:
     """(the forwards replayed in full as one tape, the later decode steps extrapolated from the last two of them or
     None, a note where the shortcut did not apply as the module docstring describes it, else None).
 
@@ -216,6 +244,10 @@ def _decode_tape(spec, s: Settings, rescale: bool) -> tuple[list[tuple[int, int]
     are extrapolated from; where none are found, every step is replayed (the full replay) up to
     :data:`FULL_REPLAY_MAX_NEW_TOKENS` new tokens.
 
+    ``later_steps=False``: the same forwards, without the later steps (None) where steps 1 and 2 allocate as many
+    tensors (the one condition of :meth:`DecodeSteps.from_steps`, so the answer takes the same branch), for the
+    replays of a prefix of the call.
+
     Raises:
         NotPlannable: no two consecutive decode steps of one structure and a longer generation than that.
     """
@@ -224,7 +256,7 @@ def _decode_tape(spec, s: Settings, rescale: bool) -> tuple[list[tuple[int, int]
     found = _rescaled_events(spec.config_json, spec.name, key, s.prompt_tokens, new) if rescale else None
     forwards = found or _cached_events(spec.config_json, spec.name, key, s.prompt_tokens, new)
     more = s.max_new_tokens - 3
-    if more <= 0:
+    if more <= 0 or not later_steps and _count(forwards[1]) == _count(forwards[2]):
         return [e for fw in forwards for e in fw], None, None
     steps = _extrapolated(forwards[1], forwards[2], more)
     if steps is None and found is not None:
@@ -286,7 +318,8 @@ def _breakpoints(config_json: str, name: str) -> tuple[int, ...]:
 @lru_cache(maxsize=32)
 def _stretch_events(config_json: str, name: str, key: Settings, lo: int, new: int) -> tuple | None:
     """The tape of the first three forwards for every prompt of the stretch from ``lo``, as (keys, sizes, forward
-    lengths, denominator):
+    lengths, denominator), each size None (a free), an int (the same at every prompt) or the quadratic's
+    coefficients times the denominator:
     each event's size is exactly ``a + b p + c p**2`` in the prompt p (activations grow with p, attention scores
     and masks with p**2) through the replays at ``lo + SAMPLE_OFFSETS[:3]``, which the fourth replay must match
     event for event (else None: the sizes follow no quadratic there, or the forwards differ in structure)."""
@@ -300,7 +333,7 @@ def _stretch_events(config_json: str, name: str, key: Settings, lo: int, new: in
         return None
     x0, x1, x2, x3 = xs
     den = (x1 - x0) * (x2 - x0) * (x2 - x1)
-    poly: list[tuple[int, int, int] | None] = []
+    poly: list[int | tuple[int, int, int] | None] = []
     for y0, y1, y2, y3 in zip(*[[n for _, n in f] for f in flat]):
         if y0 < 0:
             poly.append(None)
@@ -310,7 +343,8 @@ def _stretch_events(config_json: str, name: str, key: Settings, lo: int, new: in
         a = y0 - b * x0 - c * x0 * x0
         if a + b * x3 + c * x3 * x3 != y3:
             return None
-        poly.append((int(a * den), int(b * den), int(c * den)))  # den is a multiple of every denominator
+        poly.append(int(a) if b == c == 0 else (int(a * den), int(b * den), int(c * den)))  # den: a multiple of
+        # every denominator; a constant size (an integer: y0) is kept as it is
     return [k for k, _ in flat[0]], poly, marks, den
 
 
@@ -332,9 +366,10 @@ def _rescaled_events(config_json: str, name: str, key: Settings, prompt: int, ne
         return None
     keys, poly, marks, den = found
     p2, out, i = prompt * prompt, [], 0
+    sizes = [-1 if abc is None else abc if abc.__class__ is int else (abc[0] + abc[1] * prompt + abc[2] * p2) // den
+             for abc in poly]
     for count in marks:
-        out.append(tuple((k, -1 if abc is None else (abc[0] + abc[1] * prompt + abc[2] * p2) // den)
-                         for k, abc in zip(keys[i:i + count], poly[i:i + count])))
+        out.append(tuple(zip(keys[i:i + count], sizes[i:i + count])))
         i += count
     return tuple(out)
 

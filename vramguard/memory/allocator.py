@@ -313,7 +313,15 @@ class CachingAllocator:
         ``release=False``: None, with nothing changed or recorded, where it would need ``release_cached_blocks``."""
         size = -(-nbytes // K_MIN_BLOCK) * K_MIN_BLOCK if nbytes > K_MIN_BLOCK else K_MIN_BLOCK  # round_size
         small = size <= K_SMALL_SIZE
-        block = self._get_free_block(size, small)
+        config = self.config
+        lst = self._free[small]
+        i = bisect_left(lst, (size,))
+        if i == len(lst):
+            block = None
+        elif config.max_split_size == NO_LIMIT and not lst[i][2].seg.expandable:  # best fit, taken as it is
+            block = lst.pop(i)[2]
+        else:
+            block = self._get_free_block(size, small)
         if block is None:
             block = self._alloc_block(size, small)
             if block is None and not release:
@@ -327,23 +335,50 @@ class CachingAllocator:
                     self.oom = OutOfMemory(self.requests - 1, size, allocation_size(size), self.allocated_bytes,
                                            self.reserved_bytes)
                 return None
-        return self._take(block, size, small)
+        remaining = block.size - size  # _take
+        if (remaining >= K_MIN_BLOCK if small or config.expandable_segments else  # _should_split
+                remaining > K_SMALL_SIZE and size < config.max_split_size):
+            rest = Block(block.seg, block.addr + size, remaining)
+            nxt = rest.next = block.next
+            rest.prev = block
+            if nxt is not None:
+                nxt.prev = rest
+            block.next = rest
+            block.size = size
+            insort(lst, (remaining, rest.addr, rest))
+        block.state = "used"
+        self.allocated_bytes += block.size
+        if self.allocated_bytes > self.peak_allocated_bytes:
+            self.peak_allocated_bytes = self.allocated_bytes
+        return block
 
     def free(self, block: Block | None) -> None:
-        """Return ``block`` to its pool, merged with its free neighbours (``free_block``)."""
+        """Return ``block`` to its pool, merged with its free neighbours (``free_block``; :meth:`_unlist` and
+        :meth:`_merge` written out here, the hottest path of a replay)."""
         if block is None or block.state != "used":
             return
         self.allocated_bytes -= block.size
         block.state = "free"
+        lst = self._free[block.seg.small]
         other = block.prev
         if other is not None and other.state == "free":
-            self._unlist(other)
-            self._merge(block, other)
+            i = bisect_left(lst, (other.size, other.addr))
+            if i < len(lst) and lst[i][2] is other:
+                del lst[i]
+            block.addr, block.prev, block.size = other.addr, other.prev, block.size + other.size
+            if block.prev is not None:
+                block.prev.next = block
+            else:
+                block.seg.head = block
         other = block.next
         if other is not None and other.state == "free":
-            self._unlist(other)
-            self._merge(block, other)
-        insort(self._free[block.seg.small], (block.size, block.addr, block))
+            i = bisect_left(lst, (other.size, other.addr))
+            if i < len(lst) and lst[i][2] is other:
+                del lst[i]
+            block.next, block.size = other.next, block.size + other.size
+            if block.next is not None:
+                block.next.prev = block
+        insort(lst, (block.size, block.addr, block))
 
     @classmethod
     def from_segments(cls, config: AllocatorConfig, segments: list[tuple[int, bool, list[tuple[int, bool]]]]):
@@ -370,6 +405,25 @@ class CachingAllocator:
         a._top = max((s.addr + sum(b.size for b in s.blocks()) for s in a.segments), default=a._top)
         a.peak_reserved_bytes, a.peak_allocated_bytes = a.reserved_bytes, a.allocated_bytes
         return a
+
+    def copy(self) -> CachingAllocator:
+        """An independent copy of this state (segments, blocks, free lists, counters; ``segment_addresses`` is
+        shared): a state replayed once, then continued in several ways, as each replay continues the load."""
+        from dataclasses import replace
+        new = replace(self, segments=[], _free={True: [], False: []}, _expandable={})
+        blocks: dict[int, Block] = {}
+        for seg in self.segments:
+            new.segments.append(copy := Segment(seg.addr, seg.small, seg.expandable))
+            prev = None
+            for b in seg.blocks():
+                blocks[id(b)] = c = Block(copy, b.addr, b.size, b.state)
+                if prev is not None:
+                    c.prev, prev.next = prev, c
+                prev = c
+            copy.head = blocks[id(seg.head)] if seg.head is not None else None
+        new._free = {small: [(n, a, blocks[id(b)]) for n, a, b in lst] for small, lst in self._free.items()}
+        new._expandable = {small: new.segments[self.segments.index(seg)] for small, seg in self._expandable.items()}
+        return new
 
     def empty_cache(self) -> None:
         """``torch.cuda.empty_cache()``: release every free segment (unmap free pages of expandable ones)."""
@@ -424,24 +478,6 @@ class CachingAllocator:
         if size >= split_limit and block.size >= size + K_LARGE_BUFFER:
             return None
         lst.pop(i)
-        return block
-
-    def _take(self, block: Block, size: int, small: bool) -> Block:
-        remaining = block.size - size
-        if (remaining >= K_MIN_BLOCK if small or self.config.expandable_segments else  # _should_split
-                remaining > K_SMALL_SIZE and size < self.config.max_split_size):
-            rest = Block(block.seg, block.addr + size, remaining)
-            nxt = rest.next = block.next
-            rest.prev = block
-            if nxt is not None:
-                nxt.prev = rest
-            block.next = rest
-            block.size = size
-            insort(self._free[small], (remaining, rest.addr, rest))
-        block.state = "used"
-        self.allocated_bytes += block.size
-        if self.allocated_bytes > self.peak_allocated_bytes:
-            self.peak_allocated_bytes = self.allocated_bytes
         return block
 
     # ---- new memory ---------------------------------------------------------------------------------------------

@@ -22,9 +22,10 @@ the previous step's small tensors that are still alive lie.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
-from vramguard.memory.allocator import K_SMALL_SIZE, CachingAllocator, round_size
+from vramguard.memory.allocator import K_MIN_BLOCK, K_SMALL_SIZE, CachingAllocator, round_size
 
 ALLOC, FREE_SAME, FREE_PREV, FREE_OTHER = range(4)
 MAX_PERIOD = 12  # the longest cycle of steps looked for (Llama-3.1-8B repeats every 6 steps, Qwen2.5-7B every 1)
@@ -69,6 +70,13 @@ class DecodeSteps:
         first = max(max(a2, default=0), max(a1, default=0)) + 1
         return cls(tuple(pattern), tuple(size2), tuple(y - x for x, y in zip(size1, size2)), tuple(a2), first, n)
 
+    @functools.cached_property
+    def _compiled(self) -> tuple[tuple[int, int, int, int], ...]:
+        """:meth:`events` for steps after the first as (0: this step's keys, 1: the previous step's, 2: none; the
+        key's offset; bytes at step 2, -1 for a free; growth a step, 0 for a free)."""
+        return tuple((0, i, self.size2[i], self.growth[i]) if op == ALLOC else (0, i, -1, 0) if op == FREE_SAME
+                     else (1, i, -1, 0) if op == FREE_PREV else (2, i, -1, 0) for op, i in self.pattern)
+
     @property
     def allocs(self) -> int:
         return len(self.size2)
@@ -89,6 +97,9 @@ class DecodeSteps:
         """Step ``j``'s tape, ``(key, bytes)`` and ``(key, -1)``."""
         n = len(self.size2)
         base, grow, size2, growth = self.first_key + j * n, j + 1, self.size2, self.growth
+        if j > 0:  # per event (which base its key adds to, the offset, size and growth: -1 and 0 for a free)
+            bases = (base, base - n, 0)
+            return [(bases[b] + i, s + g * grow) for b, i, s, g in self._compiled]
         if j == 0:
             prev = self.step2_keys
             return [(base + i, size2[i] + growth[i] * grow) if op == ALLOC else (base + i, -1) if op == FREE_SAME
@@ -100,8 +111,14 @@ class DecodeSteps:
     def small_requests(self, j: int) -> tuple[int, ...]:
         """What decides step ``j``'s small requests beyond the constant ones: each growing allocation's rounded
         size while it is small, -1 once it is large."""
-        return tuple(-1 if r > K_SMALL_SIZE else r for r in
-                     (round_size(self.size(j, i)) for i, g in enumerate(self.growth) if g))
+        grow, unit = j + 1, K_MIN_BLOCK
+        rounded = (-(-n // unit) * unit if n > unit else unit for n in (s + g * grow for s, g in self._growing))
+        return tuple(-1 if r > K_SMALL_SIZE else r for r in rounded)  # round_size, written out
+
+    @functools.cached_property
+    def _growing(self) -> tuple[tuple[int, int], ...]:
+        """(bytes at step 2, growth a step) of every allocation that grows."""
+        return tuple((s, g) for s, g in zip(self.size2, self.growth) if g)
 
 
 @dataclass(frozen=True)
@@ -149,9 +166,17 @@ class Placer:
         docstring); the result is that of ``place(steps.events(j))`` for every step."""
         seen: list = []
         alloc, template, period, j = self.alloc, None, 0, 0
+        known: dict[int, tuple] = {}
+        last: tuple = (-1, None)  # the state before step last[0], read after the step before was placed
+
+        def small_requests(j: int) -> tuple:  # each step's, computed once
+            found = known.get(j)
+            if found is None:
+                found = known[j] = steps.small_requests(j)
+            return found
         while j < steps.n:
             if template is not None and j + period <= steps.n and all(
-                    steps.small_requests(j + m) == template.requests for m in range(period)):
+                    small_requests(j + m) == template.requests for m in range(period)):
                 done = self._skip(steps, j, period, template)
                 if done is None:
                     return
@@ -163,17 +188,19 @@ class Placer:
                     self.placed_in_full += 1
                 continue
             template = None
-            now_q, ahead = steps.small_requests(j), steps.small_requests(j + 1)
+            now_q, ahead = small_requests(j), small_requests(j + 1)
             if ahead != now_q or (seen and seen[-1][2] != now_q):  # a cycle has the same small requests throughout
                 seen = []
             if ahead == now_q:  # only such steps can start a cycle: no state is read for the others
-                seen = [*seen, (self._state(steps, j), alloc.small_segments_opened, now_q)][-MAX_PERIOD:]
+                state = last[1] if last[0] == j else (self._state(steps, j), alloc.small_segments_opened, now_q)
+                seen = [*seen, state][-MAX_PERIOD:]
             if not self.place(steps.events(j)):
                 return
             j += 1
             if ahead != now_q:
                 continue
             now = (self._state(steps, j), alloc.small_segments_opened, ahead)
+            last = (j, now)
             for period in range(1, len(seen) + 1):
                 if seen[-period] == now and all(q == now[2] for _, _, q in seen[-period:]):
                     template = self._template(steps, j, now[2])

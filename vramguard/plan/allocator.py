@@ -4,7 +4,8 @@
 from __future__ import annotations
 
 from vramguard.finding import Finding
-from vramguard.introspect.alloc_replay import allowed_bytes, not_covered, replay_generate
+from vramguard.introspect.alloc_replay import (allowed_bytes, loaded_reserved_bytes, not_covered, replay_generate,
+                                               share_tapes, supported)
 from vramguard.memory.allocator import AllocatorConfig
 from vramguard.settings import Settings
 
@@ -49,14 +50,42 @@ def _worse(a, b):
 
 
 def _with_conf(model, s: Settings, est, cards: list, conf: AllocatorConfig, alloc_conf: str, solve: bool):
-    """:func:`with_allocator` under the parsed ``conf``."""
+    """:func:`with_allocator` under the parsed ``conf``. Each card's largest prompt depends only on its cap (from
+    the loaded model's reserved bytes), not on the estimate's replay: where a forked process pays
+    (:func:`_fork_pays`), the searches start before that replay and half of them run in the child
+    (:func:`_card_edges`); otherwise the estimate's replay comes first, as read from disk where a plan kept it."""
     from dataclasses import replace
     spec = model.spec
     ctx_bytes = est.cuda_context_bytes
-    device = replace(conf, allowed_bytes=max(c.usable_bytes for c in cards) - ctx_bytes) if cards else conf
-    r = replay_generate(spec, s, device, rescale=solve)  # the edge search samples the same stretch: share its replays
-    if r is None:
+    if not supported(s) or not spec.config_json:  # replay_generate answers None
         return est, cards
+    device = replace(conf, allowed_bytes=max(c.usable_bytes for c in cards) - ctx_bytes) if cards else conf
+    fork = solve and _fork_pays(len(cards))
+    if fork:
+        share_tapes(spec, s)  # computed once, before the searches are split
+    # the estimate's replay first where nothing is forked (read from disk where a plan kept it: no load replayed)
+    r = None if fork else replay_generate(spec, s, device, rescale=solve)  # the searches sample the same stretch
+    if not fork and r is None:
+        return est, cards
+    base = r.base_reserved_bytes if r is not None else loaded_reserved_bytes(spec, s, conf)
+    capped = [replace(conf, allowed_bytes=allowed_bytes(c.usable_bytes - ctx_bytes, base)) for c in cards]
+    edges = _card_edges(model, s, cards, capped) if solve else None
+    try:
+        r = r or replay_generate(spec, s, device, rescale=solve)
+        if r is None:
+            return est, cards
+        return _judged(model, s, est, cards, conf, capped, r, alloc_conf, edges() if edges else None)
+    finally:
+        if edges is not None:
+            edges.close()
+
+
+def _judged(model, s: Settings, est, cards: list, conf: AllocatorConfig, capped: list, r, alloc_conf: str,
+            edges: list | None):
+    """The estimate and card verdicts from the estimate's replay ``r``, each card's capped config and its largest
+    prompt (``edges``; None: not solved)."""
+    from dataclasses import replace
+    spec, ctx_bytes = model.spec, est.cuda_context_bytes
     reserved = max(r.peak_reserved_bytes, est.peak_allocated_bytes) if r.fits else est.peak_reserved_bytes
     run_need = reserved + ctx_bytes
     load_need = est.load.peak_reserved_bytes + ctx_bytes if est.load is not None else 0
@@ -66,25 +95,110 @@ def _with_conf(model, s: Settings, est, cards: list, conf: AllocatorConfig, allo
                   generate_device_bytes=run_need, device_used_bytes=max(run_need, load_need), allocator=r,
                   alloc_conf=alloc_conf, peak_phase="load" if load_need > run_need else gen_phase)
     out = []
-    for c in cards:
-        cap = allowed_bytes(c.usable_bytes - ctx_bytes, r.base_reserved_bytes)
-        capped = replace(conf, allowed_bytes=cap)
+    for i, (c, cap) in enumerate(zip(cards, capped)):
         # without expandable segments a new segment adds exactly what the cap check counts, so a replay that never
         # reserved past the cap runs the same under it: only a larger peak needs the capped replay
-        same = r.fits and not conf.expandable_segments and r.peak_reserved_bytes <= cap
-        mine = r if same else replay_generate(spec, s, capped, rescale=solve) or r  # covered: r's settings
+        same = r.fits and not conf.expandable_segments and r.peak_reserved_bytes <= cap.allowed_bytes
+        mine = r if same else replay_generate(spec, s, cap, rescale=edges is not None) or r  # covered: r's
         fits = mine.fits and load_need <= c.usable_bytes
         need = max(max(mine.peak_reserved_bytes, est.peak_allocated_bytes) + ctx_bytes, load_need) if fits \
             else max(est.device_used_bytes, c.usable_bytes + 1)
         c = replace(c, need_bytes=need, fits=fits, headroom_bytes=c.usable_bytes - need)
-        if solve:
-            c = replace(c, max_prompt_tokens=edge_prompt_tokens(model, s, capped, c.max_prompt_tokens))
-        if solve and fits:  # the run as asked fits this card: its own figures are the least each limit can be
+        if edges is not None:
+            c = replace(c, max_prompt_tokens=edges[i])
+        if edges is not None and fits:  # the run as asked fits: its own figures are the least each limit can be
             c = replace(c, max_prompt_tokens=max(c.max_prompt_tokens or 0, s.prompt_tokens),
-                        max_new_tokens=max(c.max_new_tokens or 0, s.max_new_tokens), max_batch=max(c.max_batch or 0,
-                                                                                                s.batch))
+                        max_new_tokens=max(c.max_new_tokens or 0, s.max_new_tokens),
+                        max_batch=max(c.max_batch or 0, s.batch))
         out.append(c)
     return est, out
+
+
+FORK_SEARCHES = True  # tests turn the forked card searches off to compare them with the searches in one process
+
+
+def _card_edges(model, s: Settings, cards: list, capped: list):
+    """Start the largest-prompt search of every card (:func:`edge_prompt_tokens` under its capped config, from the
+    formula's answer): a callable that returns the edges in card order, with a ``close`` that ends a search left
+    running. Where :func:`_fork_pays`, the larger half of the cards (the longest searches) runs in a forked child
+    process while this one replays the estimate and the smaller half; the figures are the same either way, each
+    search being the same pure computation in either process (``tests/test_plan_speed.py`` compares them). Where
+    the child fails, its searches run here."""
+    work = [lambda c=c, cap=cap: edge_prompt_tokens(model, s, cap, c.max_prompt_tokens)
+            for c, cap in zip(cards, capped)]
+    k = (len(work) + 1) // 2 if _fork_pays(len(work)) else len(work)
+    child = _Forked(work[k:]) if k < len(work) else None
+
+    def edges() -> list:
+        return [w() for w in work[:k]] + (child.result() if child is not None else [])
+    edges.close = child.close if child is not None else (lambda: None)  # type: ignore[attr-defined]
+    return edges
+
+
+def _fork_pays(searches: int) -> bool:
+    """Whether a forked child is worth it: two searches or more, at least two CPUs for this process, ``os.fork``,
+    no other thread (a fork copies only the calling thread, and a lock another one held stays held in the child)
+    and no torch imported (its thread pools do not survive a fork)."""
+    import os
+    import sys
+    import threading
+    if not FORK_SEARCHES or searches < 2 or not hasattr(os, "fork") or "torch" in sys.modules:
+        return False
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return cpus >= 2 and threading.active_count() == 1
+
+
+class _Forked:
+    """``[w() for w in work]`` in a forked child process, its results sent back pickled through a pipe."""
+
+    def __init__(self, work: list):
+        import gc
+        import os
+        self.work = work
+        read, write = os.pipe()
+        gc.freeze()  # the collector leaves the objects of now alone: fewer pages copied on write in both processes
+        self.pid = os.fork()
+        if self.pid == 0:  # the child: compute, send, and leave without running this process's exit handlers
+            os.close(read)
+            code = 1
+            try:
+                import pickle
+                import warnings
+                warnings.simplefilter("ignore")  # the parent says it once (an unwritable cache folder)
+                data = pickle.dumps([w() for w in work])
+                with os.fdopen(write, "wb") as f:
+                    f.write(data)
+                code = 0
+            finally:
+                os._exit(code)
+        os.close(write)
+        self.read: int | None = read
+
+    def result(self) -> list:
+        """The child's results, or the work done here where the child failed (it raised, or was killed)."""
+        import gc
+        import os
+        import pickle
+        with os.fdopen(self.read, "rb") as f:
+            self.read, data = None, f.read()
+        _, status = os.waitpid(self.pid, 0)
+        self.pid = 0
+        gc.unfreeze()
+        return pickle.loads(data) if status == 0 and data else [w() for w in self.work]
+
+    def close(self) -> None:
+        """End the child where its result was not taken (this process raised first)."""
+        import gc
+        import os
+        import signal
+        if self.pid:
+            os.kill(self.pid, signal.SIGKILL)
+            os.waitpid(self.pid, 0)
+            self.pid = 0
+            gc.unfreeze()
+        if self.read is not None:
+            os.close(self.read)
+            self.read = None
 
 
 def auto_alloc_conf(spec, s: Settings) -> tuple[str | None, AllocatorConfig | None, Finding | None]:
