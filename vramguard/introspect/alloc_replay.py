@@ -380,10 +380,10 @@ def _record_events(config_json: str, name: str, key: Settings, prompt: int, new:
     s = key
     plan = trim_plan(config_json, name, s.act_dtype, s.quant, s.double_quant, s.resolved_compute_dtype)
     if plan is not None:
-        trimmed, layers, period, copies = plan
+        trimmed, layers, period, copies, head = plan
         traced = _trace(trimmed, name, key, prompt, new, steps, layers)
         ran = [i for i, fw in enumerate(traced[0]) if fw] if traced is not None else []
-        found = expand(tuple(traced[0][i] for i in ran), [traced[1][i] for i in ran], period, copies) \
+        found = expand(tuple(traced[0][i] for i in ran), [traced[1][i] for i in ran], period, copies, head) \
             if traced is not None else None
         if found is not None and traced is not None:
             return found + ((),) * (len(traced[0]) - len(found))
