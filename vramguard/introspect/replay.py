@@ -224,6 +224,10 @@ def cache_tensors(cache) -> list[tuple[int, str, torch.Tensor]]:
             walk(layer, i, "", 0)
     else:
         walk(cache, -1, "", 0)
+    # a recursive closure is a reference cycle (walk -> its cell -> walk) that holds ``found``, and with it the
+    # cache's tensors, until the garbage collector happens to run: an old K/V tensor the forward replaces would
+    # stay live past its update in some replays and not in others. Deleting the name breaks the cycle.
+    del walk
     return found
 
 
