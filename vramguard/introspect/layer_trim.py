@@ -50,16 +50,17 @@ def trim_plan(config_json: str, name: str, dtype: str, quant: str, double_quant:
     by layer (names after the index, shapes, dtypes) and every per-layer list of the config must repeat, and at
     least :data:`MIN_SAVED_LAYERS` layers must be left out. The smallest such H is taken (a period as long as the
 decoder repeats trivially, but leaves nothing out)."""
-    from vramguard.introspect.build import cached_config, text_config
-    from vramguard.introspect.generic import _structure
+    from vramguard.introspect.build import cached_config, cached_structure, text_config
     raw = json.loads(config_json)
     cfg = cached_config(config_json, name)
     if text_config(cfg) is not cfg or not isinstance(raw.get("num_hidden_layers"), int):
         return None
     n = cfg.num_hidden_layers
+    if n - 5 < MIN_SAVED_LAYERS:  # the fewest layers traced: 3 x 1 + 2
+        return None
     lists = _per_layer_lists(cfg, n)
     by_layer: dict[int, list] = {}
-    for t in _structure(config_json, name, dtype, quant, double_quant, compute).tensors:
+    for t in cached_structure(config_json, name, dtype, quant, double_quant, compute).tensors:
         m = re.search(r"\.layers\.(\d+)\.(.*)$", t.name)
         if m:
             by_layer.setdefault(int(m.group(1)), []).append((m.group(2), t.shape, t.dtype, t.kind))
@@ -92,6 +93,13 @@ def expand(forwards: tuple, starts: list[list[int]], p: int, m: int, head: int =
     forward, traced with T layers) and ``starts`` (per forward, the index of each layer's first event): ``m``
     copies of the block of layers ``H+P+1 .. H+2P`` inserted before it in every forward (``head``: H), keys
     renumbered in allocation order. None where the blocks do not repeat (see the module docstring)."""
+    found = expanded(forwards, starts, p, m, head)
+    return None if found is None else _renumber(found[0])
+
+
+def expanded(forwards: tuple, starts: list[list[int]], p: int, m: int, head: int = 0) -> tuple | None:
+    """:func:`expand` before its keys are renumbered: (per forward, its events, a copy's allocations keyed
+    ``("copy", forward, copy, index)``; the traced key each copy's allocation repeats), or None."""
     flat = [e for fw in forwards for e in fw]
     bounds, at = [], 0
     for fw in forwards:
@@ -123,7 +131,8 @@ def expand(forwards: tuple, starts: list[list[int]], p: int, m: int, head: int =
         return None  # the first block's tensors, which the first copy frees, must be the second block's
     if not _frees_stay_local(flat, origin, regions, bounds):
         return None
-    return _renumber(_inserted(flat, origin, regions, bounds, m))
+    source: dict = {}
+    return _inserted(flat, origin, regions, bounds, m, source), source
 
 
 def _pattern(flat, origin, f: int, regions, b: int):
@@ -165,9 +174,9 @@ def _frees_stay_local(flat, origin, regions, bounds) -> bool:
     return True
 
 
-def _inserted(flat, origin, regions, bounds, m: int) -> list[list]:
+def _inserted(flat, origin, regions, bounds, m: int, source: dict) -> list[list]:
     """Per forward, its events with ``m`` copies of the second block before it; a copy's tensors get keys
-    ``("copy", forward, copy, index)``."""
+    ``("copy", forward, copy, index)``, and ``source`` maps each to the traced key it repeats."""
     out = []
     b1_keys = {}  # (forward, index) -> key of the first block's allocation
     for f in range(len(bounds)):
@@ -184,6 +193,7 @@ def _inserted(flat, origin, regions, bounds, m: int) -> list[list]:
             for k, n in block:
                 if n >= 0:
                     events.append((("copy", f, c, j), n))
+                    source[("copy", f, c, j)] = k
                     j += 1
                     continue
                 _, ob, idx = origin[k]

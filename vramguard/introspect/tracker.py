@@ -71,9 +71,10 @@ class StorageTracker(TorchDispatchMode):
     """
 
     def __init__(self, label: Callable[[], str] = lambda: "activations", policy: DataPolicy | None = None,
-                 events: list | None = None):
+                 events: list | None = None, notes: dict | None = None):
         super().__init__()
         self.events = events  # when a list: (serial, raw bytes) per allocation and (serial, -1) per free, in order
+        self.notes = notes  # when a dict: serial -> (label, where) of every allocation
         self.label = label
         self.policy = policy or DataPolicy()
         self.live: dict[int, tuple[int, str]] = {}  # serial -> (bytes, label)
@@ -110,6 +111,8 @@ class StorageTracker(TorchDispatchMode):
         self.by_label[label] += nbytes
         if self.events is not None:
             self.events.append((serial, st.nbytes()))
+        if self.notes is not None:
+            self.notes[serial] = (label, at)
         self.largest_alloc = max(self.largest_alloc, nbytes)
         if self.live_bytes > self.peak.bytes:
             self.peak = Peak(self.live_bytes, {k: v for k, v in self.by_label.items() if v}, at, dict(self.live))
