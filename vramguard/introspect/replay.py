@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from vramguard.introspect.build import _quiet, cached_config, meta_model
 from vramguard.introspect.tracker import DataPolicy, StorageTracker
 from vramguard.memory.forward import BNB_4BIT_FUSED_MAX_ROWS
 from vramguard.settings import DTYPE_BYTES, Settings
@@ -302,7 +303,6 @@ def replay(model, config, s: Settings, past: int, chunk: int, quantized: Set[str
     Raises:
         vramguard.introspect.tracker.NotModelled: the forward branches on a value meta tensors do not have.
     """
-    from vramguard.introspect.build import _quiet
     with _quiet():
         return _replay(model, config, s, past, chunk, quantized, policy, record)
 
@@ -393,7 +393,6 @@ def _peak_where(peak, relabel: dict[int, str]) -> str:
 @lru_cache(maxsize=8)
 def cached_replay_model(config_json: str, name: str, dtype: str, attn: str, sdpa_kernel: str):
     """:func:`replay_model` of the config ``config_json`` for the dtype and attention given, memoized."""
-    from vramguard.introspect.build import cached_config
     s = Settings(quant="bf16", dtype=dtype if dtype != "bf16" else None, attn=attn, sdpa_kernel=sdpa_kernel)
     return replay_model(cached_config(config_json, name), s)
 
@@ -401,7 +400,6 @@ def cached_replay_model(config_json: str, name: str, dtype: str, attn: str, sdpa
 def replay_model(config, s: Settings):
     """The meta model to replay for ``s``: its dtype, and the attention implementation that would run
     (FlashAttention-2 through :data:`FA2_REPLAY`). Returns (model, note) where note says what was substituted."""
-    from vramguard.introspect.build import meta_model
     from vramguard.errors import ConfigError
     attn = s.effective_attn
     if attn == "flash_attention_2":

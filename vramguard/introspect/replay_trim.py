@@ -10,6 +10,8 @@ caller replays every layer then. ``tests/test_replay_trim.py`` compares it with 
 
 from __future__ import annotations
 
+from vramguard.introspect.build import cached_config, cached_structure, text_config
+from vramguard.introspect.layer_trim import expanded, trim_plan
 from vramguard.memory.weights import rounded
 from vramguard.settings import Settings
 
@@ -20,8 +22,6 @@ def trimmed_replay(config_json: str, name: str, s: Settings, past: int, chunk: i
     where that does not apply (see the module docstring).
 
     Raises what :func:`vramguard.introspect.replay.replay` raises."""
-    from vramguard.introspect.build import cached_config, cached_structure, text_config
-    from vramguard.introspect.layer_trim import expanded, trim_plan
     from vramguard.introspect.replay import Recording, Replayed, cached_replay_model, replay
     plan = trim_plan(config_json, name, s.act_dtype, s.quant, s.double_quant, s.resolved_compute_dtype)
     if plan is None:
