@@ -1,8 +1,8 @@
 """The tape traced on a few decoder layers and repeated equals the trace of every layer, event for event and key
-for key, for Llama, Qwen2, Gemma-2 (sliding and global layers in turn), Mistral (sliding window), Phi-3 and
-Mixtral (MoE), and with leading layers unlike the rest (DeepSeek-V2/V3 and GLM-4.5's dense layers before their MoE
-ones, Qwen2's full-attention layers before its sliding ones); models whose layers differ otherwise are traced
-whole."""
+for key, for Llama, Qwen2, Gemma-2 (sliding and global layers in turn), Mistral (sliding window), Phi-3, Mixtral
+(MoE) and Falcon-H1 (attention and Mamba-2 in parallel), and with leading layers unlike the rest (DeepSeek-V2/V3
+and GLM-4.5's dense layers before their MoE ones, Qwen2's full-attention layers before its sliding ones); models
+whose layers differ otherwise are traced whole."""
 
 from __future__ import annotations
 
@@ -19,6 +19,8 @@ ARCHS = {
     "mistral": dict(_BASE, num_hidden_layers=LAYERS, sliding_window=16),
     "phi3": dict(_BASE, num_hidden_layers=LAYERS, num_key_value_heads=4, pad_token_id=0),
     "mixtral": dict(_BASE, num_hidden_layers=LAYERS, num_local_experts=4, num_experts_per_tok=2),
+    "falcon_h1": dict(_BASE, num_hidden_layers=LAYERS, mamba_d_ssm=64, mamba_n_heads=8, mamba_d_head=8,
+                      mamba_d_state=16, mamba_chunk_size=16),  # attention and Mamba-2 side by side in every layer
 }
 
 

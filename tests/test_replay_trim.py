@@ -1,7 +1,8 @@
 """One forward replayed on a few decoder layers and expanded (:mod:`vramguard.introspect.replay_trim`) is the replay
 of every layer: the same peak, components, place of the peak, largest allocation and cache tensors by layer, for
 Llama, Gemma-2 (sliding and global layers in turn), Mixtral (MoE), DeepSeek-V2 (MLA, a dense first layer before
-MoE ones) and Qwen2 (full-attention layers before sliding ones), prefill and decode, 16-bit and NF4."""
+MoE ones), Qwen2 (full-attention layers before sliding ones) and Falcon-H1 (attention and Mamba-2 in parallel),
+prefill and decode, 16-bit and NF4."""
 
 from __future__ import annotations
 
@@ -20,6 +21,9 @@ ARCHS = {
                         q_lora_rank=None, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
                         first_k_dense_replace=1, n_group=1, topk_group=1),
     "qwen2": dict(_BASE, num_hidden_layers=12, use_sliding_window=True, sliding_window=16, max_window_layers=2),
+    # attention and Mamba-2 side by side in every layer; its 5 ssm_multipliers are no per-layer list
+    "falcon_h1": dict(_BASE, num_hidden_layers=9, mamba_d_ssm=64, mamba_n_heads=8, mamba_d_head=8,
+                      mamba_d_state=16, mamba_chunk_size=16),
 }
 
 

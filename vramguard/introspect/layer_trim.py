@@ -82,9 +82,9 @@ decoder repeats trivially, but leaves nothing out)."""
             raw[k] = v[:t_layers]
     trimmed = json.dumps(raw, sort_keys=True)
     small = cached_config(trimmed, name)
-    if small.num_hidden_layers != t_layers or _per_layer_lists(small, t_layers) != {
-            k: v[:t_layers] for k, v in lists.items()}:
-        return None
+    kept = {k: v for k, v in _per_layer_lists(small, t_layers).items() if k in lists}  # a list that is as long as
+    if small.num_hidden_layers != t_layers or kept != {k: v[:t_layers] for k, v in lists.items()}:  # the trimmed
+        return None  # decoder by chance (Falcon-H1's 5 ssm_multipliers) is no per-layer list
     return trimmed, t_layers, p, (n - t_layers) // p, head
 
 
