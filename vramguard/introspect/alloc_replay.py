@@ -415,10 +415,10 @@ def _record_events(config_json: str, name: str, key: Settings, prompt: int, new:
     s = key
     plan = trim_plan(config_json, name, s.act_dtype, s.quant, s.double_quant, s.resolved_compute_dtype)
     if plan is not None:
-        trimmed, layers, period, copies = plan
+        trimmed, layers, period, copies, head = plan
         traced = _trace(trimmed, name, key, prompt, new, steps, layers)
         ran = [i for i, fw in enumerate(traced[0]) if fw] if traced is not None else []
-        found = expand(tuple(traced[0][i] for i in ran), [traced[1][i] for i in ran], period, copies) \
+        found = expand(tuple(traced[0][i] for i in ran), [traced[1][i] for i in ran], period, copies, head) \
             if traced is not None else None
         if found is not None and traced is not None:
             return found + ((),) * (len(traced[0]) - len(found))
@@ -439,7 +439,7 @@ def _trace(config_json: str, name: str, key: Settings, prompt: int, new: int, st
     from vramguard.introspect.build import _quiet, cached_config, text_config
     from vramguard.introspect.generic import _replay_model, _structure
     from vramguard.introspect.mixers import replayed_paths
-    from vramguard.introspect.replay import _new_cache, cache_keyword
+    from vramguard.introspect.replay import _new_cache, cache_keyword, layer_starts
     from vramguard.introspect.tracker import DataPolicy, StorageTracker
     from vramguard.memory.forward import sdpa_runs_math
     s = key.with_(prompt_tokens=prompt, max_new_tokens=new)
@@ -453,7 +453,7 @@ def _trace(config_json: str, name: str, key: Settings, prompt: int, new: int, st
     flash = model.config._attn_implementation == "sdpa" and not sdpa_runs_math(s)
     seqs, meta = s.sequences, torch.device("meta")
     starts: list[int] = []
-    with _layer_starts(model, layers, lambda: starts.append(len(events))) as found, _quiet(), torch.no_grad(), \
+    with layer_starts(model, layers, lambda: starts.append(len(events))) as found, _quiet(), torch.no_grad(), \
             replayed_paths(model, s.kernels), tracker, _bnb_kernels(model, quantized, s), \
             (_fused_sdpa_mode() if flash else contextlib.nullcontext()):
         if not found:
@@ -482,25 +482,6 @@ def _trace(config_json: str, name: str, key: Settings, prompt: int, new: int, st
     forwards = tuple(tuple(events[a:b]) for a, b in zip([0] + marks, marks))
     per = [[x - a for x in starts if a <= x < b] for a, b in zip([0] + marks, marks)]
     return forwards, per
-
-
-@contextlib.contextmanager
-def _layer_starts(model, layers: int | None, mark):
-    """Call ``mark`` as each decoder layer starts (a forward pre-hook on each layer of the one ``ModuleList`` of
-    ``layers`` modules named ``...layers``); yields whether that list was found (True without ``layers``)."""
-    import torch
-    if layers is None:
-        yield True
-        return
-    found = [m for n, m in model.named_modules() if isinstance(m, torch.nn.ModuleList) and n.endswith("layers")
-             and len(m) == layers]
-    handles = [layer.register_forward_pre_hook(lambda _m, _a: mark()) for layer in found[0]] if len(found) == 1 \
-        else []
-    try:
-        yield len(found) == 1
-    finally:
-        for h in handles:
-            h.remove()
 
 
 def _fused_sdpa_mode():

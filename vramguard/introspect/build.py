@@ -260,6 +260,12 @@ def structure(config, dtype: str, quant: str, double_quant: bool = True, compute
     return Structure(type(model).__name__, tuple(out), tuple(sorted(qnames)), rule, tuple(tied))
 
 
+@lru_cache(maxsize=32)
+def cached_structure(config_json: str, name: str, dtype: str, quant: str, double_quant: bool, compute: str):
+    """:func:`structure` of the config ``config_json`` (:func:`cached_config`), memoized."""
+    return structure(cached_config(config_json, name), dtype, quant, double_quant, compute)
+
+
 @lru_cache(maxsize=8)
 def cached_config(config_json: str, name: str):
     """:func:`config_from_dict` memoized by the config's JSON text (plans solve many settings on one config)."""

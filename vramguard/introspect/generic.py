@@ -37,10 +37,9 @@ def _text(spec):
 
 
 # ---- weights ------------------------------------------------------------------------------------------------------
-@lru_cache(maxsize=32)
 def _structure(config_json: str, name: str, dtype: str, quant: str, double_quant: bool, compute: str):
-    from vramguard.introspect.build import cached_config, structure
-    return structure(cached_config(config_json, name), dtype, quant, double_quant, compute)
+    from vramguard.introspect.build import cached_structure
+    return cached_structure(config_json, name, dtype, quant, double_quant, compute)
 
 
 def structure_of(spec, s: Settings):
@@ -140,19 +139,19 @@ def linear_groups(spec, s: Settings | None = None) -> list[LinearGroup]:
 
 
 # ---- the forward ------------------------------------------------------------------------------------------------
-@lru_cache(maxsize=8)
 def _replay_model(config_json: str, name: str, dtype: str, attn: str, sdpa_kernel: str):
-    from vramguard.introspect.build import cached_config
-    from vramguard.introspect.replay import replay_model
-    s = Settings(quant="bf16", dtype=dtype if dtype != "bf16" else None, attn=attn if attn != "eager" else "eager",
-                 sdpa_kernel=sdpa_kernel)
-    return replay_model(cached_config(config_json, name), s)
+    from vramguard.introspect.replay import cached_replay_model
+    return cached_replay_model(config_json, name, dtype, attn, sdpa_kernel)
 
 
 @lru_cache(maxsize=512)
 def _replayed(config_json: str, name: str, s: Settings, past: int, chunk: int):
     from vramguard.introspect.build import cached_config, text_config
     from vramguard.introspect.replay import replay
+    from vramguard.introspect.replay_trim import trimmed_replay
+    found = trimmed_replay(config_json, name, s, past, chunk)  # a few layers traced, the rest repeated
+    if found is not None:
+        return found
     model, _note = _replay_model(config_json, name, s.act_dtype, s.effective_attn, s.sdpa_kernel)
     quantized = set(_structure(config_json, name, s.act_dtype, s.quant, s.double_quant,
                                s.resolved_compute_dtype).quantized_modules) if s.is_bnb else set()

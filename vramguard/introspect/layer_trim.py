@@ -1,6 +1,8 @@
 """The tape of a decoder of N identical layers from a trace of a few: transformers' forward runs on a copy of the
-config with ``3P + 2`` layers or a little more (P: the period of ``layer_types``, 1 without), and the events of one
-block of P layers are repeated for the layers left out. Knows nothing about the allocator.
+config with ``H + 3P + 2`` layers or a little more (P: the period of ``layer_types``, 1 without; H: the leading
+layers that differ from the rest, such as DeepSeek's dense layers before its MoE ones, at most
+:data:`MAX_HEAD_LAYERS`), and the events of one block of P layers are repeated for the layers left out. Knows
+nothing about the allocator.
 
 A decoder layer allocates the same tensors whatever its index, once its attention type is the same; what differs
 is which tensors it frees: those of the block before it (the residual stream), its own, and those of the same
@@ -19,15 +21,22 @@ import re
 from functools import lru_cache
 
 MIN_SAVED_LAYERS = 2  # fewer layers than this left out: trace them all
+MAX_HEAD_LAYERS = 4  # leading layers unlike the rest that are traced as they are (DeepSeek-V3: 3 dense layers)
 
 
-def layer_period(cfg) -> int:
-    """The smallest P with ``layer_types[i] == layer_types[i % P]`` for every layer (1 without ``layer_types``)."""
-    types = list(getattr(cfg, "layer_types", None) or [])
+def layer_period(cfg, head: int = 0) -> int:
+    """The smallest P with ``layer_types[i] == layer_types[head + (i - head) % P]`` for every layer from ``head``
+    (1 without ``layer_types``)."""
+    types = list(getattr(cfg, "layer_types", None) or [])[head:]
     for p in range(1, len(types) + 1):
         if all(t == types[i % p] for i, t in enumerate(types)):
             return p
     return 1
+
+
+def _repeats(rows: list, head: int, p: int) -> bool:
+    """Whether ``rows[i] == rows[head + (i - head) % p]`` for every ``i >= head``."""
+    return all(rows[i] == rows[head + (i - head) % p] for i in range(head, len(rows)))
 
 
 def _per_layer_lists(cfg, n: int) -> dict[str, list]:
@@ -36,30 +45,36 @@ def _per_layer_lists(cfg, n: int) -> dict[str, list]:
 
 @lru_cache(maxsize=32)
 def trim_plan(config_json: str, name: str, dtype: str, quant: str, double_quant: bool, compute: str):
-    """``(trimmed config JSON, layers traced T, period P, blocks inserted m)``, or None where the layers are not
-    shown to repeat with period P: their tensors by layer (names after the index, shapes, dtypes) and every
-    per-layer list of the config must repeat, and at least :data:`MIN_SAVED_LAYERS` layers must be left out."""
-    from vramguard.introspect.build import cached_config, text_config
-    from vramguard.introspect.generic import _structure
+    """``(trimmed config JSON, layers traced T, period P, blocks inserted m, leading layers H)``, or None where the
+    layers from H on are not shown to repeat with period P for any H up to :data:`MAX_HEAD_LAYERS`: their tensors
+    by layer (names after the index, shapes, dtypes) and every per-layer list of the config must repeat, and at
+    least :data:`MIN_SAVED_LAYERS` layers must be left out. The smallest such H is taken (a period as long as the
+decoder repeats trivially, but leaves nothing out)."""
+    from vramguard.introspect.build import cached_config, cached_structure, text_config
     raw = json.loads(config_json)
     cfg = cached_config(config_json, name)
     if text_config(cfg) is not cfg or not isinstance(raw.get("num_hidden_layers"), int):
         return None
     n = cfg.num_hidden_layers
-    p = layer_period(cfg)
-    lists = _per_layer_lists(cfg, n)
-    if any(v[i] != v[i % p] for v in lists.values() for i in range(n)):
+    if n - 5 < MIN_SAVED_LAYERS:  # the fewest layers traced: 3 x 1 + 2
         return None
+    lists = _per_layer_lists(cfg, n)
     by_layer: dict[int, list] = {}
-    for t in _structure(config_json, name, dtype, quant, double_quant, compute).tensors:
+    for t in cached_structure(config_json, name, dtype, quant, double_quant, compute).tensors:
         m = re.search(r"\.layers\.(\d+)\.(.*)$", t.name)
         if m:
             by_layer.setdefault(int(m.group(1)), []).append((m.group(2), t.shape, t.dtype, t.kind))
-    if sorted(by_layer) != list(range(n)) or any(sorted(by_layer[i]) != sorted(by_layer[i % p]) for i in range(n)):
+    if sorted(by_layer) != list(range(n)):
         return None
-    t_layers = 3 * p + 2
-    t_layers += (n - t_layers) % p
-    if n - t_layers < max(MIN_SAVED_LAYERS, p):
+    rows = [sorted(by_layer[i]) for i in range(n)]
+    for head in range(min(MAX_HEAD_LAYERS, n) + 1):
+        p = layer_period(cfg, head)
+        t_layers = head + 3 * p + 2
+        t_layers += (n - t_layers) % p
+        if n - t_layers >= max(MIN_SAVED_LAYERS, p) and _repeats(rows, head, p) and all(
+                _repeats(v, head, p) for v in lists.values()):
+            break
+    else:
         return None
     raw["num_hidden_layers"] = t_layers
     for k, v in list(raw.items()):
@@ -67,17 +82,24 @@ def trim_plan(config_json: str, name: str, dtype: str, quant: str, double_quant:
             raw[k] = v[:t_layers]
     trimmed = json.dumps(raw, sort_keys=True)
     small = cached_config(trimmed, name)
-    if small.num_hidden_layers != t_layers or _per_layer_lists(small, t_layers) != {
-            k: v[:t_layers] for k, v in lists.items()}:
-        return None
-    return trimmed, t_layers, p, (n - t_layers) // p
+    kept = {k: v for k, v in _per_layer_lists(small, t_layers).items() if k in lists}  # a list that is as long as
+    if small.num_hidden_layers != t_layers or kept != {k: v[:t_layers] for k, v in lists.items()}:  # the trimmed
+        return None  # decoder by chance (Falcon-H1's 5 ssm_multipliers) is no per-layer list
+    return trimmed, t_layers, p, (n - t_layers) // p, head
 
 
-def expand(forwards: tuple, starts: list[list[int]], p: int, m: int) -> tuple | None:
+def expand(forwards: tuple, starts: list[list[int]], p: int, m: int, head: int = 0) -> tuple | None:
     """The tape of the full decoder from ``forwards`` (one tuple of ``(key, bytes)`` / ``(key, -1)`` events per
     forward, traced with T layers) and ``starts`` (per forward, the index of each layer's first event): ``m``
-    copies of the block of layers ``P+1 .. 2P`` inserted before it in every forward, keys renumbered in allocation
-    order. None where the blocks do not repeat (see the module docstring)."""
+    copies of the block of layers ``H+P+1 .. H+2P`` inserted before it in every forward (``head``: H), keys
+    renumbered in allocation order. None where the blocks do not repeat (see the module docstring)."""
+    found = expanded(forwards, starts, p, m, head)
+    return None if found is None else _renumber(found[0])
+
+
+def expanded(forwards: tuple, starts: list[list[int]], p: int, m: int, head: int = 0) -> tuple | None:
+    """:func:`expand` before its keys are renumbered: (per forward, its events, a copy's allocations keyed
+    ``("copy", forward, copy, index)``; the traced key each copy's allocation repeats), or None."""
     flat = [e for fw in forwards for e in fw]
     bounds, at = [], 0
     for fw in forwards:
@@ -85,9 +107,9 @@ def expand(forwards: tuple, starts: list[list[int]], p: int, m: int) -> tuple | 
         at += len(fw)
     regions = []  # per forward: (b1, b2, b3) as (start, end) in flat
     for f, st in enumerate(starts):
-        if len(st) < 3 * p + 2:
+        if len(st) < head + 3 * p + 2:
             return None
-        s = [bounds[f][0] + x for x in st]
+        s = [bounds[f][0] + x for x in st[head:]]
         regions.append(((s[1], s[p + 1]), (s[p + 1], s[2 * p + 1]), (s[2 * p + 1], s[3 * p + 1])))
     origin: dict = {}  # key -> (forward, block 0/1/2 or None, alloc index within the block)
     for f, (lo, hi) in enumerate(bounds):
@@ -109,7 +131,8 @@ def expand(forwards: tuple, starts: list[list[int]], p: int, m: int) -> tuple | 
         return None  # the first block's tensors, which the first copy frees, must be the second block's
     if not _frees_stay_local(flat, origin, regions, bounds):
         return None
-    return _renumber(_inserted(flat, origin, regions, bounds, m))
+    source: dict = {}
+    return _inserted(flat, origin, regions, bounds, m, source), source
 
 
 def _pattern(flat, origin, f: int, regions, b: int):
@@ -151,9 +174,9 @@ def _frees_stay_local(flat, origin, regions, bounds) -> bool:
     return True
 
 
-def _inserted(flat, origin, regions, bounds, m: int) -> list[list]:
+def _inserted(flat, origin, regions, bounds, m: int, source: dict) -> list[list]:
     """Per forward, its events with ``m`` copies of the second block before it; a copy's tensors get keys
-    ``("copy", forward, copy, index)``."""
+    ``("copy", forward, copy, index)``, and ``source`` maps each to the traced key it repeats."""
     out = []
     b1_keys = {}  # (forward, index) -> key of the first block's allocation
     for f in range(len(bounds)):
@@ -170,6 +193,7 @@ def _inserted(flat, origin, regions, bounds, m: int) -> list[list]:
             for k, n in block:
                 if n >= 0:
                     events.append((("copy", f, c, j), n))
+                    source[("copy", f, c, j)] = k
                     j += 1
                     continue
                 _, ob, idx = origin[k]

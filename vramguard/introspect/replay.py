@@ -26,13 +26,15 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import lru_cache
 from collections.abc import Set
 from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
 
+from vramguard.introspect.build import _quiet, cached_config, meta_model
 from vramguard.introspect.tracker import DataPolicy, StorageTracker
 from vramguard.memory.forward import BNB_4BIT_FUSED_MAX_ROWS
 from vramguard.settings import DTYPE_BYTES, Settings
@@ -202,30 +204,34 @@ def cache_tensors(cache) -> list[tuple[int, str, torch.Tensor]]:
     model-specific cache class."""
     found: list[tuple[int, str, torch.Tensor]] = []
     seen: set[int] = set()
-
-    def walk(obj, layer: int, attr: str, depth: int) -> None:
-        if depth > 4 or id(obj) in seen:
-            return
-        seen.add(id(obj))
-        if isinstance(obj, torch.Tensor):
-            found.append((layer, attr, obj))
-        elif isinstance(obj, (list, tuple)):
-            for i, v in enumerate(obj):
-                walk(v, i if layer < 0 and isinstance(obj, list) else layer, attr, depth + 1)
-        elif isinstance(obj, dict):
-            for k, v in obj.items():
-                walk(v, layer, f"{attr}.{k}" if attr else str(k), depth + 1)
-        elif hasattr(obj, "__dict__") and type(obj).__module__.startswith("transformers"):
-            for k, v in vars(obj).items():
-                walk(v, layer, k if not attr else f"{attr}.{k}", depth + 1)
-
     layers = getattr(cache, "layers", None)
     if isinstance(layers, list):
         for i, layer in enumerate(layers):
-            walk(layer, i, "", 0)
+            _walk(layer, i, "", 0, found, seen)
     else:
-        walk(cache, -1, "", 0)
+        _walk(cache, -1, "", 0, found, seen)
     return found
+
+
+def _walk(obj, layer: int, attr: str, depth: int, found: list, seen: set[int]) -> None:
+    """:func:`cache_tensors`' walk through ``obj``. A module-level function on purpose: a recursive closure is a
+    reference cycle (the function, its cell, the function) that would hold ``found``, and with it the cache's
+    tensors, until the garbage collector happens to run, so that an old K/V tensor the forward replaces stayed
+    live past its update in some replays and not in others, by the process's history."""
+    if depth > 4 or id(obj) in seen:
+        return
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        found.append((layer, attr, obj))
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            _walk(v, i if layer < 0 and isinstance(obj, list) else layer, attr, depth + 1, found, seen)
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            _walk(v, layer, f"{attr}.{k}" if attr else str(k), depth + 1, found, seen)
+    elif hasattr(obj, "__dict__") and type(obj).__module__.startswith("transformers"):
+        for k, v in vars(obj).items():
+            _walk(v, layer, k if not attr else f"{attr}.{k}", depth + 1, found, seen)
 
 
 def _inputs(s: Settings, past: int, chunk: int, tracker: StorageTracker) -> dict:
@@ -258,28 +264,84 @@ def _new_cache(model, config, s: Settings):
         return None
 
 
+@contextlib.contextmanager
+def layer_starts(model, layers: int | None, mark):
+    """Call ``mark`` as each decoder layer starts (a forward pre-hook on each layer of the one ``ModuleList`` of
+    ``layers`` modules named ``...layers``); yields whether that list was found (True without ``layers``)."""
+    import torch
+    if layers is None:
+        yield True
+        return
+    found = [m for n, m in model.named_modules() if isinstance(m, torch.nn.ModuleList) and n.endswith("layers")
+             and len(m) == layers]
+    handles = [layer.register_forward_pre_hook(lambda _m, _a: mark()) for layer in found[0]] if len(found) == 1 \
+        else []
+    try:
+        yield len(found) == 1
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@dataclass
+class Recording:
+    """What :func:`replay` records beside its result for a decoder of ``layers`` layers (the input of
+    :mod:`vramguard.introspect.replay_trim`): the tracker's events of the tracked forward (``(serial, raw bytes)``
+    / ``(serial, -1)``), ``notes`` (serial -> (label, where)), the cache's tensors adopted before it
+    (``events[:split]``) and the forward itself (``events[split:end]``), each layer's first event in each of those
+    two parts (``starts``) and the serials of the cache after it. ``found``: the decoder's layers were found and
+    the cache lists them (``cache.layers``)."""
+
+    layers: int
+    events: list = field(default_factory=list)
+    notes: dict = field(default_factory=dict)
+    split: int = 0
+    end: int = 0
+    starts: tuple = ((), ())
+    cache_serials: frozenset = frozenset()
+    found: bool = False
+
+
 def replay(model, config, s: Settings, past: int, chunk: int, quantized: Set[str] = frozenset(),
-           policy: DataPolicy | None = None) -> Replayed:
+           policy: DataPolicy | None = None, record: Recording | None = None) -> Replayed:
     """Replay one forward of ``chunk`` tokens per sequence after ``past`` cached ones (see the module docstring).
 
     ``model``: a meta model built with the attention implementation to replay (eager, sdpa, or
-    :data:`FA2_REPLAY`); ``quantized``: names of the modules the quantizer converts.
+    :data:`FA2_REPLAY`); ``quantized``: names of the modules the quantizer converts; ``record``: filled in as
+    :class:`Recording` says.
 
     Raises:
         vramguard.introspect.tracker.NotModelled: the forward branches on a value meta tensors do not have.
     """
-    from vramguard.introspect.build import _quiet
     with _quiet():
-        return _replay(model, config, s, past, chunk, quantized, policy)
+        return _replay(model, config, s, past, chunk, quantized, policy, record)
 
 
-def _replay(model, config, s: Settings, past: int, chunk: int, quantized, policy) -> Replayed:
+def _replay(model, config, s: Settings, past: int, chunk: int, quantized, policy, record=None) -> Replayed:
     from vramguard.introspect.mixers import replayed_paths
     with replayed_paths(model, s.kernels):
-        return _replay_forward(model, config, s, past, chunk, quantized, policy)
+        return _replay_forward(model, config, s, past, chunk, quantized, policy, record)
 
 
-def _replay_forward(model, config, s: Settings, past: int, chunk: int, quantized, policy) -> Replayed:
+def _adopt(tracker: StorageTracker, cache, record: Recording | None) -> None:
+    """Count the filled cache's tensors as live ``kv_cache`` (and, recording, where each layer's start)."""
+    held = cache_tensors(cache) if cache is not None else []
+    first: dict[int, int] = {}
+    for layer, _, t in held:
+        first.setdefault(layer, len(tracker.events or ()))
+        tracker.adopt(t, "kv_cache")
+    del held  # a name left bound would keep the last layer's old tensor alive past its update
+    if record is not None:
+        at = len(record.events)
+        starts = []
+        for i in reversed(range(record.layers)):
+            at = first.get(i, at)
+            starts.append(at)
+        record.starts = (tuple(starts[::-1]), ())
+
+
+def _replay_forward(model, config, s: Settings, past: int, chunk: int, quantized, policy,
+                    record: Recording | None = None) -> Replayed:
     from vramguard.memory.forward import sdpa_runs_math
     cache = _new_cache(model, config, s)
     name = cache_keyword(model)
@@ -291,15 +353,19 @@ def _replay_forward(model, config, s: Settings, past: int, chunk: int, quantized
             cache = getattr(out, name)
             del out
         labels = _Labels(model)
-        tracker = StorageTracker(label=labels, policy=policy or DataPolicy())
+        tracker = StorageTracker(label=labels, policy=policy or DataPolicy(),
+                                 events=record.events if record else None, notes=record.notes if record else None)
         flash = model.config._attn_implementation == "sdpa" and not sdpa_runs_math(s)
+        starts: list[int] = []
+        split = 0
+
+        def mark() -> None:  # a decoder layer starts (recording)
+            starts.append(len(record.events) - split if record else 0)
         with tracker, _module_hooks(labels), _bnb_transients(model, quantized, s, labels), \
-                (_FlashSdpa() if flash else contextlib.nullcontext()):
-            if cache is not None and cache_tensors(cache):
-                held = cache_tensors(cache)
-                for _, _, t in held:
-                    tracker.adopt(t, "kv_cache")
-                del held, t  # a name left bound would keep the last layer's old tensor alive past its update
+                (_FlashSdpa() if flash else contextlib.nullcontext()), \
+                layer_starts(model, record.layers if record else None, mark) as found:
+            _adopt(tracker, cache, record)
+            split = len(record.events) if record else 0
             out = model(**_inputs(s, past, chunk, tracker), **{name: cache}, use_cache=True,
                         logits_to_keep=logits_to_keep)
             labels.override = "logits"
@@ -310,6 +376,11 @@ def _replay_forward(model, config, s: Settings, past: int, chunk: int, quantized
             kv = cache_tensors(cache) if cache is not None else []
             relabel = {serial: "kv_cache" for serial in (tracker.serial(t) for _, _, t in kv) if serial is not None}
             components = tracker.peak_by_label(relabel)
+            if record is not None:
+                record.split, record.end, record.starts = split, len(record.events), (record.starts[0], tuple(starts))
+                record.cache_serials = frozenset(relabel)
+                record.found = found and isinstance(getattr(cache, "layers", None), list) and len(cache.layers) == \
+                    record.layers
     per_layer: dict[int, int] = {}
     for layer, _, t in kv:
         from vramguard.memory.weights import rounded
@@ -330,10 +401,16 @@ def _peak_where(peak, relabel: dict[int, str]) -> str:
     return "in_" + relabel.get(serial, peak.live[serial][1])
 
 
+@lru_cache(maxsize=8)
+def cached_replay_model(config_json: str, name: str, dtype: str, attn: str, sdpa_kernel: str):
+    """:func:`replay_model` of the config ``config_json`` for the dtype and attention given, memoized."""
+    s = Settings(quant="bf16", dtype=dtype if dtype != "bf16" else None, attn=attn, sdpa_kernel=sdpa_kernel)
+    return replay_model(cached_config(config_json, name), s)
+
+
 def replay_model(config, s: Settings):
     """The meta model to replay for ``s``: its dtype, and the attention implementation that would run
     (FlashAttention-2 through :data:`FA2_REPLAY`). Returns (model, note) where note says what was substituted."""
-    from vramguard.introspect.build import meta_model
     from vramguard.errors import ConfigError
     attn = s.effective_attn
     if attn == "flash_attention_2":

@@ -71,9 +71,10 @@ class StorageTracker(TorchDispatchMode):
     """
 
     def __init__(self, label: Callable[[], str] = lambda: "activations", policy: DataPolicy | None = None,
-                 events: list | None = None):
+                 events: list | None = None, notes: dict | None = None):
         super().__init__()
         self.events = events  # when a list: (serial, raw bytes) per allocation and (serial, -1) per free, in order
+        self.notes = notes  # when a dict: serial -> (label, where) of every allocation
         self.label = label
         self.policy = policy or DataPolicy()
         self.live: dict[int, tuple[int, str]] = {}  # serial -> (bytes, label)
@@ -110,6 +111,8 @@ class StorageTracker(TorchDispatchMode):
         self.by_label[label] += nbytes
         if self.events is not None:
             self.events.append((serial, st.nbytes()))
+        if self.notes is not None:
+            self.notes[serial] = (label, at)
         self.largest_alloc = max(self.largest_alloc, nbytes)
         if self.live_bytes > self.peak.bytes:
             self.peak = Peak(self.live_bytes, {k: v for k, v in self.by_label.items() if v}, at, dict(self.live))
@@ -148,11 +151,10 @@ class StorageTracker(TorchDispatchMode):
             x = args[0]
             return torch.empty((self.policy.rows(tuple(x.shape)), x.dim()), dtype=torch.long, device=x.device)
         out = _grouped_mm(args, kwargs) if func is aten._grouped_mm.default else func(*args, **kwargs)
-        inputs = {id(a.untyped_storage()) for a in tree_flatten((args, kwargs))[0]
-                  if isinstance(a, torch.Tensor) and a.device.type == "meta"}
-        name = str(func)
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and t.device.type == "meta":
+        inputs = {id(a.untyped_storage()) for a in _tensors((args, kwargs)) if a.device.type == "meta"}
+        name = _name(func)
+        for t in _tensors(out):
+            if t.device.type == "meta":
                 st = t.untyped_storage()
                 if id(st) not in inputs:  # a view or an in-place result shares its input's storage
                     self._add(st, self.label(), name)
@@ -171,6 +173,38 @@ class StorageTracker(TorchDispatchMode):
         if x.dtype == torch.bool:
             return False
         raise NotModelled(f"{func} on a meta tensor of dtype {x.dtype} (a value the forward branches on)")
+
+
+_NAMES: dict = {}  # operator -> str(operator), the name an allocation is reported at
+
+
+def _name(func) -> str:
+    name = _NAMES.get(func)
+    if name is None:
+        name = _NAMES[func] = str(func)
+    return name
+
+
+def _tensors(tree) -> list[torch.Tensor]:
+    """The tensors in ``tree`` (nested tuples, lists and dict values, as operators take and return them), in the
+    order ``torch.utils._pytree.tree_flatten`` lists its leaves; a container of another type is flattened by
+    ``tree_flatten`` itself."""
+    out: list[torch.Tensor] = []
+    stack = [tree]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, torch.Tensor):
+            out.append(x)
+        elif type(x) in (tuple, list):
+            stack.extend(reversed(x))
+        elif type(x) is dict:
+            stack.extend(reversed(list(x.values())))
+        elif x is None or type(x) in (int, float, bool, str) or isinstance(x, (torch.dtype, torch.device,
+                                                                              torch.layout, torch.memory_format)):
+            continue
+        else:
+            stack.extend(reversed([t for t in tree_flatten(x)[0] if isinstance(t, torch.Tensor)]))
+    return out
 
 
 def _grouped_mm(args, kwargs) -> torch.Tensor:
