@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from vramguard.errors import ConfigError
+from vramguard.inputs import check_index, open_regular, regular_file
 
 # bytes per element of each safetensors dtype (safetensors' ``Dtype`` enum); sub-byte types count per element
 DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8,
@@ -133,7 +134,6 @@ def read_local_header(path: Path) -> tuple[dict, int]:
     Raises:
         ConfigError: naming the file and what is wrong with it (empty, truncated, not safetensors, damaged).
     """
-    from vramguard.inputs import open_regular, regular_file
     size = regular_file(path, "MODEL", "safetensors file").st_size
     fix = f"re-download {path.name}: "
     if size < 8:
@@ -218,7 +218,6 @@ def check_weights(folder: str | os.PathLike) -> None:
         ConfigError: naming the file at fault and the fix.
     """
     folder = Path(folder)
-    from vramguard.inputs import check_index
     check_index(folder)
     for path in sorted(folder.glob("*.safetensors")):
         read_local_header(path)
