@@ -17,6 +17,8 @@ from __future__ import annotations
 import json
 import re
 from functools import lru_cache
+from vramguard.introspect.build import cached_config, text_config
+from vramguard.introspect.generic import _structure
 
 MIN_SAVED_LAYERS = 2  # fewer layers than this left out: trace them all
 
@@ -39,8 +41,6 @@ def trim_plan(config_json: str, name: str, dtype: str, quant: str, double_quant:
     """``(trimmed config JSON, layers traced T, period P, blocks inserted m)``, or None where the layers are not
     shown to repeat with period P: their tensors by layer (names after the index, shapes, dtypes) and every
     per-layer list of the config must repeat, and at least :data:`MIN_SAVED_LAYERS` layers must be left out."""
-    from vramguard.introspect.build import cached_config, text_config
-    from vramguard.introspect.generic import _structure
     raw = json.loads(config_json)
     cfg = cached_config(config_json, name)
     if text_config(cfg) is not cfg or not isinstance(raw.get("num_hidden_layers"), int):
