@@ -14,8 +14,6 @@ from vramguard.cli.options import (Attn, Format, Quant, attn_option, batch_optio
                                    prompt_tokens_option, quant_option, revision_option, say_fetched)
 from vramguard.cli.render import console, explanation_to_json, oomlog_to_json, print_explanation, print_oomlog
 from vramguard.errors import InvalidValue
-from vramguard.explain import explain as explain_fn, plan_candidates
-from vramguard.oomlog import oom_log as oom_log_fn
 from vramguard.resolve import resolve_model
 from vramguard.settings import Settings
 
@@ -28,6 +26,7 @@ def oom_log(
 ) -> None:
     """Read the kernel OOM killer's records and explain each kill ("Killed" -> which process, how much memory, why).
     Exits 1 when no kernel log could be read."""
+    from vramguard.oomlog import oom_log as oom_log_fn  # loaded when the command runs
     r = run_guarded(oom_log_fn, file, since, year, as_json=fmt == Format['json'])
     if fmt == Format['json']:
         write_json(oomlog_to_json(r))
@@ -88,6 +87,7 @@ def explain(
     """Classify a CUDA out-of-memory message: fragmentation, one allocation too large (algorithmic), memory held
     by other processes, or steady growth; also CUDA's own 'CUDA error: out of memory' (cuBLAS, NCCL, kernels), cuBLAS,
     MPS and accelerate offload errors; with the evidence and the fix."""
+    from vramguard.explain import explain as explain_fn, plan_candidates  # loaded when the command runs
 
     def build():
         text = read_message(message)

@@ -12,8 +12,6 @@ from vramguard.errors import InvalidValue, UnknownGpu
 from vramguard.hardware import detect_gpus, gpu_from_catalog, gpu_from_vram
 from vramguard.plan.choice import choose
 from vramguard.plan.limits import bound_by
-from vramguard.plan.multigpu import plan_gpus
-from vramguard.plan.multigpu.tensorparallel import check_tp_heads, check_tp_quant
 from vramguard.plan.planner import with_context
 from vramguard.resolve import resolve_model
 from vramguard.units import MiB, fmt_gib, parse_card_size
@@ -127,6 +125,8 @@ def plan_cards(model: str, s, cards: tuple, context: int | None, device_map: str
         InvalidValue: see :func:`resolve_cards`; ``--max-memory`` not one size or one per card.
     """
     # several cards' planner: loaded when a plan asks for them, not at the CLI's start
+    from vramguard.plan.multigpu import plan_gpus
+    from vramguard.plan.multigpu.tensorparallel import check_tp_heads, check_tp_quant
     gpus, tp, gpu, vram = cards
     spec = model if hasattr(model, "max_position_embeddings") else resolve_model(model)
     check_tp_heads(choose(spec).model, tp)  # a model fact: said before the cards are looked for

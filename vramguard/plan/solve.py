@@ -16,7 +16,6 @@ from vramguard.errors import VramguardError
 from vramguard.memory.model import MemoryModel
 from vramguard.plan.estimator import CardVerdict, Change, estimate, need_bytes
 from vramguard.plan.limits import largest as _largest
-from vramguard.plan.multigpu import plan_gpus
 from vramguard.settings import Settings
 from vramguard.units import fmt_bytes
 
@@ -208,6 +207,7 @@ def _second_card(model: MemoryModel, s: Settings, target: GpuSpec, need: int) ->
     :func:`vramguard.plan.multigpu.plan_gpus`, ``device_map='auto'``): the need of its fuller card, and fits only
     when every card fits and no module is left for CPU RAM. None when that split cannot be computed here (a
     package it needs is missing)."""
+    from vramguard.plan.multigpu import plan_gpus  # several cards' planner: loaded when one is suggested
     try:
         two = plan_gpus(model, s, gpus=[target, target], solve=False)
     except VramguardError:

@@ -38,7 +38,6 @@ from vramguard import diskcache
 from vramguard.errors import Infeasible, InvalidValue, NotPlannable
 from vramguard.plan import check_context, choose, estimate
 from vramguard.plan.solve import _largest
-from vramguard.run.fastdecode import check_model, graph_decode, graph_support
 from vramguard.run.sampling import (  # noqa: F401 -- MAX_SEED, SEED_ACCEPTED, check_seed: read here by serve
     MAX_SEED, SEED_ACCEPTED, check_generation_args, check_seed, eos_list, resolve_sampling)
 from vramguard.run.timing import RunTimings, stop_reason
@@ -392,6 +391,7 @@ def _graph_attempt(model, ids, remaining: int, tap: _Tap, sample: dict, chunk: i
     streaming through ``tap``."""
     import torch
 
+    from vramguard.run.fastdecode import graph_decode  # the graph decoder: loaded by a run, not by a plan
     tap.put(ids)  # the prompt, as transformers' streamers receive it first
     res = graph_decode(model, ids[0].tolist(), remaining, prefill_chunk_tokens=chunk, min_new_tokens=at_least,
                        eos_token_id=eos, on_token=lambda t: tap.put(torch.tensor([t])), **sample)
@@ -533,6 +533,7 @@ def fast_decode_choice(model, fast_decode: bool | None) -> tuple[bool, str]:
     :func:`vramguard.run.fastdecode.check_model` (which raises for a model the decoder cannot run); ``False``: no;
     ``None`` (the default): yes when the model is on one CUDA device and the decoder can run it exactly (a
     ``GraphDecoder`` still falls back to eager steps, and says so, when the capture fails)."""
+    from vramguard.run.fastdecode import check_model, graph_support  # as above: loaded by a run, not by a plan
     if fast_decode is not None:
         if fast_decode:
             check_model(model)
