@@ -23,6 +23,8 @@ from typing import Any
 
 from vramguard import diskcache
 from vramguard.errors import ConfigError
+from vramguard.introspect.build import config_from_dict, text_config
+from vramguard.introspect.keys import canonical_json
 from vramguard.settings import short_dtype
 
 # model_type -> structural traits that are not in config.json itself
@@ -223,7 +225,6 @@ def _through_transformers(cfg: dict[str, Any], name: str) -> tuple[dict[str, Any
     when transformers is not importable, or (None, None) when it rejects the config of a hand family. What
     transformers built is kept on disk (:mod:`vramguard.diskcache`, keyed by the config text, the name, the library
     versions and vramguard's code): a later read of the same config imports neither torch nor transformers."""
-    from vramguard.introspect.keys import canonical_json
     path = diskcache.entry_key("config", canonical_json(cfg), name)
     found = diskcache.read(path)
     if isinstance(found, tuple) and len(found) == 2 and isinstance(found[0], dict):
@@ -240,7 +241,6 @@ def _built_by_transformers(cfg: dict[str, Any], name: str) -> tuple[dict[str, An
         import transformers  # noqa: F401
     except ImportError as e:
         return None, f"transformers is not importable ({str(e).splitlines()[0][:160]})"
-    from vramguard.introspect.build import config_from_dict, text_config
     try:
         full = config_from_dict(cfg, name)
     except ConfigError as e:
@@ -265,7 +265,6 @@ def spec_from_config(cfg: dict[str, Any], name: str = "model", source: str = "co
         ConfigError: an encoder-decoder config, a ``model_type`` transformers does not know (or transformers is not
             installed and the family has no hand model), or a missing / non-positive size field.
     """
-    from vramguard.introspect.keys import canonical_json
     raw_json = canonical_json(cfg)
     if cfg.get("is_encoder_decoder"):
         raise ConfigError("config.json:is_encoder_decoder", True, "decoder-only causal LMs",

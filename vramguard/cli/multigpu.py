@@ -10,6 +10,7 @@ from vramguard.cli.common import write_json
 from vramguard.cli.render import console, finding_to_json, gib_cell, short_label, source_label, to_jsonable
 from vramguard.errors import InvalidValue, UnknownGpu
 from vramguard.hardware import detect_gpus, gpu_from_catalog, gpu_from_vram
+from vramguard.plan.choice import choose
 from vramguard.plan.limits import bound_by
 from vramguard.plan.planner import with_context
 from vramguard.resolve import resolve_model
@@ -126,7 +127,6 @@ def plan_cards(model: str, s, cards: tuple, context: int | None, device_map: str
     # several cards' planner: loaded when a plan asks for them, not at the CLI's start
     from vramguard.plan.multigpu import plan_gpus
     from vramguard.plan.multigpu.tensorparallel import check_tp_heads, check_tp_quant
-    from vramguard.plan.choice import choose
     gpus, tp, gpu, vram = cards
     spec = model if hasattr(model, "max_position_embeddings") else resolve_model(model)
     check_tp_heads(choose(spec).model, tp)  # a model fact: said before the cards are looked for

@@ -13,6 +13,7 @@ from rich.text import Text
 
 from vramguard.catalog.gpus import GPUS
 from vramguard.cli.flags import as_flags
+from vramguard.memory.allocator import ignored_options
 from vramguard.memory.kv import kv_growth_per_token
 from vramguard.plan import Plan
 from vramguard.plan.limits import bound_by
@@ -289,7 +290,6 @@ def allocator_line(est) -> str:
     if a is None:
         return ("reserved memory: the reserve formula (largest allocation plus 30% of the rest), which plans the "
                 "largest prompt about 12% short of the caching-allocator model's")
-    from vramguard.memory.allocator import ignored_options  # loaded by the plan that replayed it
     how = "expandable segments" if a.expandable_segments else "default segments"
     conf = f"PYTORCH_CUDA_ALLOC_CONF={est.alloc_conf}" if est.alloc_conf else "the default allocator"
     ignored = ignored_options(est.alloc_conf)

@@ -10,6 +10,7 @@ from typing import Optional
 
 import typer
 
+from vramguard.allocconf import prefer_expandable_segments
 from vramguard.cli.common import err, run_guarded, say, size_option, working, write_json
 from vramguard.cli.options import Format, Quant, format_option, max_new_tokens_option
 from vramguard.cli.render import to_jsonable
@@ -18,11 +19,14 @@ from vramguard.diskcache import environment_version
 from vramguard.errors import InvalidValue
 from vramguard.inputs import read_text, regular_file
 from vramguard.resolve import local_model_folder
+from vramguard.run.context import context_prompt
 from vramguard.run.generate import generate as generate_fn
 from vramguard.run.kernels import warm_triton
-from vramguard.run.prompt import prepare_prompt
+from vramguard.run.prompt import preflight_prompt, prepare_prompt
 from vramguard.run.sampling import check_generation_args
 from vramguard.run.timing import process_age_s
+from vramguard.runtime.load import default_quant, load_model
+from vramguard.runtime.tokenizer import no_tokenizer_error
 from vramguard.units import plural
 
 
@@ -179,8 +183,6 @@ def _load_for_run(req: RunRequest, text: str):
     # summary's import time holds them and the tokenizer and load times are their own work
     from transformers import AutoTokenizer, PreTrainedModel  # noqa: F401
 
-    from vramguard.run.prompt import preflight_prompt
-    from vramguard.runtime.load import default_quant, load_model
     import_s = time.perf_counter() - t0
     transformers.utils.logging.disable_progress_bar()
     on_cuda = torch.cuda.is_available()
@@ -196,7 +198,6 @@ def _load_for_run(req: RunRequest, text: str):
         loaded = load_model(model, quant=weights, verify=on_cuda, tokenizer=tokenizer)
     load_s = time.perf_counter() - t0
     if loaded.tokenizer is None:
-        from vramguard.runtime.tokenizer import no_tokenizer_error
         raise no_tokenizer_error(model, "the loaded model has no tokenizer")
     return loaded, prepared, weights, why, (import_s, prepare_s, load_s)
 
@@ -222,7 +223,6 @@ def _read_prompt(prompt: str | None, prompt_file: str | None) -> str:
 def _with_context(loaded, question: str, req: RunRequest, budget: int | None) -> str:
     """:func:`vramguard.run.context.context_prompt` over ``req.context`` (the prompt counted as it is sent, with
     ``req.chat_template``), its summary line on stderr."""
-    from vramguard.run.context import context_prompt
     packed, limit = context_prompt(loaded, loaded.tokenizer, question, req.context, chunk_tokens=req.chunk_tokens,
                                    max_new_tokens=req.max_new_tokens, budget_bytes=budget, auto=req.auto,
                                    summarize=req.summarize, chat=req.chat_template)
@@ -234,7 +234,6 @@ def _with_context(loaded, question: str, req: RunRequest, budget: int | None) ->
 
 def _allocator_note() -> None:
     """Expandable segments for this process unless the user set the allocator (see :mod:`vramguard.allocconf`)."""
-    from vramguard.allocconf import prefer_expandable_segments
     note = prefer_expandable_segments()
     if note:
         say(note)

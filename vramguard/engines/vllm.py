@@ -42,7 +42,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from vramguard.catalog.gpus import GpuSpec
+from vramguard.catalog.gpus import GPUS, GpuSpec
 from vramguard.dtypes import TORCH_BYTES
 from vramguard.engines import vllm_kv as kv
 from vramguard.engines import vllm_weights as w
@@ -451,7 +451,6 @@ def _fit_tp(spec: ModelSpec, gpu: GpuSpec, s: VllmSettings) -> VllmPlan | None:
 
 def _fit_card(spec: ModelSpec, gpu: GpuSpec, s: VllmSettings) -> VllmPlan | None:
     """The plan on the smallest catalog card larger than ``gpu`` that leaves room for KV blocks."""
-    from vramguard.catalog.gpus import GPUS
     for card in sorted(GPUS.values(), key=lambda g: g.total_bytes):
         if card.total_bytes > gpu.total_bytes:
             alt = _plan(spec, card, s)

@@ -8,7 +8,11 @@ from __future__ import annotations
 import re
 from dataclasses import replace
 
+from vramguard.errors import ConfigError
+from vramguard.hub.fetch import fetch_model
 from vramguard.hub.headers import CheckpointHeaders, read_local_checkpoint
+from vramguard.inputs import NotAFile, check_config
+from vramguard.spec import spec_from_config
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
@@ -49,9 +53,6 @@ def hub_spec(repo_id: str, revision: str | None = None, cached=None):
         HubError: the Hub or its cache cannot give the metadata (see :func:`vramguard.hub.fetch.fetch_model`).
         ConfigError: the config cannot be planned.
     """
-    from vramguard.hub.fetch import fetch_model
-    from vramguard.inputs import check_config
-    from vramguard.spec import spec_from_config
     m = cached or fetch_model(repo_id, revision)
     check_config(m.config, f"{repo_id}'s config.json")
     at = f"@{m.commit[:12]}" if m.commit else f"@{m.revision}"
@@ -68,8 +69,6 @@ def with_local_checkpoint(spec, folder):
     Raises:
         NotAFile: a weight file that is not a regular file (a FIFO, a device, a folder, a symlink loop).
     """
-    from vramguard.errors import ConfigError
-    from vramguard.inputs import NotAFile
     try:
         ck = read_local_checkpoint(folder)
     except NotAFile:  # a FIFO, a device or a symlink loop where a weight file belongs: refused, never waited on

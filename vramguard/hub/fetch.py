@@ -24,13 +24,8 @@ from pathlib import Path
 from vramguard.diskcache import vramguard_cache_dir
 from vramguard.errors import HubError
 from vramguard.hub.headers import (
-    CheckpointHeaders,
-    Fetched,
-    TensorHeader,
-    from_cache_json,
-    tensors_from_header,
-    to_cache_json,
-)
+    CheckpointHeaders, Fetched, TensorHeader, from_cache_json, read_local_checkpoint, tensors_from_header,
+    to_cache_json)
 
 HEADER_RANGE_BYTES = 100_001  # huggingface_hub's first range request per file: bytes=0-100000
 _QUANT_FILES = {"quantize_config.json": "gptq", "quant_config.json": "awq"}
@@ -275,7 +270,6 @@ def from_cache(repo_id: str, revision: str) -> HubModel | None:
     config.json is not there. Headers: vramguard's header cache, else the snapshot's own safetensors files."""
     from huggingface_hub import try_to_load_from_cache
 
-    from vramguard.hub.headers import read_local_checkpoint
     try:
         hit = try_to_load_from_cache(repo_id, "config.json", revision=revision)
     except ValueError:  # not a valid repo id: not in the cache

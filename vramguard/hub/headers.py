@@ -18,6 +18,7 @@ from pathlib import Path
 
 from vramguard.dtypes import SAFETENSORS_BYTES, SAFETENSORS_FLOATS
 from vramguard.errors import ConfigError
+from vramguard.inputs import check_index, open_regular, regular_file
 
 MAX_HEADER_BYTES = 100_000_000  # safetensors refuses larger headers (``MAX_HEADER_SIZE`` in safetensors' lib.rs)
 
@@ -130,7 +131,6 @@ def read_local_header(path: Path) -> tuple[dict, int]:
     Raises:
         ConfigError: naming the file and what is wrong with it (empty, truncated, not safetensors, damaged).
     """
-    from vramguard.inputs import open_regular, regular_file
     size = regular_file(path, "MODEL", "safetensors file").st_size
     fix = f"re-download {path.name}: "
     if size < 8:
@@ -215,7 +215,6 @@ def check_weights(folder: str | os.PathLike) -> None:
         ConfigError: naming the file at fault and the fix.
     """
     folder = Path(folder)
-    from vramguard.inputs import check_index
     check_index(folder)
     for path in sorted(folder.glob("*.safetensors")):
         read_local_header(path)

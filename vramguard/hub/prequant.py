@@ -27,10 +27,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from vramguard.dtypes import SAFETENSORS_FLOATS
+from vramguard.finding import Finding
 from vramguard.hub.headers import CheckpointHeaders, TensorHeader
 from vramguard.memory.weights import rounded, WeightBytes
 from vramguard.memory.model import MemoryModel
 from vramguard.settings import DTYPE_BYTES
+from vramguard.units import fmt_bytes
 
 # name endings of the packed / low-precision weight of a quantized layer
 _QWEIGHT_ENDINGS = (".qweight", ".weight_packed", "_blocks")
@@ -229,8 +231,6 @@ def prequant_findings(p) -> list:
     """Findings of a plan whose weights come from a pre-quantized checkpoint's headers: the stored bytes, what
     transformers does at load on the planned card (dequantized: the cost), a backend the load needs; or that a
     pre-quantized checkpoint's headers were not read."""
-    from vramguard.finding import Finding
-    from vramguard.units import fmt_bytes
     spec, s = p.model, p.settings
     if not spec.prequantized:
         return stored_findings(p)
@@ -269,8 +269,6 @@ def stored_findings(p) -> list:
     """For a 16-bit checkpoint whose headers were read: what it stores (bytes by dtype, parameters), and a
     warning when its parameter count and the planned model's differ by more than 1% (a config that does not
     describe these weights)."""
-    from vramguard.finding import Finding
-    from vramguard.units import fmt_bytes
     ck = getattr(p.model, "checkpoint", None)
     if ck is None or ck.format != "safetensors" or not ck.tensors:
         return []

@@ -35,13 +35,20 @@ import contextlib
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
-from vramguard.introspect import hand
+from vramguard.errors import NotPlannable
+from vramguard.introspect import hand, tape_cache
+from vramguard.introspect.build import _quiet, cached_config, text_config
+from vramguard.introspect.generic import _replay_model, _structure, structure_of
+from vramguard.introspect.layer_trim import expand, trim_plan
+from vramguard.introspect.mixers import replayed_paths
 from vramguard.memory import hand_tape
 from vramguard.memory.allocator import AllocatorConfig, Block, CachingAllocator, OutOfMemory
-from vramguard.memory.forward import BNB_4BIT_FUSED_MAX_ROWS
 from vramguard.memory.decode_steps import DecodeSteps, Placer
+from vramguard.memory.forward import BNB_4BIT_FUSED_MAX_ROWS, sdpa_runs_math
 from vramguard.memory.runtime import CUBLAS_WORKSPACE_BYTES
+from vramguard.memory.weights import BNB_4BIT_BLOCKSIZE, quantized_tensor_bytes, rounded
 from vramguard.settings import DTYPE_BYTES, Settings
+from vramguard.spec import SUPPORTED_MODEL_TYPES, spec_from_config
 
 @dataclass(frozen=True)
 class AllocatorReplay:
@@ -89,9 +96,6 @@ def load_events(spec, s: Settings) -> tuple[int, list[tuple[int, int]]]:
     and the 8-bit state (:func:`~vramguard.memory.weights.quantized_tensor_bytes`) before it frees both float32
     copies and the 16-bit weight (without double quant the first absmax is the state). An 8-bit weight is read,
     quantized to its ``numel`` bytes and state, and freed."""
-    from vramguard.introspect.generic import structure_of
-    from vramguard.memory.weights import BNB_4BIT_BLOCKSIZE, rounded
-    from vramguard.memory.weights import quantized_tensor_bytes
     act = DTYPE_BYTES[s.act_dtype]
     st = hand.structure(spec, s) if hand.covers(spec) else structure_of(spec, s)
     tensors = sorted((t for t in st.tensors if t.nbytes or t.kind == "quantized"),
@@ -169,7 +173,6 @@ def share_tapes(spec, s: Settings) -> None:
     process's caches, so that processes forked after it (the card searches of a plan) find them there instead of
     each computing them again. Where they cannot be computed (NotPlannable), nothing: the replay that needs them
     says so."""
-    from vramguard.errors import NotPlannable
     if supported(s) and spec.config_json:
         with contextlib.suppress(NotPlannable):
             _decode_tape(spec, s, True, later_steps=False)
@@ -186,7 +189,6 @@ def replay_generate(spec, s: Settings, config: AllocatorConfig, rescale: bool = 
     Raises NotPlannable where transformers' forward cannot run for these settings (as the planner's replay)."""
     if not supported(s) or not spec.config_json:
         return None
-    from vramguard.introspect import tape_cache
     path = tape_cache.tape_path("replay", repr(spec), s, config, rescale, later_steps)
     found = tape_cache.read_record(path) if path is not None else None
     if found is not None:
@@ -279,7 +281,6 @@ def _decode_tape(spec, s: Settings, rescale: bool,
                 return [e for fw in forwards[:k + 2] for e in fw], steps, (
                     f"{why}: the prefill and decode steps 1 to {k + 1} were replayed in full, later steps "
                     f"extrapolated from steps {k} and {k + 1}")
-    from vramguard.errors import NotPlannable
     raise NotPlannable("max_new_tokens", s.max_new_tokens, f"at most {FULL_REPLAY_MAX_NEW_TOKENS} new tokens "
                        f"where no two of the first {FALLBACK_STEPS} decode steps allocate the same tensors ({why})",
                        f"plan max_new_tokens={FULL_REPLAY_MAX_NEW_TOKENS} or fewer, or with alloc_conf=None (the "
@@ -308,7 +309,6 @@ def _breakpoints(config_json: str, name: str) -> tuple[int, ...]:
     spec = _hand_spec(config_json, name)
     if spec is not None:
         return hand.breakpoints(spec)
-    from vramguard.introspect.build import cached_config, text_config
     cfg = text_config(cached_config(config_json, name))
     found = {getattr(cfg, k, None) for k in ("sliding_window", "attention_chunk_size",
                                               "original_max_position_embeddings")}
@@ -383,7 +383,6 @@ def _cached_events(config_json: str, name: str, key: Settings, prompt: int, new:
     spec = _hand_spec(config_json, name)
     if spec is not None and hand_tape.covers(spec, key):
         return hand.forwards(spec, key, prompt, new, steps)
-    from vramguard.introspect import tape_cache
     path = tape_cache.tape_path(config_json, name, key, prompt, new, steps)
     if path is None:
         return _record_events(config_json, name, key, prompt, new, steps)
@@ -399,7 +398,6 @@ def _hand_spec(config_json: str, name: str):
     """The hand family's spec of ``config_json`` where :mod:`vramguard.introspect.hand` answers it, else None."""
     import json
 
-    from vramguard.spec import SUPPORTED_MODEL_TYPES, spec_from_config
     raw = json.loads(config_json)
     if raw.get("model_type") not in hand.FAMILIES or raw.get("model_type") not in SUPPORTED_MODEL_TYPES:
         return None
@@ -411,7 +409,6 @@ def _record_events(config_json: str, name: str, key: Settings, prompt: int, new:
     """:func:`_cached_events` recorded: transformers' forward on the meta device under the storage tracker, on a
     decoder of a few layers whose blocks are repeated where its layers repeat
     (:mod:`vramguard.introspect.layer_trim`: the same tape, keys included), else on every layer."""
-    from vramguard.introspect.layer_trim import expand, trim_plan
     s = key
     plan = trim_plan(config_json, name, s.act_dtype, s.quant, s.double_quant, s.resolved_compute_dtype)
     if plan is not None:
@@ -424,7 +421,6 @@ def _record_events(config_json: str, name: str, key: Settings, prompt: int, new:
             return found + ((),) * (len(traced[0]) - len(found))
     traced = _trace(config_json, name, key, prompt, new, steps)
     if traced is None:  # without ``layers`` the trace always has its events
-        from vramguard.errors import NotPlannable
         raise NotPlannable("model", name, "a forward whose allocations can be traced",
                            "plan with alloc_conf=None (the reserve formula)")
     return traced[0]
@@ -436,12 +432,8 @@ def _trace(config_json: str, name: str, key: Settings, prompt: int, new: int, st
     in its forward (None where no one list of that many decoder layers is found)."""
     import torch
 
-    from vramguard.introspect.build import _quiet, cached_config, text_config
-    from vramguard.introspect.generic import _replay_model, _structure
-    from vramguard.introspect.mixers import replayed_paths
     from vramguard.introspect.replay import _new_cache, cache_keyword, layer_starts
     from vramguard.introspect.tracker import DataPolicy, StorageTracker
-    from vramguard.memory.forward import sdpa_runs_math
     s = key.with_(prompt_tokens=prompt, max_new_tokens=new)
     model, _note = _replay_model(config_json, name, s.act_dtype, s.effective_attn, s.sdpa_kernel)
     quantized = set(_structure(config_json, name, s.act_dtype, s.quant, s.double_quant,

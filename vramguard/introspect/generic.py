@@ -14,31 +14,32 @@ from __future__ import annotations
 from functools import lru_cache
 
 from vramguard.dtypes import TORCH_BYTES
-from vramguard.errors import NotModelled
+from vramguard.errors import ConfigError, NotModelled, NotPlannable
+from vramguard.hub.headers import read_local_header
+from vramguard.introspect.build import _quiet, cached_config, cached_structure, meta_model, text_config
+from vramguard.introspect.mixers import kernel_paths as paths
+from vramguard.introspect.replay_trim import trimmed_replay
 from vramguard.memory.forward import ForwardPeak
 from vramguard.memory.kv import SCALE_ZERO_BYTES, KvBytes
 from vramguard.memory.model import LoadPlan
+from vramguard.memory.runtime import RESERVE_SEGMENT_BYTES
 from vramguard.memory.weights import LinearGroup, WeightBytes, quantized_tensor_bytes, rounded
 from vramguard.settings import DTYPE_BYTES, KV_BITS, Settings, short_dtype
 
 
 def _config(spec):
-    from vramguard.introspect.build import cached_config
     if not spec.config_json:
-        from vramguard.errors import ConfigError
         raise ConfigError("model", spec.name, "a model with its config.json",
                           "plan a model folder, a config.json or a catalog name")
     return cached_config(spec.config_json, spec.name)
 
 
 def _text(spec):
-    from vramguard.introspect.build import text_config
     return text_config(_config(spec))
 
 
 # ---- weights ------------------------------------------------------------------------------------------------------
 def _structure(config_json: str, name: str, dtype: str, quant: str, double_quant: bool, compute: str):
-    from vramguard.introspect.build import cached_structure
     return cached_structure(config_json, name, dtype, quant, double_quant, compute)
 
 
@@ -88,7 +89,6 @@ def weights_of(st, embed_names: dict[str, frozenset[str]], s: Settings) -> Weigh
 
 @lru_cache(maxsize=32)
 def _embedding_names_cached(config_json: str, name: str) -> dict[str, frozenset[str]]:
-    from vramguard.introspect.build import cached_config, meta_model
     model = meta_model(cached_config(config_json, name), "bf16")
     out_mod, in_mod = model.get_output_embeddings(), model.get_input_embeddings()
     from torch import nn
@@ -106,7 +106,6 @@ def _embedding_names_cached(config_json: str, name: str) -> dict[str, frozenset[
 def _learned_positions(config_json: str, name: str) -> int | None:
     from torch import nn
 
-    from vramguard.introspect.build import cached_config, meta_model, text_config
     model = meta_model(cached_config(config_json, name), "bf16")
     cfg = text_config(cached_config(config_json, name))
     ctx = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
@@ -146,9 +145,7 @@ def _replay_model(config_json: str, name: str, dtype: str, attn: str, sdpa_kerne
 
 @lru_cache(maxsize=512)
 def _replayed(config_json: str, name: str, s: Settings, past: int, chunk: int):
-    from vramguard.introspect.build import cached_config, text_config
     from vramguard.introspect.replay import replay
-    from vramguard.introspect.replay_trim import trimmed_replay
     found = trimmed_replay(config_json, name, s, past, chunk)  # a few layers traced, the rest repeated
     if found is not None:
         return found
@@ -171,7 +168,6 @@ def replayed(spec, s: Settings, past: int, chunk: int):
     try:
         return _replayed(spec.config_json, spec.name, canonical, past, chunk)
     except (RuntimeError, ValueError, TypeError, KeyError, IndexError, AttributeError, NotModelled) as e:
-        from vramguard.errors import NotPlannable
         where = f"{chunk} tokens after {past}" + (f", a {s.cache} cache" if s.cache != "dynamic" else "")
         raise NotPlannable("settings", where, "settings this architecture's forward runs with",
                            f"transformers' forward raised {type(e).__name__}: {str(e).splitlines()[0][:200]}; "
@@ -186,7 +182,6 @@ def replay_note(spec, s: Settings) -> str | None:
 def kernel_paths(spec, s: Settings):
     """The kernel-backed functions of the forward replayed for ``s`` and the path each takes
     (:func:`vramguard.introspect.mixers.kernel_paths`)."""
-    from vramguard.introspect.mixers import kernel_paths as paths
     return paths(_replay_model(spec.config_json, spec.name, s.act_dtype, s.effective_attn, s.sdpa_kernel)[0])
 
 
@@ -332,7 +327,6 @@ def load_plan_of(w: WeightBytes, st, converted: dict[str, tuple[int, int]], s: S
     warmup = -(-warmup // WARMUP_ROUND) * WARMUP_ROUND
     for nbytes, n_ops in converted.values():
         transient = max(transient, nbytes * (1 + n_ops))
-    from vramguard.memory.runtime import RESERVE_SEGMENT_BYTES
     return LoadPlan(w.total_bytes, warmup, transient, w.total_bytes + transient + RESERVE_SEGMENT_BYTES,
                     tuple(sorted(converted)))
 
@@ -341,7 +335,6 @@ def load_plan_of(w: WeightBytes, st, converted: dict[str, tuple[int, int]], s: S
 def _conversion_rules(config_json: str, name: str) -> tuple:
     """transformers' WeightConverters for the model (``conversion_mapping.get_model_conversion_mapping``) that
     change tensors (not renames): ``((source patterns, target patterns, number of operations), ...)``."""
-    from vramguard.introspect.build import _quiet, cached_config, meta_model
     try:
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import WeightConverter
@@ -377,8 +370,6 @@ def _checkpoint_keys(source: str) -> tuple[str, ...] | None:
     files = sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
     if not files:
         return None
-    from vramguard.errors import ConfigError
-    from vramguard.hub.headers import read_local_header
     keys: list[str] = []
     for f in files:
         try:  # the checked reader: a FIFO or a damaged file is refused, never waited on

@@ -18,6 +18,7 @@ import json
 from functools import lru_cache
 
 from vramguard.introspect.build import Structure, TensorInfo
+from vramguard.introspect.generic import load_plan_of, weights_of
 from vramguard.introspect.layer_trim import MIN_SAVED_LAYERS, expand
 from vramguard.memory import hand_tape
 from vramguard.settings import DTYPE_BYTES, TORCH_DTYPE_NAMES, Settings
@@ -98,7 +99,6 @@ def embedding_names(spec) -> dict[str, frozenset[str]]:
 
 def load_plan(spec, s: Settings):
     """:func:`vramguard.introspect.generic.load_plan` for a spec :func:`covers` (no weight is converted at load)."""
-    from vramguard.introspect.generic import load_plan_of, weights_of
     st = structure(spec, s)
     return load_plan_of(weights_of(st, embedding_names(spec), s), st, {}, s)
 

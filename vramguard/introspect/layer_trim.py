@@ -20,6 +20,8 @@ import json
 import re
 from functools import lru_cache
 
+from vramguard.introspect.build import cached_config, cached_structure, text_config
+
 MIN_SAVED_LAYERS = 2  # fewer layers than this left out: trace them all
 MAX_HEAD_LAYERS = 4  # leading layers unlike the rest that are traced as they are (DeepSeek-V3: 3 dense layers)
 
@@ -50,7 +52,6 @@ def trim_plan(config_json: str, name: str, dtype: str, quant: str, double_quant:
     by layer (names after the index, shapes, dtypes) and every per-layer list of the config must repeat, and at
     least :data:`MIN_SAVED_LAYERS` layers must be left out. The smallest such H is taken (a period as long as the
 decoder repeats trivially, but leaves nothing out)."""
-    from vramguard.introspect.build import cached_config, cached_structure, text_config
     raw = json.loads(config_json)
     cfg = cached_config(config_json, name)
     if text_config(cfg) is not cfg or not isinstance(raw.get("num_hidden_layers"), int):

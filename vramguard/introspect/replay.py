@@ -34,9 +34,12 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from vramguard.errors import ConfigError
 from vramguard.introspect.build import _quiet, cached_config, meta_model
+from vramguard.introspect.mixers import replayed_paths
 from vramguard.introspect.tracker import DataPolicy, StorageTracker
-from vramguard.memory.forward import BNB_4BIT_FUSED_MAX_ROWS
+from vramguard.memory.forward import BNB_4BIT_FUSED_MAX_ROWS, sdpa_runs_math
+from vramguard.memory.weights import rounded
 from vramguard.settings import DTYPE_BYTES, Settings
 
 FA2_REPLAY = "vramguard_fa2"  # registered in transformers' AttentionInterface for the replay
@@ -318,7 +321,6 @@ def replay(model, config, s: Settings, past: int, chunk: int, quantized: Set[str
 
 
 def _replay(model, config, s: Settings, past: int, chunk: int, quantized, policy, record=None) -> Replayed:
-    from vramguard.introspect.mixers import replayed_paths
     with replayed_paths(model, s.kernels):
         return _replay_forward(model, config, s, past, chunk, quantized, policy, record)
 
@@ -342,7 +344,6 @@ def _adopt(tracker: StorageTracker, cache, record: Recording | None) -> None:
 
 def _replay_forward(model, config, s: Settings, past: int, chunk: int, quantized, policy,
                     record: Recording | None = None) -> Replayed:
-    from vramguard.memory.forward import sdpa_runs_math
     cache = _new_cache(model, config, s)
     name = cache_keyword(model)
     logits_to_keep = 0 if s.logits == "all" else 1
@@ -383,7 +384,6 @@ def _replay_forward(model, config, s: Settings, past: int, chunk: int, quantized
                     record.layers
     per_layer: dict[int, int] = {}
     for layer, _, t in kv:
-        from vramguard.memory.weights import rounded
         per_layer[layer] = per_layer.get(layer, 0) + (rounded(t.untyped_storage().nbytes()) if t.numel() else 0)
     n_layers = max(per_layer) + 1 if per_layer else 0
     return Replayed(tracker.peak.bytes, components, _peak_where(tracker.peak, relabel), tracker.largest_alloc,
@@ -411,7 +411,6 @@ def cached_replay_model(config_json: str, name: str, dtype: str, attn: str, sdpa
 def replay_model(config, s: Settings):
     """The meta model to replay for ``s``: its dtype, and the attention implementation that would run
     (FlashAttention-2 through :data:`FA2_REPLAY`). Returns (model, note) where note says what was substituted."""
-    from vramguard.errors import ConfigError
     attn = s.effective_attn
     if attn == "flash_attention_2":
         _register_fa2()

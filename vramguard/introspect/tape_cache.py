@@ -23,6 +23,8 @@ from functools import lru_cache
 from pathlib import Path
 
 from vramguard.diskcache import write_text_gz
+from vramguard.hub.fetch import header_cache_dir
+from vramguard.introspect.mixers import installed_packages
 
 # the modules whose code decides what a tape holds (vramguard/introspect/*, and the memory rules they read)
 _SOURCES = ("alloc_replay.py", "build.py", "generic.py", "keys.py", "layer_trim.py", "mixers.py", "replay.py",
@@ -44,7 +46,6 @@ def tape_cache_dir() -> Path:
     given = os.environ.get("VRAMGUARD_TAPE_CACHE", "").strip()
     if given and given.lower() not in ("1", "true", "yes", "on"):
         return Path(given).expanduser()
-    from vramguard.hub.fetch import header_cache_dir
     return header_cache_dir().parent / "tapes"
 
 
@@ -52,7 +53,6 @@ def tape_cache_dir() -> Path:
 def _code_version() -> str | None:
     """SHA-256 of the tape-recording modules' source, and the torch and transformers versions; None when a source
     file cannot be read (an install without sources: no tape is cached)."""
-    from vramguard.introspect.mixers import installed_packages
     h = hashlib.sha256(f"{_version('torch')}|{_version('transformers')}|{installed_packages()}".encode())
     here = Path(__file__).parent
     try:

@@ -3,11 +3,15 @@
 
 from __future__ import annotations
 
+from vramguard.allocconf import env_alloc_conf
 from vramguard.finding import Finding
 from vramguard.introspect.alloc_replay import (allowed_bytes, loaded_reserved_bytes, not_covered, replay_generate,
                                                share_tapes, supported)
-from vramguard.memory.allocator import AllocatorConfig
+from vramguard.memory.allocator import AllocatorConfig, backend
+from vramguard.plan.estimator import need_bytes
+from vramguard.plan.limits import largest as _largest
 from vramguard.settings import Settings
+from vramguard.units import fmt_bytes
 
 
 def with_allocator(model, s: Settings, est, cards: list, conf: AllocatorConfig, alloc_conf: str, solve: bool,
@@ -179,7 +183,10 @@ class _Forked:
         import gc
         import os
         import pickle
-        with os.fdopen(self.read, "rb") as f:
+        read = self.read
+        if read is None:
+            raise RuntimeError("the forked card searches' results were read already")
+        with os.fdopen(read, "rb") as f:
             self.read, data = None, f.read()
         _, status = os.waitpid(self.pid, 0)
         self.pid = 0
@@ -210,7 +217,6 @@ def auto_alloc_conf(spec, s: Settings) -> tuple[str | None, AllocatorConfig | No
     environment value that is not allocator options (a ``warn``: PyTorch refuses it at the first CUDA allocation)."""
     import importlib.util
 
-    from vramguard.allocconf import env_alloc_conf
     env = env_alloc_conf()
     if not spec.config_json:
         return None, None, reserve_formula_finding("the model has no config.json to build its forward from")
@@ -224,7 +230,6 @@ def auto_alloc_conf(spec, s: Settings) -> tuple[str | None, AllocatorConfig | No
     if missing:
         return None, None, reserve_formula_finding(
             f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not installed", fix=GPU_EXTRA_FIX)
-    from vramguard.memory.allocator import backend
     if backend(env) != "native":  # a valid setting, but another allocator than the one modelled
         return None, None, reserve_formula_finding(
             f"PYTORCH_CUDA_ALLOC_CONF={env!r} selects the {backend(env)} backend, not the caching allocator the "
@@ -277,7 +282,6 @@ def freed_before_finding(est, asked: bool) -> Finding | None:
                        "a request that does not fit the rest of the range goes past those blocks and reserves more",
                        "for a plan that holds to the byte, load the model in a fresh process (vramguard run, or a "
                        "script of its own)")
-    from vramguard.units import fmt_bytes
     fresh = est.fresh_layout_reserved_bytes
     if up > fresh:
         what = f"the fit and the largest prompt are those of the upward layout, the larger by {fmt_bytes(up - fresh)}"
@@ -346,8 +350,6 @@ def _edge(replay, model, s: Settings, config: AllocatorConfig, formula_tokens: i
     the modelled peaks at 1 and 4,096 tokens. Then steps from the guess that double until the edge is bracketed
     (up while the prompt fits, down while it does not), then bisection to 0.25%. A guess off by a factor k costs
     about log2(k * 100) replays, not k * 50."""
-    from vramguard.plan.estimator import need_bytes
-    from vramguard.plan.limits import largest as _largest
     lo = max(1, min(formula_tokens or 1, ctx))
 
     def fits(p: int) -> bool:

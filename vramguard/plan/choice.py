@@ -20,10 +20,12 @@ from vramguard.errors import InvalidValue, NotPlannable
 from vramguard.finding import Finding
 from vramguard.hub.prequant import CheckpointModel, uses_headers
 from vramguard.introspect import hand
+from vramguard.introspect.alloc_replay import not_covered
 from vramguard.introspect.generic import load_plan as transformers_load_plan
 from vramguard.introspect.model import META, TransformersModel
 from vramguard.memory.allocator import AllocatorConfig
 from vramguard.memory.model import HandModel, LoadPlan, MemoryModel
+from vramguard.plan.allocator import GPU_EXTRA_FIX, auto_alloc_conf, reserve_formula_finding
 from vramguard.settings import Settings
 from vramguard.spec import ModelSpec
 
@@ -96,8 +98,6 @@ def choose(spec: ModelSpec, s: Settings | None = None, alloc_conf: str | None = 
 
 def _reserve(spec: ModelSpec, s: Settings, alloc_conf: str | None) -> tuple[Reserve, Finding | None]:
     """:func:`choose`'s reserve strategy and its finding."""
-    from vramguard.introspect.alloc_replay import not_covered
-    from vramguard.plan.allocator import GPU_EXTRA_FIX, auto_alloc_conf, reserve_formula_finding
     if alloc_conf is None:
         return Reserve(None), None
     if alloc_conf == AUTO:

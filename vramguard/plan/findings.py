@@ -3,11 +3,14 @@ stake and the fix. Each finding is computed from the plan's own numbers (never a
 
 from __future__ import annotations
 
+from vramguard.hub.prequant import uses_headers
 from vramguard.memory.forward import eager_bytes_per_score, logits_bytes
+from vramguard.memory.kv import SCALE_ZERO_BYTES
 from vramguard.memory.model import MemoryModel
+from vramguard.memory.runtime import CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES
 from vramguard.plan.estimator import Finding, Plan
 from vramguard.plan.rules import attention_map_bytes, dequantized_weight_bytes
-from vramguard.settings import DTYPE_BYTES
+from vramguard.settings import DTYPE_BYTES, KV_BITS
 from vramguard.units import fmt_bytes, fmt_gib
 
 
@@ -49,7 +52,6 @@ def plan_findings(p: Plan, model: MemoryModel) -> list[Finding]:
 def _card_findings(p: Plan, out: list, model: MemoryModel) -> None:
     """Weights larger than a card; settings the cards cannot run (FA2, bf16 below compute capability 8.0) and
     the compute dtype."""
-    from vramguard.memory.runtime import CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES
     s, est = p.settings, p.estimate
     floor = est.weights.total_bytes + CUBLAS_WORKSPACE_BYTES + CUDA_CONTEXT_BYTES
     for card in p.cards:
@@ -129,8 +131,6 @@ def _memory_findings(p: Plan, out: list) -> None:
                            f"({fmt_bytes(est.weights.total_bytes)})",
                            "quantize the KV cache (kv_dtype=int8/int4) or shorten the context", kv))
     if s.resolved_kv_dtype in ("int8", "int4"):
-        from vramguard.memory.kv import SCALE_ZERO_BYTES
-        from vramguard.settings import KV_BITS
         packed, extra = KV_BITS[s.resolved_kv_dtype] / 8, SCALE_ZERO_BYTES / s.kv_group_size
         kv = est.kv_full.gpu_bytes + est.kv_full.cpu_bytes
         out.append(Finding("kv_quantized_format", "info",
@@ -156,7 +156,6 @@ def _memory_findings(p: Plan, out: list) -> None:
                            "plan with the weights in 16-bit in mind (a larger card, several GPUs), or use a "
                            "checkpoint quantized with a method that converts 3-D expert weights", dense))
     if spec.prequantized and s.is_bnb and spec.prequantized != "bitsandbytes":
-        from vramguard.hub.prequant import uses_headers
         own = uses_headers(spec)  # the weights are then the checkpoint's own tensors already
         out.append(Finding("prequantized", "info" if own else "warn", f"the checkpoint is already quantized "
                            f"({spec.prequantized}); quant={s.quant} does not apply to it"

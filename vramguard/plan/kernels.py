@@ -10,6 +10,10 @@ from dataclasses import dataclass
 from typing import Callable
 
 from vramguard.catalog.gpus import GpuSpec
+from vramguard.finding import Finding
+from vramguard.hardware import detect_gpus
+from vramguard.introspect.generic import kernel_paths
+from vramguard.introspect.mixers import describe, installed_packages
 from vramguard.settings import Settings
 
 
@@ -31,7 +35,6 @@ def this_machine(gpus: list[GpuSpec], cards_reason: str) -> bool:
     """Whether the plan's cards are this machine's GPU: the detected one, a size given (``vram=``) on a machine with
     a GPU, or the catalog card this machine's GPU is (same memory and compute capability). False without a GPU
     here: the packages installed on the machine that will run cannot be seen from this one."""
-    from vramguard.hardware import detect_gpus
     if cards_reason.startswith("detected"):
         return True
     found = detect_gpus().gpus
@@ -49,8 +52,6 @@ def choose_path(model, s: Settings, gpus: list[GpuSpec], cards_reason: str,
     None for a model without a kernel-backed mixer (the path changes nothing). Where both paths are planned, the
     one whose card need (``estimate.device_used_bytes``, then the peak allocated) is larger is returned, its
     settings' ``kernels`` set to that path."""
-    from vramguard.introspect.generic import kernel_paths
-    from vramguard.introspect.mixers import installed_packages
     spec = model.spec  # a MemoryModel (vramguard.plan.choice.choose): only transformers' replays kernel paths
     paths = kernel_paths(spec, s) if model.needs_transformers and spec.config_json else ()
     if not paths:
@@ -79,9 +80,6 @@ def kernel_finding(p):
     package and why (:attr:`KernelChoice.why`)."""
     import transformers
 
-    from vramguard.finding import Finding
-    from vramguard.introspect.generic import kernel_paths
-    from vramguard.introspect.mixers import describe
     choice = p.kernel_path
     return Finding("mixer_path", "info", describe(kernel_paths(p.model, p.settings), transformers.__version__,
                                                   choice.replayed, choice.why))

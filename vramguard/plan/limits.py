@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+from vramguard.errors import InvalidValue
 from vramguard.settings import Settings
 from vramguard.spec import ModelSpec
 
@@ -48,7 +49,6 @@ def check_context(spec: ModelSpec, s: Settings,
                   beyond: str | None = " (a RoPE-scaled model may allow more: plan with context=N)") -> None:
     """Raise InvalidValue when ``prompt + new tokens`` exceeds the model's ``max_position_embeddings``; ``beyond``
     ends the fix (how to plan past the config's context; None where that is not possible, e.g. a loaded model)."""
-    from vramguard.errors import InvalidValue
     ctx, prompt, new = spec.max_position_embeddings, s.prompt_tokens, s.max_new_tokens
     if s.total_tokens > ctx:
         def tokens(n: int, kind: str = "") -> str:

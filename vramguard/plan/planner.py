@@ -8,16 +8,26 @@ pre-quantized checkpoint's headers; the reserve formula or the caching-allocator
 
 from __future__ import annotations
 
-from vramguard.catalog.gpus import GpuSpec
-from vramguard.finding import Finding
 from vramguard import diskcache as cache
+from vramguard.allocconf import env_alloc_conf
+from vramguard.catalog.gpus import GpuSpec
+from vramguard.errors import InvalidValue, NotPlannable
+from vramguard.finding import Finding
+from vramguard.hardware import require_card_name, require_gpu_specs, resolve_gpus
+from vramguard.hub import for_cards
+from vramguard.hub.prequant import prequant_findings
 from vramguard.memory.model import MemoryModel
+from vramguard.plan import verified
+from vramguard.plan.allocator import (
+    decode_replay_finding, freed_before_finding, process_freed_memory, reserve_formula_finding, with_allocator)
 from vramguard.plan.choice import AUTO, Choice, choose
 from vramguard.plan.estimator import CardVerdict, MemoryEstimate, Plan, estimate, verdict
 from vramguard.plan.findings import plan_findings
+from vramguard.plan.kernels import choose_path, kernel_finding
 from vramguard.plan.limits import check_context
 from vramguard.plan.solve import ranked_changes, solve_card
-from vramguard.settings import Settings
+from vramguard.resolve import resolve_model
+from vramguard.settings import MAX_TOKENS, Settings, require_bool, require_settings
 from vramguard.spec import ModelSpec
 
 __all__ = ["AUTO", "plan", "with_context"]
@@ -54,8 +64,6 @@ def plan(model: str | ModelSpec, settings: Settings | None = None, *, gpu: str |
             options; a ``freed_before`` that is not a bool or None; an argument of another type than the one named
             here (:func:`_check_arguments`).
     """
-    from vramguard.hardware import resolve_gpus
-    from vramguard.resolve import resolve_model
 
     _check_arguments(settings, gpu, vram, gpus, solve, alloc_conf)
     spec = model if isinstance(model, ModelSpec) else resolve_model(model)
@@ -69,7 +77,6 @@ def plan(model: str | ModelSpec, settings: Settings | None = None, *, gpu: str |
         gpus, why = resolve_gpus(gpu, vram)
     else:
         why = "given"
-    from vramguard.hub import for_cards
     spec = for_cards(spec, gpus)  # the card decides how a pre-quantized checkpoint loads
     path = _cache_entry(spec, s, gpus, why, solve, alloc_conf, freed_before)
     found = cache.read(path)
@@ -93,8 +100,6 @@ def _cache_entry(spec: ModelSpec, s: Settings, gpus: list[GpuSpec], why: str, so
     checkpoint headers, the settings, the cards, the allocator settings (this process's ``PYTORCH_CUDA_ALLOC_CONF``
     where ``alloc_conf`` is ``"auto"``) and whether this process freed memory before; None when the cache is off or
     ``freed_before`` is not a bool or None (the plan refuses it)."""
-    from vramguard.allocconf import env_alloc_conf
-    from vramguard.plan.allocator import process_freed_memory
     if freed_before is not None and not isinstance(freed_before, bool):
         return None
     freed = process_freed_memory() if freed_before is None else freed_before
@@ -110,7 +115,6 @@ def _compute(choice: Choice, s: Settings, gpus: list[GpuSpec], why: str, solve: 
     kept), which it names."""
     from dataclasses import replace
 
-    from vramguard.plan.kernels import choose_path, kernel_finding
     p, path = choose_path(choice.model, s, gpus, why, lambda ps: _compute_path(choice, ps, gpus, why, solve,
                                                                                freed_before))
     if path is None:
@@ -140,7 +144,6 @@ def _compute_path(choice: Choice, s: Settings, gpus: list[GpuSpec], why: str, so
     p = Plan(model.spec, s, est, cards, why, logits_case, kv_growth_at=_kv_growth_at(model, s),
              layer_kinds=model.layer_kinds())
     p.findings.extend(plan_findings(p, model))
-    from vramguard.hub.prequant import prequant_findings
     p.findings.extend(prequant_findings(p))
     p.findings.extend(reserved_findings)
     p.findings.extend(unverified)
@@ -183,11 +186,10 @@ def _mark_unverified(model: MemoryModel, s: Settings, cards: list[CardVerdict]):
     unchanged, and no finding, where every part is measured."""
     from dataclasses import replace
 
-    from vramguard.plan.verified import describe, unverified
-    missing = unverified(model, s)
+    missing = verified.unverified(model, s)
     if not missing:
         return cards, []
-    why = describe(missing)
+    why = verified.describe(missing)
     return [replace(c, unverified=why) for c in cards], [Finding(
         "unverified_path", "warn", why, "measure it before relying on the fit: vramguard profile MODEL with these "
         "settings on the card (or vramguard fit), then plan with the measured peak in mind")]
@@ -199,8 +201,6 @@ def with_context(spec: ModelSpec, context: object) -> ModelSpec:
     embeddings."""
     from dataclasses import replace
 
-    from vramguard.errors import InvalidValue
-    from vramguard.settings import MAX_TOKENS
     if isinstance(context, bool) or not isinstance(context, int) or not 1 <= context <= MAX_TOKENS:
         raise InvalidValue("context", context, f"a number of tokens from 1 to {MAX_TOKENS:,}",
                            "pass the context length the model runs at, e.g. context=131072")
@@ -220,9 +220,6 @@ def _check_arguments(settings: object, gpu: object, vram: object, gpus: object, 
     ``gpu`` not a card name or None, ``gpus`` not a non-empty list of GpuSpec or given with ``gpu`` / ``vram``,
     ``solve`` not a bool, ``alloc_conf`` not a str or None (``model`` is checked by ``resolve_model``, ``vram``
     by its size parser, ``freed_before`` by :func:`_check_freed_before`)."""
-    from vramguard.errors import InvalidValue
-    from vramguard.hardware import require_card_name, require_gpu_specs
-    from vramguard.settings import require_bool, require_settings
     require_settings(settings)
     require_card_name(gpu)
     if gpus is not None:
@@ -241,7 +238,6 @@ def _check_arguments(settings: object, gpu: object, vram: object, gpus: object, 
 def _check_freed_before(freed_before: object) -> None:
     """Raise InvalidValue for a ``freed_before`` that is not a bool or None."""
     if freed_before is not None and not isinstance(freed_before, bool):
-        from vramguard.errors import InvalidValue
         raise InvalidValue("freed_before", freed_before, "True, False or None (this process's own state)",
                            "pass freed_before=True to plan for a process that has deleted a model and emptied the "
                            "cache")
@@ -253,9 +249,6 @@ def _reserved(choice: Choice, s: Settings, est: MemoryEstimate, cards: list[Card
     it (:attr:`Choice.reserve`; ``freed_before`` as :func:`plan`, None: this process's state), with the
     ``reserve_formula``, ``freed_before`` and decode-replay findings where they apply. A replay the default
     (``"auto"``) chose that transformers cannot record falls back to the formula, said; one asked for raises."""
-    from vramguard.errors import NotPlannable
-    from vramguard.plan.allocator import (decode_replay_finding, freed_before_finding, process_freed_memory,
-                                          reserve_formula_finding, with_allocator)
     freed = process_freed_memory() if freed_before is None else freed_before
     why, reserve = choice.finding, choice.reserve
     if reserve.config is not None and reserve.alloc_conf is not None:  # the allocator model

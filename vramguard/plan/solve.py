@@ -11,12 +11,13 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from vramguard.catalog.gpus import GpuSpec
+from vramguard.catalog.gpus import GPUS, GpuSpec
 from vramguard.errors import VramguardError
 from vramguard.memory.model import MemoryModel
 from vramguard.plan.estimator import CardVerdict, Change, estimate, need_bytes
 from vramguard.plan.limits import largest as _largest
 from vramguard.settings import Settings
+from vramguard.units import fmt_bytes
 
 MAX_BATCH_SEARCH = 1 << 16
 MIN_USEFUL_TOKENS = 64  # a shorter prompt or generation below this is no answer to "what fits"
@@ -178,8 +179,6 @@ def hardware_changes(model: MemoryModel, s: Settings, target: GpuSpec, need: int
     """Changes of hardware that make the run fit as asked when ``target`` is too small, each with the bytes it
     needs: weights offloaded to CPU RAM (the shortfall), a second such card (:func:`_second_card`: the two-card
     plan's split, its fuller card's need), the smallest catalog card whose reported total holds ``need``."""
-    from vramguard.catalog.gpus import GPUS
-    from vramguard.units import fmt_bytes
     usable = target.usable_bytes
     if need <= usable:
         return []
@@ -208,8 +207,7 @@ def _second_card(model: MemoryModel, s: Settings, target: GpuSpec, need: int) ->
     :func:`vramguard.plan.multigpu.plan_gpus`, ``device_map='auto'``): the need of its fuller card, and fits only
     when every card fits and no module is left for CPU RAM. None when that split cannot be computed here (a
     package it needs is missing)."""
-    from vramguard.plan.multigpu import plan_gpus
-    from vramguard.units import fmt_bytes
+    from vramguard.plan.multigpu import plan_gpus  # several cards' planner: loaded when one is suggested
     try:
         two = plan_gpus(model, s, gpus=[target, target], solve=False)
     except VramguardError:

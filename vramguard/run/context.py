@@ -13,7 +13,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
 
+from vramguard.errors import InvalidValue
 from vramguard.inputs import read_text
+from vramguard.run.generate import generate, prompt_budget
+from vramguard.run.prompt import prepare_prompt
 from vramguard.runtime.handle import handle_of
 
 BM25_K1, BM25_B = 1.5, 0.75
@@ -140,7 +143,6 @@ def summarize_then_ask(question: str, chunks: list[Chunk], tokenizer, budget_tok
             ``context_tokens``, the model's context; the fix gives a ``--chunk-tokens`` that fits. Otherwise each
             summary's share of new tokens is capped to what the context leaves after the longest request.
     """
-    from vramguard.errors import InvalidValue
     count = count or (lambda text: _count(tokenizer, text))
     base = count(build_prompt(question, []))
     header = max((count(build_prompt(question, [Chunk("", c.source, c.index, 0)])) - base
@@ -184,9 +186,6 @@ def context_prompt(model, tokenizer, question: str, files: list[str], *, chunk_t
     Raises:
         InvalidValue: ``chunk_tokens`` below 16, or a file that is not readable UTF-8 text.
     """
-    from vramguard.errors import InvalidValue
-    from vramguard.run.generate import generate, prompt_budget
-    from vramguard.run.prompt import prepare_prompt
 
     def count(text: str) -> int:
         return len(prepare_prompt(tokenizer, text, chat).ids)

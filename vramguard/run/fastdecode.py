@@ -52,8 +52,10 @@ from typing import Callable
 
 from vramguard.errors import InvalidValue
 from vramguard.run.kernel_check import KernelChoice
+from vramguard.run.kernels import triton_status
 from vramguard.run.sampling import Sampler, eos_list
 from vramguard.run.timing import DecodeResult
+from vramguard.runtime.handle import sdpa_unpinned
 from vramguard.settings import require_count
 
 # Tests: model -> (capturable, reason), replacing :func:`graph_support`'s checks.
@@ -100,7 +102,6 @@ def kernel_support(model) -> tuple[bool, bool, str]:
     """
     import torch
 
-    from vramguard.run.kernels import triton_status
     ok, why = triton_status(next(model.parameters()).device)
     if not ok:
         return False, False, why
@@ -301,7 +302,6 @@ class GraphDecoder:
     def _sdpa_unpinned(self):
         """:func:`vramguard.runtime.handle.sdpa_unpinned` for this call: a static cache needs a mask at every decode
         step."""
-        from vramguard.runtime.handle import sdpa_unpinned
         return sdpa_unpinned(self.model, "a static cache passes a mask at every step")
 
     # -- generation -------------------------------------------------------------------------------------------

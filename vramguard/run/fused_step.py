@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import sys
 
+from vramguard.run.kernels import decode_attention, fused, nf4  # modules: the tests reload them interpreted
 from vramguard.runtime.device import is_oom
 
 FAMILIES = ("llama", "mistral")  # model types whose decoder layer is exactly the one above
@@ -97,8 +98,6 @@ class FusedDecodeStep:
     def __init__(self, model, cache, max_cache_len: int):
         import torch
 
-        from vramguard.run.kernels.fused import weight_args
-        from vramguard.run.kernels.nf4 import code_table
         inner = model.model
         cfg = model.config
         self.model, self.inner = model, inner
@@ -108,7 +107,7 @@ class FusedDecodeStep:
         cos, sin = inner.rotary_emb(torch.zeros(1, dtype=emb.dtype, device=emb.device), positions)
         self.cos, self.sin = cos.reshape(max_cache_len, -1).contiguous(), sin.reshape(max_cache_len, -1).contiguous()
         first = inner.layers[0].self_attn.q_proj.weight.quant_state
-        self.code = code_table(first.quant_type, emb.device)
+        self.code = nf4.code_table(first.quant_type, emb.device)
         self.layers = []
         for layer, cl in zip(inner.layers, cache.layers):
             a, m = layer.self_attn, layer.mlp
@@ -116,39 +115,36 @@ class FusedDecodeStep:
                 "ln1": layer.input_layernorm.weight, "eps1": float(layer.input_layernorm.variance_epsilon),
                 "ln2": layer.post_attention_layernorm.weight,
                 "eps2": float(layer.post_attention_layernorm.variance_epsilon),
-                "qkv": [weight_args(a.q_proj), weight_args(a.k_proj), weight_args(a.v_proj)],
-                "o": weight_args(a.o_proj), "gate": weight_args(m.gate_proj), "up": weight_args(m.up_proj),
-                "down": weight_args(m.down_proj), "keys": cl.keys, "values": cl.values,
+                "qkv": [fused.weight_args(a.q_proj), fused.weight_args(a.k_proj), fused.weight_args(a.v_proj)],
+                "o": fused.weight_args(a.o_proj), "gate": fused.weight_args(m.gate_proj),
+                "up": fused.weight_args(m.up_proj),
+                "down": fused.weight_args(m.down_proj), "keys": cl.keys, "values": cl.values,
                 "length": cl.cumulative_length,
                 "scaling": float(getattr(a, "scaling", cl.keys.shape[-1] ** -0.5))})
         self.norm_w, self.norm_eps = inner.norm.weight, float(inner.norm.variance_epsilon)
 
     def _matmul(self, x, w):
-        from vramguard.run.kernels.nf4 import matmul_4bit
         scales = (w["absmax"], w["absmax2"], w["code2"], w["offset"]) if "absmax2" in w else (w["absmax"],)
-        return matmul_4bit(x.view(1, -1), w["packed"], w["shape"], w["blocksize"], self.code, *scales)
+        return nf4.matmul_4bit(x.view(1, -1), w["packed"], w["shape"], w["blocksize"], self.code, *scales)
 
     def layer(self, i: int, h, res, position):
         """Decoder layer ``i`` on hidden ``h`` and residual ``res`` (None before layer 0; ``[H]`` each): the next
         (``h``, ``res``), whose sum is the layer's output."""
-        from vramguard.run.kernels.decode_attention import decode_attention
-        from vramguard.run.kernels.fused import add_rms_norm, matmul_4bit_glu, matmul_4bit_segments, rope_cache_write
         L = self.layers[i]
-        x, res = add_rms_norm(h, res, L["ln1"], L["eps1"])
-        qkv = matmul_4bit_segments(x, L["qkv"], self.code)
-        q = rope_cache_write(qkv, self.cos, self.sin, position, L["keys"], L["values"], self.heads, self.kv_heads,
+        x, res = fused.add_rms_norm(h, res, L["ln1"], L["eps1"])
+        qkv = fused.matmul_4bit_segments(x, L["qkv"], self.code)
+        q = fused.rope_cache_write(qkv, self.cos, self.sin, position, L["keys"], L["values"], self.heads, self.kv_heads,
                              L["length"])
-        o = self._matmul(decode_attention(q, L["keys"], L["values"], position, L["scaling"]), L["o"])
-        x, res = add_rms_norm(o.view(-1), res, L["ln2"], L["eps2"])
-        return self._matmul(matmul_4bit_glu(x, L["gate"], L["up"], self.code), L["down"]).view(-1), res
+        o = self._matmul(decode_attention.decode_attention(q, L["keys"], L["values"], position, L["scaling"]), L["o"])
+        x, res = fused.add_rms_norm(o.view(-1), res, L["ln2"], L["eps2"])
+        return self._matmul(fused.matmul_4bit_glu(x, L["gate"], L["up"], self.code), L["down"]).view(-1), res
 
     def __call__(self, ids, position):
-        from vramguard.run.kernels.fused import add_rms_norm
         p = position.reshape(1)
         h, res = self.inner.embed_tokens(ids).reshape(-1), None
         for i in range(len(self.layers)):
             h, res = self.layer(i, h, res, p)
-        x, _ = add_rms_norm(h, res, self.norm_w, self.norm_eps)
+        x, _ = fused.add_rms_norm(h, res, self.norm_w, self.norm_eps)
         return self.model.lm_head(x.view(1, 1, -1))[:, -1, :].float()
 
     def set_lengths(self, filled: int) -> None:
@@ -178,34 +174,32 @@ def check_kernels(step: FusedDecodeStep) -> None:
     """
     import torch
 
-    from vramguard.run.kernels.fused import (add_rms_norm, matmul_4bit_glu, matmul_4bit_segments, reference_rope,
-                                             rope_cache_write)
     layer, L = step.inner.layers[0], step.layers[0]
     dev, dt = L["ln1"].device, L["ln1"].dtype
     g = torch.Generator(device=dev).manual_seed(0)
     x, r = (torch.randn(L["ln1"].numel(), generator=g, device=dev).to(dt) for _ in range(2))
-    got, total = add_rms_norm(x, r, L["ln1"], L["eps1"])
+    got, total = fused.add_rms_norm(x, r, L["ln1"], L["eps1"])
     _require("the fused RMSNorm", got, layer.input_layernorm(r + x))
     _require("the fused residual add", total, r + x)
     a, m = layer.self_attn, layer.mlp
     xv = x.view(1, 1, -1)
     want = torch.cat([a.q_proj(xv), a.k_proj(xv), a.v_proj(xv)], dim=-1).reshape(-1)
-    qkv = matmul_4bit_segments(x, L["qkv"], step.code)
+    qkv = fused.matmul_4bit_segments(x, L["qkv"], step.code)
     _require("the fused q/k/v projection", qkv, want)
-    _require("the fused gate/up (SiLU times up)", matmul_4bit_glu(x, L["gate"], L["up"], step.code),
+    _require("the fused gate/up (SiLU times up)", fused.matmul_4bit_glu(x, L["gate"], L["up"], step.code),
              m.act_fn(m.gate_proj(xv)) * m.up_proj(xv))
     p = min(ROPE_CHECK_POSITION, step.cos.shape[0] - 1)
     d, hq, hk = L["keys"].shape[-1], step.heads, step.kv_heads
     keys = torch.zeros((1, hk, p + 1, d), dtype=L["keys"].dtype, device=dev)
     values, length = torch.zeros_like(keys), torch.zeros((), dtype=torch.long, device=dev)
-    q = rope_cache_write(want, step.cos, step.sin, torch.tensor([p], device=dev), keys, values, hq, hk, length)
+    q = fused.rope_cache_write(want, step.cos, step.sin, torch.tensor([p], device=dev), keys, values, hq, hk, length)
     cos, sin = step.cos[p].view(1, 1, 1, d), step.sin[p].view(1, 1, 1, d)
     rope = getattr(sys.modules.get(type(a).__module__), "apply_rotary_pos_emb", None)
     qh, kh = want[: hq * d].view(1, hq, 1, d), want[hq * d:(hq + hk) * d].view(1, hk, 1, d)
     if rope is not None:  # transformers' own function, from the attention module's file
         q_want, k_want = rope(qh, kh, cos[0], sin[0])
     else:
-        q_want, k_want = reference_rope(qh, cos, sin), reference_rope(kh, cos, sin)
+        q_want, k_want = fused.reference_rope(qh, cos, sin), fused.reference_rope(kh, cos, sin)
     _require("the fused rotary embedding (q)", q, q_want)
     _require("the fused rotary embedding (k, written to the cache)", keys[:, :, p:], k_want)
     if int(length) != p + 1 or not torch.equal(values[0, :, p].reshape(-1), want[(hq + hk) * d:]):

@@ -35,13 +35,15 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from vramguard import diskcache
-from vramguard.errors import Infeasible
+from vramguard.errors import Infeasible, InvalidValue, NotPlannable
+from vramguard.plan import check_context, choose, estimate
+from vramguard.plan.solve import _largest
 from vramguard.run.sampling import (  # noqa: F401 -- MAX_SEED, SEED_ACCEPTED, check_seed: read here by serve
     MAX_SEED, SEED_ACCEPTED, check_generation_args, check_seed, eos_list, resolve_sampling)
 from vramguard.run.timing import RunTimings, stop_reason
 from vramguard.runtime.device import is_oom, memory_cap, usable_bytes
 from vramguard.runtime.first_prefill import measure_first_prefill, noted, scaled
-from vramguard.runtime.handle import LoadedModel, handle_of
+from vramguard.runtime.handle import LoadedModel, handle_of, sdpa_unpinned
 from vramguard.settings import Settings
 from vramguard.units import fmt_bytes
 
@@ -176,7 +178,6 @@ class GenerationResult:
 def _candidates(spec, s: Settings, pool, on_cuda: bool, weights_loaded: bool) -> tuple[list, list[str]]:
     """(strategy, planned bytes beyond the loaded weights) for each strategy of ``pool`` that can run, and why the
     others cannot."""
-    from vramguard.errors import NotPlannable
     cands: list[tuple[Strategy, int]] = []
     skipped: list[str] = []
     for st in pool:
@@ -202,7 +203,6 @@ def _planned_bytes(spec, s: Settings) -> tuple[int, int]:
     Raises:
         NotPlannable: from the estimate (never kept).
     """
-    from vramguard.plan import choose, estimate
     path = diskcache.entry_key("run_strategy", spec, spec.config_json, spec.checkpoint, s)
     kept = diskcache.read(path)
     if isinstance(kept, tuple) and len(kept) == 2 and all(isinstance(v, int) for v in kept):
@@ -219,7 +219,6 @@ def preflight(spec, s: Settings, usable: int | None, auto: bool, on_cuda: bool, 
     loaded (times ``need_scale``); and the reason. Without ``fast_decode``: the first strategy that fits, then those
     planned to need less. With it, the graph strategies that fit come first (:data:`GRAPH_STRATEGY` alone when not
     ``auto``), followed by that same order. Raises Infeasible when none fits ``usable``."""
-    from vramguard.errors import NotPlannable
     plain = (STRATEGIES if auto else STRATEGIES[:1]) if (auto or not fast_decode) else ()
     graph = (GRAPH_STRATEGIES if auto else GRAPH_STRATEGIES[:1]) if fast_decode else ()
     cands, skipped = scaled(_candidates(spec, s, graph + plain, on_cuda, weights_loaded), need_scale)
@@ -306,7 +305,6 @@ def _inject_hook(model, attempt: int, tap: _Tap):
 
 
 def _prompt_ids(tokenizer, prompt: str | list[int]) -> list[int]:
-    from vramguard.errors import InvalidValue
     if isinstance(prompt, str):
         if tokenizer is None:
             raise InvalidValue("tokenizer", None, "a tokenizer for a text prompt", "pass token ids, or a tokenizer")
@@ -330,7 +328,6 @@ def _attempts(model, tokenizer, prompt_ids: list[int], max_new_tokens: int, orde
     Returns the tokens, the attempts and the ``time.perf_counter()`` of the first token (None: none came)."""
     import torch
 
-    from vramguard.runtime.handle import sdpa_unpinned
     on_cuda = next(model.parameters()).device.type == "cuda"
     generated: list[int] = []
     attempts: list[Attempt] = []
@@ -394,7 +391,7 @@ def _graph_attempt(model, ids, remaining: int, tap: _Tap, sample: dict, chunk: i
     streaming through ``tap``."""
     import torch
 
-    from vramguard.run.fastdecode import graph_decode
+    from vramguard.run.fastdecode import graph_decode  # the graph decoder: loaded by a run, not by a plan
     tap.put(ids)  # the prompt, as transformers' streamers receive it first
     res = graph_decode(model, ids[0].tolist(), remaining, prefill_chunk_tokens=chunk, min_new_tokens=at_least,
                        eos_token_id=eos, on_token=lambda t: tap.put(torch.tensor([t])), **sample)
@@ -435,7 +432,6 @@ def strategy_order(model, prompt_tokens: int, max_new_tokens: int, *, budget_byt
     Raises:
         InvalidValue: the request is over the model's context. Infeasible: no strategy fits, before any GPU work.
     """
-    from vramguard.plan import check_context
     h = handle_of(model)
     s = (settings or h.settings).with_(prompt_tokens=prompt_tokens, max_new_tokens=max_new_tokens, batch=1)
     check_context(h.spec, s, beyond=None)
@@ -473,7 +469,6 @@ def generate(model, tokenizer, prompt: str | list[int], max_new_tokens: int = 25
 
     check_generation_args(max_new_tokens, do_sample, temperature, top_p, top_k, seed)
     if not isinstance(ignore_eos, bool):
-        from vramguard.errors import InvalidValue
         raise InvalidValue("ignore_eos", ignore_eos, "True or False", "pass ignore_eos=True to generate exactly "
                            "max_new_tokens, or leave it out to stop at the model's end of turn")
     if isinstance(model, LoadedModel) and tokenizer is None:
@@ -538,8 +533,7 @@ def fast_decode_choice(model, fast_decode: bool | None) -> tuple[bool, str]:
     :func:`vramguard.run.fastdecode.check_model` (which raises for a model the decoder cannot run); ``False``: no;
     ``None`` (the default): yes when the model is on one CUDA device and the decoder can run it exactly (a
     ``GraphDecoder`` still falls back to eager steps, and says so, when the capture fails)."""
-    from vramguard.errors import InvalidValue
-    from vramguard.run.fastdecode import check_model, graph_support
+    from vramguard.run.fastdecode import check_model, graph_support  # as above: loaded by a run, not by a plan
     if fast_decode is not None:
         if fast_decode:
             check_model(model)
@@ -558,8 +552,6 @@ def prompt_budget(model, max_new_tokens: int, budget_bytes: int | None = None, a
     """The longest prompt (tokens) that some strategy can run with ``max_new_tokens`` in the memory left: the
     plan's :func:`~vramguard.plan.solve.max_prompt_tokens` per strategy, the largest of them; the model's context when
     there is no CUDA device to plan against."""
-    from vramguard.plan import choose, estimate
-    from vramguard.plan.solve import _largest
     h = handle_of(model)
     ctx = h.spec.max_position_embeddings - max_new_tokens
     usable, _ = usable_bytes(budget_bytes) if h.on_cuda else (None, 0)

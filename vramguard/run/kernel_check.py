@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 
+from vramguard.run.kernels import selftest
 from vramguard.run.kernels.verdict import KernelVerdict, read_verdict, verdict_key, write_verdict
 from vramguard.runtime.device import is_oom
 
@@ -95,26 +96,24 @@ class KernelChoice:
         keys and values from a generator of its own (the global RNG that seeded sampling uses is not moved)."""
         import torch
 
-        from vramguard.run.kernels.selftest import check_decode_attention
         keys, values = cache.layers[0].keys, cache.layers[0].values
         n = min(SPOT_SLOTS, max_cache_len)
         g = torch.Generator(device=keys.device).manual_seed(1)
         for t in (keys, values):
             t[:, :, :n].copy_(torch.randn(t[:, :, :n].shape, generator=g, device=keys.device).to(t.dtype))
-        check_decode_attention(keys, values, self.model.config.num_attention_heads, n)
+        selftest.check_decode_attention(keys, values, self.model.config.num_attention_heads, n)
 
     def _spot_check(self, kept: KernelVerdict, cache, max_cache_len: int) -> str | None:
         """One 4-bit layer and one attention check for the kernels ``kept`` turns on; None when they agree, else
         what failed."""
         from vramguard.run.kernels import nf4 as nf4_module
-        from vramguard.run.kernels.selftest import check_4bit_layers
         if (kept.nf4 and not self.nf4) or (kept.attn and not self.attn):
             return "it turns on a kernel this decoder may not use"
         was, self.nf4, self.attn = (self.nf4, self.attn), kept.nf4, kept.attn
         lut_was, nf4_module.LUT = nf4_module.LUT, kept.lut
         try:
             if kept.nf4:
-                check_4bit_layers(self.model, self.kernels, self.dtype, limit=1)
+                selftest.check_4bit_layers(self.model, self.kernels, self.dtype, limit=1)
             if kept.attn:
                 self._attention_check(cache, max_cache_len)
             return None
@@ -134,11 +133,10 @@ class KernelChoice:
         """Each kernel once on this model's real weights against bitsandbytes' op / a float32 softmax (relative error
         under 2e-2: bfloat16 rounding is 4e-3), then the fused step. A kernel that fails to compile or disagrees is
         turned off, with the reason, before it touches the cache."""
-        from vramguard.run.kernels.selftest import check_4bit_layers_or_gather
         self.how = "full"
         try:
             if self.nf4:
-                note = check_4bit_layers_or_gather(self.model, self.kernels, self.dtype)
+                note = selftest.check_4bit_layers_or_gather(self.model, self.kernels, self.dtype)
                 if note:
                     self.why = f"4-bit matmul: {note}"
         except Exception as e:  # noqa: BLE001 -- compile or launch failure: bitsandbytes' own kernels run instead

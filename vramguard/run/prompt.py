@@ -6,6 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from vramguard.errors import InvalidValue
+from vramguard.plan import check_context
+from vramguard.resolve import local_model_folder, resolve_model
+from vramguard.runtime.tokenizer import folder_tokenizer, no_tokenizer_error
+from vramguard.settings import Settings
 
 
 @dataclass(frozen=True)
@@ -61,10 +65,6 @@ def preflight_prompt(model: str, text: str, max_new_tokens: int, chat: bool | No
         UnknownModel: no local folder for ``model``. ConfigError: the folder has no tokenizer.
         InvalidValue: prompt + new tokens over the context (with the room that is left).
     """
-    from vramguard.plan import check_context
-    from vramguard.resolve import local_model_folder, resolve_model
-    from vramguard.runtime.tokenizer import folder_tokenizer, no_tokenizer_error
-    from vramguard.settings import Settings
     folder = local_model_folder(model)
     spec = resolve_model(str(folder))  # first: a config transformers refuses is said as such, not as a tokenizer's
     tokenizer, no_tokenizer = folder_tokenizer(folder)

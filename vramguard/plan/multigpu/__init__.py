@@ -12,14 +12,20 @@ from dataclasses import replace
 from typing import Any
 
 from vramguard.catalog.gpus import GpuSpec
-from vramguard.errors import InvalidValue
+from vramguard.errors import InvalidValue, NotPlannable
+from vramguard.extras import needed_by
 from vramguard.memory.model import MemoryModel
 from vramguard.memory.runtime import CUDA_CONTEXT_BYTES
 from vramguard.plan.choice import choose
+from vramguard.plan.limits import check_context, largest
 from vramguard.plan.multigpu.cards import (CardNeed, MaxMemoryFix, MultiGpuPlan, check_cards, device_map_needs,
                                            tp_needs)
+from vramguard.plan.multigpu.devicemap import split_weights
+from vramguard.plan.multigpu.tensorparallel import check_tp_heads, check_tp_quant, tp_shards
+from vramguard.resolve import resolve_model
 from vramguard.settings import Settings
 from vramguard.spec import ModelSpec
+from vramguard.units import MiB
 
 __all__ = ["CardNeed", "MaxMemoryFix", "MultiGpuPlan", "default_max_memory", "fix_max_memory", "plan_gpus"]
 
@@ -38,8 +44,6 @@ def default_max_memory(gpus: list[GpuSpec]) -> tuple[int, ...]:
 def _require_libraries(field: str = "gpus") -> None:
     """Raise NotPlannable naming the missing package (for the option ``field`` that asked for the split): the split
     is transformers' and accelerate's own."""
-    from vramguard.errors import NotPlannable
-    from vramguard.extras import needed_by
     for package in needed_by("load"):
         try:
             __import__(package)
@@ -55,7 +59,6 @@ def _needs(model: MemoryModel, s: Settings, split, gpus: list[GpuSpec], layout: 
 
 def _largest_prompt(model: MemoryModel, s: Settings, split, gpus: list[GpuSpec], layout: str) -> int | None:
     """The largest prompt with which every card fits (``s.max_new_tokens`` new tokens), or None."""
-    from vramguard.plan.limits import largest
 
     def worst(p: int) -> int:
         return max(c.need_bytes - c.usable_bytes for c in _needs(model, replace(s, prompt_tokens=p), split, gpus,
@@ -92,12 +95,9 @@ def plan_gpus(model: str | ModelSpec | MemoryModel, settings: Settings | None = 
         NotPlannable: no tensor-parallel plan for the architecture.
         UnknownModel, ConfigError: the model cannot be read.
     """
-    from vramguard.plan.limits import check_context
-    from vramguard.resolve import resolve_model
     if not isinstance(model, MemoryModel):
         model = choose(model if isinstance(model, ModelSpec) else resolve_model(model)).model
     spec = model.spec
-    from vramguard.plan.multigpu.tensorparallel import check_tp_heads, check_tp_quant
     check_tp_heads(model, tp)
     check_tp_quant(settings or Settings(), tp)
     if tp is not None or model.needs_transformers:  # a hand family's device_map split also runs without them
@@ -108,14 +108,12 @@ def plan_gpus(model: str | ModelSpec | MemoryModel, settings: Settings | None = 
     notes = []
     split: Any  # the tensor-parallel shards, or the device_map split
     if tp is not None:
-        from vramguard.plan.multigpu.tensorparallel import tp_shards
         split, layout = tp_shards(spec, s, tp), "tp"
         notes.append(NCCL_NOTE)
         if model.needs_transformers:
             notes.append("activations of this architecture are kept whole on every rank (an upper bound); its KV "
                          "cache is divided by tp")
     else:
-        from vramguard.plan.multigpu.devicemap import split_weights
         mm = tuple(max_memory) if max_memory is not None else default_max_memory(gpus)
         if len(mm) != len(gpus) or any(isinstance(b, bool) or not isinstance(b, int) or b <= 0 for b in mm):
             raise InvalidValue("max_memory", list(mm), f"one positive size in bytes per card ({len(gpus)})",
@@ -154,8 +152,6 @@ def fix_max_memory(model: MemoryModel, s: Settings, gpus: list[GpuSpec], cards) 
     times (the layers it gives up move to the next card, with their KV cache). ``auto`` cannot do this: it caps
     every card but the last at half the model, whatever their sizes.
     """
-    from vramguard.plan.multigpu.devicemap import split_weights
-    from vramguard.units import MiB
     if sum(c.usable_bytes for c in cards) < sum(c.need_bytes for c in cards):
         return None
     room = [max(c.usable_bytes - (c.need_bytes - c.weights_bytes), 0) // MiB * MiB for c in cards]

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 from vramguard.catalog.gpus import GpuSpec
 from vramguard.errors import InvalidValue
+from vramguard.hardware import require_gpu_specs
 from vramguard.memory.model import MemoryModel
 from vramguard.memory.runtime import CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES, allocator_reserve_bytes
 from vramguard.settings import Settings
@@ -184,7 +185,6 @@ def tp_needs(model: MemoryModel, s: Settings, shards, gpus: list[GpuSpec]) -> tu
 def check_cards(gpus: list[GpuSpec], tp: int | None) -> None:
     """Raise InvalidValue for a ``gpus`` that is not a list of GpuSpec, fewer than 2 cards, more than
     :data:`MAX_CARDS`, or a ``tp`` other than the count."""
-    from vramguard.hardware import require_gpu_specs
     require_gpu_specs(gpus)
     if not 2 <= len(gpus) <= MAX_CARDS:
         raise InvalidValue("gpus", len(gpus), f"2 to {MAX_CARDS} cards used together",

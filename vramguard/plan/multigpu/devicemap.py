@@ -22,7 +22,10 @@ import logging
 from functools import lru_cache
 
 from vramguard.errors import NotPlannable
+from vramguard.introspect.build import _bnb_config, _import_bitsandbytes, _quiet, cached_config, meta_model
+from vramguard.introspect.generic import structure_of
 from vramguard.memory.weights import quantized_tensor_bytes, rounded
+from vramguard.plan.multigpu.layerwise import layerwise_split
 from vramguard.plan.multigpu.split import (CPU_UNBOUNDED_BYTES, OFF_GPU, DeviceSplit, device_of,  # noqa: F401
                                            map_key)
 from vramguard.settings import Settings
@@ -49,7 +52,6 @@ def meta_model_as_loaded(spec, s: Settings):
     """
     import torch
 
-    from vramguard.introspect.build import _bnb_config, _import_bitsandbytes, _quiet, cached_config, meta_model
     model = meta_model(cached_config(spec.config_json, spec.name), s.act_dtype)
     if not s.is_bnb:
         return model, None
@@ -73,7 +75,6 @@ def transformers_device_map(model, quantizer, max_memory: dict, mode: str = "aut
     ``infer_auto_device_map``)."""
     from transformers.integrations import accelerate as hf_accelerate
 
-    from vramguard.introspect.build import _quiet
     with _quiet(), _quiet_accelerate():
         if quantizer is None and hasattr(hf_accelerate, "_get_device_map"):
             return dict(hf_accelerate._get_device_map(model, mode, dict(max_memory), None))
@@ -123,14 +124,12 @@ def split_weights(model, s: Settings, max_memory_bytes: tuple[int, ...], mode: s
                             dtype=s.dtype)
     mm = tuple(int(b) for b in max_memory_bytes)
     if not model.needs_transformers:
-        from vramguard.plan.multigpu.layerwise import layerwise_split
         return layerwise_split(model.spec, weights_only, mm, mode)
     return _split(model.spec, weights_only, mm, mode)
 
 
 @lru_cache(maxsize=16)
 def _split(spec, s: Settings, max_memory: tuple[int, ...], mode: str = "auto") -> DeviceSplit:
-    from vramguard.introspect.generic import structure_of
     model, quantizer = meta_model_as_loaded(spec, s)
     mm: dict = {i: int(b) for i, b in enumerate(max_memory)}
     mm["cpu"] = CPU_UNBOUNDED_BYTES

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from vramguard.memory.weights import quantized_tensor_bytes, rounded
+from vramguard.plan.multigpu.split import CPU_UNBOUNDED_BYTES, DeviceSplit, OFF_GPU, device_of, map_key
 from vramguard.settings import DTYPE_BYTES, Settings
 
 # each family's ``_no_split_modules`` (its decoder layer class, ``<Family>PreTrainedModel`` in transformers 5)
@@ -216,7 +217,6 @@ def layerwise_split(spec, s: Settings, max_memory_bytes: tuple[int, ...], mode: 
     """The :class:`~vramguard.plan.multigpu.devicemap.DeviceSplit` of a hand-written family without torch (the
     rule of the module docstring); host memory unbounded, as :func:`~vramguard.plan.multigpu.devicemap.split_weights`
     gives it."""
-    from vramguard.plan.multigpu.split import CPU_UNBOUNDED_BYTES, OFF_GPU, DeviceSplit, device_of, map_key
     root = model_tree(spec, s)
     mm: dict = {i: int(b) for i, b in enumerate(max_memory_bytes)}
     mm["cpu"] = CPU_UNBOUNDED_BYTES

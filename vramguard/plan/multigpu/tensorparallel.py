@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from vramguard.errors import InvalidValue, NotPlannable
+from vramguard.introspect.build import _apply_dtype_plan, _torch_dtype, cached_config, meta_model
 from vramguard.memory.weights import rounded
 from vramguard.settings import Settings
 
@@ -178,7 +179,6 @@ def check_tp_quant(s: Settings, tp: int | None) -> None:
 def _tp_shards(spec, act_dtype: str, tp: int) -> TpShards:
     import torch
 
-    from vramguard.introspect.build import _apply_dtype_plan, _torch_dtype, cached_config, meta_model
     model = meta_model(cached_config(spec.config_json, spec.name), act_dtype)
     plan = expanded_plan(model)
     fp32 = _apply_dtype_plan(model, _torch_dtype(act_dtype))

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import functools
 
+from vramguard.run.kernels import nf4  # a module, not names: the tests reload it interpreted
+
 MAX_ROWS = 64  # rows of x one launch takes (one tile of rows); more stay with bitsandbytes
 MIN_TILE = 16  # tl.dot's smallest side
 TARGET_WAVES = 2  # split K until (N / BN) * splits reaches this many programs per SM
@@ -35,8 +37,7 @@ except ImportError:  # pragma: no cover - exercised where triton is missing
 def reference_gemm(x, packed, shape, blocksize: int, code, absmax, absmax2=None, code2=None, offset=None, bias=None):
     """bitsandbytes' fallback arithmetic: ``W`` dequantized to ``x.dtype`` (float32 math, one rounding), then
     ``x @ W.T (+ bias)`` in ``x.dtype``; ``[..., N]``."""
-    from vramguard.run.kernels.nf4 import reference_dequantize
-    w = reference_dequantize(packed, shape, blocksize, code, absmax, absmax2, code2, offset).to(x.dtype)
+    w = nf4.reference_dequantize(packed, shape, blocksize, code, absmax, absmax2, code2, offset).to(x.dtype)
     out = x @ w.T
     return out + bias.to(x.dtype) if bias is not None else out
 
@@ -137,8 +138,7 @@ def _lut(code, x, lut: bool) -> str:
     import torch
     if not (lut and x.is_cuda and x.dtype == torch.bfloat16):
         return ""
-    from vramguard.run.kernels.nf4 import _lut_string
-    return _lut_string(code)
+    return nf4._lut_string(code)
 
 
 def gemm_4bit(x, packed, shape, blocksize: int, code, absmax, absmax2=None, code2=None, offset=None, bias=None,
@@ -163,8 +163,7 @@ def gemm_4bit(x, packed, shape, blocksize: int, code, absmax, absmax2=None, code
     """
     import torch
 
-    from vramguard.run.kernels.nf4 import checked_rows
-    n, k, x2, rows = checked_rows(x, packed, shape, blocksize, MAX_ROWS, "4-bit GEMM")
+    n, k, x2, rows = nf4.checked_rows(x, packed, shape, blocksize, MAX_ROWS, "4-bit GEMM")
     bn, splits, warps, stages = config or default_config(n, k, blocksize, rows, str(x.device), bn)
     if (k // blocksize) % splits:
         raise ValueError(f"4-bit GEMM: {splits} splits of K {k} do not divide its {k // blocksize} blocks")
