@@ -119,7 +119,7 @@ from hypothesis import settings as hsettings
 from hypothesis import strategies as st
 
 
-@hsettings(max_examples=6, deadline=None, derandomize=True,
+@hsettings(max_examples=4, deadline=None, derandomize=True,
            suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(model_type=st.sampled_from(sorted(ARCHS)), batch=st.integers(1, 3), prompt=st.integers(1, 40),
        new=st.integers(1, 12), quant=st.sampled_from(["bf16", "nf4"]), attn=st.sampled_from(["eager", "sdpa"]),
