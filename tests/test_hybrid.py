@@ -91,7 +91,7 @@ def test_the_deepseek_v2_lite_command_that_failed_plans(tmp_path, monkeypatch):
     # prompt goes down to a one-token prompt, where decode steps 1 and 2 allocate 167 and 173 tensors and the
     # shortcut refuses (before the fallback: "internal error ValueError: decode steps 1 and 2 differ in structure",
     # exit 70). The full 27 layers on 24 GiB plan too (exit 0; the weights alone exceed the card, so no search):
-    # 57 s of CPU time on this 2-core machine, measured by hand (benchmarks/README.md).
+    # 57 s of CPU time on this 2-core machine, measured by hand (benchmarks/results/h200_hybrid2/README.md).
     from typer.testing import CliRunner
 
     from vramguard.cli import app
