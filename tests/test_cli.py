@@ -204,7 +204,11 @@ def _lines(*args, columns="80"):
     return r.stdout.splitlines()
 
 
-@pytest.mark.parametrize("args", [("plan", "llama-2-7b"), ("plan", "gemma-2-9b", "--gpu", "Tesla T4"),
+# one case per kind of text: the default cards; a card named as torch prints it; findings with a fail and its fix and
+# sliding-window lines (Gemma-2 at 24 GiB: the settings of tests/test_plan_speed.py, whose replays the session's tape
+# folder keeps); a model that does not fit, with its changes; check; explain
+@pytest.mark.parametrize("args", [("plan", "llama-2-7b"), ("plan", "llama-2-7b", "--gpu", "Tesla T4"),
+                                  ("plan", "gemma-2-2b", "--vram", "24GiB"),
                                   ("plan", "llama-3.1-70b", "--gpu", "rtx-6000-ada"),
                                   ("check", "mistral-7b-v0.3", "--no-verify"),
                                   ("explain", "CUDA out of memory. Tried to allocate 2.00 GiB")])

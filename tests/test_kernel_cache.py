@@ -141,7 +141,7 @@ def test_a_verdict_whose_spot_check_fails_is_checked_again(attn_model, folder, m
 
 def test_one_time_work_is_done_before_the_first_token_and_decode_is_the_stream(monkeypatch):
     """A slow capture (0.3 s) and slow warm-up steps: both before the first token, timed apart; the decode time is
-    the first streamed token to the last, so the stream's wall clock equals the reported rate."""
+    the first streamed token to the last (it holds the stream, and none of the capture)."""
     from test_fastdecode import CFG, emulated_capture
     torch.manual_seed(0)
     m = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**CFG)).eval()
@@ -156,13 +156,16 @@ def test_one_time_work_is_done_before_the_first_token_and_decode_is_the_stream(m
     monkeypatch.setattr(F, "CAPTURE_OVERRIDE", slow_capture)
     r = F.graph_decode(m, PROMPT, 12, min_new_tokens=12,
                        on_token=lambda t: events.append(("token", time.perf_counter())))
+    end = time.perf_counter()
     kinds = [k for k, _ in events]
     assert kinds == ["capture"] + ["token"] * 12  # the capture came before the first token
     tokens = [t for k, t in events if k == "token"]
     assert r.capture_s >= 0.3 and r.one_time_s >= r.capture_s
     assert (r.decode_steps, r.replay_steps, r.eager_steps, r.warmup_steps) == (11, 11, 0, 2)
-    wall = tokens[-1] - tokens[0]
-    assert abs(wall - r.decode_s) <= 0.05 * r.decode_s + 2e-3  # the stream agrees with the reported decode
+    # the rule, by the order of the clock's readings (true however busy the machine): the decode time holds the
+    # stream from its first token to its last, and none of the capture (the capture ended before the first token)
+    wall, capture_end = tokens[-1] - tokens[0], events[0][1]
+    assert wall <= r.decode_s <= end - capture_end
     assert r.decode_ms_per_token == pytest.approx(r.decode_s * 1000 / 11)
 
 

@@ -5,10 +5,11 @@ The model is the real SmolLM2-135M-Instruct (the ``smollm2`` fixture) cut to its
 layers (its own embedding, final norm and ``lm_head``) with bitsandbytes NF4 projections (double quant, float32
 compute): the interpreter takes tens of seconds per decode step of the whole model, so the CPU measures real
 weights on real activations of the text through a shallower network; the GPU benchmark runs the whole model in
-bfloat16 (``benchmarks/README.md``). Float32 compute leaves the kernels' own arithmetic as the only difference, so
-the thresholds are the goal's (top-1 agreement >= 99%, perplexity within 0.5%) plus a log-probability bound that a
-wrong scale or a misread nibble would break. The register lookup of CUDA (the NF4 table rounded to bfloat16) cannot
-run here; ``benchmarks/cpu_lut_rounding.py`` measures that rounding on the whole model in torch (``benchmarks/README.md``).
+bfloat16 (``benchmarks/results/h200_session_1202/README.md``). Float32 compute leaves the kernels' own arithmetic
+as the only difference, so the thresholds are the goal's (top-1 agreement >= 99%, perplexity within 0.5%) plus a
+log-probability bound that a wrong scale or a misread nibble would break. The register lookup of CUDA (the NF4
+table rounded to bfloat16) cannot run here; ``benchmarks/cpu_lut_rounding.py`` measures that rounding on the whole
+model in torch (``benchmarks/results/h200_session_1202/README.md``).
 """
 
 import os

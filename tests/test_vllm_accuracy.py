@@ -1,7 +1,8 @@
 """vLLM's memory model against what vLLM printed at start in public reports (each value with its source), within
 the stated tolerance: weights 1%, KV cache tokens (or bytes where the tokens were not printed) 5%.
 
-Three kinds of check (the table with every planned value is in benchmarks/README.md):
+Three kinds of check (the table with every planned value is in
+benchmarks/results/vllm_engine/README.md):
 
 * weights: "Model loading took X GiB" (torch allocated bytes after the load) against the per-rank shards;
 * KV from the logged memory (the exact rule): "Available KV cache memory: X GiB" turned into blocks, tokens and
