@@ -355,3 +355,13 @@ def test_retry_after_follows_the_engine_drain_rate(folder, step_s, max_tokens):
         e.before_step = None
         e.steps_per_s = steps_per_s
         s.stop()
+
+
+def test_finish_reason_is_stop_for_an_end_token_or_an_end_before_the_limit():
+    """``stop`` where the last token is an end token or the request ended before its limit (an engine that leaves
+    the end token out of what it returns), ``length`` at the limit."""
+    from vramguard.serve.streaming import finish_reason
+    assert finish_reason([5, 6, 2], {2}, 64) == "stop"
+    assert finish_reason([5, 6], {2}, 64) == "stop"  # ended early: only an end token does that
+    assert finish_reason([5] * 64, {2}, 64) == "length"
+    assert finish_reason([5] * 63 + [2], {2}, 64) == "stop"

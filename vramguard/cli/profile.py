@@ -30,7 +30,8 @@ def profile(
     fmt: Format = format_option(),
 ) -> None:
     """A measured run beside the plan: weights, prefill peak, KV growth per token, decode peak, reserved vs
-    allocated, fragmentation, memory outside PyTorch, TTFT and decode ms/token; a memory timeline picture."""
+    allocated, fragmentation, memory outside PyTorch, TTFT and decode ms/token; a memory timeline picture. Needs a
+    CUDA GPU."""
     from vramguard.profile.profiler import profile as profile_fn  # loaded when the command runs
 
     def build():
@@ -63,7 +64,7 @@ def fit(
     fmt: Format = format_option(),
 ) -> None:
     """Real runs that find the largest prompt / new tokens / batch that completes under a budget, seeded by the
-    plan; emulates a smaller card with a per-process memory fraction."""
+    plan; emulates a smaller card with a per-process memory fraction. Needs a CUDA GPU."""
     from vramguard.profile.fit import fit as fit_fn  # loaded when the command runs
 
     def build():

@@ -40,8 +40,7 @@ def run(
     vram_budget: Optional[str] = typer.Option(None, help="memory PyTorch may use, e.g. 12GiB (default: what is free)"),
     auto: bool = typer.Option(True, "--auto/--no-auto", help="pick the strategy that fits (else refuse)"),
     quant: Optional[Quant] = typer.Option(None, help="weight format (default: nf4 on a CUDA device; float32 "
-                                                       "without one, exact and the fastest on a CPU; the summary "
-                                                       "says which and why)"),
+                                                       "without one: exact; the summary says which and why)"),
     do_sample: bool = typer.Option(False, help="sample instead of greedy decoding"),
     temperature: Optional[float] = typer.Option(None, help="sampling temperature"),
     top_p: Optional[float] = typer.Option(None, help="nucleus sampling"),

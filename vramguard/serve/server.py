@@ -55,7 +55,8 @@ def _usable(budget: int | None, model) -> tuple[int, str]:
                                "available (no CUDA device: the model and its KV pool live in RAM)",
                                f"pass vram_budget={max(1, int(avail * 0.8) // GiB)}GiB or less")
         return budget - held, f"vram_budget= minus {held:,} B of weights (host memory: no CUDA device)"
-    return CPU_DEFAULT_BUDGET, "2 GiB of host memory (no CUDA device and no vram_budget=)"
+    return CPU_DEFAULT_BUDGET, (f"2 GiB of host memory for the pool, the {held:,} B of weights on top (no CUDA "
+                                "device and no vram_budget=)")
 
 
 @dataclass

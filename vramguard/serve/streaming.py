@@ -48,6 +48,13 @@ class StopText:
         return delta, False
 
 
+def finish_reason(tokens: list[int], eos_ids: set, max_new_tokens: int) -> str:
+    """OpenAI's ``finish_reason`` of a request that finished without a stop string: ``"stop"`` where it ended on an
+    end token, or before its token limit (only an end token ends it earlier: an engine may leave the end token out of
+    the tokens it returns), else ``"length"``."""
+    return "stop" if tokens and (tokens[-1] in eos_ids or len(tokens) < max_new_tokens) else "length"
+
+
 class Outputs:
     """Reads the handles of one server's engine. ``decode(tokens) -> str``; ``eos_ids``: the tokens that end with
     finish_reason "stop"."""
@@ -84,7 +91,7 @@ class Outputs:
                 self.engine.cancel(h.request_id)
                 reason, finished = "stop", True
             else:
-                reason = ("stop" if tokens and tokens[-1] in self.eos_ids else "length") if finished else None
+                reason = finish_reason(tokens, self.eos_ids, h.max_new_tokens) if finished else None
             if finished:
                 n = len(tokens)
                 if n > 1 and h.first_token_at is not None:
