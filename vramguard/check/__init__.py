@@ -174,6 +174,9 @@ def _default_dtype_why(card, dtype: str, why: str) -> str:
         return why  # the dtype is not what decides (e.g. quant=bf16 weights)
     head = f"none given: vramguard run and serve pass {dtype} to from_pretrained"
     if card is not None and card.supports_bf16 is False:
+        if dtype == "bf16":  # paired with a bf16 the user gave (_loader_dtypes): checked as asked
+            return (f"none given: checked as bf16, paired with the bf16 given; {_not_native(card)}, so vramguard run "
+                    "and serve load float16 in its place and say so")
         return f"{head}; {_not_native(card)}"
     return f"{head} (bfloat16 where the card supports it, else float16)"
 
