@@ -33,8 +33,8 @@ HELP = {
     "gpus": ('GPU indices, e.g. 0 or 0,1: one worker process per GPU behind a front process that balances them and '
              'answers 429 itself (default: one process on the current device)'),
     "vram_budget": ('memory PyTorch may use per GPU, e.g. 20GiB, enforced as a hard cap on this process (default: what'
-                    ' is free after loading); without a GPU, host memory for the model and its KV pool (default: 2GiB for the pool, the weights '
-                    'on top)'),
+                    ' is free after loading); without a GPU, host memory for the model and its KV pool (default: '
+                    '2GiB for the pool, the weights on top)'),
     "allowed_host": ('without --api-key: a name clients reach this server by, beyond localhost and IP addresses '
                      '(.example.com: every name under it); repeat for several. Other Host and Origin values are '
                      'refused (against DNS rebinding)'),
