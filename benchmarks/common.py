@@ -1,9 +1,12 @@
-"""Shared by the GPU scripts: JSON-lines records and random-weight checkpoints of catalog architectures."""
+"""Shared by the benchmark scripts: JSON-lines records, random-weight checkpoints of catalog architectures, and the
+cases a test module lists."""
 
 from __future__ import annotations
 
 import gc
+import importlib.util
 import json
+from pathlib import Path
 
 from vramguard.catalog.models import MODELS
 
@@ -76,3 +79,12 @@ def load_nf4_under_budget(arch: str, ckpt: str, budget_bytes: int):
         build_checkpoint(arch, ckpt)
     torch.cuda.set_per_process_memory_fraction(budget_bytes / torch.cuda.get_device_properties(0).total_memory)
     return load_model(ckpt, quant="nf4", verify=False)
+
+
+def load_test_module(name: str):
+    """``tests/<name>.py`` loaded as a module (the cases, settings and sources a benchmark prints from)."""
+    path = Path(__file__).resolve().parent.parent / "tests" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod

@@ -240,9 +240,7 @@ def main():
     finally:
         if proc.poll() is None:
             proc.kill()
-    log = open(os.path.join(args.out, "serve.log")).read()
-    emit(res, {"case": "log", "tracebacks": log.count("Traceback"),
-               "cap_lines": sum("to stay under the cap" in x for x in log.splitlines())})
+    emit(res, {"case": "log", **log_counts(os.path.join(args.out, "serve.log"), cap_lines="to stay under the cap")})
     if args.router:
         proc, url = spawn_router(model, os.path.join(args.out, "router.log"))
         try:
@@ -250,9 +248,15 @@ def main():
         finally:
             if proc.poll() is None:
                 proc.kill()
-        log = open(os.path.join(args.out, "router.log")).read()
-        emit(res, {"case": "router_log", "tracebacks": log.count("Traceback"),
-                   "timeout_lines": sum("request_timeout" in x for x in log.splitlines())})
+        emit(res, {"case": "router_log", **log_counts(os.path.join(args.out, "router.log"),
+                                                      timeout_lines="request_timeout")})
+
+
+def log_counts(path: str, **markers: str) -> dict:
+    """A server log's tracebacks, and for each ``name=text`` the lines that contain ``text``."""
+    lines = open(path).read().splitlines()
+    return {"tracebacks": sum("Traceback" in x for x in lines),
+            **{name: sum(text in x for x in lines) for name, text in markers.items()}}
 
 
 if __name__ == "__main__":

@@ -8,23 +8,12 @@ value next to the logged one as a markdown table (the one in benchmarks/README.m
 
 from __future__ import annotations
 
-import importlib.util
 import sys
-from pathlib import Path
 
+from benchmarks.common import load_test_module
 from vramguard.engines import vllm_kv as kv
 from vramguard.engines import vllm_weights as w
 from vramguard.units import GiB
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def _cases():
-    spec = importlib.util.spec_from_file_location("vllm_cases", ROOT / "tests" / "test_vllm_accuracy.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
 
 def _name(model) -> str:
     if isinstance(model, dict):
@@ -91,7 +80,7 @@ def rows(m) -> list[str]:
 
 
 def main() -> int:
-    m = _cases()
+    m = load_test_module("test_vllm_accuracy")
     print("| model | check | vLLM logged | planned | error | source |")
     print("|---|---|---|---|---|---|")
     for line in rows(m):

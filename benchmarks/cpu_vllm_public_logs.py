@@ -7,20 +7,9 @@ network).
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 
+from benchmarks.common import load_test_module
 from vramguard.errors import VramguardError
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def _cases():
-    spec = importlib.util.spec_from_file_location("vllm_public_logs", ROOT / "tests" / "test_vllm_public_logs.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
 
 def _fmt(what: str, value: float) -> str:
     if what == "refusal":
@@ -55,6 +44,6 @@ def rows(m) -> tuple[list[str], int, int]:
 
 
 if __name__ == "__main__":
-    table, good, total = rows(_cases())
+    table, good, total = rows(load_test_module("test_vllm_public_logs"))
     print("\n".join(table))
     print(f"\n{good} of {total} within 5% of the logged KV cache (or refusals predicted)")
