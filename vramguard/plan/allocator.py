@@ -3,6 +3,16 @@
 
 from __future__ import annotations
 
+import gc
+import importlib.util
+import os
+import pickle
+import signal
+import sys
+import threading
+import warnings
+from dataclasses import replace
+
 from vramguard.allocconf import env_alloc_conf
 from vramguard.finding import Finding
 from vramguard.introspect.alloc_replay import (allowed_bytes, loaded_reserved_bytes, not_covered, replay_generate,
@@ -31,7 +41,6 @@ def with_allocator(model, s: Settings, est, cards: list, conf: AllocatorConfig, 
     long generation would otherwise reserve a new segment for every step's larger KV tensor, terabytes). Where it
     does not fit there, the formula's need stands. Each card's need is its own capped replay's peak where that
     fits (so need, fit and headroom agree), else the estimate's."""
-    from dataclasses import replace
     fresh_est, fresh_cards = _with_conf(model, s, est, cards, conf, alloc_conf, solve)
     if not freed_before or fresh_est.allocator is None or conf.expandable_segments:  # one layout
         return fresh_est, fresh_cards
@@ -45,7 +54,6 @@ def with_allocator(model, s: Settings, est, cards: list, conf: AllocatorConfig, 
 def _worse(a, b):
     """The card verdict of the two layouts that leaves less: the failing one, else the one with less headroom, with
     the smaller largest prompt."""
-    from dataclasses import replace
     if a.fits != b.fits:
         return a if not a.fits else b
     w = a if a.headroom_bytes <= b.headroom_bytes else b
@@ -58,7 +66,6 @@ def _with_conf(model, s: Settings, est, cards: list, conf: AllocatorConfig, allo
     the loaded model's reserved bytes), not on the estimate's replay: where a forked process pays
     (:func:`_fork_pays`), the searches start before that replay and half of them run in the child
     (:func:`_card_edges`); otherwise the estimate's replay comes first, as read from disk where a plan kept it."""
-    from dataclasses import replace
     spec = model.spec
     ctx_bytes = est.cuda_context_bytes
     if not supported(s) or not spec.config_json:  # replay_generate answers None
@@ -88,7 +95,6 @@ def _judged(model, s: Settings, est, cards: list, conf: AllocatorConfig, capped:
             edges: list | None):
     """The estimate and card verdicts from the estimate's replay ``r``, each card's capped config and its largest
     prompt (``edges``; None: not solved)."""
-    from dataclasses import replace
     spec, ctx_bytes = model.spec, est.cuda_context_bytes
     reserved = max(r.peak_reserved_bytes, est.peak_allocated_bytes) if r.fits else est.peak_reserved_bytes
     run_need = reserved + ctx_bytes
@@ -143,9 +149,6 @@ def _fork_pays(searches: int) -> bool:
     """Whether a forked child is worth it: two searches or more, at least two CPUs for this process, ``os.fork``,
     no other thread (a fork copies only the calling thread, and a lock another one held stays held in the child)
     and no torch imported (its thread pools do not survive a fork)."""
-    import os
-    import sys
-    import threading
     if not FORK_SEARCHES or searches < 2 or not hasattr(os, "fork") or "torch" in sys.modules:
         return False
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
@@ -156,8 +159,6 @@ class _Forked:
     """``[w() for w in work]`` in a forked child process, its results sent back pickled through a pipe."""
 
     def __init__(self, work: list):
-        import gc
-        import os
         self.work = work
         read, write = os.pipe()
         gc.freeze()  # the collector leaves the objects of now alone: fewer pages copied on write in both processes
@@ -166,8 +167,6 @@ class _Forked:
             os.close(read)
             code = 1
             try:
-                import pickle
-                import warnings
                 warnings.simplefilter("ignore")  # the parent says it once (an unwritable cache folder)
                 data = pickle.dumps([w() for w in work])
                 with os.fdopen(write, "wb") as f:
@@ -180,9 +179,6 @@ class _Forked:
 
     def result(self) -> list:
         """The child's results, or the work done here where the child failed (it raised, or was killed)."""
-        import gc
-        import os
-        import pickle
         read = self.read
         if read is None:
             raise RuntimeError("the forked card searches' results were read already")
@@ -195,9 +191,6 @@ class _Forked:
 
     def close(self) -> None:
         """End the child where its result was not taken (this process raised first)."""
-        import gc
-        import os
-        import signal
         if self.pid:
             os.kill(self.pid, signal.SIGKILL)
             os.waitpid(self.pid, 0)
@@ -215,8 +208,6 @@ def auto_alloc_conf(spec, s: Settings) -> tuple[str | None, AllocatorConfig | No
     settings the tape does not cover (:func:`~vramguard.introspect.alloc_replay.not_covered`), a generation longer
     than :data:`AUTO_MAX_NEW_TOKENS`, torch or transformers not installed (with the install command), or an
     environment value that is not allocator options (a ``warn``: PyTorch refuses it at the first CUDA allocation)."""
-    import importlib.util
-
     env = env_alloc_conf()
     if not spec.config_json:
         return None, None, reserve_formula_finding("the model has no config.json to build its forward from")
@@ -253,7 +244,6 @@ def process_freed_memory() -> bool:
     ``torch.cuda.empty_cache()``. In the H200 traces (benchmarks/README.md) the warm-up of a fresh process released
     8 to 132 MiB and new segments still went below the older ones. False where torch is not imported or CUDA not
     initialized (this never initializes CUDA)."""
-    import sys
     torch = sys.modules.get("torch")
     if torch is None or not torch.cuda.is_initialized():
         return False
