@@ -95,8 +95,8 @@ def default_quant(on_cuda: bool) -> tuple[str, str]:
     CPU with AVX512-BF16, NF4 decoded 32.8 ms/token and bf16 42.9 against float32's 58.8 (128 tokens)."""
     if on_cuda:
         return "nf4", "the default on a CUDA device (4-bit weights, about a quarter of bf16's bytes)"
-    return CPU_DEFAULT_QUANT, ("no CUDA device: full-precision float32 weights, exact (bf16 and NF4 round the "
-                               "weights and change the text); quant='bf16' or 'nf4' loads smaller weights, faster "
+    return CPU_DEFAULT_QUANT, ("no CUDA device: full-precision float32 weights, exact (bf16 and NF4 compute in "
+                               "lower precision and change the text); quant='bf16' or 'nf4' loads smaller weights, faster "
                                "on a CPU with bf16 instructions, slower on one without")
 
 
