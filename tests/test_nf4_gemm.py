@@ -85,7 +85,8 @@ def test_default_config_splits_k_to_fill_the_device(monkeypatch):
         assert gemm.default_config(14336, 4096, 64, 64, "cuda:0") == (128, 2, 4, 3)  # 112 x 2 = 224; x 4 = 448
         assert gemm.default_config(4096, 14336, 64, 64, "cuda:0") == (128, 8, 4, 3)  # 32 x 8 = 256, 28 blocks each
         assert gemm.default_config(14336, 4096, 64, 64, "cuda:0", 256) == (256, 4, 8, 3)  # 56 x 4 = 224
-        assert gemm.default_config(40, 192, 64, 9, "cpu") == (16, 1, 4, 1)  # the interpreter: one split
+        assert gemm.default_config(40, 192, 64, 9, "cpu") == (64, 1, 4, 1)  # the interpreter: one split
+        assert gemm.default_config(1536, 576, 64, 32, "cpu") == (256, 1, 4, 1)  # at most 256 features a program
     finally:
         gemm.default_config.cache_clear()
 

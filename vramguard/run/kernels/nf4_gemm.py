@@ -120,10 +120,10 @@ def default_config(n: int, k: int, blocksize: int, rows: int, device_str: str,
                    bn: int = 128) -> tuple[int, int, int, int]:
     """(BN, splits, warps, stages) for ``N x K`` at ``rows`` rows: ``bn`` output features per program (4 warps at
     128, 8 above), ``K`` split in powers of two until the programs fill :data:`TARGET_WAVES` per SM (each split
-    keeping at least :data:`MIN_BLOCKS_PER_SPLIT` blocks). On the CPU (Triton's interpreter) one split of 64
-    features."""
+    keeping at least :data:`MIN_BLOCKS_PER_SPLIT` blocks). On the CPU (Triton's interpreter, where each program
+    costs milliseconds of Python and a larger block costs little more) one split of up to 256 features."""
     if not device_str.startswith("cuda"):
-        return 64 if n >= 64 else 16, 1, 4, 1
+        return min(256, max(16, triton.next_power_of_2(n))), 1, 4, 1
     programs = -(-n // bn)
     want = TARGET_WAVES * _sm_count(device_str)
     blocks = k // blocksize
