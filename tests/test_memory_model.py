@@ -29,14 +29,77 @@ def _imports(path: Path) -> set[str]:
     return out
 
 
+def _where(root: Path, picks) -> set[str]:
+    """``path:function`` (the innermost function around it; ``<module>`` outside any) of every line of the modules
+    under ``root`` that ``picks(text)`` returns (line numbers)."""
+    found = set()
+    for p in sorted(root.rglob("*.py")):
+        text = p.read_text()
+        lines = picks(text)
+        defs = [n for n in ast.walk(ast.parse(text)) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))] \
+            if lines else []
+        for i in lines:
+            inner = [d for d in defs if d.lineno <= i <= (d.end_lineno or d.lineno)]
+            found.add(f"{p.relative_to(root)}:{max(inner, key=lambda d: d.lineno).name if inner else '<module>'}")
+    return found
+
+
+def _grep(root: Path, pattern: str) -> set[str]:
+    """The functions of the lines ``pattern`` matches, as ``grep -rn`` finds them (comments and docstrings too)."""
+    return _where(root, lambda text: [i for i, line in enumerate(text.splitlines(), 1) if re.search(pattern, line)])
+
+
+def _flag_reads(root: Path) -> set[str]:
+    """The functions that read an attribute ``generic`` under any name: ``x.generic``, ``getattr(x, "generic")``."""
+    def read(n: ast.AST) -> bool:
+        if isinstance(n, ast.Attribute):
+            return n.attr == "generic" and isinstance(n.ctx, ast.Load)
+        return isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "getattr" and \
+            len(n.args) > 1 and isinstance(n.args[1], ast.Constant) and n.args[1].value == "generic"
+    return _where(root, lambda text: [n.lineno for n in ast.walk(ast.parse(text)) if read(n)] if "generic" in text
+                  else [])
+
+
 def test_only_the_choosing_function_asks_whether_a_spec_is_generic():
-    """``grep -rn "spec.generic" vramguard`` finds the one function that chooses the memory model, and the hand
-    allocator tape's coverage checks below it (``introspect/hand.py``, ``memory/hand_tape.py``: whether the
-    torch-free tape covers the spec, which ``choose`` asks)."""
-    found = [f"{p.relative_to(PACKAGE)}:{i}" for p in sorted(PACKAGE.rglob("*.py"))
-             for i, line in enumerate(p.read_text().splitlines(), 1) if re.search(r"spec.generic", line)]
-    assert all(f.startswith(("plan/choice.py:", "introspect/hand.py:", "memory/hand_tape.py:")) for f in found), found
-    assert len([f for f in found if f.startswith("plan/choice.py:")]) == 1, found
+    """``grep -rn "spec.generic" vramguard`` finds the one function that chooses the memory model and nothing else:
+    below it the models answer, and the hand fast paths (``introspect/hand.py``, ``memory/hand_tape.py``) ask the
+    config's family and the settings, not which model was chosen."""
+    assert _grep(PACKAGE, r"spec.generic") == {"plan/choice.py:choose"}
+    assert _flag_reads(PACKAGE) == {"plan/choice.py:choose"}
+
+
+def test_the_guard_finds_a_leaf_that_asks(tmp_path):
+    """The guard above can fail: a module that reads the flag is named with its function."""
+    (tmp_path / "leaf.py").write_text("def kv(spec):\n    return 0 if spec.generic else 1\n")
+    assert _grep(tmp_path, r"spec.generic") == _flag_reads(tmp_path) == {"leaf.py:kv"}
+    (tmp_path / "leaf.py").write_text("def kv(m):\n    return getattr(m.spec, 'generic')\n\n\ndef fw(x):\n"
+                                      "    return x.generic\n")
+    assert _grep(tmp_path, r"spec.generic") == set() and _flag_reads(tmp_path) == {"leaf.py:kv", "leaf.py:fw"}
+
+
+def test_the_hand_fast_paths_answer_a_config_whichever_model_plans_it(monkeypatch):
+    """The allocator replay's load of a hand family's config.json is the hand module tree's for a spec planned by
+    transformers too (``generic``), and it is transformers' own (``hand.ENABLED`` off: the meta model): the fast
+    path is a fact of the config, the model choice is :func:`choose`'s alone."""
+    from dataclasses import replace
+
+    from vramguard.introspect import alloc_replay, hand
+    from vramguard.memory import hand_tape
+    from vramguard.spec import spec_from_config
+    spec = spec_from_config({"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+                             "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2,
+                             "vocab_size": 256, "max_position_embeddings": 512}, name="m")
+    generic = replace(spec, generic=True)
+    s = Settings(quant="nf4")
+    assert hand.covers(generic) and hand_tape.not_covered(generic, Settings()) is None
+    assert not choose(spec).model.needs_transformers and choose(generic).model.needs_transformers
+    mine = alloc_replay.load_events(generic, s)
+    # 2 layers x 7 nf4 projections, each read in bf16 and quantized with double quant (the default): the 16-bit
+    # copy and both float32 absmax freed, 3 frees a projection
+    assert s.double_quant and len([e for e in mine[1] if e[1] < 0]) == 2 * 7 * 3
+    assert mine == alloc_replay.load_events(spec, s)
+    monkeypatch.setattr(hand, "ENABLED", False)  # the meta model's tree: the source the fast path is checked against
+    assert alloc_replay.load_events(generic, s) == mine
 
 
 def test_the_memory_package_imports_nothing_above_it_and_no_torch():

@@ -29,13 +29,10 @@ BNB_BYTES = {"int8": 1}  # a converted weight's TensorInfo carries no bytes (mem
 
 
 def covers(spec) -> bool:
-    """Whether :func:`structure` and :func:`load_plan` answer ``spec`` (a hand family's, with its config.json)."""
-    return ENABLED and not spec.generic and spec.model_type in FAMILIES and bool(spec.config_json)
-
-
-def covers_tape(spec, s: Settings) -> bool:
-    """Whether the allocation tape of ``spec`` with ``s`` comes from :mod:`vramguard.memory.hand_tape`."""
-    return covers(spec) and hand_tape.covers(spec, s)
+    """Whether :func:`structure` and :func:`load_plan` answer ``spec``: a config.json of a family written here. A fact
+    of the config, not of the memory model chosen for it (:func:`vramguard.plan.choice.choose`): what they answer is
+    what transformers builds for that config, whichever model plans it."""
+    return ENABLED and spec.model_type in FAMILIES and bool(spec.config_json)
 
 
 def structure(spec, s: Settings) -> Structure:

@@ -43,8 +43,8 @@ def _config_facts(config_json: str) -> tuple[str | None, str | None]:
 
 def not_covered(spec, s: Settings) -> str | None:
     """Why the hand tape does not answer ``spec`` with ``s`` (None: it does)."""
-    if spec.generic or spec.model_type not in FAMILIES or not spec.config_json:
-        return f"no hand tape for {spec.model_type}" + (" (generic)" if spec.generic else "")
+    if spec.model_type not in FAMILIES or not spec.config_json:
+        return f"no hand tape for {spec.model_type}" + ("" if spec.config_json else " without its config.json")
     if spec.sliding_window is not None or set(spec.layer_types) - {"full_attention"}:
         return "sliding-window layers (their masks)"
     act, rope = _config_facts(spec.config_json)
