@@ -124,3 +124,32 @@ def test_nf4_without_bitsandbytes_is_refused_before_loading(tiny, monkeypatch):
     r = run_cli("run", str(folder), "--prompt", "hi", "--max-new-tokens", "2", "--quant", "nf4")
     assert r.returncode == 3, r.stdout + r.stderr
     assert "--quant: 'nf4' is not valid" in r.stdout + r.stderr and "internal error" not in r.stdout + r.stderr
+
+
+def test_bitsandbytes_is_imported_without_dynamo_and_its_nf4_still_computes():
+    """vramguard imports bitsandbytes with its import-time ``torch.compile`` calls deferred to their first call
+    (``vramguard.extras.import_bitsandbytes``): after the import neither TorchDynamo nor Inductor is loaded and
+    ``torch.compile`` is PyTorch's own again; bitsandbytes' CPU NF4 round trip (its compiled PyTorch kernels, now
+    compiled at that call) rounds to the NF4 code: every element within its block's absmax x half the widest gap
+    of the code table, between -1 and -0.6962: 0.1519."""
+    import subprocess
+    import sys
+    probe = (
+        "import sys, torch\n"
+        "real = torch.compile\n"
+        "from vramguard.extras import import_bitsandbytes\n"
+        "import_bitsandbytes()\n"
+        "print('dynamo' if 'torch._dynamo' in sys.modules else 'no dynamo',\n"
+        "      'inductor' if 'torch._inductor.compile_fx' in sys.modules else 'no inductor',\n"
+        "      'restored' if torch.compile is real else 'replaced')\n"
+        "import bitsandbytes.functional as F\n"
+        "torch.manual_seed(0)\n"
+        "w = torch.randn(64, 128)\n"
+        "q, st = F.quantize_4bit(w, blocksize=64, quant_type='nf4')\n"
+        "err = (F.dequantize_4bit(q, st) - w).abs().reshape(-1, 64).amax(1) / st.absmax\n"
+        "print(f'{err.max().item():.4f}')\n")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    head, err = out.stdout.strip().splitlines()[-2:]
+    assert head == "no dynamo no inductor restored"
+    assert 0.1 < float(err) <= 0.152  # nearest of 16 NF4 values: (1 - 0.6962) / 2 = 0.1519

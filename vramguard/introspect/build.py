@@ -20,6 +20,7 @@ from functools import lru_cache
 from typing import Any
 
 from vramguard.errors import ConfigError
+from vramguard.extras import import_bitsandbytes
 
 from vramguard.settings import TORCH_DTYPE_NAMES as TORCH_DTYPES
 
@@ -140,17 +141,9 @@ def _bnb_config(quant: str, double_quant: bool, compute_dtype: str):
 
 
 def _import_bitsandbytes():
-    """``import bitsandbytes``, with its import-time warning about optional CPU kernels (``kernels-community``, its
-    logger ``bitsandbytes``) held back: planning runs no kernel. Raises ImportError when it is not installed."""
-    import logging
-    log = logging.getLogger("bitsandbytes")
-    level = log.level
-    log.setLevel(logging.ERROR)
-    try:
-        import bitsandbytes
-    finally:
-        log.setLevel(level)
-    return bitsandbytes
+    """``import bitsandbytes`` as :func:`vramguard.extras.import_bitsandbytes` does it (its import-time notice held
+    back: planning runs no kernel). Raises ImportError when it is not installed."""
+    return import_bitsandbytes()
 
 
 def _quantize_meta(model, qcfg) -> tuple[set[str], str]:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from vramguard.allocconf import env_alloc_conf
 from vramguard.catalog.gpus import GpuSpec
+from vramguard.extras import import_bitsandbytes
 from vramguard.hardware import detect_gpus
 
 ENV_OVERRIDE = None  # a callable returning an Env, set by tests
@@ -78,6 +79,7 @@ def _bnb(cuda_available: bool) -> dict:
     if version is None:
         return out
     try:
+        import_bitsandbytes()
         from bitsandbytes import cextension as c
         out["bnb_backend"] = getattr(c, "BNB_BACKEND", None)
         lib = getattr(c, "lib", None)

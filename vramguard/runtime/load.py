@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from vramguard.extras import extra_of
+from vramguard.extras import extra_of, import_bitsandbytes
 from vramguard.introspect.build import attention_support, cached_config
 from vramguard.memory.runtime import CUDA_CONTEXT_BYTES
 from vramguard.plan.choice import choose
@@ -276,7 +276,8 @@ def _weights_folder(model: str, allow_pickle: bool):
 
 def _require_bitsandbytes(quant: str) -> None:
     """Refuses a bitsandbytes ``quant`` when bitsandbytes is not installed, before transformers' loader would fail
-    on it with an ImportError (its quantizer's ``validate_environment``).
+    on it with an ImportError (its quantizer's ``validate_environment``); imports it otherwise, before transformers'
+    quantizer does, without its own TorchDynamo and Inductor imports (:func:`vramguard.extras.import_bitsandbytes`).
 
     Raises:
         ConfigError: ``quant`` is nf4/fp4/int8 and ``importlib.util.find_spec("bitsandbytes")`` finds nothing.
@@ -287,6 +288,7 @@ def _require_bitsandbytes(quant: str) -> None:
                           f"({quant} weights are quantized by bitsandbytes)",
                           f"pip install 'vramguard[{extra_of('bitsandbytes')}]' (it installs bitsandbytes), or load "
                           "with quant='bf16' (twice the weight bytes of nf4)")
+    import_bitsandbytes()
 
 
 def _bnb_config(quant: str, double_quant: bool, compute_dtype: str):
