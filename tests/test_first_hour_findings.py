@@ -196,3 +196,13 @@ def test_oom_log_since_says_it_cannot_filter_undated_records(tmp_path):
     assert "no date" not in oom_log(str(both)).message  # without --since nothing is filtered, nothing to say
     cli = run_cli("oom-log", "--file", str(raw), "--since", "1h", columns="300")
     assert cli.returncode == 0 and "--since cannot filter it, so it is listed" in cli.stdout
+
+
+# run's CPU default: the reason names both options in the CLI's words
+
+
+def test_the_cpu_default_reason_names_both_weight_formats_as_options():
+    from vramguard.cli.flags import as_flags
+    from vramguard.runtime.load import default_quant
+    quant, why = default_quant(on_cuda=False)
+    assert quant == "fp32" and "--quant bf16 or --quant nf4 loads smaller weights" in as_flags(why)
