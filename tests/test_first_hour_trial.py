@@ -538,16 +538,19 @@ def test_the_kv_as_large_as_the_weights_warning_shows_a_tiny_models_real_sizes(t
 def test_check_says_why_a_dtype_nobody_passed_is_checked(tiny_llama):
     r = run_cli("check", str(tiny_llama), "--gpu", "t4", "--no-verify", "--format", "json")
     f = _findings(r)["param_dtype"]
-    assert f["value"].startswith("fp16") and f["message"] == (
+    # the tiny model's checkpoint is float32: loaded narrower, said as info (tests/test_first_hour_findings.py)
+    narrower = "; the float32 checkpoint is loaded in {}, not its own dtype: its weights are rounded to fewer"
+    assert f["value"].startswith("fp16") and f["level"] == "info" and f["message"].startswith(
         "none given: vramguard run and serve pass fp16 to from_pretrained; bfloat16 is not native on compute "
-        "capability 7.5 (t4); float16 is")
+        "capability 7.5 (t4); float16 is" + narrower.format("float16"))
     f = _findings(run_cli("check", str(tiny_llama), "--gpu", "a100-80gb", "--no-verify", "--format", "json"))
-    assert f["param_dtype"]["message"] == ("none given: vramguard run and serve pass bf16 to from_pretrained "
-                                           "(bfloat16 where the card supports it, else float16)")
+    assert f["param_dtype"]["message"].startswith("none given: vramguard run and serve pass bf16 to from_pretrained "
+                                                  "(bfloat16 where the card supports it, else float16)"
+                                                  + narrower.format("bfloat16"))
     # a dtype the user passes is said as passed
     f = _findings(run_cli("check", str(tiny_llama), "--gpu", "t4", "--dtype", "fp16", "--no-verify", "--format",
                           "json"))
-    assert f["param_dtype"]["message"] == "--dtype fp16 passed to from_pretrained"
+    assert f["param_dtype"]["message"].startswith("--dtype fp16 passed to from_pretrained" + narrower.format("float16"))
 
 
 def test_check_lines_that_wrap_stay_under_their_item(tiny_llama):

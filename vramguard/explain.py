@@ -95,6 +95,7 @@ class Explanation:
     fixes: list[str]
     message: OomMessage
     matched_allocation: str | None = None
+    context: str | None = None  # "training" or "generation" (traceback_context), None when the text cannot tell
 
 
 def _ratio(a: int, b: int) -> str:
@@ -163,7 +164,12 @@ def explain(text: str, alloc_conf: str | None = None, candidates: dict[str, int]
         InvalidValue: the text is not a CUDA OOM message.
     """
     other = _other_messages(text)
+    context = traceback_context(text)
     if other is not None:
+        if context == "training" and other.kind != "offload":  # offload: refused at load, before any step
+            other.evidence.append(TRAINING_EVIDENCE)
+            other.fixes = _training_fixes(other.kind, other.fixes, None)
+        other.context = context
         return other
     m = parse_oom_message(text)
     req = m.request_bytes or 0
@@ -173,6 +179,9 @@ def explain(text: str, alloc_conf: str | None = None, candidates: dict[str, int]
     attention = attention_in_traceback(text)
     kind, summary, fixes, more = _classify(m, req, usable, matched, alloc_conf, attention)
     ev += more
+    if context == "training":
+        ev.append(TRAINING_EVIDENCE)
+        fixes = _training_fixes(kind, fixes, matched)
     if attention is False and kind == "algorithmic":
         ev.append("the traceback names no attention code (attn, attention, sdpa, softmax): the allocation is the "
                   "traceback's own tensor, so attention settings would not change it")
@@ -181,7 +190,7 @@ def explain(text: str, alloc_conf: str | None = None, candidates: dict[str, int]
     elif candidates:
         ev.append("no single allocation of the planned run matches the request (it is a smaller tensor: an "
                   "activation, a KV cache block or a workspace)")
-    return Explanation(kind, summary, ev, fixes, m, matched)
+    return Explanation(kind, summary, ev, fixes, m, matched, context)
 
 
 def _evidence(m: OomMessage, req: int, usable: int | None) -> list[str]:
@@ -245,6 +254,60 @@ def attention_in_traceback(text: str) -> bool | None:
     return bool(_ATTENTION_CODE.search(text))
 
 
+# innermost frames last in a Python traceback: the later of the two kinds of marker says what the process was doing
+_TRAINING_CODE = re.compile(r"\.backward\(|torch/autograd/|run_backward|optimizer\.step\(|torch/optim/|"
+                            r"training_step|compute_loss|_inner_training_loop|zero_grad\(")
+_GENERATION_CODE = re.compile(r"\.generate\(|generation/utils\.py|in generate\b|cache_utils\.py|in _sample\b|"
+                              r"\bprefill|vramguard/run/|vllm/")
+TRAINING_EVIDENCE = ("the traceback is of training (a backward pass, an optimizer step or a trainer's step): the "
+                     "memory holds the weights, their gradients, the optimizer's states and the activations kept "
+                     "for the backward pass, not a KV cache; vramguard plan models generation, not training")
+TRAINING_FIXES = ("gradient checkpointing (model.gradient_checkpointing_enable()): the backward pass recomputes "
+                  "activations instead of keeping every layer's",
+                  "a smaller micro-batch (per_device_train_batch_size) with gradient accumulation for the same "
+                  "effective batch, or shorter sequences",
+                  "an 8-bit or paged optimizer (bitsandbytes.optim.AdamW8bit, optim='paged_adamw_8bit'): Adam's two "
+                  "states in a quarter of float32's memory",
+                  "train LoRA adapters (peft) instead of every weight, on NF4 weights for QLoRA, in bf16 mixed "
+                  "precision")
+
+
+_CAP_TORCH = "torch.cuda.set_per_process_memory_fraction"
+_CAP = f"a vram_budget= (or {_CAP_TORCH})"  # vramguard's run and serve cap, or a script's own
+
+
+def traceback_context(text: str) -> str | None:
+    """What the process was doing when it ran out: ``training`` where the traceback names a backward pass
+    (``loss.backward()``, ``torch/autograd/``), an optimizer step or a trainer's step (``training_step``,
+    ``compute_loss``), ``generation`` where it names ``generate``, transformers' generation or cache code, a
+    prefill, vramguard's run or vLLM; where it names both (an evaluation that generates inside a training loop),
+    the kind named last, the innermost frame's; None where it names neither (or holds no traceback)."""
+    last = {kind: max((m.end() for m in pattern.finditer(text)), default=-1)
+            for kind, pattern in (("training", _TRAINING_CODE), ("generation", _GENERATION_CODE))}
+    if max(last.values()) < 0:
+        return None
+    return max(last, key=lambda kind: last[kind])
+
+
+def _training_fixes(kind: str, fixes: list[str], matched: str | None) -> list[str]:
+    """The fixes of a training step's shortage of ``kind``, in place of generation's (a static or quantized KV
+    cache, chunked prefill, ``vramguard plan``): fragmentation keeps the allocator setting and asks for steady
+    shapes; one allocation too large keeps the attention fix and asks for a smaller micro-batch or shorter
+    sequences first; other processes, CUDA's and cuBLAS's own errors and MPS keep theirs but the plan's, and add
+    the two training fixes that lower the need most; a steady growth gets every training fix."""
+    if kind in ("other_processes", "cuda_error", "cublas_alloc", "mps"):  # keep theirs, but for vramguard's
+        return [f.replace(_CAP, _CAP_TORCH) for f in fixes if "vramguard plan" not in f] + list(TRAINING_FIXES[:2])
+    if kind == "fragmentation":
+        return [fixes[0], "keep tensor shapes steady from step to step: pad batches to one length or a few buckets "
+                "(or pack sequences), so a freed block fits the next step's tensors", TRAINING_FIXES[0]]
+    if kind == "algorithmic":
+        attention = [f for f in fixes if "attn_implementation" in f or "eager attention" in f]
+        return [TRAINING_FIXES[1], *attention, "the loss's logits (batch x sequence x vocabulary, in float32) are "
+                "often the largest tensor: a fused or chunked cross-entropy (e.g. Liger Kernel's) never builds them "
+                "whole", TRAINING_FIXES[0]]
+    return list(TRAINING_FIXES)
+
+
 def _classify(m: OomMessage, req: int, usable: int | None, matched: str | None,
               alloc_conf: str | None, attention: bool | None = None) -> tuple[str, str, list[str], list[str]]:
     """(kind, summary, fixes, further evidence) by the rules of the module docstring, in their order;
@@ -291,8 +354,8 @@ def _fragmentation_fixes(alloc_conf: str | None) -> list[str]:
               "(torch.cuda.empty_cache()) and keep tensor sizes steady"] if expandable else
              ["export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (lets segments grow instead of "
               "stranding blocks)"])
-    fixes.append("use a static KV cache (preallocated once) instead of a dynamic cache that grows by "
-                 "concatenation")
+    fixes.append("when generating: use a static KV cache (preallocated once) instead of a dynamic cache that grows "
+                 "by concatenation")
     return fixes
 
 
@@ -317,8 +380,8 @@ def _other_messages(text: str) -> Explanation | None:
             "cublas_alloc", "cuBLAS could not allocate its handle or workspace: the card was full when the first "
             "matrix product (of this stream or thread) ran", [why + ": cuBLAS allocates outside PyTorch's pool, so "
                                                               "PyTorch's cache can hold what it needs"],
-            ["leave room outside PyTorch: a vram_budget= (or torch.cuda.set_per_process_memory_fraction) below the "
-             "card, or torch.cuda.empty_cache() before the first forward",
+            [f"leave room outside PyTorch: {_CAP} below the card, or torch.cuda.empty_cache() before the first "
+             "forward",
              "close other GPU processes (nvidia-smi lists them), or run on another GPU (CUDA_VISIBLE_DEVICES)",
              "vramguard plan MODEL with vram=SIZE, the memory that is free, shows what fits"],
             OomMessage(format="cublas"))
@@ -384,8 +447,8 @@ def _cuda_error(t: str) -> Explanation:
                   "do not apply to out of memory")
     fixes = ["locate it: rerun with CUDA_LAUNCH_BLOCKING=1 (slower), so the traceback points at the call that failed"
              if _ASYNC in t else "rerun with CUDA_LAUNCH_BLOCKING=1 (slower) if the traceback does not name the call",
-             "leave headroom outside PyTorch: a vram_budget= (or torch.cuda.set_per_process_memory_fraction) below "
-             "the card, or torch.cuda.empty_cache() before the call that failed",
+             f"leave headroom outside PyTorch: {_CAP} below the card, or torch.cuda.empty_cache() before the call "
+             "that failed",
              "check other processes with nvidia-smi: close them, or run on another GPU (CUDA_VISIBLE_DEVICES)",
              "lower the batch or the prompt length; vramguard plan MODEL with vram=SIZE shows what fits"]
     if nccl:

@@ -121,12 +121,24 @@ def gpu_from_catalog(name: str) -> GpuSpec:
     if len(starts) == 1:
         return starts[0]
     if starts:
-        raise UnknownGpu("gpu", name, ", ".join(g.name for g in starts),
-                         f"name one of them, e.g. gpu={starts[-1].name}")
+        raise _several_start(name, starts)
     near = close_card_names(name)
     meant = f"did you mean {' or '.join(near)}? " if near else ""
     raise UnknownGpu("gpu", name, ", ".join(GPUS), f"{meant}pick a catalog card (vramguard.catalog.gpus.GPUS lists "
                      "them); a plan also takes the memory of any card: vram=24GiB")
+
+
+def _several_start(name: str, starts: list[GpuSpec]) -> UnknownGpu:
+    """The error for a name that starts several catalog names, listed in catalog order: the shortest of them is the
+    one most likely meant (the fewest characters left over: ``RTX 409`` is ``rtx-4090``, not ``rtx-4090-d``) and is
+    suggested by itself when no other is as short; else the first of the shortest is an example (``a100``:
+    ``a100-40gb`` or ``a100-80gb``)."""
+    ordered = sorted(starts, key=lambda g: len(_flat(g.name)))  # stable: catalog order among names of one length
+    best, second = ordered[0].name, ordered[1].name
+    accepted = ", ".join(g.name for g in starts)
+    if len(_flat(best)) < len(_flat(second)):
+        return UnknownGpu("gpu", name, accepted, f"did you mean gpu={best}? Or name another of them")
+    return UnknownGpu("gpu", name, accepted, f"name one of them, e.g. gpu={best}")
 
 
 def close_card_names(name: str, n: int = 2) -> list[str]:

@@ -24,7 +24,8 @@ from vramguard.probe.env import Env, probe_env
 from vramguard.probe.kernels import AttentionKernel, profile_attention
 from vramguard.resolve import catalog_name, model_folder, resolve_model
 from vramguard.runtime.handle import pin_sdpa
-from vramguard.runtime.load import _not_native, choose_dtypes, load_model, unload
+from vramguard.runtime.load import (LoadReport, _attention_support, _not_native, choose_attn, choose_dtypes,
+                                    load_model, unload)
 from vramguard.runtime.tokenizer import folder_tokenizer
 from vramguard.settings import Settings, require_bool, require_settings
 from vramguard.units import fmt_gib
@@ -70,7 +71,7 @@ def _check_arguments(model: object, settings: object, device_map: object, gpu: o
 def check(model: str | None = None, settings: Settings | None = None, *, dtype: str | None = None,
           compute_dtype: str | None = None, device_map: str | None = None, gpu: str | None = None,
           verify: bool = True, env: Env | None = None, unquantized: bool = False,
-          loader_defaults: bool = False, revision: str | None = None) -> CheckReport:
+          loader_defaults: bool = False, revision: str | None = None, attn_unset: bool = False) -> CheckReport:
     """Check the environment and the settings a model will be loaded with.
 
     Args:
@@ -87,6 +88,9 @@ def check(model: str | None = None, settings: Settings | None = None, *, dtype: 
             (and so ``run`` and ``serve``) passes: bf16 where the card supports it, else fp16; False checks
             plain transformers' and bitsandbytes' defaults instead.
         revision: the Hub revision of a Hub id (read from the Hub: config and safetensors headers, no weights).
+        attn_unset: no ``attn_implementation`` passed (``settings.attn`` is then not used): with ``loader_defaults``
+            the one ``run`` and ``serve`` load here (:func:`vramguard.runtime.load.choose_attn`'s ``auto``), else
+            sdpa, transformers' default; a finding says which was checked and why.
 
     Raises:
         UnknownModel, ConfigError, UnknownGpu: the model or the card cannot be read.
@@ -94,7 +98,7 @@ def check(model: str | None = None, settings: Settings | None = None, *, dtype: 
             does not take.
     """
     _check_arguments(model, settings, device_map, gpu, verify=verify, unquantized=unquantized,
-                     loader_defaults=loader_defaults)
+                     loader_defaults=loader_defaults, attn_unset=attn_unset)
     spec = resolve_model(model, revision) if model else None  # a bad model or card is said before the probe
     named = gpu_from_catalog(gpu) if gpu else None
     env = env or probe_env()
@@ -121,6 +125,9 @@ def check(model: str | None = None, settings: Settings | None = None, *, dtype: 
     s = s.with_(dtype=param_dtype if s.quant not in ("bf16", "fp16", "fp32") else None,
                 compute_dtype=compute if s.is_4bit else None)
     findings = environment_findings(env, card, source)
+    if attn_unset:
+        s, attn_finding = _default_attn(env, card, s, spec, param_dtype, loader_defaults)
+        findings.append(attn_finding)
     findings += runtime_findings(env, card, s, spec, param_dtype, why)
     findings += model_findings(spec, ckpt if folder or hub_ckpt else None, s, env, param_dtype, why, card,
                                dtype_passed=dtype not in (None, "auto"))  # auto: as stored
@@ -179,6 +186,32 @@ def _default_dtype_why(card, dtype: str, why: str) -> str:
                     "and serve load float16 in its place and say so")
         return f"{head}; {_not_native(card)}"
     return f"{head} (bfloat16 where the card supports it, else float16)"
+
+
+def _default_attn(env: Env, card, s: Settings, spec, param_dtype: str,
+                  loader_defaults: bool) -> tuple[Settings, Finding]:
+    """The attention implementation checked when none is passed, and the finding that says which and why: with
+    ``loader_defaults`` the one :func:`vramguard.runtime.load.choose_attn` loads for ``run`` and ``serve`` here
+    (flash_attention_2 where the flash_attn package, the card, the dtype and the head_dim allow it, else sdpa, as
+    ``vramguard plan --gpu`` assumes for a card of compute capability 8.0 or more), else sdpa, what a
+    ``from_pretrained`` without ``attn_implementation`` loads."""
+    if not loader_defaults:
+        return s.with_(attn="sdpa"), finding_line("attention", "info", "sdpa (none given)", "from_pretrained without "
+                                                  "attn_implementation loads sdpa, transformers' default")
+    try:
+        supports = _attention_support(spec) if spec is not None else None
+    except ImportError:  # no transformers: the environment findings say so
+        supports = None
+    report = LoadReport("", {})
+    attn = choose_attn("auto", env, card, param_dtype, spec.head_dim if spec is not None else 0, report, False,
+                       supports or None)
+    why = report.notes[-1].removeprefix(f"attention: {attn}").strip(" ()") if report.notes else ""
+    if attn == "flash_attention_2":
+        why = "the flash_attn package, the card, the dtype and the head_dim allow it, as vramguard plan assumes"
+    elif card is not None and card.supports_flash_attn2 and "flash_attn package" in why:
+        why += "; vramguard plan assumes flash_attention_2 on this card, the loader's choice where it is installed"
+    return s.with_(attn=attn), finding_line("attention", "info", f"{attn} (none given)",
+                                            f"vramguard run and serve load {attn} here" + (f": {why}" if why else ""))
 
 
 def _plan_findings(model, spec, s: Settings, card, env, device_map) -> list[Finding]:

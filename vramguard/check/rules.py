@@ -172,6 +172,26 @@ def checkpoint_findings(ckpt: CheckpointInfo | None, env: Env) -> list[Finding]:
     return f
 
 
+def _param_dtype_line(param_dtype: str, stored: str | None, reason: str) -> Finding:
+    """The dtype the weights load in against the checkpoint's (float32 widening is :func:`model_findings`' warning):
+    ok where they are the same (or the checkpoint's is unknown); a bfloat16 checkpoint loaded in float16 a warning
+    (float16's largest value is 65,504 where bfloat16's is float32's: activations of a model trained in bfloat16 can
+    overflow to inf and NaN); any other narrowing (float32 or float16 to bfloat16, float32 to float16) info: the
+    weights are rounded to fewer mantissa bits as they load, half the memory of float32."""
+    value = param_dtype + (f" (checkpoint: {stored})" if stored else "")
+    if stored is None or stored == param_dtype or param_dtype == "fp32" or stored not in ("bf16", "fp16", "fp32"):
+        return finding_line("param_dtype", "ok", value, reason)
+    names = TORCH_DTYPE_NAMES
+    change = f"the {names[stored]} checkpoint is loaded in {names[param_dtype]}, not its own dtype"
+    if (stored, param_dtype) == ("bf16", "fp16"):
+        return finding_line("param_dtype", "warn", value, f"{reason}; {change}: float16 overflows above 65,504, "
+                            "where bfloat16 does not, so activations of a model trained in bfloat16 can become inf "
+                            "or NaN", "pass dtype=torch.bfloat16 on a card of compute capability 8.0 or more; "
+                            "below it, dtype=torch.float32 if the output turns to nonsense")
+    return finding_line("param_dtype", "info", value, f"{reason}; {change}: its weights are rounded to fewer "
+                        "mantissa bits as they load")
+
+
 def model_findings(spec: ModelSpec | None, ckpt: CheckpointInfo | None, s: Settings, env: Env, param_dtype: str,
                    param_dtype_reason: str, gpu: GpuSpec | None = None,
                    dtype_passed: bool = False) -> list[Finding]:
@@ -195,8 +215,7 @@ def model_findings(spec: ModelSpec | None, ckpt: CheckpointInfo | None, s: Setti
                               f"{param_dtype_reason}: every unquantized weight takes twice the memory of 16-bit "
                               f"weights{cost}", "pass dtype=torch.bfloat16 (float16 below compute capability 8.0)"))
     else:
-        f.append(finding_line("param_dtype", "ok", param_dtype + (f" (checkpoint: {stored})" if stored else ""),
-                              param_dtype_reason))
+        f.append(_param_dtype_line(param_dtype, stored, param_dtype_reason))
     pre_ampere = gpu is not None and gpu.supports_bf16 is False
     half_name = "float16" if pre_ampere or param_dtype == "fp16" else "bfloat16"
     if s.is_4bit and spec is not None:

@@ -9,7 +9,7 @@ import typer
 
 from vramguard.check import check as check_fn
 from vramguard.cli.common import run_guarded, write_json
-from vramguard.cli.options import (Attn, CheckQuant, Dtype, DtypeArg, Format, SdpaKernel, attn_option, batch_option,
+from vramguard.cli.options import (Attn, CheckQuant, Dtype, DtypeArg, Format, SdpaKernel, batch_option,
                                    format_option, max_new_tokens_option, prompt_tokens_option, revision_option)
 from vramguard.errors import InvalidValue
 from vramguard.cli.render import check_to_json, console, print_check
@@ -32,7 +32,9 @@ def check(
                                                help="check plain from_pretrained's defaults for what you leave "
                                                     "unset (bitsandbytes computes in float32) instead of "
                                                     "vramguard's"),
-    attn: Attn = attn_option("attn_implementation you pass"),
+    attn: Optional[Attn] = typer.Option(None, help="attn_implementation you pass (unset: what vramguard run/serve "
+                                        "load: flash_attention_2 where flash_attn, the card and the dtype allow it, "
+                                        "else sdpa; with --transformers-defaults, sdpa)"),
     sdpa_kernel: SdpaKernel = typer.Option(SdpaKernel['auto'], help="SDPA backend you pin (torch.nn.attention."
                                                                  "sdpa_kernel)"),
     output_attentions: bool = typer.Option(False, help="attention maps requested"),
@@ -50,16 +52,16 @@ def check(
 
     def build():
         q = "bf16" if quant == CheckQuant['none'] else quant.value
-        s = Settings(quant=q, double_quant=double_quant, attn=attn.value, sdpa_kernel=sdpa_kernel.value, batch=batch,
-                     prompt_tokens=prompt_tokens, max_new_tokens=max_new_tokens,
-                     output_attentions=output_attentions)
+        s = Settings(quant=q, double_quant=double_quant, attn=attn.value if attn else "sdpa",
+                     sdpa_kernel=sdpa_kernel.value, batch=batch, prompt_tokens=prompt_tokens,
+                     max_new_tokens=max_new_tokens, output_attentions=output_attentions)
         if compute_dtype is not None and not s.is_4bit:
             raise InvalidValue("--compute-dtype", compute_dtype.value, f"unset with --quant {quant.value}",
                                "the compute dtype applies to 4-bit weights only (--quant nf4 or fp4)")
         return check_fn(model, s, dtype=dtype.value if dtype else None,
                         compute_dtype=compute_dtype.value if compute_dtype else None, device_map=device_map,
                         gpu=gpu, verify=verify, unquantized=quant == CheckQuant['none'],
-                        loader_defaults=not transformers_defaults, revision=revision)
+                        loader_defaults=not transformers_defaults, revision=revision, attn_unset=attn is None)
 
     r = run_guarded(build, as_json=fmt == Format['json'], progress=f"checking {model}")
     if fmt == Format['json']:

@@ -9,6 +9,7 @@ from enum import Enum
 
 import typer
 
+from vramguard.engines.vllm_quant import AT_LOAD
 from vramguard.errors import InvalidValue
 
 Engine = Enum("Engine", {"transformers": "transformers", "vllm": "vllm"}, type=str)
@@ -64,12 +65,13 @@ def max_lora_rank_option():
                         "320, 512)")
 
 
-VllmQuantization = Enum("VllmQuantization", {v: v for v in ("bitsandbytes", "fp8")}, type=str)
+VllmQuantization = Enum("VllmQuantization", {v: v for v in AT_LOAD}, type=str)
 
 
 def quantization_option():
     return typer.Option(None, "--quantization", help="vLLM: quantize a 16-bit checkpoint at load: fp8 (FP8 weights, "
-                        "per-tensor scales) or bitsandbytes (NF4, as --quant nf4)")
+                        "per-tensor scales) or bitsandbytes (NF4, as --quant nf4); a checkpoint saved in GPTQ, AWQ... "
+                        "needs none: its format is read from its config.json")
 
 
 def max_loras_option():

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 
+from vramguard.engines.vllm_quant import refused_quantization
 from vramguard.errors import InvalidValue
 from vramguard.run.generate import SEED_ACCEPTED
 
@@ -16,6 +17,8 @@ from vramguard.run.generate import SEED_ACCEPTED
 _TYPE_WORDS = (("valid integer", "an integer"), ("valid number", "a number"), ("valid float", "a number"),
                ("valid boolean", "true or false"))
 _CHOICES = re.compile(r"'([^']*)' is not one of (.+?)\.?$")
+# options whose refused values the library explains (why, and what to use instead), by option
+_REFUSALS = {"--quantization": refused_quantization}
 
 
 def usage_error_text(e, argv: list[str]) -> str:
@@ -65,6 +68,8 @@ def usage_error_text(e, argv: list[str]) -> str:
         field = _field(param)
         detail = message.split(": ", 1)[1] if message.startswith("Invalid value for ") else message
         m = _CHOICES.search(detail)
+        if m and field in _REFUSALS:
+            return _REFUSALS[field](m.group(1), field).render()
         if m:
             choices = [c.strip().strip("'") for c in m.group(2).split(",")]
             return InvalidValue(field, m.group(1), ", ".join(choices), f"pass one of them, e.g. {field} "

@@ -47,6 +47,7 @@ from vramguard.dtypes import TORCH_BYTES
 from vramguard.engines import vllm_kv as kv
 from vramguard.engines import vllm_weights as w
 from vramguard.engines.vllm_arch import VLLM_FAMILIES, VllmModel, vllm_model
+from vramguard.engines.vllm_quant import AT_LOAD, refused_quantization
 from vramguard.engines.vllm_versions import NCCL_BYTES, rules_for
 from vramguard.errors import ConfigError, InvalidValue
 from vramguard.memory.model import MemoryModel
@@ -169,10 +170,8 @@ class VllmSettings:
         self._check_lora_and_quantization()
 
     def _check_lora_and_quantization(self) -> None:
-        if self.quantization not in (None, "bitsandbytes", "fp8"):
-            raise InvalidValue("quantization", self.quantization, "bitsandbytes (NF4 at load), fp8 (FP8 at load), "
-                               "or unset",
-                               "leave it unset for a pre-quantized checkpoint: vLLM reads its format")
+        if self.quantization is not None and self.quantization not in AT_LOAD:
+            raise refused_quantization(self.quantization)
         if self.engine not in ("v0", "v1"):
             raise InvalidValue("engine", self.engine, "v0 or v1", "pick one of them")
         if self.max_lora_rank not in LORA_RANKS:

@@ -31,13 +31,32 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from vramguard.errors import ConfigError
+from vramguard.errors import ConfigError, InvalidValue
 from vramguard.memory.weights import rounded
 from vramguard.runtime.handle import decode_quantization_config
 
 
 
 FORMATS = ("none", "int8_fp8", "marlin4", "fp8_block", "bnb4", "bnb8", "mxfp4")
+# vLLM's `quantization` engine arguments that quantize a 16-bit checkpoint as it loads (the ones planned here)
+AT_LOAD = ("bitsandbytes", "fp8")
+# formats a checkpoint is saved in: vLLM reads them from its quantization_config (weight_format below does too)
+CHECKPOINT_FORMATS = ("gptq", "awq", "gptq_marlin", "awq_marlin", "compressed-tensors", "mxfp4")
+
+
+def refused_quantization(value: object, field: str = "quantization") -> InvalidValue:
+    """The error for a vLLM ``quantization`` outside :data:`AT_LOAD`, saying why and what to use instead: a format
+    of :data:`CHECKPOINT_FORMATS` (``gptq``) is one a checkpoint is saved in, not one vLLM quantizes a 16-bit
+    checkpoint to; its format is read from the checkpoint's ``quantization_config``, as vLLM reads it."""
+    accepted = "bitsandbytes (NF4) or fp8, the formats vLLM quantizes a 16-bit checkpoint to as it loads; or unset"
+    name = str(value).lower()
+    if name in CHECKPOINT_FORMATS:
+        return InvalidValue(field, value, accepted, f"{name} is the format of a checkpoint saved quantized, which "
+                            "vLLM reads from its config.json (quantization_config): leave the option unset and plan "
+                            f"the {name} checkpoint itself (its Hub id or folder), or quantize this one at load with "
+                            "fp8 or bitsandbytes")
+    return InvalidValue(field, value, accepted, "leave it unset for a checkpoint saved quantized (vLLM reads its "
+                        "format from its config.json), or quantize at load with fp8 or bitsandbytes")
 
 
 def cdiv(a: int, b: int) -> int:

@@ -178,6 +178,18 @@ def _window(lines: list[str], cutoff: datetime, year: int | None, read: int) -> 
     return text + (f"; {plural(undated, 'line')} without a date" if undated else "")
 
 
+def _undated_text(undated: list[OomKill]) -> str:
+    """What a report ``since`` a time says of the kills it could not date, which it lists rather than drop: those
+    with seconds since boot only (a saved raw dmesg, whose boot time is unknown) and those with no time at all
+    (``dmesg -t``, a log without timestamps)."""
+    uptime = sum(1 for k in undated if k.uptime_s is not None)
+    parts = ([f"{uptime} with seconds since boot only, from a saved raw dmesg"] if uptime else []) + (
+        [f"{len(undated) - uptime} with no time at all"] if len(undated) > uptime else [])
+    one = len(undated) == 1
+    return (f"{plural(len(undated), 'record')} {'has' if one else 'have'} no date ({'; '.join(parts)}): since= "
+            f"cannot filter {'it' if one else 'them'}, so {'it is' if one else 'they are'} listed")
+
+
 def oom_log(file: str | None = None, since: str | None = None, year: int | None = None) -> OomLogReport:
     """Read the kernel log (``file``, ``-`` for stdin, or the system's) and explain every OOM kill.
 
@@ -198,9 +210,8 @@ def oom_log(file: str | None = None, since: str | None = None, year: int | None 
     parsed = parse_lines(src.lines, year)
     boot = boot_time() if src.name and not file else None  # raw dmesg seconds are this boot's only when live
     kills = [_kill(r, boot) for r in parsed.records]
-    undated = 0
+    undated = [k for k in kills if k.time is None] if cutoff is not None else []
     if cutoff is not None:
-        undated = sum(1 for k in kills if k.time is None)
         kills = [k for k in kills if k.time is None or datetime.fromisoformat(k.time).astimezone() >= cutoff]
     kills.sort(key=_sort_key, reverse=True)
     if src.name is None:
@@ -217,7 +228,6 @@ def oom_log(file: str | None = None, since: str | None = None, year: int | None 
     else:
         msg = f"{len(kills)} OOM kill(s) in {src.name}"
     if undated:
-        msg += (f"; {undated} record(s) carry only seconds since boot (a saved raw dmesg): since= cannot date them, "
-                "they are listed")
+        msg += "; " + _undated_text(undated)
     return OomLogReport(src.name, src.attempts, kills, parsed.lines_read, parsed.skipped_lines,
                         src.permission_denied, msg, src.cgroup_oom_kills)

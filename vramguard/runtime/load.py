@@ -96,7 +96,7 @@ def default_quant(on_cuda: bool) -> tuple[str, str]:
     if on_cuda:
         return "nf4", "the default on a CUDA device (4-bit weights, about a quarter of bf16's bytes)"
     return CPU_DEFAULT_QUANT, ("no CUDA device: full-precision float32 weights, exact (bf16 and NF4 compute in "
-                               "lower precision and change the text); quant='bf16' or 'nf4' loads smaller "
+                               "lower precision and change the text); quant='bf16' or quant='nf4' loads smaller "
                                "weights, faster on a CPU with bf16 instructions, slower on one without")
 
 
