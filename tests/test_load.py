@@ -126,9 +126,10 @@ def test_nf4_without_bitsandbytes_is_refused_before_loading(tiny, monkeypatch):
     assert "--quant: 'nf4' is not valid" in r.stdout + r.stderr and "internal error" not in r.stdout + r.stderr
 
 
-def test_bitsandbytes_is_imported_without_dynamo_and_its_nf4_still_computes():
-    """vramguard imports bitsandbytes with its import-time ``torch.compile`` calls deferred to their first call
-    (``vramguard.extras.import_bitsandbytes``): after the import neither TorchDynamo nor Inductor is loaded and
+def test_bitsandbytes_and_hqq_are_imported_without_dynamo_and_nf4_still_computes():
+    """Once vramguard is imported, bitsandbytes and hqq (which transformers' ``cache_utils`` imports when it is
+    installed) are imported with their import-time ``torch.compile`` calls deferred to the first call
+    (``vramguard.extras.defer_import_time_compiles``): neither TorchDynamo nor Inductor is loaded by them and
     ``torch.compile`` is PyTorch's own again; bitsandbytes' CPU NF4 round trip (its compiled PyTorch kernels, now
     compiled at that call) rounds to the NF4 code: every element within its block's absmax x half the widest gap
     of the code table, between -1 and -0.6962: 0.1519."""
@@ -137,9 +138,12 @@ def test_bitsandbytes_is_imported_without_dynamo_and_its_nf4_still_computes():
     probe = (
         "import sys, torch\n"
         "real = torch.compile\n"
+        "import vramguard\n"
         "from vramguard.extras import import_bitsandbytes\n"
         "import_bitsandbytes()\n"
-        "print('dynamo' if 'torch._dynamo' in sys.modules else 'no dynamo',\n"
+        "import transformers.cache_utils\n"
+        "print('hqq' if 'hqq.core.quantize' in sys.modules else 'no hqq',\n"
+        "      'dynamo' if 'torch._dynamo' in sys.modules else 'no dynamo',\n"
         "      'inductor' if 'torch._inductor.compile_fx' in sys.modules else 'no inductor',\n"
         "      'restored' if torch.compile is real else 'replaced')\n"
         "import bitsandbytes.functional as F\n"
@@ -151,5 +155,46 @@ def test_bitsandbytes_is_imported_without_dynamo_and_its_nf4_still_computes():
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     head, err = out.stdout.strip().splitlines()[-2:]
-    assert head == "no dynamo no inductor restored"
+    pytest.importorskip("hqq")  # the test extra installs it: transformers then imports it with its caches
+    assert head == "hqq no dynamo no inductor restored"
     assert 0.1 < float(err) <= 0.152  # nearest of 16 NF4 values: (1 - 0.6962) / 2 = 0.1519
+
+
+def test_a_deferred_module_calls_torch_compile_at_the_first_call_once_and_others_are_left_alone(
+        tmp_path, monkeypatch):
+    """:func:`vramguard.extras.defer_import_time_compiles`: a listed module's ``torch.compile(fn, **options)`` and
+    ``@torch.compile(...)`` reach PyTorch at the first call of the function, once, with the same options; a module
+    not listed calls it as it is imported."""
+    import importlib
+    import sys
+
+    import torch
+
+    from vramguard import extras
+    calls = []
+
+    def fake_compile(model=None, **options):
+        if model is None:
+            return lambda fn: fake_compile(fn, **options)
+        calls.append((model.__name__, options))
+        return model
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    body = ("import torch\n"
+            "def double(x):\n    return 2 * x\n"
+            "compiled = torch.compile(double, dynamic=False)\n"
+            "@torch.compile()\ndef triple(x):\n    return 3 * x\n")
+    for name in ("vg_deferred_probe", "vg_plain_probe"):
+        (tmp_path / f"{name}.py").write_text(body)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(extras, "DEFERRED_COMPILE_MODULES", extras.DEFERRED_COMPILE_MODULES | {"vg_deferred_probe"})
+    extras.defer_import_time_compiles()
+    try:
+        deferred = importlib.import_module("vg_deferred_probe")
+        assert calls == [] and torch.compile is fake_compile
+        assert (deferred.compiled(4), deferred.compiled(5), deferred.triple(2)) == (8, 10, 6)
+        assert calls == [("double", {"dynamic": False}), ("triple", {})]
+        importlib.import_module("vg_plain_probe")
+        assert calls[2:] == [("double", {"dynamic": False}), ("triple", {})]
+    finally:
+        sys.modules.pop("vg_deferred_probe", None)
+        sys.modules.pop("vg_plain_probe", None)

@@ -4,6 +4,7 @@ Library entry points return dataclasses; sizes are ints of bytes (:mod:`vramguar
 """
 
 from vramguard.check import CheckReport, check
+from vramguard.extras import defer_import_time_compiles
 from vramguard.plan import Plan, estimate, plan
 from vramguard.resolve import resolve_model
 from vramguard.run.generate import GenerationResult, generate
@@ -13,3 +14,5 @@ from vramguard.settings import Settings
 __all__ = ["CheckReport", "GenerationResult", "LoadReport", "LoadedModel", "Plan", "Settings", "check", "estimate",
            "generate", "load_model", "plan", "resolve_model", "unload"]
 __version__ = "0.1.0"
+
+defer_import_time_compiles()  # bitsandbytes' and hqq's import-time torch.compile calls (vramguard.extras)

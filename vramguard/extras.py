@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.abc
+import importlib.machinery
 import importlib.util
 import logging
 import sys
@@ -48,11 +50,18 @@ def missing(use: str) -> list[str]:
     return [m for m in needed_by(use) if importlib.util.find_spec(m) is None]
 
 
+# modules that call torch.compile as they are imported, which imports TorchDynamo and Inductor on the spot (about
+# 5 s of CPU on the 2-core machine, benchmarks/cpu_import_bnb.py): bitsandbytes 0.45-0.50's PyTorch kernels
+# (``backends/default/ops.py``, ``_try_torch_compile``) and hqq's ``@torch.compile()`` methods, which
+# transformers' ``cache_utils`` imports whenever hqq is installed, so every model load paid them
+DEFERRED_COMPILE_MODULES = frozenset({"bitsandbytes.backends.default.ops", "hqq.core.quantize"})
+
+
 @contextlib.contextmanager
 def _deferred_torch_compile():
     """``torch.compile`` replaced, inside the block, by one that makes the real call at the compiled function's first
     call (the function's own errors and torch.compile's reach the caller of that call); restored on exit."""
-    import torch  # optional and heavy: only for a bitsandbytes import
+    import torch  # the module being imported imports it first
     real = torch.compile
 
     def deferred(model=None, **options):
@@ -75,29 +84,65 @@ def _deferred_torch_compile():
         torch.compile = real
 
 
-def import_bitsandbytes():
-    """``import bitsandbytes`` (the module; once imported, the one in ``sys.modules``) with its ``torch.compile``
-    calls deferred to the compiled functions' first call, and its import-time notice about optional CPU kernels
-    (logger ``bitsandbytes``) held back.
+class _DeferredCompileLoader(importlib.abc.Loader):
+    """The loader of one of :data:`DEFERRED_COMPILE_MODULES`: the module's own, run with ``torch.compile`` deferred."""
 
-    bitsandbytes 0.45-0.50 wraps the PyTorch versions of its kernels in ``torch.compile`` as its module is imported
-    (``bitsandbytes/backends/default/ops.py``, ``_try_torch_compile``), and ``torch.compile`` imports TorchDynamo and
-    Inductor on the spot: most of the import's seconds (``benchmarks/cpu_import_bnb.py``), for kernels that run on
-    the CPU only. ``torch.compile`` compiles nothing before the first call, so deferring the call itself changes only
-    when those modules are imported; an error then reaches bitsandbytes' own fallback (the uncompiled function) as
-    it would have at the call.
+    def __init__(self, inner):
+        self.inner = inner
+
+    def create_module(self, spec):
+        return self.inner.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        with _deferred_torch_compile():
+            self.inner.exec_module(module)
+
+    def __getattr__(self, name: str):  # get_source, get_filename...: the module's own loader's
+        return getattr(self.inner, name)
+
+
+class _DeferredCompileFinder(importlib.abc.MetaPathFinder):
+    """Finds :data:`DEFERRED_COMPILE_MODULES` where Python's path finder does and gives them
+    :class:`_DeferredCompileLoader`; every other module is left to the finders after it."""
+
+    def find_spec(self, name, path, target=None):
+        if name not in DEFERRED_COMPILE_MODULES:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path, target)
+        if spec is not None and spec.loader is not None:
+            spec.loader = _DeferredCompileLoader(spec.loader)
+        return spec
+
+
+def defer_import_time_compiles() -> None:
+    """Import :data:`DEFERRED_COMPILE_MODULES`, from now on in this process and by whoever imports them, with their
+    ``torch.compile`` calls deferred to the compiled functions' first call (idempotent; imports nothing).
+
+    ``torch.compile`` compiles nothing before that first call, so deferring the call itself changes only when
+    TorchDynamo and Inductor are imported: at the first call of a compiled function, which on a CUDA device
+    bitsandbytes (its CUDA kernels) and transformers' caches (hqq only for a quantized KV cache) may never make. An
+    error then reaches the caller of that call, where bitsandbytes' own fallback runs the uncompiled function as it
+    would have.
+    """
+    if not any(isinstance(f, _DeferredCompileFinder) for f in sys.meta_path):
+        sys.meta_path.insert(0, _DeferredCompileFinder())
+
+
+def import_bitsandbytes():
+    """``import bitsandbytes`` (once imported, the module in ``sys.modules``) as :func:`defer_import_time_compiles`
+    imports it, with its import-time notice about optional CPU kernels (logger ``bitsandbytes``) held back.
 
     Raises:
         ImportError: bitsandbytes is not installed (or fails to import).
     """
     if "bitsandbytes" in sys.modules:
         return sys.modules["bitsandbytes"]
+    defer_import_time_compiles()
     log = logging.getLogger("bitsandbytes")
     level = log.level
     log.setLevel(logging.ERROR)
     try:
-        with _deferred_torch_compile():
-            import bitsandbytes
+        import bitsandbytes
     finally:
         log.setLevel(level)
     return bitsandbytes
