@@ -357,6 +357,23 @@ def test_the_access_log_escapes_control_characters_in_paths(server, capsys):
     assert not any(x.startswith("12:00:00 127.0.0.1 GET /forged") for x in err.splitlines())
 
 
+def test_a_log_line_escapes_control_characters_in_its_arguments():
+    """A newline or ESC in a log line's argument (a client's text, an exception's) is written as its escape: one
+    line, whatever the argument holds; the message's own newlines still start (indented) lines, and the record
+    other handlers see is unchanged."""
+    from vramguard.serve.access import WrappedFormatter
+    forged = "x\n12:00:00 127.0.0.1 GET /forged 200\x1b[31m"
+    record = logging.LogRecord("vramguard.serve", logging.WARNING, __file__, 1, "refused (%d): %s", (404, forged),
+                               None)
+    line = WrappedFormatter(columns=200).format(record)
+    assert line.split(" ", 1)[1] == "refused (404): x\\n12:00:00 127.0.0.1 GET /forged 200\\x1b[31m"
+    assert record.args == (404, forged) and record.getMessage() == "refused (404): " + forged
+    keyed = logging.LogRecord("vramguard.serve", logging.WARNING, __file__, 1, "%(why)s\nnext", ({"why": forged},),
+                              None)
+    first, second = WrappedFormatter(columns=200).format(keyed).split("\n")
+    assert first.endswith(" x\\n12:00:00 127.0.0.1 GET /forged 200\\x1b[31m") and second.strip() == "next"
+
+
 # ---------------------------------------------------------------------------------------------- idle connections
 def test_connections_that_send_no_complete_headers_are_closed_after_the_header_timeout(folder, caplog):
     """Connections that send nothing, part of their headers, or nothing after a response: each is closed once the
