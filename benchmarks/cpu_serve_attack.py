@@ -109,9 +109,10 @@ def normal_times(url: str, n: int) -> tuple[list[float], list[int]]:
     return times, codes
 
 
-def normal_p50(url: str, n: int = 15) -> tuple[float, list[int]]:
+def normal_p50(url: str, n: int = 15) -> tuple[float, list[int], float]:
+    """The median and the slowest of ``n`` normal requests' times, and their statuses."""
     times, codes = normal_times(url, n)
-    return statistics.median(times), sorted(set(codes))
+    return statistics.median(times), sorted(set(codes)), max(times)
 
 
 def flooded(url: str, prompt: str) -> dict:
@@ -135,11 +136,12 @@ def flooded(url: str, prompt: str) -> dict:
     for t in threads:
         t.start()
     time.sleep(0.5)
-    p50, codes = normal_p50(url)
+    p50, codes, slowest = normal_p50(url)
     stop.set()
     for t in threads:
         t.join(timeout=120)
-    return {"body_bytes": len(raw), "normal_p50_ms": round(1000 * p50, 1), "normal_status": codes,
+    return {"body_bytes": len(raw), "normal_p50_ms": round(1000 * p50, 1), "normal_max_ms": round(1000 * slowest, 1),
+            "normal_status": codes,
             "flood_requests": len(seen), "flood_status": sorted(set(seen)),
             "flood_p50_ms": round(1000 * statistics.median(took), 1) if took else None}
 
@@ -165,9 +167,9 @@ def idle_then_sigterm(url: str, proc) -> tuple[dict, dict]:
             c.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: localhost\r\ncontent-")
         socks.append(c)
     time.sleep(1.5)
-    p50, codes = normal_p50(url, 9)
+    p50, codes, slowest = normal_p50(url, 9)
     idle = {"connections": 1100, "descriptor_limit": DESCRIPTORS, "normal_p50_ms": round(1000 * p50, 1),
-            "normal_status": codes}
+            "normal_max_ms": round(1000 * slowest, 1), "normal_status": codes}
     body = {"model": "m", "messages": [{"role": "user", "content": "Tell a long story"}], "max_tokens": 400,
             "ignore_eos": True, "stream": True}
     with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as r:
@@ -228,8 +230,9 @@ def main():
                "cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d %H:%M")})
     proc, url = spawn(model, os.path.join(args.out, "serve.log"))
     try:
-        p50, codes = normal_p50(url)
-        emit(res, {"case": "baseline", "normal_p50_ms": round(1000 * p50, 1), "normal_status": codes,
+        p50, codes, slowest = normal_p50(url)
+        emit(res, {"case": "baseline", "normal_p50_ms": round(1000 * p50, 1), "normal_max_ms": round(1000 * slowest, 1),
+                   "normal_status": codes,
                    "load_avg_1m": os.getloadavg()[0], "cpus": os.cpu_count()})
         emit(res, {"case": "flood_1mb", **flooded(url, "the quick brown fox jumps " * 40_000)})
         emit(res, {"case": "flood_cjk", **flooded(url, "日本語の文章を繰り返します。" * 24_900)})
