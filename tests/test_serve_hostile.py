@@ -390,6 +390,23 @@ def test_a_log_line_escapes_control_characters_in_its_arguments():
     assert first.endswith(" x\\n12:00:00 127.0.0.1 GET /forged 200\\x1b[31m") and second.strip() == "next"
 
 
+@pytest.mark.parametrize("key,param,meant", [("max-tokens", "max-tokens", "max_tokens"), ("promt", "promt", "prompt"),
+                                             ("x[0]\n\x1b", "x[0]\n\x1b", None)])
+def test_an_unknown_parameter_is_named_as_sent(key, param, meant):
+    """A name with a "-" or "[" (which pydantic's own location tags hold) is named as the client sent it, never as
+    ``null``, with the field it most likely meant; its control characters escaped in the message."""
+    from vramguard.serve.apierrors import ApiError
+    from vramguard.serve.schemas import CompletionRequest
+    from vramguard.serve.validate import Limits, parse_request
+    limits = Limits(context_length=512, vocab_size=300, n_max=4, default_max_tokens=16, model_names=("m",),
+                    greedy_only=False, pool_tokens=1000, budget_refusal=None)
+    with pytest.raises(ApiError) as e:
+        parse_request(json.dumps({"model": "m", "prompt": "w1", key: 5}).encode(), CompletionRequest, limits)
+    assert e.value.code == "unknown_parameter" and e.value.param == param
+    assert e.value.message.startswith(json.dumps(key) + ": unknown parameter"), e.value.message
+    assert (f"(did you mean {json.dumps(meant)}?)" in e.value.message) == (meant is not None)
+
+
 # ---------------------------------------------------------------------------------------------- idle connections
 def test_connections_that_send_no_complete_headers_are_closed_after_the_header_timeout(folder, caplog):
     """Connections that send nothing, part of their headers, or nothing after a response: each is closed once the
