@@ -317,8 +317,9 @@ def _normal_requests(url: str, n: int) -> list[int]:
 def test_prompts_that_cannot_fit_are_refused_after_a_prefix_and_do_not_slow_the_others(server):
     """Four clients sending ~1 MB prompts that can never fit the 512-token context, in a loop: each is refused
     with 400 context_length_exceeded after tokenizing prefixes of at most 8 characters per context token (4,096;
-    before: the whole megabyte, 0.9-2.2 s each), all in the long prompts' own thread, while every normal request is
-    tokenized in the short prompts' thread and answered 200 (their median under this flood, within 200 ms on the CPU
+    before: the whole megabyte, 0.9-2.2 s each), all in the long prompts' own thread, and the bodies are paced
+    (:class:`~vramguard.serve.admission.BodyPacer`), while every normal request is tokenized in the short prompts'
+    thread and answered 200 (their median under this flood, within 200 ms on the CPU
     server: benchmarks/cpu_serve_attack.py). A prompt under the context but longer than the prefix still runs."""
     s, url = server
     enc = s.app.state.api.prompts
@@ -350,6 +351,7 @@ def test_prompts_that_cannot_fit_are_refused_after_a_prefix_and_do_not_slow_the_
         enc.tokenizer, enc.long_tokenizer = short.tokenizer, long.tokenizer
     assert statuses == [200] * 15
     assert len(refused) >= 4 and set(refused) == {(400, "context_length_exceeded")}
+    assert s.app.state.api.pacer.waited >= 1  # four megabytes at once: the next waited its 120 ms before it was read
     # each refusal tokenized prefixes of about 512, 1,024, 2,048 and 4,096 characters (cut at a space), in one thread
     assert len(long.calls) == 4 * len(refused) and max(n for _, n in long.calls) <= 8 * 512
     assert {name.rsplit("_", 1)[0] for name, _ in long.calls} == {"vramguard-tokenize-long"}
@@ -357,6 +359,32 @@ def test_prompts_that_cannot_fit_are_refused_after_a_prefix_and_do_not_slow_the_
     # 6,600 characters, past every prefix (at most 4,096), but 300 tokens: within the context and the 320-token pool
     fits = _post(url, "/v1/completions", {"model": "tiny-llama", "prompt": ("w1" + " " * 20) * 300, "max_tokens": 4})
     assert fits.status_code == 200 and fits.json()["usage"]["prompt_tokens"] == 300, fits.text
+
+
+def test_the_body_pacer_gives_large_bodies_a_quarter_of_the_time():
+    """Each large body read is charged its bytes x 10 ns x (1 / 0.25 - 1): a megabyte makes the next large body
+    wait 30 ms; charges add up while bodies keep coming; a pause, a body of at most 64 KiB, or a client that sent
+    no body, costs the next one nothing."""
+    from vramguard.serve.admission import LARGE_BODY_BYTES, BodyPacer
+    now = [100.0]
+    pacer = BodyPacer(share=0.25, s_per_byte=10e-9, clock=lambda: now[0])
+
+    def request(length):
+        return SimpleNamespace(headers={} if length is None else {"content-length": str(length)})
+
+    assert [BodyPacer.large(request(n)) for n in (100, LARGE_BODY_BYTES, LARGE_BODY_BYTES + 1, None)] == [
+        False, False, True, True]  # a chunked body (no Content-Length) counts as large
+    assert pacer.wait_s() == 0
+    pacer.charge(1_000_000)  # 1e6 B x 10e-9 s/B x 3 = 30 ms
+    assert pacer.wait_s() == pytest.approx(0.030)
+    now[0] += 0.010
+    pacer.charge(1_000_000)  # read meanwhile (the body before it was read at once): the charges add up
+    assert pacer.wait_s() == pytest.approx(0.050)
+    pacer.charge(LARGE_BODY_BYTES)  # a small body, or none (a client that sent nothing): no charge
+    pacer.charge(0)
+    assert pacer.wait_s() == pytest.approx(0.050)
+    now[0] += 1.0  # a pause: the next large body is read at once
+    assert pacer.wait_s() == 0
 
 
 # ---------------------------------------------------------------------------------------------- the log
