@@ -351,7 +351,7 @@ def test_prompts_that_cannot_fit_are_refused_after_a_prefix_and_do_not_slow_the_
         enc.tokenizer, enc.long_tokenizer = short.tokenizer, long.tokenizer
     assert statuses == [200] * 15
     assert len(refused) >= 4 and set(refused) == {(400, "context_length_exceeded")}
-    assert s.app.state.api.pacer.waited >= 1  # four megabytes at once: the next waited its 120 ms before it was read
+    assert s.app.state.api.pacer.waited >= 1  # four megabytes at once: the next waited before it was read
     # each refusal tokenized prefixes of about 512, 1,024, 2,048 and 4,096 characters (cut at a space), in one thread
     assert len(long.calls) == 4 * len(refused) and max(n for _, n in long.calls) <= 8 * 512
     assert {name.rsplit("_", 1)[0] for name, _ in long.calls} == {"vramguard-tokenize-long"}
