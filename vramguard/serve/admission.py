@@ -89,9 +89,10 @@ class Admission:
 
 LARGE_BODY_BYTES = 64 * 1024  # bodies over this many bytes are paced (a chat turn of ~16,000 words is under it)
 LARGE_BODY_SHARE = 0.25  # of the server's time, at most, that reading and parsing large bodies may take in a row
-LARGE_BODY_S_PER_BYTE = 20e-9  # about twice the CPU a byte of body costs to receive and parse (a refused 1 MB prompt: 6.8
-# ms of ASCII, 10.4 ms of CJK on 2 cores: benchmarks/results/cpu_serve_attack_tiny_s40; 10 ns still let the CJK
-# flood lift the normal median from 89 to 360 ms)
+# about twice the CPU a byte of body costs to receive and parse (a refused 1 MB prompt: 6.8 ms of ASCII, 10.4 ms of
+# CJK on 2 cores: benchmarks/results/cpu_serve_attack_tiny_s40; 10 ns still let the CJK flood lift the normal median
+# from 89 to 360 ms)
+LARGE_BODY_S_PER_BYTE = 20e-9
 
 
 class BodyPacer:
