@@ -10,6 +10,7 @@ import logging
 import socket
 import threading
 import time
+from types import SimpleNamespace
 
 import httpx
 import openai
@@ -18,6 +19,7 @@ import torch
 from conftest import concurrently, save_tiny_llama, serving
 from test_serve import CFG, _build, _err, _metric, _post, _reference, _run_router, _slow
 
+from vramguard.serve import recovery
 from vramguard.serve.browsers import BrowserGuard, host_of
 
 
@@ -57,9 +59,9 @@ def _bodyless(url: str, n: int) -> list[socket.socket]:
 
 # ---------------------------------------------------------------------------------------------- the router
 def test_router_holds_no_slot_for_bodies_that_never_come_and_bounds_their_size_and_time(folder, caplog):
-    """2 x (running + queue) = 16 connections that send headers and no body, held against the router: a normal
-    request still gets its 200 within 1 s (the router took no worker slot for them); each gets one 408 when the
-    body time is up; a 30 MB Content-Length gets 413 before any byte is read; a client that leaves mid-body costs
+    """2 x (running + queue) = 16 connections that send headers and no body, held against the router: the router
+    holds no worker slot for them and a normal request still gets its 200 (its time with them held, under 1 s:
+    benchmarks/cpu_serve_attack.py --router); each gets one 408 when the body time is up; a 30 MB Content-Length gets 413 before any byte is read; a client that leaves mid-body costs
     no traceback; a rebinding Host gets 403 (no key); refusals are counted in the router's /metrics and logged
     without a traceback."""
     a = _build(folder, api_key="ka")
@@ -67,20 +69,20 @@ def test_router_holds_no_slot_for_bodies_that_never_come_and_bounds_their_size_a
     from vramguard.serve.router import Worker
     server, t, url, fatal = _run_router([Worker("a", ua, key="ka")], body_timeout_s=2.0)
     caplog.set_level(logging.WARNING)
-    def normal(i) -> float:
-        t0 = time.perf_counter()
+    def normal(i) -> None:
         r = _post(url, "/v1/completions", {"model": "tiny", "prompt": [1, 5 + i], "max_tokens": 4, "temperature": 0,
                                            "ignore_eos": True})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, (r.status_code, r.text)
-        return time.perf_counter() - t0
 
     time.sleep(0.4)  # the first /health poll
-    alone = normal(0)
+    normal(0)
     socks = _bodyless(url, 16)
+    workers = server.config.app.state.workers
     try:
         time.sleep(0.4)  # every body-less request waiting for its body
-        for i in range(1, 3):  # within 1 s (or twice the time without them, on a machine too busy for that)
-            assert normal(i) < max(1.0, 2 * alone)
+        assert [w.relaying for w in workers] == [0] and workers[0].capacity() == 8  # 16 waiting, no slot taken
+        for i in range(1, 3):
+            normal(i)
         answers = []
         for c in socks:
             c.settimeout(10)
@@ -185,10 +187,12 @@ def test_a_known_good_request_failing_alone_is_the_engines_fault(folder):
     assert set(codes) <= {500, 503} and 500 in codes
 
 
-def test_oom_on_every_4th_step_fails_no_request_and_tokens_stay_exact(folder):
+def test_oom_on_every_4th_step_fails_no_request_and_tokens_stay_exact(folder, monkeypatch):
     """An out-of-memory error on every 4th step, 12 requests generating together: none fails (a request is
     charged only when it ran out of memory alone, and its count starts again once it made a token), and each gets
-    exactly transformers' greedy tokens."""
+    exactly transformers' greedy tokens. The recovery's ``gc.collect()`` is skipped: with nothing to free here, the
+    ~40 full collections of the test process's heap were 90% of this test's time (64 of 70 s)."""
+    monkeypatch.setattr(recovery, "gc", SimpleNamespace(collect=lambda: 0))
     s = _build(folder, max_running=12, max_queue=12, max_kv_blocks=40)
     url = s.start_background()
     e = s.engine
@@ -293,26 +297,33 @@ def test_the_browser_guard_rules():
 
 
 # ---------------------------------------------------------------------------------------------- long prompts
-def _p50_of_normal_requests(url: str, n: int) -> float:
-    times = []
+class _Recorded:
+    """A tokenizer that records, per call, the thread it ran in and the characters it was given."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.calls = tokenizer, []
+
+    def __call__(self, text, **kw):
+        self.calls.append((threading.current_thread().name, len(text)))
+        return self.tokenizer(text, **kw)
+
+
+def _normal_requests(url: str, n: int) -> list[int]:
     with httpx.Client(timeout=60) as c:
-        for i in range(n):
-            t0 = time.perf_counter()
-            r = c.post(url + "/v1/completions", json={"model": "tiny-llama", "prompt": f"w1 w{i} w3", "max_tokens": 2,
-                                                      "temperature": 0})
-            times.append(time.perf_counter() - t0)
-            assert r.status_code == 200
-    return sorted(times)[n // 2]
+        return [c.post(url + "/v1/completions", json={"model": "tiny-llama", "prompt": f"w1 w{i} w3", "max_tokens": 2,
+                                                      "temperature": 0}).status_code for i in range(n)]
 
 
 def test_prompts_that_cannot_fit_are_refused_after_a_prefix_and_do_not_slow_the_others(server):
     """Four clients sending ~1 MB prompts that can never fit the 512-token context, in a loop: each is refused
-    with 400 context_length_exceeded after a prefix of 2,048 characters, and a normal request's median stays within
-    1.5 x its median without them, + 0.1 s (before: 77 ms -> 4.4-6 s, the whole prompts tokenized one after another in
-    one thread; the absolute figures on a quiet machine: benchmarks/cpu_serve_attack.py). A prompt under the
-    context but longer than the prefix still runs."""
+    with 400 context_length_exceeded after tokenizing prefixes of at most 8 characters per context token (4,096;
+    before: the whole megabyte, 0.9-2.2 s each), all in the long prompts' own thread, and the bodies are paced
+    (:class:`~vramguard.serve.admission.BodyPacer`), while every normal request is tokenized in the short prompts'
+    thread and answered 200 (their median under this flood, within 200 ms on the CPU
+    server: benchmarks/cpu_serve_attack.py). A prompt under the context but longer than the prefix still runs."""
     s, url = server
-    baseline = _p50_of_normal_requests(url, 9)
+    enc = s.app.state.api.prompts
+    short, long = _Recorded(enc.tokenizer), _Recorded(enc.long_tokenizer)
     huge = json.dumps({"model": "tiny-llama", "prompt": "w1 w22 w333 " * 87_000, "max_tokens": 4}).encode()
     assert len(huge) > 1_000_000
     stop = threading.Event()
@@ -326,21 +337,54 @@ def test_prompts_that_cannot_fit_are_refused_after_a_prefix_and_do_not_slow_the_
                 r = c.post(url + "/v1/completions", content=huge, headers={"content-type": "application/json"})
                 refused.append((r.status_code, _err(r)["code"]))
 
+    enc.tokenizer, enc.long_tokenizer = short, long
     threads = [threading.Thread(target=flood, args=(i,)) for i in range(4)]
     for t in threads:
         t.start()
     try:
         time.sleep(0.3)
-        flooded = _p50_of_normal_requests(url, 15)
+        statuses = _normal_requests(url, 15)
     finally:
         stop.set()
         for t in threads:
             t.join(timeout=60)
-    assert flooded < 1.5 * baseline + 0.1, (baseline, flooded)
+        enc.tokenizer, enc.long_tokenizer = short.tokenizer, long.tokenizer
+    assert statuses == [200] * 15
     assert len(refused) >= 4 and set(refused) == {(400, "context_length_exceeded")}
+    assert s.app.state.api.pacer.waited >= 1  # four megabytes at once: the next waited before it was read
+    # each refusal tokenized prefixes of about 512, 1,024, 2,048 and 4,096 characters (cut at a space), in one thread
+    assert len(long.calls) == 4 * len(refused) and max(n for _, n in long.calls) <= 8 * 512
+    assert {name.rsplit("_", 1)[0] for name, _ in long.calls} == {"vramguard-tokenize-long"}
+    assert len(short.calls) == 15 and {name.rsplit("_", 1)[0] for name, _ in short.calls} == {"vramguard-tokenize"}
     # 6,600 characters, past every prefix (at most 4,096), but 300 tokens: within the context and the 320-token pool
     fits = _post(url, "/v1/completions", {"model": "tiny-llama", "prompt": ("w1" + " " * 20) * 300, "max_tokens": 4})
     assert fits.status_code == 200 and fits.json()["usage"]["prompt_tokens"] == 300, fits.text
+
+
+def test_the_body_pacer_gives_large_bodies_a_quarter_of_the_time():
+    """Each large body read is charged its bytes x 10 ns x (1 / 0.25 - 1): a megabyte makes the next large body
+    wait 30 ms; charges add up while bodies keep coming; a pause, a body of at most 64 KiB, or a client that sent
+    no body, costs the next one nothing."""
+    from vramguard.serve.admission import LARGE_BODY_BYTES, BodyPacer
+    now = [100.0]
+    pacer = BodyPacer(share=0.25, s_per_byte=10e-9, clock=lambda: now[0])
+
+    def request(length):
+        return SimpleNamespace(headers={} if length is None else {"content-length": str(length)})
+
+    assert [BodyPacer.large(request(n)) for n in (100, LARGE_BODY_BYTES, LARGE_BODY_BYTES + 1, None)] == [
+        False, False, True, True]  # a chunked body (no Content-Length) counts as large
+    assert pacer.wait_s() == 0
+    pacer.charge(1_000_000)  # 1e6 B x 10e-9 s/B x 3 = 30 ms
+    assert pacer.wait_s() == pytest.approx(0.030)
+    now[0] += 0.010
+    pacer.charge(1_000_000)  # read meanwhile (the body before it was read at once): the charges add up
+    assert pacer.wait_s() == pytest.approx(0.050)
+    pacer.charge(LARGE_BODY_BYTES)  # a small body, or none (a client that sent nothing): no charge
+    pacer.charge(0)
+    assert pacer.wait_s() == pytest.approx(0.050)
+    now[0] += 1.0  # a pause: the next large body is read at once
+    assert pacer.wait_s() == 0
 
 
 # ---------------------------------------------------------------------------------------------- the log
@@ -355,6 +399,40 @@ def test_the_access_log_escapes_control_characters_in_paths(server, capsys):
     assert "\x1b" not in err
     assert "GET /v1/\\n12:00:00 127.0.0.1 GET /forged 200\\x1b[31m 404 " in line
     assert not any(x.startswith("12:00:00 127.0.0.1 GET /forged") for x in err.splitlines())
+
+
+def test_a_log_line_escapes_control_characters_in_its_arguments():
+    """A newline or ESC in a log line's argument (a client's text, an exception's) is written as its escape: one
+    line, whatever the argument holds; the message's own newlines still start (indented) lines, and the record
+    other handlers see is unchanged."""
+    from vramguard.serve.access import WrappedFormatter
+    forged = "x\n12:00:00 127.0.0.1 GET /forged 200\x1b[31m"
+    record = logging.LogRecord("vramguard.serve", logging.WARNING, __file__, 1, "refused (%d): %s", (404, forged),
+                               None)
+    line = WrappedFormatter(columns=200).format(record)
+    assert line.split(" ", 1)[1] == "refused (404): x\\n12:00:00 127.0.0.1 GET /forged 200\\x1b[31m"
+    assert record.args == (404, forged) and record.getMessage() == "refused (404): " + forged
+    keyed = logging.LogRecord("vramguard.serve", logging.WARNING, __file__, 1, "%(why)s\nnext", ({"why": forged},),
+                              None)
+    first, second = WrappedFormatter(columns=200).format(keyed).split("\n")
+    assert first.endswith(" x\\n12:00:00 127.0.0.1 GET /forged 200\\x1b[31m") and second.strip() == "next"
+
+
+@pytest.mark.parametrize("key,param,meant", [("max-tokens", "max-tokens", "max_tokens"), ("promt", "promt", "prompt"),
+                                             ("x[0]\n\x1b", "x[0]\n\x1b", None)])
+def test_an_unknown_parameter_is_named_as_sent(key, param, meant):
+    """A name with a "-" or "[" (which pydantic's own location tags hold) is named as the client sent it, never as
+    ``null``, with the field it most likely meant; its control characters escaped in the message."""
+    from vramguard.serve.apierrors import ApiError
+    from vramguard.serve.schemas import CompletionRequest
+    from vramguard.serve.validate import Limits, parse_request
+    limits = Limits(context_length=512, vocab_size=300, n_max=4, default_max_tokens=16, model_names=("m",),
+                    greedy_only=False, pool_tokens=1000, budget_refusal=None)
+    with pytest.raises(ApiError) as e:
+        parse_request(json.dumps({"model": "m", "prompt": "w1", key: 5}).encode(), CompletionRequest, limits)
+    assert e.value.code == "unknown_parameter" and e.value.param == param
+    assert e.value.message.startswith(json.dumps(key) + ": unknown parameter"), e.value.message
+    assert (f"(did you mean {json.dumps(meant)}?)" in e.value.message) == (meant is not None)
 
 
 # ---------------------------------------------------------------------------------------------- idle connections
@@ -393,11 +471,11 @@ def test_connections_that_send_no_complete_headers_are_closed_after_the_header_t
 
 def test_1100_idle_connections_against_1024_descriptors_and_sigterm_within_the_grace(folder, tmp_path):
     """A ``vramguard serve`` process limited to 1,024 descriptors (RLIMIT_NOFILE): 1,100 connections that send
-    nothing, or part of their headers, are held open against it; normal requests are still answered (within 1 s,
-    or twice their time without them on a machine too busy for that), because the oldest waiting connections are
-    closed to keep room (logged in one line, not per connection, no traceback). Then SIGTERM with a stream
-    generating and the idle connections open: the process ends within the documented 5 s grace, exit code 0, the
-    stream ending with its error event."""
+    nothing, or part of their headers, are held open against it; normal requests are still answered, because the
+    oldest waiting connections are closed to keep room (logged in one line, not per connection, no traceback).
+    Then SIGTERM with a stream generating and the idle connections open: the process ends by itself, exit code 0,
+    the stream ending with its error event. The times (a normal request within 1 s; the exit within the documented
+    5 s grace) are benchmarks/cpu_serve_attack.py's figures, not asserted here."""
     import resource
     import signal
     import subprocess
@@ -418,14 +496,12 @@ def test_1100_idle_connections_against_1024_descriptors_and_sigterm_within_the_g
         url = ready.read_text()
         host, port = url.removeprefix("http://").split(":")
 
-        def normal(i) -> float:
-            t0 = time.perf_counter()
+        def normal(i) -> None:
             r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": [1, 5 + i], "max_tokens": 2,
                                                           "temperature": 0}, timeout=30)
-            assert r.status_code == 200, r.text
-            return time.perf_counter() - t0
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text
 
-        alone = max(normal(0), normal(1))
+        normal(0)
         for i in range(1100):
             c = socket.create_connection((host, int(port)), timeout=10)
             if i % 2:
@@ -433,23 +509,21 @@ def test_1100_idle_connections_against_1024_descriptors_and_sigterm_within_the_g
             socks.append(c)
         time.sleep(1.5)  # asyncio retries accept() 1 s after it ran out of descriptors
         for i in range(2, 7):
-            assert normal(i) < max(1.0, 2 * alone)
+            normal(i)
         stream = httpx.stream("POST", url + "/v1/completions", timeout=30, json={
             "model": "tiny", "prompt": [1, 2], "max_tokens": 300, "ignore_eos": True, "stream": True})
         with stream as r:
             lines = r.iter_lines()
             assert next(lines).startswith("data: {")  # generating
-            t0 = time.perf_counter()
             p.send_signal(signal.SIGTERM)
             rest = list(lines)
-        out, errs = p.communicate(timeout=30)
-        took = time.perf_counter() - t0
+        out, errs = p.communicate(timeout=60)  # not killed: it ended by itself
     finally:
         for c in socks:
             c.close()
         if p.poll() is None:
             p.kill()
-    assert p.returncode == 0 and took < 5.0 + 0.5, (took, errs[-2000:])  # the grace, and the interpreter's exit
+    assert p.returncode == 0, errs[-2000:]
     assert any("shutting down" in x for x in rest), rest[-3:]
     assert "Traceback" not in errs, errs[-3000:]
     cap = [x for x in errs.splitlines() if "to stay under the cap of" in x]

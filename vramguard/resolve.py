@@ -21,6 +21,7 @@ from vramguard.catalog.models import ALIASES, MODELS
 from vramguard.errors import HubError, InvalidValue, UnknownModel
 from vramguard.hub import hub_spec, looks_like_repo_id, with_local_checkpoint
 from vramguard.hub.fetch import from_cache
+from vramguard.hub.headers import check_weights
 from vramguard.inputs import read_config, weight_files_regular
 from vramguard.spec import ModelSpec, spec_from_config
 
@@ -352,13 +353,16 @@ def local_model_folder(model: str) -> Path:
         UnknownModel: a path that does not exist (named, made absolute), or a name with no local folder (a catalog
             name or a Hub id not in the cache: the fix gives the ``hf download`` command).
         ConfigError: the folder's config.json or a weight file a loader could not read
-            (:func:`vramguard.inputs.read_config`, :func:`vramguard.inputs.weight_files_regular`).
+            (:func:`vramguard.inputs.read_config`, :func:`vramguard.inputs.weight_files_regular`, and each
+            safetensors header and the weights index, :func:`vramguard.hub.headers.check_weights`: read here,
+            before torch is imported, so that a damaged file is said in a second, not after the imports).
     """
     folder = model_folder(model)
     if folder is not None:
         if os.path.lexists(folder / "config.json"):  # a FIFO or a symlink loop there is refused, not skipped
             read_config(folder / "config.json")
         weight_files_regular(folder)
+        check_weights(folder)
         return folder
     raise UnknownModel("MODEL", model, "a local model folder or a cached model id with weights",
                        _no_weights_fix(str(model)))

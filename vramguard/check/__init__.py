@@ -101,14 +101,14 @@ def check(model: str | None = None, settings: Settings | None = None, *, dtype: 
                      loader_defaults=loader_defaults, attn_unset=attn_unset)
     spec = resolve_model(model, revision) if model else None  # a bad model or card is said before the probe
     named = gpu_from_catalog(gpu) if gpu else None
+    folder = model_folder(model) if model and revision is None else None
+    hub_ckpt = hub_checkpoint_info(spec) if spec is not None and folder is None else None
+    ckpt = read_checkpoint(folder) if folder else hub_ckpt or (  # a damaged weight file is said before the probe
+        CheckpointInfo("", (), None, None, spec.checkpoint_dtype, False) if spec else None)  # imports torch
     env = env or probe_env()
     s = settings or Settings(attn="sdpa")
     card = named or (env.gpus[0] if env.gpus else None)
     source = "named with gpu= (catalog)" if gpu else ("detected by NVML" if card else "")
-    folder = model_folder(model) if model and revision is None else None
-    hub_ckpt = hub_checkpoint_info(spec) if spec is not None and folder is None else None
-    ckpt = read_checkpoint(folder) if folder else hub_ckpt or (
-        CheckpointInfo("", (), None, None, spec.checkpoint_dtype, False) if spec else None)
     given_dtype = dtype
     if loader_defaults and not unquantized and (dtype is None or compute_dtype is None):
         compute_dtype, dtype = _loader_dtypes(card, s, compute_dtype, dtype)

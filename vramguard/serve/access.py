@@ -30,7 +30,8 @@ class WrappedFormatter(logging.Formatter):
     """``HH:MM:SS message``, wrapped at word boundaries to ``columns`` (default :func:`log_columns`, read at each
     record); each continuation line is indented past the time by two more spaces, so that it reads as part of the
     line above. A word longer than a line (a path, a URL) is kept whole. Characters Python does not print are
-    written as their escapes (:func:`printable`); only the message's own newlines start new lines."""
+    written as their escapes (:func:`printable`); only the message's own newlines start new lines: a newline in
+    one of its arguments (a client's text, an exception's) is written as ``\\n``."""
 
     def __init__(self, columns: int | None = None):
         super().__init__("%(asctime)s %(message)s", "%H:%M:%S")
@@ -38,6 +39,8 @@ class WrappedFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         import textwrap
+        if record.args:  # a copy: the other handlers (a caller's, pytest's) see the record as it was logged
+            record = logging.makeLogRecord({**record.__dict__, "args": _printable_args(record.args)})
         text = "\n".join(printable(part) for part in super().format(record).split("\n"))
         columns = self.columns or log_columns()
         if len(text) <= columns and "\n" not in text:
@@ -48,6 +51,13 @@ class WrappedFormatter(logging.Formatter):
             lines += textwrap.wrap(part, columns, subsequent_indent=indent, initial_indent="" if i == 0 else
                                    indent, break_long_words=False, break_on_hyphens=False) or [""]
         return "\n".join(lines)
+
+
+def _printable_args(args):
+    """A log record's arguments (a tuple, or a mapping for ``%(name)s``) with every string :func:`printable`."""
+    if isinstance(args, dict):
+        return {k: printable(v) if isinstance(v, str) else v for k, v in args.items()}
+    return tuple(printable(a) if isinstance(a, str) else a for a in args)
 
 
 def log_columns(stream=None) -> int:

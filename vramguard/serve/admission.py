@@ -87,6 +87,49 @@ class Admission:
         self.engine.reserved -= held
 
 
+LARGE_BODY_BYTES = 64 * 1024  # bodies over this many bytes are paced (a chat turn of ~16,000 words is under it)
+LARGE_BODY_SHARE = 0.25  # of the server's time, at most, that reading and parsing large bodies may take in a row
+# about twice the CPU a byte of body costs to receive and parse (a refused 1 MB prompt: 6.8 ms of ASCII, 10.4 ms of
+# CJK on 2 cores: benchmarks/results/cpu_serve_attack_tiny_s40; 10 ns still let the CJK flood lift the normal median
+# from 89 to 360 ms)
+LARGE_BODY_S_PER_BYTE = 20e-9
+
+
+class BodyPacer:
+    """Large bodies take at most :data:`LARGE_BODY_SHARE` of the server's time in a row, so that clients sending
+    megabytes in a loop (a prompt that can never fit, refused only once received and parsed) leave the event loop
+    and the GIL to the other requests. A large body waits, before it is read, until the time the bodies before it
+    were charged is over: each body read is charged its bytes' cost times ``1 / share - 1`` after it was read (the
+    bytes that arrived, so a client that sends no body charges nothing and holds nothing). One large body after a
+    pause never waits; a body of at most :data:`LARGE_BODY_BYTES` never waits."""
+
+    def __init__(self, share: float = LARGE_BODY_SHARE, s_per_byte: float = LARGE_BODY_S_PER_BYTE, clock=None):
+        self.rest_per_byte = s_per_byte * (1 / share - 1)
+        self.clock = clock or time.monotonic
+        self.next_at = 0.0  # the clock's time from which the next large body may be read
+        self.waited = 0  # large bodies that waited
+
+    @staticmethod
+    def large(request) -> bool:
+        """A body of more than :data:`LARGE_BODY_BYTES` by its Content-Length (a chunked one counts as large)."""
+        size = request.headers.get("content-length")
+        return not (size is not None and size.isdigit() and int(size) <= LARGE_BODY_BYTES)
+
+    def wait_s(self) -> float:
+        return max(self.next_at - self.clock(), 0.0)
+
+    async def wait(self) -> None:
+        rest = self.wait_s()
+        if rest > 0:
+            self.waited += 1
+            await asyncio.sleep(rest)
+
+    def charge(self, nbytes: int) -> None:
+        """``nbytes`` of a body were read and parsed: the large bodies after it wait their share."""
+        if nbytes > LARGE_BODY_BYTES:
+            self.next_at = max(self.next_at, self.clock()) + nbytes * self.rest_per_byte
+
+
 def shutting_down() -> ApiError:
     return ApiError.of("shutting_down", "the server is shutting down; send the request to another instance or retry "
                                         "after it restarts", headers={"Retry-After": "5"})

@@ -30,7 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from vramguard.serve.access import AccessLog, throughput_loop
-from vramguard.serve.admission import Admission, RefusalLog, read_body, shutting_down
+from vramguard.serve.admission import Admission, BodyPacer, RefusalLog, read_body, shutting_down
 from vramguard.serve.apierrors import ApiError, shown  # ApiError: also imported from here by the router
 from vramguard.serve.browsers import BrowserGuard
 from vramguard.serve.config import BODY_TIMEOUT_S  # also imported from here by the router
@@ -156,6 +156,7 @@ class _Api:
                              pool_tokens=engine.pool.pool_tokens, budget_refusal=engine.budget_refusal)
         self.refusals = RefusalLog(metrics)
         self.admission = Admission(engine, metrics, self.refusals)
+        self.pacer = BodyPacer()  # large bodies take at most a quarter of the time in a row
         eos = tokenizer.eos_token_id if tokenizer is not None else None
         eos_ids = set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
         self.outputs = Outputs(engine, metrics, self._decode, eos_ids, options.model_id)
@@ -210,9 +211,14 @@ class _Api:
         held = 0  # admission slots this request holds until its handles exist (or it is refused)
         try:
             t_arrival = time.perf_counter()
+            if self.pacer.large(request):
+                await self.pacer.wait()
             raw = await read_body(request, self.options.max_body_bytes, self.options.body_timeout_s)
             loop = asyncio.get_running_loop()
-            req = await loop.run_in_executor(self.parse_pool, parse_request, raw, schema, self.limits)
+            try:
+                req = await loop.run_in_executor(self.parse_pool, parse_request, raw, schema, self.limits)
+            finally:
+                self.pacer.charge(len(raw))
             held = self.admission.reserve(req.n, t_arrival)
             ids, max_new = await loop.run_in_executor(self.prompts.pool(_chars(req, chat)), self._prompt, req, chat)
             handles = self._submit(req, ids, max_new)

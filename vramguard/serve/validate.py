@@ -163,8 +163,10 @@ def to_request(data: dict, schema):
         # an unknown name is said before a missing one: a misspelt field ("promt") is both, and its name is the fix
         first = next((x for x in errors if x["type"] == "extra_forbidden"), errors[0])
         param = _param(first["loc"])
-        if first["type"] == "extra_forbidden":
-            raise _unknown_parameter(param, schema, errors) from None
+        if first["type"] == "extra_forbidden":  # the unknown name as sent ("max-tokens" holds a tag's "-")
+            head = _param(first["loc"][:-1])
+            raise _unknown_parameter(_printable(f"{head}.{first['loc'][-1]}" if head else str(first["loc"][-1])),
+                                     schema, errors) from None
         if first["type"] in _JSON_TYPES:  # pydantic says "a valid dictionary or instance of Message": Python's words
             raise ApiError.of("invalid_value", f"{param}: {json_kind(first.get('input'))} "
                                                f"({shown(first.get('input'))}); accepted: {_JSON_TYPES[first['type']]}",
