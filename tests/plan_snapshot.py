@@ -28,7 +28,7 @@ if str(HERE.parent) not in sys.path:
 
 # string fields of a result that are a figure's name or kind, not a sentence
 KEPT_TEXT = {"phase", "peak_phase", "code", "level", "layout", "device_map_mode", "name", "refused_by", "dtype",
-             "kv_cache_dtype", "alloc_conf"}
+             "kv_cache_dtype", "alloc_conf", "misfit_reason"}
 SKIPPED = {"model", "spec", "settings_obj"}
 
 VARIANTS = {  # name -> Settings keywords

@@ -54,6 +54,19 @@ class InvalidValue(VramguardError):
     """A user-given value outside what is accepted (unit, range, choice)."""
 
 
+class UsageError(InvalidValue):
+    """A command line refused as it was read (an option repeated, a size typed as two words), whose message is not
+    of :meth:`VramguardError.render`'s form: ``text`` is the two lines said; field, value, accepted and fix are
+    kept apart for a machine reader (``--format json``)."""
+
+    def __init__(self, field: str, value: object, accepted: str, fix: str | None, text: str):
+        self.text = text
+        super().__init__(field, value, accepted, fix)
+
+    def render(self, field: str | None = None) -> str:
+        return self.text
+
+
 class UnknownModel(VramguardError):
     """The model is not a local folder, a config.json, a cached model id or a catalog name."""
 

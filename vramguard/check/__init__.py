@@ -19,13 +19,14 @@ from vramguard.hardware import gpu_from_catalog, require_card_name
 from vramguard.hub import fetched_line
 from vramguard.introspect.build import attention_support, cached_config
 from vramguard.plan import check_context, choose, estimate, plan
+from vramguard.plan.estimator import misfit_text
 from vramguard.probe.checkpoint import CheckpointInfo, hub_checkpoint_info, read_checkpoint, resolve_param_dtype
 from vramguard.probe.env import Env, probe_env
 from vramguard.probe.kernels import AttentionKernel, profile_attention
 from vramguard.resolve import catalog_name, model_folder, resolve_model
 from vramguard.runtime.handle import pin_sdpa
 from vramguard.runtime.load import (LoadReport, _attention_support, _not_native, choose_attn, choose_dtypes,
-                                    load_model, unload)
+                                    default_quant, load_model, unload)
 from vramguard.runtime.tokenizer import folder_tokenizer
 from vramguard.settings import Settings, require_bool, require_settings
 from vramguard.units import fmt_gib
@@ -71,7 +72,8 @@ def _check_arguments(model: object, settings: object, device_map: object, gpu: o
 def check(model: str | None = None, settings: Settings | None = None, *, dtype: str | None = None,
           compute_dtype: str | None = None, device_map: str | None = None, gpu: str | None = None,
           verify: bool = True, env: Env | None = None, unquantized: bool = False,
-          loader_defaults: bool = False, revision: str | None = None, attn_unset: bool = False) -> CheckReport:
+          loader_defaults: bool = False, revision: str | None = None, attn_unset: bool = False,
+          quant_unset: bool = False) -> CheckReport:
     """Check the environment and the settings a model will be loaded with.
 
     Args:
@@ -91,14 +93,16 @@ def check(model: str | None = None, settings: Settings | None = None, *, dtype: 
         attn_unset: no ``attn_implementation`` passed (``settings.attn`` is then not used): with ``loader_defaults``
             the one ``run`` and ``serve`` load here (:func:`vramguard.runtime.load.choose_attn`'s ``auto``), else
             sdpa, transformers' default; a finding says which was checked and why.
+        quant_unset: no weight format given (``settings.quant`` is then not used): the one ``run`` and ``serve``
+            load here (:func:`vramguard.runtime.load.default_quant`); a finding ``quant`` says which and why.
 
     Raises:
         UnknownModel, ConfigError, UnknownGpu: the model or the card cannot be read.
-        InvalidValue: an argument of another type than the one named here, or a ``device_map`` from_pretrained
-            does not take.
+        InvalidValue: an argument of another type than the one named here, a ``device_map`` from_pretrained
+            does not take, or a ``compute_dtype`` with weights that are not 4-bit.
     """
     _check_arguments(model, settings, device_map, gpu, verify=verify, unquantized=unquantized,
-                     loader_defaults=loader_defaults, attn_unset=attn_unset)
+                     loader_defaults=loader_defaults, attn_unset=attn_unset, quant_unset=quant_unset)
     spec = resolve_model(model, revision) if model else None  # a bad model or card is said before the probe
     named = gpu_from_catalog(gpu) if gpu else None
     folder = model_folder(model) if model and revision is None else None
@@ -106,7 +110,8 @@ def check(model: str | None = None, settings: Settings | None = None, *, dtype: 
     ckpt = read_checkpoint(folder) if folder else hub_ckpt or (  # a damaged weight file is said before the probe
         CheckpointInfo("", (), None, None, spec.checkpoint_dtype, False) if spec else None)  # imports torch
     env = env or probe_env()
-    s = settings or Settings(attn="sdpa")
+    s, quant_finding = _quant(settings or Settings(attn="sdpa"), env, named, quant_unset and not unquantized,
+                              compute_dtype, unquantized)
     card = named or (env.gpus[0] if env.gpus else None)
     source = "named with gpu= (catalog)" if gpu else ("detected by NVML" if card else "")
     given_dtype = dtype
@@ -118,13 +123,11 @@ def check(model: str | None = None, settings: Settings | None = None, *, dtype: 
     if unquantized:
         s = s.with_(quant=param_dtype, compute_dtype=None, dtype=None)
     compute = compute_dtype or ("fp32" if s.is_4bit else None)
-    if compute and s.is_4bit:
-        why_c = "" if compute_dtype else " (bnb_4bit_compute_dtype not set: bitsandbytes computes in float32)"
-    else:
-        why_c = ""
+    why_c = " (bnb_4bit_compute_dtype not set: bitsandbytes computes in float32)" if s.is_4bit and not compute_dtype \
+        else ""
     s = s.with_(dtype=param_dtype if s.quant not in ("bf16", "fp16", "fp32") else None,
                 compute_dtype=compute if s.is_4bit else None)
-    findings = environment_findings(env, card, source)
+    findings = environment_findings(env, card, source) + quant_finding
     if attn_unset:
         s, attn_finding = _default_attn(env, card, s, spec, param_dtype, loader_defaults)
         findings.append(attn_finding)
@@ -142,11 +145,33 @@ def check(model: str | None = None, settings: Settings | None = None, *, dtype: 
     report = CheckReport(findings, param_dtype, card, model=spec.name if spec else None)
     if spec is not None:
         check_context(spec, s, beyond=" (a RoPE-scaled model may allow more: plan with context=N)")
-    if spec is not None:
         findings += _plan_findings(model, spec, s, card, env, device_map)
     if verify and folder is not None and env.cuda_available:
         findings.extend(_verify_kernel(str(folder), s, param_dtype, report))
     return report
+
+
+def _quant(s: Settings, env: Env, named: GpuSpec | None, unset: bool, compute_dtype: str | None,
+           unquantized: bool) -> tuple[Settings, list[Finding]]:
+    """(settings, findings): with ``unset``, ``s`` with the weight format ``run`` and ``serve`` load
+    (:func:`vramguard.runtime.load.default_quant`, one rule for all three) on the card ``named`` (a CUDA device),
+    else on this machine, and the ``quant`` finding that says which and why; else ``s`` as given. Raises
+    InvalidValue for a ``compute_dtype`` with weights that are not 4-bit."""
+    found: list[Finding] = []
+    said = ""
+    if unset:
+        quant, why = default_quant(named is not None or env.cuda_available)
+        where = f"on the card named ({named.label})" if named is not None else "here"
+        s = s.with_(quant=quant)
+        said = f" (none given: vramguard run and serve load it {where}, {why.split(':')[0].split(' (')[0]})"
+        found.append(finding_line("quant", "info", f"{quant} (none given)",
+                                  f"the weight format vramguard run and serve load {where}: {why}"))
+    if compute_dtype is not None and not s.is_4bit:
+        given = "none" if unquantized else s.quant
+        raise InvalidValue("compute_dtype", compute_dtype, f"unset with quant='{given}'{said}: the weights are not "
+                           "4-bit", "the compute dtype applies to 4-bit weights only: pass it with quant='nf4' (or "
+                           "quant='fp4')")
+    return s, found
 
 
 def _tokenizer_findings(folder) -> list[Finding]:
@@ -223,7 +248,8 @@ def _plan_findings(model, spec, s: Settings, card, env, device_map) -> list[Find
     v = plan(spec, s, gpus=[card], solve=False).cards[0]
     out = [finding_line("plan", "ok" if v.fits else "fail",
                         f"needs {fmt_gib(v.need_bytes)} of {fmt_gib(v.usable_bytes)}",
-                        f"vramguard plan for {s.prompt_tokens:,} + {s.max_new_tokens:,} tokens, batch {s.batch}",
+                        f"vramguard plan for {s.prompt_tokens:,} + {s.max_new_tokens:,} tokens, batch {s.batch}"
+                        + (f"; it {misfit_text(v)}" if v.misfit_reason in ("kept_free", "fragmentation") else ""),
                         None if v.fits else "run `vramguard plan` for the changes that make it fit")]
     if device_map == "auto" and v.fits:
         out.append(_placement_finding(model, spec, s, card, env))

@@ -21,11 +21,11 @@ from vramguard.cli import plan as _plan
 from vramguard.cli import profile as _profile
 from vramguard.cli import run as _run
 from vramguard.cli import serve as _serve
-from vramguard.cli.common import (EXIT_CODES, EXIT_INTERNAL, closed_pipe, install_fix, quiet_known_warnings,
-                                  run_guarded, say)
+from vramguard.cli.common import (EXIT_CODES, EXIT_INTERNAL, closed_pipe, install_fix, json_errors,
+                                  quiet_known_warnings, report_error, run_guarded)
 from vramguard.cli.explain import read_message
-from vramguard.cli.options import repeated_option, split_size
-from vramguard.cli.usage import usage_error_text
+from vramguard.cli.options import json_asked, repeated_option, split_size
+from vramguard.cli.usage import usage_error
 
 __all__ = ["app", "main", "EXIT_CODES", "EXIT_INTERNAL", "install_fix", "quiet_known_warnings", "read_message",
            "run_guarded"]
@@ -98,13 +98,23 @@ def _stdout_closed() -> bool:
 
 
 def _dispatch() -> int | None:
-    """Run the command line: its exit code."""
+    """Run the command line: its exit code. Its errors are JSON on stdout too where it asks for ``--format json``
+    (:func:`~vramguard.cli.common.json_errors`, for this command line only)."""
     quiet_known_warnings()
     import typer.main
-    refused = split_size(sys.argv[1:]) or repeated_option(typer.main.get_command(app), sys.argv[1:])
+    group = typer.main.get_command(app)
+    json_errors(json_asked(group, sys.argv[1:]))
+    try:
+        return _run_line(group)
+    finally:
+        json_errors(False)  # a later call in this process (the test suite's) asks for itself
+
+
+def _run_line(group) -> int | None:
+    """:func:`_dispatch` once the command line's error format is set."""
+    refused = split_size(sys.argv[1:]) or repeated_option(group, sys.argv[1:])
     if refused:
-        say("error " + refused)
-        return 2
+        return report_error(refused)
     try:  # typer >= 0.20 vendors click as typer._click; older typer uses the click package
         import typer._click.exceptions as cx
     except ImportError:
@@ -116,8 +126,7 @@ def _dispatch() -> int | None:
         print(e.ctx.get_help() if e.ctx else str(e))
         return 0
     except usage as e:
-        say("error " + usage_error_text(e, sys.argv[1:]))
-        return 2
+        return report_error(usage_error(e, sys.argv[1:]))
     except typer.Exit as e:
         return e.exit_code
     except abort:

@@ -11,7 +11,6 @@ from vramguard.check import check as check_fn
 from vramguard.cli.common import run_guarded, write_json
 from vramguard.cli.options import (Attn, CheckQuant, Dtype, DtypeArg, Format, SdpaKernel, batch_option,
                                    format_option, max_new_tokens_option, prompt_tokens_option, revision_option)
-from vramguard.errors import InvalidValue
 from vramguard.cli.render import check_to_json, console, print_check
 from vramguard.settings import Settings
 
@@ -20,8 +19,9 @@ def check(
     model: Optional[str] = typer.Argument(None, metavar="MODEL",
                                  help="model folder, config.json, catalog name or Hub id (owner/name)"),
     revision: Optional[str] = revision_option(),
-    quant: CheckQuant = typer.Option(CheckQuant['nf4'], help="weight format; none: no quantization config, the "
-                                     "dtype then decides"),
+    quant: Optional[CheckQuant] = typer.Option(None, help="weight format; none: no quantization config, the dtype "
+                                               "then decides (unset: what vramguard run/serve load here: nf4 on a "
+                                               "CUDA device, else fp32)"),
     double_quant: bool = typer.Option(True, "--double-quant/--no-double-quant", help="4-bit double quantization"),
     compute_dtype: Optional[Dtype] = typer.Option(None, help="bnb_4bit_compute_dtype you pass (unset: what "
                                                              "vramguard run/serve pass, bf16 where supported else "
@@ -51,17 +51,15 @@ def check(
     Exits 1 when a finding fails."""
 
     def build():
-        q = "bf16" if quant == CheckQuant['none'] else quant.value
+        q = "bf16" if quant in (None, CheckQuant['none']) else quant.value  # unset: the library's default_quant
         s = Settings(quant=q, double_quant=double_quant, attn=attn.value if attn else "sdpa",
                      sdpa_kernel=sdpa_kernel.value, batch=batch, prompt_tokens=prompt_tokens,
                      max_new_tokens=max_new_tokens, output_attentions=output_attentions)
-        if compute_dtype is not None and not s.is_4bit:
-            raise InvalidValue("--compute-dtype", compute_dtype.value, f"unset with --quant {quant.value}",
-                               "the compute dtype applies to 4-bit weights only (--quant nf4 or fp4)")
         return check_fn(model, s, dtype=dtype.value if dtype else None,
                         compute_dtype=compute_dtype.value if compute_dtype else None, device_map=device_map,
                         gpu=gpu, verify=verify, unquantized=quant == CheckQuant['none'],
-                        loader_defaults=not transformers_defaults, revision=revision, attn_unset=attn is None)
+                        loader_defaults=not transformers_defaults, revision=revision, attn_unset=attn is None,
+                        quant_unset=quant is None)
 
     r = run_guarded(build, as_json=fmt == Format['json'], progress=f"checking {model}")
     if fmt == Format['json']:

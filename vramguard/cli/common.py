@@ -1,8 +1,9 @@
 """What every command shares: the one table from library errors to exit codes, the guard that applies it, the
 stderr console, and JSON output. Imports neither torch nor transformers.
 
-A vramguard error becomes a two-line message on stderr and its exit code (:data:`EXIT_CODES`); no traceback
-reaches the user (set ``VRAMGUARD_DEBUG=1`` to see one for an internal error).
+A vramguard error becomes a two-line message on stderr and its exit code (:data:`EXIT_CODES`), and where the
+command line asked for ``--format json``, a JSON object on stdout too (:func:`report_error`, the one place both are
+said); no traceback reaches the user (set ``VRAMGUARD_DEBUG=1`` to see one for an internal error).
 """
 
 from __future__ import annotations
@@ -42,14 +43,35 @@ def write_json(data) -> None:
     sys.stdout.write(json.dumps(data, indent=2) + "\n")
 
 
-def fail(e: VramguardError, as_json: bool = False) -> None:
-    """Print ``e`` naming the CLI option of its field (and as JSON on stdout), then exit with its code."""
+_JSON_ERRORS = {"on": False}  # the command line asked for --format json (set by vramguard.cli.main)
+
+
+def json_errors(on: bool) -> None:
+    """Say every error of this command line as JSON on stdout too (``--format json`` was given), whichever call
+    site reports it: click's usage errors, a refused option, the library's errors, a missing package."""
+    _JSON_ERRORS["on"] = on
+
+
+def error_json(e: dict) -> None:
+    """``{"error": e}`` on stdout, one line."""
+    sys.stdout.write(json.dumps({"error": e}) + "\n")
+
+
+def report_error(e: VramguardError, as_json: bool = False) -> int:
+    """Print ``e`` on stderr naming the CLI option of its field, and as JSON on stdout (``{"error": {type, field,
+    value, accepted, fix, exit_code}}``) with ``as_json`` or where the command line asked for ``--format json``
+    (:func:`json_errors`); return its exit code (:data:`EXIT_CODES`: the class's)."""
     code = e.exit_code
     flag = " + ".join(FIELD_FLAGS.get(part.strip(), part.strip()) for part in e.field.split("+"))
     say("error " + as_flags(e.render(flag)))
-    if as_json:
-        sys.stdout.write(json.dumps({"error": {**e.as_dict(), "field": flag, "fix": as_flags(e.fix)}}) + "\n")
-    raise typer.Exit(code)
+    if as_json or _JSON_ERRORS["on"]:
+        error_json({**e.as_dict(), "field": flag, "fix": as_flags(e.fix) if e.fix else e.fix})
+    return code
+
+
+def fail(e: VramguardError, as_json: bool = False) -> None:
+    """:func:`report_error`, then exit with its code."""
+    raise typer.Exit(report_error(e, as_json))
 
 
 def closed_pipe() -> int:
@@ -126,7 +148,11 @@ def run_guarded(fn, *args, as_json: bool = False, progress: str | None = None, *
         top = (e.name or "").split(".")[0]
         if extra_of(top) is None or os.environ.get("VRAMGUARD_DEBUG"):
             raise
-        say(f"error {top} not installed: this command needs it.\nfix: " + install_fix(extra_of(top), top == "torch"))
+        fix = install_fix(extra_of(top), top == "torch")
+        say(f"error {top} not installed: this command needs it.\nfix: " + fix)
+        if as_json or _JSON_ERRORS["on"]:
+            error_json({"type": "MissingPackage", "field": top, "value": top, "accepted": "installed",
+                        "fix": fix, "exit_code": 3})
         raise typer.Exit(3) from None
     except Exception as e:  # an internal error: say so plainly, keep the traceback for debugging only
         if os.environ.get("VRAMGUARD_DEBUG"):
@@ -134,9 +160,9 @@ def run_guarded(fn, *args, as_json: bool = False, progress: str | None = None, *
         first = (str(e).strip().splitlines() or [""])[0][:300]  # C++ errors append pages of stack frames
         err.print(f"[red]internal error[/red] {type(e).__name__}: {first}\n"
                   "please report it with the command line; VRAMGUARD_DEBUG=1 shows the traceback")
-        if as_json:
-            sys.stdout.write(json.dumps({"error": {"type": "internal", "exception": type(e).__name__,
-                                                   "message": first}}) + "\n")
+        if as_json or _JSON_ERRORS["on"]:
+            error_json({"type": "internal", "exception": type(e).__name__, "message": first,
+                        "exit_code": EXIT_INTERNAL})
         raise typer.Exit(EXIT_INTERNAL) from None
 
 

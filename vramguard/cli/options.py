@@ -8,6 +8,7 @@ from enum import Enum
 import typer
 
 from vramguard.cli.common import say
+from vramguard.errors import UsageError
 from vramguard.hub import fetched_line
 from vramguard.settings import ATTNS, CACHES, DTYPES, KERNELS, KV_DTYPES, LOGITS, QUANTS, SDPA_KERNELS
 from vramguard.units import UNIT_WORDS
@@ -77,14 +78,16 @@ def format_option(text: str = "human or json"):
 SIZE_OPTIONS = ("--vram", "--vram-budget", "--max-body-size", "--max-memory")
 
 
-def split_size(args: list[str]) -> str | None:
+def split_size(args: list[str]) -> UsageError | None:
     """The error for a size typed as two words (``--vram 24 GiB``: the shell passes ``GiB`` as the next argument,
     which would be read as a model name), or None."""
     for i, a in enumerate(args[:-2]):
         number, unit = args[i + 1], args[i + 2]
         if a in SIZE_OPTIONS and number.replace(".", "", 1).isdigit() and unit.lower() in UNIT_WORDS | {"b"}:
-            return (f"{a}: {number!r} {unit!r} is two arguments; accepted: a number and a unit in one word.\n"
-                    f"fix: write {a} {number}{unit} (or quote it: {a} '{number} {unit}')")
+            accepted = "a number and a unit in one word"
+            fix = f"write {a} {number}{unit} (or quote it: {a} '{number} {unit}')"
+            return UsageError(a, f"{number} {unit}", accepted, fix,
+                              f"{a}: {number!r} {unit!r} is two arguments; accepted: {accepted}.\nfix: {fix}")
     return None
 
 
@@ -110,7 +113,7 @@ COMMA_LISTS = {"plan": {"--gpu": "name several cards in one", "--vram": "give th
 _TIMES = {2: "twice", 3: "three times"}
 
 
-def repeated_option(group, args: list[str]) -> str | None:
+def repeated_option(group, args: list[str]) -> UsageError | None:
     """The usage error of an option of one value given more than once (click keeps the last one, silently
     dropping the others), or of a switch given with its negation (``--padded --no-padded``), or None. ``group``
     is the click group of the commands; ``args`` the command line after the program's name, read as click reads
@@ -139,19 +142,33 @@ def repeated_option(group, args: list[str]) -> str | None:
     for uses in seen.values():
         if len({opt for opt, _ in uses}) > 1:  # a switch and its negation
             opts = " then ".join(dict.fromkeys(opt for opt, _ in uses))
-            return (f"{uses[0][0]}: given as {opts}; accepted: one of them.\n"
-                    f"fix: keep the one you mean: {uses[-1][0]} or {uses[0][0]}, not both")
+            fix = f"keep the one you mean: {uses[-1][0]} or {uses[0][0]}, not both"
+            return UsageError(uses[0][0], opts, "one of them", fix,
+                              f"{uses[0][0]}: given as {opts}; accepted: one of them.\nfix: {fix}")
         if len(uses) > 1 and uses[0][1] is not None:
-            return _repeat_text(name, uses[0][0], [v for _, v in uses])
+            return _repeat_error(name, uses[0][0], [v for _, v in uses])
     return None
 
 
-def _repeat_text(command: str, opt: str, values: list[str | None]) -> str:
-    """The two lines of ``opt`` given once per value of ``values`` (a value None: the command line ended)."""
+def _repeat_error(command: str, opt: str, values: list[str | None]) -> UsageError:
+    """The error of ``opt`` given once per value of ``values`` (a value None: the command line ended)."""
     shown = [repr(v) if v is not None else "none" for v in values]
     given = ", ".join(shown[:-1]) + ", then " + shown[-1]
     first = (f"{opt}: given {_TIMES.get(len(values), f'{len(values)} times')} ({given}); accepted: one {opt}.\n")
     how = COMMA_LISTS.get(command, {}).get(opt)
-    if how and None not in values:
-        return first + f"fix: {how}: {opt} {','.join(values)}"
-    return first + f"fix: give {opt} once"
+    fix = f"{how}: {opt} {','.join(values)}" if how and None not in values else f"give {opt} once"
+    return UsageError(opt, given, f"one {opt}", fix, first + f"fix: {fix}")
+
+
+def json_asked(group, args: list[str]) -> bool:
+    """Whether the command line ``args`` (after the program's name) asks a command that has ``--format`` for
+    ``--format json`` (``--format json`` or ``--format=json``, before ``--``): its errors are then JSON on stdout
+    too. ``group`` is the click group of the commands."""
+    name = next((a for a in args if not a.startswith("-")), None)
+    command = getattr(group, "commands", {}).get(name) if name else None
+    if command is None or not any("--format" in getattr(p, "opts", ()) for p in command.params):
+        return False
+    words = args[args.index(name) + 1:]
+    words = words[:words.index("--")] if "--" in words else words
+    return any(a == "--format=json" or (a == "--format" and words[i + 1:i + 2] == ["json"])
+               for i, a in enumerate(words))

@@ -16,6 +16,7 @@ from vramguard.cli.flags import as_flags
 from vramguard.memory.allocator import ignored_options
 from vramguard.memory.kv import kv_growth_per_token
 from vramguard.plan import Plan
+from vramguard.plan.estimator import misfit_text
 from vramguard.plan.limits import bound_by
 from vramguard.plan.solve import batch_search_cap
 from vramguard.units import fmt_bytes, fmt_tokens, plural
@@ -338,6 +339,11 @@ def _print_cards(c: Console, p: Plan) -> None:
         ct.add_row(short_label(v.gpu.label), gib_cell(v.usable_bytes), gib_cell(v.need_bytes),
                    _fits_cell(v), gib_cell(v.headroom_bytes), *cells, _batch_cell(v.max_batch, cap))
     c.print(ct)
+    within = [v for v in p.cards if v.misfit_reason in ("kept_free", "fragmentation")]  # a need within the memory
+    for v in within:  # that still does not fit: which rule says no
+        c.print(f"†: {short_label(v.gpu.label)} {misfit_text(v)}", highlight=False)
+    if within:
+        c.print()
     if capped:
         c.print(f"*: capped by the model's context (prompt + new tokens = max_position_embeddings "
                 f"{p.model.max_position_embeddings:,}), not by memory: the card would hold more", highlight=False)
@@ -347,10 +353,11 @@ def _print_cards(c: Console, p: Plan) -> None:
 
 
 def _fits_cell(v) -> str:
-    """``yes`` / ``no``; ``unverified`` where it fits by a replay no GPU measurement covers (finding
+    """``yes`` / ``no`` (``no†`` where the need is within the card's memory: a note under the table says why);
+    ``unverified`` where it fits by a replay no GPU measurement covers (finding
     ``unverified_path``)."""
     if not v.fits:
-        return "[red]no[/red]"
+        return "[red]no[/red]" + ("†" if v.misfit_reason in ("kept_free", "fragmentation") else "")
     return "[yellow]unverified[/yellow]" if v.unverified else "[green]yes[/green]"
 
 

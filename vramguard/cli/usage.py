@@ -3,14 +3,15 @@ switch given a value) in vramguard's two-line form: ``error FIELD: 'VALUE' is no
 ``fix: ...``, the form of :meth:`vramguard.errors.VramguardError.render`. Reads the exception's documented attributes
 only (``param``, ``option_name``, ``possibilities``, ``ctx``; a missing parameter's choices from its command's
 ``callback``), each looked up with a default, so that the click typer vendors and the click package read the same;
-anything else keeps click's own message."""
+anything else keeps click's own message. Each is an :class:`~vramguard.errors.InvalidValue` (field, value, accepted,
+fix), said by :func:`vramguard.cli.common.report_error` as every other error is."""
 
 from __future__ import annotations
 
 import re
 
 from vramguard.engines.vllm_quant import refused_quantization
-from vramguard.errors import InvalidValue
+from vramguard.errors import InvalidValue, UsageError
 from vramguard.run.generate import SEED_ACCEPTED
 
 # click's and pydantic's words for a value of the wrong type -> what is accepted
@@ -21,8 +22,8 @@ _CHOICES = re.compile(r"'([^']*)' is not one of (.+?)\.?$")
 _REFUSALS = {"--quantization": refused_quantization}
 
 
-def usage_error_text(e, argv: list[str]) -> str:
-    """The two lines (without ``error ``) for click's usage error ``e`` of the command line ``argv``."""
+def usage_error(e, argv: list[str]) -> InvalidValue:
+    """The error for click's usage error ``e`` of the command line ``argv``: its two lines are ``render()``."""
     ctx = getattr(e, "ctx", None)
     if ctx is not None and getattr(ctx, "parent", None) is not None:
         command = f"vramguard {ctx.info_name}"
@@ -37,51 +38,53 @@ def usage_error_text(e, argv: list[str]) -> str:
         names = ctx.command.list_commands(ctx) if ctx is not None and hasattr(ctx.command, "list_commands") else []
         fix = f"did you mean {m.group(2)}?" if m.group(2) else "see `vramguard --help` for what each does"
         return InvalidValue("COMMAND", m.group(1), ", ".join(names) or "a command `vramguard --help` lists",
-                            fix).render()
+                            fix)
     m = re.match(r"Got unexpected extra argument(?:s|\(s\))? \((.*)\)", message)
     if m:
         return InvalidValue("ARGUMENT", m.group(1), f"the arguments of {command} ({help_hint})",
-                            "quote a value that holds spaces, and give each option its name").render()
+                            "quote a value that holds spaces, and give each option its name")
     if name == "NoSuchOption":
         given = getattr(e, "option_name", None) or "?"
         near = _nearest(given, list(getattr(e, "possibilities", None) or []))
         fix = f"did you mean {' or '.join(near[:3])}?" if near else f"check the spelling in {help_hint}"
-        return InvalidValue("OPTION", given, f"an option of {command} ({help_hint} lists them)", fix).render()
+        return InvalidValue("OPTION", given, f"an option of {command} ({help_hint} lists them)", fix)
     if name == "BadOptionUsage" and "requires an argument" in message:
         flag = getattr(e, "option_name", None) or "the option"
         return InvalidValue(flag, "none given", "a value after the option",
-                            f"pass {flag} VALUE ({help_hint} says which values)").render()
+                            f"pass {flag} VALUE ({help_hint} says which values)")
     if name == "BadOptionUsage" and "does not take a value" in message:  # a switch given one: --freed-before=yes
         flag = getattr(e, "option_name", None) or "the option"
         value = next((a[len(flag) + 1:] for a in reversed(argv) if a.startswith(flag + "=")), "?")
         return InvalidValue(flag, f"{flag}={value}", "the switch alone, without a value",
-                            f"write {flag} alone, without ={value}: a switch takes no value").render()
+                            f"write {flag} alone, without ={value}: a switch takes no value")
     if name == "MissingParameter" and param is not None:
         field = _field(param)
         choices = _choices(param, ctx)
         if choices:
             return InvalidValue(field, "none given", ", ".join(choices),
-                                f"pass one of them, e.g. {command} ... {field} {choices[0]}").render()
+                                f"pass one of them, e.g. {command} ... {field} {choices[0]}")
         return InvalidValue(field, "none given", f"a {field} ({help_hint} says which)",
-                            f"pass it: {command} {field} ...").render()
+                            f"pass it: {command} {field} ...")
     if name == "BadParameter" and param is not None:
         field = _field(param)
         detail = message.split(": ", 1)[1] if message.startswith("Invalid value for ") else message
         m = _CHOICES.search(detail)
         if m and field in _REFUSALS:
-            return _REFUSALS[field](m.group(1), field).render()
+            return _REFUSALS[field](m.group(1), field)
         if m:
             choices = [c.strip().strip("'") for c in m.group(2).split(",")]
             return InvalidValue(field, m.group(1), ", ".join(choices), f"pass one of them, e.g. {field} "
-                                f"{choices[0]}").render()
+                                f"{choices[0]}")
         accepted = next((words for key, words in _TYPE_WORDS if key in detail), detail.rstrip("."))
         value = _given(field, argv)
         value = value if value is not None else "?"
         if accepted == "an integer" and _integer_range(field):
             return InvalidValue(field, value, _integer_range(field),
-                                f"pass a whole number in that range, e.g. {field} 0").render()
-        return InvalidValue(field, value, accepted, f"pass {field} with {accepted} ({help_hint})").render()
-    return f"{message}\nfix: see {help_hint} for the accepted values"
+                                f"pass a whole number in that range, e.g. {field} 0")
+        return InvalidValue(field, value, accepted, f"pass {field} with {accepted} ({help_hint})")
+    field = _field(param) if param is not None else "ARGUMENT"
+    fix = f"see {help_hint} for the accepted values"
+    return UsageError(field, _given(field, argv) or "?", message, fix, f"{message}\nfix: {fix}")
 
 
 def edit_distance(a: str, b: str) -> int:

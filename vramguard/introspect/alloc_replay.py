@@ -546,3 +546,17 @@ def allowed_bytes(cap_bytes: int, base_reserved_bytes: int) -> int:
     modelled reserved memory at a measured edge (benchmarks/README.md). Example: a 24 GiB cap (25,769,803,776 B)
     above 5,754,585,088 B of weights keeps (25,769,803,776 - 5,754,585,088) // 100 = 200,152,186 B free."""
     return cap_bytes - max(0, cap_bytes - base_reserved_bytes) * EDGE_MARGIN_NUM // EDGE_MARGIN_DEN
+
+
+def offload_to_fit_bytes(need_bytes: int, usable_bytes: int, kept_free_bytes: int) -> int:
+    """The bytes of weights a run that needs ``need_bytes`` on a card of ``usable_bytes`` must leave for CPU RAM
+    to fit under :func:`allowed_bytes`' cap, which keeps ``kept_free_bytes`` free now (0 where it fits already).
+    A weight that leaves lowers the need by its bytes and the loaded model by as much, so the room kept free grows
+    by 1/100 of it: ``x >= (need - usable + kept_free) * 100 / 99``, plus 1 B for the floor of the kept room.
+    Example: 8,583,643,136 B on an 8 GiB card (8,589,934,592 B) keeping 19,587,399 B free: the excess
+    13,295,943 B * 100 / 99 = 13,430,246 B (rounded up) + 1 = 13,430,247 B."""
+    excess = need_bytes - usable_bytes + kept_free_bytes
+    if excess <= 0:
+        return 0
+    keep = EDGE_MARGIN_DEN - EDGE_MARGIN_NUM
+    return -(-excess * EDGE_MARGIN_DEN // keep) + 1

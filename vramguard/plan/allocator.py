@@ -18,7 +18,7 @@ from vramguard.finding import Finding
 from vramguard.introspect.alloc_replay import (allowed_bytes, loaded_reserved_bytes, not_covered, replay_generate,
                                                share_tapes, supported)
 from vramguard.memory.allocator import AllocatorConfig, backend
-from vramguard.plan.estimator import need_bytes
+from vramguard.plan.estimator import misfit_reason, need_bytes
 from vramguard.plan.limits import largest as _largest
 from vramguard.settings import Settings
 from vramguard.units import fmt_bytes
@@ -94,7 +94,14 @@ def _with_conf(model, s: Settings, est, cards: list, conf: AllocatorConfig, allo
 def _judged(model, s: Settings, est, cards: list, conf: AllocatorConfig, capped: list, r, alloc_conf: str,
             edges: list | None):
     """The estimate and card verdicts from the estimate's replay ``r``, each card's capped config and its largest
-    prompt (``edges``; None: not solved)."""
+    prompt (``edges``; None: not solved).
+
+    A card's need where its capped replay fits is that replay's peak (so need, fit and headroom agree); where it
+    does not, the estimate's (``est.device_used_bytes``, the table's "card memory in use": the replay under the
+    largest card's memory with no room kept free, or the formula's where that replay does not fit either). Such a
+    need can be below the card's memory: ``misfit_reason`` (:func:`~vramguard.plan.estimator.misfit_reason`) then
+    says which rule still says no, with ``kept_free_bytes``, the room the card's cap keeps free (not that room
+    where the estimate's replay did not fit with none kept free: the segments, not the margin, say no)."""
     spec, ctx_bytes = model.spec, est.cuda_context_bytes
     reserved = max(r.peak_reserved_bytes, est.peak_allocated_bytes) if r.fits else est.peak_reserved_bytes
     run_need = reserved + ctx_bytes
@@ -112,8 +119,10 @@ def _judged(model, s: Settings, est, cards: list, conf: AllocatorConfig, capped:
         mine = r if same else replay_generate(spec, s, cap, rescale=edges is not None) or r  # covered: r's
         fits = mine.fits and load_need <= c.usable_bytes
         need = max(max(mine.peak_reserved_bytes, est.peak_allocated_bytes) + ctx_bytes, load_need) if fits \
-            else max(est.device_used_bytes, c.usable_bytes + 1)
-        c = replace(c, need_bytes=need, fits=fits, headroom_bytes=c.usable_bytes - need)
+            else est.device_used_bytes
+        kept_free = c.usable_bytes - ctx_bytes - cap.allowed_bytes
+        c = replace(c, need_bytes=need, fits=fits, headroom_bytes=c.usable_bytes - need, kept_free_bytes=kept_free,
+                    misfit_reason=misfit_reason(fits, need, c.usable_bytes, kept_free if r.fits else 0))
         if edges is not None:
             c = replace(c, max_prompt_tokens=edges[i])
         if edges is not None and fits:  # the run as asked fits: its own figures are the least each limit can be

@@ -31,6 +31,7 @@ from vramguard.memory.runtime import CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_BYTES,
 from vramguard.plan.kernels import KernelChoice
 from vramguard.settings import Settings
 from vramguard.spec import ModelSpec
+from vramguard.units import fmt_bytes, fmt_gib
 
 COMPONENT_ORDER = ("weights", "quant_state", "kv_cache", "attention", "activations", "dequant", "logits",
                    "cublas_workspace")
@@ -38,7 +39,16 @@ COMPONENT_ORDER = ("weights", "quant_state", "kv_cache", "attention", "activatio
 
 @dataclass(frozen=True)
 class CardVerdict:
-    """Whether the run fits one card: ``headroom_bytes = usable_bytes - need_bytes`` (negative: short by)."""
+    """Whether the run fits one card: ``headroom_bytes = usable_bytes - need_bytes`` (negative: short by; 0 or more
+    with ``fits`` False where the need is within the memory and another rule says no, ``misfit_reason``).
+
+    ``misfit_reason``: None where it fits, else why not (:func:`misfit_reason`): ``memory`` (the need is above
+    the card's memory), ``kept_free`` (the need is within it, but reaches into the room the allocator model's fit
+    keeps free, ``kept_free_bytes``) or ``fragmentation`` (the need is below even that, but the allocator model's
+    segments do not hold the run under the card's cap). ``kept_free_bytes``: what the allocator model keeps free
+    on this card (1/100 of the room above the loaded model, :func:`vramguard.introspect.alloc_replay.allowed_bytes`);
+    None under the reserve formula, which keeps none.
+    """
 
     gpu: GpuSpec
     usable_bytes: int
@@ -49,6 +59,8 @@ class CardVerdict:
     max_new_tokens: int | None = None
     max_batch: int | None = None
     unverified: str | None = None  # why ``fits`` rests on a replay no GPU measurement covers (plan.verified)
+    misfit_reason: str | None = None
+    kept_free_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -123,11 +135,44 @@ def estimate(model: MemoryModel, s: Settings) -> MemoryEstimate:
         kv_bytes_per_token=model.kv_bytes_per_token(s), load=load, generate_device_bytes=run_need)
 
 
+MISFIT_REASONS = ("memory", "kept_free", "fragmentation")
+
+
+def misfit_reason(fits: bool, need_bytes: int, usable_bytes: int, kept_free_bytes: int | None) -> str | None:
+    """Why a run does not fit a card (None where it ``fits``), one of :data:`MISFIT_REASONS`: ``memory`` where
+    ``need_bytes`` is above ``usable_bytes``; else ``kept_free`` where it is above ``usable_bytes -
+    kept_free_bytes`` (the peak reaches into the room the fit keeps free); else ``fragmentation``. Example: an
+    8 GiB card (8,589,934,592 B) that keeps 19,587,399 B free and a need of 8,583,643,136 B: that is at most
+    8,589,934,592 but above 8,589,934,592 - 19,587,399 = 8,570,347,193, so ``kept_free``."""
+    if fits:
+        return None
+    if need_bytes > usable_bytes:
+        return "memory"
+    return "kept_free" if need_bytes > usable_bytes - (kept_free_bytes or 0) else "fragmentation"
+
+
+def misfit_text(v: CardVerdict) -> str:
+    """Why the run does not fit ``v``'s card, in words ("" where it fits): the need against the memory, and for a
+    need within the memory the rule that still says no."""
+    need, usable = fmt_gib(v.need_bytes), fmt_gib(v.usable_bytes)
+    if v.misfit_reason is None:
+        return ""
+    if v.misfit_reason == "memory":
+        return f"needs {need} of {usable}: short by {fmt_bytes(v.need_bytes - v.usable_bytes)}"
+    kept = fmt_bytes(v.kept_free_bytes or 0)
+    if v.misfit_reason == "kept_free":
+        return (f"needs {need} of {usable}, but the fit keeps 1/100 of the room above the loaded model free ({kept}, "
+                "the allocator model's largest shortfall at a measured edge) and the peak reaches into it")
+    return (f"needs {need} of {usable}, but the allocator model's segments do not hold the run under the card's "
+            f"cap ({kept} kept free): fragmentation under the cap")
+
+
 def verdict(est: MemoryEstimate, gpu: GpuSpec) -> CardVerdict:
     """Fit of an estimate on one card (no solving)."""
     usable = gpu.usable_bytes
     need = est.device_used_bytes
-    return CardVerdict(gpu, usable, need, need <= usable, usable - need)
+    return CardVerdict(gpu, usable, need, need <= usable, usable - need,
+                       misfit_reason=misfit_reason(need <= usable, need, usable, None))
 
 
 @dataclass(frozen=True)

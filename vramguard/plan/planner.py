@@ -16,6 +16,7 @@ from vramguard.finding import Finding
 from vramguard.hardware import require_card_name, require_gpu_specs, resolve_gpus
 from vramguard.hub import for_cards
 from vramguard.hub.prequant import prequant_findings
+from vramguard.introspect.alloc_replay import offload_to_fit_bytes
 from vramguard.memory.model import MemoryModel
 from vramguard.plan import verified
 from vramguard.plan.allocator import (
@@ -25,7 +26,7 @@ from vramguard.plan.estimator import CardVerdict, MemoryEstimate, Plan, estimate
 from vramguard.plan.findings import plan_findings
 from vramguard.plan.kernels import choose_path, kernel_finding
 from vramguard.plan.limits import check_context
-from vramguard.plan.solve import ranked_changes, solve_card
+from vramguard.plan.solve import offload_change, ranked_changes, solve_card
 from vramguard.resolve import resolve_model
 from vramguard.settings import MAX_TOKENS, Settings, require_bool, require_settings
 from vramguard.spec import ModelSpec
@@ -148,17 +149,21 @@ def _compute_path(choice: Choice, s: Settings, gpus: list[GpuSpec], why: str, so
     p.findings.extend(reserved_findings)
     p.findings.extend(unverified)
     if solve:
-        p.changes.extend(_prompt_as_the_cards_say(choice, s, cards, ranked_changes(model, s, gpus), freed_before))
+        p.changes.extend(_as_the_cards_say(choice, s, cards, ranked_changes(model, s, gpus), freed_before))
     return p
 
 
-def _prompt_as_the_cards_say(choice: Choice, s: Settings, cards: list[CardVerdict], changes: list,
-                             freed_before: bool | None) -> list:
-    """``changes`` with the shorter prompt that the card table gives: where the allocator model found the largest
-    prompt of the card the change is solved for (:func:`vramguard.plan.solve.ranked_changes`' target, the largest
-    card the run does not fit), the change names that prompt and its need is that card's plan at it (the
-    reserve formula of :func:`~vramguard.plan.solve.max_prompt_tokens` plans it shorter: two answers to one
-    question otherwise)."""
+def _as_the_cards_say(choice: Choice, s: Settings, cards: list[CardVerdict], changes: list,
+                      freed_before: bool | None) -> list:
+    """``changes`` measured as the card table measures, where the allocator model judged the cards: against the
+    need of the card the changes are solved for (:func:`vramguard.plan.solve.ranked_changes`' target, the largest
+    card the run does not fit), not the reserve formula's, and fitting by the card's own rule.
+
+    The shorter prompt is the one the card table gives (the card's largest prompt; the reserve formula of
+    :func:`~vramguard.plan.solve.max_prompt_tokens` plans it shorter: two answers to one question otherwise), its
+    need that card's plan at it, its saving the target's need less that. The weights left in CPU RAM are what
+    the target's need must lose to fit under its cap, which keeps 1/100 of the room above the loaded model free
+    (:func:`~vramguard.introspect.alloc_replay.offload_to_fit_bytes`), not just its memory."""
     from dataclasses import replace
     failing = [c for c in cards if not c.fits]
     if not failing or choice.reserve.config is None:
@@ -167,15 +172,19 @@ def _prompt_as_the_cards_say(choice: Choice, s: Settings, cards: list[CardVerdic
     prompt = target.max_prompt_tokens
     out = []
     for ch in changes:
-        if set(ch.settings) == {"prompt_tokens"} and prompt is not None and prompt != ch.settings["prompt_tokens"]:
+        if set(ch.settings) == {"prompt_tokens"} and prompt is not None:
             s2 = s.with_(prompt_tokens=prompt)
             est2 = estimate(choice.model, s2)
             _, mine, _ = _reserved(choice, s2, est2, [verdict(est2, target.gpu)], False, freed_before)
             need = mine[0].need_bytes
-            if mine[0].fits and need < ch.need_bytes + ch.saved_bytes:
+            if mine[0].fits:
                 ch = replace(ch, description=f"shorter prompt: {prompt:,} tokens", settings={"prompt_tokens": prompt},
-                             need_bytes=need, saved_bytes=ch.need_bytes + ch.saved_bytes - need,
+                             need_bytes=need, saved_bytes=max(0, target.need_bytes - need),
                              fits_on=tuple(c.gpu.name for c in cards if need <= c.usable_bytes))
+        elif "cpu_offload_bytes" in ch.settings and target.kept_free_bytes is not None:
+            short = offload_to_fit_bytes(target.need_bytes, target.usable_bytes, target.kept_free_bytes)
+            if short:  # 0: the need is below the cap (fragmentation): the formula's offload stands
+                ch = offload_change(short, target.need_bytes - short, target.gpu.name)
         out.append(ch)
     return out
 

@@ -189,10 +189,7 @@ def hardware_changes(model: MemoryModel, s: Settings, target: GpuSpec, need: int
     short = need - usable
     out: list[Change] = []
     if short < est.weights.total_bytes:
-        out.append(Change(f"weights: {fmt_bytes(short)} of them in CPU RAM (device_map='auto' with max_memory; "
-                          "slower: offloaded layers cross PCIe each forward)", {"device_map": "auto",
-                                                                                "cpu_offload_bytes": short},
-                          usable, short, (target.name,)))
+        out.append(offload_change(short, usable, target.name))
     second = _second_card(model, s, target, need)
     if second is not None:
         out.append(second)
@@ -203,6 +200,14 @@ def hardware_changes(model: MemoryModel, s: Settings, target: GpuSpec, need: int
         out.append(Change(f"a larger card: {label} ({fmt_bytes(g.total_bytes)} as its driver reports, "
                           f"{fmt_bytes(g.total_bytes - need)} to spare)", {"gpu": g.name}, need, 0, (g.name,)))
     return sorted(out, key=lambda c: (not c.fits_on, c.need_bytes > usable))
+
+
+def offload_change(short_bytes: int, need_after_bytes: int, card: str) -> Change:
+    """The change that leaves ``short_bytes`` of weights for CPU RAM (``device_map='auto'`` with ``max_memory``),
+    after which the run needs ``need_after_bytes`` and fits the card named ``card``."""
+    return Change(f"weights: {fmt_bytes(short_bytes)} of them in CPU RAM (device_map='auto' with max_memory; "
+                  "slower: offloaded layers cross PCIe each forward)",
+                  {"device_map": "auto", "cpu_offload_bytes": short_bytes}, need_after_bytes, short_bytes, (card,))
 
 
 def _second_card(model: MemoryModel, s: Settings, target: GpuSpec, need: int) -> Change | None:
