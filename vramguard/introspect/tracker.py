@@ -67,12 +67,14 @@ class StorageTracker(TorchDispatchMode):
     """Tracks live storages created under it (see the module docstring).
 
     ``label()`` gives the component of each new allocation; ``relabel`` moves storages to another label after the
-    fact (the cache's tensors are known only when the forward returns).
+    fact (the cache's tensors are known only when the forward returns). ``count=False``: no allocation is tracked,
+    only the data policy and the values of :meth:`fill` are kept (a forward that only fills a cache).
     """
 
     def __init__(self, label: Callable[[], str] = lambda: "activations", policy: DataPolicy | None = None,
-                 events: list | None = None, notes: dict | None = None):
+                 events: list | None = None, notes: dict | None = None, count: bool = True):
         super().__init__()
+        self.count = count
         self.events = events  # when a list: (serial, raw bytes) per allocation and (serial, -1) per free, in order
         self.notes = notes  # when a dict: serial -> (label, where) of every allocation
         self.label = label
@@ -151,6 +153,16 @@ class StorageTracker(TorchDispatchMode):
             x = args[0]
             return torch.empty((self.policy.rows(tuple(x.shape)), x.dim()), dtype=torch.long, device=x.device)
         out = _grouped_mm(args, kwargs) if func is aten._grouped_mm.default else func(*args, **kwargs)
+        if self.count:
+            self._track(func, args, kwargs, out)
+        if isinstance(out, torch.Tensor) and self._fills:
+            value = _propagate(func, args, kwargs, out, self._fills)
+            if value is not None:
+                self._fills[out] = value
+        return out
+
+    def _track(self, func, args, kwargs, out) -> None:
+        """Count every output storage that none of the inputs had as a new allocation."""
         inputs = {id(a.untyped_storage()) for a in _tensors((args, kwargs)) if a.device.type == "meta"}
         name = _name(func)
         for t in _tensors(out):
@@ -158,11 +170,6 @@ class StorageTracker(TorchDispatchMode):
                 st = t.untyped_storage()
                 if id(st) not in inputs:  # a view or an in-place result shares its input's storage
                     self._add(st, self.label(), name)
-        if isinstance(out, torch.Tensor) and self._fills:
-            value = _propagate(func, args, kwargs, out, self._fills)
-            if value is not None:
-                self._fills[out] = value
-        return out
 
     def _scalar(self, func, x: torch.Tensor):
         if x.device.type != "meta":
