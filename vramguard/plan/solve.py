@@ -10,6 +10,7 @@ replay of transformers' forward (:class:`~vramguard.introspect.model.Transformer
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import lru_cache
 
 from vramguard.catalog.gpus import GPUS, GpuSpec
 from vramguard.errors import VramguardError
@@ -30,6 +31,19 @@ def _need(model: MemoryModel, s: Settings) -> int:
     return need_bytes(model, s)
 
 
+@lru_cache(maxsize=64)
+def _known(model: MemoryModel, s: Settings, var: str, need) -> dict[int, int]:
+    """The needs ``need`` gave so far in this process for ``model`` with ``s`` and other values of ``var``
+    (``prompt_tokens``, ``max_new_tokens``, ``batch``): value -> bytes, shared by the searches of every card
+    (:func:`vramguard.plan.limits.largest`'s ``known``). ``s`` is given with ``var`` at 1."""
+    return {}
+
+
+def known_needs(model: MemoryModel, s: Settings, var: str) -> dict[int, int]:
+    """:func:`_known` for ``s`` whatever its ``var``, of the need function in use (:func:`_need`)."""
+    return _known(model, _with(s, **{var: 1}), var, _need)
+
+
 def _linear_guess(x0: int, f0: int, x1: int, f1: int, usable: int, hi: int) -> int:
     """Where the line through ``(x0, f0)`` and ``(x1, f1)`` crosses ``usable``, plus one, within ``[x1, hi]``
     (``hi`` for a line that does not rise)."""
@@ -41,13 +55,15 @@ def _linear_guess(x0: int, f0: int, x1: int, f1: int, usable: int, hi: int) -> i
 def max_prompt_tokens(model: MemoryModel, s: Settings, usable_bytes: int) -> int | None:
     """Largest prompt (tokens) that fits ``usable_bytes`` with ``s.max_new_tokens`` new tokens, or None."""
     hi = model.spec.max_position_embeddings - s.max_new_tokens
-    return _largest(1, hi, lambda p: _need(model, _with(s, prompt_tokens=p)), usable_bytes)
+    return _largest(1, hi, lambda p: _need(model, _with(s, prompt_tokens=p)), usable_bytes,
+                    known_needs(model, s, "prompt_tokens"))
 
 
 def max_new_tokens(model: MemoryModel, s: Settings, usable_bytes: int) -> int | None:
     """Largest number of new tokens that fits with ``s.prompt_tokens``, or None when the prompt alone does not."""
     hi = model.spec.max_position_embeddings - s.prompt_tokens
-    return _largest(0, hi, lambda n: _need(model, _with(s, max_new_tokens=n)), usable_bytes)
+    return _largest(0, hi, lambda n: _need(model, _with(s, max_new_tokens=n)), usable_bytes,
+                    known_needs(model, s, "max_new_tokens"))
 
 
 def batch_search_cap(s: Settings) -> int:
@@ -61,8 +77,12 @@ def max_batch(model: MemoryModel, s: Settings, usable_bytes: int) -> int | None:
     1 does not. The need is nearly linear in the batch:
     the line through batch 1 and 2 gives the first upper end of the bracket (doubled while it still fits), then
     :func:`_largest` finds the exact boundary inside it."""
+    known = known_needs(model, s, "batch")
+
     def need(b: int) -> int:
-        return _need(model, _with(s, batch=b))
+        if b not in known:
+            known[b] = _need(model, _with(s, batch=b))
+        return known[b]
     f1 = need(1)
     if f1 > usable_bytes:
         return None
@@ -73,7 +93,7 @@ def max_batch(model: MemoryModel, s: Settings, usable_bytes: int) -> int | None:
     lo, hi = 2, _linear_guess(1, f1, 2, f2, usable_bytes, cap)
     while hi < cap and need(hi) <= usable_bytes:
         lo, hi = hi, min(hi * 2, cap)
-    return _largest(lo, hi, need, usable_bytes)
+    return _largest(lo, hi, need, usable_bytes, known)
 
 
 def _with(s: Settings, **changes) -> Settings:
