@@ -152,7 +152,7 @@ class StorageTracker(TorchDispatchMode):
         if func is aten.nonzero.default:
             x = args[0]
             return torch.empty((self.policy.rows(tuple(x.shape)), x.dim()), dtype=torch.long, device=x.device)
-        out = _grouped_mm(args, kwargs) if func is aten._grouped_mm.default else func(*args, **kwargs)
+        out = _grouped_mm(args, kwargs) if func is aten._grouped_mm.default else _meta_call(func, args, kwargs)
         if self.count:
             self._track(func, args, kwargs, out)
         if isinstance(out, torch.Tensor) and self._fills:
@@ -212,6 +212,68 @@ def _tensors(tree) -> list[torch.Tensor]:
         else:
             stack.extend(reversed([t for t in tree_flatten(x)[0] if isinstance(t, torch.Tensor)]))
     return out
+
+
+_FRESH: dict = {}  # operator -> whether it returns only new tensors (no alias, no mutation): its schema says so
+_OUTPUTS: dict = {}  # (operator, the metadata of its arguments) -> its outputs' metadata (see _meta_call)
+MAX_MEMO = 200_000  # entries of _OUTPUTS kept (a few hundred bytes each)
+
+
+def _meta_call(func, args, kwargs):
+    """``func(*args, **kwargs)`` on meta tensors, its outputs' metadata memoized. A meta kernel's output depends
+    only on its arguments' shapes, strides, offsets, dtypes and devices and on the other arguments' values, and
+    the same operators run on the same shapes in every repeated layer of a forward; so for an operator whose
+    schema returns only new tensors (no alias, no mutation), outputs of the recorded shapes, strides, offsets,
+    dtypes and storage sizes are made without running the kernel (a new storage each, as the kernel's).
+    Anything else (a view, an in-place operator, a list, an argument of another type) runs the kernel."""
+    fresh = _FRESH.get(func)
+    if fresh is None:
+        schema = func._schema
+        fresh = _FRESH[func] = not schema.is_mutable and bool(schema.returns) and all(
+            r.alias_info is None and str(r.type) == "Tensor" for r in schema.returns)
+    key = (func, _meta_key(args), _meta_key(kwargs)) if fresh else None
+    if key is None or key[1] is None or key[2] is None:
+        return func(*args, **kwargs)
+    found = _OUTPUTS.get(key)
+    if found is not None:
+        outs = tuple(_empty_meta(*m) for m in found)
+        return outs[0] if len(outs) == 1 and not isinstance(found, list) else outs
+    out = func(*args, **kwargs)
+    outs = out if isinstance(out, tuple) else (out,)
+    stores = {id(t.untyped_storage()) for t in outs if isinstance(t, torch.Tensor)}
+    if all(isinstance(t, torch.Tensor) and t.device.type == "meta" for t in outs) and len(stores) == len(outs) \
+            and not stores & {id(a.untyped_storage()) for a in _tensors((args, kwargs))}:
+        if len(_OUTPUTS) >= MAX_MEMO:
+            _OUTPUTS.clear()
+        meta = [(tuple(t.shape), t.stride(), t.storage_offset(), t.dtype, t.untyped_storage().nbytes())
+                for t in outs]
+        _OUTPUTS[key] = meta if isinstance(out, tuple) else tuple(meta)
+    return out
+
+
+def _empty_meta(shape, stride, offset, dtype, nbytes) -> torch.Tensor:
+    """A meta tensor of this metadata on a new storage of ``nbytes``."""
+    st = torch.UntypedStorage(nbytes, device="meta")
+    return torch.empty(0, dtype=dtype, device="meta").set_(st, offset, shape, stride)
+
+
+_PLAIN = (int, float, bool, str, torch.dtype, torch.device, torch.layout, torch.memory_format)
+
+
+def _meta_key(x):
+    """A hashable description of an operator's arguments ``x`` that fixes its meta outputs: each tensor's shape,
+    strides, offset, dtype and device, other values as they are; None for a value of another type."""
+    if isinstance(x, torch.Tensor):
+        return (tuple(x.shape), x.stride(), x.storage_offset(), x.dtype, x.device.type)
+    if x is None or type(x) in _PLAIN or isinstance(x, _PLAIN):
+        return (type(x).__name__, x) if type(x) in (float, bool) else x  # 1.0, True and 1 hash alike
+    if type(x) in (tuple, list):
+        items = tuple(_meta_key(v) for v in x)
+        return None if any(i is None and v is not None for i, v in zip(items, x)) else (type(x).__name__, items)
+    if type(x) is dict:
+        items = tuple((k, _meta_key(v)) for k, v in x.items())
+        return None if any(i is None and x[k] is not None for k, i in items) else ("d", items)
+    return None
 
 
 def _grouped_mm(args, kwargs) -> torch.Tensor:
