@@ -6,6 +6,7 @@ that the multi-card planner uses them without importing those (the solver asks i
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 from typing import Callable
 
 from vramguard.errors import InvalidValue
@@ -65,6 +66,14 @@ def largest(lo: int, hi: int, need: Callable[[int], int], usable: int,
         last = [last[1], (mid, x)]
         stalls = stalls + 1 if (b - a) * 2 > width else 0
     return a
+
+
+@lru_cache(maxsize=64)
+def known_needs(model, s: Settings, var: str, need: Callable) -> dict[int, int]:
+    """The store of needs (value of ``var`` -> bytes) that ``need(model, s)`` gave in this process with ``s``'s
+    ``var`` changed, ``s`` given with ``var`` at 1: the ``known`` of :func:`largest` for every search of that need
+    (the card searches of :mod:`vramguard.plan.solve` and the first guess of the allocator's largest prompt)."""
+    return {}
 
 
 def _known_bracket(lo: int, hi: int, known: dict[int, int], usable: int) -> tuple[int | None, int | None]:

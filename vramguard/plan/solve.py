@@ -10,13 +10,12 @@ replay of transformers' forward (:class:`~vramguard.introspect.model.Transformer
 from __future__ import annotations
 
 from dataclasses import replace
-from functools import lru_cache
 
 from vramguard.catalog.gpus import GPUS, GpuSpec
 from vramguard.errors import VramguardError
 from vramguard.memory.model import MemoryModel
 from vramguard.plan.estimator import CardVerdict, Change, estimate, need_bytes
-from vramguard.plan.limits import largest as _largest
+from vramguard.plan.limits import known_needs as known_store, largest as _largest
 from vramguard.settings import Settings
 from vramguard.units import fmt_bytes
 
@@ -27,21 +26,14 @@ INT4_KV_CHANGE = "KV cache: int4 quantized cache (lossy: +38% perplexity measure
 MIN_USEFUL_TOKENS = 64  # a shorter prompt or generation below this is no answer to "what fits"
 
 
-def _need(model: MemoryModel, s: Settings) -> int:
-    return need_bytes(model, s)
-
-
-@lru_cache(maxsize=64)
-def _known(model: MemoryModel, s: Settings, var: str, need) -> dict[int, int]:
-    """The needs ``need`` gave so far in this process for ``model`` with ``s`` and other values of ``var``
-    (``prompt_tokens``, ``max_new_tokens``, ``batch``): value -> bytes, shared by the searches of every card
-    (:func:`vramguard.plan.limits.largest`'s ``known``). ``s`` is given with ``var`` at 1."""
-    return {}
+_need = need_bytes  # the need the searches evaluate (tests replace it)
 
 
 def known_needs(model: MemoryModel, s: Settings, var: str) -> dict[int, int]:
-    """:func:`_known` for ``s`` whatever its ``var``, of the need function in use (:func:`_need`)."""
-    return _known(model, _with(s, **{var: 1}), var, _need)
+    """The needs evaluated so far in this process for ``model`` with ``s`` and other values of ``var``
+    (``prompt_tokens``, ``max_new_tokens``, ``batch``), shared by the searches of every card
+    (:func:`vramguard.plan.limits.known_needs`)."""
+    return known_store(model, _with(s, **{var: 1}), var, _need)
 
 
 def _linear_guess(x0: int, f0: int, x1: int, f1: int, usable: int, hi: int) -> int:
