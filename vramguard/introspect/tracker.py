@@ -216,7 +216,7 @@ def _tensors(tree) -> list[torch.Tensor]:
 
 _FRESH: dict = {}  # operator -> whether it returns only new tensors (no alias, no mutation): its schema says so
 _OUTPUTS: dict = {}  # (operator, the metadata of its arguments) -> its outputs' metadata (see _meta_call)
-MAX_MEMO = 200_000  # entries of _OUTPUTS kept (a few hundred bytes each)
+MAX_MEMO = 32_768  # entries of _OUTPUTS kept (about a kilobyte each), then it starts again
 
 
 def _meta_call(func, args, kwargs):
