@@ -14,13 +14,17 @@ from vramguard.settings import Settings
 from vramguard.spec import ModelSpec
 
 
+SECANT_STALLS = 3  # secant steps that each leave over half of the bracket before a bisection: near the boundary
+# the secant lands on one side a few times while it closes in (on smooth needs, half the evaluations of stopping at 2)
+
+
 def largest(lo: int, hi: int, need: Callable[[int], int], usable: int,
             known: dict[int, int] | None = None) -> int | None:
     """Largest ``v`` in ``[lo, hi]`` with ``need(v) <= usable``, for a non-decreasing ``need``; None if none.
 
     Keeps a bracket ``need(a) <= usable < need(b)`` and tries the point where the straight line through the two
-    points evaluated last crosses ``usable`` (first the bracket's ends; within it); two steps in a row that each
-    leave more than half of the bracket are followed by a bisection.
+    points evaluated last crosses ``usable`` (first the bracket's ends; within it); :data:`SECANT_STALLS` steps in
+    a row that each leave more than half of the bracket are followed by a bisection.
 
     ``known``: needs of this same ``need`` evaluated before (value -> bytes; each new one is added): the search
     starts from the tightest bracket they give, which holds the same answer for a non-decreasing ``need``, so
@@ -51,7 +55,7 @@ def largest(lo: int, hi: int, need: Callable[[int], int], usable: int,
     stalls = 0
     while b - a > 1:
         (x0, f0), (x1, f1) = last
-        if stalls >= 2 or f1 == f0:
+        if stalls >= SECANT_STALLS or f1 == f0:
             mid = (a + b) // 2
             stalls = 0
         else:
