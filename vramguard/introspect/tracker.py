@@ -85,7 +85,10 @@ class StorageTracker(TorchDispatchMode):
         self._next = 0
         self.live_bytes = 0
         self.by_label: Counter[str] = Counter()
-        self.peak = Peak()
+        self._log: list[tuple[int, int]] = []  # (serial, bytes) per allocation, (serial, -1) per free
+        self._label_of: dict[int, str] = {}
+        self._peak_bytes, self._peak_end, self._peak_at = 0, 0, ""  # the peak: its bytes, len(_log), allocation
+        self._peak: Peak | None = None  # the Peak of _peak_end, made when asked for
         self.largest_alloc = 0
         from torch.utils.weak import WeakIdKeyDictionary
         self._fills = WeakIdKeyDictionary()  # tensor -> the one value all its elements hold
@@ -108,6 +111,7 @@ class StorageTracker(TorchDispatchMode):
         self._next += 1
         self._serial_of[key] = serial
         self.live[serial] = (nbytes, label)
+        self._label_of[serial] = label
         self._refs[serial] = weakref.ref(st, lambda _r, s=serial, k=key: self._free(s, k))  # type: ignore[misc]
         self.live_bytes += nbytes
         self.by_label[label] += nbytes
@@ -116,12 +120,33 @@ class StorageTracker(TorchDispatchMode):
         if self.notes is not None:
             self.notes[serial] = (label, at)
         self.largest_alloc = max(self.largest_alloc, nbytes)
-        if self.live_bytes > self.peak.bytes:
-            self.peak = Peak(self.live_bytes, {k: v for k, v in self.by_label.items() if v}, at, dict(self.live))
+        self._log.append((serial, nbytes))
+        if self.live_bytes > self._peak_bytes:
+            self._peak_bytes, self._peak_end, self._peak_at, self._peak = self.live_bytes, len(self._log), at, None
+
+    @property
+    def peak(self) -> Peak:
+        """The largest live total so far: its bytes by label and the live storages then, rebuilt from the log of
+        allocations and frees up to it (a copy of the live set at each new peak cost a forward's time squared)."""
+        if self._peak is None:
+            live: dict[int, tuple[int, str]] = {}
+            for serial, nbytes in self._log[:self._peak_end]:
+                if nbytes < 0:
+                    live.pop(serial, None)
+                else:
+                    live[serial] = (nbytes, self._label_of[serial])
+            sums: Counter[str] = Counter()
+            for nbytes, label in live.values():
+                sums[label] += nbytes
+            by_label = {k: sums[k] for k in self.by_label if sums[k]}  # in the order labels first came
+            self._peak = Peak(self._peak_bytes, by_label, self._peak_at, live) if self._peak_bytes else Peak()
+        return self._peak
 
     def _free(self, serial: int, key: int) -> None:
-        if self.events is not None and serial in self.live:
-            self.events.append((serial, -1))
+        if serial in self.live:
+            self._log.append((serial, -1))
+            if self.events is not None:
+                self.events.append((serial, -1))
         nbytes, label = self.live.pop(serial, (0, ""))
         self.live_bytes -= nbytes
         if label:
