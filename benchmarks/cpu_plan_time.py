@@ -17,12 +17,21 @@ must print what the first did).
 each time), for the minimum and the median on a shared machine.
 
     python benchmarks/cpu_plan_time.py --wall --hand --repeat 3 --out benchmarks/results/cpu_plan_time/wall_fast.jsonl
+
+``--generic``: the three non-family architectures instead (DeepSeek-V2-Lite's size on an 80 GiB card, tiny OLMoE on
+the default cards, and Falcon-H1-1.5B-Deep's config of ``gpu_hybrid.py``: attention and Mamba-2 side by side), their
+config folders written under ``--models DIR`` (the same paths before and after a change, so that the plans' output
+hashes compare) and planned by the vramguard of ``--root`` (default: this checkout; an export of an older commit for
+a "before"):
+
+    python benchmarks/cpu_plan_time.py --wall --generic --models /tmp/generic --out generic.jsonl
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -60,7 +69,7 @@ def measure(model: str, vram: str | None) -> dict:
             "changes": [[c.description, c.need_bytes] for c in p.changes]}
 
 
-def _timed_plan(args: list[str], cache: Path) -> dict:
+def _timed_plan(args: list[str], cache: Path, root: Path = ROOT) -> dict:
     """One ``vramguard plan ARGS`` in a new process with its plan and tape caches in ``cache``: wall seconds, exit
     code, load average before it, and the SHA-256 of its stdout."""
     import hashlib
@@ -68,12 +77,12 @@ def _timed_plan(args: list[str], cache: Path) -> dict:
     import resource
     import subprocess
     env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}  # as an install: .pyc files
-    env.update(PYTHONPATH=str(ROOT), VRAMGUARD_PLAN_CACHE=str(cache / "plans"), VRAMGUARD_TAPE_CACHE=str(cache /
+    env.update(PYTHONPATH=str(root), VRAMGUARD_PLAN_CACHE=str(cache / "plans"), VRAMGUARD_TAPE_CACHE=str(cache /
                                                                                                       "tapes"))
     load = os.getloadavg()[0]
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
-    r = subprocess.run([sys.executable, "-m", "vramguard", "plan", *args], capture_output=True, env=env, cwd=ROOT)
+    r = subprocess.run([sys.executable, "-m", "vramguard", "plan", *args], capture_output=True, env=env, cwd=root)
     wall_s = time.perf_counter() - t0
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu_s = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
@@ -113,6 +122,48 @@ def wall(out: str, hand: bool = False, repeat: int = 1) -> None:
                 f.write(json.dumps(rec) + "\n")
 
 
+def generic_cases(models: Path) -> list[tuple[str, list[str]]]:
+    """The ``--generic`` cases, their config folders written under ``models``."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from archs import ARCHS
+    from gpu_hybrid import CONFIGS
+    from transformers import AutoConfig
+    for name, fields in (("dsv2lite", DSV2_LITE), ("falcon-h1-1.5b-deep", {
+            k: v for k, v in CONFIGS["falcon-h1-1.5b-deep"].items() if k != "source"})):
+        (models / name).mkdir(parents=True, exist_ok=True)
+        (models / name / "config.json").write_text(json.dumps(fields))
+    AutoConfig.for_model("olmoe", **ARCHS["olmoe"]).save_pretrained(models / "olmoe")
+    return [("non-family: DeepSeek-V2-Lite size", [str(models / "dsv2lite"), "--vram", "80GiB"]),
+            ("non-family: tiny OLMoE", [str(models / "olmoe")]),
+            ("non-family: Falcon-H1-1.5B-Deep size", [str(models / "falcon-h1-1.5b-deep")])]
+
+
+def wall_generic(out: str, models: Path, root: Path, save_json: Path | None = None) -> None:
+    """The ``--generic`` cases (see the module docstring), first and second plan each, written to ``out``;
+    ``save_json``: each plan's ``--format json`` output saved there (``<folder name>.json``)."""
+    import subprocess
+    subprocess.run([sys.executable, "-m", "vramguard", "--help"], capture_output=True, check=True, cwd=root,
+                   env={**os.environ, "PYTHONPATH": str(root)})  # .pyc files written
+    caches = Path(tempfile.mkdtemp())
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    with open(out, "w") as f:
+        for i, (name, args) in enumerate(generic_cases(models)):
+            for when in ("first", "second"):
+                rec = {"case": name, "when": when, "args": ["vramguard", "plan", Path(args[0]).name, *args[1:]],
+                       "root": root.name, **_timed_plan(args, caches / f"cache{i}", root)}
+                print(json.dumps(rec), flush=True)
+                f.write(json.dumps(rec) + "\n")
+            if save_json is not None:  # the plan kept by the first, as JSON (read from the cache: no replay)
+                env = {**os.environ, "PYTHONPATH": str(root), "VRAMGUARD_PLAN_CACHE": str(caches / f"cache{i}" /
+                                                                                          "plans"),
+                       "VRAMGUARD_TAPE_CACHE": str(caches / f"cache{i}" / "tapes")}
+                r = subprocess.run([sys.executable, "-m", "vramguard", "plan", *args, "--format", "json"],
+                                   capture_output=True, env=env, cwd=root, check=True)
+                save_json.mkdir(parents=True, exist_ok=True)
+                (save_json / f"{Path(args[0]).name}.json").write_bytes(r.stdout)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -120,7 +171,14 @@ def main() -> None:
     ap.add_argument("--wall", action="store_true", help="wall time of vramguard plan in new processes")
     ap.add_argument("--hand", action="store_true", help="with --wall: the catalog name and hand-family folder only")
     ap.add_argument("--repeat", type=int, default=1, help="with --wall: each case this many times")
+    ap.add_argument("--generic", action="store_true", help="with --wall: the three non-family architectures")
+    ap.add_argument("--models", help="with --generic: the folder of their configs (default: a new one)")
+    ap.add_argument("--root", help="with --generic: the vramguard checkout to run (default: this one)")
+    ap.add_argument("--save-json", help="with --generic: save each plan's --format json output in this folder")
     args = ap.parse_args()
+    if args.wall and args.generic:
+        return wall_generic(args.out, Path(args.models or tempfile.mkdtemp()), Path(args.root or ROOT).resolve(),
+                            Path(args.save_json) if args.save_json else None)
     if args.wall:
         return wall(args.out, args.hand, args.repeat)
     if args.case:

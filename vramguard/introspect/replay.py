@@ -349,7 +349,7 @@ def _replay_forward(model, config, s: Settings, past: int, chunk: int, quantized
     logits_to_keep = 0 if s.logits == "all" else 1
     with torch.no_grad():
         if past:
-            with StorageTracker(policy=policy or DataPolicy()) as fill, _FlashSdpa():
+            with StorageTracker(policy=policy or DataPolicy(), count=False) as fill, _FlashSdpa():
                 out = model(**_inputs(s, 0, past, fill), **{name: cache}, use_cache=True, logits_to_keep=1)
             cache = getattr(out, name)
             del out

@@ -67,12 +67,14 @@ class StorageTracker(TorchDispatchMode):
     """Tracks live storages created under it (see the module docstring).
 
     ``label()`` gives the component of each new allocation; ``relabel`` moves storages to another label after the
-    fact (the cache's tensors are known only when the forward returns).
+    fact (the cache's tensors are known only when the forward returns). ``count=False``: no allocation is tracked,
+    only the data policy and the values of :meth:`fill` are kept (a forward that only fills a cache).
     """
 
     def __init__(self, label: Callable[[], str] = lambda: "activations", policy: DataPolicy | None = None,
-                 events: list | None = None, notes: dict | None = None):
+                 events: list | None = None, notes: dict | None = None, count: bool = True):
         super().__init__()
+        self.count = count
         self.events = events  # when a list: (serial, raw bytes) per allocation and (serial, -1) per free, in order
         self.notes = notes  # when a dict: serial -> (label, where) of every allocation
         self.label = label
@@ -83,7 +85,10 @@ class StorageTracker(TorchDispatchMode):
         self._next = 0
         self.live_bytes = 0
         self.by_label: Counter[str] = Counter()
-        self.peak = Peak()
+        self._log: list[tuple[int, int]] = []  # (serial, bytes) per allocation, (serial, -1) per free
+        self._label_of: dict[int, str] = {}
+        self._peak_bytes, self._peak_end, self._peak_at = 0, 0, ""  # the peak: its bytes, len(_log), allocation
+        self._peak: Peak | None = None  # the Peak of _peak_end, made when asked for
         self.largest_alloc = 0
         from torch.utils.weak import WeakIdKeyDictionary
         self._fills = WeakIdKeyDictionary()  # tensor -> the one value all its elements hold
@@ -106,6 +111,7 @@ class StorageTracker(TorchDispatchMode):
         self._next += 1
         self._serial_of[key] = serial
         self.live[serial] = (nbytes, label)
+        self._label_of[serial] = label
         self._refs[serial] = weakref.ref(st, lambda _r, s=serial, k=key: self._free(s, k))  # type: ignore[misc]
         self.live_bytes += nbytes
         self.by_label[label] += nbytes
@@ -114,12 +120,33 @@ class StorageTracker(TorchDispatchMode):
         if self.notes is not None:
             self.notes[serial] = (label, at)
         self.largest_alloc = max(self.largest_alloc, nbytes)
-        if self.live_bytes > self.peak.bytes:
-            self.peak = Peak(self.live_bytes, {k: v for k, v in self.by_label.items() if v}, at, dict(self.live))
+        self._log.append((serial, nbytes))
+        if self.live_bytes > self._peak_bytes:
+            self._peak_bytes, self._peak_end, self._peak_at, self._peak = self.live_bytes, len(self._log), at, None
+
+    @property
+    def peak(self) -> Peak:
+        """The largest live total so far: its bytes by label and the live storages then, rebuilt from the log of
+        allocations and frees up to it (a copy of the live set at each new peak cost a forward's time squared)."""
+        if self._peak is None:
+            live: dict[int, tuple[int, str]] = {}
+            for serial, nbytes in self._log[:self._peak_end]:
+                if nbytes < 0:
+                    live.pop(serial, None)
+                else:
+                    live[serial] = (nbytes, self._label_of[serial])
+            sums: Counter[str] = Counter()
+            for nbytes, label in live.values():
+                sums[label] += nbytes
+            by_label = {k: sums[k] for k in self.by_label if sums[k]}  # in the order labels first came
+            self._peak = Peak(self._peak_bytes, by_label, self._peak_at, live) if self._peak_bytes else Peak()
+        return self._peak
 
     def _free(self, serial: int, key: int) -> None:
-        if self.events is not None and serial in self.live:
-            self.events.append((serial, -1))
+        if serial in self.live:
+            self._log.append((serial, -1))
+            if self.events is not None:
+                self.events.append((serial, -1))
         nbytes, label = self.live.pop(serial, (0, ""))
         self.live_bytes -= nbytes
         if label:
@@ -150,7 +177,17 @@ class StorageTracker(TorchDispatchMode):
         if func is aten.nonzero.default:
             x = args[0]
             return torch.empty((self.policy.rows(tuple(x.shape)), x.dim()), dtype=torch.long, device=x.device)
-        out = _grouped_mm(args, kwargs) if func is aten._grouped_mm.default else func(*args, **kwargs)
+        out = _grouped_mm(args, kwargs) if func is aten._grouped_mm.default else _meta_call(func, args, kwargs)
+        if self.count:
+            self._track(func, args, kwargs, out)
+        if isinstance(out, torch.Tensor) and self._fills:
+            value = _propagate(func, args, kwargs, out, self._fills)
+            if value is not None:
+                self._fills[out] = value
+        return out
+
+    def _track(self, func, args, kwargs, out) -> None:
+        """Count every output storage that none of the inputs had as a new allocation."""
         inputs = {id(a.untyped_storage()) for a in _tensors((args, kwargs)) if a.device.type == "meta"}
         name = _name(func)
         for t in _tensors(out):
@@ -158,11 +195,6 @@ class StorageTracker(TorchDispatchMode):
                 st = t.untyped_storage()
                 if id(st) not in inputs:  # a view or an in-place result shares its input's storage
                     self._add(st, self.label(), name)
-        if isinstance(out, torch.Tensor) and self._fills:
-            value = _propagate(func, args, kwargs, out, self._fills)
-            if value is not None:
-                self._fills[out] = value
-        return out
 
     def _scalar(self, func, x: torch.Tensor):
         if x.device.type != "meta":
@@ -205,6 +237,68 @@ def _tensors(tree) -> list[torch.Tensor]:
         else:
             stack.extend(reversed([t for t in tree_flatten(x)[0] if isinstance(t, torch.Tensor)]))
     return out
+
+
+_FRESH: dict = {}  # operator -> whether it returns only new tensors (no alias, no mutation): its schema says so
+_OUTPUTS: dict = {}  # (operator, the metadata of its arguments) -> its outputs' metadata (see _meta_call)
+MAX_MEMO = 32_768  # entries of _OUTPUTS kept (about a kilobyte each), then it starts again
+
+
+def _meta_call(func, args, kwargs):
+    """``func(*args, **kwargs)`` on meta tensors, its outputs' metadata memoized. A meta kernel's output depends
+    only on its arguments' shapes, strides, offsets, dtypes and devices and on the other arguments' values, and
+    the same operators run on the same shapes in every repeated layer of a forward; so for an operator whose
+    schema returns only new tensors (no alias, no mutation), outputs of the recorded shapes, strides, offsets,
+    dtypes and storage sizes are made without running the kernel (a new storage each, as the kernel's).
+    Anything else (a view, an in-place operator, a list, an argument of another type) runs the kernel."""
+    fresh = _FRESH.get(func)
+    if fresh is None:
+        schema = func._schema
+        fresh = _FRESH[func] = not schema.is_mutable and bool(schema.returns) and all(
+            r.alias_info is None and str(r.type) == "Tensor" for r in schema.returns)
+    key = (func, _meta_key(args), _meta_key(kwargs)) if fresh else None
+    if key is None or key[1] is None or key[2] is None:
+        return func(*args, **kwargs)
+    found = _OUTPUTS.get(key)
+    if found is not None:
+        outs = tuple(_empty_meta(*m) for m in found)
+        return outs[0] if len(outs) == 1 and not isinstance(found, list) else outs
+    out = func(*args, **kwargs)
+    outs = out if isinstance(out, tuple) else (out,)
+    stores = {id(t.untyped_storage()) for t in outs if isinstance(t, torch.Tensor)}
+    if all(isinstance(t, torch.Tensor) and t.device.type == "meta" for t in outs) and len(stores) == len(outs) \
+            and not stores & {id(a.untyped_storage()) for a in _tensors((args, kwargs))}:
+        if len(_OUTPUTS) >= MAX_MEMO:
+            _OUTPUTS.clear()
+        meta = [(tuple(t.shape), t.stride(), t.storage_offset(), t.dtype, t.untyped_storage().nbytes())
+                for t in outs]
+        _OUTPUTS[key] = meta if isinstance(out, tuple) else tuple(meta)
+    return out
+
+
+def _empty_meta(shape, stride, offset, dtype, nbytes) -> torch.Tensor:
+    """A meta tensor of this metadata on a new storage of ``nbytes``."""
+    st = torch.UntypedStorage(nbytes, device="meta")
+    return torch.empty(0, dtype=dtype, device="meta").set_(st, offset, shape, stride)
+
+
+_PLAIN = (int, float, bool, str, torch.dtype, torch.device, torch.layout, torch.memory_format)
+
+
+def _meta_key(x):
+    """A hashable description of an operator's arguments ``x`` that fixes its meta outputs: each tensor's shape,
+    strides, offset, dtype and device, other values as they are; None for a value of another type."""
+    if isinstance(x, torch.Tensor):
+        return (tuple(x.shape), x.stride(), x.storage_offset(), x.dtype, x.device.type)
+    if x is None or type(x) in _PLAIN or isinstance(x, _PLAIN):
+        return (type(x).__name__, x) if type(x) in (float, bool) else x  # 1.0, True and 1 hash alike
+    if type(x) in (tuple, list):
+        items = tuple(_meta_key(v) for v in x)
+        return None if any(i is None and v is not None for i, v in zip(items, x)) else (type(x).__name__, items)
+    if type(x) is dict:
+        items = tuple((k, _meta_key(v)) for k, v in x.items())
+        return None if any(i is None and x[k] is not None for k, i in items) else ("d", items)
+    return None
 
 
 def _grouped_mm(args, kwargs) -> torch.Tensor:

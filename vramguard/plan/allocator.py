@@ -19,7 +19,7 @@ from vramguard.introspect.alloc_replay import (allowed_bytes, loaded_reserved_by
                                                share_tapes, supported)
 from vramguard.memory.allocator import AllocatorConfig, backend
 from vramguard.plan.estimator import misfit_reason, need_bytes
-from vramguard.plan.limits import largest as _largest
+from vramguard.plan.limits import known_needs, largest as _largest
 from vramguard.settings import Settings
 from vramguard.units import fmt_bytes
 
@@ -367,7 +367,10 @@ def _edge(replay, model, s: Settings, config: AllocatorConfig, formula_tokens: i
                                       // slope)
     else:
         start = need_bytes(model, s.with_(prompt_tokens=lo))
-        guess = _largest(lo, ctx, lambda p: need_bytes(model, s.with_(prompt_tokens=p)), start + room) or lo
+        same = s.cache != "static" or s.max_cache_len is None  # the need the card searches evaluated
+        guess = _largest(lo, ctx, lambda p: need_bytes(model, s.with_(prompt_tokens=p)), start + room,
+                         known_needs(model, s.with_(prompt_tokens=1), "prompt_tokens", need_bytes) if same else None
+                         ) or lo
     a, b = _gallop(fits, lo, guess, ctx)
     return a if b is None else _bisect(fits, a, b)
 

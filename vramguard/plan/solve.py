@@ -15,7 +15,7 @@ from vramguard.catalog.gpus import GPUS, GpuSpec
 from vramguard.errors import VramguardError
 from vramguard.memory.model import MemoryModel
 from vramguard.plan.estimator import CardVerdict, Change, estimate, need_bytes
-from vramguard.plan.limits import largest as _largest
+from vramguard.plan.limits import known_needs as known_store, largest as _largest
 from vramguard.settings import Settings
 from vramguard.units import fmt_bytes
 
@@ -26,8 +26,14 @@ INT4_KV_CHANGE = "KV cache: int4 quantized cache (lossy: +38% perplexity measure
 MIN_USEFUL_TOKENS = 64  # a shorter prompt or generation below this is no answer to "what fits"
 
 
-def _need(model: MemoryModel, s: Settings) -> int:
-    return need_bytes(model, s)
+_need = need_bytes  # the need the searches evaluate (tests replace it)
+
+
+def known_needs(model: MemoryModel, s: Settings, var: str) -> dict[int, int]:
+    """The needs evaluated so far in this process for ``model`` with ``s`` and other values of ``var``
+    (``prompt_tokens``, ``max_new_tokens``, ``batch``), shared by the searches of every card
+    (:func:`vramguard.plan.limits.known_needs`)."""
+    return known_store(model, _with(s, **{var: 1}), var, _need)
 
 
 def _linear_guess(x0: int, f0: int, x1: int, f1: int, usable: int, hi: int) -> int:
@@ -41,13 +47,15 @@ def _linear_guess(x0: int, f0: int, x1: int, f1: int, usable: int, hi: int) -> i
 def max_prompt_tokens(model: MemoryModel, s: Settings, usable_bytes: int) -> int | None:
     """Largest prompt (tokens) that fits ``usable_bytes`` with ``s.max_new_tokens`` new tokens, or None."""
     hi = model.spec.max_position_embeddings - s.max_new_tokens
-    return _largest(1, hi, lambda p: _need(model, _with(s, prompt_tokens=p)), usable_bytes)
+    return _largest(1, hi, lambda p: _need(model, _with(s, prompt_tokens=p)), usable_bytes,
+                    known_needs(model, s, "prompt_tokens"))
 
 
 def max_new_tokens(model: MemoryModel, s: Settings, usable_bytes: int) -> int | None:
     """Largest number of new tokens that fits with ``s.prompt_tokens``, or None when the prompt alone does not."""
     hi = model.spec.max_position_embeddings - s.prompt_tokens
-    return _largest(0, hi, lambda n: _need(model, _with(s, max_new_tokens=n)), usable_bytes)
+    return _largest(0, hi, lambda n: _need(model, _with(s, max_new_tokens=n)), usable_bytes,
+                    known_needs(model, s, "max_new_tokens"))
 
 
 def batch_search_cap(s: Settings) -> int:
@@ -61,8 +69,12 @@ def max_batch(model: MemoryModel, s: Settings, usable_bytes: int) -> int | None:
     1 does not. The need is nearly linear in the batch:
     the line through batch 1 and 2 gives the first upper end of the bracket (doubled while it still fits), then
     :func:`_largest` finds the exact boundary inside it."""
+    known = known_needs(model, s, "batch")
+
     def need(b: int) -> int:
-        return _need(model, _with(s, batch=b))
+        if b not in known:
+            known[b] = _need(model, _with(s, batch=b))
+        return known[b]
     f1 = need(1)
     if f1 > usable_bytes:
         return None
@@ -73,7 +85,7 @@ def max_batch(model: MemoryModel, s: Settings, usable_bytes: int) -> int | None:
     lo, hi = 2, _linear_guess(1, f1, 2, f2, usable_bytes, cap)
     while hi < cap and need(hi) <= usable_bytes:
         lo, hi = hi, min(hi * 2, cap)
-    return _largest(lo, hi, need, usable_bytes)
+    return _largest(lo, hi, need, usable_bytes, known)
 
 
 def _with(s: Settings, **changes) -> Settings:
