@@ -10,6 +10,7 @@ config.json, a catalog name (``llama-2-7b``; :data:`vramguard.catalog.models.MOD
 from __future__ import annotations
 
 import difflib
+import functools
 import json
 import math
 import os
@@ -80,14 +81,29 @@ def gguf_dtype(path: Path) -> tuple[str, str]:
     * F16 tensors and no BF16 or quantized ones: ``float16``, exact;
     * F32 tensors only: ``float32``, exact.
 
-    A file the gguf package cannot read (or no gguf package): ``bfloat16``, with the reason.
+    A file the gguf package cannot read (or no gguf package): ``bfloat16``, with the reason. The reader parses the
+    whole header (a SmolLM2 file's 49,152-entry vocabulary: seconds), so the answer is kept per file, size and
+    modification time.
     """
     try:
+        stat = path.stat()
+        return _gguf_dtype(str(path), stat.st_size, stat.st_mtime_ns)
+    except OSError as e:
+        return _unreadable_gguf(e)
+
+
+def _unreadable_gguf(e: Exception) -> tuple[str, str]:
+    return "bfloat16", (f"the GGUF's tensor types could not be read ({type(e).__name__}: {e}); bfloat16 is "
+                        "the dtype of most checkpoints GGUF files are made from")
+
+
+@functools.lru_cache(maxsize=8)
+def _gguf_dtype(path: str, size: int, mtime_ns: int) -> tuple[str, str]:
+    try:
         from gguf import GGUFReader
-        types = {t.tensor_type.name for t in GGUFReader(str(path)).tensors}
+        types = {t.tensor_type.name for t in GGUFReader(path).tensors}
     except Exception as e:  # noqa: BLE001 - any failure to read the header: the default, and why
-        return "bfloat16", (f"the GGUF's tensor types could not be read ({type(e).__name__}: {e}); bfloat16 is "
-                            "the dtype of most checkpoints GGUF files are made from")
+        return _unreadable_gguf(e)
     quantized = sorted(types - {"F32", "F16", "BF16"})
     if quantized or "BF16" in types:
         return "bfloat16", (f"the GGUF's tensors are quantized ({', '.join(quantized)})" if quantized
