@@ -184,3 +184,38 @@ def test_json_errors_hold_for_their_command_line_only():
     from vramguard.cli import common
     run_cli("plan", "llama-3.1-8b", "--format", "json", "--batch", "x")
     assert common._JSON_ERRORS["on"] is False  # the next command (an app invoked directly) says its errors as text
+
+
+def test_a_json_error_names_the_command_that_lists_the_models_not_a_python_object(tmp_path):
+    """The JSON error's ``accepted`` is in the CLI's words, as the text on stderr is."""
+    import json
+
+    from conftest import run_cli
+    r = run_cli("plan", str(tmp_path / "no-such-folder"), "--format", "json")
+    err = json.loads(r.stdout)["error"]
+    assert r.returncode == 3 and "vramguard plan --list-models" in err["accepted"]
+    assert "vramguard.catalog" not in err["accepted"]
+
+
+def test_the_pool_refusal_says_how_the_pool_was_sized_without_a_bare_option():
+    from types import SimpleNamespace
+
+    from vramguard.serve.engine import Engine
+    fake = SimpleNamespace(fits_pool=lambda tokens: False, pool=SimpleNamespace(pool_tokens=64, page_size=16))
+    text = Engine.budget_refusal(fake, 60, 10, "max_tokens")
+    assert text == ("max_tokens: 60 prompt + 10 new tokens needs more KV cache than this server's whole KV cache "
+                    "pool (64 tokens, as the server was started); it can never run here: keep prompt + max_tokens "
+                    "<= 64")
+
+
+def test_ctrl_c_says_it_interrupted_the_command(monkeypatch):
+    """Ctrl-C (KeyboardInterrupt, which typer turns into exit 130) ends with 130 and a line on stderr saying so."""
+    from conftest import run_cli
+
+    from vramguard.cli import explain as explain_cmd
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(explain_cmd, "read_message", interrupted)
+    r = run_cli("explain", "-")
+    assert r.returncode == 130 and "interrupted: stopped at Ctrl-C (exit 130)" in r.stderr

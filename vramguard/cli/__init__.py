@@ -22,7 +22,7 @@ from vramguard.cli import profile as _profile
 from vramguard.cli import run as _run
 from vramguard.cli import serve as _serve
 from vramguard.cli.common import (EXIT_CODES, EXIT_INTERNAL, closed_pipe, install_fix, json_errors,
-                                  quiet_known_warnings, report_error, run_guarded)
+                                  quiet_known_warnings, report_error, run_guarded, say)
 from vramguard.cli.explain import read_message
 from vramguard.cli.options import json_asked, repeated_option, split_size
 from vramguard.cli.usage import usage_error
@@ -110,6 +110,9 @@ def _dispatch() -> int | None:
         json_errors(False)  # a later call in this process (the test suite's) asks for itself
 
 
+INTERRUPTED = "interrupted: stopped at Ctrl-C (exit 130)"
+
+
 def _run_line(group) -> int | None:
     """:func:`_dispatch` once the command line's error format is set."""
     refused = split_size(sys.argv[1:]) or repeated_option(group, sys.argv[1:])
@@ -121,7 +124,10 @@ def _run_line(group) -> int | None:
         import click.exceptions as cx
     no_args, usage, abort = (getattr(cx, n, ()) for n in ("NoArgsIsHelpError", "UsageError", "Abort"))
     try:
-        return app(standalone_mode=False)  # click returns the code of typer.Exit instead of raising it here
+        rc = app(standalone_mode=False)  # click returns the code of typer.Exit instead of raising it here
+        if rc == 130:  # typer's answer to Ctrl-C (no vramguard command ends with 130 itself)
+            say(INTERRUPTED)
+        return rc
     except no_args as e:
         print(e.ctx.get_help() if e.ctx else str(e))
         return 0
@@ -129,5 +135,6 @@ def _run_line(group) -> int | None:
         return report_error(usage_error(e, sys.argv[1:]))
     except typer.Exit as e:
         return e.exit_code
-    except abort:
+    except abort:  # click's (an older typer's) answer to Ctrl-C
+        say(INTERRUPTED)
         return 130

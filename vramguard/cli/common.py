@@ -65,7 +65,10 @@ def report_error(e: VramguardError, as_json: bool = False) -> int:
     flag = " + ".join(FIELD_FLAGS.get(part.strip(), part.strip()) for part in e.field.split("+"))
     say("error " + as_flags(e.render(flag)))
     if as_json or _JSON_ERRORS["on"]:
-        error_json({**e.as_dict(), "field": flag, "fix": as_flags(e.fix) if e.fix else e.fix})
+        d = e.as_dict()
+        accepted = d.get("accepted")
+        error_json({**d, "field": flag, "fix": as_flags(e.fix) if e.fix else e.fix,
+                    **({"accepted": as_flags(accepted)} if isinstance(accepted, str) else {})})
     return code
 
 
