@@ -35,8 +35,9 @@ def pytest_cmdline_main(config):
 # 1,840 tests took 678.86 to 780.4 CPU seconds later that day in three runs (10 min 4 s to 32 min 3 s of wall time at
 # load average 3 to 11, no idle window): 678.86 / 1.83 = 371 s at the same share of the cores (2026-12-02,
 # benchmarks/results/cpu_test_time/suite_1202_s4.txt); 2,002 tests: 332 s wall, 607 CPU s at load average 0.8 to
-# 1.9 (the machine otherwise quiet; benchmarks/results/cpu_test_time/suite_1202_final.txt)
-SUITE_S_ON_2_IDLE_CORES = 332
+# 1.9 (the machine otherwise quiet; benchmarks/results/cpu_test_time/suite_1202_final.txt); 2,045 tests: 349 s wall,
+# 636 CPU s at load average 0.3 to 2 (benchmarks/results/cpu_test_time/suite_s40.txt)
+SUITE_S_ON_2_IDLE_CORES = 349
 
 
 def _whole_suite(config) -> bool:
