@@ -472,8 +472,8 @@ class Engine:
         if self.fits_pool(prompt_tokens + max_new_tokens):
             return None
         return (f"{limit_field}: {prompt_tokens:,} prompt + {max_new_tokens:,} new tokens needs more KV cache than "
-                f"this server's whole KV cache pool ({self.pool.pool_tokens:,} tokens, as the server was started); it can "
-                f"never run here: keep prompt + {limit_field} <= {self.pool.pool_tokens:,}")
+                f"this server's whole KV cache pool ({self.pool.pool_tokens:,} tokens, as the server was started); "
+                f"it can never run here: keep prompt + {limit_field} <= {self.pool.pool_tokens:,}")
 
     def submit(self, input_ids: list[int], max_new_tokens: int, sampling: Sampling,
                eos_token_id: int | list[int] | None = None) -> Handle:
