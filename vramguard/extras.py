@@ -51,7 +51,7 @@ def missing(use: str) -> list[str]:
 
 
 # modules that call torch.compile as they are imported, which imports TorchDynamo and Inductor on the spot (about
-# 5 s of CPU on the 2-core machine, benchmarks/cpu_import_bnb.py): bitsandbytes 0.45-0.50's PyTorch kernels
+# 5 s of CPU on the 2-core machine, benchmarks/cpu_import_deferred.py): bitsandbytes 0.45-0.50's PyTorch kernels
 # (``backends/default/ops.py``, ``_try_torch_compile``) and hqq's ``@torch.compile()`` methods, which
 # transformers' ``cache_utils`` imports whenever hqq is installed, so every model load paid them
 DEFERRED_COMPILE_MODULES = frozenset({"bitsandbytes.backends.default.ops", "hqq.core.quantize"})
@@ -129,15 +129,15 @@ def defer_import_time_compiles() -> None:
 
 
 def import_bitsandbytes():
-    """``import bitsandbytes`` (once imported, the module in ``sys.modules``) as :func:`defer_import_time_compiles`
-    imports it, with its import-time notice about optional CPU kernels (logger ``bitsandbytes``) held back.
+    """``import bitsandbytes`` (once imported, the module in ``sys.modules``) with its import-time notice about
+    optional CPU kernels (logger ``bitsandbytes``) held back; its ``torch.compile`` calls are deferred by the finder
+    that importing vramguard installs (:func:`defer_import_time_compiles`).
 
     Raises:
         ImportError: bitsandbytes is not installed (or fails to import).
     """
     if "bitsandbytes" in sys.modules:
         return sys.modules["bitsandbytes"]
-    defer_import_time_compiles()
     log = logging.getLogger("bitsandbytes")
     level = log.level
     log.setLevel(logging.ERROR)

@@ -140,12 +140,6 @@ def _bnb_config(quant: str, double_quant: bool, compute_dtype: str):
                               bnb_4bit_compute_dtype=_torch_dtype(compute_dtype))
 
 
-def _import_bitsandbytes():
-    """``import bitsandbytes`` as :func:`vramguard.extras.import_bitsandbytes` does it (its import-time notice held
-    back: planning runs no kernel). Raises ImportError when it is not installed."""
-    return import_bitsandbytes()
-
-
 def _quantize_meta(model, qcfg) -> tuple[set[str], str]:
     """Swap the layers bitsandbytes converts, as ``from_pretrained`` does; return their module names and how.
 
@@ -155,7 +149,7 @@ def _quantize_meta(model, qcfg) -> tuple[set[str], str]:
     """
     import torch
     try:
-        bnb = _import_bitsandbytes()
+        bnb = import_bitsandbytes()  # its import-time notice held back: planning runs no kernel
         from transformers.quantizers import AutoHfQuantizer
         quantizer = AutoHfQuantizer.from_config(qcfg, pre_quantized=False)
         with _quiet(), torch.device("meta"):

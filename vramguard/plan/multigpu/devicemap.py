@@ -22,7 +22,8 @@ import logging
 from functools import lru_cache
 
 from vramguard.errors import NotPlannable
-from vramguard.introspect.build import _bnb_config, _import_bitsandbytes, _quiet, cached_config, meta_model
+from vramguard.extras import import_bitsandbytes
+from vramguard.introspect.build import _bnb_config, _quiet, cached_config, meta_model
 from vramguard.introspect.generic import structure_of
 from vramguard.memory.weights import quantized_tensor_bytes, rounded
 from vramguard.plan.multigpu.layerwise import layerwise_split
@@ -56,7 +57,7 @@ def meta_model_as_loaded(spec, s: Settings):
     if not s.is_bnb:
         return model, None
     try:
-        _import_bitsandbytes()
+        import_bitsandbytes()
     except ImportError as e:
         raise NotPlannable("quant", s.quant, "bf16, fp16 or fp32 without bitsandbytes installed",
                            f"install bitsandbytes to plan a {s.quant} split over several cards ({e})") from None
