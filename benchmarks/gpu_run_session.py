@@ -198,6 +198,7 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=2000)
     ap.add_argument("--new", type=int, default=256)
     ap.add_argument("--tiny", action="store_true", help="a tiny Llama instead of the 8B (a CPU trial)")
+    ap.add_argument("--skip-8b", action="store_true", help="only the SmolLM2 calls (the 8B measured in another call)")
     args = ap.parse_args()
     out_dir = os.path.dirname(os.path.abspath(args.out))
     os.makedirs(out_dir, exist_ok=True)
@@ -209,14 +210,15 @@ def main() -> None:
     caches = tempfile.mkdtemp(prefix="caches_", dir=out_dir)
     quant = "nf4" if on_cuda else "fp32"
     folder = args.folder + ("_tiny" if args.tiny else "")
-    result["build_s"] = round(build(folder, args.tiny), 1)
-    prompt = os.path.join(out_dir, f"prompt_{args.prompt_tokens}.txt")
-    with open(prompt, "w") as f:  # one token per word
-        f.write(" ".join(f"w{i % 2000}" for i in range(args.prompt_tokens)))
-    calls, c = session("8b" if not args.tiny else "tiny", folder, ["--prompt-file", prompt, "--raw"], args.new,
-                       quant, caches)
-    result["calls"] += calls
-    result["checks"].update(c)
+    if not args.skip_8b:
+        result["build_s"] = round(build(folder, args.tiny), 1)
+        prompt = os.path.join(out_dir, f"prompt_{args.prompt_tokens}.txt")
+        with open(prompt, "w") as f:  # one token per word
+            f.write(" ".join(f"w{i % 2000}" for i in range(args.prompt_tokens)))
+        calls, c = session("8b" if not args.tiny else "tiny", folder, ["--prompt-file", prompt, "--raw"], args.new,
+                           quant, caches)
+        result["calls"] += calls
+        result["checks"].update(c)
     small = smollm2_folder(args)
     if small:
         calls, c = session("smollm2", small, ["--prompt", "Write one sentence about why the sky is blue."],

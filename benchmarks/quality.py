@@ -19,7 +19,9 @@ Paths (:data:`PATHS`; the two references first):
   ``vramguard.runtime.load.SDPA_PIN_ORDER`` that runs; :func:`vramguard.runtime.handle.pin_sdpa`).
 * ``fused``: :mod:`vramguard.run.fused_step` (the step ``run`` captures on a GPU), built and checked by
   :func:`vramguard.run.fused_step.build` on a static cache; on CUDA with ``nf4.LUT`` as shipped (the 4-bit values
-  looked up in registers, rounded to bfloat16 before the block scale).
+  looked up in registers, rounded to ``nf4.LUT_TABLE``, float16, before the block scale).
+* ``fused_lut_bf16``: the same with the register table in bfloat16 (as shipped before; one shift per value instead
+  of a conversion); CUDA only.
 * ``fused_gather``: the same with ``nf4.LUT = False`` (the values gathered from the float32 table); CUDA only.
 * ``gemv``: ``bnb_nf4_decode`` with bitsandbytes' ``gemm_4bit`` routed to :func:`vramguard.run.kernels.nf4.matmul_4bit`
   (:func:`vramguard.run.kernels.route.gemm_4bit_route`: the unfused kernel step of ``run``, ``serve`` up to 8 rows).
@@ -66,9 +68,9 @@ GEMM_ROWS = 32  # rows of each routed GEMM call in serve_gemm (serve routes 9 to
 GOAL_PPL_RATIO = 0.005  # the fused path's perplexity within 0.5% of bitsandbytes' NF4
 GOAL_AGREEMENT = 0.99  # and top-1 agreement with it of at least 99%
 REFERENCES = ("bf16", "bnb_nf4", "bnb_nf4_decode")
-PATHS = ("bf16", "bnb_nf4", "fused", "fused_gather", "serve_gemm", "serve_gemm_lut", "bnb_nf4_decode", "sdpa_pin",
-         "gemv", "kv_int8", "kv_int4")  # the run's order: the goal's paths first
-CUDA_ONLY = ("fused_gather", "serve_gemm_lut")  # register lookups are PTX; on the CPU they are the gather paths
+PATHS = ("bf16", "bnb_nf4", "fused", "fused_lut_bf16", "fused_gather", "serve_gemm", "serve_gemm_lut",
+         "bnb_nf4_decode", "sdpa_pin", "gemv", "kv_int8", "kv_int4")  # the run's order: the goal's paths first
+CUDA_ONLY = ("fused_gather", "fused_lut_bf16", "serve_gemm_lut")  # register lookups are PTX; the CPU gathers
 
 
 @dataclass
@@ -154,13 +156,13 @@ def decode_scores(model, ids: list[int], cache=None, ctx=contextlib.nullcontext)
 
 
 @torch.no_grad()
-def fused_scores(model, ids: list[int], lut: bool = True, prefill: int = 1) -> Scores:
+def fused_scores(model, ids: list[int], lut: bool = True, prefill: int = 1, table: str | None = None) -> Scores:
     """Teacher-forced through :class:`vramguard.run.fused_step.FusedDecodeStep`: the first ``prefill`` tokens fill a
     ``StaticCache`` of ``len(ids)`` slots by one forward (a one-token fill is scored like a decode step, a longer
     one is not: the CPU test starts the fused steps late in the text, the interpreter being slow),
     :func:`vramguard.run.fused_step.build` checks the step (each kernel, then a whole step against transformers'
     forward), then every later token is one fused step. ``lut``: ``nf4.LUT`` for the run (CUDA: register lookup
-    of bfloat16-rounded values; the CPU always gathers).
+    of the values rounded to ``table``, default ``nf4.LUT_TABLE``; the CPU always gathers).
 
     Raises:
         RuntimeError: the fused step was not built (its reason): a fused row must never measure another path.
@@ -182,8 +184,8 @@ def fused_scores(model, ids: list[int], lut: bool = True, prefill: int = 1) -> S
         return out.logits[:, -1, :].float()
 
     top1, lp = torch.empty(n - 1, dtype=torch.long), torch.empty(n - 1, dtype=torch.float64)
-    before = nf4.LUT
-    nf4.LUT = lut
+    before, table_before = nf4.LUT, nf4.LUT_TABLE
+    nf4.LUT, nf4.LUT_TABLE = lut, table or nf4.LUT_TABLE
     try:
         t0 = time.perf_counter()
         out = model(input_ids=torch.tensor([ids[:prefill]], device=dev), position_ids=torch.arange(prefill,
@@ -204,7 +206,7 @@ def fused_scores(model, ids: list[int], lut: bool = True, prefill: int = 1) -> S
         else:
             note = "one position: no decode step"
     finally:
-        nf4.LUT = before
+        nf4.LUT, nf4.LUT_TABLE = before, table_before
     return Scores(top1, lp, time.perf_counter() - t0, note, first=prefill if prefill > 1 else 0)
 
 
@@ -274,8 +276,9 @@ def run_path(name: str, nf4_model, bf16_model, ids: list[int]) -> Scores:
             unpin_sdpa(nf4_model)
         s.note = f"SDPA pinned to {backend}" + (f" ({'; '.join(errors)})" if errors else "")
         return s
-    if name in ("fused", "fused_gather"):
-        return fused_scores(nf4_model, ids, lut=name == "fused")
+    if name in ("fused", "fused_gather", "fused_lut_bf16"):
+        return fused_scores(nf4_model, ids, lut=name != "fused_gather",
+                            table="bfloat16" if name == "fused_lut_bf16" else None)
     if name == "gemv":
         route = routed(nf4_gemm.MAX_ROWS, False, nf4_model)
         holder = {}

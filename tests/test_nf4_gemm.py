@@ -139,3 +139,25 @@ def test_decode_graphs_take_the_checked_route_and_fall_back_when_it_disagrees(mo
                                                       "switched off)")
     plain = torch.nn.Sequential(torch.nn.Linear(4, 4))
     assert decode_graphs.choose_gemm(plain) == (None, None)  # no 4-bit layer: nothing to say
+
+
+@pytest.mark.parametrize("table,worst", [("float16", 3.3e-4), ("bfloat16", 3.2e-3)])
+def test_register_table_holds_the_code_in_its_16_bit_type(table, worst):
+    """The byte tables of ``lut_asm``'s PTX (8 words: low bytes of entries 0-7 and 8-15, then high bytes) put back
+    together give bitsandbytes' NF4 values rounded to ``table``; float16 is within 3.3e-4 of every value (relative),
+    bfloat16 3.1e-3 (its worst value is -0.525)."""
+    import re
+
+    nf4, _ = _gemm()
+    code = BF.get_4bit_type("nf4", device="cpu").float()
+    words = [int(w, 16) for w in re.findall(r"mov\.b32 t\d, (0x[0-9a-f]+);", nf4.lut_asm(code, table))]
+    assert len(words) == 8
+    lo = [(words[i // 4] >> (8 * (i % 4))) & 0xFF for i in range(16)]
+    hi = [(words[4 + i // 4] >> (8 * (i % 4))) & 0xFF for i in range(16)]
+    bits = torch.tensor([(h << 8) | b for h, b in zip(hi, lo)], dtype=torch.int32).to(torch.int16)
+    values = bits.view(getattr(torch, table)).float()
+    assert torch.equal(values, code.to(getattr(torch, table)).float())
+    rel = ((values - code).abs() / code.abs().clamp_min(1e-12))[code != 0]
+    assert float(rel.max()) < worst
+    with pytest.raises(ValueError, match="table 'float32'"):
+        nf4.lut_asm(code, "float32")

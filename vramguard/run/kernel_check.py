@@ -77,7 +77,8 @@ class KernelChoice:
         from vramguard.run.kernels import nf4 as nf4_module
         self.checked = True
         device = next(self.model.parameters()).device
-        key = verdict_key(self.model, device, self.dtype, (self.nf4, self.attn, self.fused_ok, nf4_module.LUT))
+        key = verdict_key(self.model, device, self.dtype, (self.nf4, self.attn, self.fused_ok, nf4_module.LUT,
+                                                                  nf4_module.LUT_TABLE))
         kept, unreadable = read_verdict(key)
         if unreadable:
             self.check_note = f"{unreadable}: checked again"

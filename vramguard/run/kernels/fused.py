@@ -70,19 +70,21 @@ if tl is not None:
     def _segments_kernel(x_ptr, code_ptr, out_ptr,
                          w0, a0, b0, c0, o0, w1, a1, b1, c1, o1, w2, a2, b2, c2, o2, N0, N1, N2,
                          K: tl.constexpr, NH: tl.constexpr, BS: tl.constexpr, NESTED: tl.constexpr,
-                         X_PAIRS: tl.constexpr, X_BF16: tl.constexpr, LUT_ASM: tl.constexpr, R: tl.constexpr):
+                         X_PAIRS: tl.constexpr, X_BF16: tl.constexpr, LUT_ASM: tl.constexpr, R: tl.constexpr,
+                         LUT_F16: tl.constexpr):
         """Program i: outputs i*R .. i*R+R-1 of [x @ W0.T, x @ W1.T, x @ W2.T] (N0, N1, N2 rows; R divides N0
         and N1, so a program stays in one weight)."""
         n = tl.program_id(0) * R
         x_even, x_odd = nf4._load_x(x_ptr, n >= 0, K, NH, X_PAIRS, X_BF16)
         if n < N0:
-            w_hi, w_lo, scale = nf4._load_row(w0, a0, b0, c0, o0, code_ptr, n, N0, K, NH, BS, NESTED, LUT_ASM, R)
+            w_hi, w_lo, scale = nf4._load_row(w0, a0, b0, c0, o0, code_ptr, n, N0, K, NH, BS, NESTED, LUT_ASM, R,
+                                              LUT_F16)
         elif n < N0 + N1:
             w_hi, w_lo, scale = nf4._load_row(w1, a1, b1, c1, o1, code_ptr, n - N0, N1, K, NH, BS, NESTED, LUT_ASM,
-                                              R)
+                                              R, LUT_F16)
         else:
             w_hi, w_lo, scale = nf4._load_row(w2, a2, b2, c2, o2, code_ptr, n - N0 - N1, N2, K, NH, BS, NESTED,
-                                              LUT_ASM, R)
+                                              LUT_ASM, R, LUT_F16)
         rows = n + tl.arange(0, R)
         total = nf4._row_dot(w_hi, w_lo, scale, x_even, x_odd)
         tl.store(out_ptr + rows, total.to(out_ptr.dtype.element_ty), mask=rows < N0 + N1 + N2)
@@ -90,13 +92,16 @@ if tl is not None:
     @triton.jit
     def _glu_kernel(x_ptr, code_ptr, out_ptr, wg, ag, bg, cg, og, wu, au, bu, cu, ou, N,
                     K: tl.constexpr, NH: tl.constexpr, BS: tl.constexpr, NESTED: tl.constexpr,
-                    X_PAIRS: tl.constexpr, X_BF16: tl.constexpr, LUT_ASM: tl.constexpr, R: tl.constexpr):
+                    X_PAIRS: tl.constexpr, X_BF16: tl.constexpr, LUT_ASM: tl.constexpr, R: tl.constexpr,
+                         LUT_F16: tl.constexpr):
         """Program i, for its R outputs n: silu(g) * u for g = x @ G[n], u = x @ U[n]; g, silu(g), u and the
         product each rounded to the output dtype, as transformers' ``act_fn(gate_proj(x)) * up_proj(x)`` rounds."""
         n = tl.program_id(0) * R
         x_even, x_odd = nf4._load_x(x_ptr, n >= 0, K, NH, X_PAIRS, X_BF16)
-        g_hi, g_lo, g_scale = nf4._load_row(wg, ag, bg, cg, og, code_ptr, n, N, K, NH, BS, NESTED, LUT_ASM, R)
-        u_hi, u_lo, u_scale = nf4._load_row(wu, au, bu, cu, ou, code_ptr, n, N, K, NH, BS, NESTED, LUT_ASM, R)
+        g_hi, g_lo, g_scale = nf4._load_row(wg, ag, bg, cg, og, code_ptr, n, N, K, NH, BS, NESTED, LUT_ASM, R,
+                                            LUT_F16)
+        u_hi, u_lo, u_scale = nf4._load_row(wu, au, bu, cu, ou, code_ptr, n, N, K, NH, BS, NESTED, LUT_ASM, R,
+                                            LUT_F16)
         dt = out_ptr.dtype.element_ty
         g = nf4._row_dot(g_hi, g_lo, g_scale, x_even, x_odd).to(dt).to(tl.float32)
         u = nf4._row_dot(u_hi, u_lo, u_scale, x_even, x_odd).to(dt).to(tl.float32)
@@ -209,7 +214,8 @@ def matmul_4bit_segments(x, weights, code):
         r //= 2
     _segments_kernel[(triton.cdiv(sum(ns), r),)](xs, code, out, *flat[0], *flat[1], *flat[2], ns[0], ns[1], ns[2],
                                                  K=k, NH=nh, BS=bs, NESTED=nested, X_PAIRS=pairs, X_BF16=bf16,
-                                                 LUT_ASM=_lut(code, x, pairs), R=r, num_warps=warps)
+                                                 LUT_ASM=_lut(code, x, pairs), R=r, LUT_F16=nf4.lut_f16(),
+                                                 num_warps=warps)
     return out
 
 
@@ -231,6 +237,7 @@ def matmul_4bit_glu(x, gate, up, code):
     r = nf4.rows_per_program(n, x.device)
     _glu_kernel[(triton.cdiv(n, r),)](xs, code, out, *_flat(gate), *_flat(up), n, K=k, NH=nh, BS=bs, NESTED=nested,
                                       X_PAIRS=pairs, X_BF16=bf16, LUT_ASM=_lut(code, x, pairs), R=r,
+                                      LUT_F16=nf4.lut_f16(),
                                       num_warps=warps)
     return out
 

@@ -15,7 +15,7 @@ bitsandbytes' layout (``bitsandbytes.functional.quantize_4bit``; checked against
 output feature reads its row of ``W`` in one pass (a 16-byte load per thread) and computes that output for every
 row of ``x`` (up to :data:`MAX_ROWS`), with the block scale applied after each block's partial sum (one multiply
 per 32 elements, not per element) and float32 accumulation. Each nibble's value is looked up in registers with
-byte permutes (:func:`lut_asm`, the table rounded to bfloat16, for 16-bit ``x`` on CUDA) or gathered from the
+byte permutes (:func:`lut_asm`, the table rounded to float16, for 16-bit ``x`` on CUDA) or gathered from the
 float32 table (float32 ``x``, Triton's interpreter, or :data:`LUT` off). :func:`reference_matmul` is the same math
 in torch (float64 on request) for the tests and the GPU check.
 
@@ -30,6 +30,9 @@ import functools
 MAX_ROWS = 8  # rows of x one launch takes; more go back to bitsandbytes (its kernels are built for larger batches)
 SECOND_LEVEL_BLOCK = 256  # double quant: absmax blocks per absmax2 value (bitsandbytes' gemm_4bit requires 256)
 LUT = True  # on CUDA, look the 4-bit values up in registers (lut_asm); False: gather them from the table
+# the register table's 16-bit type: float16 holds the NF4 values to 3.3e-4 (relative), bfloat16 to 3.1e-3 (one
+# shift instead of a conversion per value; benchmarks/quality.py's fused_lut_bf16 path measures the difference)
+LUT_TABLE = "float16"
 _LUT_CACHE: dict = {}
 
 try:  # optional: without triton only the torch reference runs
@@ -79,12 +82,14 @@ def reference_matmul(x, packed, shape, blocksize: int, code, absmax, absmax2=Non
 if tl is not None:
     @triton.jit
     def _load_row(w_ptr, am_ptr, am2_ptr, code2_ptr, off_ptr, code_ptr, n0, N, K: tl.constexpr, NH: tl.constexpr,
-                  BS: tl.constexpr, NESTED: tl.constexpr, LUT_ASM: tl.constexpr, R: tl.constexpr):
+                  BS: tl.constexpr, NESTED: tl.constexpr, LUT_ASM: tl.constexpr, R: tl.constexpr,
+                  LUT_F16: tl.constexpr):
         """Rows n0 .. n0+R-1 of W (those below N) as float32 values ``[R, NH, 16]`` of their even and odd elements
         (piece h, byte j = elements 32h + 2j and 32h + 2j + 1) and the per-piece block scales ``[R, NH]``: each
         row's packed bytes in one pass (one 16-byte load per thread; NH = K/32 rounded up to a power of two, the
         padding masked), each nibble's value gathered from ``code`` (64 bytes, cached) or, with LUT_ASM (the PTX
-        of :func:`lut_asm`), looked up in registers with byte permutes (values rounded to bfloat16)."""
+        of :func:`lut_asm`), looked up in registers with byte permutes (values rounded to float16, or bfloat16 where
+        LUT_F16 is off)."""
         PB: tl.constexpr = BS // 32  # 16-byte pieces per quantization block
         base = n0.to(tl.int64)  # the first row: a scalar, so one row (R == 1) computes no per-thread row index
         ri = tl.arange(0, R)
@@ -100,10 +105,8 @@ if tl is not None:
             q = q8.to(tl.int32)
             w_hi = tl.load(code_ptr + (q >> 4))  # element 2p: the high nibble
             w_lo = tl.load(code_ptr + (q & 15))
-        else:  # one bfloat16 pair per byte, high half = element 2p
-            wp = tl.inline_asm_elementwise(LUT_ASM, "=r,=r,=r,=r,r", [q8], dtype=tl.int32, is_pure=True, pack=4)
-            w_hi = (wp & -65536).to(tl.float32, bitcast=True)
-            w_lo = (wp << 16).to(tl.float32, bitcast=True)
+        else:
+            w_hi, w_lo = lut_values(q8, LUT_ASM, LUT_F16)
         blk = base * (K // BS) + (ri[:, None] * (K // BS) + rh[None, :] // PB)  # [R, NH]
         if NESTED:
             a8 = tl.load(am_ptr + blk, mask=ok, other=0).to(tl.int32)
@@ -111,6 +114,20 @@ if tl is not None:
         else:
             scale = tl.load(am_ptr + blk, mask=ok, other=0.0)
         return w_hi, w_lo, scale
+
+    @triton.jit
+    def lut_values(q8, LUT_ASM: tl.constexpr, LUT_F16: tl.constexpr):
+        """Float32 values of each byte's high and low nibble (elements 2p and 2p + 1) looked up by the PTX of
+        :func:`lut_asm`: one 16-bit pair per byte, the high half for the high nibble; float16 pairs (LUT_F16) or
+        bfloat16 pairs (a bfloat16 value is the top half of its float32)."""
+        wp = tl.inline_asm_elementwise(LUT_ASM, "=r,=r,=r,=r,r", [q8], dtype=tl.int32, is_pure=True, pack=4)
+        if LUT_F16:
+            hi = (wp >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+            lo = wp.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        else:
+            hi = (wp & -65536).to(tl.float32, bitcast=True)
+            lo = (wp << 16).to(tl.float32, bitcast=True)
+        return hi, lo
 
     @triton.jit
     def _load_x(x_ptr, ok, K: tl.constexpr, NH: tl.constexpr, X_PAIRS: tl.constexpr, X_BF16: tl.constexpr):
@@ -143,12 +160,13 @@ if tl is not None:
     def _matmul_4bit_kernel(x_ptr, w_ptr, am_ptr, am2_ptr, code2_ptr, off_ptr, code_ptr, bias_ptr, out_ptr,
                             M, N, stride_xm, stride_om, K: tl.constexpr, NH: tl.constexpr, BS: tl.constexpr,
                             NESTED: tl.constexpr, HAS_BIAS: tl.constexpr, X_PAIRS: tl.constexpr,
-                            X_BF16: tl.constexpr, M_PAD: tl.constexpr, LUT_ASM: tl.constexpr, R: tl.constexpr):
+                            X_BF16: tl.constexpr, M_PAD: tl.constexpr, LUT_ASM: tl.constexpr, R: tl.constexpr,
+                            LUT_F16: tl.constexpr):
         """Program i computes out[:, n] for every row of x and the R outputs n from i*R, from those rows of W
         (:func:`_load_row`), read in one pass. No loop over K: every load is issued at once."""
         rows = tl.program_id(0) * R + tl.arange(0, R)
         w_hi, w_lo, scale = _load_row(w_ptr, am_ptr, am2_ptr, code2_ptr, off_ptr, code_ptr, tl.program_id(0) * R,
-                                      N, K, NH, BS, NESTED, LUT_ASM, R)
+                                      N, K, NH, BS, NESTED, LUT_ASM, R, LUT_F16)
         for m in tl.static_range(M_PAD):
             x_even, x_odd = _load_x(x_ptr + m * stride_xm, m < M, K, NH, X_PAIRS, X_BF16)
             total = _row_dot(w_hi, w_lo, scale, x_even, x_odd)
@@ -172,10 +190,15 @@ def rows_per_program(n: int, device) -> int:
 
 
 def _lut_string(code) -> str:
-    key = (code.data_ptr(), str(code.device))
+    key = (code.data_ptr(), str(code.device), LUT_TABLE)
     if key not in _LUT_CACHE:
-        _LUT_CACHE[key] = lut_asm(code)
+        _LUT_CACHE[key] = lut_asm(code, LUT_TABLE)
     return _LUT_CACHE[key]
+
+
+def lut_f16() -> bool:
+    """Whether :func:`lut_asm`'s table is float16 (:data:`LUT_TABLE`): the kernels' ``LUT_F16``."""
+    return LUT_TABLE == "float16"
 
 
 @functools.lru_cache(maxsize=None)
@@ -190,17 +213,20 @@ def code_table(quant_type: str, device):
     return _code_table(quant_type, str(device))
 
 
-def lut_asm(code) -> str:
-    """PTX for ``inline_asm_elementwise`` (pack 4): 4 packed bytes in, per byte one int32 holding the bfloat16
+def lut_asm(code, table: str = "bfloat16") -> str:
+    """PTX for ``inline_asm_elementwise`` (pack 4): 4 packed bytes in, per byte one int32 holding the 16-bit
     values of its two nibbles (low nibble in the low half, high nibble in the high half), looked up in ``code``
-    (16 values, rounded to bfloat16) held as byte tables in 8 registers: for each nibble ``prmt`` picks its low
-    and high byte from entries 0-7 and 8-15 and a third ``prmt`` chooses by the nibble's top bit (the byte-permute
-    lookup of llama.cpp's ``get_int_from_table_16``), two more interleave the bytes into bfloat16 values.
+    (16 values, rounded to ``table``: "float16" or "bfloat16") held as byte tables in 8 registers: for each nibble
+    ``prmt`` picks its low and high byte from entries 0-7 and 8-15 and a third ``prmt`` chooses by the nibble's top
+    bit (the byte-permute lookup of llama.cpp's ``get_int_from_table_16``), two more interleave the bytes into
+    16-bit values. :func:`lut_values` turns them into float32.
     PTX ISA, ``prmt``:
     https://docs.nvidia.com/cuda/parallel-thread-execution/#data-movement-and-conversion-instructions-prmt
     """
     import torch
-    bits = code.detach().float().cpu().to(torch.bfloat16).view(torch.int16).int() & 0xFFFF
+    if table not in ("float16", "bfloat16"):
+        raise ValueError(f"lut_asm: table {table!r}: one of 'float16', 'bfloat16'")
+    bits = code.detach().float().cpu().to(getattr(torch, table)).view(torch.int16).int() & 0xFFFF
     lo, hi = (bits & 0xFF).tolist(), (bits >> 8).tolist()
     words = [sum(t[4 * w + i] << (8 * i) for i in range(4)) for t in (lo, hi) for w in range(4)]
     regs = "".join(f"mov.b32 t{i}, {v:#010x}; " for i, v in enumerate(words))
@@ -246,7 +272,7 @@ def matmul_4bit(x, packed, shape, blocksize: int, code, absmax, absmax2=None, co
         code: float32 ``[16]``. absmax: float32 ``[N*K/blocksize]``, or uint8 with ``absmax2`` (float32
             ``[ceil(blocks/256)]``), ``code2`` (float32 ``[256]``) and ``offset`` (float32 scalar tensor).
         num_warps: Triton warps per program (default: :func:`default_warps`).
-        lut: look the 4-bit values up in registers (:func:`lut_asm`, values rounded to bfloat16; CUDA and 16-bit
+        lut: look the 4-bit values up in registers (:func:`lut_asm`, values rounded to :data:`LUT_TABLE`; CUDA, 16-bit
             ``x`` only) rather than gather them from ``code``; None: :data:`LUT`. float32 ``x`` always gathers the
             float32 values (float32 compute stays exact).
 
@@ -272,5 +298,6 @@ def matmul_4bit(x, packed, shape, blocksize: int, code, absmax, absmax2=None, co
         rows, n, xs.stride(0), out.stride(0), K=k, NH=pieces, BS=blocksize, NESTED=nested, R=r,
         HAS_BIAS=bias is not None, X_PAIRS=pairs, X_BF16=x2.dtype == torch.bfloat16,
         M_PAD=triton.next_power_of_2(rows), num_warps=num_warps or default_warps(k, rows),
-        LUT_ASM=_lut_string(code) if (LUT if lut is None else lut) and pairs and x.device.type == "cuda" else "")
+        LUT_ASM=_lut_string(code) if (LUT if lut is None else lut) and pairs and x.device.type == "cuda" else "",
+        LUT_F16=lut_f16())
     return out.view(*x.shape[:-1], n)

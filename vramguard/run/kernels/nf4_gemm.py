@@ -47,7 +47,8 @@ if tl is not None:
     def _gemm_4bit_kernel(x_ptr, w_ptr, am_ptr, am2_ptr, code2_ptr, off_ptr, code_ptr, bias_ptr, out_ptr,
                           M, N, K, K_SPLIT, stride_xm, stride_os, stride_om, BS: tl.constexpr, ITERS: tl.constexpr,
                           NESTED: tl.constexpr, HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                          PRECISION: tl.constexpr, DOT_F32: tl.constexpr, LUT_ASM: tl.constexpr):
+                          PRECISION: tl.constexpr, DOT_F32: tl.constexpr, LUT_ASM: tl.constexpr,
+                          LUT_F16: tl.constexpr):
         """Program (i, s): output features ``i*BN ..`` for every row of x over ``K[s*K_SPLIT : (s+1)*K_SPLIT]``
         (``ITERS`` blocks); writes ``out[s, m, n]`` (the final output when there is one split)."""
         rn = tl.program_id(0) * BN + tl.arange(0, BN)
@@ -76,11 +77,8 @@ if tl is not None:
                 q = q8.to(tl.int32)
                 c_hi = tl.load(code_ptr + (q >> 4))
                 c_lo = tl.load(code_ptr + (q & 15))
-            else:  # one bfloat16 pair per byte (vramguard.run.kernels.nf4.lut_asm), high half = element 2p
-                wp = tl.inline_asm_elementwise(LUT_ASM, "=r,=r,=r,=r,r", [q8], dtype=tl.int32, is_pure=True,
-                                               pack=4)
-                c_hi = (wp & -65536).to(tl.float32, bitcast=True)
-                c_lo = (wp << 16).to(tl.float32, bitcast=True)
+            else:  # one 16-bit pair per byte (vramguard.run.kernels.nf4.lut_asm), high half = element 2p
+                c_hi, c_lo = nf4.lut_values(q8, LUT_ASM, LUT_F16)
             w_hi = (c_hi * scale[None, :]).to(dt)
             w_lo = (c_lo * scale[None, :]).to(dt)
             x = tl.load(x_rows + k0, mask=m_ok[:, None], other=0.0)
@@ -151,7 +149,7 @@ def gemm_4bit(x, packed, shape, blocksize: int, code, absmax, absmax2=None, code
             :func:`vramguard.run.kernels.nf4.matmul_4bit`.
         config: (BN, splits, warps, stages) (for benchmarks); default :func:`default_config` with ``bn``.
         lut: look the 4-bit values up in registers (:func:`vramguard.run.kernels.nf4.lut_asm`: the code rounded to
-            bfloat16 before the scale, so not bitsandbytes' exact values; CUDA and bfloat16 ``x`` only) rather
+            ``nf4.LUT_TABLE`` before the scale, so not bitsandbytes' exact values; CUDA and bfloat16 ``x`` only) rather
             than gather them from the float32 code.
 
     Returns:
@@ -180,7 +178,7 @@ def gemm_4bit(x, packed, shape, blocksize: int, code, absmax, absmax2=None, code
         NESTED=nested,
         HAS_BIAS=bias is not None and splits == 1, BM=bm, BN=bn,
         PRECISION="ieee" if x2.dtype == torch.float32 or not x.is_cuda else None, DOT_F32=not x.is_cuda,
-        LUT_ASM=_lut(code, x2, lut), num_warps=warps, num_stages=stages)
+        LUT_ASM=_lut(code, x2, lut), LUT_F16=nf4.lut_f16(), num_warps=warps, num_stages=stages)
     if splits > 1:
         block = 1024
         _sum_splits_kernel[(triton.cdiv(rows * n, block),)](
