@@ -125,7 +125,42 @@ def _slow_first(items: list) -> None:
     items[:] = halves[0] + rest[:cut] + halves[1] + rest[cut:]
 
 
+def _one_tls_context() -> None:
+    """httpx builds a new SSL context for every client, reading the whole CA bundle (25-30 ms of CPU), and
+    ``httpx.post`` / ``httpx.get`` make a client per call: the serve tests' thousands of plain-HTTP requests to
+    loopback servers spent seconds of CPU on certificates they never use. Clients made with the default
+    ``verify=True`` share one context instead (what one long-lived client would do); a client given its own
+    ``verify`` or ``cert`` gets its own, as before."""
+    import sys
+    transport = sys.modules.get("httpx._transports.default")
+    create = getattr(transport, "create_ssl_context", None)  # httpx >= 0.28
+    if create is None or getattr(create, "shared", False):
+        return
+    shared: dict = {}
+
+    def create_ssl_context(verify=True, cert=None, trust_env=True):
+        if verify is not True or cert is not None:
+            return create(verify=verify, cert=cert, trust_env=trust_env)
+        if trust_env not in shared:
+            shared[trust_env] = create(verify=verify, cert=cert, trust_env=trust_env)
+        return shared[trust_env]
+    create_ssl_context.shared = True
+    transport.create_ssl_context = create_ssl_context
+
+
+def pytest_collection_finish(session):
+    """What the test process holds once it has collected (every test module and its items, torch, transformers and
+    the rest: ~390,000 objects) is moved out of the cyclic collector's reach (``gc.freeze``, as ``vramguard serve``
+    does after loading): a full ``gc.collect()`` walked all of it, 0.2-0.5 s of CPU each, and transformers'
+    continuous batching calls it twice per stopped engine, vramguard's OOM recovery once per (injected) OOM, pytest
+    five times at the end. Objects made by the tests are collected as before."""
+    import gc
+    gc.collect()
+    gc.freeze()
+
+
 def pytest_collection_modifyitems(config, items):
+    _one_tls_context()  # where a test module imported httpx
     if _whole_suite(config):
         _slow_first(items)
     if _has_cuda():
