@@ -100,27 +100,33 @@ def _has_cuda() -> bool:
         return False
 
 
-# modules whose tests take tens of seconds each on 2 cores (benchmarks/results/cpu_test_time/), run first so that
-# none of them starts in the last minute while the other worker idles (xdist's worksteal takes work from the end
-# of a busy worker's queue, never a test already running)
-SLOW_MODULES = ("test_quality.py", "test_serve_greedy.py", "test_hybrid.py", "test_serve_hostile.py",
-                "test_allocator.py", "test_plan_speed.py", "test_serve_fuzz.py", "test_serve.py", "test_run_real.py")
+# modules whose tests take ten seconds or more on 2 cores, with the seconds a worker spends on them (CPU and waits
+# for timeouts; benchmarks/results/cpu_test_time/suite_s41.txt): run first, so that none of them starts in the last
+# minute while the other worker idles (xdist's worksteal takes work from the end of a busy worker's queue, never a
+# test already running). The modules of one tuple share a process's fixtures (the real SmolLM2 that transformers
+# loads, and its greedy answers: conftest.GreedyReference) and run in one worker.
+SLOW_MODULES = {("test_serve_greedy.py", "test_run_real.py", "test_real_model.py"): 110, ("test_serve.py",): 35,
+                ("test_generic.py",): 28, ("test_cli.py",): 27, ("test_plan_speed.py",): 25,
+                ("test_serve_hostile.py",): 22, ("test_serve_robust.py",): 21, ("test_quality.py",): 19,
+                ("test_check.py",): 15, ("test_layer_trim.py",): 15, ("test_serve_fuzz.py",): 14,
+                ("test_hybrid.py",): 14, ("test_serve_generic.py",): 14, ("test_bad_inputs.py",): 14}
 
 
 def _slow_first(items: list) -> None:
-    """Reorder ``items`` in place: the :data:`SLOW_MODULES`' tests first, alternating between the two halves of the
-    queue xdist splits between two workers, each module's tests kept together (its module fixtures built once)."""
-    rank = {name: i for i, name in enumerate(SLOW_MODULES)}
-    slow = [it for it in items if it.path.name in rank]
+    """Reorder ``items`` in place: the :data:`SLOW_MODULES`' tests first in the two halves of the queue xdist
+    splits between two workers, the largest first, each to the half with fewer seconds so far, each module's tests
+    kept together (its module fixtures built once); the other tests fill each half to half of the items."""
+    group_of = {name: group for group in SLOW_MODULES for name in group}
+    slow = [it for it in items if it.path.name in group_of]
     if not slow:
         return
-    rest = [it for it in items if it.path.name not in rank]
-    by_module: dict[str, list] = {}
-    for it in sorted(slow, key=lambda it: rank[it.path.name]):
-        by_module.setdefault(it.path.name, []).append(it)
+    rest = [it for it in items if it.path.name not in group_of]
     halves: list[list] = [[], []]
-    for i, group in enumerate(by_module.values()):
-        halves[i % 2].extend(group)
+    seconds = [0, 0]
+    for group, cost in sorted(SLOW_MODULES.items(), key=lambda kv: -kv[1]):
+        lighter = seconds.index(min(seconds))
+        seconds[lighter] += cost
+        halves[lighter] += [it for name in group for it in slow if it.path.name == name]
     cut = max(0, len(items) // 2 - len(halves[0]))
     items[:] = halves[0] + rest[:cut] + halves[1] + rest[cut:]
 
@@ -378,3 +384,44 @@ def smollm2() -> Path:
         pytest.skip(msg)
     root = Path(os.environ.get("VRAMGUARD_TEST_MODELS", Path.home() / ".cache" / "vramguard-tests"))
     return real_model.build(root / "smollm2-135m-instruct-fp32")
+
+
+class GreedyReference:
+    """transformers' own greedy ``generate`` on the real SmolLM2 (float32, SDPA, loaded by transformers apart from
+    vramguard's loader), one model per test process for every module that compares with it. Each prompt's answer
+    is kept for the process at the largest ``max_new_tokens`` asked so far: a smaller limit is a prefix of it
+    (greedy step k reads only the prompt and the k tokens before it), and an answer that ended before its limit
+    is the answer at any larger one."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        self._model = None
+        self._answers: dict[tuple[int, ...], tuple[int, list[int]]] = {}  # prompt ids -> (limit, new ids)
+
+    @property
+    def model(self):
+        if self._model is None:
+            import torch
+            from transformers import AutoModelForCausalLM
+            self._model = AutoModelForCausalLM.from_pretrained(self.folder, dtype=torch.float32,
+                                                               attn_implementation="sdpa").eval()
+        return self._model
+
+    def new_ids(self, ids: list[int], max_new_tokens: int) -> list[int]:
+        """The new token ids of ``generate(ids, max_new_tokens=..., do_sample=False)``."""
+        import torch
+        limit, new = self._answers.get(tuple(ids), (0, []))
+        if limit < max_new_tokens and len(new) == limit:  # not asked this far yet, nor ended before its limit
+            prompt = torch.tensor([ids])
+            with torch.no_grad():
+                out = self.model.generate(prompt, attention_mask=torch.ones_like(prompt),
+                                          max_new_tokens=max_new_tokens, do_sample=False)
+            limit, new = max_new_tokens, out[0, len(ids):].tolist()
+            self._answers[tuple(ids)] = (limit, new)
+        return new[:max_new_tokens]
+
+
+@pytest.fixture(scope="session")
+def smollm2_greedy(smollm2) -> GreedyReference:
+    """:class:`GreedyReference` on :func:`smollm2`, shared by the modules of one test process."""
+    return GreedyReference(smollm2)
