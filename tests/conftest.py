@@ -37,8 +37,10 @@ def pytest_cmdline_main(config):
 # benchmarks/results/cpu_test_time/suite_1202_s4.txt); 2,002 tests: 332 s wall, 607 CPU s at load average 0.8 to
 # 1.9 (the machine otherwise quiet; benchmarks/results/cpu_test_time/suite_1202_final.txt); 2,045 tests: 349 s wall,
 # 636 CPU s at load average 0.3 to 2 (benchmarks/results/cpu_test_time/suite_s40.txt); 2,048 tests: 353 s, 641 CPU s
-# at 0.7 to 2.8 (suite_s40_final.txt)
-SUITE_S_ON_2_IDLE_CORES = 353
+# at 0.7 to 2.8 (suite_s40_final.txt); 2,038 tests after session 41's cuts: 549 CPU s where the same code before took
+# 764 (both with other jobs holding one to two cores), so about 461 CPU s and 254 s on 2 idle cores, an estimate
+# (suite_s41.txt)
+SUITE_S_ON_2_IDLE_CORES = 254
 
 
 def _whole_suite(config) -> bool:
@@ -100,32 +102,73 @@ def _has_cuda() -> bool:
         return False
 
 
-# modules whose tests take tens of seconds each on 2 cores (benchmarks/results/cpu_test_time/), run first so that
-# none of them starts in the last minute while the other worker idles (xdist's worksteal takes work from the end
-# of a busy worker's queue, never a test already running)
-SLOW_MODULES = ("test_quality.py", "test_serve_greedy.py", "test_hybrid.py", "test_serve_hostile.py",
-                "test_allocator.py", "test_plan_speed.py", "test_serve_fuzz.py", "test_serve.py", "test_run_real.py")
+# modules whose tests take ten seconds or more on 2 cores, with the seconds a worker spends on them (CPU and waits
+# for timeouts; benchmarks/results/cpu_test_time/suite_s41.txt): run first, so that none of them starts in the last
+# minute while the other worker idles (xdist's worksteal takes work from the end of a busy worker's queue, never a
+# test already running). The modules of one tuple share a process's fixtures (the real SmolLM2 that transformers
+# loads, and its greedy answers: conftest.GreedyReference) and run in one worker.
+SLOW_MODULES = {("test_serve_greedy.py", "test_run_real.py", "test_real_model.py"): 110, ("test_serve.py",): 35,
+                ("test_generic.py",): 28, ("test_cli.py",): 27, ("test_plan_speed.py",): 25,
+                ("test_serve_hostile.py",): 22, ("test_serve_robust.py",): 21, ("test_quality.py",): 19,
+                ("test_check.py",): 15, ("test_layer_trim.py",): 15, ("test_serve_fuzz.py",): 14,
+                ("test_hybrid.py",): 14, ("test_serve_generic.py",): 14, ("test_bad_inputs.py",): 14}
 
 
 def _slow_first(items: list) -> None:
-    """Reorder ``items`` in place: the :data:`SLOW_MODULES`' tests first, alternating between the two halves of the
-    queue xdist splits between two workers, each module's tests kept together (its module fixtures built once)."""
-    rank = {name: i for i, name in enumerate(SLOW_MODULES)}
-    slow = [it for it in items if it.path.name in rank]
+    """Reorder ``items`` in place: the :data:`SLOW_MODULES`' tests first in the two halves of the queue xdist
+    splits between two workers, the largest first, each to the half with fewer seconds so far, each module's tests
+    kept together (its module fixtures built once); the other tests fill each half to half of the items."""
+    group_of = {name: group for group in SLOW_MODULES for name in group}
+    slow = [it for it in items if it.path.name in group_of]
     if not slow:
         return
-    rest = [it for it in items if it.path.name not in rank]
-    by_module: dict[str, list] = {}
-    for it in sorted(slow, key=lambda it: rank[it.path.name]):
-        by_module.setdefault(it.path.name, []).append(it)
+    rest = [it for it in items if it.path.name not in group_of]
     halves: list[list] = [[], []]
-    for i, group in enumerate(by_module.values()):
-        halves[i % 2].extend(group)
+    seconds = [0, 0]
+    for group, cost in sorted(SLOW_MODULES.items(), key=lambda kv: -kv[1]):
+        lighter = seconds.index(min(seconds))
+        seconds[lighter] += cost
+        halves[lighter] += [it for name in group for it in slow if it.path.name == name]
     cut = max(0, len(items) // 2 - len(halves[0]))
     items[:] = halves[0] + rest[:cut] + halves[1] + rest[cut:]
 
 
+def _one_tls_context() -> None:
+    """httpx builds a new SSL context for every client, reading the whole CA bundle (25-30 ms of CPU), and
+    ``httpx.post`` / ``httpx.get`` make a client per call: the serve tests' thousands of plain-HTTP requests to
+    loopback servers spent seconds of CPU on certificates they never use. Clients made with the default
+    ``verify=True`` share one context instead (what one long-lived client would do); a client given its own
+    ``verify`` or ``cert`` gets its own, as before."""
+    import sys
+    transport = sys.modules.get("httpx._transports.default")
+    create = getattr(transport, "create_ssl_context", None)  # httpx >= 0.28
+    if create is None or getattr(create, "shared", False):
+        return
+    shared: dict = {}
+
+    def create_ssl_context(verify=True, cert=None, trust_env=True):
+        if verify is not True or cert is not None:
+            return create(verify=verify, cert=cert, trust_env=trust_env)
+        if trust_env not in shared:
+            shared[trust_env] = create(verify=verify, cert=cert, trust_env=trust_env)
+        return shared[trust_env]
+    create_ssl_context.shared = True
+    transport.create_ssl_context = create_ssl_context
+
+
+def pytest_collection_finish(session):
+    """What the test process holds once it has collected (every test module and its items, torch, transformers and
+    the rest: ~390,000 objects) is moved out of the cyclic collector's reach (``gc.freeze``, as ``vramguard serve``
+    does after loading): a full ``gc.collect()`` walked all of it, 0.2-0.5 s of CPU each, and transformers'
+    continuous batching calls it twice per stopped engine, vramguard's OOM recovery once per (injected) OOM, pytest
+    five times at the end. Objects made by the tests are collected as before."""
+    import gc
+    gc.collect()
+    gc.freeze()
+
+
 def pytest_collection_modifyitems(config, items):
+    _one_tls_context()  # where a test module imported httpx
     if _whole_suite(config):
         _slow_first(items)
     if _has_cuda():
@@ -343,3 +386,44 @@ def smollm2() -> Path:
         pytest.skip(msg)
     root = Path(os.environ.get("VRAMGUARD_TEST_MODELS", Path.home() / ".cache" / "vramguard-tests"))
     return real_model.build(root / "smollm2-135m-instruct-fp32")
+
+
+class GreedyReference:
+    """transformers' own greedy ``generate`` on the real SmolLM2 (float32, SDPA, loaded by transformers apart from
+    vramguard's loader), one model per test process for every module that compares with it. Each prompt's answer
+    is kept for the process at the largest ``max_new_tokens`` asked so far: a smaller limit is a prefix of it
+    (greedy step k reads only the prompt and the k tokens before it), and an answer that ended before its limit
+    is the answer at any larger one."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        self._model = None
+        self._answers: dict[tuple[int, ...], tuple[int, list[int]]] = {}  # prompt ids -> (limit, new ids)
+
+    @property
+    def model(self):
+        if self._model is None:
+            import torch
+            from transformers import AutoModelForCausalLM
+            self._model = AutoModelForCausalLM.from_pretrained(self.folder, dtype=torch.float32,
+                                                               attn_implementation="sdpa").eval()
+        return self._model
+
+    def new_ids(self, ids: list[int], max_new_tokens: int) -> list[int]:
+        """The new token ids of ``generate(ids, max_new_tokens=..., do_sample=False)``."""
+        import torch
+        limit, new = self._answers.get(tuple(ids), (0, []))
+        if limit < max_new_tokens and len(new) == limit:  # not asked this far yet, nor ended before its limit
+            prompt = torch.tensor([ids])
+            with torch.no_grad():
+                out = self.model.generate(prompt, attention_mask=torch.ones_like(prompt),
+                                          max_new_tokens=max_new_tokens, do_sample=False)
+            limit, new = max_new_tokens, out[0, len(ids):].tolist()
+            self._answers[tuple(ids)] = (limit, new)
+        return new[:max_new_tokens]
+
+
+@pytest.fixture(scope="session")
+def smollm2_greedy(smollm2) -> GreedyReference:
+    """:class:`GreedyReference` on :func:`smollm2`, shared by the modules of one test process."""
+    return GreedyReference(smollm2)

@@ -203,16 +203,37 @@ def _in_subprocess(args: list[str]) -> subprocess.CompletedProcess:
                           stdin=subprocess.DEVNULL, check=False)
 
 
-@pytest.mark.parametrize("command", ["plan", *LOADERS])
-@pytest.mark.parametrize("fifo", ["config.json", "model.safetensors"])
-def test_a_fifo_in_the_model_folder_is_refused_without_waiting(base, tmp_path, command, fifo):
-    folder = _copy(base, tmp_path)
-    (folder / fifo).unlink()
-    os.mkfifo(folder / fifo)
-    r = _in_subprocess([command, str(folder), *COMMANDS[command]])
-    err = " ".join(r.stderr.split())
-    assert r.returncode == 3, (r.returncode, err[-400:])
-    assert f"{folder / fifo} is a FIFO (named pipe), which vramguard does not read" in err and "fix:" in err
+def test_a_fifo_in_the_model_folder_is_refused_without_waiting(base, tmp_path):
+    """A FIFO as config.json and as model.safetensors, given to plan, check, run and serve: each of the 8 exits 3
+    naming the FIFO, without opening it. The 8 run one after another in one fresh interpreter (as the damaged
+    weights above), each under its own :data:`HANG_S` alarm: a command that blocks on the FIFO ends the process with
+    -SIGALRM instead of passing."""
+    runs = []
+    for fifo in ("config.json", "model.safetensors"):
+        folder = tmp_path / fifo
+        shutil.copytree(base, folder)
+        (folder / fifo).unlink()
+        os.mkfifo(folder / fifo)
+        runs += [(folder / fifo, [command, str(folder), *COMMANDS[command]]) for command in ("plan", *LOADERS)]
+    program = ("import contextlib, io, json, signal, sys\nfrom vramguard.cli import main\nout = []\n"
+               f"for args in {[args for _, args in runs]!r}:\n"
+               "    sys.argv, err = ['vramguard'] + args, io.StringIO()\n"
+               "    print('running', args, file=sys.stderr, flush=True)  # the last one named is the one that hung\n"
+               f"    signal.alarm({HANG_S})\n"
+               "    with contextlib.redirect_stderr(err):\n"
+               "        try:\n            main()\n        except SystemExit as e:\n"
+               "            out.append([e.code, ' '.join(err.getvalue().split())])\n"
+               "    signal.alarm(0)\n"
+               "print(json.dumps(out))")
+    env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "1000"}  # one line per message: paths unbroken
+    r = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=8 * HANG_S + 60,
+                       env=env, stdin=subprocess.DEVNULL, check=False)
+    assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
+    got = json.loads(r.stdout.splitlines()[-1])
+    assert len(got) == len(runs) == 8
+    for (fifo, args), (code, err) in zip(runs, got):
+        assert code == 3, (args[0], fifo, code, err[-400:])
+        assert f"{fifo} is a FIFO (named pipe), which vramguard does not read" in err and "fix:" in err, err[-400:]
 
 
 def test_a_fifo_prompt_file_is_refused_without_waiting(base, tmp_path):

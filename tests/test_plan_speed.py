@@ -108,45 +108,63 @@ def test_plan_read_back_from_disk_is_byte_identical(tmp_path, model_type, monkey
 
 
 COLUMNS = "100"  # the table's width, in this process and the fresh one alike
+# one fresh process plans each argument list in turn: its stdout, then a line of its own, then on stderr the exit
+# code and which of torch and transformers the process has imported so far
 PROBE = """
 import json, runpy, sys
-sys.argv = ["vramguard", "plan", *sys.argv[1:]]
-try:
-    runpy.run_module("vramguard", run_name="__main__")
-except SystemExit as e:
-    code = e.code
-print(json.dumps({"code": code, "heavy": sorted(m for m in ("torch", "transformers") if m in sys.modules)}),
-      file=sys.stderr)
+for args in json.loads(sys.argv[1]):
+    sys.argv = ["vramguard", "plan", *args]
+    try:
+        runpy.run_module("vramguard", run_name="__main__")
+    except SystemExit as e:
+        code = e.code
+    print(END, flush=True)
+    print(json.dumps({"code": code, "heavy": sorted(m for m in ("torch", "transformers") if m in sys.modules)}),
+          file=sys.stderr, flush=True)
 """
+END = "-- end of plan --"
 
 
-def _cli_in_fresh_process(tmp_path, *args: str) -> tuple[str, dict]:
-    """(stdout, {code, heavy: torch/transformers imported}) of ``vramguard plan ARGS`` in a new Python process."""
+def _cli_in_fresh_process(tmp_path, runs: list[tuple[str, ...]]) -> list[tuple[str, dict]]:
+    """(stdout, {code, heavy: torch/transformers imported by then}) of ``vramguard plan ARGS`` for each ARGS of
+    ``runs``, one after another in one new Python process."""
     import json
     import os
     import subprocess
     import sys
     env = {**os.environ, "VRAMGUARD_PLAN_CACHE": str(tmp_path / "plans"), "PYTHONPATH": os.getcwd(),
            "COLUMNS": COLUMNS}
-    r = subprocess.run([sys.executable, "-c", PROBE, *args], capture_output=True, text=True, env=env, timeout=300)
-    return r.stdout, json.loads(r.stderr.strip().splitlines()[-1])
+    r = subprocess.run([sys.executable, "-c", f"END = {END!r}" + PROBE, json.dumps(runs)], capture_output=True,
+                       text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    outs = r.stdout.split(END + "\n")
+    hows = [json.loads(line) for line in r.stderr.splitlines() if line.startswith('{"code"')]
+    assert len(outs) == len(hows) + 1 == len(runs) + 1 and outs[-1] == "", r.stderr[-2000:]
+    return list(zip(outs, hows))
 
 
-@pytest.mark.parametrize("model, fmt, heavy", [("qwen2.5-0.5b", "json", False), ("llama", "human", False),
-                                               ("gemma-2-2b", "json", True), ("gpt2", "human", True)])
-def test_a_second_plan_in_a_fresh_process_imports_neither_torch_nor_transformers(tmp_path, model, fmt, heavy):
-    """A catalog name, a hand family's folder and another architecture's folder: the first plan computes (with
+# (model, format, whether its first plan needs torch and transformers); the ones that do not come first
+FRESH = [("qwen2.5-0.5b", "json", False), ("llama", "human", False), ("gemma-2-2b", "json", True),
+         ("gpt2", "human", True)]
+
+
+def test_a_second_plan_in_a_fresh_process_imports_neither_torch_nor_transformers(tmp_path):
+    """A catalog name, a hand family's folder and another architecture's folder: the first plans compute (with
     transformers where the load and the allocator tape are its own; a Llama's or a Qwen2's come from the hand paths
-    without it),
-    the second, in a new process, reads what it learned and prints the same JSON or table without importing torch
-    or transformers."""
-    target = model if "-" in model else str(_config_folder(tmp_path, model))
-    args = (target, "--vram", "24GiB", "--prompt-tokens", "256", "--format", fmt)
-    first, how = _cli_in_fresh_process(tmp_path, *args)
-    assert how == {"code": 0, "heavy": ["torch", "transformers"] if heavy else []}
-    second, how = _cli_in_fresh_process(tmp_path, *args)
-    assert how == {"code": 0, "heavy": []}
-    assert second == first
+    without it), the second ones, in a new process, read what they learned and print the same JSON or table
+    without importing torch or transformers. One process makes the four first plans, the hand paths' first
+    (nothing imported before them), and one the four second ones: two interpreters instead of eight."""
+    runs = [(model if "-" in model else str(_config_folder(tmp_path, model)), "--vram", "24GiB", "--prompt-tokens",
+             "256", "--format", fmt) for model, fmt, _ in FRESH]
+    first = _cli_in_fresh_process(tmp_path, runs)
+    heavy_by_then = False
+    for (model, _, heavy), (_, how) in zip(FRESH, first):
+        heavy_by_then = heavy_by_then or heavy
+        assert how == {"code": 0, "heavy": ["torch", "transformers"] if heavy_by_then else []}, model
+    second = _cli_in_fresh_process(tmp_path, runs)
+    for (model, _, _), (out_first, _), (out_second, how) in zip(FRESH, first, second):
+        assert how == {"code": 0, "heavy": []}, model
+        assert out_second == out_first and out_first.strip(), model
 
 
 def test_a_hand_family_is_read_without_transformers_in_a_fresh_process(tmp_path):

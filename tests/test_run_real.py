@@ -25,33 +25,30 @@ def loaded(smollm2):
 
 
 class _Reference(dict):
-    """prompt -> (chat prompt ids, transformers' greedy new ids), from a model transformers loads on its own;
-    each prompt's answer is generated when a test first asks for it (a test's time limit covers one answer)."""
+    """prompt -> (chat prompt ids, transformers' greedy new ids), from the model transformers loads on its own
+    (:class:`conftest.GreedyReference`, one per test process); each prompt's answer is generated when a test first
+    asks for it (a test's time limit covers one answer)."""
 
-    def __init__(self, smollm2, tokenizer):
+    def __init__(self, greedy, tokenizer):
         super().__init__()
-        self.folder, self.tok, self.hf = smollm2, tokenizer, None
+        self.greedy, self.tok = greedy, tokenizer
 
     def __missing__(self, text):
-        import torch
-        from transformers import AutoModelForCausalLM
-
         from vramguard.run.prompt import prepare_prompt
-        if self.hf is None:
-            self.hf = AutoModelForCausalLM.from_pretrained(self.folder, dtype=torch.float32).eval()
         enc = self.tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                            return_tensors="pt", return_dict=True)
         ids = enc["input_ids"][0].tolist()
+        assert enc["attention_mask"].all()  # the reference's mask: every prompt token
         assert prepare_prompt(self.tok, text).ids == ids  # run's prompt is transformers' chat prompt
-        new = self.hf.generate(**enc, max_new_tokens=NEW, do_sample=False)[0, len(ids):].tolist()
+        new = self.greedy.new_ids(ids, NEW)
         assert new[-1] == EOS and len(new) < NEW, (text, len(new))  # an answer that ends before the limit
         self[text] = (ids, new)
         return self[text]
 
 
 @pytest.fixture(scope="module")
-def reference(smollm2, loaded):
-    return _Reference(smollm2, loaded.tokenizer)
+def reference(smollm2_greedy, loaded):
+    return _Reference(smollm2_greedy, loaded.tokenizer)
 
 
 @pytest.mark.parametrize("text", PROMPTS)
