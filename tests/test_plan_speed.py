@@ -115,13 +115,15 @@ try:
     runpy.run_module("vramguard", run_name="__main__")
 except SystemExit as e:
     code = e.code
-print(json.dumps({"code": code, "heavy": sorted(m for m in ("torch", "transformers") if m in sys.modules)}),
-      file=sys.stderr)
+from vramguard.deferred import ROOTS
+print(json.dumps({"code": code, "heavy": sorted(m for m in ("torch", "transformers") if m in sys.modules),
+                  "deferred": sorted(m for m in ROOTS if m in sys.modules)}), file=sys.stderr)
 """
 
 
 def _cli_in_fresh_process(tmp_path, *args: str) -> tuple[str, dict]:
-    """(stdout, {code, heavy: torch/transformers imported}) of ``vramguard plan ARGS`` in a new Python process."""
+    """(stdout, {code, heavy: torch/transformers imported, deferred: the packages of vramguard.deferred imported}) of
+    ``vramguard plan ARGS`` in a new Python process."""
     import json
     import os
     import subprocess
@@ -139,13 +141,14 @@ def test_a_second_plan_in_a_fresh_process_imports_neither_torch_nor_transformers
     transformers where the load and the allocator tape are its own; a Llama's or a Qwen2's come from the hand paths
     without it),
     the second, in a new process, reads what it learned and prints the same JSON or table without importing torch
-    or transformers."""
+    or transformers. The first imports none of the packages transformers imports and a plan never runs (TorchDynamo,
+    accelerate, SciPy...: vramguard.deferred)."""
     target = model if "-" in model else str(_config_folder(tmp_path, model))
     args = (target, "--vram", "24GiB", "--prompt-tokens", "256", "--format", fmt)
     first, how = _cli_in_fresh_process(tmp_path, *args)
-    assert how == {"code": 0, "heavy": ["torch", "transformers"] if heavy else []}
+    assert how == {"code": 0, "heavy": ["torch", "transformers"] if heavy else [], "deferred": []}
     second, how = _cli_in_fresh_process(tmp_path, *args)
-    assert how == {"code": 0, "heavy": []}
+    assert how == {"code": 0, "heavy": [], "deferred": []}
     assert second == first
 
 

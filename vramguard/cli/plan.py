@@ -17,6 +17,7 @@ from vramguard.cli.options import (DEFAULT_MAX_NEW_TOKENS, DEFAULT_PROMPT_TOKENS
 from vramguard.cli.multigpu import (defaults_card, device_map_option, emit, gpus_option, max_memory_option, plan_cards,
                                     tp_option, wants_cards)
 from vramguard.cli.render import console, plan_to_json, print_plan, to_jsonable
+from vramguard.deferred import unused_by_plans
 from vramguard.errors import InvalidValue
 from vramguard.finding import Finding
 from vramguard.hardware import card_defaults
@@ -106,7 +107,8 @@ def plan(
     run_guarded(eng.refuse_vllm_options, req.engine_args)
     notes: list[str] = []  # said once the plan is made: an error comes alone
     findings: list[Finding] = []  # of the CLI's own, added to a plan of cards used together
-    p = run_guarded(lambda: _build(req, notes, findings), as_json=req.as_json, progress=f"planning {req.model}")
+    with unused_by_plans():  # a plan runs no TorchDynamo, DTensor, accelerate or SciPy: imported where used
+        p = run_guarded(lambda: _build(req, notes, findings), as_json=req.as_json, progress=f"planning {req.model}")
     _emit(p, req, notes, findings)
 
 
