@@ -104,13 +104,33 @@ def install_fix(extra: str, torch_missing: bool) -> str:
 
 
 PROGRESS_DELAY_S = 1.0  # work that ends sooner shows no progress line
+_DRAWING: list = []  # the locks under which progress lines draw: held across a fork (none draws in the child)
+_held: list = []
+
+
+def _hold_drawing() -> None:
+    _held[:] = list(_DRAWING)
+    for lk in _held:
+        lk.acquire()
+
+
+def _let_drawing() -> None:
+    for lk in reversed(_held):
+        lk.release()
+    _held.clear()
+
+
+os.register_at_fork(before=_hold_drawing, after_in_parent=_let_drawing, after_in_child=_let_drawing)
 
 
 @contextlib.contextmanager
 def working(what: str, delay_s: float = PROGRESS_DELAY_S):
     """A progress line on stderr (rich's spinner and ``what``, e.g. "planning MODEL") while the block runs, shown
     once it has run ``delay_s`` seconds and removed when it ends; only when stderr is a terminal (a log or a pipe
-    gets nothing). Lines printed on stderr meanwhile appear above it."""
+    gets nothing). Lines printed on stderr meanwhile appear above it.
+
+    Its threads (the timer, rich's refresh) are marked ``fork_safe``: they only draw, under locks held across a
+    fork, so a plan may fork its card searches beside them (:func:`vramguard.plan.allocator._can_fork`)."""
     if not sys.stderr.isatty():
         yield
         return
@@ -120,10 +140,16 @@ def working(what: str, delay_s: float = PROGRESS_DELAY_S):
     def show() -> None:
         with lock:
             if not state["done"]:
+                before = set(threading.enumerate())
                 status.start()
+                _DRAWING.append(status._live._lock)  # rich's Live draws under it
+                for t in set(threading.enumerate()) - before:
+                    t.fork_safe = True  # type: ignore[attr-defined]
                 state["shown"] = True
     timer = threading.Timer(delay_s, show)
     timer.daemon = True
+    timer.fork_safe = True  # type: ignore[attr-defined]
+    _DRAWING.append(lock)
     timer.start()
     try:
         yield
@@ -133,6 +159,8 @@ def working(what: str, delay_s: float = PROGRESS_DELAY_S):
             state["done"] = True
             if state["shown"]:
                 status.stop()
+                _DRAWING.remove(status._live._lock)
+        _DRAWING.remove(lock)
 
 
 def run_guarded(fn, *args, as_json: bool = False, progress: str | None = None, **kwargs):
