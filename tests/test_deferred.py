@@ -163,3 +163,24 @@ def test_each_listed_name_is_bound_by_the_installed_module(module):
     missing = deferred.DEFERRED[module] - _top_level_names(path)
     assert not missing, f"{module} ({path}) binds none of {sorted(missing)}"
     assert deferred._root(module) is not None and all(deferred._root(r) == r for r in deferred.ROOTS)
+
+
+def test_transformers_scans_its_models_folder_once_in_the_block():
+    """Importing transformers scans ``transformers/models`` twice (the package's structure and that of
+    ``transformers.models``): the second is a copy of the first, equal to a scan of its own, sharing no set."""
+    import types
+    iu = pytest.importorskip("transformers.utils.import_utils")
+    scans = []
+    module = types.SimpleNamespace(create_import_structure_from_path=lambda p: scans.append(p) or
+                                   iu.create_import_structure_from_path(p))
+    original = module.create_import_structure_from_path
+    models = Path(iu.__file__).parent.parent / "models"
+    with deferred.unused_by_plans():
+        deferred._scan_once(module)
+        first = module.create_import_structure_from_path(models)
+        second = module.create_import_structure_from_path(str(models / "__init__.py"))
+    assert len(scans) == 1 and module.create_import_structure_from_path is original  # restored after the block
+    assert second == first == iu.create_import_structure_from_path(str(models / "__init__.py"))
+    llama = [v for k, v in first["llama"].items() if isinstance(k, frozenset) and "modeling_llama" in v][0]
+    twin = [v for k, v in second["llama"].items() if isinstance(k, frozenset) and "modeling_llama" in v][0]
+    assert "LlamaForCausalLM" in llama["modeling_llama"] and llama["modeling_llama"] is not twin["modeling_llama"]

@@ -16,6 +16,10 @@ submodule not listed) imports the real package on the spot, as a plain import wo
 decorators are :class:`_DeferredDecorator`. When the block ends, the stand-in modules leave ``sys.modules`` (a later
 import is a plain one); stand-ins already handed out keep working. A package imported before the block is left
 alone; ``VRAMGUARD_DEFER_IMPORTS=0`` turns the deferral off.
+
+One more cost of importing transformers is changed inside the block (:data:`AFTER_IMPORT`): it reads every file
+of ``transformers/models`` twice, for its own lazy module and for ``transformers.models``'s; the second read is
+a copy of the first (:func:`_scan_once`).
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ ROOTS = ("torch._dynamo", "torch.distributed.fsdp", "torch.distributed._composab
          "torch.distributed.checkpoint", "accelerate", "scipy.optimize", "triton")
 
 _lock = threading.RLock()
+_patched: list = []  # (module, attribute, original) restored when the block ends
 _depth = 0  # nested unused_by_plans blocks
 _released: set[str] = set()  # roots whose real package was imported (or whose stand-ins left sys.modules)
 
@@ -200,11 +205,61 @@ class _RealLoader(importlib.abc.Loader):
         module.__spec__ = self.real_spec  # module_from_spec set this loader's
 
 
+def _scan_once(module) -> None:
+    """transformers' ``import_utils``: its scan of a folder of model modules (``create_import_structure_from_path``,
+    which opens every file of ``transformers/models``) made once per folder while the block runs. Importing
+    transformers scans that folder twice, for the package and for ``transformers.models``: the second is a copy of
+    the first."""
+    scan = module.create_import_structure_from_path
+    found: dict[str, dict] = {}
+
+    def once(module_path):
+        folder = os.path.dirname(module_path) if os.path.isfile(module_path) else os.fspath(module_path)
+        if folder not in found:
+            found[folder] = scan(module_path)
+        return _copy(found[folder])
+    _patched.append((module, "create_import_structure_from_path", scan))
+    module.create_import_structure_from_path = once
+
+
+def _copy(tree):
+    """A nested structure of dicts and sets, copied down to its strings and frozensets."""
+    if isinstance(tree, dict):
+        return {k: _copy(v) for k, v in tree.items()}
+    return set(tree) if isinstance(tree, set) else tree
+
+
+AFTER_IMPORT = {"transformers.utils.import_utils": _scan_once}  # module -> what is changed in it once run
+
+
+class _AfterLoader(importlib.abc.Loader):
+    """Runs a module of :data:`AFTER_IMPORT` with its own loader, then its change."""
+
+    def __init__(self, inner, change):
+        self.inner, self.change = inner, change
+
+    def create_module(self, spec):
+        return self.inner.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        self.inner.exec_module(module)
+        self.change(module)
+
+    def __getattr__(self, name: str):  # get_source, get_filename...: the module's own loader's
+        return getattr(self.inner, name)
+
+
 class _Finder(importlib.abc.MetaPathFinder):
     """While a :func:`unused_by_plans` block runs: a stand-in for each module of :data:`DEFERRED` whose group was not
-    released, and the real module (after releasing its group) for any other module under a deferred package."""
+    released, the real module (after releasing its group) for any other module under a deferred package, and the
+    modules of :data:`AFTER_IMPORT` with their change."""
 
     def find_spec(self, name, path, target=None):
+        if name in AFTER_IMPORT and _depth:
+            spec = importlib.machinery.PathFinder.find_spec(name, path, target)
+            if spec is not None and spec.loader is not None:
+                spec.loader = _AfterLoader(spec.loader, AFTER_IMPORT[name])
+            return spec
         root = _root(name)
         if root is None or root in _released or _depth == 0:
             return None
@@ -247,3 +302,6 @@ def unused_by_plans():
                 sys.meta_path.remove(_FINDER)
                 for root in ROOTS:
                     _release(root)
+                for module, attr, original in _patched:
+                    setattr(module, attr, original)
+                _patched.clear()
