@@ -140,6 +140,7 @@ def _compute_path(choice: Choice, s: Settings, gpus: list[GpuSpec], why: str, so
         cards = [verdict(est, g) for g in gpus]
         if solve:
             cards = [solve_card(model, s, c) for c in cards]
+        changes = ranked_changes(model, s, gpus) if solve else []  # before the replays ahead are waited for
         est, cards, reserved_findings = _reserved(choice, s, est, cards, solve, freed_before, ahead)
     cards, unverified = _mark_unverified(model, s, cards)
     logits_case = ("all positions: a forward over the whole prompt (scoring, output_logits), with a float32 copy"
@@ -152,7 +153,7 @@ def _compute_path(choice: Choice, s: Settings, gpus: list[GpuSpec], why: str, so
     p.findings.extend(reserved_findings)
     p.findings.extend(unverified)
     if solve:
-        p.changes.extend(_as_the_cards_say(choice, s, cards, ranked_changes(model, s, gpus), freed_before))
+        p.changes.extend(_as_the_cards_say(choice, s, cards, changes, freed_before))
     return p
 
 
