@@ -6,6 +6,7 @@ steps' tapes from a compiled pattern."""
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 
@@ -88,6 +89,39 @@ def test_close_ends_a_child_whose_result_is_not_taken():
     child.close()
     with pytest.raises(ChildProcessError):
         os.waitpid(pid, 0)
+
+
+def test_a_child_is_forked_beside_the_progress_line_only_among_threads(monkeypatch):
+    """Threads copy no state into a forked child, and a lock one holds stays held there: a plan forks beside the
+    progress line's threads, which draw under locks held across a fork, and beside no other."""
+    import io
+    import threading
+    import time
+
+    from vramguard.cli import common
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+    two = hasattr(os, "sched_getaffinity") and len(os.sched_getaffinity(0)) >= 2
+    stop = threading.Event()
+    other = threading.Thread(target=stop.wait, daemon=True)
+    other.start()
+    try:
+        assert not plan_allocator._can_fork()
+    finally:
+        stop.set()
+        other.join()
+    monkeypatch.setattr("sys.stderr", Tty())
+    with common.working("planning", delay_s=0):
+        for _ in range(200):  # the timer has started rich's spinner
+            if len(common._DRAWING) == 2:
+                break
+            time.sleep(0.01)
+        assert len(common._DRAWING) == 2 and threading.active_count() >= 2
+        assert plan_allocator._can_fork() is two
+        assert plan_allocator._Forked([lambda: os.getpid()]).result() != [os.getpid()]
+    assert common._DRAWING == [] and "planning" in sys.stderr.getvalue()
 
 
 def _spec(name: str):
