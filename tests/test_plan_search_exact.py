@@ -45,28 +45,32 @@ def test_forked_card_searches_give_the_plan_of_one_process(monkeypatch, tmp_path
     assert one == forked
 
 
-@pytest.mark.parametrize("model_type", ["deepseek_v2"])
-def test_the_estimate_replay_started_ahead_gives_the_plan_of_one_process(monkeypatch, tmp_path, model_type):
-    """A generic plan's estimate replay, forked before the estimate and the card searches (torch imported: meta
-    tensors only), gives the same plan as the one computed in line; the child's replay is the one taken."""
+@pytest.mark.parametrize("freed", [False, True], ids=["fresh", "freed-before"])
+def test_the_estimate_replay_started_ahead_gives_the_plan_of_one_process(monkeypatch, tmp_path, freed):
+    """A generic plan's estimate replays (one per segment layout), forked before the estimate and the card searches
+    (torch imported: meta tensors only), give the same plan as the one computed in line; the child's replays are
+    the ones taken."""
     import json
 
     from archs import ARCHS
     from transformers import AutoConfig
-    folder = tmp_path / model_type
+    folder = tmp_path / "deepseek_v2"
     folder.mkdir()
-    (folder / "config.json").write_text(json.dumps(AutoConfig.for_model(model_type, **ARCHS[model_type]).to_dict()))
+    (folder / "config.json").write_text(json.dumps(AutoConfig.for_model("deepseek_v2", **ARCHS["deepseek_v2"])
+                                                   .to_dict()))
     taken = []
     take = plan_allocator.Ahead.take
     monkeypatch.setattr(plan_allocator.Ahead, "take", lambda self, d: taken.append(d) or take(self, d))
     s = Settings(prompt_tokens=256, max_new_tokens=8)
     monkeypatch.setattr(plan_allocator, "_can_fork", lambda: False)
-    one = _plan(monkeypatch, tmp_path, False, str(folder), s, vram="12GiB")
+    one = _plan(monkeypatch, tmp_path, False, str(folder), s, vram="12GiB", freed_before=freed)
     assert taken == []
     monkeypatch.setattr(plan_allocator, "_can_fork", lambda: True)
-    ahead = _plan(monkeypatch, tmp_path, False, str(folder), s, vram="12GiB")
-    assert len(taken) == 1 and taken[0].allowed_bytes == one.cards[0].usable_bytes - one.estimate.cuda_context_bytes
+    ahead = _plan(monkeypatch, tmp_path, False, str(folder), s, vram="12GiB", freed_before=freed)
+    assert [d.freed_before for d in taken] == ([False, True] if freed else [False])
+    assert {d.allowed_bytes for d in taken} == {one.cards[0].usable_bytes - one.estimate.cuda_context_bytes}
     assert ahead == one and one.estimate.allocator is not None and one.cards[0].max_prompt_tokens
+    assert (one.estimate.freed_layout_reserved_bytes is not None) is freed
 
 
 def test_a_failed_child_is_done_again_here():
