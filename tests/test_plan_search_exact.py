@@ -58,16 +58,22 @@ def test_the_estimate_replay_started_ahead_gives_the_plan_of_one_process(monkeyp
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps(AutoConfig.for_model("deepseek_v2", **ARCHS["deepseek_v2"])
                                                    .to_dict()))
-    taken = []
+    taken, traced = [], []
     take = plan_allocator.Ahead.take
     monkeypatch.setattr(plan_allocator.Ahead, "take", lambda self, d: taken.append(d) or take(self, d))
+    for cached in (alloc_replay._stretch_events, alloc_replay._cached_events, alloc_replay._loaded):
+        cached.cache_clear()
+    tape = alloc_replay._cached_events  # read from disk or traced: each forward's tape
+    monkeypatch.setattr(alloc_replay, "_cached_events", lambda *a: traced.append(a) or tape(*a))
     s = Settings(prompt_tokens=256, max_new_tokens=8)
-    monkeypatch.setattr(plan_allocator, "_can_fork", lambda: False)
-    one = _plan(monkeypatch, tmp_path, False, str(folder), s, vram="12GiB", freed_before=freed)
-    assert taken == []
     monkeypatch.setattr(plan_allocator, "_can_fork", lambda: True)
-    ahead = _plan(monkeypatch, tmp_path, False, str(folder), s, vram="12GiB", freed_before=freed)
+    ahead = _plan(monkeypatch, tmp_path, True, str(folder), s, vram="12GiB", freed_before=freed)
     assert [d.freed_before for d in taken] == ([False, True] if freed else [False])
+    assert traced == [] and alloc_replay._HANDED == {}  # the child traced the prompt's stretch and handed it over
+    monkeypatch.setattr(plan_allocator, "_can_fork", lambda: False)
+    n = len(taken)
+    one = _plan(monkeypatch, tmp_path, False, str(folder), s, vram="12GiB", freed_before=freed)
+    assert len(taken) == n
     assert {d.allowed_bytes for d in taken} == {one.cards[0].usable_bytes - one.estimate.cuda_context_bytes}
     assert ahead == one and one.estimate.allocator is not None and one.cards[0].max_prompt_tokens
     assert (one.estimate.freed_layout_reserved_bytes is not None) is freed

@@ -16,8 +16,8 @@ from dataclasses import replace
 
 from vramguard.allocconf import env_alloc_conf
 from vramguard.finding import Finding
-from vramguard.introspect.alloc_replay import (allowed_bytes, loaded_reserved_bytes, not_covered, replay_generate,
-                                               share_tapes, supported)
+from vramguard.introspect.alloc_replay import (allowed_bytes, computed_stretches, loaded_reserved_bytes, not_covered,
+                                               replay_generate, share_tapes, supported, take_stretches)
 from vramguard.memory.allocator import AllocatorConfig, backend
 from vramguard.memory.runtime import CUDA_CONTEXT_BYTES
 from vramguard.plan.estimator import misfit_reason, need_bytes
@@ -235,7 +235,8 @@ class Ahead:
 
     def __init__(self, spec, s: Settings, devices: list[AllocatorConfig], rescale: bool):
         self.devices = devices
-        self.child = _Forked([lambda d=d: replay_generate(spec, s, d, rescale=rescale) for d in devices])
+        self.child = _Forked([lambda d=d: replay_generate(spec, s, d, rescale=rescale) for d in devices]
+                             + [computed_stretches])  # the prompt's stretch: the card searches sample it too
         self.found: list | None = None
 
     def has(self, device: AllocatorConfig) -> bool:
@@ -245,6 +246,7 @@ class Ahead:
         """The child's replay under ``device`` (one of :attr:`devices`), waiting for it."""
         if self.found is None:
             self.found = self.child.result()
+            take_stretches(self.found[-1])
         return self.found[self.devices.index(device)]
 
     def close(self) -> None:
