@@ -103,6 +103,20 @@ def install_fix(extra: str, torch_missing: bool) -> str:
     return (f"pip install torch --index-url {TORCH_CPU_INDEX} (the CPU build: {det.reason}), then {cmd}")
 
 
+_TEARDOWN = {"needed": True}  # False once a command has left nothing for the interpreter's exit to do
+
+
+def no_teardown_needed() -> None:
+    """Say that this command's process has nothing left to do at its exit: its output is written and every file
+    closed, so the interpreter's teardown (a second with torch and transformers imported: their modules, objects
+    and operator registrations freed one by one) can be skipped (:func:`vramguard.cli.main`)."""
+    _TEARDOWN["needed"] = False
+
+
+def teardown_needed() -> bool:
+    return _TEARDOWN["needed"]
+
+
 PROGRESS_DELAY_S = 1.0  # work that ends sooner shows no progress line
 _DRAWING: list = []  # the locks under which progress lines draw: held across a fork (none draws in the child)
 _held: list = []

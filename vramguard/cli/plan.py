@@ -10,7 +10,7 @@ import typer
 from vramguard.catalog.gpus import GPUS
 from vramguard.catalog.models import MODELS
 from vramguard.cli import engine as eng
-from vramguard.cli.common import run_guarded, say, write_json
+from vramguard.cli.common import no_teardown_needed, run_guarded, say, write_json
 from vramguard.cli.options import (DEFAULT_MAX_NEW_TOKENS, DEFAULT_PROMPT_TOKENS, Attn, Cache, Dtype, Format, Kernels,
                                    KvDtype, Logits, Quant, batch_option, format_option, max_new_tokens_option,
                                    prompt_tokens_option, quant_option, revision_option, say_fetched)
@@ -107,8 +107,9 @@ def plan(
     run_guarded(eng.refuse_vllm_options, req.engine_args)
     notes: list[str] = []  # said once the plan is made: an error comes alone
     findings: list[Finding] = []  # of the CLI's own, added to a plan of cards used together
-    with unused_by_plans():  # a plan runs no TorchDynamo, DTensor, accelerate or SciPy: imported where used
+    with unused_by_plans():  # a plan runs no TorchDynamo, accelerate or SciPy: imported where used
         p = run_guarded(lambda: _build(req, notes, findings), as_json=req.as_json, progress=f"planning {req.model}")
+    no_teardown_needed()  # the plan is kept on disk already: what is left is printing it
     _emit(p, req, notes, findings)
 
 
