@@ -44,3 +44,19 @@ def test_a_plan_process_into_a_closed_pipe_still_ends_quietly_with_141(tmp_path)
                        stdout=write, stderr=subprocess.PIPE, text=True, env=env, timeout=120)
     os.close(write)
     assert (p.returncode, p.stderr) == (141, "")
+
+
+def test_a_plan_is_made_with_the_collector_paused_then_restored(monkeypatch):
+    """Importing torch and transformers leaves hundreds of thousands of objects for each pass of the cyclic
+    collector to walk, to free nothing: the plan is made with it paused, and it runs again after."""
+    import gc
+
+    from conftest import run_cli
+
+    from vramguard.cli import plan as cli_plan
+    seen = []
+    build = cli_plan._build
+    monkeypatch.setattr(cli_plan, "_build", lambda *a: seen.append(gc.isenabled()) or build(*a))
+    r = run_cli("plan", "llama-3.1-8b", "--vram", "24GiB", "--attn", "sdpa", "--format", "json")
+    assert r.returncode == 0 and json.loads(r.stdout)["cards"][0]["fits"] is True
+    assert seen == [False] and gc.isenabled()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import gc
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -107,10 +109,26 @@ def plan(
     run_guarded(eng.refuse_vllm_options, req.engine_args)
     notes: list[str] = []  # said once the plan is made: an error comes alone
     findings: list[Finding] = []  # of the CLI's own, added to a plan of cards used together
-    with unused_by_plans():  # a plan runs no TorchDynamo, accelerate or SciPy: imported where used
+    with unused_by_plans(), _collector_paused():  # a plan runs no TorchDynamo, accelerate or SciPy: not imported
         p = run_guarded(lambda: _build(req, notes, findings), as_json=req.as_json, progress=f"planning {req.model}")
     no_teardown_needed()  # the plan is kept on disk already: what is left is printing it
     _emit(p, req, notes, findings)
+
+
+@contextlib.contextmanager
+def _collector_paused():
+    """Python's cyclic garbage collector paused while the plan is made (as it was after): importing torch and
+    transformers makes hundreds of thousands of long-lived objects and next to no reference cycles, and each full
+    pass of the collector over them finds nothing to free (0.4 to 0.8 CPU s of a first generic plan;
+    benchmarks/README.md). A plan's figures do not depend on the collector (tests/test_replay_trim.py replays with
+    it off)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 @dataclass(frozen=True)
