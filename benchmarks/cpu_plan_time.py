@@ -25,6 +25,13 @@ hashes compare) and planned by the vramguard of ``--root`` (default: this checko
 a "before"):
 
     python benchmarks/cpu_plan_time.py --wall --generic --models /tmp/generic --out generic.jsonl
+
+``--cases`` picks some of them by folder name (``dsv2lite``, ``olmoe``, ``falcon-h1-1.5b-deep``); ``--repeat N`` plans
+each N times, and ``--root`` given more than once plans each case with each checkout in turn (before and after
+interleaved, so that a change of the machine's load falls on both alike):
+
+    python benchmarks/cpu_plan_time.py --wall --generic --cases dsv2lite,olmoe --repeat 3 \
+        --root /tmp/base --root . --models /tmp/generic --out generic.jsonl
 """
 
 from __future__ import annotations
@@ -78,7 +85,8 @@ def _timed_plan(args: list[str], cache: Path, root: Path = ROOT) -> dict:
     import subprocess
     env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}  # as an install: .pyc files
     env.update(PYTHONPATH=str(root), VRAMGUARD_PLAN_CACHE=str(cache / "plans"), VRAMGUARD_TAPE_CACHE=str(cache /
-                                                                                                      "tapes"))
+                                                                                                      "tapes"),
+               VRAMGUARD_CACHE_DIR=str(cache))  # nothing kept anywhere else either
     load = os.getloadavg()[0]
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
@@ -139,25 +147,29 @@ def generic_cases(models: Path) -> list[tuple[str, list[str]]]:
             ("non-family: Falcon-H1-1.5B-Deep size", [str(models / "falcon-h1-1.5b-deep")])]
 
 
-def wall_generic(out: str, models: Path, root: Path, save_json: Path | None = None) -> None:
-    """The ``--generic`` cases (see the module docstring), first and second plan each, written to ``out``;
-    ``save_json``: each plan's ``--format json`` output saved there (``<folder name>.json``)."""
+def wall_generic(out: str, models: Path, roots: list[Path], save_json: Path | None = None, cases: str | None = None,
+                 repeat: int = 1) -> None:
+    """The ``--generic`` cases (see the module docstring), first and second plan each, ``repeat`` times, with each
+    checkout of ``roots`` in turn, written to ``out``; ``save_json``: each plan's ``--format json`` output saved
+    there (``<folder name>.json``, the last root's)."""
     import subprocess
-    subprocess.run([sys.executable, "-m", "vramguard", "--help"], capture_output=True, check=True, cwd=root,
-                   env={**os.environ, "PYTHONPATH": str(root)})  # .pyc files written
+    for root in roots:
+        subprocess.run([sys.executable, "-m", "vramguard", "--help"], capture_output=True, check=True, cwd=root,
+                       env={**os.environ, "PYTHONPATH": str(root)})  # .pyc files written
     caches = Path(tempfile.mkdtemp())
+    chosen = [c for c in generic_cases(models) if cases is None or Path(c[1][0]).name in cases.split(",")]
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     with open(out, "w") as f:
-        for i, (name, args) in enumerate(generic_cases(models)):
+        for n, ((name, args), root) in enumerate((c, r) for _ in range(repeat) for c in chosen for r in roots):
+            cache = caches / f"cache{n}"
             for when in ("first", "second"):
                 rec = {"case": name, "when": when, "args": ["vramguard", "plan", Path(args[0]).name, *args[1:]],
-                       "root": root.name, **_timed_plan(args, caches / f"cache{i}", root)}
+                       "root": root.name, **_timed_plan(args, cache, root)}
                 print(json.dumps(rec), flush=True)
                 f.write(json.dumps(rec) + "\n")
             if save_json is not None:  # the plan kept by the first, as JSON (read from the cache: no replay)
-                env = {**os.environ, "PYTHONPATH": str(root), "VRAMGUARD_PLAN_CACHE": str(caches / f"cache{i}" /
-                                                                                          "plans"),
-                       "VRAMGUARD_TAPE_CACHE": str(caches / f"cache{i}" / "tapes")}
+                env = {**os.environ, "PYTHONPATH": str(root), "VRAMGUARD_PLAN_CACHE": str(cache / "plans"),
+                       "VRAMGUARD_TAPE_CACHE": str(cache / "tapes"), "VRAMGUARD_CACHE_DIR": str(cache)}
                 r = subprocess.run([sys.executable, "-m", "vramguard", "plan", *args, "--format", "json"],
                                    capture_output=True, env=env, cwd=root, check=True)
                 save_json.mkdir(parents=True, exist_ok=True)
@@ -170,15 +182,18 @@ def main() -> None:
     ap.add_argument("--case", help="internal: run one case in this process")
     ap.add_argument("--wall", action="store_true", help="wall time of vramguard plan in new processes")
     ap.add_argument("--hand", action="store_true", help="with --wall: the catalog name and hand-family folder only")
-    ap.add_argument("--repeat", type=int, default=1, help="with --wall: each case this many times")
+    ap.add_argument("--repeat", type=int, default=1, help="with --wall: each case this many times (--generic too)")
     ap.add_argument("--generic", action="store_true", help="with --wall: the three non-family architectures")
     ap.add_argument("--models", help="with --generic: the folder of their configs (default: a new one)")
-    ap.add_argument("--root", help="with --generic: the vramguard checkout to run (default: this one)")
+    ap.add_argument("--root", action="append", help="with --generic: the vramguard checkout to run (default: this "
+                                                    "one); given again, each in turn")
+    ap.add_argument("--cases", help="with --generic: the cases to run, by folder name (dsv2lite,olmoe,...)")
     ap.add_argument("--save-json", help="with --generic: save each plan's --format json output in this folder")
     args = ap.parse_args()
     if args.wall and args.generic:
-        return wall_generic(args.out, Path(args.models or tempfile.mkdtemp()), Path(args.root or ROOT).resolve(),
-                            Path(args.save_json) if args.save_json else None)
+        return wall_generic(args.out, Path(args.models or tempfile.mkdtemp()),
+                            [Path(r).resolve() for r in args.root or [ROOT]],
+                            Path(args.save_json) if args.save_json else None, args.cases, args.repeat)
     if args.wall:
         return wall(args.out, args.hand, args.repeat)
     if args.case:

@@ -6,6 +6,7 @@ steps' tapes from a compiled pattern."""
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 
@@ -44,6 +45,40 @@ def test_forked_card_searches_give_the_plan_of_one_process(monkeypatch, tmp_path
     assert one == forked
 
 
+@pytest.mark.parametrize("freed", [False, True], ids=["fresh", "freed-before"])
+def test_the_estimate_replay_started_ahead_gives_the_plan_of_one_process(monkeypatch, tmp_path, freed):
+    """A generic plan's estimate replays (one per segment layout), forked before the estimate and the card searches
+    (torch imported: meta tensors only), give the same plan as the one computed in line; the child's replays are
+    the ones taken."""
+    import json
+
+    from archs import ARCHS
+    from transformers import AutoConfig
+    folder = tmp_path / "deepseek_v2"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(AutoConfig.for_model("deepseek_v2", **ARCHS["deepseek_v2"])
+                                                   .to_dict()))
+    taken, traced = [], []
+    take = plan_allocator.Ahead.take
+    monkeypatch.setattr(plan_allocator.Ahead, "take", lambda self, d: taken.append(d) or take(self, d))
+    for cached in (alloc_replay._stretch_events, alloc_replay._cached_events, alloc_replay._loaded):
+        cached.cache_clear()
+    tape = alloc_replay._cached_events  # read from disk or traced: each forward's tape
+    monkeypatch.setattr(alloc_replay, "_cached_events", lambda *a: traced.append(a) or tape(*a))
+    s = Settings(prompt_tokens=256, max_new_tokens=8)
+    monkeypatch.setattr(plan_allocator, "_can_fork", lambda: True)
+    ahead = _plan(monkeypatch, tmp_path, True, str(folder), s, vram="12GiB", freed_before=freed)
+    assert [d.freed_before for d in taken] == ([False, True] if freed else [False])
+    assert traced == [] and alloc_replay._HANDED == {}  # the child traced the prompt's stretch and handed it over
+    monkeypatch.setattr(plan_allocator, "_can_fork", lambda: False)
+    n = len(taken)
+    one = _plan(monkeypatch, tmp_path, False, str(folder), s, vram="12GiB", freed_before=freed)
+    assert len(taken) == n
+    assert {d.allowed_bytes for d in taken} == {one.cards[0].usable_bytes - one.estimate.cuda_context_bytes}
+    assert ahead == one and one.estimate.allocator is not None and one.cards[0].max_prompt_tokens
+    assert (one.estimate.freed_layout_reserved_bytes is not None) is freed
+
+
 def test_a_failed_child_is_done_again_here():
     parent = os.getpid()
 
@@ -64,6 +99,39 @@ def test_close_ends_a_child_whose_result_is_not_taken():
     child.close()
     with pytest.raises(ChildProcessError):
         os.waitpid(pid, 0)
+
+
+def test_a_child_is_forked_beside_the_progress_line_only_among_threads(monkeypatch):
+    """Threads copy no state into a forked child, and a lock one holds stays held there: a plan forks beside the
+    progress line's threads, which draw under locks held across a fork, and beside no other."""
+    import io
+    import threading
+    import time
+
+    from vramguard.cli import common
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+    two = hasattr(os, "sched_getaffinity") and len(os.sched_getaffinity(0)) >= 2
+    stop = threading.Event()
+    other = threading.Thread(target=stop.wait, daemon=True)
+    other.start()
+    try:
+        assert not plan_allocator._can_fork()
+    finally:
+        stop.set()
+        other.join()
+    monkeypatch.setattr("sys.stderr", Tty())
+    with common.working("planning", delay_s=0):
+        for _ in range(200):  # the timer has started rich's spinner
+            if len(common._DRAWING) == 2:
+                break
+            time.sleep(0.01)
+        assert len(common._DRAWING) == 2 and threading.active_count() >= 2
+        assert plan_allocator._can_fork() is two
+        assert plan_allocator._Forked([lambda: os.getpid()]).result() != [os.getpid()]
+    assert common._DRAWING == [] and "planning" in sys.stderr.getvalue()
 
 
 def _spec(name: str):

@@ -119,15 +119,17 @@ for args in json.loads(sys.argv[1]):
     except SystemExit as e:
         code = e.code
     print(END, flush=True)
-    print(json.dumps({"code": code, "heavy": sorted(m for m in ("torch", "transformers") if m in sys.modules)}),
-          file=sys.stderr, flush=True)
+    from vramguard.deferred import ROOTS
+    print(json.dumps({"code": code, "heavy": sorted(m for m in ("torch", "transformers") if m in sys.modules),
+                      "deferred": sorted(m for m in ROOTS if m in sys.modules)}), file=sys.stderr, flush=True)
 """
 END = "-- end of plan --"
 
 
 def _cli_in_fresh_process(tmp_path, runs: list[tuple[str, ...]]) -> list[tuple[str, dict]]:
-    """(stdout, {code, heavy: torch/transformers imported by then}) of ``vramguard plan ARGS`` for each ARGS of
-    ``runs``, one after another in one new Python process."""
+    """(stdout, {code, heavy: torch/transformers imported by then, deferred: the packages of vramguard.deferred
+    imported by then}) of ``vramguard plan ARGS`` for each ARGS of ``runs``, one after another in one new Python
+    process."""
     import json
     import os
     import subprocess
@@ -153,17 +155,19 @@ def test_a_second_plan_in_a_fresh_process_imports_neither_torch_nor_transformers
     transformers where the load and the allocator tape are its own; a Llama's or a Qwen2's come from the hand paths
     without it), the second ones, in a new process, read what they learned and print the same JSON or table
     without importing torch or transformers. One process makes the four first plans, the hand paths' first
-    (nothing imported before them), and one the four second ones: two interpreters instead of eight."""
+    (nothing imported before them), and one the four second ones: two interpreters instead of eight. No plan
+    imports the packages transformers imports and a plan never runs (TorchDynamo, accelerate, SciPy...:
+    vramguard.deferred)."""
     runs = [(model if "-" in model else str(_config_folder(tmp_path, model)), "--vram", "24GiB", "--prompt-tokens",
              "256", "--format", fmt) for model, fmt, _ in FRESH]
     first = _cli_in_fresh_process(tmp_path, runs)
     heavy_by_then = False
     for (model, _, heavy), (_, how) in zip(FRESH, first):
         heavy_by_then = heavy_by_then or heavy
-        assert how == {"code": 0, "heavy": ["torch", "transformers"] if heavy_by_then else []}, model
+        assert how == {"code": 0, "heavy": ["torch", "transformers"] if heavy_by_then else [], "deferred": []}, model
     second = _cli_in_fresh_process(tmp_path, runs)
     for (model, _, _), (out_first, _), (out_second, how) in zip(FRESH, first, second):
-        assert how == {"code": 0, "heavy": []}, model
+        assert how == {"code": 0, "heavy": [], "deferred": []}, model
         assert out_second == out_first and out_first.strip(), model
 
 

@@ -9,6 +9,7 @@ an internal error).
 
 from __future__ import annotations
 
+import os
 import sys
 
 import typer
@@ -22,7 +23,7 @@ from vramguard.cli import profile as _profile
 from vramguard.cli import run as _run
 from vramguard.cli import serve as _serve
 from vramguard.cli.common import (EXIT_CODES, EXIT_INTERNAL, closed_pipe, install_fix, json_errors,
-                                  quiet_known_warnings, report_error, run_guarded, say)
+                                  quiet_known_warnings, report_error, run_guarded, say, teardown_needed)
 from vramguard.cli.explain import read_message
 from vramguard.cli.options import json_asked, repeated_option, split_size
 from vramguard.cli.usage import usage_error
@@ -88,7 +89,32 @@ def main() -> None:
         if e.code != 1 or not _stdout_closed():
             raise
         rc = closed_pipe()
-    sys.exit(rc if isinstance(rc, int) else 0)
+    code = rc if isinstance(rc, int) else 0
+    if not teardown_needed() and _runs_the_process():
+        _leave(code)
+    sys.exit(code)
+
+
+def _runs_the_process() -> bool:
+    """Whether this call is the process's program (``python -m vramguard``, the ``vramguard`` script), which ends
+    when it returns; not a caller that goes on after it (a test, a script of its own)."""
+    top = sys.modules.get("__main__")
+    spec = getattr(top, "__spec__", None)
+    return (spec is not None and spec.name == "vramguard.__main__") or \
+        os.path.basename(getattr(top, "__file__", None) or "") == "vramguard"
+
+
+def _leave(code: int) -> None:
+    """End the process with ``code`` now, its output flushed and its log handlers closed, without the interpreter's
+    teardown (:func:`~vramguard.cli.common.no_teardown_needed`)."""
+    import logging
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a reader gone (the code says so already) or a stream closed
+            pass
+    os._exit(code)
 
 
 def _stdout_closed() -> bool:

@@ -103,14 +103,48 @@ def install_fix(extra: str, torch_missing: bool) -> str:
     return (f"pip install torch --index-url {TORCH_CPU_INDEX} (the CPU build: {det.reason}), then {cmd}")
 
 
+_TEARDOWN = {"needed": True}  # False once a command has left nothing for the interpreter's exit to do
+
+
+def no_teardown_needed() -> None:
+    """Say that this command's process has nothing left to do at its exit: its output is written and every file
+    closed, so the interpreter's teardown (a second with torch and transformers imported: their modules, objects
+    and operator registrations freed one by one) can be skipped (:func:`vramguard.cli.main`)."""
+    _TEARDOWN["needed"] = False
+
+
+def teardown_needed() -> bool:
+    return _TEARDOWN["needed"]
+
+
 PROGRESS_DELAY_S = 1.0  # work that ends sooner shows no progress line
+_DRAWING: list = []  # the locks under which progress lines draw: held across a fork (none draws in the child)
+_held: list = []
+
+
+def _hold_drawing() -> None:
+    _held[:] = list(_DRAWING)
+    for lk in _held:
+        lk.acquire()
+
+
+def _let_drawing() -> None:
+    for lk in reversed(_held):
+        lk.release()
+    _held.clear()
+
+
+os.register_at_fork(before=_hold_drawing, after_in_parent=_let_drawing, after_in_child=_let_drawing)
 
 
 @contextlib.contextmanager
 def working(what: str, delay_s: float = PROGRESS_DELAY_S):
     """A progress line on stderr (rich's spinner and ``what``, e.g. "planning MODEL") while the block runs, shown
     once it has run ``delay_s`` seconds and removed when it ends; only when stderr is a terminal (a log or a pipe
-    gets nothing). Lines printed on stderr meanwhile appear above it."""
+    gets nothing). Lines printed on stderr meanwhile appear above it.
+
+    Its threads (the timer, rich's refresh) are marked ``fork_safe``: they only draw, under locks held across a
+    fork, so a plan may fork its card searches beside them (:func:`vramguard.plan.allocator._can_fork`)."""
     if not sys.stderr.isatty():
         yield
         return
@@ -120,10 +154,16 @@ def working(what: str, delay_s: float = PROGRESS_DELAY_S):
     def show() -> None:
         with lock:
             if not state["done"]:
+                before = set(threading.enumerate())
                 status.start()
+                _DRAWING.append(status._live._lock)  # rich's Live draws under it
+                for t in set(threading.enumerate()) - before:
+                    t.fork_safe = True  # type: ignore[attr-defined]
                 state["shown"] = True
     timer = threading.Timer(delay_s, show)
     timer.daemon = True
+    timer.fork_safe = True  # type: ignore[attr-defined]
+    _DRAWING.append(lock)
     timer.start()
     try:
         yield
@@ -133,6 +173,8 @@ def working(what: str, delay_s: float = PROGRESS_DELAY_S):
             state["done"] = True
             if state["shown"]:
                 status.stop()
+                _DRAWING.remove(status._live._lock)
+        _DRAWING.remove(lock)
 
 
 def run_guarded(fn, *args, as_json: bool = False, progress: str | None = None, **kwargs):

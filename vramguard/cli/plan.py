@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import gc
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -10,13 +12,14 @@ import typer
 from vramguard.catalog.gpus import GPUS
 from vramguard.catalog.models import MODELS
 from vramguard.cli import engine as eng
-from vramguard.cli.common import run_guarded, say, write_json
+from vramguard.cli.common import no_teardown_needed, run_guarded, say, write_json
 from vramguard.cli.options import (DEFAULT_MAX_NEW_TOKENS, DEFAULT_PROMPT_TOKENS, Attn, Cache, Dtype, Format, Kernels,
                                    KvDtype, Logits, Quant, batch_option, format_option, max_new_tokens_option,
                                    prompt_tokens_option, quant_option, revision_option, say_fetched)
 from vramguard.cli.multigpu import (defaults_card, device_map_option, emit, gpus_option, max_memory_option, plan_cards,
                                     tp_option, wants_cards)
 from vramguard.cli.render import console, plan_to_json, print_plan, to_jsonable
+from vramguard.deferred import unused_by_plans
 from vramguard.errors import InvalidValue
 from vramguard.finding import Finding
 from vramguard.hardware import card_defaults
@@ -106,8 +109,26 @@ def plan(
     run_guarded(eng.refuse_vllm_options, req.engine_args)
     notes: list[str] = []  # said once the plan is made: an error comes alone
     findings: list[Finding] = []  # of the CLI's own, added to a plan of cards used together
-    p = run_guarded(lambda: _build(req, notes, findings), as_json=req.as_json, progress=f"planning {req.model}")
+    with unused_by_plans(), _collector_paused():  # a plan runs no TorchDynamo, accelerate or SciPy: not imported
+        p = run_guarded(lambda: _build(req, notes, findings), as_json=req.as_json, progress=f"planning {req.model}")
+    no_teardown_needed()  # the plan is kept on disk already: what is left is printing it
     _emit(p, req, notes, findings)
+
+
+@contextlib.contextmanager
+def _collector_paused():
+    """Python's cyclic garbage collector paused while the plan is made (as it was after): importing torch and
+    transformers makes hundreds of thousands of long-lived objects and next to no reference cycles, and each full
+    pass of the collector over them finds nothing to free (0.4 to 0.8 CPU s of a first generic plan;
+    benchmarks/README.md). A plan's figures do not depend on the collector (tests/test_replay_trim.py replays with
+    it off)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 @dataclass(frozen=True)

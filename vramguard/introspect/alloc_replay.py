@@ -31,7 +31,9 @@ attention maps in the output) answer None, and the plan keeps its formula for th
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import os
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
@@ -315,6 +317,25 @@ def _breakpoints(config_json: str, name: str) -> tuple[int, ...]:
     return tuple(sorted(v for v in found if isinstance(v, int) and v > 0))
 
 
+_HANDED: dict = {}  # stretches computed by another process for this one (take_stretches), each taken once
+_COMPUTED: collections.deque = collections.deque(maxlen=4)  # the last stretches made: (process id, arguments, value)
+
+
+def computed_stretches() -> dict:
+    """The last few stretches this process made (:func:`_stretch_events`; not those of the process it was forked
+    from), by their arguments: what a forked child hands to its parent, which would otherwise make them again
+    (:class:`vramguard.plan.allocator.Ahead`)."""
+    pid = os.getpid()
+    return {args: found for made_by, args, found in _COMPUTED if made_by == pid}
+
+
+def take_stretches(found: dict) -> None:
+    """Take stretches another process made (:func:`computed_stretches`) as this one's own (those handed before and
+    not taken are dropped)."""
+    _HANDED.clear()
+    _HANDED.update(found)
+
+
 @lru_cache(maxsize=32)
 def _stretch_events(config_json: str, name: str, key: Settings, lo: int, new: int) -> tuple | None:
     """The tape of the first three forwards for every prompt of the stretch from ``lo``, as (keys, sizes, forward
@@ -322,7 +343,16 @@ def _stretch_events(config_json: str, name: str, key: Settings, lo: int, new: in
     coefficients times the denominator:
     each event's size is exactly ``a + b p + c p**2`` in the prompt p (activations grow with p, attention scores
     and masks with p**2) through the replays at ``lo + SAMPLE_OFFSETS[:3]``, which the fourth replay must match
-    event for event (else None: the sizes follow no quadratic there, or the forwards differ in structure)."""
+    event for event (else None: the sizes follow no quadratic there, or the forwards differ in structure).
+    One another process computed and handed over (:func:`take_stretches`) is taken as it is."""
+    args = (config_json, name, key, lo, new)
+    found = _HANDED.pop(args) if args in _HANDED else _fitted_stretch(*args)
+    _COMPUTED.append((os.getpid(), args, found))
+    return found
+
+
+def _fitted_stretch(config_json: str, name: str, key: Settings, lo: int, new: int) -> tuple | None:
+    """:func:`_stretch_events`, fitted to the replays at ``lo + SAMPLE_OFFSETS``."""
     from fractions import Fraction
     xs = [lo + o for o in SAMPLE_OFFSETS]
     tapes = [_cached_events(config_json, name, key, x, new) for x in xs]

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import importlib.util
 import os
@@ -15,9 +16,10 @@ from dataclasses import replace
 
 from vramguard.allocconf import env_alloc_conf
 from vramguard.finding import Finding
-from vramguard.introspect.alloc_replay import (allowed_bytes, loaded_reserved_bytes, not_covered, replay_generate,
-                                               share_tapes, supported)
+from vramguard.introspect.alloc_replay import (allowed_bytes, computed_stretches, loaded_reserved_bytes, not_covered,
+                                               replay_generate, share_tapes, supported, take_stretches)
 from vramguard.memory.allocator import AllocatorConfig, backend
+from vramguard.memory.runtime import CUDA_CONTEXT_BYTES
 from vramguard.plan.estimator import misfit_reason, need_bytes
 from vramguard.plan.limits import known_needs, largest as _largest
 from vramguard.settings import Settings
@@ -25,7 +27,7 @@ from vramguard.units import fmt_bytes
 
 
 def with_allocator(model, s: Settings, est, cards: list, conf: AllocatorConfig, alloc_conf: str, solve: bool,
-                   freed_before: bool = False):
+                   freed_before: bool = False, ahead: Ahead | None = None):
     """The estimate and card verdicts of ``model`` (a :class:`~vramguard.memory.model.MemoryModel`) with reserved
     memory, fit and the largest prompt from the allocator model under ``conf``, parsed from ``alloc_conf``
     (``PYTORCH_CUDA_ALLOC_CONF`` text) by :func:`vramguard.plan.choice.choose`; (est, cards) unchanged where the
@@ -40,11 +42,12 @@ def with_allocator(model, s: Settings, est, cards: list, conf: AllocatorConfig, 
     So the estimate's replay runs under the largest card's memory (less the CUDA context), not without a limit (a
     long generation would otherwise reserve a new segment for every step's larger KV tensor, terabytes). Where it
     does not fit there, the formula's need stands. Each card's need is its own capped replay's peak where that
-    fits (so need, fit and headroom agree), else the estimate's."""
-    fresh_est, fresh_cards = _with_conf(model, s, est, cards, conf, alloc_conf, solve)
+    fits (so need, fit and headroom agree), else the estimate's. ``ahead``: that replay started earlier
+    (:func:`replays_ahead`)."""
+    fresh_est, fresh_cards = _with_conf(model, s, est, cards, conf, alloc_conf, solve, ahead)
     if not freed_before or fresh_est.allocator is None or conf.expandable_segments:  # one layout
         return fresh_est, fresh_cards
-    up_est, up_cards = _with_conf(model, s, est, cards, replace(conf, freed_before=True), alloc_conf, solve)
+    up_est, up_cards = _with_conf(model, s, est, cards, replace(conf, freed_before=True), alloc_conf, solve, ahead)
     worse = up_est if up_est.peak_reserved_bytes > fresh_est.peak_reserved_bytes else fresh_est
     return (replace(worse, freed_layout_reserved_bytes=up_est.peak_reserved_bytes,
                     fresh_layout_reserved_bytes=fresh_est.peak_reserved_bytes),
@@ -61,7 +64,8 @@ def _worse(a, b):
     return replace(w, max_prompt_tokens=None if None in prompts else min(prompts))
 
 
-def _with_conf(model, s: Settings, est, cards: list, conf: AllocatorConfig, alloc_conf: str, solve: bool):
+def _with_conf(model, s: Settings, est, cards: list, conf: AllocatorConfig, alloc_conf: str, solve: bool,
+               ahead: Ahead | None = None):
     """:func:`with_allocator` under the parsed ``conf``. Each card's largest prompt depends only on its cap (from
     the loaded model's reserved bytes), not on the estimate's replay: where a forked process pays
     (:func:`_fork_pays`), the searches start before that replay and half of them run in the child
@@ -75,7 +79,8 @@ def _with_conf(model, s: Settings, est, cards: list, conf: AllocatorConfig, allo
     if fork:
         share_tapes(spec, s)  # computed once, before the searches are split
     # the estimate's replay first where nothing is forked (read from disk where a plan kept it: no load replayed)
-    r = None if fork else replay_generate(spec, s, device, rescale=solve)  # the searches sample the same stretch
+    r = None if fork else ahead.take(device) if ahead is not None and ahead.has(device) else replay_generate(
+        spec, s, device, rescale=solve)  # the searches sample the same stretch
     if not fork and r is None:
         return est, cards
     base = r.base_reserved_bytes if r is not None else loaded_reserved_bytes(spec, s, conf)
@@ -155,13 +160,24 @@ def _card_edges(model, s: Settings, cards: list, capped: list):
 
 
 def _fork_pays(searches: int) -> bool:
-    """Whether a forked child is worth it: two searches or more, at least two CPUs for this process, ``os.fork``,
-    no other thread (a fork copies only the calling thread, and a lock another one held stays held in the child)
-    and no torch imported (its thread pools do not survive a fork)."""
-    if not FORK_SEARCHES or searches < 2 or not hasattr(os, "fork") or "torch" in sys.modules:
+    """Whether a forked child is worth it: two searches or more, and :func:`_can_fork` without torch imported."""
+    return FORK_SEARCHES and searches >= 2 and "torch" not in sys.modules and _can_fork()
+
+
+def _can_fork() -> bool:
+    """Whether a forked child can work beside this process: at least two CPUs for this process, ``os.fork``, no
+    thread but those that say they are safe to fork beside (``fork_safe``: the progress line's, which only draw on
+    stderr; a fork copies only the calling thread, and a lock another one held stays held in the child), and CUDA
+    not initialized where torch is imported (its state does not survive a fork; its CPU thread pools are not used
+    there: :class:`_Forked` runs a child's torch on one thread)."""
+    if not hasattr(os, "fork"):
+        return False
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
         return False
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return cpus >= 2 and threading.active_count() == 1
+    return cpus >= 2 and all(t is threading.main_thread() or getattr(t, "fork_safe", False)
+                             for t in threading.enumerate())
 
 
 class _Forked:
@@ -176,6 +192,8 @@ class _Forked:
             os.close(read)
             code = 1
             try:
+                if "torch" in sys.modules:  # meta tensors only: no kernel needs the thread pools of the parent
+                    sys.modules["torch"].set_num_threads(1)
                 warnings.simplefilter("ignore")  # the parent says it once (an unwritable cache folder)
                 data = pickle.dumps([w() for w in work])
                 with os.fdopen(write, "wb") as f:
@@ -208,6 +226,51 @@ class _Forked:
         if self.read is not None:
             os.close(self.read)
             self.read = None
+
+
+class Ahead:
+    """The estimate's allocator replays (:func:`with_allocator`), one per segment layout, started in a forked child
+    before the estimate and the card searches, which run in this process meanwhile: each replay depends only on the
+    model, the settings and the allocator config under the largest card's memory, none of which those change."""
+
+    def __init__(self, spec, s: Settings, devices: list[AllocatorConfig], rescale: bool):
+        self.devices = devices
+        self.child = _Forked([lambda d=d: replay_generate(spec, s, d, rescale=rescale) for d in devices]
+                             + [computed_stretches])  # the prompt's stretch: the card searches sample it too
+        self.found: list | None = None
+
+    def has(self, device: AllocatorConfig) -> bool:
+        return device in self.devices
+
+    def take(self, device: AllocatorConfig):
+        """The child's replay under ``device`` (one of :attr:`devices`), waiting for it."""
+        if self.found is None:
+            self.found = self.child.result()
+            take_stretches(self.found[-1])
+        return self.found[self.devices.index(device)]
+
+    def close(self) -> None:
+        self.child.close()
+
+
+@contextlib.contextmanager
+def replays_ahead(model, s: Settings, gpus: list, conf: AllocatorConfig | None, solve: bool, freed_before: bool):
+    """An :class:`Ahead` of ``model``'s estimate replays under ``conf`` (each layout :func:`with_allocator` replays)
+    where the plan solves its cards with the allocator model through transformers (the replays take seconds: a
+    forward traced on the meta device and every decode step placed) and a child can work beside this process
+    (:func:`_can_fork`); else None. A child whose replays were not taken is ended on exit."""
+    spec = model.spec
+    if not (solve and conf is not None and gpus and model.needs_transformers and supported(s) and spec.config_json
+            and _can_fork()):
+        yield None
+        return
+    allowed = max(g.usable_bytes for g in gpus) - CUDA_CONTEXT_BYTES  # as _with_conf's device: the estimate's
+    layouts = [conf, replace(conf, freed_before=True)] if freed_before and not conf.expandable_segments else [conf]
+    ahead = Ahead(spec, s, [replace(c, allowed_bytes=allowed) for c in layouts], rescale=True)
+    try:
+        yield ahead
+    finally:
+        ahead.close()
 
 
 def auto_alloc_conf(spec, s: Settings) -> tuple[str | None, AllocatorConfig | None, Finding | None]:

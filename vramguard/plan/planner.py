@@ -19,8 +19,8 @@ from vramguard.hub.prequant import prequant_findings
 from vramguard.introspect.alloc_replay import offload_to_fit_bytes
 from vramguard.memory.model import MemoryModel
 from vramguard.plan import verified
-from vramguard.plan.allocator import (
-    decode_replay_finding, freed_before_finding, process_freed_memory, reserve_formula_finding, with_allocator)
+from vramguard.plan.allocator import (Ahead, decode_replay_finding, freed_before_finding, process_freed_memory,
+                                      replays_ahead, reserve_formula_finding, with_allocator)
 from vramguard.plan.choice import AUTO, Choice, choose
 from vramguard.plan.estimator import CardVerdict, MemoryEstimate, Plan, estimate, verdict
 from vramguard.plan.findings import plan_findings
@@ -133,11 +133,15 @@ def _compute_path(choice: Choice, s: Settings, gpus: list[GpuSpec], why: str, so
                   freed_before: bool | None) -> Plan:
     """:func:`plan` for a resolved spec, cards and kernel path (``s.kernels``), computed."""
     model = choice.model
-    est = estimate(model, s)
-    cards = [verdict(est, g) for g in gpus]
-    if solve:
-        cards = [solve_card(model, s, c) for c in cards]
-    est, cards, reserved_findings = _reserved(choice, s, est, cards, solve, freed_before)
+    conf = choice.reserve.config if choice.reserve.alloc_conf is not None else None  # None: the reserve formula
+    freed = process_freed_memory() if freed_before is None else freed_before
+    with replays_ahead(model, s, gpus, conf, solve, freed) as ahead:  # beside the estimate and the searches
+        est = estimate(model, s)
+        cards = [verdict(est, g) for g in gpus]
+        if solve:
+            cards = [solve_card(model, s, c) for c in cards]
+        changes = ranked_changes(model, s, gpus) if solve else []  # before the replays ahead are waited for
+        est, cards, reserved_findings = _reserved(choice, s, est, cards, solve, freed_before, ahead)
     cards, unverified = _mark_unverified(model, s, cards)
     logits_case = ("all positions: a forward over the whole prompt (scoring, output_logits), with a float32 copy"
                    if s.logits == "all" else
@@ -149,7 +153,7 @@ def _compute_path(choice: Choice, s: Settings, gpus: list[GpuSpec], why: str, so
     p.findings.extend(reserved_findings)
     p.findings.extend(unverified)
     if solve:
-        p.changes.extend(_as_the_cards_say(choice, s, cards, ranked_changes(model, s, gpus), freed_before))
+        p.changes.extend(_as_the_cards_say(choice, s, cards, changes, freed_before))
     return p
 
 
@@ -253,16 +257,18 @@ def _check_freed_before(freed_before: object) -> None:
 
 
 def _reserved(choice: Choice, s: Settings, est: MemoryEstimate, cards: list[CardVerdict], solve: bool,
-              freed_before: bool | None):
+              freed_before: bool | None, ahead: Ahead | None = None):
     """(est, cards, findings): est and cards with reserved memory from the allocator model where ``choice`` took
     it (:attr:`Choice.reserve`; ``freed_before`` as :func:`plan`, None: this process's state), with the
     ``reserve_formula``, ``freed_before`` and decode-replay findings where they apply. A replay the default
-    (``"auto"``) chose that transformers cannot record falls back to the formula, said; one asked for raises."""
+    (``"auto"``) chose that transformers cannot record falls back to the formula, said; one asked for raises.
+    ``ahead``: the estimate's replays, started before (:func:`~vramguard.plan.allocator.replays_ahead`)."""
     freed = process_freed_memory() if freed_before is None else freed_before
     why, reserve = choice.finding, choice.reserve
     if reserve.config is not None and reserve.alloc_conf is not None:  # the allocator model
         try:
-            est, cards = with_allocator(choice.model, s, est, cards, reserve.config, reserve.alloc_conf, solve, freed)
+            est, cards = with_allocator(choice.model, s, est, cards, reserve.config, reserve.alloc_conf, solve, freed,
+                                        ahead)
         except NotPlannable as e:
             if reserve.asked:
                 raise
