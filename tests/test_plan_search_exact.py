@@ -114,6 +114,9 @@ def test_a_child_is_forked_beside_the_progress_line_only_among_threads(monkeypat
         def isatty(self):
             return True
     two = hasattr(os, "sched_getaffinity") and len(os.sched_getaffinity(0)) >= 2
+    earlier = set(threading.enumerate()) - {threading.main_thread()}  # left by tests before this one (a whole run)
+    every = threading.enumerate
+    monkeypatch.setattr(plan_allocator.threading, "enumerate", lambda: [t for t in every() if t not in earlier])
     stop = threading.Event()
     other = threading.Thread(target=stop.wait, daemon=True)
     other.start()
