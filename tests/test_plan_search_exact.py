@@ -114,25 +114,30 @@ def test_a_child_is_forked_beside_the_progress_line_only_among_threads(monkeypat
         def isatty(self):
             return True
     two = hasattr(os, "sched_getaffinity") and len(os.sched_getaffinity(0)) >= 2
-    earlier = set(threading.enumerate()) - {threading.main_thread()}  # left by tests before this one (a whole run)
-    every = threading.enumerate
-    monkeypatch.setattr(plan_allocator.threading, "enumerate", lambda: [t for t in every() if t not in earlier])
+
+    def stray() -> list:  # threads of earlier tests in this process, if any
+        return [t for t in threading.enumerate() if t is not threading.main_thread() and not getattr(t, "fork_safe",
+                                                                                                     False)]
     stop = threading.Event()
     other = threading.Thread(target=stop.wait, daemon=True)
     other.start()
     try:
         assert not plan_allocator._can_fork()
+        other.fork_safe = True  # type: ignore[attr-defined]
+        assert plan_allocator._can_fork() is (two and not stray())
     finally:
         stop.set()
         other.join()
     monkeypatch.setattr("sys.stderr", Tty())
+    before = set(threading.enumerate())
     with common.working("planning", delay_s=0):
         for _ in range(200):  # the timer has started rich's spinner
             if len(common._DRAWING) == 2:
                 break
             time.sleep(0.01)
-        assert len(common._DRAWING) == 2 and threading.active_count() >= 2
-        assert plan_allocator._can_fork() is two
+        started = set(threading.enumerate()) - before
+        assert len(common._DRAWING) == 2 and started and all(t.fork_safe for t in started)
+        assert plan_allocator._can_fork() is (two and not stray())
         assert plan_allocator._Forked([lambda: os.getpid()]).result() != [os.getpid()]
     assert common._DRAWING == [] and "planning" in sys.stderr.getvalue()
 
