@@ -21,7 +21,9 @@ The tape, in program order:
    cycles through the same states, later steps place only their large requests (:mod:`vramguard.memory.
    decode_steps`, exact: the same peaks and out-of-memory point as placing every request). Over many prompts (the
    search for the largest one) the three forwards are rescaled from four sample replays instead
-   (:func:`_rescaled_events`): between the config's breakpoints every size is a quadratic in the prompt. Each
+   (:func:`_rescaled_events`): between the config's breakpoints every size is a quadratic in the prompt, or, where
+   a chunked scan pads the prompt to its chunk, a polynomial in the prompt and that padding
+   (:mod:`vramguard.introspect.stretch`: six to eight sample replays, and one more at the first prompt beyond). Each
    replay traces a few decoder layers and repeats them (:mod:`vramguard.introspect.layer_trim`), and is kept on
    disk (:mod:`vramguard.introspect.tape_cache`).
 
@@ -41,6 +43,8 @@ from vramguard.introspect.build import _quiet, cached_config, text_config
 from vramguard.introspect.generic import _replay_model, _structure, structure_of
 from vramguard.introspect.layer_trim import expand, trim_plan
 from vramguard.introspect.mixers import replayed_paths
+from vramguard.introspect.stretch import MARGIN, breakpoints
+from vramguard.introspect.tape_stretch import periodic_events
 from vramguard.memory import hand_tape
 from vramguard.memory.allocator import AllocatorConfig, Block, CachingAllocator, OutOfMemory
 from vramguard.memory.decode_steps import DecodeSteps, Placer
@@ -300,7 +304,7 @@ def _extrapolated(step1, step2, more: int) -> DecodeSteps | None:
 
 
 SAMPLE_OFFSETS = (8, 45, 109, 181)  # prompts lo + offset sample a stretch; a quadratic through 3, checked at the 4th
-RESCALE_MARGIN = 8  # tokens kept clear of a window's edge: decode steps cross it a step or two later
+RESCALE_MARGIN = MARGIN  # tokens kept clear of a window's edge: decode steps cross it a step or two later
 
 
 def _breakpoints(config_json: str, name: str) -> tuple[int, ...]:
@@ -309,10 +313,7 @@ def _breakpoints(config_json: str, name: str) -> tuple[int, ...]:
     spec = _hand_spec(config_json, name)
     if spec is not None:
         return hand.breakpoints(spec)
-    cfg = text_config(cached_config(config_json, name))
-    found = {getattr(cfg, k, None) for k in ("sliding_window", "attention_chunk_size",
-                                              "original_max_position_embeddings")}
-    return tuple(sorted(v for v in found if isinstance(v, int) and v > 0))
+    return breakpoints(text_config(cached_config(config_json, name)))
 
 
 @lru_cache(maxsize=32)
@@ -349,16 +350,23 @@ def _stretch_events(config_json: str, name: str, key: Settings, lo: int, new: in
 
 
 def _rescaled_events(config_json: str, name: str, key: Settings, prompt: int, new: int) -> tuple | None:
-    """:func:`_cached_events` for ``prompt`` from the sizes of its stretch (:func:`_stretch_events`), or None where
-    the prompt lies within ``RESCALE_MARGIN`` of a breakpoint (:func:`_breakpoints`; with a static cache, within
-    ``RESCALE_MARGIN + new`` below it) or of one token, or in a stretch that follows no quadratic. Stretches run
-    between breakpoints; their samples sit at the start."""
+    """:func:`_cached_events` for ``prompt`` from the sizes of its stretch: a polynomial in the prompt and its
+    padding where the config names a chunked scan's chunk (:func:`~vramguard.introspect.tape_stretch.
+    periodic_events`), else a quadratic in the prompt
+    (:func:`_stretch_events`); None where the prompt lies within ``RESCALE_MARGIN`` of a breakpoint
+    (:func:`_breakpoints`; with a static cache, within ``RESCALE_MARGIN + new`` below it) or of one token, or in a
+    stretch that follows neither. Stretches run between breakpoints; their samples sit at the start."""
     edges = [0, *_breakpoints(config_json, name)]
     lo = max(e for e in edges if e < prompt)
     hi = min((e for e in edges if e >= prompt), default=None)
     below = RESCALE_MARGIN + (new if key.cache == "static" else 0)  # a static cache holds prompt + new tokens
     if prompt - lo < max(RESCALE_MARGIN, SAMPLE_OFFSETS[0]) or (hi is not None and hi - prompt < below):
         return None
+    if _hand_spec(config_json, name) is None:  # a hand family's tape has no chunked scan (nor transformers' config)
+        applies, periodic = periodic_events(_cached_events, config_json, name, key, prompt, new, lo + RESCALE_MARGIN,
+                                            hi - below + 1 if hi else None)
+        if applies:
+            return periodic
     if hi is not None and lo + SAMPLE_OFFSETS[-1] + below > hi:
         return None
     found = _stretch_events(config_json, name, key, lo, new)

@@ -25,7 +25,7 @@ from vramguard.units import fmt_bytes
 
 
 def with_allocator(model, s: Settings, est, cards: list, conf: AllocatorConfig, alloc_conf: str, solve: bool,
-                   freed_before: bool = False):
+                   freed_before: bool = False, rescale: bool | None = None):
     """The estimate and card verdicts of ``model`` (a :class:`~vramguard.memory.model.MemoryModel`) with reserved
     memory, fit and the largest prompt from the allocator model under ``conf``, parsed from ``alloc_conf``
     (``PYTORCH_CUDA_ALLOC_CONF`` text) by :func:`vramguard.plan.choice.choose`; (est, cards) unchanged where the
@@ -40,11 +40,15 @@ def with_allocator(model, s: Settings, est, cards: list, conf: AllocatorConfig, 
     So the estimate's replay runs under the largest card's memory (less the CUDA context), not without a limit (a
     long generation would otherwise reserve a new segment for every step's larger KV tensor, terabytes). Where it
     does not fit there, the formula's need stands. Each card's need is its own capped replay's peak where that
-    fits (so need, fit and headroom agree), else the estimate's."""
-    fresh_est, fresh_cards = _with_conf(model, s, est, cards, conf, alloc_conf, solve)
+    fits (so need, fit and headroom agree), else the estimate's.
+
+    ``rescale``: the estimate's tape taken from its prompt's stretch (:func:`~vramguard.introspect.alloc_replay.
+    replay_generate`: the same replay) as a solved plan takes it (None: where ``solve``), so that an estimate made
+    before its plan is solved is the solved plan's own replay, read back from the tape cache."""
+    fresh_est, fresh_cards = _with_conf(model, s, est, cards, conf, alloc_conf, solve, rescale)
     if not freed_before or fresh_est.allocator is None or conf.expandable_segments:  # one layout
         return fresh_est, fresh_cards
-    up_est, up_cards = _with_conf(model, s, est, cards, replace(conf, freed_before=True), alloc_conf, solve)
+    up_est, up_cards = _with_conf(model, s, est, cards, replace(conf, freed_before=True), alloc_conf, solve, rescale)
     worse = up_est if up_est.peak_reserved_bytes > fresh_est.peak_reserved_bytes else fresh_est
     return (replace(worse, freed_layout_reserved_bytes=up_est.peak_reserved_bytes,
                     fresh_layout_reserved_bytes=fresh_est.peak_reserved_bytes),
@@ -61,7 +65,8 @@ def _worse(a, b):
     return replace(w, max_prompt_tokens=None if None in prompts else min(prompts))
 
 
-def _with_conf(model, s: Settings, est, cards: list, conf: AllocatorConfig, alloc_conf: str, solve: bool):
+def _with_conf(model, s: Settings, est, cards: list, conf: AllocatorConfig, alloc_conf: str, solve: bool,
+               rescale: bool | None = None):
     """:func:`with_allocator` under the parsed ``conf``. Each card's largest prompt depends only on its cap (from
     the loaded model's reserved bytes), not on the estimate's replay: where a forked process pays
     (:func:`_fork_pays`), the searches start before that replay and half of them run in the child
@@ -74,15 +79,16 @@ def _with_conf(model, s: Settings, est, cards: list, conf: AllocatorConfig, allo
     fork = solve and _fork_pays(len(cards))
     if fork:
         share_tapes(spec, s)  # computed once, before the searches are split
+    rescale = solve if rescale is None else rescale  # the searches sample the same stretch
     # the estimate's replay first where nothing is forked (read from disk where a plan kept it: no load replayed)
-    r = None if fork else replay_generate(spec, s, device, rescale=solve)  # the searches sample the same stretch
+    r = None if fork else replay_generate(spec, s, device, rescale=rescale)
     if not fork and r is None:
         return est, cards
     base = r.base_reserved_bytes if r is not None else loaded_reserved_bytes(spec, s, conf)
     capped = [replace(conf, allowed_bytes=allowed_bytes(c.usable_bytes - ctx_bytes, base)) for c in cards]
     edges = _card_edges(model, s, cards, capped) if solve else None
     try:
-        r = r or replay_generate(spec, s, device, rescale=solve)
+        r = r or replay_generate(spec, s, device, rescale=rescale)
         if r is None:
             return est, cards
         return _judged(model, s, est, cards, conf, capped, r, alloc_conf, edges() if edges else None)

@@ -117,7 +117,8 @@ def _compute(choice: Choice, s: Settings, gpus: list[GpuSpec], why: str, solve: 
     from dataclasses import replace
 
     p, path = choose_path(choice.model, s, gpus, why, lambda ps: _compute_path(choice, ps, gpus, why, solve,
-                                                                               freed_before))
+                                                                               freed_before),
+                          lambda ps: _estimated(choice, ps, gpus, solve, freed_before))
     if path is None:
         if s.kernels is not None:  # said, not dropped silently
             p.findings.append(Finding("kernels_ignored", "info", f"kernels='{s.kernels}' changes nothing for "
@@ -151,6 +152,14 @@ def _compute_path(choice: Choice, s: Settings, gpus: list[GpuSpec], why: str, so
     if solve:
         p.changes.extend(_as_the_cards_say(choice, s, cards, ranked_changes(model, s, gpus), freed_before))
     return p
+
+
+def _estimated(choice: Choice, s: Settings, gpus: list[GpuSpec], solve: bool, freed_before: bool | None):
+    """The estimate :func:`_compute_path` gives ``s`` on ``gpus`` (its need and peaks; the same replays), without
+    solving the cards: what :func:`~vramguard.plan.kernels.choose_path` compares before it solves one path."""
+    est = estimate(choice.model, s)
+    est, _, _ = _reserved(choice, s, est, [verdict(est, g) for g in gpus], False, freed_before, rescale=solve)
+    return est
 
 
 def _as_the_cards_say(choice: Choice, s: Settings, cards: list[CardVerdict], changes: list,
@@ -253,16 +262,18 @@ def _check_freed_before(freed_before: object) -> None:
 
 
 def _reserved(choice: Choice, s: Settings, est: MemoryEstimate, cards: list[CardVerdict], solve: bool,
-              freed_before: bool | None):
+              freed_before: bool | None, rescale: bool | None = None):
     """(est, cards, findings): est and cards with reserved memory from the allocator model where ``choice`` took
-    it (:attr:`Choice.reserve`; ``freed_before`` as :func:`plan`, None: this process's state), with the
+    it (:attr:`Choice.reserve`; ``freed_before`` as :func:`plan`, None: this process's state; ``rescale`` as
+    :func:`~vramguard.plan.allocator.with_allocator`), with the
     ``reserve_formula``, ``freed_before`` and decode-replay findings where they apply. A replay the default
     (``"auto"``) chose that transformers cannot record falls back to the formula, said; one asked for raises."""
     freed = process_freed_memory() if freed_before is None else freed_before
     why, reserve = choice.finding, choice.reserve
     if reserve.config is not None and reserve.alloc_conf is not None:  # the allocator model
         try:
-            est, cards = with_allocator(choice.model, s, est, cards, reserve.config, reserve.alloc_conf, solve, freed)
+            est, cards = with_allocator(choice.model, s, est, cards, reserve.config, reserve.alloc_conf, solve, freed,
+                                        rescale)
         except NotPlannable as e:
             if reserve.asked:
                 raise
