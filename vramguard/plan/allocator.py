@@ -12,6 +12,7 @@ import sys
 import threading
 import warnings
 from dataclasses import replace
+from typing import Callable
 
 from vramguard.allocconf import env_alloc_conf
 from vramguard.finding import Finding
@@ -160,14 +161,31 @@ def _card_edges(model, s: Settings, cards: list, capped: list):
     return edges
 
 
-def _fork_pays(searches: int) -> bool:
+def _fork_pays(searches: int, torch_ok: bool = False) -> bool:
     """Whether a forked child is worth it: two searches or more, at least two CPUs for this process, ``os.fork``,
     no other thread (a fork copies only the calling thread, and a lock another one held stays held in the child)
-    and no torch imported (its thread pools do not survive a fork)."""
-    if not FORK_SEARCHES or searches < 2 or not hasattr(os, "fork") or "torch" in sys.modules:
+    and no torch imported (its thread pools do not survive a fork), unless ``torch_ok``: work that runs
+    transformers' forward on the meta device only, which the child runs on one thread (as PyTorch's DataLoader
+    runs its forked workers: ``torch.set_num_threads(1)``), its pool never used."""
+    if not FORK_SEARCHES or searches < 2 or not hasattr(os, "fork") or ("torch" in sys.modules and not torch_ok):
         return False
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return cpus >= 2 and threading.active_count() == 1
+
+
+def side_by_side(first: Callable[[], object], second: Callable[[], object]) -> tuple[object, object]:
+    """``(first(), second())``, ``first`` in a forked child while this process computes ``second`` where a fork
+    pays (:func:`_fork_pays`, torch allowed: both compute on the meta device), else one after the other. The two
+    must be pure computations of the same result in either process (the plans of two paths of a model)."""
+    if not _fork_pays(2, torch_ok=True):
+        return first(), second()
+    child = _Forked([first])
+    try:
+        mine = second()
+    except BaseException:
+        child.close()
+        raise
+    return child.result()[0], mine
 
 
 class _Forked:
@@ -183,6 +201,8 @@ class _Forked:
             code = 1
             try:
                 warnings.simplefilter("ignore")  # the parent says it once (an unwritable cache folder)
+                if "torch" in sys.modules:  # one thread: the parent's pool does not survive the fork
+                    sys.modules["torch"].set_num_threads(1)
                 data = pickle.dumps([w() for w in work])
                 with os.fdopen(write, "wb") as f:
                     f.write(data)

@@ -20,7 +20,8 @@ from vramguard.introspect.alloc_replay import offload_to_fit_bytes
 from vramguard.memory.model import MemoryModel
 from vramguard.plan import verified
 from vramguard.plan.allocator import (
-    decode_replay_finding, freed_before_finding, process_freed_memory, reserve_formula_finding, with_allocator)
+    decode_replay_finding, freed_before_finding, process_freed_memory, reserve_formula_finding, side_by_side,
+    with_allocator)
 from vramguard.plan.choice import AUTO, Choice, choose
 from vramguard.plan.estimator import CardVerdict, MemoryEstimate, Plan, estimate, verdict
 from vramguard.plan.findings import plan_findings
@@ -116,9 +117,13 @@ def _compute(choice: Choice, s: Settings, gpus: list[GpuSpec], why: str, solve: 
     kept), which it names."""
     from dataclasses import replace
 
-    p, path = choose_path(choice.model, s, gpus, why, lambda ps: _compute_path(choice, ps, gpus, why, solve,
-                                                                               freed_before),
-                          lambda ps: _estimated(choice, ps, gpus, solve, freed_before))
+    def compute(ps: Settings) -> Plan:
+        return _compute_path(choice, ps, gpus, why, solve, freed_before)
+
+    def estimates(fast: Settings, torch: Settings) -> tuple:  # side by side where a forked child pays
+        return side_by_side(lambda: _estimated(choice, fast, gpus, solve, freed_before),
+                            lambda: _estimated(choice, torch, gpus, solve, freed_before))
+    p, path = choose_path(choice.model, s, gpus, why, compute, estimates)
     if path is None:
         if s.kernels is not None:  # said, not dropped silently
             p.findings.append(Finding("kernels_ignored", "info", f"kernels='{s.kernels}' changes nothing for "
