@@ -25,6 +25,10 @@ hashes compare) and planned by the vramguard of ``--root`` (default: this checko
 a "before"):
 
     python benchmarks/cpu_plan_time.py --wall --generic --models /tmp/generic --out generic.jsonl
+
+``--repeat N`` and ``--only NAME`` (a part of the config folder's name: ``falcon``) select the runs of ``--generic``:
+
+    python benchmarks/cpu_plan_time.py --wall --generic --only falcon --repeat 2 --models /tmp/generic --out f.jsonl
 """
 
 from __future__ import annotations
@@ -139,16 +143,19 @@ def generic_cases(models: Path) -> list[tuple[str, list[str]]]:
             ("non-family: Falcon-H1-1.5B-Deep size", [str(models / "falcon-h1-1.5b-deep")])]
 
 
-def wall_generic(out: str, models: Path, root: Path, save_json: Path | None = None) -> None:
+def wall_generic(out: str, models: Path, root: Path, save_json: Path | None = None, repeat: int = 1,
+                 only: str | None = None) -> None:
     """The ``--generic`` cases (see the module docstring), first and second plan each, written to ``out``;
-    ``save_json``: each plan's ``--format json`` output saved there (``<folder name>.json``)."""
+    ``save_json``: each plan's ``--format json`` output saved there (``<folder name>.json``); ``repeat``: each case
+    that many times, fresh caches each time; ``only``: the cases whose folder name contains it."""
     import subprocess
     subprocess.run([sys.executable, "-m", "vramguard", "--help"], capture_output=True, check=True, cwd=root,
                    env={**os.environ, "PYTHONPATH": str(root)})  # .pyc files written
     caches = Path(tempfile.mkdtemp())
     Path(out).parent.mkdir(parents=True, exist_ok=True)
+    cases = [c for c in generic_cases(models) if only is None or only in Path(c[1][0]).name]
     with open(out, "w") as f:
-        for i, (name, args) in enumerate(generic_cases(models)):
+        for i, (name, args) in ((r * len(cases) + i, c) for r in range(repeat) for i, c in enumerate(cases)):
             for when in ("first", "second"):
                 rec = {"case": name, "when": when, "args": ["vramguard", "plan", Path(args[0]).name, *args[1:]],
                        "root": root.name, **_timed_plan(args, caches / f"cache{i}", root)}
@@ -170,7 +177,8 @@ def main() -> None:
     ap.add_argument("--case", help="internal: run one case in this process")
     ap.add_argument("--wall", action="store_true", help="wall time of vramguard plan in new processes")
     ap.add_argument("--hand", action="store_true", help="with --wall: the catalog name and hand-family folder only")
-    ap.add_argument("--repeat", type=int, default=1, help="with --wall: each case this many times")
+    ap.add_argument("--repeat", type=int, default=1, help="with --wall (--generic too): each case this many times")
+    ap.add_argument("--only", help="with --generic: the cases whose config folder's name contains this")
     ap.add_argument("--generic", action="store_true", help="with --wall: the three non-family architectures")
     ap.add_argument("--models", help="with --generic: the folder of their configs (default: a new one)")
     ap.add_argument("--root", help="with --generic: the vramguard checkout to run (default: this one)")
@@ -178,7 +186,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.wall and args.generic:
         return wall_generic(args.out, Path(args.models or tempfile.mkdtemp()), Path(args.root or ROOT).resolve(),
-                            Path(args.save_json) if args.save_json else None)
+                            Path(args.save_json) if args.save_json else None, args.repeat, args.only)
     if args.wall:
         return wall(args.out, args.hand, args.repeat)
     if args.case:

@@ -43,7 +43,7 @@ from vramguard.introspect.build import _quiet, cached_config, text_config
 from vramguard.introspect.generic import _replay_model, _structure, structure_of
 from vramguard.introspect.layer_trim import expand, trim_plan
 from vramguard.introspect.mixers import replayed_paths
-from vramguard.introspect.stretch import MARGIN, breakpoints
+from vramguard.introspect.stretch import MARGIN, breakpoints, chunk_period
 from vramguard.introspect.tape_stretch import periodic_events
 from vramguard.memory import hand_tape
 from vramguard.memory.allocator import AllocatorConfig, Block, CachingAllocator, OutOfMemory
@@ -352,7 +352,7 @@ def _stretch_events(config_json: str, name: str, key: Settings, lo: int, new: in
 def _rescaled_events(config_json: str, name: str, key: Settings, prompt: int, new: int) -> tuple | None:
     """:func:`_cached_events` for ``prompt`` from the sizes of its stretch: a polynomial in the prompt and its
     padding where the config names a chunked scan's chunk (:func:`~vramguard.introspect.tape_stretch.
-    periodic_events`), else a quadratic in the prompt
+    periodic_events`; a stretch too short for it is cut at the chunk's multiples), else a quadratic in the prompt
     (:func:`_stretch_events`); None where the prompt lies within ``RESCALE_MARGIN`` of a breakpoint
     (:func:`_breakpoints`; with a static cache, within ``RESCALE_MARGIN + new`` below it) or of one token, or in a
     stretch that follows neither. Stretches run between breakpoints; their samples sit at the start."""
@@ -362,11 +362,18 @@ def _rescaled_events(config_json: str, name: str, key: Settings, prompt: int, ne
     below = RESCALE_MARGIN + (new if key.cache == "static" else 0)  # a static cache holds prompt + new tokens
     if prompt - lo < max(RESCALE_MARGIN, SAMPLE_OFFSETS[0]) or (hi is not None and hi - prompt < below):
         return None
-    if _hand_spec(config_json, name) is None:  # a hand family's tape has no chunked scan (nor transformers' config)
+    period = None if _hand_spec(config_json, name) is not None else \
+        chunk_period(text_config(cached_config(config_json, name)))  # a hand family has none (nor the config)
+    if period is not None:
         applies, periodic = periodic_events(_cached_events, config_json, name, key, prompt, new, lo + RESCALE_MARGIN,
-                                            hi - below + 1 if hi else None)
+                                            hi - below + 1 if hi else None, period)
         if applies:
             return periodic
+        # the stretch holds less than two chunks: the padded length is one between two multiples of the chunk, and
+        # a quadratic in the prompt holds there alone (not across a chunk's end)
+        lo, hi = max(lo, (prompt - 1) // period * period), min(hi or prompt + period, -(-prompt // period) * period)
+        if prompt - lo < max(RESCALE_MARGIN, SAMPLE_OFFSETS[0]) or hi - prompt < below:
+            return None
     if hi is not None and lo + SAMPLE_OFFSETS[-1] + below > hi:
         return None
     found = _stretch_events(config_json, name, key, lo, new)

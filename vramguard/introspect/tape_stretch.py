@@ -9,26 +9,24 @@ from functools import lru_cache
 from typing import Callable
 
 from vramguard.introspect.build import cached_config, text_config
-from vramguard.introspect.stretch import Sample, Stretch, chunk_period, context
+from vramguard.introspect.stretch import Sample, Stretch, context
 from vramguard.settings import Settings
 
 Recorder = Callable[[str, str, Settings, int, int], tuple]  # (config, name, settings, prompt, new) -> forwards
 
 
 def periodic_events(record: Recorder, config_json: str, name: str, key: Settings, prompt: int, new: int, lo: int,
-                    end: int | None) -> tuple[bool, tuple | None]:
-    """(whether it applies, the forwards ``record`` gives for ``prompt``) where the config names a chunked scan's
-    chunk (:func:`vramguard.introspect.stretch.chunk_period`) and the stretch of prompts holds two chunks or more:
+                    end: int | None, period: int) -> tuple[bool, tuple | None]:
+    """(whether it applies, the forwards ``record`` gives for ``prompt``) of a model whose chunked scan pads to
+    ``period`` (:func:`vramguard.introspect.stretch.chunk_period`) where the stretch of prompts holds two chunks or
+    more:
     from the polynomial of the prompts from ``lo`` (and
     two chunks) to ``end`` (exclusive; None: the model's context less ``new``) where it is known, else recorded
     here and kept towards it (:class:`~vramguard.introspect.stretch.Stretch`); None where the prompt lies outside
     that stretch or no polynomial holds there, and the caller records it then (a quadratic in the prompt does not
     hold across a chunk's end)."""
-    cfg = text_config(cached_config(config_json, name))
-    period = chunk_period(cfg)
-    if period is None:
-        return False, None
-    st = _tape_stretch(config_json, name, key, new, max(lo, 2 * period + 1), end or context(cfg) - new + 1, period)
+    end = end or context(text_config(cached_config(config_json, name))) - new + 1
+    st = _tape_stretch(config_json, name, key, new, max(lo, 2 * period + 1), end, period)
     if st.lo >= st.end:  # no prompt from two chunks on: the prompts are not periodic in it
         return False, None
     found = st.at(prompt)
