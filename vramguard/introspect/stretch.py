@@ -174,8 +174,9 @@ class Stretch:
         if sample is None or (self.samples and sample[0] != self.structure):
             self.state = "failed"
             return
-        self.structure = sample[0]
-        self.samples[x] = sample
+        if not self.samples:
+            self.structure = sample[0]
+        self.samples[x] = (self.structure, sample[1])  # one structure kept for all
         for trial in self.trials:
             trial.add(x, self.samples)
             if trial.tests >= TESTS:
