@@ -405,3 +405,22 @@ def test_eager_attention_is_not_said_to_cost_scores_in_a_model_without_attention
     assert not [f for f in mamba.findings if f.code == "eager_scores"]
     attention = plan(config_of("olmo2"), s, vram="24GiB", solve=False)
     assert [f for f in attention.findings if f.code == "eager_scores"]
+
+
+def test_of_the_two_mixer_paths_only_the_larger_is_solved_and_the_plan_is_that_of_both_solved(falcon_h1, monkeypatch):
+    """A plan for another machine's card compares the two paths' estimates (side by side where a forked child pays)
+    and solves only the larger; the plan is the one solving both and keeping the larger gave."""
+    from vramguard.plan import kernels
+    monkeypatch.setenv("VRAMGUARD_PLAN_CACHE", "0")
+    folder = str(falcon_h1[0])
+    s = Settings(quant="bf16", prompt_tokens=256, max_new_tokens=8)
+    larger, solved = kernels._larger, []
+
+    def counted(s_, compute, estimates):
+        return larger(s_, lambda ps: solved.append(ps.kernels) or compute(ps), estimates)
+    monkeypatch.setattr(kernels, "_larger", counted)
+    p = plan(folder, s, vram="24GiB", alloc_conf="")
+    assert solved == ["torch"] and p.cards[0].max_prompt_tokens  # solved, on the larger path only
+    monkeypatch.setattr(kernels, "_larger", lambda s_, compute, _estimates: counted(s_, compute, None))
+    both = plan(folder, s, vram="24GiB", alloc_conf="")  # both paths solved, as before
+    assert solved == ["torch", "fast", "torch"] and p == both

@@ -28,7 +28,7 @@ def _plan(monkeypatch, tmp_path, fork: bool, model: str, settings: Settings, **k
     monkeypatch.setenv("VRAMGUARD_PLAN_CACHE", "0")
     monkeypatch.setenv("VRAMGUARD_TAPE_CACHE", str(folder / "tapes"))
     monkeypatch.setattr(plan_allocator, "FORK_SEARCHES", fork)
-    monkeypatch.setattr(plan_allocator, "_fork_pays", lambda n: fork and n >= 2)  # also where torch is imported
+    monkeypatch.setattr(plan_allocator, "_fork_pays", lambda n, torch_ok=False: fork and n >= 2)  # torch or not
     return planner.plan(model, settings, alloc_conf="", **kw)
 
 
@@ -216,3 +216,14 @@ def test_rescaled_tapes_equal_the_replayed_ones():
     for prompt in (400, 2049, 7777):
         assert alloc_replay._rescaled_events(spec.config_json, spec.name, key, prompt, 3) == \
             alloc_replay._cached_events(spec.config_json, spec.name, key, prompt, 3)
+
+
+def test_side_by_side_runs_the_first_in_a_child_with_one_thread_beside_torch(monkeypatch):
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(plan_allocator, "_can_fork", lambda: True)
+    parent = os.getpid()
+    first, second = plan_allocator.side_by_side(
+        lambda: (os.getpid(), torch.get_num_threads(), float(torch.ones(3).sum())), lambda: os.getpid())
+    assert first[0] != parent and first[1:] == (1, 3.0) and second == parent
+    monkeypatch.setattr(plan_allocator, "_can_fork", lambda: False)
+    assert plan_allocator.side_by_side(lambda: os.getpid(), lambda: 2) == (parent, 2)  # one after the other

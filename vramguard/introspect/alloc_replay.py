@@ -21,7 +21,9 @@ The tape, in program order:
    cycles through the same states, later steps place only their large requests (:mod:`vramguard.memory.
    decode_steps`, exact: the same peaks and out-of-memory point as placing every request). Over many prompts (the
    search for the largest one) the three forwards are rescaled from four sample replays instead
-   (:func:`_rescaled_events`): between the config's breakpoints every size is a quadratic in the prompt. Each
+   (:func:`_rescaled_events`): between the config's breakpoints every size is a quadratic in the prompt, or, where
+   a chunked scan pads the prompt to its chunk, a polynomial in the prompt and that padding
+   (:mod:`vramguard.introspect.stretch`: six to eight sample replays, and one more at the first prompt beyond). Each
    replay traces a few decoder layers and repeats them (:mod:`vramguard.introspect.layer_trim`), and is kept on
    disk (:mod:`vramguard.introspect.tape_cache`).
 
@@ -43,6 +45,8 @@ from vramguard.introspect.build import _quiet, cached_config, text_config
 from vramguard.introspect.generic import _replay_model, _structure, structure_of
 from vramguard.introspect.layer_trim import expand, trim_plan
 from vramguard.introspect.mixers import replayed_paths
+from vramguard.introspect.stretch import MARGIN, breakpoints, chunk_period
+from vramguard.introspect.tape_stretch import periodic_events
 from vramguard.memory import hand_tape
 from vramguard.memory.allocator import AllocatorConfig, Block, CachingAllocator, OutOfMemory
 from vramguard.memory.decode_steps import DecodeSteps, Placer
@@ -302,7 +306,7 @@ def _extrapolated(step1, step2, more: int) -> DecodeSteps | None:
 
 
 SAMPLE_OFFSETS = (8, 45, 109, 181)  # prompts lo + offset sample a stretch; a quadratic through 3, checked at the 4th
-RESCALE_MARGIN = 8  # tokens kept clear of a window's edge: decode steps cross it a step or two later
+RESCALE_MARGIN = MARGIN  # tokens kept clear of a window's edge: decode steps cross it a step or two later
 
 
 def _breakpoints(config_json: str, name: str) -> tuple[int, ...]:
@@ -311,10 +315,7 @@ def _breakpoints(config_json: str, name: str) -> tuple[int, ...]:
     spec = _hand_spec(config_json, name)
     if spec is not None:
         return hand.breakpoints(spec)
-    cfg = text_config(cached_config(config_json, name))
-    found = {getattr(cfg, k, None) for k in ("sliding_window", "attention_chunk_size",
-                                              "original_max_position_embeddings")}
-    return tuple(sorted(v for v in found if isinstance(v, int) and v > 0))
+    return breakpoints(text_config(cached_config(config_json, name)))
 
 
 _HANDED: dict = {}  # stretches computed by another process for this one (take_stretches), each taken once
@@ -379,16 +380,30 @@ def _fitted_stretch(config_json: str, name: str, key: Settings, lo: int, new: in
 
 
 def _rescaled_events(config_json: str, name: str, key: Settings, prompt: int, new: int) -> tuple | None:
-    """:func:`_cached_events` for ``prompt`` from the sizes of its stretch (:func:`_stretch_events`), or None where
-    the prompt lies within ``RESCALE_MARGIN`` of a breakpoint (:func:`_breakpoints`; with a static cache, within
-    ``RESCALE_MARGIN + new`` below it) or of one token, or in a stretch that follows no quadratic. Stretches run
-    between breakpoints; their samples sit at the start."""
+    """:func:`_cached_events` for ``prompt`` from the sizes of its stretch: a polynomial in the prompt and its
+    padding where the config names a chunked scan's chunk (:func:`~vramguard.introspect.tape_stretch.
+    periodic_events`; a stretch too short for it is cut at the chunk's multiples), else a quadratic in the prompt
+    (:func:`_stretch_events`); None where the prompt lies within ``RESCALE_MARGIN`` of a breakpoint
+    (:func:`_breakpoints`; with a static cache, within ``RESCALE_MARGIN + new`` below it) or of one token, or in a
+    stretch that follows neither. Stretches run between breakpoints; their samples sit at the start."""
     edges = [0, *_breakpoints(config_json, name)]
     lo = max(e for e in edges if e < prompt)
     hi = min((e for e in edges if e >= prompt), default=None)
     below = RESCALE_MARGIN + (new if key.cache == "static" else 0)  # a static cache holds prompt + new tokens
     if prompt - lo < max(RESCALE_MARGIN, SAMPLE_OFFSETS[0]) or (hi is not None and hi - prompt < below):
         return None
+    period = None if _hand_spec(config_json, name) is not None else \
+        chunk_period(text_config(cached_config(config_json, name)))  # a hand family has none (nor the config)
+    if period is not None:
+        applies, periodic = periodic_events(_cached_events, config_json, name, key, prompt, new, lo + RESCALE_MARGIN,
+                                            hi - below + 1 if hi else None, period)
+        if applies:
+            return periodic
+        # the stretch holds less than two chunks: the padded length is one between two multiples of the chunk, and
+        # a quadratic in the prompt holds there alone (not across a chunk's end)
+        lo, hi = max(lo, (prompt - 1) // period * period), min(hi or prompt + period, -(-prompt // period) * period)
+        if prompt - lo < max(RESCALE_MARGIN, SAMPLE_OFFSETS[0]) or hi - prompt < below:
+            return None
     if hi is not None and lo + SAMPLE_OFFSETS[-1] + below > hi:
         return None
     found = _stretch_events(config_json, name, key, lo, new)

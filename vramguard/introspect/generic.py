@@ -18,7 +18,7 @@ from vramguard.errors import ConfigError, NotModelled, NotPlannable
 from vramguard.hub.headers import read_local_header
 from vramguard.introspect.build import _quiet, cached_config, cached_structure, meta_model, text_config
 from vramguard.introspect.mixers import kernel_paths as paths
-from vramguard.introspect.replay_trim import trimmed_replay
+from vramguard.introspect.replay_trim import stretched_replay, trimmed_replay
 from vramguard.memory.forward import ForwardPeak
 from vramguard.memory.kv import SCALE_ZERO_BYTES, KvBytes
 from vramguard.memory.model import LoadPlan
@@ -146,7 +146,9 @@ def _replay_model(config_json: str, name: str, dtype: str, attn: str, sdpa_kerne
 @lru_cache(maxsize=512)
 def _replayed(config_json: str, name: str, s: Settings, past: int, chunk: int):
     from vramguard.introspect.replay import replay
-    found = trimmed_replay(config_json, name, s, past, chunk)  # a few layers traced, the rest repeated
+    found = stretched_replay(config_json, name, s, past, chunk)  # periodic in the tokens: from a few lengths
+    if found is None:
+        found = trimmed_replay(config_json, name, s, past, chunk)  # a few layers traced, the rest repeated
     if found is not None:
         return found
     model, _note = _replay_model(config_json, name, s.act_dtype, s.effective_attn, s.sdpa_kernel)

@@ -37,28 +37,13 @@ from torch.overrides import TorchFunctionMode
 from vramguard.errors import ConfigError
 from vramguard.introspect.build import _quiet, cached_config, meta_model
 from vramguard.introspect.mixers import replayed_paths
+from vramguard.introspect.replayed import Replayed
 from vramguard.introspect.tracker import DataPolicy, StorageTracker
 from vramguard.memory.forward import BNB_4BIT_FUSED_MAX_ROWS, sdpa_runs_math
 from vramguard.memory.weights import rounded
 from vramguard.settings import DTYPE_BYTES, Settings
 
 FA2_REPLAY = "vramguard_fa2"  # registered in transformers' AttentionInterface for the replay
-
-
-@dataclass(frozen=True)
-class Replayed:
-    """One replayed forward: its peak above the weights by component, and the cache it left.
-
-    ``cache_bytes``: every tensor the cache object holds after the forward (allocator-rounded), by layer index;
-    ``cache_tensors``: their (layer, attribute, shape, dtype), for reports and tests.
-    """
-
-    peak_bytes: int
-    components: dict[str, int]
-    at: str
-    largest_alloc: int
-    cache_bytes: tuple[int, ...]
-    cache_tensors: tuple[tuple[int, str, tuple[int, ...], str], ...]
 
 
 def _register_fa2() -> None:
@@ -292,8 +277,9 @@ class Recording:
     :mod:`vramguard.introspect.replay_trim`): the tracker's events of the tracked forward (``(serial, raw bytes)``
     / ``(serial, -1)``), ``notes`` (serial -> (label, where)), the cache's tensors adopted before it
     (``events[:split]``) and the forward itself (``events[split:end]``), each layer's first event in each of those
-    two parts (``starts``) and the serials of the cache after it. ``found``: the decoder's layers were found and
-    the cache lists them (``cache.layers``)."""
+    two parts (``starts``) and the serials of the cache after it, with the bytes of each one's storage in the order
+    of :attr:`Replayed.cache_tensors` (``cache_storage``, before rounding). ``found``: the decoder's layers were found
+    and the cache lists them (``cache.layers``)."""
 
     layers: int
     events: list = field(default_factory=list)
@@ -302,6 +288,7 @@ class Recording:
     end: int = 0
     starts: tuple = ((), ())
     cache_serials: frozenset = frozenset()
+    cache_storage: tuple = ()
     found: bool = False
 
 
@@ -380,6 +367,7 @@ def _replay_forward(model, config, s: Settings, past: int, chunk: int, quantized
             if record is not None:
                 record.split, record.end, record.starts = split, len(record.events), (record.starts[0], tuple(starts))
                 record.cache_serials = frozenset(relabel)
+                record.cache_storage = tuple(t.untyped_storage().nbytes() for _, _, t in kv)
                 record.found = found and isinstance(getattr(cache, "layers", None), list) and len(cache.layers) == \
                     record.layers
     per_layer: dict[int, int] = {}

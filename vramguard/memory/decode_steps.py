@@ -146,19 +146,20 @@ class Placer:
     def place(self, events) -> bool:
         """Place ``events``; False (and stop) at the first request that cannot be placed."""
         alloc, live = self.alloc, self.live
+        if alloc.oom is not None:
+            return False
         malloc, free, pop = alloc.malloc, alloc.free, live.pop
+        peak = alloc.peak_reserved_bytes
         for key, nbytes in events:
             if nbytes < 0:
                 free(pop(key, None))
                 continue
-            before = alloc.peak_reserved_bytes
-            live[key] = malloc(nbytes)
-            if alloc.peak_reserved_bytes > before:
-                if alloc.oom is not None:
-                    return False
-                self.segments_at_peak = len(alloc.segments)
-            elif alloc.oom is not None:
+            block = live[key] = malloc(nbytes)
+            if block is None:  # malloc answers None only where it could not place the request (alloc.oom)
                 return False
+            if alloc.peak_reserved_bytes > peak:
+                peak = alloc.peak_reserved_bytes
+                self.segments_at_peak = len(alloc.segments)
         return True
 
     def decode(self, steps: DecodeSteps) -> None:

@@ -13,6 +13,7 @@ import sys
 import threading
 import warnings
 from dataclasses import replace
+from typing import Callable
 
 from vramguard.allocconf import env_alloc_conf
 from vramguard.finding import Finding
@@ -27,7 +28,7 @@ from vramguard.units import fmt_bytes
 
 
 def with_allocator(model, s: Settings, est, cards: list, conf: AllocatorConfig, alloc_conf: str, solve: bool,
-                   freed_before: bool = False, ahead: Ahead | None = None):
+                   freed_before: bool = False, ahead: Ahead | None = None, rescale: bool | None = None):
     """The estimate and card verdicts of ``model`` (a :class:`~vramguard.memory.model.MemoryModel`) with reserved
     memory, fit and the largest prompt from the allocator model under ``conf``, parsed from ``alloc_conf``
     (``PYTORCH_CUDA_ALLOC_CONF`` text) by :func:`vramguard.plan.choice.choose`; (est, cards) unchanged where the
@@ -43,11 +44,16 @@ def with_allocator(model, s: Settings, est, cards: list, conf: AllocatorConfig, 
     long generation would otherwise reserve a new segment for every step's larger KV tensor, terabytes). Where it
     does not fit there, the formula's need stands. Each card's need is its own capped replay's peak where that
     fits (so need, fit and headroom agree), else the estimate's. ``ahead``: that replay started earlier
-    (:func:`replays_ahead`)."""
-    fresh_est, fresh_cards = _with_conf(model, s, est, cards, conf, alloc_conf, solve, ahead)
+    (:func:`replays_ahead`).
+
+    ``rescale``: the estimate's tape taken from its prompt's stretch (:func:`~vramguard.introspect.alloc_replay.
+    replay_generate`: the same replay) as a solved plan takes it (None: where ``solve``), so that an estimate made
+    before its plan is solved is the solved plan's own replay, read back from the tape cache."""
+    fresh_est, fresh_cards = _with_conf(model, s, est, cards, conf, alloc_conf, solve, ahead, rescale)
     if not freed_before or fresh_est.allocator is None or conf.expandable_segments:  # one layout
         return fresh_est, fresh_cards
-    up_est, up_cards = _with_conf(model, s, est, cards, replace(conf, freed_before=True), alloc_conf, solve, ahead)
+    up_est, up_cards = _with_conf(model, s, est, cards, replace(conf, freed_before=True), alloc_conf, solve, ahead,
+                                  rescale)
     worse = up_est if up_est.peak_reserved_bytes > fresh_est.peak_reserved_bytes else fresh_est
     return (replace(worse, freed_layout_reserved_bytes=up_est.peak_reserved_bytes,
                     fresh_layout_reserved_bytes=fresh_est.peak_reserved_bytes),
@@ -65,7 +71,7 @@ def _worse(a, b):
 
 
 def _with_conf(model, s: Settings, est, cards: list, conf: AllocatorConfig, alloc_conf: str, solve: bool,
-               ahead: Ahead | None = None):
+               ahead: Ahead | None = None, rescale: bool | None = None):
     """:func:`with_allocator` under the parsed ``conf``. Each card's largest prompt depends only on its cap (from
     the loaded model's reserved bytes), not on the estimate's replay: where a forked process pays
     (:func:`_fork_pays`), the searches start before that replay and half of them run in the child
@@ -78,16 +84,17 @@ def _with_conf(model, s: Settings, est, cards: list, conf: AllocatorConfig, allo
     fork = solve and _fork_pays(len(cards))
     if fork:
         share_tapes(spec, s)  # computed once, before the searches are split
+    rescale = solve if rescale is None else rescale  # the searches sample the same stretch
     # the estimate's replay first where nothing is forked (read from disk where a plan kept it: no load replayed)
     r = None if fork else ahead.take(device) if ahead is not None and ahead.has(device) else replay_generate(
-        spec, s, device, rescale=solve)  # the searches sample the same stretch
+        spec, s, device, rescale=rescale)
     if not fork and r is None:
         return est, cards
     base = r.base_reserved_bytes if r is not None else loaded_reserved_bytes(spec, s, conf)
     capped = [replace(conf, allowed_bytes=allowed_bytes(c.usable_bytes - ctx_bytes, base)) for c in cards]
     edges = _card_edges(model, s, cards, capped) if solve else None
     try:
-        r = r or replay_generate(spec, s, device, rescale=solve)
+        r = r or replay_generate(spec, s, device, rescale=rescale)
         if r is None:
             return est, cards
         return _judged(model, s, est, cards, conf, capped, r, alloc_conf, edges() if edges else None)
@@ -178,6 +185,21 @@ def _can_fork() -> bool:
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return cpus >= 2 and all(t is threading.main_thread() or getattr(t, "fork_safe", False)
                              for t in threading.enumerate())
+
+
+def side_by_side(first: Callable[[], object], second: Callable[[], object]) -> tuple[object, object]:
+    """``(first(), second())``, ``first`` in a forked child while this process computes ``second`` where a fork
+    pays (:func:`_can_fork`, torch allowed: both compute on the meta device), else one after the other. The two
+    must be pure computations of the same result in either process (the plans of two paths of a model)."""
+    if not (FORK_SEARCHES and _can_fork()):
+        return first(), second()
+    child = _Forked([first])
+    try:
+        mine = second()
+    except BaseException:
+        child.close()
+        raise
+    return child.result()[0], mine
 
 
 class _Forked:

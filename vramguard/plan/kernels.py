@@ -46,12 +46,18 @@ def this_machine(gpus: list[GpuSpec], cards_reason: str) -> bool:
     return all(g.total_bytes == here.total_bytes and g.compute_capability == here.compute_capability for g in gpus)
 
 
+Estimates = Callable[[Settings, Settings], tuple]  # (fast settings, torch settings) -> their estimates
+
+
 def choose_path(model, s: Settings, gpus: list[GpuSpec], cards_reason: str,
-                compute: Callable[[Settings], object]):
+                compute: Callable[[Settings], object], estimates: Estimates | None = None):
     """``(plan, choice)``: ``compute(settings)`` on the path this plan follows (see the module docstring); choice
     None for a model without a kernel-backed mixer (the path changes nothing). Where both paths are planned, the
     one whose card need (``estimate.device_used_bytes``, then the peak allocated) is larger is returned, its
-    settings' ``kernels`` set to that path."""
+    settings' ``kernels`` set to that path. ``estimates(fast, torch)``: the estimates ``compute`` gives the two
+    settings, without the rest of the plan (its solved cards): the two paths are compared on them and only the
+    larger one is computed (which, were its estimate not the one compared, is compared again with the other
+    computed too)."""
     spec = model.spec  # a MemoryModel (vramguard.plan.choice.choose): only transformers' replays kernel paths
     paths = kernel_paths(spec, s) if model.needs_transformers and spec.config_json else ()
     if not paths:
@@ -63,16 +69,40 @@ def choose_path(model, s: Settings, gpus: list[GpuSpec], cards_reason: str,
     if this_machine(gpus, cards_reason):
         return compute(s), KernelChoice("installed", None, "the plan is for this machine's GPU, where transformers "
                                         f"binds the kernels of the packages installed ({here})")
-    fast, torch = compute(s.with_(kernels="fast")), compute(s.with_(kernels="torch"))
-    need = {"fast": fast.estimate.device_used_bytes, "torch": torch.estimate.device_used_bytes}  # type: ignore
-    peak = {"fast": fast.estimate.peak_allocated_bytes, "torch": torch.estimate.peak_allocated_bytes}  # type: ignore
-    larger = "torch" if (need["torch"], peak["torch"]) >= (need["fast"], peak["fast"]) else "fast"
+    plans, larger = _larger(s, compute, estimates)
+    need = {k: p.estimate.device_used_bytes for k, p in plans.items()}  # type: ignore[attr-defined]
     other = "fast" if larger == "torch" else "torch"
     why = (f"the plan is for a card that is not this machine's ({cards_reason.split(' (')[0]}), where {packages} may "
            f"or may not be installed, and kernels= was not given: both paths were planned and the larger kept "
            f"(kernels='{larger}' needs {need[larger]:,} B, kernels='{other}' {need[other]:,} B); plan with "
            "kernels='fast' (the packages installed there) or kernels='torch' (missing) to plan one")
-    return (torch if larger == "torch" else fast), KernelChoice(larger, None, why, (other, need[other]))
+    return plans[larger], KernelChoice(larger, None, why, (other, need[other]))
+
+
+def _larger(s: Settings, compute: Callable[[Settings], object], estimates: Estimates | None):
+    """(``{path: the plan or its estimate}``, the path of the larger need, then peak allocated) over ``fast`` and
+    ``torch`` (:func:`choose_path`): the larger one's plan computed, the other's estimate where ``estimates`` is
+    given, else both plans."""
+    def key(p) -> tuple[int, int]:
+        return p.estimate.device_used_bytes, p.estimate.peak_allocated_bytes
+    plans: dict[str, object] = {}
+    if estimates is not None:
+        both = estimates(s.with_(kernels="fast"), s.with_(kernels="torch"))
+        seen = {k: _Estimated(e) for k, e in zip(("fast", "torch"), both)}
+        larger = "torch" if key(seen["torch"]) >= key(seen["fast"]) else "fast"
+        plans[larger] = compute(s.with_(kernels=larger))
+        if key(plans[larger]) == key(seen[larger]):
+            return {**seen, **plans}, larger
+    for k in ("fast", "torch"):
+        plans.setdefault(k, compute(s.with_(kernels=k)))
+    return plans, "torch" if key(plans["torch"]) >= key(plans["fast"]) else "fast"
+
+
+@dataclass(frozen=True)
+class _Estimated:
+    """An estimate where :func:`_larger` compares plans (``.estimate``)."""
+
+    estimate: object
 
 
 def kernel_finding(p):

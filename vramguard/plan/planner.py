@@ -20,7 +20,7 @@ from vramguard.introspect.alloc_replay import offload_to_fit_bytes
 from vramguard.memory.model import MemoryModel
 from vramguard.plan import verified
 from vramguard.plan.allocator import (Ahead, decode_replay_finding, freed_before_finding, process_freed_memory,
-                                      replays_ahead, reserve_formula_finding, with_allocator)
+                                      replays_ahead, reserve_formula_finding, side_by_side, with_allocator)
 from vramguard.plan.choice import AUTO, Choice, choose
 from vramguard.plan.estimator import CardVerdict, MemoryEstimate, Plan, estimate, verdict
 from vramguard.plan.findings import plan_findings
@@ -116,8 +116,13 @@ def _compute(choice: Choice, s: Settings, gpus: list[GpuSpec], why: str, solve: 
     kept), which it names."""
     from dataclasses import replace
 
-    p, path = choose_path(choice.model, s, gpus, why, lambda ps: _compute_path(choice, ps, gpus, why, solve,
-                                                                               freed_before))
+    def compute(ps: Settings) -> Plan:
+        return _compute_path(choice, ps, gpus, why, solve, freed_before)
+
+    def estimates(fast: Settings, torch: Settings) -> tuple:  # side by side where a forked child pays
+        return side_by_side(lambda: _estimated(choice, fast, gpus, solve, freed_before),
+                            lambda: _estimated(choice, torch, gpus, solve, freed_before))
+    p, path = choose_path(choice.model, s, gpus, why, compute, estimates)
     if path is None:
         if s.kernels is not None:  # said, not dropped silently
             p.findings.append(Finding("kernels_ignored", "info", f"kernels='{s.kernels}' changes nothing for "
@@ -155,6 +160,14 @@ def _compute_path(choice: Choice, s: Settings, gpus: list[GpuSpec], why: str, so
     if solve:
         p.changes.extend(_as_the_cards_say(choice, s, cards, changes, freed_before))
     return p
+
+
+def _estimated(choice: Choice, s: Settings, gpus: list[GpuSpec], solve: bool, freed_before: bool | None):
+    """The estimate :func:`_compute_path` gives ``s`` on ``gpus`` (its need and peaks; the same replays), without
+    solving the cards: what :func:`~vramguard.plan.kernels.choose_path` compares before it solves one path."""
+    est = estimate(choice.model, s)
+    est, _, _ = _reserved(choice, s, est, [verdict(est, g) for g in gpus], False, freed_before, rescale=solve)
+    return est
 
 
 def _as_the_cards_say(choice: Choice, s: Settings, cards: list[CardVerdict], changes: list,
@@ -257,9 +270,10 @@ def _check_freed_before(freed_before: object) -> None:
 
 
 def _reserved(choice: Choice, s: Settings, est: MemoryEstimate, cards: list[CardVerdict], solve: bool,
-              freed_before: bool | None, ahead: Ahead | None = None):
+              freed_before: bool | None, ahead: Ahead | None = None, rescale: bool | None = None):
     """(est, cards, findings): est and cards with reserved memory from the allocator model where ``choice`` took
-    it (:attr:`Choice.reserve`; ``freed_before`` as :func:`plan`, None: this process's state), with the
+    it (:attr:`Choice.reserve`; ``freed_before`` as :func:`plan`, None: this process's state; ``rescale`` as
+    :func:`~vramguard.plan.allocator.with_allocator`), with the
     ``reserve_formula``, ``freed_before`` and decode-replay findings where they apply. A replay the default
     (``"auto"``) chose that transformers cannot record falls back to the formula, said; one asked for raises.
     ``ahead``: the estimate's replays, started before (:func:`~vramguard.plan.allocator.replays_ahead`)."""
@@ -268,7 +282,7 @@ def _reserved(choice: Choice, s: Settings, est: MemoryEstimate, cards: list[Card
     if reserve.config is not None and reserve.alloc_conf is not None:  # the allocator model
         try:
             est, cards = with_allocator(choice.model, s, est, cards, reserve.config, reserve.alloc_conf, solve, freed,
-                                        ahead)
+                                        ahead, rescale)
         except NotPlannable as e:
             if reserve.asked:
                 raise
