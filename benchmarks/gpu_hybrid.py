@@ -15,7 +15,8 @@ do these measurements: each record says which (``kernels``), and the plans follo
 memory under it is recorded as such (peak at the failure). The plans are made in worker processes (their configs
 only, no weights) while the GPU measures, with ``freed_before=True``: the measuring process has given a model's
 memory back to CUDA before every case (each checkpoint is built on the GPU, then freed); each record says whether it
-had (``process_freed``).
+had (``process_freed``). ``--fresh``: the checkpoint is built by another process, this one only loads it (a user's
+process), and the plans say ``freed_before=False``.
 
     python3 benchmarks/gpu_hybrid.py --out-dir benchmarks/results/h200_hybrid            # on the GPU machine
     python3 benchmarks/gpu_hybrid.py --out-dir /tmp/hybrid_smoke --tiny                  # CPU: plans only, tiny dims
@@ -171,11 +172,12 @@ def planned(path: str, quant: str, prompt: int, new: int, cap_bytes: int, attn: 
             "plan_findings": [f.code for f in p.findings], "plan_secs": round(time.perf_counter() - t0, 2)}
 
 
-def _plan_case(config_dir: str, arch: str, quant: str, prompt: int, new: int, cap: int) -> dict:
-    """:func:`planned` in a worker process (``freed_before=True``: see the module docstring); its error as a field."""
+def _plan_case(config_dir: str, arch: str, quant: str, prompt: int, new: int, cap: int, freed: bool = True) -> dict:
+    """:func:`planned` in a worker process (``freed_before``: ``freed``, True unless ``--fresh``: see the module
+    docstring); its error as a field."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
-        return planned(config_dir, quant, prompt, new, cap, attn_of(arch), freed_before=True)
+        return planned(config_dir, quant, prompt, new, cap, attn_of(arch), freed_before=freed)
     except Exception as e:  # noqa: BLE001 - the measurement is kept; the record says why the plan is missing
         return {"plan_error": repr(e)[:800]}
 
@@ -192,7 +194,7 @@ def plans_in_background(args, archs: list[str], cap: int) -> dict:
         folder = os.path.join(args.ckpt_dir, arch + "-config")
         AutoConfig.for_model(CONFIGS[arch]["model_type"], **config_fields(arch, False)).save_pretrained(folder)
         for case in (c for c in args.cases if c[0] == arch):
-            futures[case] = pool.submit(_plan_case, folder, *case, cap)
+            futures[case] = pool.submit(_plan_case, folder, *case, cap, not args.fresh)
     args.pool = pool
     return futures
 
@@ -205,7 +207,13 @@ def measure(args, arch: str, cases: list, plans: dict) -> None:
     from vramguard.plan.allocator import process_freed_memory
     path = os.path.join(args.ckpt_dir, arch)
     t0 = time.perf_counter()
-    save_random(CONFIGS[arch]["model_type"], config_fields(arch, False), path)
+    if args.fresh:  # built and saved by another process: this one only loads it, as a user's does
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as builder:
+            builder.submit(save_random, CONFIGS[arch]["model_type"], config_fields(arch, False), path).result()
+    else:
+        save_random(CONFIGS[arch]["model_type"], config_fields(arch, False), path)
     emit(args.out, {"kind": "checkpoint", "model": arch, "secs": round(time.perf_counter() - t0, 1)})
     total, cap = torch.cuda.mem_get_info()[1], int(args.cap_gib * GiB)
     vocab, attn = CONFIGS[arch]["vocab_size"], attn_of(arch)
@@ -265,6 +273,9 @@ def main() -> None:
     ap.add_argument("--plan-workers", type=int, default=6, help="processes planning while the GPU measures")
     ap.add_argument("--no-plan", action="store_true", help="measure only (plan later with compare_hybrid.py)")
     ap.add_argument("--tiny", action="store_true", help="CPU check: tiny dimensions, plans only")
+    ap.add_argument("--fresh", action="store_true",
+                    help="each checkpoint built in another process: this one loads it from disk, freeing nothing "
+                         "before its first case, and plans with freed_before=False (one architecture a run)")
     ap.add_argument("--quants", nargs="+", default=["bf16", "nf4"],
                     help="only the cases in these formats (nf4 alone: a fresh process, no bf16 run before it)")
     args = ap.parse_args()

@@ -24,7 +24,11 @@ PACKAGE = {
                "def mark(fn=None, *, tag='t'):\n"
                "    if fn is None:\n        return lambda f: mark(f, tag=tag)\n"
                "    fn.marked = tag\n    return fn\n\n"
-               "VERSION = 3\n"),
+               "VERSION = 3\n\n"
+               "import sys\n\n"
+               "def _keeps_its_frame():\n"  # as torch.fx.wrap, run at the top of modules TorchDynamo imports
+               "    here = sys._getframe()\n\n"
+               "_keeps_its_frame()\n"),
     "other.py": "VALUE = 42\n",
 }
 
@@ -64,6 +68,35 @@ def test_names_taken_in_the_block_import_nothing_until_used(heavy):
     assert Thing.__name__ == "Thing" and sys.modules["vg_heavy.api"].make is not make
     import vg_heavy.api
     assert heavy() == 1 and vg_heavy.api.Thing is type(t)
+
+
+def test_an_import_inside_a_traced_call_keeps_none_of_its_variables_alive_with_the_collector_paused(heavy):
+    """A deferred package imported in the middle of a call leaves a cycle of frames (one holding itself, its callers
+    behind it): with the collector paused, as ``vramguard plan`` pauses it, the caller's variables (a forward's
+    tensors) would stay alive after it returns, and a traced peak would count them."""
+    import gc
+    import weakref
+
+    class Activation:
+        pass
+    freed: list[str] = []
+
+    def forward(api):
+        x = Activation()
+        weakref.finalize(x, freed.append, "x")
+        api.make(2)  # the real vg_heavy.api is imported here
+
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        with deferred.unused_by_plans():
+            import vg_heavy.api as api
+            assert heavy() == 0
+            forward(api)
+            assert heavy() == 1 and freed == ["x"]  # freed as the call returned, the collector still paused
+    finally:
+        if was:
+            gc.enable()
 
 
 def test_a_name_not_listed_imports_the_real_package_there(heavy):

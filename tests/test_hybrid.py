@@ -424,3 +424,26 @@ def test_of_the_two_mixer_paths_only_the_larger_is_solved_and_the_plan_is_that_o
     monkeypatch.setattr(kernels, "_larger", lambda s_, compute, _estimates: counted(s_, compute, None))
     both = plan(folder, s, vram="24GiB", alloc_conf="")  # both paths solved, as before
     assert solved == ["torch", "fast", "torch"] and p == both
+
+
+def test_the_cli_plans_a_hybrid_as_the_library_does_in_a_fresh_process(falcon_h1, tmp_path):
+    """``vramguard plan`` in a new process (its deferred imports and paused collector: TorchDynamo is imported in the
+    middle of the first prefill, by the cache's ``mark_static_address``) gives the figures the library gives here,
+    where TorchDynamo was imported before. The deferred import once kept that prefill's frames alive, and a tiny
+    Falcon-H1's activations at 512 tokens were planned 4,247,040 B for 3,251,200 B."""
+    import json
+    import os
+    import subprocess
+    import sys
+    folder, _ = falcon_h1
+    args = ["--prompt-tokens", "512", "--max-new-tokens", "8", "--kernels", "torch", "--vram", "24GiB"]
+    env = {**os.environ, "VRAMGUARD_PLAN_CACHE": "0", "VRAMGUARD_TAPE_CACHE": str(tmp_path), "PYTHONPATH": os.getcwd()}
+    env.pop("VRAMGUARD_DEFER_IMPORTS", None)
+    r = subprocess.run([sys.executable, "-m", "vramguard", "plan", str(folder), *args, "--format", "json"],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    cli = json.loads(r.stdout)
+    p = plan(str(folder), Settings(prompt_tokens=512, max_new_tokens=8, kernels="torch"), vram="24GiB")
+    assert cli["prefill"]["components"]["activations"] == p.estimate.prefill.components["activations"] > 0
+    assert (cli["peak_allocated_bytes"], cli["device_used_bytes"]) == (p.estimate.peak_allocated_bytes,
+                                                                       p.estimate.device_used_bytes)

@@ -121,7 +121,8 @@ def _collector_paused():
     transformers makes hundreds of thousands of long-lived objects and next to no reference cycles, and each full
     pass of the collector over them finds nothing to free (0.4 to 0.8 CPU s of a first generic plan;
     benchmarks/README.md). A plan's figures do not depend on the collector (tests/test_replay_trim.py replays with
-    it off)."""
+    it off; the frame cycles a package imported in the middle of a traced forward leaves are collected by
+    :func:`vramguard.deferred._real`, tests/test_hybrid.py compares this command's figures with the library's)."""
     was = gc.isenabled()
     gc.disable()
     try:
