@@ -6,7 +6,9 @@ The tape, in program order:
 1. The load (``from_pretrained`` with a device map): transformers' ``caching_allocator_warmup`` requests one block
    of the weights' size and frees it, then every parameter, buffer and bitsandbytes quantization-state tensor is
    allocated in the order the meta model lists them (:func:`vramguard.introspect.build.structure`); tensors of at
-   most 1 MiB go to the small pool, the others split the warm-up block.
+   most 1 MiB go to the small pool, the others split the warm-up block. A parameter transformers makes from one
+   checkpoint tensor per expert (a MoE's stacked experts) is preceded by those tensors and its stacks, freed once
+   it is made (:func:`_fused_at_load`): the holes they leave stay reserved.
 2. A warm-up ``generate``: the cuBLAS workspace (32 MiB, :data:`vramguard.memory.runtime.CUBLAS_WORKSPACE_BYTES`)
    and 512 B beside it stay allocated; then ``torch.cuda.empty_cache()``.
 3. ``generate`` itself: the input ids and mask, the prefill forward and every decode forward, as transformers' own
@@ -42,7 +44,7 @@ from functools import lru_cache
 from vramguard.errors import NotPlannable
 from vramguard.introspect import hand, tape_cache
 from vramguard.introspect.build import _quiet, cached_config, text_config
-from vramguard.introspect.generic import _replay_model, _structure, structure_of
+from vramguard.introspect.generic import _replay_model, _structure, conversions, structure_of
 from vramguard.introspect.layer_trim import expand, trim_plan
 from vramguard.introspect.mixers import replayed_paths
 from vramguard.introspect.stretch import MARGIN, breakpoints, chunk_period
@@ -101,7 +103,9 @@ def load_events(spec, s: Settings) -> tuple[int, list[tuple[int, int]]]:
     (``ceil(n / 64) x 4`` B), the packed weight (``ceil(n / 2)`` B) and, with double quant, a second float32 absmax
     and the 8-bit state (:func:`~vramguard.memory.weights.quantized_tensor_bytes`) before it frees both float32
     copies and the 16-bit weight (without double quant the first absmax is the state). An 8-bit weight is read,
-    quantized to its ``numel`` bytes and state, and freed."""
+    quantized to its ``numel`` bytes and state, and freed. A parameter stacked at load from per-expert tensors
+    (:func:`vramguard.introspect.generic.conversions`) comes with its sources and intermediates
+    (:func:`_fused_at_load`)."""
     act = DTYPE_BYTES[s.act_dtype]
     st = hand.structure(spec, s) if hand.covers(spec) else structure_of(spec, s)
     tensors = sorted((t for t in st.tensors if t.nbytes or t.kind == "quantized"),
@@ -116,7 +120,11 @@ def load_events(spec, s: Settings) -> tuple[int, list[tuple[int, int]]]:
         key += 1
         events.append((key, nbytes))
         return key
+    fused = {} if hand.covers(spec) or not spec.config_json else conversions(spec, st)
     for t in tensors:
+        if t.name in fused and fused[t.name][2]:
+            _fused_at_load(t, *fused[t.name][1:], alloc, events)
+            continue
         if t.kind != "quantized":
             alloc(t.nbytes)
             continue
@@ -135,6 +143,36 @@ def load_events(spec, s: Settings) -> tuple[int, list[tuple[int, int]]]:
         alloc(state - rounded(absmax // 4) if s.double_quant else state - absmax)
         events += [(k, -1) for k in (*temps[1:][::-1], *(temps[:1] if s.double_quant else []), full)]
     return (warm // 2) * 2, events
+
+
+def _fused_at_load(t, ops: tuple[str, ...], patterns: int, alloc, events: list) -> None:
+    """The allocations of parameter ``t`` made at load from one checkpoint tensor per expert and source pattern
+    (transformers 5's ``core_model_loading``: ``WeightConverter.convert`` materializes every source tensor on the
+    device, then runs its operations): ``MergeModulelist`` stacks each pattern's tensors (``torch.stack``), the
+    previous pattern's list dropped as the next is taken and the last one on return; ``Concatenate`` joins the
+    stacks (``torch.cat``) and drops them on return; any other operation is planned as one new tensor of the
+    parameter's size, its input dropped on return. The last result is the parameter. The holes these leave
+    between the weights are why a MoE's checkpoint leaves more memory reserved after its load than its weights."""
+    experts = t.shape[0] if t.shape and "MergeModulelist" in ops else 1
+    per_pattern = t.nbytes // patterns
+    groups: list[list[int]] = [[alloc(per_pattern // experts) for _ in range(experts)] for _ in range(patterns)]
+    for op in ops:
+        if op == "MergeModulelist":
+            stacks = []
+            for i in range(len(groups)):
+                if i:
+                    events.extend((k, -1) for k in groups[i - 1])
+                stacks.append([alloc(per_pattern)])
+            events.extend((k, -1) for k in groups[-1])
+            groups = stacks
+        elif op == "Concatenate":
+            joined = alloc(t.nbytes)
+            events.extend((k, -1) for g in groups for k in g)
+            groups = [[joined]]
+        else:
+            out = alloc(t.nbytes)
+            events.extend((k, -1) for g in groups for k in g)
+            groups = [[out]]
 
 
 def _load(alloc: CachingAllocator, spec, s: Settings, workspace: bool = True) -> list:

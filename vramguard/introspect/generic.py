@@ -336,7 +336,8 @@ def load_plan_of(w: WeightBytes, st, converted: dict[str, tuple[int, int]], s: S
 @lru_cache(maxsize=16)
 def _conversion_rules(config_json: str, name: str) -> tuple:
     """transformers' WeightConverters for the model (``conversion_mapping.get_model_conversion_mapping``) that
-    change tensors (not renames): ``((source patterns, target patterns, number of operations), ...)``."""
+    change tensors (not renames): ``((source patterns, target patterns, number of operations, the operations'
+    class names), ...)``."""
     try:
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import WeightConverter
@@ -344,22 +345,32 @@ def _conversion_rules(config_json: str, name: str) -> tuple:
         return ()
     with _quiet():
         rules = get_model_conversion_mapping(meta_model(cached_config(config_json, name), "bf16"))
-    return tuple((tuple(r.source_patterns), tuple(r.target_patterns), len(r.operations)) for r in rules
+    return tuple((tuple(r.source_patterns), tuple(r.target_patterns), len(r.operations),
+                  tuple(type(o).__name__ for o in r.operations)) for r in rules
                  if isinstance(r, WeightConverter) and r.operations)
 
 
 def _converted(spec, st) -> dict[str, tuple[int, int]]:
     """Parameters transformers fuses at load from several checkpoint tensors: name -> (bytes, operations)."""
+    return {name: (rounded(t.nbytes), len(ops)) for name, (t, ops, _) in conversions(spec, st).items()}
+
+
+def conversions(spec, st) -> dict[str, tuple]:
+    """The parameters of structure ``st`` that transformers makes at load from several checkpoint tensors (a MoE's
+    experts, stacked from one tensor per expert; ``core_model_loading.WeightConverter``): name -> (its
+    :class:`~vramguard.introspect.build.TensorInfo`, the operations' class names in order, the number of source
+    patterns). A checkpoint whose headers show the parameter stored fused already has none; without headers every
+    convertible parameter is listed (the larger load)."""
     import re
     keys = _checkpoint_keys(spec.source)
-    out: dict[str, tuple[int, int]] = {}
-    for source_patterns, target_patterns, n_ops in _conversion_rules(spec.config_json, spec.name):
+    out: dict[str, tuple] = {}
+    for source_patterns, target_patterns, _n, ops in _conversion_rules(spec.config_json, spec.name):
         sources = [re.compile(p.replace(".", r"\.").replace("*", r"\d+")) for p in source_patterns]
         if keys is not None and not any(src.search(k) for src in sources for k in keys):
             continue  # stored already fused
         for t in st.tensors:
             if any(t.name.endswith(target) for target in target_patterns):
-                out[t.name] = (rounded(t.nbytes), n_ops)
+                out[t.name] = (t, ops, len(source_patterns) if len(target_patterns) == 1 else 0)
     return out
 
 
