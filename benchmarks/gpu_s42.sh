@@ -1,6 +1,6 @@
 #!/bin/bash
 # H200 call of 2026-12-03 (session 42), from the repository root; $OUT is the device's output folder.
-# carry .whl/a .whl/b. Two things at once:
+# stage 1 (carry .whl/a .whl/b), two things at once:
 #  - `vramguard plan` from the command line, a new process each, empty caches, of the Falcon-H1 config the held-back
 #    runs measured (benchmarks/gpu_hybrid.py's dimensions), in the two measured settings, as a user plans on this
 #    machine (its GPU detected, the kernels installed here): the figures to compare with
@@ -8,9 +8,22 @@
 #    time of each first plan;
 #  - Qwen3-Next (4 of 48 layers) in a process that only loads its checkpoint from disk (`gpu_hybrid.py --fresh`):
 #    reserved memory as a user's process has it (the earlier record built and freed the checkpoint on the GPU first).
+# stage 2 (carry .whl/a .whl/b): three MoE architectures whose experts transformers stacks at load, each in a process
+#   that only loads its checkpoint (`gpu_hybrid.py --fresh`), at the lengths of gpu_hybrid.py's CASES (one beyond
+#   the holes the load leaves), planned beside the measurement by the code that models those holes.
 set -u
-O=$OUT/s42; mkdir -p $O
+STAGE=${1:-1}
+O=$OUT/s42_$STAGE; mkdir -p $O
 export PYTHONPATH=/tmp/site:$PWD
+if [ "$STAGE" = 2 ]; then
+  for w in a b; do pip install -q --no-index --no-deps --target /tmp/site .whl/$w/*.whl 2>&1 | grep -v WARNING; done
+  for arch in qwen3-next-4l ernie4.5-21b-a3b-4l qwen1.5-moe-a2.7b; do
+    timeout 240 python3 benchmarks/gpu_hybrid.py --archs $arch --fresh --out-dir $O/$arch --ckpt-dir /dev/shm/vg_s42 \
+      --plan-workers 3 > $O/${arch}_log.txt 2>&1
+    rm -rf /dev/shm/vg_s42
+  done
+  exit 0
+fi
 for w in a b; do pip install -q --no-index --no-deps --target /tmp/site .whl/$w/*.whl 2>&1 | grep -v WARNING; done
 python3 -c "import torch,transformers,bitsandbytes;print(torch.__version__,transformers.__version__,bitsandbytes.__version__)" > $O/versions.txt 2>&1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >> $O/versions.txt
