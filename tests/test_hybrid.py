@@ -447,3 +447,16 @@ def test_the_cli_plans_a_hybrid_as_the_library_does_in_a_fresh_process(falcon_h1
     assert cli["prefill"]["components"]["activations"] == p.estimate.prefill.components["activations"] > 0
     assert (cli["peak_allocated_bytes"], cli["device_used_bytes"]) == (p.estimate.peak_allocated_bytes,
                                                                        p.estimate.device_used_bytes)
+
+
+def test_a_moe_plan_says_which_experts_path_it_replayed(config_of):
+    """The experts implementation transformers resolved on the model it built (grouped_mm for a class that
+    dispatches, the default), said in the plan; a dense model says nothing of it."""
+    from vramguard.introspect.generic import experts_path
+    s = Settings(quant="bf16", prompt_tokens=64, max_new_tokens=4)
+    p = plan(config_of("olmoe"), s, vram="24GiB", solve=False)
+    [f] = [f for f in p.findings if f.code == "experts_path"]
+    assert f.level == "info" and "experts_implementation='grouped_mm'" in f.message
+    assert experts_path(p.model, s) == "grouped_mm"
+    dense = plan(config_of("olmo2"), s, vram="24GiB", solve=False)
+    assert not [f for f in dense.findings if f.code == "experts_path"] and experts_path(dense.model, s) is None

@@ -187,6 +187,19 @@ def kernel_paths(spec, s: Settings):
     return paths(_replay_model(spec.config_json, spec.name, s.act_dtype, s.effective_attn, s.sdpa_kernel)[0])
 
 
+def experts_path(spec, s: Settings) -> str | None:
+    """The experts implementation the replayed forward of ``spec`` with ``s`` takes: the config's
+    ``_experts_implementation`` as transformers resolved it on the model it built (``"grouped_mm"`` by default,
+    ``"eager"`` where the class cannot dispatch; ``PreTrainedModel.get_correct_experts_implementation``), read off
+    its first experts module that dispatches on it (``integrations.moe.use_experts_implementation``); None for a
+    model without one."""
+    model = _replay_model(spec.config_json, spec.name, s.act_dtype, s.effective_attn, s.sdpa_kernel)[0]
+    for m in model.modules():
+        if hasattr(m, "is_concatenated") and hasattr(m, "has_gate"):
+            return getattr(getattr(m, "config", None), "_experts_implementation", None)
+    return None
+
+
 def _quantized_kv(r, s: Settings) -> tuple[int, int]:
     """(bytes of the cache in ``s``'s quantized format, bytes of its largest layer in 16-bit), from the replayed
     16-bit attention K/V tensors (4-D, tokens on dim -2); other cache tensors are kept as they are."""
