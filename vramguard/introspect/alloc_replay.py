@@ -8,7 +8,7 @@ The tape, in program order:
    allocated in the order the meta model lists them (:func:`vramguard.introspect.build.structure`); tensors of at
    most 1 MiB go to the small pool, the others split the warm-up block. A parameter transformers makes from one
    checkpoint tensor per expert (a MoE's stacked experts) is preceded by those tensors and its stacks, freed once
-   it is made (:func:`_fused_at_load`): the holes they leave stay reserved.
+   it is made (:func:`vramguard.introspect.load_tape._fused_at_load`): the holes they leave stay reserved.
 2. A warm-up ``generate``: the cuBLAS workspace (32 MiB, :data:`vramguard.memory.runtime.CUBLAS_WORKSPACE_BYTES`)
    and 512 B beside it stay allocated; then ``torch.cuda.empty_cache()``.
 3. ``generate`` itself: the input ids and mask, the prefill forward and every decode forward, as transformers' own
@@ -44,8 +44,9 @@ from functools import lru_cache
 from vramguard.errors import NotPlannable
 from vramguard.introspect import hand, tape_cache
 from vramguard.introspect.build import _quiet, cached_config, text_config
-from vramguard.introspect.generic import _replay_model, _structure, conversions, structure_of
+from vramguard.introspect.generic import _replay_model, _structure
 from vramguard.introspect.layer_trim import expand, trim_plan
+from vramguard.introspect.load_tape import load_events
 from vramguard.introspect.mixers import replayed_paths
 from vramguard.introspect.stretch import MARGIN, breakpoints, chunk_period
 from vramguard.introspect.tape_stretch import periodic_events
@@ -54,7 +55,6 @@ from vramguard.memory.allocator import AllocatorConfig, Block, CachingAllocator,
 from vramguard.memory.decode_steps import DecodeSteps, Placer
 from vramguard.memory.forward import BNB_4BIT_FUSED_MAX_ROWS, sdpa_runs_math
 from vramguard.memory.runtime import CUBLAS_WORKSPACE_BYTES
-from vramguard.memory.weights import BNB_4BIT_BLOCKSIZE, quantized_tensor_bytes, rounded
 from vramguard.settings import DTYPE_BYTES, Settings
 from vramguard.spec import SUPPORTED_MODEL_TYPES, spec_from_config
 
@@ -92,87 +92,6 @@ def not_covered(s: Settings) -> str | None:
     if s.logits != "last":
         return "logits of every position"
     return "returned attention maps" if s.output_attentions else None
-
-
-def load_events(spec, s: Settings) -> tuple[int, list[tuple[int, int]]]:
-    """The load as transformers 5 and bitsandbytes 0.50 allocate it (H200 traces, benchmarks/README.md): the bytes
-    of ``caching_allocator_warmup``'s block (``get_total_byte_count``: every parameter, a 4-bit weight at half a
-    byte a value, then ``byte_count // 2`` float16 values), and the tape ``(key, bytes)`` / ``(key, -1)`` of every
-    tensor in the checkpoint's key order (names sorted, as safetensors lists them). A 4-bit weight of n values is
-    read in the activation dtype, then bitsandbytes' ``quantize_4bit`` allocates the float32 absmax
-    (``ceil(n / 64) x 4`` B), the packed weight (``ceil(n / 2)`` B) and, with double quant, a second float32 absmax
-    and the 8-bit state (:func:`~vramguard.memory.weights.quantized_tensor_bytes`) before it frees both float32
-    copies and the 16-bit weight (without double quant the first absmax is the state). An 8-bit weight is read,
-    quantized to its ``numel`` bytes and state, and freed. A parameter stacked at load from per-expert tensors
-    (:func:`vramguard.introspect.generic.conversions`) comes with its sources and intermediates
-    (:func:`_fused_at_load`)."""
-    act = DTYPE_BYTES[s.act_dtype]
-    st = hand.structure(spec, s) if hand.covers(spec) else structure_of(spec, s)
-    tensors = sorted((t for t in st.tensors if t.nbytes or t.kind == "quantized"),
-                     key=lambda t: t.name)
-    warm = sum(-(-t.numel // 2) if t.kind == "quantized" and t.dtype in ("nf4", "fp4") else
-               (t.numel if t.kind == "quantized" else t.nbytes) for t in tensors if t.kind != "buffer")
-    events: list[tuple[int, int]] = []
-    key = 0
-
-    def alloc(nbytes: int) -> int:
-        nonlocal key
-        key += 1
-        events.append((key, nbytes))
-        return key
-    fused = {} if hand.covers(spec) or not spec.config_json else conversions(spec, st)
-    for t in tensors:
-        if t.name in fused and fused[t.name][2]:
-            _fused_at_load(t, *fused[t.name][1:], alloc, events)
-            continue
-        if t.kind != "quantized":
-            alloc(t.nbytes)
-            continue
-        w, state = quantized_tensor_bytes(t.numel, t.dtype, s.double_quant, t.out_features)
-        full = alloc(t.numel * act)
-        if t.dtype not in ("nf4", "fp4"):
-            alloc(w), alloc(state)
-            events.append((full, -1))
-            continue
-        absmax = -(-t.numel // BNB_4BIT_BLOCKSIZE) * 4
-        temps = [alloc(absmax)]
-        alloc(w)
-        if s.double_quant:  # the 8-bit absmax (the only part of the state that can pass 1 MiB), then the rest
-            temps.append(alloc(absmax))
-            alloc(rounded(absmax // 4))
-        alloc(state - rounded(absmax // 4) if s.double_quant else state - absmax)
-        events += [(k, -1) for k in (*temps[1:][::-1], *(temps[:1] if s.double_quant else []), full)]
-    return (warm // 2) * 2, events
-
-
-def _fused_at_load(t, ops: tuple[str, ...], patterns: int, alloc, events: list) -> None:
-    """The allocations of parameter ``t`` made at load from one checkpoint tensor per expert and source pattern
-    (transformers 5's ``core_model_loading``: ``WeightConverter.convert`` materializes every source tensor on the
-    device, then runs its operations): ``MergeModulelist`` stacks each pattern's tensors (``torch.stack``), the
-    previous pattern's list dropped as the next is taken and the last one on return; ``Concatenate`` joins the
-    stacks (``torch.cat``) and drops them on return; any other operation is planned as one new tensor of the
-    parameter's size, its input dropped on return. The last result is the parameter. The holes these leave
-    between the weights are why a MoE's checkpoint leaves more memory reserved after its load than its weights."""
-    experts = t.shape[0] if t.shape and "MergeModulelist" in ops else 1
-    per_pattern = t.nbytes // patterns
-    groups: list[list[int]] = [[alloc(per_pattern // experts) for _ in range(experts)] for _ in range(patterns)]
-    for op in ops:
-        if op == "MergeModulelist":
-            stacks = []
-            for i in range(len(groups)):
-                if i:
-                    events.extend((k, -1) for k in groups[i - 1])
-                stacks.append([alloc(per_pattern)])
-            events.extend((k, -1) for k in groups[-1])
-            groups = stacks
-        elif op == "Concatenate":
-            joined = alloc(t.nbytes)
-            events.extend((k, -1) for g in groups for k in g)
-            groups = [[joined]]
-        else:
-            out = alloc(t.nbytes)
-            events.extend((k, -1) for g in groups for k in g)
-            groups = [[out]]
 
 
 def _load(alloc: CachingAllocator, spec, s: Settings, workspace: bool = True) -> list:

@@ -372,8 +372,8 @@ def conversions(spec, st) -> dict[str, tuple]:
     """The parameters of structure ``st`` that transformers makes at load from several checkpoint tensors (a MoE's
     experts, stacked from one tensor per expert; ``core_model_loading.WeightConverter``): name -> (its
     :class:`~vramguard.introspect.build.TensorInfo`, the operations' class names in order, the number of source
-    patterns, 0 where one conversion makes several parameters). A checkpoint whose headers show the parameter stored fused already has none; without headers every
-    convertible parameter is listed (the larger load)."""
+    patterns, 0 where one conversion makes several parameters). A checkpoint whose headers show the parameter stored
+    fused already has none; without headers every convertible parameter is listed (the larger load)."""
     import re
     keys = _checkpoint_keys(spec.source)
     out: dict[str, tuple] = {}
