@@ -195,6 +195,9 @@ def test_a_moe_whose_experts_are_stacked_at_load_keeps_the_holes_reserved(tmp_pa
     measured = max(runs[0]["prefill_reserved_peak"], runs[0]["decode_reserved_peak"])
     p = planned(ernie, "bf16", 4096, 32, 60 * GiB, "sdpa", freed_before=True)
     assert abs(p["plan_reserved"] - measured) / measured < 0.01  # -0.42%
+    from vramguard import plan
+    small = plan(ernie, Settings(), vram="8GiB").cards[0]  # the load's peak (8.22 GB) is past the card
+    assert not small.fits and small.max_prompt_tokens is None
     qwen = resolve_model(_moe_config(tmp_path, "qwen3-next-4l"))
     s = Settings(quant="bf16", attn="sdpa")
     _, events = load_events(qwen, s)

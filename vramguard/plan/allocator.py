@@ -135,8 +135,8 @@ def _judged(model, s: Settings, est, cards: list, conf: AllocatorConfig, capped:
         kept_free = c.usable_bytes - ctx_bytes - cap.allowed_bytes
         c = replace(c, need_bytes=need, fits=fits, headroom_bytes=c.usable_bytes - need, kept_free_bytes=kept_free,
                     misfit_reason=misfit_reason(fits, need, c.usable_bytes, kept_free if r.fits else 0))
-        if edges is not None:
-            c = replace(c, max_prompt_tokens=edges[i])
+        if edges is not None:  # no prompt where the load alone does not fit
+            c = replace(c, max_prompt_tokens=edges[i] if load_need <= c.usable_bytes else None)
         if edges is not None and fits:  # the run as asked fits: its own figures are the least each limit can be
             c = replace(c, max_prompt_tokens=max(c.max_prompt_tokens or 0, s.prompt_tokens),
                         max_new_tokens=max(c.max_new_tokens or 0, s.max_new_tokens),
