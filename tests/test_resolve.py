@@ -125,3 +125,17 @@ def test_a_gguf_file_is_named_with_the_conversion(tmp_path):
         assert 'c.save_pretrained("OUT")' in argv[2] and 'save_pretrained("OUT")' in argv[2].rsplit(";", 1)[1]
     (tmp_path / "notes.gguf").write_bytes(b"text, not GGUF")  # the magic decides, not the name
     assert not is_gguf(tmp_path / "notes.gguf") and is_gguf(gguf)
+
+
+def test_a_generic_config_missing_a_dimension_says_the_class_default_filled_it():
+    """An architecture outside the hand families whose config.json leaves out its layer count: transformers' config
+    class supplies 16 (OLMoE's default), and the spec says so instead of planning that model silently."""
+    pytest.importorskip("transformers")
+    from vramguard.spec import spec_from_config
+    cfg = {"model_type": "olmoe", "hidden_size": 64, "intermediate_size": 32, "num_attention_heads": 4,
+           "num_key_value_heads": 4, "num_experts": 4, "num_experts_per_tok": 2, "vocab_size": 256}
+    spec = spec_from_config(cfg, "olmoe-no-layers")
+    assert spec.num_layers == 16
+    assert any(n.startswith("config.json names no num_hidden_layers") for n in spec.notes)
+    full = spec_from_config({**cfg, "num_hidden_layers": 2}, "olmoe")
+    assert not any("names no" in n for n in full.notes) and full.num_layers == 2

@@ -18,6 +18,7 @@ phi3.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -377,6 +378,14 @@ def _generic_spec(text: dict[str, Any], raw_json: str, name: str, source: str, o
     if outer_type and text.get("model_type") and outer_type != text.get("model_type"):
         notes.append(f"multimodal config ({outer_type}): the whole model AutoModelForCausalLM loads is planned, its "
                      "vision tower included; sizes shown are the language model's")
+    given = json.loads(raw_json)  # the file, before transformers' config class fills in its defaults
+    given = given.get("text_config") if isinstance(given.get("text_config"), dict) else given
+    missing = [k[0] for k in (("num_hidden_layers", "n_layer", "num_layers"), ("hidden_size", "n_embd", "d_model"),
+                              ("vocab_size", "padded_vocab_size")) if _first_int(given, *k) is None]
+    if missing:  # said, not filled in silently: transformers' config class supplies its defaults
+        notes.append(f"config.json names no {', '.join(missing)}: transformers' config class fills in its own "
+                     "default, and the plan is of the model it builds with it; if that is not your model, fix the "
+                     "config")
     if ctx is None:
         ctx = 131072
         notes.append("the config sets no context length (ALiBi or similar): prompts up to 131,072 tokens are planned")
