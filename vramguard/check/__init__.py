@@ -244,11 +244,14 @@ def _plan_findings(model, spec, s: Settings, card, env, device_map) -> list[Find
     if card is None:
         est = estimate(choose(spec, s).model, s)
         return [finding_line("plan", "info", f"needs {fmt_gib(est.device_used_bytes)} on the card",
-                             "no card to compare with", "pass gpu=NAME to check against a card")]
+                             f"the weights as run and serve load them here ({s.quant}, compute {s.act_dtype}), "
+                             f"{s.prompt_tokens:,} + {s.max_new_tokens:,} tokens, batch {s.batch}; no card to "
+                             "compare with", "pass gpu=NAME to check against a card")]
     v = plan(spec, s, gpus=[card], solve=False).cards[0]
     out = [finding_line("plan", "ok" if v.fits else "fail",
                         f"needs {fmt_gib(v.need_bytes)} of {fmt_gib(v.usable_bytes)}",
-                        f"vramguard plan for {s.prompt_tokens:,} + {s.max_new_tokens:,} tokens, batch {s.batch}"
+                        f"vramguard plan for {s.quant} weights (compute {s.act_dtype}), {s.prompt_tokens:,} + "
+                        f"{s.max_new_tokens:,} tokens, batch {s.batch}"
                         + (f"; it {misfit_text(v)}" if v.misfit_reason in ("kept_free", "fragmentation") else ""),
                         None if v.fits else "run `vramguard plan` for the changes that make it fit")]
     if device_map == "auto" and v.fits:
