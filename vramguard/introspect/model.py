@@ -90,14 +90,18 @@ class TransformersModel(MemoryModel):
         return generic.learned_positions(self.spec)
 
     def findings(self, s: Settings) -> list[Finding]:
-        """``attn_replayed`` where the replay substituted an attention implementation (the path of kernel-backed
-        mixers is the plan's ``mixer_path`` finding: :func:`vramguard.plan.kernels.kernel_finding`)."""
+        """``attn_replayed`` where the replay substituted an attention implementation, and ``experts_path`` for MoE
+        experts that dispatch on transformers' experts implementation (:func:`_experts_finding`); the path of
+        kernel-backed mixers is the plan's ``mixer_path`` finding: :func:`vramguard.plan.kernels.kernel_finding`."""
         out = []
         note = generic.replay_note(self.spec, s)
         if note:
             refused = note.startswith("transformers refuses")
             out.append(Finding("attn_replayed", "warn" if refused else "info", note,
                                "pass attn=eager (what this model loads with)" if refused else None))
+        impl = generic.experts_path(self.spec, s) if self.spec.config_json else None
+        if impl is not None:
+            out.append(_experts_finding(impl))
         return out  # mixer_path: vramguard.plan.kernels.kernel_finding, with the path chosen for the plan
 
     def forward_parts_measured(self, s: Settings) -> tuple[str, ...]:
@@ -110,3 +114,19 @@ class TransformersModel(MemoryModel):
         for p in generic.kernel_paths(self.spec, s):
             found.append(f"path:{p.package}:{'kernel' if takes_kernel(p, s.kernels) else 'reference'}")
         return tuple(dict.fromkeys(found))
+
+
+def _experts_finding(impl: str) -> Finding:
+    """The ``info`` finding ``experts_path``: the experts implementation ``impl`` the replay took
+    (:func:`vramguard.introspect.generic.experts_path`), and why the other path of that implementation on some cards
+    holds the same tensors."""
+    if impl == "grouped_mm":
+        how = ("one grouped matrix product per projection over the routed tokens sorted by expert; on a card below "
+               "compute capability 8.0 (where torch's grouped_mm does not run) transformers' _grouped_mm_fallback "
+               "multiplies expert by expert into an output of the same shape, so the plan holds there too")
+    elif impl == "eager":
+        how = "the experts class's own loop, expert by expert"
+    else:
+        how = "as transformers' ExpertsInterface binds it"
+    return Finding("experts_path", "info", f"MoE experts: replayed transformers' experts_implementation='{impl}' "
+                   f"(as transformers resolved it for this model; integrations/moe.py): {how}")

@@ -12,7 +12,7 @@ from typing import Callable
 from vramguard.catalog.gpus import GpuSpec
 from vramguard.finding import Finding
 from vramguard.hardware import detect_gpus
-from vramguard.introspect.generic import experts_path, kernel_paths
+from vramguard.introspect.generic import kernel_paths
 from vramguard.introspect.mixers import describe, installed_packages
 from vramguard.settings import Settings
 
@@ -114,23 +114,3 @@ def kernel_finding(p):
     return Finding("mixer_path", "info", describe(kernel_paths(p.model, p.settings), transformers.__version__,
                                                   choice.replayed, choice.why))
 
-
-def experts_finding(model, s: Settings) -> Finding | None:
-    """The ``info`` finding ``experts_path`` of a generic plan whose MoE experts dispatch on transformers'
-    experts implementation (:func:`~vramguard.introspect.generic.experts_path`): the path replayed, and why the
-    other path of that implementation on a given card holds the same tensors; None for any other model."""
-    if not (model.needs_transformers and model.spec.config_json):
-        return None
-    impl = experts_path(model.spec, s)
-    if impl is None:
-        return None
-    if impl == "grouped_mm":
-        how = ("one grouped matrix product per projection over the routed tokens sorted by expert; on a card below "
-               "compute capability 8.0 (where torch's grouped_mm does not run) transformers' _grouped_mm_fallback "
-               "multiplies expert by expert into an output of the same shape, so the plan holds there too")
-    elif impl == "eager":
-        how = "the experts class's own loop, expert by expert"
-    else:
-        how = "as transformers' ExpertsInterface binds it"
-    return Finding("experts_path", "info", f"MoE experts: replayed transformers' experts_implementation='{impl}' "
-                   f"(its default for this class; integrations/moe.py): {how}")

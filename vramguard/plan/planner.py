@@ -24,7 +24,7 @@ from vramguard.plan.allocator import (Ahead, decode_replay_finding, freed_before
 from vramguard.plan.choice import AUTO, Choice, choose
 from vramguard.plan.estimator import CardVerdict, MemoryEstimate, Plan, estimate, verdict
 from vramguard.plan.findings import plan_findings
-from vramguard.plan.kernels import choose_path, experts_finding, kernel_finding
+from vramguard.plan.kernels import choose_path, kernel_finding
 from vramguard.plan.limits import check_context
 from vramguard.plan.solve import offload_change, ranked_changes, solve_card
 from vramguard.resolve import resolve_model
@@ -157,9 +157,6 @@ def _compute_path(choice: Choice, s: Settings, gpus: list[GpuSpec], why: str, so
     p.findings.extend(prequant_findings(p))
     p.findings.extend(reserved_findings)
     p.findings.extend(unverified)
-    experts = experts_finding(model, s)
-    if experts is not None:
-        p.findings.append(experts)
     if solve:
         p.changes.extend(_as_the_cards_say(choice, s, cards, changes, freed_before))
     return p
