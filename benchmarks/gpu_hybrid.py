@@ -240,7 +240,8 @@ def measure(args, arch: str, cases: list, plans: dict) -> None:
                 continue
             freed = process_freed_memory()
             torch.cuda.set_per_process_memory_fraction(cap / total)
-            rec = run_case(model, vocab, 1, case[2], case[3])
+            trace = os.path.join(args.out_dir, f"trace_{arch}_{quant}_{case[2]}.json.gz") if args.trace else None
+            rec = run_case(model, vocab, 1, case[2], case[3], trace_path=trace)
             t_wait = time.perf_counter()
             try:
                 pl = plans[case].result() if case in plans else {}
@@ -281,8 +282,12 @@ def main() -> None:
                          "before its first case, and plans with freed_before=False (one architecture a run)")
     ap.add_argument("--quants", nargs="+", default=["bf16", "nf4"],
                     help="only the cases in these formats (nf4 alone: a fresh process, no bf16 run before it)")
+    ap.add_argument("--prompts", nargs="+", type=int, help="only the cases of these prompt lengths")
+    ap.add_argument("--trace", action="store_true",
+                    help="record each case's allocator trace (large pool, from the segments at its start) beside "
+                         "the records: trace_<arch>_<quant>_<prompt>.json.gz, as benchmarks/replay_trace.py reads")
     args = ap.parse_args()
-    args.cases = [c for c in CASES if c[1] in args.quants]
+    args.cases = [c for c in CASES if c[1] in args.quants and (not args.prompts or c[2] in args.prompts)]
     os.makedirs(args.out_dir, exist_ok=True)
     args.out = os.path.join(args.out_dir, "gpu_hybrid.jsonl")
     import transformers

@@ -107,14 +107,17 @@ def takes_kernel(path: KernelPath, kernels: str | None) -> bool:
 def replayed_paths(model, kernels: str | None):
     """While open, every kernel-backed function of ``model``'s modeling modules runs the path ``kernels`` names (see
     the module docstring): the reference PyTorch function, or its package kernel's memory model on meta tensors
-    (:func:`_as_kernel`); restored on exit."""
+    (:func:`_as_kernel`), its loops over chunks cut once they repeat
+    (:func:`vramguard.introspect.loop_trim.steady`); restored on exit."""
+    from vramguard.introspect.loop_trim import steady  # torch: kept off the plan's fast path, as below
     found = _functions(model)
     bound = [vars(module)[name] for module, name, _ in found]
     try:
         for module, name, state in found:
             path = KernelPath(name, str(state["func_name"]), str(state["package"]),
                               bool(state["is_new_implementation"]))
-            setattr(module, name, _as_kernel(state) if takes_kernel(path, kernels) else state["torch_function"])
+            setattr(module, name,
+                    _as_kernel(state) if takes_kernel(path, kernels) else steady(state["torch_function"]))
         yield
     finally:
         for (module, name, _), fn in zip(found, bound):
@@ -127,19 +130,24 @@ def reference_paths(model):
 
 
 def _as_kernel(state: dict):
-    """A stand-in for the package kernel of ``state`` on meta tensors: the reference function runs untracked (the
-    shapes of its results), then the kernel's own allocations are made under the tracker: the workspace of
+    """A stand-in for the package kernel of ``state`` on meta tensors: the reference function runs apart from the
+    replay's tracker (the shapes of its results; under a tracker of its own, so that its loop over chunks ends once
+    it repeats: :mod:`vramguard.introspect.loop_trim`), then the kernel's own allocations are made under the tracker: the workspace of
     :data:`WORKSPACE` where the kernel has one there, else fresh outputs of the reference's shapes and dtypes (a
     kernel that writes its outputs and nothing else: ``causal_conv1d_fn``, ``selective_state_update``)."""
     import torch
     from torch.utils._python_dispatch import _disable_current_modes
     from torch.utils._pytree import tree_map
+
+    from vramguard.introspect.loop_trim import steady
+    from vramguard.introspect.tracker import StorageTracker
     reference, kernel = state["torch_function"], str(state["func_name"])
     signature = inspect.signature(reference)
+    shapes = steady(reference)
 
     def run(*args, **kwargs):
-        with _disable_current_modes():
-            out = reference(*args, **kwargs)
+        with _disable_current_modes(), StorageTracker():
+            out = shapes(*args, **kwargs)
         if kernel in WORKSPACE:
             return WORKSPACE[kernel](signature.bind(*args, **kwargs).arguments, out)
         return tree_map(lambda t: torch.empty_like(t) if isinstance(t, torch.Tensor) else t, out)

@@ -31,7 +31,7 @@ _SOURCES = ("alloc_replay.py", "build.py", "generic.py", "keys.py", "layer_trim.
             "tracker.py",
             "../memory/forward.py", "../memory/kv.py", "../settings.py", "../memory/allocator.py",
             "../memory/decode_steps.py", "../memory/weights.py", "hand.py", "../memory/hand_tape.py",
-            "../memory/metatensor.py", "stretch.py", "tape_stretch.py")
+            "../memory/metatensor.py", "stretch.py", "tape_stretch.py", "loop_trim.py")
 
 
 def enabled() -> bool:

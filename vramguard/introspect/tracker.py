@@ -98,6 +98,14 @@ class StorageTracker(TorchDispatchMode):
         """The serial of ``t``'s storage, or None when it was not allocated under this tracker."""
         return self._serial_of.get(id(t.untyped_storage()))
 
+    def log_length(self) -> int:
+        """How many allocations and frees were logged so far (a position for :meth:`log_since`)."""
+        return len(self._log)
+
+    def log_since(self, start: int) -> list[tuple[int, int]]:
+        """The allocations ``(serial, bytes)`` and frees ``(serial, -1)`` logged from position ``start`` on."""
+        return self._log[start:]
+
     def adopt(self, t: torch.Tensor, label: str) -> None:
         """Count a tensor created before tracking began (a filled cache) as live under ``label``."""
         self._add(t.untyped_storage(), label, "adopted")

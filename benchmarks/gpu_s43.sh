@@ -1,0 +1,16 @@
+#!/bin/bash
+# H200 call of 2026-12-03 (session 43), from the repository root; $OUT is the device's output folder.
+# stage 1 (carry .whl/a .whl/b): ERNIE-4.5-21B-A3B (4 of 28 layers), bf16, in a process that only loads its
+#   checkpoint (`gpu_hybrid.py --fresh`), at 8,192 tokens (planned within 0.5% reserved) and 32,768 (planned 14.6%
+#   under): each case's allocator trace from the segments at its start (`--trace`), to replay through the allocator
+#   model and set beside the plan's tape (benchmarks/ernie_trace.py).
+set -u
+STAGE=${1:-1}
+O=$OUT/s43_$STAGE; mkdir -p $O
+export PYTHONPATH=/tmp/site:$PWD
+for w in a b; do pip install -q --no-index --no-deps --target /tmp/site .whl/$w/*.whl 2>&1 | grep -v WARNING; done
+if [ "$STAGE" = 1 ]; then
+  timeout 400 python3 benchmarks/gpu_hybrid.py --archs ernie4.5-21b-a3b-4l --fresh --prompts 8192 32768 --trace \
+    --out-dir $O/ernie --ckpt-dir /dev/shm/vg_s43 --plan-workers 2 > $O/ernie_log.txt 2>&1
+  rm -rf /dev/shm/vg_s43
+fi
