@@ -14,3 +14,14 @@ if [ "$STAGE" = 1 ]; then
     --out-dir $O/ernie --ckpt-dir /dev/shm/vg_s43 --plan-workers 2 > $O/ernie_log.txt 2>&1
   rm -rf /dev/shm/vg_s43
 fi
+# stage 2 (carry .whl/a .whl/b), the code that cuts the load's holes to its largest freed tensor: ERNIE at 16,384
+#   and 32,768 tokens and Qwen3-Next (4 of 48 layers) at 16,384, each architecture in a fresh process, planned beside
+#   the measurement (traces kept).
+if [ "$STAGE" = 2 ]; then
+  timeout 280 python3 benchmarks/gpu_hybrid.py --archs ernie4.5-21b-a3b-4l --fresh --prompts 16384 32768 --trace \
+    --out-dir $O/ernie --ckpt-dir /dev/shm/vg_s43 --plan-workers 2 > $O/ernie_log.txt 2>&1
+  rm -rf /dev/shm/vg_s43
+  timeout 280 python3 benchmarks/gpu_hybrid.py --archs qwen3-next-4l --fresh --prompts 16384 --trace \
+    --out-dir $O/qwen3next --ckpt-dir /dev/shm/vg_s43 --plan-workers 1 > $O/qwen3next_log.txt 2>&1
+  rm -rf /dev/shm/vg_s43
+fi

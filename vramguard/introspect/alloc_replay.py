@@ -8,7 +8,12 @@ The tape, in program order:
    allocated in the order the meta model lists them (:func:`vramguard.introspect.build.structure`); tensors of at
    most 1 MiB go to the small pool, the others split the warm-up block. A parameter transformers makes from one
    checkpoint tensor per expert (a MoE's stacked experts) is preceded by those tensors and its stacks, freed once
-   it is made (:func:`vramguard.introspect.load_tape._fused_at_load`): the holes they leave stay reserved.
+   it is made (:func:`vramguard.introspect.load_tape._fused_at_load`): the holes they leave stay reserved. Unless
+   bitsandbytes quantizes on the fly, transformers reads the checkpoint in four threads ahead of the conversions
+   (``core_model_loading``), so the tensors it frees lie between others, and a hole is no larger than the largest
+   of them (ERNIE-4.5 on the H200: at most 503 MB, one expert stack); the tape, one parameter's sources together,
+   merges them (a 1.24 GB hole that took a 1.2 GB request the GPU placed in a new segment), so the free blocks
+   left are cut to that size (:meth:`~vramguard.memory.allocator.CachingAllocator.split_free_blocks`).
 2. A warm-up ``generate``: the cuBLAS workspace (32 MiB, :data:`vramguard.memory.runtime.CUBLAS_WORKSPACE_BYTES`)
    and 512 B beside it stay allocated; then ``torch.cuda.empty_cache()``.
 3. ``generate`` itself: the input ids and mask, the prefill forward and every decode forward, as transformers' own
@@ -102,15 +107,20 @@ def _load(alloc: CachingAllocator, spec, s: Settings, workspace: bool = True) ->
     if warm:
         alloc.free(alloc.malloc(warm))  # caching_allocator_warmup
     live: dict[int, Block | None] = {}
+    freed = 0  # the largest tensor the load frees
     for key, nbytes in events:
         if nbytes < 0:
-            alloc.free(live.pop(key))
+            block = live.pop(key)
+            freed = max(freed, block.size if block is not None else 0)
+            alloc.free(block)
         else:
             live[key] = alloc.malloc(nbytes)
     if workspace:
         alloc.malloc(CUBLAS_WORKSPACE_BYTES)
         alloc.malloc(512)
     alloc.empty_cache()
+    if freed and not s.is_bnb:
+        alloc.split_free_blocks(freed)  # holes of the reader threads' load (the module docstring, step 1)
     return list(live.values())
 
 

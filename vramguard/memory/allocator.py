@@ -429,6 +429,44 @@ class CachingAllocator:
         """``torch.cuda.empty_cache()``: release every free segment (unmap free pages of expandable ones)."""
         self._release_cached_blocks()
 
+    def split_free_blocks(self, max_bytes: int) -> int:
+        """Cut every free block of the large pool's fixed segments above ``max_bytes`` into free pieces of at most
+        ``max_bytes``, each followed by a :data:`K_MIN_BLOCK` block held for good (standing for the live tensor that
+        separates two holes; counted in neither allocated nor free bytes' peaks, reserved unchanged), so that no
+        request above ``max_bytes`` is placed there and freed neighbours merge no further. Returns the blocks held.
+        A model of the holes a load leaves (:func:`vramguard.introspect.alloc_replay._load`)."""
+        held = 0
+        for seg in self.segments:
+            if seg.small or seg.expandable:
+                continue
+            for b in list(seg.blocks()):
+                if b.state != "free" or b.size <= max_bytes:
+                    continue
+                self._unlist(b)
+                while b.size > max_bytes:
+                    pin = Block(seg, b.addr + max_bytes, min(K_MIN_BLOCK, b.size - max_bytes), "used")
+                    left = b.size - max_bytes - pin.size
+                    after = b.next
+                    if left:
+                        after = Block(seg, pin.addr + pin.size, left)
+                        after.next = b.next
+                        if b.next is not None:
+                            b.next.prev = after
+                    elif b.next is not None:
+                        b.next.prev = pin
+                    pin.prev, pin.next = b, after
+                    if left:
+                        after.prev = pin
+                    b.next, b.size = pin, max_bytes
+                    self._list(b)
+                    held += 1
+                    if not left:
+                        break
+                    b = after
+                else:
+                    self._list(b)
+        return held
+
     def free_bytes_in_segments(self) -> int:
         """Reserved bytes not handed out (``memory_reserved - memory_allocated``)."""
         return self.reserved_bytes - self.allocated_bytes
