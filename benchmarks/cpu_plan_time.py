@@ -18,8 +18,9 @@ each time), for the minimum and the median on a shared machine.
 
     python benchmarks/cpu_plan_time.py --wall --hand --repeat 3 --out benchmarks/results/cpu_plan_time/wall_fast.jsonl
 
-``--generic``: the three non-family architectures instead (DeepSeek-V2-Lite's size on an 80 GiB card, tiny OLMoE on
-the default cards, and Falcon-H1-1.5B-Deep's config of ``gpu_hybrid.py``: attention and Mamba-2 side by side), their
+``--generic``: the four non-family architectures instead (DeepSeek-V2-Lite's size on an 80 GiB card, tiny OLMoE on
+the default cards, and ``gpu_hybrid.py``'s Falcon-H1-1.5B-Deep config, attention and Mamba-2 side by side, and
+Qwen3-Next config of 4 of its 48 layers, gated DeltaNet and a 512-expert MoE), their
 config folders written under ``--models DIR`` (the same paths before and after a change, so that the plans' output
 hashes compare) and planned by the vramguard of ``--root`` (default: this checkout; an export of an older commit for
 a "before"):
@@ -141,10 +142,13 @@ def generic_cases(models: Path) -> list[tuple[str, list[str]]]:
             k: v for k, v in CONFIGS["falcon-h1-1.5b-deep"].items() if k != "source"})):
         (models / name).mkdir(parents=True, exist_ok=True)
         (models / name / "config.json").write_text(json.dumps(fields))
+    from gpu_hybrid import config_fields
     AutoConfig.for_model("olmoe", **ARCHS["olmoe"]).save_pretrained(models / "olmoe")
+    AutoConfig.for_model("qwen3_next", **config_fields("qwen3-next-4l", False)).save_pretrained(models / "qwen3-next-4l")
     return [("non-family: DeepSeek-V2-Lite size", [str(models / "dsv2lite"), "--vram", "80GiB"]),
             ("non-family: tiny OLMoE", [str(models / "olmoe")]),
-            ("non-family: Falcon-H1-1.5B-Deep size", [str(models / "falcon-h1-1.5b-deep")])]
+            ("non-family: Falcon-H1-1.5B-Deep size", [str(models / "falcon-h1-1.5b-deep")]),
+            ("non-family: Qwen3-Next-80B-A3B, 4 of 48 layers", [str(models / "qwen3-next-4l")])]
 
 
 def wall_generic(out: str, models: Path, roots: list[Path], save_json: Path | None = None, cases: str | None = None,
@@ -183,7 +187,7 @@ def main() -> None:
     ap.add_argument("--wall", action="store_true", help="wall time of vramguard plan in new processes")
     ap.add_argument("--hand", action="store_true", help="with --wall: the catalog name and hand-family folder only")
     ap.add_argument("--repeat", type=int, default=1, help="with --wall: each case this many times (--generic too)")
-    ap.add_argument("--generic", action="store_true", help="with --wall: the three non-family architectures")
+    ap.add_argument("--generic", action="store_true", help="with --wall: the four non-family architectures")
     ap.add_argument("--models", help="with --generic: the folder of their configs (default: a new one)")
     ap.add_argument("--root", action="append", help="with --generic: the vramguard checkout to run (default: this "
                                                     "one); given again, each in turn")

@@ -250,7 +250,7 @@ def test_the_kernel_path_follows_the_choice_and_both_are_planned_where_it_cannot
 
 
 def test_the_kernel_model_allocates_what_mamba_ssm_allocates():
-    from vramguard.introspect.mixers import _mamba_chunk_scan_combined
+    from vramguard.introspect.mixer_paths import _mamba_chunk_scan_combined
     from vramguard.introspect.tracker import StorageTracker
     meta = torch.device("meta")
     x = torch.empty((2, 300, 8, 16), dtype=torch.bfloat16, device=meta)  # batch 2, 300 tokens, 8 heads of 16
@@ -286,7 +286,8 @@ def test_an_installed_kernel_is_reported_and_the_replay_models_it_without_callin
     )
 
     from vramguard.introspect import generic
-    from vramguard.introspect.mixers import kernel_paths, reference_paths
+    from vramguard.introspect.mixer_paths import reference_paths
+    from vramguard.introspect.mixers import kernel_paths
     modeling = sys.modules[type(falcon_h1[1]).__module__]
     fake = types.ModuleType("fake_mamba_ssm")
 

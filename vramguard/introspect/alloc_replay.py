@@ -52,7 +52,6 @@ from vramguard.introspect.build import _quiet, cached_config, text_config
 from vramguard.introspect.generic import _replay_model, _structure
 from vramguard.introspect.layer_trim import expand, trim_plan
 from vramguard.introspect.load_tape import load_events
-from vramguard.introspect.mixers import replayed_paths
 from vramguard.introspect.stretch import MARGIN, breakpoints, chunk_period
 from vramguard.introspect.tape_stretch import periodic_events
 from vramguard.memory import hand_tape
@@ -444,7 +443,7 @@ def _trace(config_json: str, name: str, key: Settings, prompt: int, new: int, st
     in its forward (None where no one list of that many decoder layers is found)."""
     import torch
 
-    from vramguard.introspect.replay import _new_cache, cache_keyword, layer_starts
+    from vramguard.introspect.replay import _new_cache, cache_keyword, layer_starts, replayed_paths
     from vramguard.introspect.tracker import DataPolicy, StorageTracker
     s = key.with_(prompt_tokens=prompt, max_new_tokens=new)
     model, _note = _replay_model(config_json, name, s.act_dtype, s.effective_attn, s.sdpa_kernel)

@@ -90,7 +90,8 @@ def _alike(tracker: StorageTracker, starts: list[int]) -> bool:
                 j += 1
     patterns = []
     for it in range(1, len(at) - 1):
-        pattern, freed = [], set()
+        pattern: list[int | tuple[str, int]] = []  # bytes per allocation, (whose, index) per free
+        freed: set[int] = set()
         for serial, nbytes in log[at[it]:at[it + 1]]:
             if nbytes >= 0:
                 pattern.append(nbytes)

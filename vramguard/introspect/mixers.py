@@ -11,17 +11,16 @@ where the fused kernel keeps one chunk's state.
 
 The replay follows one of three paths (:data:`KERNELS`, the settings' ``kernels``): ``torch``, every reference
 function traced op by op; ``fast``, every package kernel, whose memory is modelled on meta tensors
-(:func:`_as_kernel`: its outputs, and for ``mamba_chunk_scan_combined`` its workspace, as mamba_ssm allocates them);
+(:func:`vramguard.introspect.mixer_paths._as_kernel`: its outputs, and for ``mamba_chunk_scan_combined`` its
+workspace, as mamba_ssm allocates them);
 ``installed`` (or None), what transformers bound in this process (a kernel where its package imports here, else the
 reference). A CUDA kernel itself cannot run on meta tensors, so a bound kernel is always replaced for the replay
-(:func:`replayed_paths`).
+(:func:`vramguard.introspect.mixer_paths.replayed_paths`, which needs torch: this module does not).
 """
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
-import inspect
 import sys
 from dataclasses import dataclass
 
@@ -101,86 +100,6 @@ def installed_packages() -> tuple[str, ...]:
 def takes_kernel(path: KernelPath, kernels: str | None) -> bool:
     """Whether the replay for the settings' ``kernels`` models ``path``'s package kernel (else its reference)."""
     return kernels == "fast" or (kernels in (None, "installed") and path.kernel_installed)
-
-
-@contextlib.contextmanager
-def replayed_paths(model, kernels: str | None):
-    """While open, every kernel-backed function of ``model``'s modeling modules runs the path ``kernels`` names (see
-    the module docstring): the reference PyTorch function, or its package kernel's memory model on meta tensors
-    (:func:`_as_kernel`), its loops over chunks cut once they repeat
-    (:func:`vramguard.introspect.loop_trim.steady`); restored on exit."""
-    from vramguard.introspect.loop_trim import steady  # torch: kept off the plan's fast path, as below
-    found = _functions(model)
-    bound = [vars(module)[name] for module, name, _ in found]
-    try:
-        for module, name, state in found:
-            path = KernelPath(name, str(state["func_name"]), str(state["package"]),
-                              bool(state["is_new_implementation"]))
-            setattr(module, name,
-                    _as_kernel(state) if takes_kernel(path, kernels) else steady(state["torch_function"]))
-        yield
-    finally:
-        for (module, name, _), fn in zip(found, bound):
-            setattr(module, name, fn)
-
-
-def reference_paths(model):
-    """:func:`replayed_paths` on the reference PyTorch path (``kernels='torch'``)."""
-    return replayed_paths(model, "torch")
-
-
-def _as_kernel(state: dict):
-    """A stand-in for the package kernel of ``state`` on meta tensors: the reference function runs apart from the
-    replay's tracker (the shapes of its results; under a tracker of its own, so that its loop over chunks ends once
-    it repeats: :mod:`vramguard.introspect.loop_trim`), then the kernel's own allocations are made under the tracker: the workspace of
-    :data:`WORKSPACE` where the kernel has one there, else fresh outputs of the reference's shapes and dtypes (a
-    kernel that writes its outputs and nothing else: ``causal_conv1d_fn``, ``selective_state_update``)."""
-    import torch
-    from torch.utils._python_dispatch import _disable_current_modes
-    from torch.utils._pytree import tree_map
-
-    from vramguard.introspect.loop_trim import steady
-    from vramguard.introspect.tracker import StorageTracker
-    reference, kernel = state["torch_function"], str(state["func_name"])
-    signature = inspect.signature(reference)
-    shapes = steady(reference)
-
-    def run(*args, **kwargs):
-        with _disable_current_modes(), StorageTracker():
-            out = shapes(*args, **kwargs)
-        if kernel in WORKSPACE:
-            return WORKSPACE[kernel](signature.bind(*args, **kwargs).arguments, out)
-        return tree_map(lambda t: torch.empty_like(t) if isinstance(t, torch.Tensor) else t, out)
-    return run
-
-
-def _mamba_chunk_scan_combined(arguments: dict, out):
-    """mamba_ssm's ``_mamba_chunk_scan_combined_fwd`` (``mamba_ssm/ops/triton/ssd_combined.py``, v2.2) on meta
-    tensors, allocation by allocation: ``dA_cumsum`` and ``dt`` (batch, heads, chunks, chunk) float32
-    (``_chunk_cumsum_fwd``); the chunk states (batch, chunks, heads, head_dim, d_state) float32
-    (``_chunk_state_fwd(states_in_fp32=True)``); the passed states in C's dtype and the final states float32
-    (``_state_passing_fwd``), after which the float32 chunk states are dropped; ``CB`` (batch, chunks, groups, chunk,
-    chunk) float32 (``_bmm_chunk_fwd``); the output (batch, tokens, heads, head_dim) in x's dtype
-    (``_chunk_scan_fwd``). Returns what the reference returns (the output, with the final states where asked)."""
-    import torch
-    x, B, C, chunk = arguments["hidden_states"], arguments["B"], arguments["C"], int(arguments["chunk_size"])
-    batch, tokens, heads, head_dim = x.shape
-    groups, d_state = B.shape[2], B.shape[3]
-    chunks = -(-tokens // chunk)
-    meta, f32 = x.device, torch.float32
-    d_a_cumsum = torch.empty((batch, heads, chunks, chunk), dtype=f32, device=meta)
-    dt = torch.empty((batch, heads, chunks, chunk), dtype=f32, device=meta)
-    states = torch.empty((batch, chunks, heads, head_dim, d_state), dtype=f32, device=meta)
-    passed = torch.empty((batch, chunks, heads, head_dim, d_state), dtype=C.dtype, device=meta)
-    final = torch.empty((batch, heads, head_dim, d_state), dtype=f32, device=meta)
-    del states
-    cb = torch.empty((batch, chunks, groups, chunk, chunk), dtype=f32, device=meta)
-    y = torch.empty((batch, tokens, heads, head_dim), dtype=x.dtype, device=meta)
-    del d_a_cumsum, dt, passed, cb
-    return (y, final) if isinstance(out, tuple) else y
-
-
-WORKSPACE = {"mamba_chunk_scan_combined": _mamba_chunk_scan_combined}
 
 
 def describe(paths: tuple[KernelPath, ...], transformers_version: str, kernels: str | None,

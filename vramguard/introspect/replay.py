@@ -36,7 +36,7 @@ from torch.overrides import TorchFunctionMode
 
 from vramguard.errors import ConfigError
 from vramguard.introspect.build import _quiet, cached_config, meta_model
-from vramguard.introspect.mixers import replayed_paths
+from vramguard.introspect.mixer_paths import replayed_paths
 from vramguard.introspect.replayed import Replayed
 from vramguard.introspect.tracker import DataPolicy, StorageTracker
 from vramguard.memory.forward import BNB_4BIT_FUSED_MAX_ROWS, sdpa_runs_math

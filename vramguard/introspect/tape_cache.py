@@ -28,7 +28,7 @@ from vramguard.introspect.mixers import installed_packages
 
 # the modules whose code decides what a tape holds (vramguard/introspect/*, and the memory rules they read)
 _SOURCES = ("alloc_replay.py", "build.py", "generic.py", "keys.py", "layer_trim.py", "mixers.py", "replay.py",
-            "tracker.py",
+            "tracker.py", "mixer_paths.py", "load_tape.py",
             "../memory/forward.py", "../memory/kv.py", "../settings.py", "../memory/allocator.py",
             "../memory/decode_steps.py", "../memory/weights.py", "hand.py", "../memory/hand_tape.py",
             "../memory/metatensor.py", "stretch.py", "tape_stretch.py", "loop_trim.py")
