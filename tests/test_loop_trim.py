@@ -36,9 +36,10 @@ def _scan(x, chunk: int = 8):
 def _growing(x, chunk: int = 8):
     """A loop whose iterations keep what they make (a list concatenated after it): its memory grows each time."""
     parts = []
-    for i in range(x.shape[0] // chunk):
+    chunks = range(x.shape[0] // chunk)
+    for i in chunks:
         parts.append(x[i * chunk:(i + 1) * chunk] * 2)
-    return torch.cat(parts), [i for i in range(x.shape[0])]
+    return torch.cat(parts), [i for i in range(x.shape[0])], len(chunks), chunks[-1]
 
 
 def _traced(fn, *args):
@@ -64,10 +65,11 @@ def test_a_steady_loop_runs_until_it_repeats_and_reaches_the_full_loops_peak():
 def test_a_loop_that_keeps_what_it_makes_and_a_range_that_is_no_loop_run_whole():
     x = torch.empty(8 * 50, 16, device=META)
     before = loop_trim.SKIPPED[0]
-    full, (cat_full, idx_full) = _traced(_growing, x)
-    trimmed, (cat, idx) = _traced(steady(_growing), x)
+    full, (cat_full, idx_full, *asked_full) = _traced(_growing, x)
+    trimmed, (cat, idx, *asked) = _traced(steady(_growing), x)
     assert loop_trim.SKIPPED[0] == before
     assert cat.shape == cat_full.shape == (400, 16) and idx == idx_full == list(range(400))
+    assert asked == asked_full == [50, 49]  # what else is asked of a range: the whole range's answer
     assert trimmed.peak.bytes == full.peak.bytes
 
 

@@ -51,13 +51,35 @@ def steady(fn):
 
 
 def steady_range(*args):
-    """``range(*args)``, whose iteration ends once the loop repeats under the active tracker (module docstring);
-    every value where no :class:`~vramguard.introspect.tracker.StorageTracker` is active."""
+    """``range(*args)``, whose iteration ends once the loop repeats under the active tracker (module docstring):
+    the range itself where no :class:`~vramguard.introspect.tracker.StorageTracker` is active or it is too short to
+    repeat, else a :class:`SteadyRange` (its length, items and reversal those of the whole range)."""
     r = range(*args)
     tracker = next((m for m in reversed(_get_current_dispatch_mode_stack()) if isinstance(m, StorageTracker)), None)
-    if tracker is None or len(r) <= FIRST + ALIKE + 1:
-        return iter(r)
-    return _steady(r, tracker)
+    return r if tracker is None or len(r) <= FIRST + ALIKE + 1 else SteadyRange(r, tracker)
+
+
+class SteadyRange:
+    """A range whose iteration ends once the loop over it repeats under ``tracker`` (:func:`_steady`); anything else
+    asked of it (``len``, an item, ``in``, ``reversed``) is the whole range's answer."""
+
+    def __init__(self, r: range, tracker: StorageTracker):
+        self.range, self.tracker = r, tracker
+
+    def __iter__(self):
+        return _steady(self.range, self.tracker)
+
+    def __len__(self) -> int:
+        return len(self.range)
+
+    def __getitem__(self, i):
+        return self.range[i]
+
+    def __contains__(self, x) -> bool:
+        return x in self.range
+
+    def __reversed__(self):
+        return reversed(self.range)
 
 
 def _steady(r: range, tracker: StorageTracker):

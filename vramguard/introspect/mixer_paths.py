@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_map
 
 from vramguard.introspect.loop_trim import steady
-from vramguard.introspect.mixers import KernelPath, _functions, takes_kernel
+from vramguard.introspect.mixers import KernelPath, kernel_functions, takes_kernel
 from vramguard.introspect.tracker import StorageTracker
 
 
@@ -23,7 +23,7 @@ def replayed_paths(model, kernels: str | None):
     the module docstring): the reference PyTorch function, or its package kernel's memory model on meta tensors
     (:func:`_as_kernel`), its loops over chunks cut once they repeat
     (:func:`vramguard.introspect.loop_trim.steady`); restored on exit."""
-    found = _functions(model)
+    found = kernel_functions(model)
     bound = [vars(module)[name] for module, name, _ in found]
     try:
         for module, name, state in found:

@@ -75,7 +75,7 @@ def _modules(model) -> list:
     return [sys.modules[n] for n in names if n.startswith("transformers.") and n in sys.modules]
 
 
-def _functions(model) -> list[tuple[object, str, dict]]:
+def kernel_functions(model) -> list[tuple[object, str, dict]]:
     """(module, global name, wrapper state) of every kernel-backed function in ``model``'s modeling modules."""
     found = []
     for module in _modules(model):
@@ -89,7 +89,7 @@ def kernel_paths(model) -> tuple[KernelPath, ...]:
     """Every kernel-backed function of ``model``'s forward (see the module docstring), in module order; () for a
     model without one (attention and MLP only)."""
     return tuple(KernelPath(name, str(state["func_name"]), str(state["package"]),
-                            bool(state["is_new_implementation"])) for _, name, state in _functions(model))
+                            bool(state["is_new_implementation"])) for _, name, state in kernel_functions(model))
 
 
 def installed_packages() -> tuple[str, ...]:
