@@ -387,3 +387,23 @@ def test_a_sharded_checkpoint_with_its_index_passes(base, tmp_path):
     (folder / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(ConfigError, match="it names '../elsewhere.safetensors', outside"):
         check_weights(folder)
+
+
+@pytest.mark.parametrize("field, value, when", [("head_dim", 0, "building the model"),
+                                                ("decoder_sparse_step", 0, "building the model"),
+                                                ("linear_num_key_heads", 0, "in its forward")])
+def test_a_count_below_one_that_transformers_refuses_is_named_never_an_internal_error(tmp_path, field, value, when):
+    """transformers raises ZeroDivisionError or a negative-dimension RuntimeError from a model class's __init__ or
+    forward on such a config: the plan names the field (exit 3) instead of an internal error (exit 70) or blaming
+    the settings."""
+    pytest.importorskip("transformers")
+    from archs import ARCHS
+    from transformers import AutoConfig
+    AutoConfig.for_model("qwen3_next", **ARCHS["qwen3_next"]).save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, field: value}))
+    r = run_cli("plan", str(tmp_path), "--quant", "bf16", "--format", "json")
+    assert r.returncode == 3, r.stderr
+    err = json.loads(r.stdout or r.stderr)["error"]
+    assert (err["field"], err["value"]) == (f"config.json:{field}", str(value))  # JSON errors give values as text
+    assert when in err["fix"] and "published model's value" in err["fix"]

@@ -201,9 +201,49 @@ def meta_model(config, dtype: str, attn: str = "eager"):
         raise ConfigError("config.json:model_type", getattr(config, "model_type", None),
                           "a causal language model (AutoModelForCausalLM)",
                           f"transformers has no causal-LM class for it ({first[:160]})") from None
+    except (ArithmeticError, RuntimeError, TypeError, IndexError, KeyError, AttributeError) as e:
+        raise config_refused(config, "building the model", e) from None
     model.tie_weights()
     model.eval()
     return model
+
+
+# a config field whose name holds one of these counts or sizes something, and is at least 1 in any model
+_SIZE_WORDS = ("size", "dim", "heads", "experts", "interval", "step", "kernel", "layers", "moe_k", "per_tok", "rank")
+
+
+def suspect_fields(config) -> dict[str, int]:
+    """The fields of ``config`` (and of its text config) that count or size something (:data:`_SIZE_WORDS`), are
+    below 1 and differ from their class's default (``chunk_size_feed_forward=0`` is the default: no chunking): the
+    values a model class divides by or makes tensors of."""
+    out: dict[str, int] = {}
+    text = getattr(config, "text_config", None)
+    for cfg in (config,) if text is None or text is config else (config, text):
+        try:
+            defaults = vars(type(cfg)())
+        except Exception:  # noqa: BLE001 - a class that cannot be built bare: every such field is a suspect
+            defaults = {}
+        for k, v in vars(cfg).items():
+            if isinstance(v, int) and not isinstance(v, bool) and v < 1 and any(w in k for w in _SIZE_WORDS) \
+                    and defaults.get(k, object()) != v:
+                out[k] = v
+    return out
+
+
+def config_refused(config, what: str, e: Exception) -> ConfigError:
+    """The ConfigError for transformers raising ``e`` while ``what`` (building the model, running its forward) for
+    ``config``, naming its counts and sizes below 1 where there are any (:func:`suspect_fields`)."""
+    first = (str(e).strip().splitlines() or [""])[0][:200]
+    said = f"transformers raised {type(e).__name__} {what} ({first})"
+    suspects = suspect_fields(config)
+    if not suspects:
+        return ConfigError("config.json", getattr(config, "model_type", None),
+                           "a config transformers can build and run a model of",
+                           f"{said}; compare the config's sizes and head counts with the published model's")
+    (name, value), *others = suspects.items()
+    also = f" (and {', '.join(f'{k}={v}' for k, v in others)})" if others else ""
+    return ConfigError(f"config.json:{name}", value, "a count or size of at least 1",
+                       f"{said}; set {name}{also} to the published model's value")
 
 
 def structure(config, dtype: str, quant: str, double_quant: bool = True, compute_dtype: str | None = None,

@@ -16,7 +16,8 @@ from functools import lru_cache
 from vramguard.dtypes import TORCH_BYTES
 from vramguard.errors import ConfigError, NotModelled, NotPlannable
 from vramguard.hub.headers import read_local_header
-from vramguard.introspect.build import _quiet, cached_config, cached_structure, meta_model, text_config
+from vramguard.introspect.build import (_quiet, cached_config, cached_structure, config_refused, meta_model,
+                                      suspect_fields, text_config)
 from vramguard.introspect.mixers import kernel_paths as paths
 from vramguard.introspect.replay_trim import stretched_replay, trimmed_replay
 from vramguard.memory.forward import ForwardPeak
@@ -169,11 +170,17 @@ def replayed(spec, s: Settings, past: int, chunk: int):
         canonical = s.with_(prompt_tokens=1, max_new_tokens=0, cache="dynamic", **same)
     try:
         return _replayed(spec.config_json, spec.name, canonical, past, chunk)
-    except (RuntimeError, ValueError, TypeError, KeyError, IndexError, AttributeError, NotModelled) as e:
+    except (ArithmeticError, RuntimeError, ValueError, TypeError, KeyError, IndexError, AttributeError,
+            NotModelled) as e:
+        config = cached_config(spec.config_json, spec.name)
+        if suspect_fields(config):
+            raise config_refused(config, "in its forward", e) from None
         where = f"{chunk} tokens after {past}" + (f", a {s.cache} cache" if s.cache != "dynamic" else "")
         raise NotPlannable("settings", where, "settings this architecture's forward runs with",
                            f"transformers' forward raised {type(e).__name__}: {str(e).splitlines()[0][:200]}; "
-                           "try the default cache (dynamic) and attention (sdpa)") from None
+                           "try the default cache (dynamic) and attention (sdpa); where those fail too, compare "
+                           "the config's head counts and sizes with the published model's (a count that does not "
+                           "divide another, more experts per token than experts)") from None
 
 
 def replay_note(spec, s: Settings) -> str | None:
