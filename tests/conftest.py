@@ -209,13 +209,16 @@ def shared_plans(_no_gpu_detection, monkeypatch):
 
 
 def pytest_configure(config):
-    """One temporary tape folder for the whole run, made by the first process (the xdist workers inherit it)."""
+    """One temporary tape folder for the whole run, made by the first process (the xdist workers inherit it), and
+    one for everything else vramguard keeps on disk (``VRAMGUARD_CACHE_DIR``: plans, Hub headers, kernel verdicts),
+    so that no test, fixture or subprocess reads or writes the user's own."""
     if SESSION_TAPES not in os.environ:
         import atexit
         import shutil
         import tempfile
         folder = tempfile.mkdtemp(prefix="vramguard-test-tapes-")
         os.environ[SESSION_TAPES] = folder
+        os.environ["VRAMGUARD_CACHE_DIR"] = os.path.join(folder, "cache")
         atexit.register(shutil.rmtree, folder, True)
 
 
