@@ -87,6 +87,7 @@ CONFIG_CASES = [
     ("json-100k-deep", _raw_config("[" * 100_000 + "]" * 100_000), "nested at most 64 levels", 3),
     ("object-100k-deep", _raw_config('{"a":' * 100_000 + "1" + "}" * 100_000), "nested at most 64 levels", 3),
     ("heads-0", _config(num_attention_heads=0), "config.json:num_attention_heads", 3),
+    ("kv-heads-not-dividing", _config(num_key_value_heads=3), "a divisor of num_attention_heads (4)", 3),
     ("hidden-str", _config(hidden_size="64"), "write hidden_size: 64 without quotes", 3),
     ("dtype-float128", _config(torch_dtype="float128"), "config.json:torch_dtype", 3),
     ("vocab-1e12", _config(vocab_size=1e12), "config.json:vocab_size", 3),

@@ -166,7 +166,17 @@ def check_config(cfg: dict, where: str) -> dict:
             _check_int(part.get(key), f"{prefix}{key}", lo, hi, where)
         for key in ("torch_dtype", "dtype"):
             _check_dtype(part.get(key), f"{prefix}{key}", where)
+        _check_kv_heads(part.get("num_attention_heads"), part.get("num_key_value_heads"), prefix, where)
     return cfg
+
+
+def _check_kv_heads(heads: Any, kv: Any, prefix: str, where: str) -> None:
+    """Grouped-query attention shares each KV head among ``heads / kv`` query heads: transformers' ``repeat_kv`` and
+    SDPA's ``enable_gqa`` need ``kv`` to divide ``heads`` (a forward of any other config fails there)."""
+    if isinstance(heads, int) and isinstance(kv, int) and not isinstance(kv, bool) and kv >= 1 and heads % kv:
+        raise ConfigError(f"config.json:{prefix}num_key_value_heads", kv,
+                          f"a divisor of num_attention_heads ({heads}): each KV head serves the same number of query "
+                          "heads", f"set {prefix}num_key_value_heads in {where} to the model's real value")
 
 
 def _check_int(value: Any, key: str, lo: int, hi: int, where: str) -> None:
