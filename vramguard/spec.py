@@ -18,7 +18,6 @@ phi3.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -275,7 +274,7 @@ def spec_from_config(cfg: dict[str, Any], name: str = "model", source: str = "co
         _through_transformers(cfg, name)
     why_not = outer_type if text is None else None
     if text is not None and outer_type not in _FAMILIES:
-        return _generic_spec(text, raw_json, name, source, outer_type)
+        return _generic_spec(text, cfg, raw_json, name, source, outer_type)
     notes: list[str] = []
     if text is None:
         if cfg.get("text_config"):
@@ -355,9 +354,11 @@ def _first_int(cfg: dict[str, Any], *keys: str) -> int | None:
     return None
 
 
-def _generic_spec(text: dict[str, Any], raw_json: str, name: str, source: str, outer_type: str | None) -> ModelSpec:
+def _generic_spec(text: dict[str, Any], raw: dict[str, Any], raw_json: str, name: str, source: str,
+                  outer_type: str | None) -> ModelSpec:
     """A spec whose memory comes from transformers (:mod:`vramguard.introspect`); the size fields are the text
-    config's where it has them (attribute names differ by family: ``n_embd``, ``n_head``...), for display."""
+    config's where it has them (attribute names differ by family: ``n_embd``, ``n_head``...), for display; ``raw``:
+    the config.json object as given, before transformers' config class fills in its defaults."""
     for key in ("hidden_size", "n_embd", "num_attention_heads", "n_head", "num_hidden_layers", "n_layer",
                 "num_key_value_heads", "vocab_size", "intermediate_size", "max_position_embeddings", "n_positions"):
         if key in text and text[key] is not None:
@@ -378,8 +379,7 @@ def _generic_spec(text: dict[str, Any], raw_json: str, name: str, source: str, o
     if outer_type and text.get("model_type") and outer_type != text.get("model_type"):
         notes.append(f"multimodal config ({outer_type}): the whole model AutoModelForCausalLM loads is planned, its "
                      "vision tower included; sizes shown are the language model's")
-    given = json.loads(raw_json)  # the file, before transformers' config class fills in its defaults
-    given = given.get("text_config") if isinstance(given.get("text_config"), dict) else given
+    given = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
     missing = [k[0] for k in (("num_hidden_layers", "n_layer", "num_layers"), ("hidden_size", "n_embd", "d_model"),
                               ("vocab_size", "padded_vocab_size")) if _first_int(given, *k) is None]
     if missing:  # said, not filled in silently: transformers' config class supplies its defaults

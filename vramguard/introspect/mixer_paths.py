@@ -44,17 +44,18 @@ def reference_paths(model):
 
 def _as_kernel(state: dict):
     """A stand-in for the package kernel of ``state`` on meta tensors: the reference function runs apart from the
-    replay's tracker (the shapes of its results; under a tracker of its own, so that its loop over chunks ends once
-    it repeats: :mod:`vramguard.introspect.loop_trim`), then the kernel's own allocations are made under the
-    tracker: the workspace of :data:`WORKSPACE` where the kernel has one there, else fresh outputs of the reference's
-    shapes and dtypes (a kernel that writes its outputs and nothing else: ``causal_conv1d_fn``,
+    replay's tracker (the shapes of its results; one with a loop, under a tracker of its own, so that its loop over
+    chunks ends once it repeats: :mod:`vramguard.introspect.loop_trim`), then the kernel's own allocations are made
+    under the tracker: the workspace of :data:`WORKSPACE` where the kernel has one there, else fresh outputs of the
+    reference's shapes and dtypes (a kernel that writes its outputs and nothing else: ``causal_conv1d_fn``,
     ``selective_state_update``)."""
     reference, kernel = state["torch_function"], str(state["func_name"])
     signature = inspect.signature(reference)
     shapes = steady(reference)
+    own = StorageTracker if shapes is not reference else contextlib.nullcontext  # a tracker costs each operator
 
     def run(*args, **kwargs):
-        with _disable_current_modes(), StorageTracker():
+        with _disable_current_modes(), own():
             out = shapes(*args, **kwargs)
         if kernel in WORKSPACE:
             return WORKSPACE[kernel](signature.bind(*args, **kwargs).arguments, out)
