@@ -120,6 +120,12 @@ def test_c2_a_float32_checkpoint_loaded_as_stored_is_flagged_with_its_cost(tmp_p
     as_stored = check(str(folder), Settings(attn="sdpa"), dtype="auto", gpu="rtx-4090",
                       env=env(transformers_version="5.24.0"), verify=False, unquantized=True)
     assert by_name(as_stored, "param_dtype")[0].level == "warn"  # "auto" is "as stored", not a choice of fp32
+    # a folder vramguard loads itself with quant=fp32: the fix is the setting that loads it in 16 bits
+    by_quant = check(str(folder), Settings(attn="sdpa", quant="fp32"), gpu="rtx-4090",
+                     env=env(transformers_version="5.24.0"), verify=False)
+    fix = by_name(by_quant, "param_dtype")[0].fix
+    assert fix.startswith("pass quant=bf16") and "torch." not in fix
+    assert as_flags(fix) == "pass --quant bf16 (--quant fp16 below compute capability 8.0)"
 
 
 def test_c3_compute_dtype_left_at_float32():

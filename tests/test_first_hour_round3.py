@@ -42,8 +42,17 @@ def test_plan_json_and_table_say_the_context_caps_on_a_large_card():
     t = run_cli("plan", "llama-2-7b", "--gpu", "h200", "--prompt-tokens", "1024", "--max-new-tokens", "512",
                 columns="80")
     assert "3,584*" in t.stdout and "3,072*" in t.stdout
-    assert "*: capped by the model's context (prompt + new tokens = max_position_embeddings 4,096), not by memory" \
+    assert "*: capped by the model's context, max_position_embeddings 4,096 (prompt + new tokens), not by memory" \
         in " ".join(t.stdout.split())
+    # a context the user set is named as theirs, not as the model's
+    t = run_cli("plan", "llama-2-7b", "--gpu", "h200", "--context", "2048", "--prompt-tokens", "1024",
+                "--max-new-tokens", "512", columns="80")
+    assert "*: capped by the context you set, 2,048 tokens (prompt + new tokens), not by memory" \
+        in " ".join(t.stdout.split())
+    e = run_cli("plan", "llama-2-7b", "--gpu", "h200", "--context", "1000", "--prompt-tokens", "1024")
+    said = " ".join(e.stderr.split())
+    assert e.returncode == 2 and "accepted: at most the context you set, 1,000 tokens" in said
+    assert "or a larger context" in said and "max_position_embeddings" not in said
 
 
 def test_plan_json_says_memory_caps_on_a_small_card():

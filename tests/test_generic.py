@@ -52,6 +52,18 @@ def test_twelve_or_more_architectures_outside_the_families():
     assert len(set(TYPES) - set(SUPPORTED_MODEL_TYPES)) >= 12
 
 
+def test_moe_fields_a_config_names_its_own_way_are_read_through_transformers(tmp_path):
+    """ERNIE-4.5 names top-k ``moe_k`` (its config class maps ``num_experts_per_tok`` to it) and its shared experts
+    ``moe_num_shared_experts``: the plan's model fields say 6 experts a token and 2 x 1,536 shared, not 0."""
+    cfg = {"model_type": "ernie4_5_moe", "hidden_size": 2560, "intermediate_size": 12288, "num_hidden_layers": 4,
+           "num_attention_heads": 20, "num_key_value_heads": 4, "vocab_size": 103424, "moe_num_experts": 64,
+           "moe_k": 6, "moe_intermediate_size": 1536, "moe_num_shared_experts": 2, "torch_dtype": "bfloat16"}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    spec = resolve_model(str(tmp_path))
+    assert spec.generic and (spec.num_experts, spec.num_experts_per_tok) == (64, 6)
+    assert (spec.moe_intermediate_size, spec.shared_expert_intermediate_size) == (1536, 2 * 1536)
+
+
 @pytest.mark.parametrize("model_type", TYPES)
 def test_bf16_weights_equal_the_loaded_parameters(arch_dir, model_type):
     from transformers import AutoModelForCausalLM

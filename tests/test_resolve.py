@@ -105,6 +105,8 @@ def test_an_unknown_model_id_is_pointed_at_the_closest_catalog_architecture():
 
 def test_a_gguf_file_is_named_with_the_conversion(tmp_path):
     from conftest import run_cli
+    tmp_path = tmp_path / ("a-long-folder-name-" * 4)  # the path is longer than the 80 columns it is printed in
+    tmp_path.mkdir()
     gguf = tmp_path / "m.Q4_1.gguf"
     gguf.write_bytes(b"GGUF" + (3).to_bytes(4, "little") + b"\xff\xfe\x00not json")  # magic, version 3, binary
     runs = (("plan", str(gguf)), ("check", str(gguf)), ("run", str(gguf), "--prompt", "Hi"), ("plan", str(tmp_path)))
@@ -115,6 +117,8 @@ def test_a_gguf_file_is_named_with_the_conversion(tmp_path):
         text = " ".join(r.stderr.split())
         assert "m.Q4_1.gguf is a GGUF file" in text and "a transformers model folder" in text, args
         assert "UnicodeDecodeError" not in r.stderr and "tokenizer files" not in r.stderr, args
+        # a path longer than the terminal stays whole on its line (wrapped between words only), so it can be copied
+        assert any(f"'{args[1]}'" in line for line in r.stderr.splitlines()), r.stderr
         # the conversion is the last line, whole at 80 columns (indented, never wrapped), and runs as a command
         code = r.stderr.splitlines()[-1]
         assert code.startswith("    python -c '") and len(code) > 80, r.stderr

@@ -818,3 +818,25 @@ def test_a_hybrid_models_pool_holds_the_planned_blocks_on_every_transformers(tmp
         e.before_step = None
         assert seen and seen[0].status_code == 200 and seen[0].json()["usage"]["completion_tokens"] == 8
         assert 1 <= held <= 4 and e.kv_blocks_used() == 0
+
+
+def test_a_budget_the_weights_alone_fill_is_refused_before_loading(folder, monkeypatch):
+    """``vram_budget`` below the planned weights: refused before any weight is read (on the CPU too, where no hard
+    cap is set), naming the weights' bytes; the load is never called."""
+    from vramguard.errors import Infeasible
+    from vramguard.plan.choice import choose
+    from vramguard.resolve import resolve_model
+    from vramguard.serve import server
+    from vramguard.settings import Settings
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded")
+    monkeypatch.setattr(server, "load_model", no_load)
+    s = Settings(quant="fp32")
+    weights = choose(resolve_model(str(folder)), s).model.weight_bytes(s).total_bytes
+    with pytest.raises(Infeasible) as e:
+        _build(folder, vram_budget=weights)
+    assert e.value.field == "vram_budget" and "planned before loading" in str(e.value)
+    from vramguard.units import fmt_bytes
+    assert f"more than the {fmt_bytes(weights)} the weights take" in str(e.value)
+    assert "quant=nf4" in e.value.fix

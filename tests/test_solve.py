@@ -253,3 +253,16 @@ def test_a_card_the_run_fits_never_shows_limits_below_the_run():
     card = plan("llama-3.1-8b", s, vram="8GiB").cards[0]
     assert card.fits
     assert card.max_prompt_tokens >= 6700 and card.max_new_tokens >= s.max_new_tokens and card.max_batch >= 1
+
+
+def test_a_second_card_that_takes_no_layer_is_not_offered():
+    """At a 100 M-token prompt one layer's KV cache exceeds a 24 GiB card: the two-card split leaves the second
+    card empty, which lowers nothing, so it is no change to suggest (it was shown as saving -1 KiB)."""
+    p = plan("qwen2.5-0.5b", Settings(quant="nf4", prompt_tokens=100_000_000, max_new_tokens=256), vram="24GiB",
+             context=100_000_256, alloc_conf=None)
+    assert not p.cards[0].fits
+    assert all(c.saved_bytes > 0 or c.fits_on for c in p.changes)
+    assert not any("gpus" in c.settings for c in p.changes)
+    # where a second card holds layers it is still offered (the 70B case of the test above keeps it first)
+    q = plan("llama-3.1-70b", Settings(), gpu="rtx-4090", alloc_conf=None)
+    assert any("gpus" in c.settings and c.saved_bytes > 0 for c in q.changes)

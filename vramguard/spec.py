@@ -247,7 +247,11 @@ def _built_by_transformers(cfg: dict[str, Any], name: str) -> tuple[dict[str, An
         if cfg.get("model_type") in _FAMILIES or cfg.get("text_config"):
             return None, None  # a hand family read as config.json gives it (older transformers, odd keys)
         raise e from None
-    text = text_config(full).to_dict()
+    tc = text_config(full)
+    text = tc.to_dict()
+    for standard, own in getattr(tc, "attribute_map", {}).items():  # the config class's own names of the standard
+        if isinstance(own, str) and own in text:  # fields (ERNIE-4.5's moe_k is num_experts_per_tok)
+            text.setdefault(standard, text[own])
     text.setdefault("torch_dtype", cfg.get("torch_dtype") or cfg.get("dtype"))
     if cfg.get("quantization_config"):
         text["quantization_config"] = cfg["quantization_config"]
@@ -396,6 +400,8 @@ def _generic_spec(text: dict[str, Any], raw: dict[str, Any], raw_json: str, name
     dtype_name = text.get("torch_dtype") or text.get("dtype")
     qcfg = text.get("quantization_config") or {}
     n_experts = _first_int(text, "num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts") or 0
+    moe_size = _first_int(text, "moe_intermediate_size") or 0
+    shared = _first_int(text, "n_shared_experts", "num_shared_experts", "moe_num_shared_experts") or 0
     return ModelSpec(
         name=name, model_type=outer_type or str(text.get("model_type")), hidden_size=hidden,
         intermediate_size=_first_int(text, "intermediate_size", "n_inner", "ffn_hidden_size") or 4 * hidden,
@@ -405,7 +411,8 @@ def _generic_spec(text: dict[str, Any], raw: dict[str, Any], raw_json: str, name
         tie_word_embeddings=bool(text.get("tie_word_embeddings", False)), layer_types=layer_types,
         sliding_window=window if any("sliding" in t for t in layer_types) else None,
         num_experts=n_experts, num_experts_per_tok=_first_int(text, "num_experts_per_tok", "moe_topk") or 0,
-        moe_intermediate_size=_first_int(text, "moe_intermediate_size") or 0,
+        moe_intermediate_size=moe_size,
+        shared_expert_intermediate_size=_first_int(text, "shared_expert_intermediate_size") or moe_size * shared,
         checkpoint_dtype=short_dtype(dtype_name),
         prequantized=qcfg.get("quant_method") if isinstance(qcfg, dict) else None,
         source=source, notes=tuple(notes), generic=True, config_json=raw_json)

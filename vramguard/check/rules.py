@@ -213,7 +213,9 @@ def model_findings(spec: ModelSpec | None, ckpt: CheckpointInfo | None, s: Setti
                     else f" (weights {f32:,} B in float32 against {b16:,} B in bfloat16)")
         f.append(finding_line("param_dtype", "warn", f"float32 (checkpoint stores {stored})",
                               f"{param_dtype_reason}: every unquantized weight takes twice the memory of 16-bit "
-                              f"weights{cost}", "pass dtype=torch.bfloat16 (float16 below compute capability 8.0)"))
+                              f"weights{cost}", "pass quant=bf16 (quant=fp16 below compute capability 8.0)"
+                              if param_dtype_reason.startswith("quant=fp32") else
+                              "pass dtype=torch.bfloat16 (float16 below compute capability 8.0)"))
     else:
         f.append(_param_dtype_line(param_dtype, stored, param_dtype_reason))
     pre_ampere = gpu is not None and gpu.supports_bf16 is False

@@ -12,6 +12,7 @@ import contextlib
 import json
 import os
 import sys
+import textwrap
 import threading
 
 import typer
@@ -33,9 +34,14 @@ err = console(stderr=True)
 def say(text: str) -> None:
     """``text`` on stderr in the CLI's words (:func:`~vramguard.cli.flags.as_flags`: a library field becomes its
     option), with no rich markup or highlighting; a line indented by 4 spaces is code, printed whole (never
-    wrapped: it can be copied as one line)."""
+    wrapped: it can be copied as one line). Other lines wrap at the terminal's width between words only: a word
+    longer than the width (a path) stays whole on a line of its own, so that it can be copied."""
     for line in as_flags(text).split("\n"):
-        err.print(line, markup=False, highlight=False, soft_wrap=line.startswith("    "))
+        if line.startswith("    "):
+            err.print(line, markup=False, highlight=False, soft_wrap=True)
+            continue
+        for part in textwrap.wrap(line, err.width, break_long_words=False, break_on_hyphens=False) or [""]:
+            err.print(part, markup=False, highlight=False, soft_wrap=True)
 
 
 def write_json(data) -> None:

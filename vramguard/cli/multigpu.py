@@ -11,7 +11,7 @@ from vramguard.cli.render import console, finding_to_json, gib_cell, short_label
 from vramguard.errors import InvalidValue, UnknownGpu
 from vramguard.hardware import detect_gpus, gpu_from_catalog, gpu_from_vram
 from vramguard.plan.choice import choose
-from vramguard.plan.limits import bound_by
+from vramguard.plan.limits import bound_by, context_words
 from vramguard.plan.planner import with_context
 from vramguard.resolve import resolve_model
 from vramguard.units import MiB, fmt_gib, parse_card_size
@@ -233,8 +233,7 @@ def print_plan(p, out) -> None:
     if p.max_prompt_tokens is not None:
         why = bound_by(p.model, s, p.max_prompt_tokens, None)["max_prompt_tokens"]
         out.print(f"largest prompt that fits every card with {s.max_new_tokens:,} new tokens: "
-                  f"{p.max_prompt_tokens:,} tokens" + (f" (capped by the model's context, max_position_embeddings "
-                                                       f"{p.model.max_position_embeddings:,}, not by memory)"
+                  f"{p.max_prompt_tokens:,} tokens" + (f" (capped by {context_words(p.model)}, not by memory)"
                                                        if why == "context" else ""))
     else:
         out.print("no prompt fits every card with these settings")

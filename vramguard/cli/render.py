@@ -17,7 +17,7 @@ from vramguard.memory.allocator import ignored_options
 from vramguard.memory.kv import kv_growth_per_token
 from vramguard.plan import Plan
 from vramguard.plan.estimator import misfit_text
-from vramguard.plan.limits import bound_by
+from vramguard.plan.limits import bound_by, context_words
 from vramguard.plan.solve import batch_search_cap
 from vramguard.units import fmt_bytes, fmt_tokens, plural
 
@@ -345,8 +345,8 @@ def _print_cards(c: Console, p: Plan) -> None:
     if within:
         c.print()
     if capped:
-        c.print(f"*: capped by the model's context (prompt + new tokens = max_position_embeddings "
-                f"{p.model.max_position_embeddings:,}), not by memory: the card would hold more", highlight=False)
+        c.print(f"*: capped by {context_words(p.model)} (prompt + new tokens), not by memory: the card would hold "
+                "more", highlight=False)
     if any(v.max_batch == cap for v in p.cards):
         where = "the batch asked" if cap == p.settings.batch else "the search's cap"
         c.print(f"batch: ≥{cap:,} is {where}; a larger batch may fit too (plan it with --batch N)")

@@ -92,6 +92,17 @@ def _known_bracket(lo: int, hi: int, known: dict[int, int], usable: int) -> tupl
     return (fit[-1] if fit else None), (over[0] if over else None)
 
 
+CONTEXT_NOTE = "context set to"  # the note that starts so: a spec whose context the user set
+
+
+def context_words(spec: ModelSpec) -> str:
+    """What caps prompt + new tokens of ``spec``, in words: the context the user set (``--context``,
+    ``context=``) or the config's ``max_position_embeddings``."""
+    if any(n.startswith(CONTEXT_NOTE) for n in spec.notes):
+        return f"the context you set, {spec.max_position_embeddings:,} tokens"
+    return f"the model's context, max_position_embeddings {spec.max_position_embeddings:,}"
+
+
 def check_context(spec: ModelSpec, s: Settings,
                   beyond: str | None = " (a RoPE-scaled model may allow more: plan with context=N)") -> None:
     """Raise InvalidValue when ``prompt + new tokens`` exceeds the model's ``max_position_embeddings``; ``beyond``
@@ -107,9 +118,12 @@ def check_context(spec: ModelSpec, s: Settings,
             ways.append(f"a prompt of at most {tokens(ctx - new)} with {tokens(new, 'new ')}")
         if not ways:
             ways.append(f"prompt and new tokens together at most {ctx:,} (e.g. {ctx - ctx // 2:,} + {ctx // 2:,})")
+        given = any(n.startswith(CONTEXT_NOTE) for n in spec.notes)  # the user set it: no need to say how
         raise InvalidValue("prompt + new tokens", f"{prompt:,} + {new:,} = {s.total_tokens:,}",
+                           f"at most the context you set, {ctx:,} tokens" if given else
                            f"at most the model's context, max_position_embeddings={ctx}",
-                           " or ".join(ways) + (beyond or ""))
+                           " or ".join(ways) + (" (or a larger context, where the model's RoPE scaling allows it)"
+                                                if given and beyond else (beyond or "")))
 
 
 def bound_by(spec: ModelSpec, s: Settings, max_prompt_tokens: int | None,

@@ -25,7 +25,7 @@ from vramguard.plan.choice import AUTO, Choice, choose
 from vramguard.plan.estimator import CardVerdict, MemoryEstimate, Plan, estimate, verdict
 from vramguard.plan.findings import plan_findings
 from vramguard.plan.kernels import choose_path, kernel_finding
-from vramguard.plan.limits import check_context
+from vramguard.plan.limits import CONTEXT_NOTE, check_context
 from vramguard.plan.solve import offload_change, ranked_changes, solve_card
 from vramguard.resolve import resolve_model
 from vramguard.settings import MAX_TOKENS, Settings, require_bool, require_settings
@@ -236,7 +236,7 @@ def with_context(spec: ModelSpec, context: object) -> ModelSpec:
             raise InvalidValue("context", context, f"at most {learned:,}: the model has {learned:,} learned "
                                "position embeddings, which no scaling extends", f"pass context={learned}")
     return replace(spec, max_position_embeddings=context,
-                   notes=spec.notes + (f"context set to {context:,} tokens (config: "
+                   notes=spec.notes + (f"{CONTEXT_NOTE} {context:,} tokens (config: "
                                        f"{spec.max_position_embeddings:,})",))
 
 

@@ -193,7 +193,7 @@ HARDWARE_KEYS = ("cpu_offload_bytes", "gpus", "gpu")  # Change.settings keys of 
 def hardware_changes(model: MemoryModel, s: Settings, target: GpuSpec, need: int) -> list[Change]:
     """Changes of hardware that make the run fit as asked when ``target`` is too small, each with the bytes it
     needs: weights offloaded to CPU RAM (the shortfall), a second such card (:func:`_second_card`: the two-card
-    plan's split, its fuller card's need), the smallest catalog card whose reported total holds ``need``."""
+    plan's split, its fuller card's need; left out when it lowers nothing), the smallest catalog card whose reported total holds ``need``."""
     usable = target.usable_bytes
     if need <= usable:
         return []
@@ -203,8 +203,8 @@ def hardware_changes(model: MemoryModel, s: Settings, target: GpuSpec, need: int
     if short < est.weights.total_bytes:
         out.append(offload_change(short, usable, target.name))
     second = _second_card(model, s, target, need)
-    if second is not None:
-        out.append(second)
+    if second is not None and (second.fits_on or second.saved_bytes > 0):
+        out.append(second)  # a second card that takes no layer (one layer above the card) is no change
     bigger = sorted((g for g in GPUS.values() if g.total_bytes >= need), key=lambda g: g.total_bytes)
     if bigger:
         g = bigger[0]

@@ -451,6 +451,25 @@ def _check_load_fits(model: str, quant: str, dtype: str | None, budget: int) -> 
                          "quantize the weights")
 
 
+def _check_weights_fit(model: str, quant: str | None, dtype: str | None, budget: int) -> None:
+    """Refuse, before loading, a budget that the planned weights alone fill (on the CPU too, where no hard cap is
+    set): the plan's weight bytes (:meth:`~vramguard.memory.model.MemoryModel.weight_bytes`) are known without
+    reading a weight, and a refusal after a load of minutes loses that time.
+
+    Raises:
+        Infeasible: the planned weights take ``budget`` bytes or more.
+    """
+    try:
+        s = Settings(quant=quant, dtype=dtype)
+        weights = choose(resolve_model(model), s).model.weight_bytes(s).total_bytes
+    except VramguardError:  # an unreadable model or setting: the load reports it with its own error
+        return
+    if weights >= budget:
+        raise Infeasible("vram_budget", fmt_bytes(budget), f"more than the {fmt_bytes(weights)} the weights take "
+                         f"(quant={quant}, planned before loading)", "raise vram_budget="
+                         + (", or quantize the weights (quant=nf4)" if quant not in ("nf4", "fp4") else ""))
+
+
 def public_name(model: str) -> str:
     """The name a server shows for ``model`` when none is given: a local folder's last part (clients never see a
     path of this machine), else ``model`` itself (a model id such as ``org/name``)."""
@@ -506,6 +525,8 @@ def build(model: str, config: ServeConfig | None = None, *, loaded=None, **optio
     """
     c = _config(config, options)
     cap_before = _hard_cap(model, c.quant, c.dtype, c.vram_budget) if c.hard_cap else None
+    if loaded is None and c.vram_budget is not None:
+        _check_weights_fit(model, c.quant, c.dtype, c.vram_budget)
     if loaded is None:
         loaded = load_model(model, quant=c.quant, dtype=c.dtype, attn=c.attn, trust_remote_code=c.trust_remote_code,
                             allow_pickle=c.allow_pickle, verify=c.verify)
