@@ -155,6 +155,51 @@ def test_cli_run_streams_text_and_summarizes(tiny):
     assert bad.returncode == 2 and "--prompt" in bad.stderr and "Traceback" not in bad.stderr
 
 
+def test_ctrl_c_while_generating_keeps_the_tokens_and_their_timings(tiny):
+    """A KeyboardInterrupt while tokens stream (Ctrl-C) ends generate with :class:`GenerationInterrupted`, a
+    KeyboardInterrupt that carries the tokens so far: stop ``interrupted``, decode steps timed."""
+    from transformers import AutoTokenizer
+    folder, model = tiny("LlamaConfig", **CFG)
+    _tokenizer(folder)
+    tok = AutoTokenizer.from_pretrained(folder)
+    pieces = []
+
+    def on_text(piece):
+        pieces.append(piece)
+        if len(pieces) == 5:
+            raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt) as e:
+        G.generate(model, tok, PROMPT, 64, on_text=on_text, ignore_eos=True)
+    assert isinstance(e.value, G.GenerationInterrupted)
+    r = e.value.result
+    n = len(r.token_ids)
+    assert r.stop == "interrupted" and 5 <= n < 64 and r.stop_detail == f"interrupted (Ctrl-C) after {n} tokens"
+    assert r.timings.prefill_s is not None and r.attempts[-1].decode_steps == n - 1
+
+
+def test_cli_run_interrupted_prints_the_summary_then_exits_130(tiny):
+    """Ctrl-C while ``run`` streams (a stdout whose fifth write is interrupted): the summary of what came, then
+    exit 130 with the interrupt's line."""
+    import io
+    folder, _ = tiny("LlamaConfig", **CFG)
+    _tokenizer(folder)
+
+    class Interrupted(io.StringIO):
+        writes = 0
+
+        def write(self, s):
+            self.writes += 1
+            if self.writes == 5:
+                raise KeyboardInterrupt
+            return super().write(s)
+    r = run_cli("run", str(folder), "--prompt", "w1 w2 w3 w4", "--max-new-tokens", "40", "--quant", "bf16",
+                "--ignore-eos", stdout=Interrupted())
+    said = " ".join(r.stderr.split())
+    assert r.returncode == 130, r.stderr
+    assert "stopped: interrupted (Ctrl-C) after" in said and "time to first token" in said
+    assert said.endswith("interrupted: stopped at Ctrl-C (exit 130)")
+
+
 def test_context_chunks_rank_and_pack_within_the_budget(tiny):
     from transformers import AutoTokenizer
 

@@ -220,3 +220,24 @@ def test_only_vramguard_classes_are_rebuilt(tmp_path):
     assert diskcache.read(path) is None
     with pytest.raises(TypeError, match="set is not stored"):
         diskcache.encode({1, 2})
+
+
+def test_a_cache_folder_past_its_limit_drops_the_least_recently_used_entries(tmp_path, monkeypatch):
+    """Entries of earlier versions never match again: a folder past its limit keeps the three quarters most
+    recently written or read, so a read keeps an old entry and an unread one goes first."""
+    import os
+
+    from vramguard import diskcache
+    monkeypatch.setattr(diskcache, "MAX_FOLDER_ENTRIES", 8)
+    for i in range(8):
+        diskcache.write(tmp_path / f"e{i}.json.gz", i)
+        os.utime(tmp_path / f"e{i}.json.gz", (1000 + i, 1000 + i))  # written in this order, seconds apart
+    assert diskcache.read(tmp_path / "e0.json.gz") == 0  # the oldest, read now: the most recently used
+    assert len(list(tmp_path.glob("*.json.gz"))) == 8  # at the limit: nothing removed
+    diskcache.write(tmp_path / "e8.json.gz", 8)  # 9 entries: down to 6, the oldest unread first
+    left = sorted(p.name for p in tmp_path.glob("*.json.gz"))
+    assert left == ["e0.json.gz", "e4.json.gz", "e5.json.gz", "e6.json.gz", "e7.json.gz", "e8.json.gz"]
+    # by bytes too: a limit below the folder's size keeps three quarters of it
+    sizes = sum(p.stat().st_size for p in tmp_path.glob("*.json.gz"))
+    assert diskcache.prune(tmp_path, max_bytes=sizes - 1) >= 2
+    assert sum(p.stat().st_size for p in tmp_path.glob("*.json.gz")) <= (sizes - 1) * 3 // 4

@@ -11,7 +11,9 @@ on (:func:`entry_key`): the inputs given, the versions of the libraries whose ru
 their installed metadata, not imported) and the source of every vramguard module (so a changed rule never reads an
 old plan). ``VRAMGUARD_PLAN_CACHE=0`` turns it off; ``VRAMGUARD_PLAN_CACHE=/a/folder`` keeps the entries there. An
 entry that cannot be read is computed again; one that cannot be written is said once, as for the tape cache
-(:mod:`vramguard.introspect.tape_cache`).
+(:mod:`vramguard.introspect.tape_cache`). A folder past :data:`MAX_FOLDER_BYTES` or :data:`MAX_FOLDER_ENTRIES`
+drops its least recently used entries (:func:`prune`; a read counts as a use), so that entries of earlier versions
+do not pile up.
 
 Objects are written as JSON (:func:`encode`): a dataclass as its module, class and fields; a tuple, a dict and an
 enum member tagged as such, so that a plan read back equals the one written (a test compares the JSON and the
@@ -105,8 +107,7 @@ def read(path: Path | None) -> Any | None:
     if path is None:
         return None
     try:
-        with gzip.open(path, "rt", encoding="utf-8") as f:
-            return decode(json.load(f))
+        return decode(read_gz_json(path))
     except (OSError, ValueError, EOFError, TypeError, KeyError, AttributeError, ImportError):
         return None
 
@@ -124,15 +125,63 @@ def write(path: Path | None, obj: Any) -> None:
     write_text_gz(path, text, _warn_unwritable)
 
 
+MAX_FOLDER_BYTES = 256 * 2**20  # a cache folder (plans, tapes) past this drops its least recently used entries
+MAX_FOLDER_ENTRIES = 5_000  # ... or past this many files (listing 2,000 takes ~13 ms a write)
+
+
+def read_gz_json(path: Path) -> Any:
+    """The JSON in the gzipped file ``path``, its modification time set to now (the folder's least recently used
+    entries are the first :func:`prune` removes). Raises what ``gzip`` and ``json`` raise (``OSError``,
+    ``ValueError``, ``EOFError``)."""
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        found = json.load(f)
+    try:
+        os.utime(path)
+    except OSError:  # a read-only cache is still read
+        pass
+    return found
+
+
+def prune(folder: Path, max_bytes: int | None = None, max_entries: int | None = None) -> int:
+    """Remove the least recently used ``*.json.gz`` files of ``folder`` (oldest modification time first: a read
+    sets it, :func:`read_gz_json`) until it holds at most three quarters of ``max_bytes`` and of ``max_entries``,
+    when it holds more than either. Returns the files removed; a file another process removed first, or one that
+    cannot be removed, is passed over. None: :data:`MAX_FOLDER_BYTES`, :data:`MAX_FOLDER_ENTRIES`."""
+    max_bytes = MAX_FOLDER_BYTES if max_bytes is None else max_bytes
+    max_entries = MAX_FOLDER_ENTRIES if max_entries is None else max_entries
+    try:
+        entries = [(st.st_mtime, st.st_size, e.path) for e in os.scandir(folder)
+                   if e.name.endswith(".json.gz") and (st := e.stat())]
+    except OSError:
+        return 0
+    total = sum(size for _, size, _ in entries)
+    if total <= max_bytes and len(entries) <= max_entries:
+        return 0
+    removed = 0
+    left = len(entries)
+    for _, size, name in sorted(entries):
+        if total <= max_bytes * 3 // 4 and left <= max_entries * 3 // 4:
+            break
+        try:
+            os.unlink(name)
+            removed += 1
+        except OSError:
+            pass
+        total, left = total - size, left - 1
+    return removed
+
+
 def write_text_gz(path: Path, text: str, unwritable) -> None:
-    """Write ``text`` gzipped to ``path`` beside it first, then renamed (a reader never sees half a file); on an
-    ``OSError`` the half-written file is removed and ``unwritable(folder, error)`` is called instead of raising."""
+    """Write ``text`` gzipped to ``path`` beside it first, then renamed (a reader never sees half a file), then
+    :func:`prune` its folder; on an ``OSError`` the half-written file is removed and ``unwritable(folder, error)``
+    is called instead of raising."""
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with gzip.open(tmp, "wt", encoding="utf-8", compresslevel=3) as f:
             f.write(text)
         os.replace(tmp, path)
+        prune(path.parent)
     except OSError as e:
         try:
             tmp.unlink(missing_ok=True)

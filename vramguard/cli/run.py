@@ -20,6 +20,7 @@ from vramguard.errors import InvalidValue
 from vramguard.inputs import read_text, regular_file
 from vramguard.resolve import local_model_folder
 from vramguard.run.context import context_prompt
+from vramguard.run.generate import GenerationInterrupted
 from vramguard.run.generate import generate as generate_fn
 from vramguard.run.kernels import warm_triton
 from vramguard.run.prompt import preflight_prompt, prepare_prompt
@@ -71,7 +72,10 @@ def run(
     t_entry = time.perf_counter()
     startup_s = process_age_s()
     req = RunRequest(**{k: getattr(v, "value", v) for k, v in ctx.params.items()})
-    r = run_guarded(lambda: _generate(req, t_entry, startup_s), as_json=req.as_json)
+    try:
+        r, interrupted = run_guarded(lambda: _generate(req, t_entry, startup_s), as_json=req.as_json), False
+    except GenerationInterrupted as stop:  # Ctrl-C while generating: the summary of what came, then exit 130
+        r, interrupted = stop.result, True
     r.timings.startup_s = startup_s
     r.timings.total_s = startup_s + time.perf_counter() - t_entry if startup_s is not None else None
     if req.as_json:
@@ -79,6 +83,8 @@ def run(
     else:
         sys.stdout.write("\n")
         print_generation_summary(r, err)
+    if interrupted:
+        raise typer.Exit(130)
 
 
 @dataclass(frozen=True)
@@ -127,13 +133,20 @@ def _generate(req: RunRequest, t_entry: float, startup_s: float | None):
         prepared = prepare_prompt(loaded.tokenizer, text, req.chat_template)
     say(f"prompt: {plural(len(prepared.ids), 'token')}, {prepared.reason}")
     t_call = time.perf_counter()
-    r = generate_fn(loaded, loaded.tokenizer, prepared.ids, req.max_new_tokens, budget_bytes=budget, auto=req.auto,
-                    on_text=stream, do_sample=req.do_sample, temperature=req.temperature, top_p=req.top_p,
-                    top_k=req.top_k, seed=req.seed, fast_decode=req.fast_decode, ignore_eos=req.ignore_eos)
-    if r.loaded is not None:
-        r.loaded["why"].insert(0, f"weights {weights}: {why}")
-    _clock(r.timings, times, startup_s, t_call - t_entry)
-    return r
+    def with_load(r):  # the result, with what was loaded and the command's phases
+        if r.loaded is not None:
+            r.loaded["why"].insert(0, f"weights {weights}: {why}")
+        _clock(r.timings, times, startup_s, t_call - t_entry)
+        return r
+    try:
+        r = generate_fn(loaded, loaded.tokenizer, prepared.ids, req.max_new_tokens, budget_bytes=budget,
+                        auto=req.auto, on_text=stream, do_sample=req.do_sample, temperature=req.temperature,
+                        top_p=req.top_p, top_k=req.top_k, seed=req.seed, fast_decode=req.fast_decode,
+                        ignore_eos=req.ignore_eos)
+    except GenerationInterrupted as stop:
+        with_load(stop.result)
+        raise
+    return with_load(r)
 
 
 def _key_caches_meanwhile() -> None:

@@ -10,19 +10,19 @@ transformers (from their installed metadata, without importing them), the kernel
 reads an old tape). A hand family's tape (:mod:`vramguard.memory.hand_tape`) is written afresh each time: only the
 replays through the allocator model are kept for it.
 ``VRAMGUARD_TAPE_CACHE=0`` turns it off; ``VRAMGUARD_TAPE_CACHE=/a/folder`` keeps the tapes there. A file that
-cannot be read or written is recomputed and the plan goes on.
+cannot be read or written is recomputed and the plan goes on. A folder past 256 MiB or 5,000 files drops its
+least recently used tapes (:func:`vramguard.diskcache.prune`).
 """
 
 from __future__ import annotations
 
-import gzip
 import hashlib
 import json
 import os
 from functools import lru_cache
 from pathlib import Path
 
-from vramguard.diskcache import write_text_gz
+from vramguard.diskcache import read_gz_json, write_text_gz
 from vramguard.hub.fetch import header_cache_dir
 from vramguard.introspect.mixers import installed_packages
 
@@ -87,8 +87,7 @@ def tape_path(*key: object) -> Path | None:
 def read(path: Path) -> tuple | None:
     """The tape in ``path``: a tuple per forward of ``(key, bytes)`` pairs; None when absent or unreadable."""
     try:
-        with gzip.open(path, "rt", encoding="utf-8") as f:
-            forwards = json.load(f)["forwards"]
+        forwards = read_gz_json(path)["forwards"]
         return tuple(tuple((int(k), int(n)) for k, n in fw) for fw in forwards)
     except (OSError, ValueError, KeyError, TypeError, EOFError):
         return None
@@ -97,8 +96,7 @@ def read(path: Path) -> tuple | None:
 def read_record(path: Path) -> dict | None:
     """The JSON object :func:`write_record` stored in ``path``; None when absent or unreadable."""
     try:
-        with gzip.open(path, "rt", encoding="utf-8") as f:
-            found = json.load(f)
+        found = read_gz_json(path)
         return found if isinstance(found, dict) else None
     except (OSError, ValueError, EOFError):
         return None

@@ -40,7 +40,7 @@ from vramguard.plan import check_context, choose, estimate
 from vramguard.plan.solve import _largest
 from vramguard.run.sampling import (  # noqa: F401 -- MAX_SEED, SEED_ACCEPTED, check_seed: read here by serve
     MAX_SEED, SEED_ACCEPTED, check_generation_args, check_seed, eos_list, resolve_sampling)
-from vramguard.run.timing import RunTimings, stop_reason
+from vramguard.run.timing import STOP_INTERRUPTED, RunTimings, stop_reason
 from vramguard.runtime.device import is_oom, memory_cap, usable_bytes
 from vramguard.runtime.first_prefill import measure_first_prefill, noted, scaled
 from vramguard.runtime.handle import LoadedModel, handle_of, sdpa_unpinned
@@ -146,8 +146,8 @@ class GenerationResult:
     """The generated text and token ids, the strategy that finished, every attempt, and the measurements
     (``peak_allocated_bytes``: the finishing attempt's peak; each attempt keeps its own). ``decode_mode`` and
     ``decode_reason`` are set when the graph strategy finished (``fast_decode``). ``stop`` says why generation
-    ended: ``"eos"`` (one of ``eos_token_ids``, the model's end tokens, was generated, and is the last id) or
-    ``"max_new_tokens"``; ``stop_detail`` says it in words. ``timings`` splits the wall time (plan, one-time work,
+    ended: ``"eos"`` (one of ``eos_token_ids``, the model's end tokens, was generated, and is the last id),
+    ``"max_new_tokens"`` or ``"interrupted"`` (Ctrl-C: :class:`GenerationInterrupted`); ``stop_detail`` says it in words. ``timings`` splits the wall time (plan, one-time work,
     prefill, decode; :class:`~vramguard.run.timing.RunTimings`); ``ttft_s`` is the prefill (the prompt in, the
     first token out: ``timings.prefill_s``) and ``decode_ms_per_token`` counts decode steps only, the one-time work
     of the graph strategy (kernel check, warm-up, capture) done before the prefill and timed apart. ``loaded`` says
@@ -362,6 +362,12 @@ def _attempts(model, tokenizer, prompt_ids: list[int], max_new_tokens: int, orde
                                     sdpa_note=sdpa_note, **{**_timing_fields(tap, t_start), **_decode_fields(dec)}))
             first_at = first_at if first_at is not None else tap.t_first
             return generated, attempts, first_at
+        except KeyboardInterrupt:  # Ctrl-C: what came so far, with its timings, goes up with the interrupt
+            added = len(generated) - tap.start
+            attempts.append(Attempt(st.name, added, None, "prefill" if added == 0 else "decode", added,
+                                    torch.cuda.max_memory_allocated() if on_cuda else None,
+                                    **_timing_fields(tap, t_start)))
+            raise _Stopped(generated, attempts, first_at if first_at is not None else tap.t_first) from None
         except RuntimeError as e:  # out of memory: free what the attempt held, then the next strategy continues
             if not is_oom(e):
                 raise
@@ -385,6 +391,24 @@ def _attempts(model, tokenizer, prompt_ids: list[int], max_new_tokens: int, orde
                      "every strategy ran out of memory: "
                      + "; ".join(f"{a.strategy}: {a.phase} step {a.step}" for a in attempts)
                      + ". Shorten the prompt or the generation")
+
+
+class _Stopped(Exception):
+    """Ctrl-C during an attempt: the tokens, attempts and first-token time so far (:func:`_attempts`' return)."""
+
+    def __init__(self, *so_far):
+        super().__init__("interrupted")
+        self.so_far = so_far
+
+
+class GenerationInterrupted(KeyboardInterrupt):
+    """Ctrl-C during :func:`generate`: a ``KeyboardInterrupt`` (a caller that catches that still does) carrying
+    ``result``, the :class:`GenerationResult` of the tokens generated until then (``stop`` is ``"interrupted"``,
+    its timings those of the steps that ran)."""
+
+    def __init__(self, result: GenerationResult):
+        super().__init__(result.stop_detail)
+        self.result = result
 
 
 def _graph_attempt(model, ids, remaining: int, tap: _Tap, sample: dict, chunk: int, at_least: int, eos: list[int]):
@@ -466,6 +490,8 @@ def generate(model, tokenizer, prompt: str | list[int], max_new_tokens: int = 25
     Raises:
         Infeasible: no strategy fits, before any GPU work; or every strategy ran out of memory.
         InvalidValue: a bad argument, or (``fast_decode``) a model the graph decoder cannot run.
+        GenerationInterrupted: Ctrl-C (a ``KeyboardInterrupt``) while generating; its ``result`` holds the tokens
+            generated until then and their timings.
     """
     import torch
 
@@ -491,9 +517,13 @@ def generate(model, tokenizer, prompt: str | list[int], max_new_tokens: int = 25
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     sample, sampling_note = resolve_sampling(model, do_sample, temperature, top_p, top_k)
+    interrupted = False
     with memory_cap(budget_bytes if on_cuda else None):
-        generated, attempts, first_at = _attempts(model, tokenizer, prompt_ids, max_new_tokens, order, on_text,
-                                                  sample, seed, eos, ignore_eos)
+        try:
+            generated, attempts, first_at = _attempts(model, tokenizer, prompt_ids, max_new_tokens, order, on_text,
+                                                      sample, seed, eos, ignore_eos)
+        except _Stopped as stopped:
+            (generated, attempts, first_at), interrupted = stopped.so_far, True
     elapsed = time.perf_counter() - t0
     last = attempts[-1]
     if budget_bytes is not None and not on_cuda:
@@ -509,12 +539,17 @@ def generate(model, tokenizer, prompt: str | list[int], max_new_tokens: int = 25
         reason += f"; {sampling_note}"
     text = tokenizer.decode(generated, skip_special_tokens=True) if tokenizer is not None else ""
     stop, stop_detail = stop_reason(generated, max_new_tokens, eos, ignore_eos, tokenizer)
+    if interrupted:
+        stop, stop_detail = STOP_INTERRUPTED, f"interrupted (Ctrl-C) after {len(generated):,} tokens"
     timings = RunTimings.of_attempts(attempts, plan_s, elapsed, first_at - t_plan if first_at else None)
-    return GenerationResult(text, list(generated), last.strategy, reason, attempts,
-                            last.peak_allocated_bytes, timings.prefill_s,
-                            len(generated) / elapsed if elapsed > 0 else None, order[0][1], usable,
-                            last.decode_mode, last.decode_reason, timings.decode_ms_per_token, stop, stop_detail,
-                            eos, ignore_eos, timings, _loaded_as(h), prompt_tokens=len(prompt_ids))
+    result = GenerationResult(text, list(generated), last.strategy, reason, attempts,
+                              last.peak_allocated_bytes, timings.prefill_s,
+                              len(generated) / elapsed if elapsed > 0 else None, order[0][1], usable,
+                              last.decode_mode, last.decode_reason, timings.decode_ms_per_token, stop, stop_detail,
+                              eos, ignore_eos, timings, _loaded_as(h), prompt_tokens=len(prompt_ids))
+    if interrupted:
+        raise GenerationInterrupted(result)
+    return result
 
 
 def _loaded_as(h) -> dict | None:

@@ -77,7 +77,7 @@ class RunTimings:
         return out
 
 
-STOP_EOS, STOP_LIMIT = "eos", "max_new_tokens"
+STOP_EOS, STOP_LIMIT, STOP_INTERRUPTED = "eos", "max_new_tokens", "interrupted"
 
 
 def stop_reason(generated: list[int], max_new_tokens: int, eos: list[int], ignore_eos: bool,
