@@ -139,3 +139,21 @@ def test_the_json_says_freed_before_when_the_plan_has_one_layout():
                "--format", "json")
     d = json.loads(r.stdout)
     assert d.get("estimate", d)["freed_before"] is False
+
+
+def test_the_plan_header_names_latent_attention_by_its_own_sizes(tmp_path):
+    """DeepSeek-V2's MLA: ``head_dim`` (the rope part, 64) and ``num_key_value_heads`` are not what it caches; the
+    header names the latent's rank and the key and value head sizes instead; other models keep heads / KV heads."""
+    import json
+
+    from vramguard.cli.render import heads_text
+    from vramguard.resolve import resolve_model
+    cfg = {"model_type": "deepseek_v2", "hidden_size": 2048, "num_hidden_layers": 2, "num_attention_heads": 16,
+           "num_key_value_heads": 16, "kv_lora_rank": 512, "q_lora_rank": None, "qk_nope_head_dim": 128,
+           "qk_rope_head_dim": 64, "v_head_dim": 128, "vocab_size": 1000, "intermediate_size": 1024,
+           "moe_intermediate_size": 256, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1,
+           "first_k_dense_replace": 1}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert heads_text(resolve_model(str(tmp_path))) == \
+        "16 heads, multi-head latent attention (kv_lora_rank 512; keys 192, values 128 per head)"
+    assert heads_text(resolve_model("llama-3.1-8b")) == "32 heads / 8 KV heads (head_dim 128)"

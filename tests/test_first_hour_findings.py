@@ -206,3 +206,21 @@ def test_the_cpu_default_reason_names_both_weight_formats_as_options():
     from vramguard.runtime.load import default_quant
     quant, why = default_quant(on_cuda=False)
     assert quant == "fp32" and "--quant bf16 or --quant nf4 loads smaller weights" in as_flags(why)
+
+
+def test_a_checkpoint_without_a_language_model_head_is_said(tmp_path):
+    """A ``BertModel`` checkpoint (no LM head): the plan's memory holds, but AutoModelForCausalLM initializes the
+    head anew, so the plan warns that the text would be noise; a causal-LM checkpoint and remote code get nothing."""
+    import json
+
+    from vramguard.plan import plan
+    from vramguard.plan.findings import _head_findings
+    cfg = {"model_type": "bert", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+           "intermediate_size": 128, "vocab_size": 300, "max_position_embeddings": 512, "architectures": ["BertModel"]}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    f = [f for f in plan(str(tmp_path), vram="24GiB").findings if f.code == "no_lm_head"]
+    assert len(f) == 1 and f[0].level == "warn" and "BertModel" in f[0].message and "noise" in f[0].message
+    for archs in (["LlamaForCausalLM"], ["GPT2LMHeadModel"], ["LlavaForConditionalGeneration"]):
+        assert _head_findings(json.dumps({"architectures": archs})) == []
+    assert _head_findings(json.dumps({"architectures": ["ChatGLMModel"], "auto_map": {"AutoModel": "x.Y"}})) == []
+    assert _head_findings(json.dumps({"architectures": ["MistralForSequenceClassification"]}))[0].code == "no_lm_head"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any
 
 from rich import box
@@ -361,6 +362,23 @@ def _fits_cell(v) -> str:
     return "[yellow]unverified[/yellow]" if v.unverified else "[green]yes[/green]"
 
 
+def heads_text(spec) -> str:
+    """The attention heads in words: ``32 heads / 8 KV heads (head_dim 128)``; for multi-head latent attention (a
+    config with ``kv_lora_rank``: DeepSeek-V2/V3) the latent's rank and the key and value head sizes
+    (``qk_nope_head_dim + qk_rope_head_dim``, ``v_head_dim``), which differ from ``head_dim``."""
+    try:
+        cfg = json.loads(spec.config_json or "{}")
+    except ValueError:
+        cfg = {}
+    cfg = cfg.get("text_config") if isinstance(cfg, dict) and isinstance(cfg.get("text_config"), dict) else cfg
+    rank = cfg.get("kv_lora_rank") if isinstance(cfg, dict) else None
+    dims = [cfg.get(k) for k in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")] if rank else []
+    if isinstance(rank, int) and all(isinstance(d, int) for d in dims):
+        return (f"{spec.num_heads} heads, multi-head latent attention (kv_lora_rank {rank}; keys {dims[0] + dims[1]}, "
+                f"values {dims[2]} per head)")
+    return f"{spec.num_heads} heads / {spec.num_kv_heads} KV heads (head_dim {spec.head_dim})"
+
+
 def print_plan(p: Plan, console: Console | None = None) -> None:
     """Human-readable plan on stdout: components, cards, findings and ranked changes."""
     c = console or Console()
@@ -369,9 +387,8 @@ def print_plan(p: Plan, console: Console | None = None) -> None:
     c.print(f"[bold]vramguard plan[/bold] - {spec.name}" + ("" if src == spec.name else f"  ({src})"))
     n = est.weights.parameter_count
     params = f"{n / 1e9:.2f} B" if n >= 1e8 else f"{n / 1e6:.2f} M"
-    c.print(f"{spec.num_layers} layers, hidden {spec.hidden_size}, {spec.num_heads} heads / {spec.num_kv_heads} KV "
-            f"heads (head_dim {spec.head_dim}), vocab {spec.vocab_size:,}, context {spec.max_position_embeddings:,}, "
-            f"{params} parameters")
+    c.print(f"{spec.num_layers} layers, hidden {spec.hidden_size}, {heads_text(spec)}, vocab {spec.vocab_size:,}, "
+            f"context {spec.max_position_embeddings:,}, {params} parameters")
     c.print(_settings_line(p))
     prefill_peaks = est.decode is None or est.prefill.peak_bytes >= est.decode.peak_bytes
     phase = "prefill" if prefill_peaks else "last decode step"

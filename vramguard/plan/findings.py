@@ -3,6 +3,8 @@ stake and the fix. Each finding is computed from the plan's own numbers (never a
 
 from __future__ import annotations
 
+import json
+
 from vramguard.hub.prequant import uses_headers
 from vramguard.memory.forward import eager_bytes_per_score, logits_bytes
 from vramguard.memory.kv import SCALE_ZERO_BYTES
@@ -20,6 +22,7 @@ def plan_findings(p: Plan, model: MemoryModel) -> list[Finding]:
     spec, s, est = p.model, p.settings, p.estimate
     weight_bytes = model.weight_bytes
     out: list[Finding] = [Finding("model_note", "info", n) for n in spec.notes]
+    out += _head_findings(spec.config_json)
     if spec.checkpoint_dtype == "fp32" and s.dtype is None and s.act_dtype != "fp32":
         f32 = weight_bytes(s.with_(quant="fp32" if s.quant in ("bf16", "fp16") else s.quant,
                                    dtype="fp32")).total_bytes
@@ -47,6 +50,30 @@ def plan_findings(p: Plan, model: MemoryModel) -> list[Finding]:
     _attention_findings(p, out)
     _memory_findings(p, out)
     return out
+
+
+LM_HEAD_MARKS = ("CausalLM", "LMHead", "ConditionalGeneration")  # in the class names of transformers' models with a
+# language-model head (LlamaForCausalLM, GPT2LMHeadModel, ReformerModelWithLMHead, LlavaForConditionalGeneration)
+
+
+def _head_findings(config_json: str | None) -> list[Finding]:
+    """A warning when config.json's ``architectures`` names only classes without a language-model head
+    (``BertModel``, ``...ForSequenceClassification``): ``AutoModelForCausalLM`` then builds the head newly
+    initialized, so the memory holds but the text is noise. Nothing for a config with ``auto_map`` (remote code
+    names its own classes) or without ``architectures``."""
+    try:
+        cfg = json.loads(config_json or "{}")
+    except ValueError:
+        return []
+    archs = cfg.get("architectures") if isinstance(cfg, dict) and not cfg.get("auto_map") else None
+    if not isinstance(archs, list) or not archs or not all(isinstance(a, str) for a in archs):
+        return []
+    if any(mark in a for a in archs for mark in LM_HEAD_MARKS):
+        return []
+    return [Finding("no_lm_head", "warn", f"config.json's architectures names {', '.join(archs)}: a checkpoint "
+                    "without a language-model head; AutoModelForCausalLM, which generate loads, adds one newly "
+                    "initialized, so the memory planned holds but the text generated is noise",
+                    "plan the model's causal-LM checkpoint (architectures naming a ...ForCausalLM class)")]
 
 
 def _card_findings(p: Plan, out: list, model: MemoryModel) -> None:
