@@ -155,6 +155,10 @@ def test_32_requests_that_each_fail_a_step_alone_fail_alone_and_the_server_stays
         assert [out[32 + j].json()["choices"][0]["text"] for j in range(4)] == [_text(x) for x in refs]
         assert e.check_fatal() is None and s.exit_code == 0
         h = httpx.get(url + "/health").json()
+        deadline = time.monotonic() + 10  # the engine's own known-good request may still hold its block a moment
+        while h["kv_blocks_used"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+            h = httpx.get(url + "/health").json()
         assert h["status"] == "ok" and h["in_flight"] == 0 and h["kv_blocks_used"] == 0
         assert h["step_failures"] >= 32  # every poisoned request failed at least one step of its own
     finally:

@@ -11,8 +11,8 @@ from vramguard.run.generate import GenerationInterrupted, GenerationResult, gene
 from vramguard.runtime.load import LoadedModel, LoadReport, load_model, unload
 from vramguard.settings import Settings
 
-__all__ = ["CheckReport", "GenerationInterrupted", "GenerationResult", "LoadReport", "LoadedModel", "Plan", "Settings", "check", "estimate",
-           "generate", "load_model", "plan", "resolve_model", "unload"]
+__all__ = ["CheckReport", "GenerationInterrupted", "GenerationResult", "LoadReport", "LoadedModel", "Plan", "Settings",
+           "check", "estimate", "generate", "load_model", "plan", "resolve_model", "unload"]
 __version__ = "0.1.0"
 
 defer_import_time_compiles()  # bitsandbytes' and hqq's import-time torch.compile calls (vramguard.extras)

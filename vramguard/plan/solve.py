@@ -193,7 +193,8 @@ HARDWARE_KEYS = ("cpu_offload_bytes", "gpus", "gpu")  # Change.settings keys of 
 def hardware_changes(model: MemoryModel, s: Settings, target: GpuSpec, need: int) -> list[Change]:
     """Changes of hardware that make the run fit as asked when ``target`` is too small, each with the bytes it
     needs: weights offloaded to CPU RAM (the shortfall), a second such card (:func:`_second_card`: the two-card
-    plan's split, its fuller card's need; left out when it lowers nothing), the smallest catalog card whose reported total holds ``need``."""
+    plan's split, its fuller card's need; left out when it lowers nothing), the smallest catalog card whose
+    reported total holds ``need``."""
     usable = target.usable_bytes
     if need <= usable:
         return []

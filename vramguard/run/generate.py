@@ -147,9 +147,10 @@ class GenerationResult:
     (``peak_allocated_bytes``: the finishing attempt's peak; each attempt keeps its own). ``decode_mode`` and
     ``decode_reason`` are set when the graph strategy finished (``fast_decode``). ``stop`` says why generation
     ended: ``"eos"`` (one of ``eos_token_ids``, the model's end tokens, was generated, and is the last id),
-    ``"max_new_tokens"`` or ``"interrupted"`` (Ctrl-C: :class:`GenerationInterrupted`); ``stop_detail`` says it in words. ``timings`` splits the wall time (plan, one-time work,
-    prefill, decode; :class:`~vramguard.run.timing.RunTimings`); ``ttft_s`` is the prefill (the prompt in, the
-    first token out: ``timings.prefill_s``) and ``decode_ms_per_token`` counts decode steps only, the one-time work
+    ``"max_new_tokens"`` or ``"interrupted"`` (Ctrl-C: :class:`GenerationInterrupted`); ``stop_detail`` says it in
+    words. ``timings`` splits the wall time (plan, one-time work, prefill, decode;
+    :class:`~vramguard.run.timing.RunTimings`); ``ttft_s`` is the prefill (the prompt in, the first token out:
+    ``timings.prefill_s``) and ``decode_ms_per_token`` counts decode steps only, the one-time work
     of the graph strategy (kernel check, warm-up, capture) done before the prefill and timed apart. ``loaded`` says
     what ran (weight format, dtypes, attention, device) when the model came from
     :func:`~vramguard.runtime.load.load_model`; ``prompt_tokens``: the prompt's ids as sent (chat template
@@ -324,10 +325,12 @@ def _done(generated: list[int], max_new_tokens: int, eos: list[int], ignore_eos:
 
 
 def _attempts(model, tokenizer, prompt_ids: list[int], max_new_tokens: int, order, on_text, sample: dict,
-              seed: int | None, eos: list[int], ignore_eos: bool) -> tuple[list[int], list[Attempt], float | None]:
+              seed: int | None, eos: list[int],
+              ignore_eos: bool) -> tuple[list[int], list[Attempt], float | None, bool]:
     """Run the strategies in ``order`` until one completes; each continues from the tokens produced so far and
     stops as transformers' ``generate`` does (at an ``eos`` id unless ``ignore_eos``, else after the budget).
-    Returns the tokens, the attempts and the ``time.perf_counter()`` of the first token (None: none came)."""
+    Returns the tokens, the attempts, the ``time.perf_counter()`` of the first token (None: none came) and whether
+    Ctrl-C ended it (a ``KeyboardInterrupt`` in an attempt: what came until then is kept)."""
     import torch
 
     on_cuda = next(model.parameters()).device.type == "cuda"
@@ -361,13 +364,13 @@ def _attempts(model, tokenizer, prompt_ids: list[int], max_new_tokens: int, orde
                                     peak_allocated_bytes=torch.cuda.max_memory_allocated() if on_cuda else None,
                                     sdpa_note=sdpa_note, **{**_timing_fields(tap, t_start), **_decode_fields(dec)}))
             first_at = first_at if first_at is not None else tap.t_first
-            return generated, attempts, first_at
+            return generated, attempts, first_at, False
         except KeyboardInterrupt:  # Ctrl-C: what came so far, with its timings, goes up with the interrupt
             added = len(generated) - tap.start
             attempts.append(Attempt(st.name, added, None, "prefill" if added == 0 else "decode", added,
                                     torch.cuda.max_memory_allocated() if on_cuda else None,
                                     **_timing_fields(tap, t_start)))
-            raise _Stopped(generated, attempts, first_at if first_at is not None else tap.t_first) from None
+            return generated, attempts, first_at if first_at is not None else tap.t_first, True
         except RuntimeError as e:  # out of memory: free what the attempt held, then the next strategy continues
             if not is_oom(e):
                 raise
@@ -378,7 +381,7 @@ def _attempts(model, tokenizer, prompt_ids: list[int], max_new_tokens: int, orde
                                     **_timing_fields(tap, t_start)))
             first_at = first_at if first_at is not None else tap.t_first
             if _done(generated, max_new_tokens, eos, ignore_eos):  # it ran out after the last token: nothing is
-                return generated, attempts, first_at  # left to continue (an end token was already produced)
+                return generated, attempts, first_at, False  # left to continue (an end token was already produced)
             del ids
             gc.collect()
             if on_cuda:
@@ -391,14 +394,6 @@ def _attempts(model, tokenizer, prompt_ids: list[int], max_new_tokens: int, orde
                      "every strategy ran out of memory: "
                      + "; ".join(f"{a.strategy}: {a.phase} step {a.step}" for a in attempts)
                      + ". Shorten the prompt or the generation")
-
-
-class _Stopped(Exception):
-    """Ctrl-C during an attempt: the tokens, attempts and first-token time so far (:func:`_attempts`' return)."""
-
-    def __init__(self, *so_far):
-        super().__init__("interrupted")
-        self.so_far = so_far
 
 
 class GenerationInterrupted(KeyboardInterrupt):
@@ -517,13 +512,9 @@ def generate(model, tokenizer, prompt: str | list[int], max_new_tokens: int = 25
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     sample, sampling_note = resolve_sampling(model, do_sample, temperature, top_p, top_k)
-    interrupted = False
     with memory_cap(budget_bytes if on_cuda else None):
-        try:
-            generated, attempts, first_at = _attempts(model, tokenizer, prompt_ids, max_new_tokens, order, on_text,
-                                                      sample, seed, eos, ignore_eos)
-        except _Stopped as stopped:
-            (generated, attempts, first_at), interrupted = stopped.so_far, True
+        generated, attempts, first_at, interrupted = _attempts(model, tokenizer, prompt_ids, max_new_tokens, order,
+                                                               on_text, sample, seed, eos, ignore_eos)
     elapsed = time.perf_counter() - t0
     last = attempts[-1]
     if budget_bytes is not None and not on_cuda:
