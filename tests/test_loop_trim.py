@@ -145,3 +145,19 @@ def test_a_qwen3_next_plan_is_the_same_with_the_loop_trimmed(tmp_path):
     assert int(said.split("left out ")[1].split()[0]) > 100  # iterations the trimmed plan's replays left out
     card = trimmed["cards"][0]  # a search over the prompt, through lengths of many chunks of 64 tokens
     assert trimmed["kernel_path"]["replayed"] == "torch" and 64 * 5 < card["max_prompt_tokens"] < 1024 - 8
+
+
+def test_a_loop_scan_pads_to_its_functions_chunk_and_is_periodic_past_the_loops_full_chunks():
+    """Qwen3-Next's chunk is no config field: it is ``torch_chunk_gated_delta_rule``'s ``chunk_size`` default (64),
+    and its replays are one polynomial only from the length at which the loop is cut (FIRST + ALIKE + 1 chunks:
+    shorter loops are replayed whole, so their tapes differ in structure); Mamba-2's field chunk from two chunks."""
+    from transformers import AutoConfig
+
+    from vramguard.introspect import stretch
+    assert stretch.LOOP_FULL_CHUNKS == loop_trim.FIRST + loop_trim.ALIKE + 1
+    qwen = AutoConfig.for_model("qwen3_next", **ARCHS["qwen3_next"])
+    assert stretch.chunk_period(qwen) == 64 and stretch.first_periodic(qwen, 64) == 5 * 64 + 1
+    falcon = AutoConfig.for_model("falcon_h1")  # the class defaults: mamba_chunk_size
+    p = stretch.chunk_period(falcon)
+    assert p == falcon.mamba_chunk_size and stretch.first_periodic(falcon, p) == 2 * p + 1
+    assert stretch.chunk_period(AutoConfig.for_model("llama")) is None

@@ -20,7 +20,7 @@ from functools import lru_cache
 from vramguard.introspect.build import cached_config, cached_structure, text_config
 from vramguard.introspect.layer_trim import expanded, trim_plan
 from vramguard.introspect.replayed import TapePeak, replayed_from
-from vramguard.introspect.stretch import MARGIN, Sample, Stretch, breakpoints, chunk_period, context
+from vramguard.introspect.stretch import MARGIN, Sample, Stretch, breakpoints, chunk_period, context, first_periodic
 from vramguard.memory.forward import BNB_4BIT_FUSED_MAX_ROWS
 from vramguard.settings import Settings
 
@@ -114,7 +114,7 @@ def _stretches(config_json: str, name: str, s: Settings, past: int, chunk: int) 
     if decode or (not past and chunk > 1):
         x, tokens = (past, past + 1) if decode else (chunk, chunk)
         below = [e for e in breakpoints(cfg) if e < tokens]
-        lo = max(below[-1] + MARGIN if below else 0, 2 * period + 1)
+        lo = max(below[-1] + MARGIN if below else 0, first_periodic(cfg, period))
         hi = min([e - MARGIN for e in breakpoints(cfg) if e >= tokens] + [context(cfg) + 1])
         out.append((_stretch(config_json, name, s, None if decode else 0, 1 if decode else None, lo - (tokens - x),
                              hi - (tokens - x), period), x))

@@ -36,12 +36,57 @@ MAX_KEPT = 12  # replays kept before a stretch gives up (a polynomial of 6 terms
 
 
 def chunk_period(cfg) -> int | None:
-    """The chunk a mixer of ``cfg`` (a text config) pads its sequence to (:data:`PERIOD_FIELDS`), or None."""
+    """The chunk a mixer of ``cfg`` (a text config) pads its sequence to: a config field's (:data:`PERIOD_FIELDS`),
+    else the ``chunk_size`` default of a reference scan of its modeling module (:func:`loop_chunk`), or None."""
+    return _field_period(cfg) or loop_chunk(cfg)
+
+
+def _field_period(cfg) -> int | None:
     for k in PERIOD_FIELDS:
         v = getattr(cfg, k, None)
         if isinstance(v, int) and not isinstance(v, bool) and v >= 4:
             return v
     return None
+
+
+# transformers' reference scans that loop in Python over chunks of their ``chunk_size`` argument, whose default is
+# the chunk the model runs (``torch_chunk_gated_delta_rule`` of Qwen3-Next, Qwen3.5, Olmo-Hybrid...: 64)
+LOOP_SCANS = ("torch_chunk_gated_delta_rule",)
+# the chunks a loop's replay holds in full before :mod:`vramguard.introspect.loop_trim` may cut it (its FIRST +
+# ALIKE + 1: tests/test_loop_trim.py checks): below them the tapes of two lengths differ in structure
+LOOP_FULL_CHUNKS = 5
+
+
+def loop_chunk(cfg) -> int | None:
+    """The ``chunk_size`` default of a :data:`LOOP_SCANS` function in the modeling module of ``cfg``'s model type
+    (``transformers.models.<type>.modeling_<type>``), or None (no such function, or transformers cannot import
+    that module)."""
+    import importlib
+    import inspect
+
+    model_type = getattr(cfg, "model_type", None)
+    if not isinstance(model_type, str) or not model_type.isidentifier():
+        return None
+    try:  # a plan that replays a generic model has imported transformers already
+        module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+    except Exception:  # noqa: BLE001 -- any import failure: no period known, the lengths are replayed one by one
+        return None
+    for name in LOOP_SCANS:
+        fn = getattr(module, name, None)
+        try:
+            default = inspect.signature(fn).parameters["chunk_size"].default if callable(fn) else None
+        except (KeyError, TypeError, ValueError):
+            continue
+        if isinstance(default, int) and not isinstance(default, bool) and default >= 4:
+            return default
+    return None
+
+
+def first_periodic(cfg, period: int) -> int:
+    """The shortest length from which the replays of ``cfg``'s model are one polynomial in the length and its
+    padding to ``period``: past two chunks (a scan without a Python loop), or past :data:`LOOP_FULL_CHUNKS` chunks
+    where the period is a loop's (:func:`loop_chunk`; below them the loop is replayed whole)."""
+    return (2 if _field_period(cfg) else LOOP_FULL_CHUNKS) * period + 1
 
 
 def breakpoints(cfg) -> tuple[int, ...]:

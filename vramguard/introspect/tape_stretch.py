@@ -9,7 +9,7 @@ from functools import lru_cache
 from typing import Callable
 
 from vramguard.introspect.build import cached_config, text_config
-from vramguard.introspect.stretch import Sample, Stretch, context
+from vramguard.introspect.stretch import Sample, Stretch, context, first_periodic
 from vramguard.settings import Settings
 
 Recorder = Callable[[str, str, Settings, int, int], tuple]  # (config, name, settings, prompt, new) -> forwards
@@ -19,15 +19,16 @@ def periodic_events(record: Recorder, config_json: str, name: str, key: Settings
                     end: int | None, period: int) -> tuple[bool, tuple | None]:
     """(whether it applies, the forwards ``record`` gives for ``prompt``) of a model whose chunked scan pads to
     ``period`` (:func:`vramguard.introspect.stretch.chunk_period`) where the stretch of prompts holds two chunks or
-    more:
+    more (a loop's: :func:`~vramguard.introspect.stretch.first_periodic`):
     from the polynomial of the prompts from ``lo`` (and
     two chunks) to ``end`` (exclusive; None: the model's context less ``new``) where it is known, else recorded
     here and kept towards it (:class:`~vramguard.introspect.stretch.Stretch`); None where the prompt lies outside
     that stretch or no polynomial holds there, and the caller records it then (a quadratic in the prompt does not
     hold across a chunk's end)."""
-    end = end or context(text_config(cached_config(config_json, name))) - new + 1
-    st = _tape_stretch(config_json, name, key, new, max(lo, 2 * period + 1), end, period)
-    if st.lo >= st.end:  # no prompt from two chunks on: the prompts are not periodic in it
+    cfg = text_config(cached_config(config_json, name))
+    end = end or context(cfg) - new + 1
+    st = _tape_stretch(config_json, name, key, new, max(lo, first_periodic(cfg, period)), end, period)
+    if st.lo >= st.end:  # no prompt past the first chunks: the prompts are not periodic in it
         return False, None
     found = st.at(prompt)
     if found is None and st.wants(prompt):  # recorded here, and kept
