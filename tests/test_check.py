@@ -126,6 +126,12 @@ def test_c2_a_float32_checkpoint_loaded_as_stored_is_flagged_with_its_cost(tmp_p
     fix = by_name(by_quant, "param_dtype")[0].fix
     assert fix.startswith("pass quant=bf16") and "torch." not in fix
     assert as_flags(fix) == "pass --quant bf16 (--quant fp16 below compute capability 8.0)"
+    # the same format as vramguard's own choice without a CUDA device (none given): said, not warned about
+    own = check(str(folder), Settings(attn="sdpa"), env=env(transformers_version="5.24.0", cuda_available=False,
+                                                            gpus=()), verify=False, quant_unset=True)
+    assert by_name(own, "quant")[0].value == "fp32 (none given)"
+    pd = by_name(own, "param_dtype")[0]
+    assert pd.level == "info" and "vramguard loads without a CUDA device" in pd.message
 
 
 def test_c3_compute_dtype_left_at_float32():

@@ -49,9 +49,12 @@ def test_plan_json_and_table_say_the_context_caps_on_a_large_card():
                 "--max-new-tokens", "512", columns="80")
     assert "*: capped by the context you set, 2,048 tokens (prompt + new tokens), not by memory" \
         in " ".join(t.stdout.split())
+    n = run_cli("plan", "llama-2-7b", "--gpu", "h200", "--context", "300", columns="300")
+    assert "the default --prompt-tokens 128 + --max-new-tokens 256 exceed the --context 300 you set" in n.stderr
     e = run_cli("plan", "llama-2-7b", "--gpu", "h200", "--context", "1000", "--prompt-tokens", "1024")
     said = " ".join(e.stderr.split())
     assert e.returncode == 2 and "accepted: at most the context you set, 1,000 tokens" in said
+    assert said.startswith("error --prompt-tokens + --max-new-tokens: '1,024 + 256 = 1,280'")
     assert "or a larger context" in said and "max_position_embeddings" not in said
 
 

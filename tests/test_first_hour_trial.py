@@ -399,8 +399,8 @@ def test_default_lengths_are_fitted_into_a_short_context_and_said(gpt2_256):
             "planned with 85 + 170 (a third and two thirds of it); pass --prompt-tokens and --max-new-tokens to "
             "choose") in r.stderr.splitlines()
     lines = _only_error(run_cli("plan", str(gpt2_256), "--prompt-tokens", "128", columns="300"),
-                        "--prompt + new tokens")
-    assert lines[0].startswith("error --prompt + new tokens: '128 + 256 = 384' is not valid")
+                        "--prompt-tokens + --max-new-tokens")
+    assert lines[0].startswith("error --prompt-tokens + --max-new-tokens: '128 + 256 = 384' is not valid")
 
 
 def test_generic_peak_is_named_by_the_module_not_the_operator(gpt2_256):
@@ -533,6 +533,10 @@ def test_the_kv_as_large_as_the_weights_warning_shows_a_tiny_models_real_sizes(t
     assert p.estimate.kv_full.gpu_bytes == 262_144 and p.estimate.weights.total_bytes == 159_232
     f = next(f for f in p.findings if f.code == "kv_as_large_as_weights")
     assert f.message == "the KV cache at 1,024 tokens (256.00 KiB) is as large as the weights (155.50 KiB)"
+    # far above the weights, the ratio is said: 8,192 tokens are 2,097,152 B, 13.2 times 159,232 B
+    big = plan(str(tiny_llama), Settings(prompt_tokens=7936), vram="24GiB", context=8192)
+    f = next(f for f in big.findings if f.code == "kv_as_large_as_weights")
+    assert f.message == "the KV cache at 8,192 tokens (2.00 MiB) is 13.2 times the weights (155.50 KiB)"
 
 
 def test_check_says_why_a_dtype_nobody_passed_is_checked(tiny_llama):

@@ -53,3 +53,15 @@ def test_real_detection_without_driver_returns_a_reason(monkeypatch):
     if det.gpus:
         pytest.skip("this machine has an NVIDIA GPU")
     assert det.reason and ("NVML" in det.reason or "nvidia-ml-py" in det.reason)
+
+
+def test_a_card_smaller_than_any_gpu_is_a_unit_mistyped():
+    """``--vram 1B`` is one byte: refused with the unit it likely meant, never planned as a card."""
+    gpu_from_vram, MIN_CARD_BYTES = hardware.gpu_from_vram, hardware.MIN_CARD_BYTES
+    with pytest.raises(InvalidValue) as e:
+        gpu_from_vram("1B")
+    assert "at least 64 MiB" in e.value.accepted and e.value.fix.endswith("e.g. 1GiB")
+    with pytest.raises(InvalidValue) as e:
+        gpu_from_vram("512KiB")
+    assert e.value.fix.endswith("e.g. 24GiB")
+    assert gpu_from_vram("64MiB").total_bytes == MIN_CARD_BYTES

@@ -839,4 +839,12 @@ def test_a_budget_the_weights_alone_fill_is_refused_before_loading(folder, monke
     assert e.value.field == "vram_budget" and "planned before loading" in str(e.value)
     from vramguard.units import fmt_bytes
     assert f"more than the {fmt_bytes(weights)} the weights take" in str(e.value)
-    assert "quant=nf4" in e.value.fix
+    assert "quant=bf16" in e.value.fix and "nf4" not in e.value.fix  # no CUDA device: NF4 would crawl on the CPU
+
+
+def test_the_fix_for_a_small_budget_loads_smaller_weights_only_where_that_helps():
+    from vramguard.serve.pool import smaller_weights_fix
+    assert smaller_weights_fix("nf4", True) == smaller_weights_fix("nf4", False) == ""  # already 4-bit
+    assert smaller_weights_fix("bf16", True) == ", or quantize the weights (quant=nf4)"
+    assert smaller_weights_fix("fp32", False) == ", or load 16-bit weights (quant=bf16: half of float32's memory)"
+    assert smaller_weights_fix("bf16", False) == ""  # on the CPU NF4 dequantizes every weight at each step

@@ -156,13 +156,23 @@ def close_card_names(name: str, n: int = 2) -> list[str]:
     return list(dict.fromkeys(flat[k] for k in near))[:n]
 
 
+MIN_CARD_BYTES = 64 * 2**20  # a --vram below this is a unit mistyped, not a card
+
+
 def gpu_from_vram(text: str) -> GpuSpec:
     """A card of the given memory (``24GiB``), compute capability unknown.
 
     Raises:
-        InvalidValue: the size is malformed, or above any card (:func:`~vramguard.units.parse_card_size`).
+        InvalidValue: the size is malformed, above any card (:func:`~vramguard.units.parse_card_size`), or below
+            :data:`MIN_CARD_BYTES` (``1B`` is one byte: a unit mistyped).
     """
     size = parse_card_size(text, "vram")
+    if size < MIN_CARD_BYTES:
+        digits = str(text).strip()[:-1] if str(text).strip()[-1:] in "bB" else ""
+        number = digits if digits.replace(".", "", 1).isdigit() else "24"  # "1B": 1 GiB meant
+        raise InvalidValue("vram", text, f"at least {MIN_CARD_BYTES // 2**20} MiB (no CUDA GPU has less): "
+                           f"{str(text).strip()} is {size:,} B", f"give the card's memory with its unit, e.g. "
+                           f"{number}GiB")
     label = f"{size / 2**30:g} GiB card" if size % 2**20 == 0 else f"{text.strip()} card"
     return GpuSpec(label.replace(" ", "-").lower(), label, size, None, source="vram")
 

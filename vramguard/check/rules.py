@@ -194,10 +194,11 @@ def _param_dtype_line(param_dtype: str, stored: str | None, reason: str) -> Find
 
 def model_findings(spec: ModelSpec | None, ckpt: CheckpointInfo | None, s: Settings, env: Env, param_dtype: str,
                    param_dtype_reason: str, gpu: GpuSpec | None = None,
-                   dtype_passed: bool = False) -> list[Finding]:
+                   dtype_passed: bool = False, default_fp32: bool = False) -> list[Finding]:
     """RAM against the largest shard, parameter and compute dtypes, options that force eager attention.
     Parameters in float32 are a warning (twice the memory, with the cost in bytes) unless the user passed that
-    dtype for a float32 checkpoint."""
+    dtype for a float32 checkpoint; ``default_fp32``: float32 is the format vramguard itself loads without a CUDA
+    device (none given), said as ``info`` with the same cost."""
     f: list[Finding] = checkpoint_findings(ckpt, env)
     stored = (ckpt.config_dtype or ckpt.stored_dtype) if ckpt else (spec.checkpoint_dtype if spec else None)
     if spec is None and ckpt is None:
@@ -211,9 +212,11 @@ def model_findings(spec: ModelSpec | None, ckpt: CheckpointInfo | None, s: Setti
             b16 = weight_bytes(s.with_(quant=q if s.is_bnb else "bf16", dtype="bf16", compute_dtype=None)).total_bytes
             cost = (f" (weights {f32 / 1e9:.1f} GB in float32 against {b16 / 1e9:.1f} GB in bfloat16)" if b16 >= 1e8
                     else f" (weights {f32:,} B in float32 against {b16:,} B in bfloat16)")
-        f.append(finding_line("param_dtype", "warn", f"float32 (checkpoint stores {stored})",
+        own = "; the format vramguard loads without a CUDA device when none is given (exact)" if default_fp32 else ""
+        f.append(finding_line("param_dtype", "info" if default_fp32 else "warn",
+                              f"float32 (checkpoint stores {stored})",
                               f"{param_dtype_reason}: every unquantized weight takes twice the memory of 16-bit "
-                              f"weights{cost}", "pass quant=bf16 (quant=fp16 below compute capability 8.0)"
+                              f"weights{cost}{own}", "pass quant=bf16 (quant=fp16 below compute capability 8.0)"
                               if param_dtype_reason.startswith("quant=fp32") else
                               "pass dtype=torch.bfloat16 (float16 below compute capability 8.0)"))
     else:

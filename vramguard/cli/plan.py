@@ -294,7 +294,9 @@ def _defaults_in_context(spec, s, given: dict, context: int | None, notes: list[
         return s
     prompt, new = ctx_tokens // 3, 2 * (ctx_tokens // 3)
     notes.append(f"note: the default --prompt-tokens {DEFAULT_PROMPT_TOKENS} + --max-new-tokens "
-                 f"{DEFAULT_MAX_NEW_TOKENS} exceed the model's context of {ctx_tokens:,} tokens; planned with "
+                 f"{DEFAULT_MAX_NEW_TOKENS} exceed "
+                 + (f"the --context {ctx_tokens:,} you set" if ctx_tokens == context else
+                    f"the model's context of {ctx_tokens:,} tokens") + "; planned with "
                  f"{prompt:,} + {new:,} (a third and two thirds of it); pass --prompt-tokens and --max-new-tokens "
                  "to choose")
     return replace(s, prompt_tokens=prompt, max_new_tokens=new)

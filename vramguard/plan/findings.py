@@ -148,14 +148,22 @@ def _has_softmax_attention(p: Plan) -> bool:
     return not p.layer_kinds or not set(p.layer_kinds) <= RECURRENT_LAYER_KINDS
 
 
+def _times(a: int, b: int) -> str:
+    """How ``a`` compares with ``b`` (``a >= b``), in words: "as large as" below twice, else "12.5 times"."""
+    if b <= 0 or a < 2 * b:
+        return "as large as"
+    r = a / b
+    return f"{r:,.1f} times" if r < 100 else f"{r:,.0f} times"
+
+
 def _memory_findings(p: Plan, out: list) -> None:
     """Large KV caches and logits, MoE, pre-quantized checkpoints and sliding windows."""
     spec, s, est = p.model, p.settings, p.estimate
     if est.kv_full.gpu_bytes + est.kv_full.cpu_bytes >= est.weights.total_bytes:
         kv = est.kv_full.gpu_bytes + est.kv_full.cpu_bytes
         out.append(Finding("kv_as_large_as_weights", "warn",
-                           f"the KV cache at {s.total_tokens:,} tokens ({fmt_bytes(kv)}) is as large as the weights "
-                           f"({fmt_bytes(est.weights.total_bytes)})",
+                           f"the KV cache at {s.total_tokens:,} tokens ({fmt_bytes(kv)}) is "
+                           f"{_times(kv, est.weights.total_bytes)} the weights ({fmt_bytes(est.weights.total_bytes)})",
                            "quantize the KV cache (kv_dtype=int8/int4) or shorten the context", kv))
     if s.resolved_kv_dtype in ("int8", "int4"):
         packed, extra = KV_BITS[s.resolved_kv_dtype] / 8, SCALE_ZERO_BYTES / s.kv_group_size

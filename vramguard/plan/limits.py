@@ -104,9 +104,12 @@ def context_words(spec: ModelSpec) -> str:
 
 
 def check_context(spec: ModelSpec, s: Settings,
-                  beyond: str | None = " (a RoPE-scaled model may allow more: plan with context=N)") -> None:
+                  beyond: str | None = " (a RoPE-scaled model may allow more: plan with context=N)",
+                  field: str = "prompt_tokens + max_new_tokens") -> None:
     """Raise InvalidValue when ``prompt + new tokens`` exceeds the model's ``max_position_embeddings``; ``beyond``
-    ends the fix (how to plan past the config's context; None where that is not possible, e.g. a loaded model)."""
+    ends the fix (how to plan past the config's context; None where that is not possible, e.g. a loaded model);
+    ``field``: the error's field, the settings that set the two (``prompt + max_new_tokens`` where the prompt is a
+    text)."""
     ctx, prompt, new = spec.max_position_embeddings, s.prompt_tokens, s.max_new_tokens
     if s.total_tokens > ctx:
         def tokens(n: int, kind: str = "") -> str:
@@ -119,7 +122,7 @@ def check_context(spec: ModelSpec, s: Settings,
         if not ways:
             ways.append(f"prompt and new tokens together at most {ctx:,} (e.g. {ctx - ctx // 2:,} + {ctx // 2:,})")
         given = any(n.startswith(CONTEXT_NOTE) for n in spec.notes)  # the user set it: no need to say how
-        raise InvalidValue("prompt + new tokens", f"{prompt:,} + {new:,} = {s.total_tokens:,}",
+        raise InvalidValue(field, f"{prompt:,} + {new:,} = {s.total_tokens:,}",
                            f"at most the context you set, {ctx:,} tokens" if given else
                            f"at most the model's context, max_position_embeddings={ctx}",
                            " or ".join(ways) + (" (or a larger context, where the model's RoPE scaling allows it)"

@@ -455,7 +455,7 @@ def strategy_order(model, prompt_tokens: int, max_new_tokens: int, *, budget_byt
     """
     h = handle_of(model)
     s = (settings or h.settings).with_(prompt_tokens=prompt_tokens, max_new_tokens=max_new_tokens, batch=1)
-    check_context(h.spec, s, beyond=None)
+    check_context(h.spec, s, beyond=None, field="prompt + max_new_tokens")
     usable, _ = usable_bytes(budget_bytes) if h.on_cuda else (None, 0)
     first = measure_first_prefill(h, s)  # a short prefill measured now where the plan is unverified, else None
     return noted(first, preflight(h.spec, s, usable, auto, h.on_cuda, True, fast_decode, first.scale if first else 1))

@@ -71,5 +71,6 @@ def preflight_prompt(model: str, text: str, max_new_tokens: int, chat: bool | No
     if tokenizer is None:
         raise no_tokenizer_error(model, no_tokenizer)
     prepared = prepare_prompt(tokenizer, text, chat)
-    check_context(spec, Settings(prompt_tokens=len(prepared.ids), max_new_tokens=max_new_tokens), beyond=None)
+    check_context(spec, Settings(prompt_tokens=len(prepared.ids), max_new_tokens=max_new_tokens), beyond=None,
+                  field="prompt + max_new_tokens")
     return tokenizer, prepared, spec

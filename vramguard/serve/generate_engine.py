@@ -123,8 +123,10 @@ def _bound(model, s, tokens: int) -> int:
     return max(_need(model, s, tokens - 1, 1), _need(model, s, 1, tokens - 1))
 
 
-def plan_requests(spec, s, usable_bytes: int, context_length: int, source: str) -> GeneratePlan:
-    """The :class:`GeneratePlan` of ``spec`` loaded with settings ``s`` for ``usable_bytes``.
+def plan_requests(spec, s, usable_bytes: int, context_length: int, source: str,
+                  smaller: str = ", or quantize the weights") -> GeneratePlan:
+    """The :class:`GeneratePlan` of ``spec`` loaded with settings ``s`` for ``usable_bytes``; ``smaller``: the end
+    of the refusal's fix that loads smaller weights (:func:`~vramguard.serve.pool.smaller_weights_fix`).
 
     Raises:
         Infeasible: not even a request of two tokens (one prompt, one new) fits; the message has both numbers.
@@ -136,7 +138,7 @@ def plan_requests(spec, s, usable_bytes: int, context_length: int, source: str) 
         need = _bound(model, s, 2)
         raise Infeasible("vram_budget", f"{usable_bytes:,} B left after the weights",
                          f"at least {need:,} B ({fmt_bytes(need)}) for one request of 1 prompt + 1 new token",
-                         f"raise vram_budget= by at least {fmt_bytes(need - usable_bytes)}, or quantize the weights")
+                         f"raise vram_budget= by at least {fmt_bytes(need - usable_bytes)}{smaller}")
     with _PLAN_LOCK:
         kv = estimate(model, s.with_(prompt_tokens=max(tokens - 1, 1), max_new_tokens=1, batch=1)).kv_bytes_per_token
     return GeneratePlan(usable_bytes, tokens, _bound(model, s, tokens), kv, context_length, source)

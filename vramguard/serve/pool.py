@@ -95,9 +95,19 @@ def _step_bytes(spec, a: int, flash: bool, m: int, n: int, r: int) -> tuple[int,
     return transient, largest
 
 
+def smaller_weights_fix(quant: str | None, on_cuda: bool) -> str:
+    """The end of a fix that frees room by loading smaller weights, for weights loaded as ``quant``: none for 4-bit
+    weights; NF4 on a CUDA device; on the CPU 16-bit weights (NF4 there dequantizes every weight at each step,
+    an order of magnitude slower than float32)."""
+    if quant in ("nf4", "fp4") or (not on_cuda and quant in ("bf16", "fp16")):
+        return ""
+    return ", or quantize the weights (quant=nf4)" if on_cuda else \
+        ", or load 16-bit weights (quant=bf16: half of float32's memory)"
+
+
 def plan_pool(spec, usable_bytes: int, *, act_bytes: int = 2, flash: bool = False, page_size: int = 256,
               max_batch_tokens: int = 2048, max_requests: int = 64, on_cuda: bool = True,
-              source: str = "vram_budget=") -> PoolPlan:
+              source: str = "vram_budget=", smaller: str = ", or quantize the weights") -> PoolPlan:
     """The largest pool that fits ``usable_bytes`` with the engine's largest step beside it.
 
     Args:
@@ -106,6 +116,7 @@ def plan_pool(spec, usable_bytes: int, *, act_bytes: int = 2, flash: bool = Fals
         act_bytes: bytes per activation/KV element (2 for bf16/fp16, 4 for fp32).
         flash: attention reads the pool natively (FlashAttention); else read-back and mask terms are counted.
         page_size, max_batch_tokens, max_requests: the engine's block size and step limits.
+        smaller: the end of the refusal's fix that loads smaller weights (:func:`smaller_weights_fix`).
 
     Raises:
         Infeasible: not even one request of ``page_size`` tokens fits; the message gives the numbers and the fix.
@@ -137,7 +148,7 @@ def plan_pool(spec, usable_bytes: int, *, act_bytes: int = 2, flash: bool = Fals
                          f"at least {need:,} B ({fmt_bytes(need)}) for one {page_size}-token block beside the largest "
                          f"step ({max_batch_tokens} batch tokens, {max_requests} requests)",
                          f"raise vram_budget= by at least {fmt_bytes(need - usable_bytes)}, lower max_batch_tokens= "
-                         "/ max_running=, or quantize the weights")
+                         f"or max_running={smaller}")
     return PoolPlan(usable_bytes=usable_bytes, page_size=page_size, num_blocks=blocks, pool_tokens=blocks * page_size,
                     kv_bytes_per_token=kv_tok, pool_bytes=pool_bytes, step_peak_bytes=transient,
                     reserve_bytes=reserve, margin_bytes=margin, max_batch_tokens=max_batch_tokens,

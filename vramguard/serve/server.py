@@ -27,7 +27,7 @@ from vramguard.serve.engine import Engine, Sampling
 from vramguard.serve.generate_engine import GenerateEngine, plan_requests
 from vramguard.serve.metrics import Metrics
 from vramguard.memory.kv import paged_pool_bytes
-from vramguard.serve.pool import PoolPlan, blocks_needed, plan_pool
+from vramguard.serve.pool import PoolPlan, blocks_needed, plan_pool, smaller_weights_fix
 from vramguard.runtime.first_prefill import usable_after_first_prefill
 from vramguard.settings import Settings
 from vramguard.units import GiB, fmt_bytes, fmt_gib
@@ -375,7 +375,8 @@ def _generate_engine(model, tokenizer, spec, settings, vram_budget: int | None, 
         Infeasible: not even a two-token request fits. ConfigError: the model's generate failed on that request.
     """
     usable, source = usable_after_first_prefill(handle_of(model), *_usable(vram_budget, model))
-    plan = plan_requests(spec, settings, usable, spec.max_position_embeddings, source)
+    plan = plan_requests(spec, settings, usable, spec.max_position_embeddings, source,
+                         smaller_weights_fix(settings.quant, handle_of(model).on_cuda))
     engine = GenerateEngine(model, tokenizer, plan, spec, settings, **kw)
     kw["metrics"]._engine_stats = engine.stats
     engine.start()
@@ -459,6 +460,7 @@ def _check_weights_fit(model: str, quant: str | None, dtype: str | None, budget:
     Raises:
         Infeasible: the planned weights take ``budget`` bytes or more.
     """
+    import torch  # the load that follows imports it too
     try:
         s = Settings(quant=quant, dtype=dtype)
         weights = choose(resolve_model(model), s).model.weight_bytes(s).total_bytes
@@ -467,7 +469,7 @@ def _check_weights_fit(model: str, quant: str | None, dtype: str | None, budget:
     if weights >= budget:
         raise Infeasible("vram_budget", fmt_bytes(budget), f"more than the {fmt_bytes(weights)} the weights take "
                          f"(quant={quant}, planned before loading)", "raise vram_budget="
-                         + (", or quantize the weights (quant=nf4)" if quant not in ("nf4", "fp4") else ""))
+                         + smaller_weights_fix(quant, torch.cuda.is_available()))
 
 
 def public_name(model: str) -> str:
@@ -479,15 +481,16 @@ def public_name(model: str) -> str:
 
 
 def _paged_pool(spec, m, usable: int, source: str, *, page_size: int, max_batch_tokens: int, max_requests: int,
-                max_kv_blocks: int | None) -> PoolPlan:
+                max_kv_blocks: int | None, quant: str | None = None) -> PoolPlan:
     """The continuous engine's KV pool for ``usable`` bytes (:func:`~vramguard.serve.pool.plan_pool`), capped at
     ``max_kv_blocks``."""
     import torch
     act_bytes = torch.finfo(m.dtype).bits // 8 if m.dtype.is_floating_point else 2
     flash = "flash" in (m.config._attn_implementation or "")
+    on_cuda = next(m.parameters()).is_cuda
     pool = plan_pool(spec, usable, act_bytes=act_bytes, flash=flash, page_size=page_size,
-                     max_batch_tokens=max_batch_tokens, max_requests=max_requests,
-                     on_cuda=next(m.parameters()).is_cuda, source=source)
+                     max_batch_tokens=max_batch_tokens, max_requests=max_requests, on_cuda=on_cuda, source=source,
+                     smaller=smaller_weights_fix(quant, on_cuda))
     if max_kv_blocks is not None and max_kv_blocks < pool.num_blocks:
         pool.num_blocks, pool.pool_tokens = max_kv_blocks, max_kv_blocks * page_size
         pool.pool_bytes = paged_pool_bytes(spec, max_kv_blocks, page_size, act_bytes)
@@ -540,13 +543,13 @@ def build(model: str, config: ServeConfig | None = None, *, loaded=None, **optio
         held = -usable + (c.vram_budget or 0)
         raise Infeasible("vram_budget", fmt_bytes(c.vram_budget or 0), f"more than the {fmt_bytes(held)} already "
                          "taken by the weights and runtime", "raise vram_budget="
-                         + (", or quantize the weights (quant=nf4)" if c.quant not in ("nf4", "fp4") else ""))
+                         + smaller_weights_fix(loaded.settings.quant, loaded.on_cuda))
     metrics = Metrics()
 
     def paged_pool():
         return _paged_pool(spec, m, *usable_after_first_prefill(loaded, usable, source), page_size=c.page_size,
                            max_batch_tokens=c.max_batch_tokens, max_requests=c.max_running,
-                           max_kv_blocks=c.max_kv_blocks)
+                           max_kv_blocks=c.max_kv_blocks, quant=loaded.settings.quant)
 
     engine = _chosen_engine(c.engine_choice, m, tok, spec, loaded.settings, c.vram_budget, paged_pool,
                             warm_up=c.warm_up, max_queue=c.max_queue, seed=c.seed, metrics=metrics,
