@@ -276,7 +276,8 @@ def check_sampling(temperature: float | None, top_p: float | None, top_k: int | 
     of at least :data:`MIN_TEMPERATURE`, ``top_p`` in (0, 1], ``top_k`` at least 1."""
     if temperature is not None and not MIN_TEMPERATURE <= temperature < math.inf:
         raise InvalidValue("temperature", temperature, f"a finite number >= {MIN_TEMPERATURE} (a smaller one "
-                           "overflows the float32 logits to NaN)", "use temperature=0.7, or greedy decoding")
+                           "overflows the float32 logits to NaN)", "use temperature=0.7, or leave temperature= and "
+                           "do_sample= out for greedy decoding")
     if top_p is not None and not 0 < top_p <= 1:
         raise InvalidValue("top_p", top_p, "a number in (0, 1]", "use e.g. top_p=0.9")
     if top_k is not None and top_k < 1:

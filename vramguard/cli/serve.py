@@ -20,7 +20,7 @@ from vramguard.extras import missing as missing_packages
 from vramguard.resolve import local_model_folder
 from vramguard.runtime.load import default_quant
 from vramguard.serve.config import ENGINES, ServeConfig
-from vramguard.units import parse_size
+from vramguard.units import parse_size, plural
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 ServeEngine = Enum("ServeEngine", {v: v for v in ENGINES}, type=str)
@@ -119,6 +119,18 @@ def serve(
     raise typer.Exit(rc or 0)
 
 
+def _served_counts(metrics) -> str:
+    """``"; 3 requests answered, 120 tokens generated"`` from the server's metrics (:mod:`vramguard.serve.metrics`);
+    empty without them."""
+    if metrics is None:
+        return ""
+    reg = metrics.registry
+    answered = sum(s.value for m in reg.collect() if m.name == "vramguard_requests" for s in m.samples
+                   if s.name.endswith("_total"))
+    tokens = reg.get_sample_value("vramguard_generation_tokens_total") or 0
+    return f"; {plural(int(answered), 'request')} answered, {plural(int(tokens), 'token')} generated"
+
+
 def require_serve_packages() -> None:
     """Exit 3 naming the packages serve imports (:func:`vramguard.extras.needed_by`) that are not installed, and
     the command that installs them; checked before anything is loaded."""
@@ -198,6 +210,8 @@ def serve_one(model: str, host: str, port: int, listening, config: ServeConfig) 
     for note in served.engine.notes + served.options.notes:
         say("note: " + note)
     rc = served.run(host, port, on_listen=listening)
+    if rc == 0:  # an error stop says its own line (run_guarded)
+        say("stopped: Ctrl-C or SIGTERM" + _served_counts(getattr(served.engine, "metrics", None)))
     # the interpreter's exit collects every object of the loaded model and libraries (seconds on a busy machine,
     # past SIGTERM's 5 s grace); they are about to be freed with the process, so the collector skips them
     import gc
