@@ -121,7 +121,9 @@ def _candidates(model: MemoryModel, s: Settings, target: GpuSpec | None) -> list
     elif s.resolved_kv_dtype == "int8":
         c.append((INT4_KV_CHANGE, {"kv_dtype": "int4"}))
     if s.cache != "offloaded":
-        c.append(("KV cache offloaded to CPU RAM (OffloadedCache)", {"cache": "offloaded"}))
+        kv = estimate(model, s).kv_full
+        c.append((f"KV cache offloaded to CPU RAM (OffloadedCache: up to {fmt_bytes(kv.gpu_bytes + kv.cpu_bytes)} "
+                  "of CPU RAM)", {"cache": "offloaded"}))
     for chunk in (2048, 512):
         if s.logits == "all" or s.output_attentions:
             break  # every position's logits or maps are kept anyway: chunking would not lower the peak
