@@ -1,0 +1,16 @@
+#!/bin/bash
+# H200 call of 2026-12-03 (session 44), from the repository root; $OUT is the device's output folder.
+# stage 1 (carry .whl/a .whl/b): Ctrl-C and SIGTERM on the GPU (benchmarks/gpu_interrupt.py): `vramguard run` of a
+#   random Llama (16 layers, hidden 2048) interrupted while it streams, with the graph decoder (NF4 and bf16) and
+#   the eager steps, each a new process; `vramguard serve` stopped by SIGTERM after one completion.
+set -u
+STAGE=${1:-1}
+O=$OUT/s44_$STAGE; mkdir -p $O
+export PYTHONPATH=/tmp/site:$PWD
+for w in a b; do pip install -q --no-index --no-deps --target /tmp/site .whl/$w/*.whl 2>&1 | grep -v WARNING; done
+if [ "$STAGE" = 1 ]; then
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > $O/gpu.txt 2>&1
+  python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__)" >> $O/gpu.txt 2>&1
+  timeout 540 python3 benchmarks/gpu_interrupt.py --out-dir $O --model-dir /tmp/gi_model > $O/log.txt 2>&1
+  rm -rf /tmp/gi_model
+fi
