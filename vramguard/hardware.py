@@ -156,7 +156,7 @@ def close_card_names(name: str, n: int = 2) -> list[str]:
     return list(dict.fromkeys(flat[k] for k in near))[:n]
 
 
-MIN_CARD_BYTES = 64 * 2**20  # a --vram below this is a unit mistyped, not a card
+MIN_CARD_BYTES = 2**20  # a --vram below 1 MiB is a unit mistyped ("1B": one byte), not a card
 
 
 def gpu_from_vram(text: str) -> GpuSpec:
@@ -170,7 +170,7 @@ def gpu_from_vram(text: str) -> GpuSpec:
     if size < MIN_CARD_BYTES:
         digits = str(text).strip()[:-1] if str(text).strip()[-1:] in "bB" else ""
         number = digits if digits.replace(".", "", 1).isdigit() else "24"  # "1B": 1 GiB meant
-        raise InvalidValue("vram", text, f"at least {MIN_CARD_BYTES // 2**20} MiB (no CUDA GPU has less): "
+        raise InvalidValue("vram", text, f"at least {MIN_CARD_BYTES // 2**20} MiB (a card's memory): "
                            f"{str(text).strip()} is {size:,} B", f"give the card's memory with its unit, e.g. "
                            f"{number}GiB")
     label = f"{size / 2**30:g} GiB card" if size % 2**20 == 0 else f"{text.strip()} card"

@@ -133,8 +133,7 @@ def check(model: str | None = None, settings: Settings | None = None, *, dtype: 
         findings.append(attn_finding)
     findings += runtime_findings(env, card, s, spec, param_dtype, why)
     findings += model_findings(spec, ckpt if folder or hub_ckpt else None, s, env, param_dtype, why, card,
-                               dtype_passed=dtype not in (None, "auto"),  # auto: as stored
-                               default_fp32=bool(quant_finding) and s.quant == "fp32")
+                               dtype not in (None, "auto"), bool(quant_finding) and s.quant == "fp32")  # auto: as stored
     findings += _attention_support_findings(spec, s)
     if folder is not None:
         findings += _tokenizer_findings(folder)
