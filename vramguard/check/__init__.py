@@ -133,7 +133,7 @@ def check(model: str | None = None, settings: Settings | None = None, *, dtype: 
         findings.append(attn_finding)
     findings += runtime_findings(env, card, s, spec, param_dtype, why)
     findings += model_findings(spec, ckpt if folder or hub_ckpt else None, s, env, param_dtype, why, card,
-                               dtype not in (None, "auto"), bool(quant_finding) and s.quant == "fp32")  # auto: as stored
+                               dtype not in (None, "auto"), bool(quant_finding) and s.quant == "fp32")  # auto: stored
     findings += _attention_support_findings(spec, s)
     if folder is not None:
         findings += _tokenizer_findings(folder)
