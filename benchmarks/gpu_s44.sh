@@ -12,5 +12,10 @@ if [ "$STAGE" = 1 ]; then
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > $O/gpu.txt 2>&1
   python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__)" >> $O/gpu.txt 2>&1
   timeout 540 python3 benchmarks/gpu_interrupt.py --out-dir $O --model-dir /tmp/gi_model > $O/log.txt 2>&1
+fi
+# stage 2 (carry .whl/a .whl/b, now with opentelemetry-api, which fastapi 0.165 imports): the serve case alone.
+if [ "$STAGE" = 2 ]; then
+  timeout 300 python3 benchmarks/gpu_interrupt.py --out-dir $O --model-dir /tmp/gi_model --cases "serve, SIGTERM" \
+    > $O/log.txt 2>&1
   rm -rf /tmp/gi_model
 fi
