@@ -3,11 +3,8 @@
 # stage 1 (carry .whl/a .whl/b): Ctrl-C and SIGTERM on the GPU (benchmarks/gpu_interrupt.py): `vramguard run` of a
 #   random Llama (16 layers, hidden 2048) interrupted while it streams, with the graph decoder (NF4 and bf16) and
 #   the eager steps, each a new process; `vramguard serve` stopped by SIGTERM after one completion.
-set -u
 STAGE=${1:-1}
-O=$OUT/s44_$STAGE; mkdir -p $O
-export PYTHONPATH=/tmp/site:$PWD
-for w in a b; do pip install -q --no-index --no-deps --target /tmp/site .whl/$w/*.whl 2>&1 | grep -v WARNING; done
+source benchmarks/gpu_stage.sh s44 "$STAGE"
 if [ "$STAGE" = 1 ]; then
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > $O/gpu.txt 2>&1
   python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__)" >> $O/gpu.txt 2>&1
