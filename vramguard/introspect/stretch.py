@@ -26,6 +26,7 @@ the batch the same way (a tensor holds the batch once: at most a quadratic).
 from __future__ import annotations
 
 from fractions import Fraction
+from functools import lru_cache
 
 # the config fields that name a chunked scan's chunk (Falcon-H1, GraniteMoeHybrid, Bamba, Zamba2...: mamba_chunk_size;
 # Mamba-2: chunk_size)
@@ -61,12 +62,16 @@ def loop_chunk(cfg) -> int | None:
     """The ``chunk_size`` default of a :data:`LOOP_SCANS` function in the modeling module of ``cfg``'s model type
     (``transformers.models.<type>.modeling_<type>``), or None (no such function, or transformers cannot import
     that module)."""
+    model_type = getattr(cfg, "model_type", None)
+    return _loop_chunk(model_type) if isinstance(model_type, str) and model_type.isidentifier() else None
+
+
+@lru_cache(maxsize=64)
+def _loop_chunk(model_type: str) -> int | None:
+    """:func:`loop_chunk` of a model type, looked up once per process."""
     import importlib
     import inspect
 
-    model_type = getattr(cfg, "model_type", None)
-    if not isinstance(model_type, str) or not model_type.isidentifier():
-        return None
     try:  # a plan that replays a generic model has imported transformers already
         module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
     except Exception:  # noqa: BLE001 -- any import failure: no period known, the lengths are replayed one by one
