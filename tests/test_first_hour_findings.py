@@ -221,6 +221,6 @@ def test_a_checkpoint_without_a_language_model_head_is_said(tmp_path):
     f = [f for f in plan(str(tmp_path), vram="24GiB").findings if f.code == "no_lm_head"]
     assert len(f) == 1 and f[0].level == "warn" and "BertModel" in f[0].message and "noise" in f[0].message
     for archs in (["LlamaForCausalLM"], ["GPT2LMHeadModel"], ["LlavaForConditionalGeneration"]):
-        assert _head_findings(json.dumps({"architectures": archs})) == []
-    assert _head_findings(json.dumps({"architectures": ["ChatGLMModel"], "auto_map": {"AutoModel": "x.Y"}})) == []
-    assert _head_findings(json.dumps({"architectures": ["MistralForSequenceClassification"]}))[0].code == "no_lm_head"
+        assert _head_findings({"architectures": archs}) == []
+    assert _head_findings({"architectures": ["ChatGLMModel"], "auto_map": {"AutoModel": "x.Y"}}) == []
+    assert _head_findings({"architectures": ["MistralForSequenceClassification"]})[0].code == "no_lm_head"

@@ -18,6 +18,7 @@ phi3.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -163,6 +164,15 @@ class ModelSpec:
     generic: bool = False
     config_json: str | None = field(default=None, repr=False, compare=False)
     checkpoint: Any = field(default=None, repr=False, compare=False)  # vramguard.hub.headers.CheckpointHeaders
+
+    def config_dict(self) -> dict:
+        """The config.json the spec was read from, parsed (an empty dict for a spec built by hand or unreadable
+        text)."""
+        try:
+            found = json.loads(self.config_json) if self.config_json else {}
+        except ValueError:
+            return {}
+        return found if isinstance(found, dict) else {}
 
     @property
     def gqa_groups(self) -> int:

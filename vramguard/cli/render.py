@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 from typing import Any
 
 from rich import box
@@ -366,12 +365,9 @@ def heads_text(spec) -> str:
     """The attention heads in words: ``32 heads / 8 KV heads (head_dim 128)``; for multi-head latent attention (a
     config with ``kv_lora_rank``: DeepSeek-V2/V3) the latent's rank and the key and value head sizes
     (``qk_nope_head_dim + qk_rope_head_dim``, ``v_head_dim``), which differ from ``head_dim``."""
-    try:
-        cfg = json.loads(spec.config_json or "{}")
-    except ValueError:
-        cfg = {}
-    cfg = cfg.get("text_config") if isinstance(cfg, dict) and isinstance(cfg.get("text_config"), dict) else cfg
-    rank = cfg.get("kv_lora_rank") if isinstance(cfg, dict) else None
+    cfg = spec.config_dict()
+    cfg = cfg["text_config"] if isinstance(cfg.get("text_config"), dict) else cfg
+    rank = cfg.get("kv_lora_rank")
     dims = [cfg.get(k) for k in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")] if rank else []
     if isinstance(rank, int) and all(isinstance(d, int) for d in dims):
         return (f"{spec.num_heads} heads, multi-head latent attention (kv_lora_rank {rank}; keys {dims[0] + dims[1]}, "

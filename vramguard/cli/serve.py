@@ -120,17 +120,14 @@ def serve(
 
 
 def _served_counts(metrics) -> str:
-    """``"; 3 requests completed (4 in all), 120 tokens generated"`` from the server's metrics
-    (:mod:`vramguard.serve.metrics`: requests by outcome, refused ones among them); empty without them."""
+    """``"; 3 requests completed (4 in all), 120 tokens generated"`` from the server's
+    :class:`~vramguard.serve.metrics.Metrics` (refused requests among all); empty without them."""
     if metrics is None:
         return ""
-    reg = metrics.registry
-    by = {s.labels.get("outcome"): int(s.value) for m in reg.collect() if m.name == "vramguard_requests"
-          for s in m.samples if s.name.endswith("_total")}
-    tokens = int(reg.get_sample_value("vramguard_generation_tokens_total") or 0)
+    by = metrics.requests_by_outcome()
     done, all_ = by.get("completed", 0), sum(by.values())
     return (f"; {plural(done, 'request')} completed" + (f" ({all_:,} in all)" if all_ != done else "")
-            + f", {plural(tokens, 'token')} generated")
+            + f", {plural(metrics.generated_tokens(), 'token')} generated")
 
 
 def require_serve_packages() -> None:

@@ -371,7 +371,7 @@ def _vllm_model(spec: ModelSpec, s: VllmSettings) -> VllmModel:
     """The model vLLM builds (:func:`~vramguard.engines.vllm_arch.vllm_model`); a generic family without a vLLM
     model here is refused by :func:`_check_model`."""
     memory = choose(spec).model
-    if memory.needs_transformers and w.config_dict(spec).get("model_type") not in VLLM_FAMILIES:
+    if memory.needs_transformers and spec.config_dict().get("model_type") not in VLLM_FAMILIES:
         _check_model(memory)
     return vllm_model(spec, s.quantization, not memory.needs_transformers)
 

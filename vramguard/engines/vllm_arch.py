@@ -26,7 +26,6 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from vramguard.engines.vllm_quant import WeightFormat, weight_format
-from vramguard.engines.vllm_weights import config_dict
 from vramguard.errors import ConfigError
 from vramguard.spec import ModelSpec, spec_from_config
 from vramguard.plan.choice import choose
@@ -87,7 +86,7 @@ def vllm_model(spec: ModelSpec, quantization: str | None = None, hand_written: b
     Raises:
         ConfigError: a quantization format or a generic family vramguard does not model for vLLM.
     """
-    cfg = config_dict(spec)
+    cfg = spec.config_dict()
     fmt = weight_format(cfg, quantization)
     if hand_written is None:
         hand_written = not choose(spec).model.needs_transformers

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from vramguard.engines.vllm_weights import config_dict, kv_heads_per_rank
+from vramguard.engines.vllm_weights import kv_heads_per_rank
 from vramguard.spec import ModelSpec
 
 
@@ -59,7 +59,7 @@ class KvGroup:
 
 def mla_head_size(spec: ModelSpec) -> int | None:
     """``kv_lora_rank + qk_rope_head_dim`` for an MLA model (DeepSeek-V2/V3 configs), else None."""
-    cfg = config_dict(spec)
+    cfg = spec.config_dict()
     rank, rope = cfg.get("kv_lora_rank"), cfg.get("qk_rope_head_dim")
     if isinstance(rank, int) and isinstance(rope, int) and rank > 0:
         return rank + rope

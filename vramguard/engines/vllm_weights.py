@@ -32,7 +32,6 @@ it, e.g. ``vllm/model_executor/models/llama.py``):
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,14 +47,6 @@ def pad_vocab(vocab_size: int) -> int:
     """``pad_vocab_size``: the vocabulary rounded up to a multiple of 64 (128,256 -> 128,256; 32,064 -> 32,064;
     151,665 -> 151,680)."""
     return -(-vocab_size // VOCAB_PADDING) * VOCAB_PADDING
-
-
-def config_dict(spec: ModelSpec) -> dict:
-    """The config.json the spec was read from (an empty dict when the spec was built by hand)."""
-    try:
-        return json.loads(spec.config_json) if spec.config_json else {}
-    except json.JSONDecodeError:
-        return {}
 
 
 def _tp_rule_broken(spec: ModelSpec, tp: int) -> tuple[str, str] | None:
@@ -145,7 +136,7 @@ def linear_format(spec: ModelSpec) -> WeightFormat:
         ConfigError: a quantization vramguard does not model for vLLM, or a spec that says it is pre-quantized
             without the ``quantization_config`` that says how, naming the field.
     """
-    cfg = config_dict(spec)
+    cfg = spec.config_dict()
     if spec.prequantized and not cfg.get("quantization_config"):
         raise ConfigError("config.json:quantization_config", spec.prequantized,
                           "the checkpoint's quantization_config (method, bits, group size)",
@@ -247,7 +238,7 @@ def rope_cache_bytes(spec: ModelSpec, dtype_bytes: int) -> int:
     ``longrope`` (Phi-3 128k). ``rotary_dim = head_dim x partial_rotary_factor``. Gemma-3 has a local and a global
     rope (two caches). A multimodal checkpoint's rope is its ``text_config``'s (Gemma-3 4B-27B: ``linear`` x 8).
     """
-    cfg = config_dict(spec)
+    cfg = spec.config_dict()
     cfg = cfg.get("text_config") or cfg
     rotary_dim = int(spec.head_dim * float(cfg.get("partial_rotary_factor") or 1.0))
     scaling = cfg.get("rope_scaling") or {}

@@ -3,8 +3,6 @@ stake and the fix. Each finding is computed from the plan's own numbers (never a
 
 from __future__ import annotations
 
-import json
-
 from vramguard.hub.prequant import uses_headers
 from vramguard.memory.forward import eager_bytes_per_score, logits_bytes
 from vramguard.memory.kv import SCALE_ZERO_BYTES
@@ -22,7 +20,7 @@ def plan_findings(p: Plan, model: MemoryModel) -> list[Finding]:
     spec, s, est = p.model, p.settings, p.estimate
     weight_bytes = model.weight_bytes
     out: list[Finding] = [Finding("model_note", "info", n) for n in spec.notes]
-    out += _head_findings(spec.config_json)
+    out += _head_findings(spec.config_dict())
     if spec.checkpoint_dtype == "fp32" and s.dtype is None and s.act_dtype != "fp32":
         f32 = weight_bytes(s.with_(quant="fp32" if s.quant in ("bf16", "fp16") else s.quant,
                                    dtype="fp32")).total_bytes
@@ -56,16 +54,12 @@ LM_HEAD_MARKS = ("CausalLM", "LMHead", "ConditionalGeneration")  # in the class 
 # language-model head (LlamaForCausalLM, GPT2LMHeadModel, ReformerModelWithLMHead, LlavaForConditionalGeneration)
 
 
-def _head_findings(config_json: str | None) -> list[Finding]:
+def _head_findings(cfg: dict) -> list[Finding]:
     """A warning when config.json's ``architectures`` names only classes without a language-model head
     (``BertModel``, ``...ForSequenceClassification``): ``AutoModelForCausalLM`` then builds the head newly
     initialized, so the memory holds but the text is noise. Nothing for a config with ``auto_map`` (remote code
-    names its own classes) or without ``architectures``."""
-    try:
-        cfg = json.loads(config_json or "{}")
-    except ValueError:
-        return []
-    archs = cfg.get("architectures") if isinstance(cfg, dict) and not cfg.get("auto_map") else None
+    names its own classes) or without ``architectures``; ``cfg``: the config.json, parsed."""
+    archs = None if cfg.get("auto_map") else cfg.get("architectures")
     if not isinstance(archs, list) or not archs or not all(isinstance(a, str) for a in archs):
         return []
     if any(mark in a for a in archs for mark in LM_HEAD_MARKS):

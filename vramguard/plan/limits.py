@@ -95,10 +95,16 @@ def _known_bracket(lo: int, hi: int, known: dict[int, int], usable: int) -> tupl
 CONTEXT_NOTE = "context set to"  # the note that starts so: a spec whose context the user set
 
 
+def context_set(spec: ModelSpec) -> bool:
+    """Whether the user set ``spec``'s context (``--context``, ``context=``: :func:`~vramguard.plan.planner.
+    with_context` notes it), rather than the config."""
+    return any(n.startswith(CONTEXT_NOTE) for n in spec.notes)
+
+
 def context_words(spec: ModelSpec) -> str:
     """What caps prompt + new tokens of ``spec``, in words: the context the user set (``--context``,
     ``context=``) or the config's ``max_position_embeddings``."""
-    if any(n.startswith(CONTEXT_NOTE) for n in spec.notes):
+    if context_set(spec):
         return f"the context you set, {spec.max_position_embeddings:,} tokens"
     return f"the model's context, max_position_embeddings {spec.max_position_embeddings:,}"
 
@@ -121,7 +127,7 @@ def check_context(spec: ModelSpec, s: Settings,
             ways.append(f"a prompt of at most {tokens(ctx - new)} with {tokens(new, 'new ')}")
         if not ways:
             ways.append(f"prompt and new tokens together at most {ctx:,} (e.g. {ctx - ctx // 2:,} + {ctx // 2:,})")
-        given = any(n.startswith(CONTEXT_NOTE) for n in spec.notes)  # the user set it: no need to say how
+        given = context_set(spec)  # the user set it: no need to say how
         raise InvalidValue(field, f"{prompt:,} + {new:,} = {s.total_tokens:,}",
                            f"at most the context you set, {ctx:,} tokens" if given else
                            f"at most the model's context, max_position_embeddings={ctx}",

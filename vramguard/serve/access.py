@@ -144,18 +144,14 @@ def _line(scope, code: int, t0: float) -> None:
              time.perf_counter() - t0)
 
 
-def _generated(metrics) -> float:
-    return sum(s.value for m in metrics.generation_tokens.collect() for s in m.samples if s.name.endswith("_total"))
-
-
 async def throughput_loop(engine, metrics, every_s: float = THROUGHPUT_EVERY_S) -> None:
     """Every ``every_s`` seconds in which tokens were generated: tokens and tokens/s, requests running and
     waiting, KV blocks in use. Runs until cancelled."""
     _ensure_handler()
-    last, t_last = _generated(metrics), time.perf_counter()
+    last, t_last = metrics.generated_tokens(), time.perf_counter()
     while True:
         await asyncio.sleep(every_s)
-        now, t = _generated(metrics), time.perf_counter()
+        now, t = metrics.generated_tokens(), time.perf_counter()
         if now > last:
             st = engine.stats()
             log.info("throughput: %s tokens in %.1f s (%.1f tokens/s); %d running, %d waiting; KV blocks %d of %d",

@@ -66,6 +66,16 @@ class Metrics:
         self._engine_stats = engine_stats
         self.gateway = GatewayGauges(r)
 
+    def generated_tokens(self) -> int:
+        """Tokens generated so far (the ``vramguard_generation_tokens`` counter)."""
+        return int(sum(s.value for m in self.generation_tokens.collect() for s in m.samples
+                       if s.name.endswith("_total")))
+
+    def requests_by_outcome(self) -> dict[str, int]:
+        """Requests so far by outcome (:data:`OUTCOMES`), refused ones among them."""
+        return {s.labels["outcome"]: int(s.value) for m in self.requests.collect() for s in m.samples
+                if s.name.endswith("_total")}
+
     def render(self, device=None) -> bytes:
         """Refresh the gauges and return the text exposition format."""
         try:

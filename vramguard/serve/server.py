@@ -528,7 +528,7 @@ def build(model: str, config: ServeConfig | None = None, *, loaded=None, **optio
     """
     c = _config(config, options)
     cap_before = _hard_cap(model, c.quant, c.dtype, c.vram_budget) if c.hard_cap else None
-    if loaded is None and c.vram_budget is not None:
+    if loaded is None and c.vram_budget is not None and cap_before is None:  # a cap checked the whole load
         _check_weights_fit(model, c.quant, c.dtype, c.vram_budget)
     if loaded is None:
         loaded = load_model(model, quant=c.quant, dtype=c.dtype, attn=c.attn, trust_remote_code=c.trust_remote_code,
