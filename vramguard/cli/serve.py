@@ -120,13 +120,15 @@ def serve(
 
 
 def _served_counts(metrics) -> str:
-    """``"; 3 requests completed (4 in all), 120 tokens generated"`` from the server's
-    :class:`~vramguard.serve.metrics.Metrics` (refused requests among all); empty without them."""
+    """``"; 3 completions, 8 refused, failed or cancelled, 120 tokens generated"`` from the server's
+    :class:`~vramguard.serve.metrics.Metrics` (its request counter counts each choice of a request as one
+    completion, each refusal once); empty without them."""
     if metrics is None:
         return ""
     by = metrics.requests_by_outcome()
-    done, all_ = by.get("completed", 0), sum(by.values())
-    return (f"; {plural(done, 'request')} completed" + (f" ({all_:,} in all)" if all_ != done else "")
+    done = by.get("completed", 0)
+    rest = sum(by.values()) - done
+    return (f"; {plural(done, 'completion')}" + (f", {rest:,} refused, failed or cancelled" if rest else "")
             + f", {plural(metrics.generated_tokens(), 'token')} generated")
 
 
